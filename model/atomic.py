@@ -1,0 +1,67 @@
+"""Atomic writes: a folder appears complete under its final name, or not at all.
+
+Every stage writes through these (checkpoints, shards, training state), so a run
+killed at any moment leaves either the previous complete output or none, plus at
+most a hidden `.NAME.tmp-*` leftover that the next write ignores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling folder; on success it replaces `path` in one rename.
+
+    An existing `path` is moved aside first and deleted only after the new folder is
+    in place. On an exception the temporary folder is removed and `path` is untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        yield tmp
+        _finish_tree(tmp)
+        old = None
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{os.getpid()}"
+            os.replace(path, old)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _finish_tree(root: Path) -> None:
+    """fsync every file and folder, and give them the modes a plain write would have
+    (mkdtemp makes 0700 folders; some writers, safetensors among them, make 0600 files)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            file = os.path.join(dirpath, name)
+            os.chmod(file, 0o666 & ~umask)
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.chmod(dirpath, 0o777 & ~umask)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

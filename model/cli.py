@@ -1,0 +1,48 @@
+"""The `lathe` console script: one table of subcommands, each owned by the package that
+implements it and imported only when that subcommand runs (so `lathe --help` is instant
+and no package imports another just to be listed)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+from lathe.model.checkpoint import CheckpointError
+from lathe.model.recipe import ConfigError
+
+# subcommand -> ("module:function" taking argv and returning an exit code, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "init": ("lathe.model.commands:init_main", "write a randomly initialized checkpoint"),
+    "generate": ("lathe.model.commands:generate_main",
+                 "continue a prompt with a checkpoint (greedy by default)"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    return ("usage: lathe COMMAND [ARGS ...]\n\n"
+            "raw text to a served chat model\n\ncommands:\n" + "\n".join(lines)
+            + "\n\nRun `lathe COMMAND --help` for a command's options.")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"lathe: unknown command {name!r}; choose one of {', '.join(COMMANDS)}",
+              file=sys.stderr)
+        return 2
+    module, function = COMMANDS[name][0].split(":")
+    command = getattr(importlib.import_module(module), function)
+    try:
+        return command(rest)
+    except (ConfigError, CheckpointError) as e:
+        print(f"lathe {name}: error: {e}", file=sys.stderr)
+        return 2
+
+

@@ -1,0 +1,266 @@
+"""The model's shape: `ModelConfig`, its named presets, and its Hugging Face `LlamaConfig` form.
+
+Everything that describes the architecture lives here, so that the transformer, the
+checkpoint writer, the FLOP counter and (later) the GGUF exporter all read one object.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from lathe.model.recipe import ConfigError, from_dict
+
+
+@dataclass
+class RopeScaling:
+    """Llama-3-style frequency-dependent RoPE scaling ("rope_type": "llama3" in HF configs)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+
+
+@dataclass
+class ModelConfig:
+    """A decoder-only Llama-architecture transformer.
+
+    `ffn_hidden_dim` left as None is derived the Llama way: 8/3 * dim, times
+    `ffn_dim_multiplier` when set, rounded up to a multiple of `multiple_of`.
+    `n_kv_heads` left as None means multi-head attention (one KV head per query head);
+    fewer KV heads give grouped-query attention, a single one multi-query attention.
+    """
+
+    vocab_size: int = 2048
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    ffn_hidden_dim: int | None = None
+    multiple_of: int = 32
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 256
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):
+            self.rope_scaling = RopeScaling(**self.rope_scaling)
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        self._validate_shape()
+        if self.ffn_hidden_dim is None:
+            self.ffn_hidden_dim = llama_ffn_hidden_dim(
+                self.dim, self.multiple_of, self.ffn_dim_multiplier
+            )
+        self._validate_rest()
+
+    def _validate_shape(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of",
+                     "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"ModelConfig.{name}={value!r} must be a positive integer")
+        if self.dim % self.n_heads:
+            raise ConfigError(
+                f"ModelConfig: dim={self.dim} is not divisible by n_heads={self.n_heads}; "
+                "choose n_heads so that dim % n_heads == 0"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"ModelConfig: n_heads={self.n_heads} is not divisible by "
+                f"n_kv_heads={self.n_kv_heads}; each KV head must serve a whole group of "
+                "query heads (n_kv_heads = n_heads for MHA, 1 for MQA, a divisor for GQA)"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(
+                f"ModelConfig: head_dim = dim / n_heads = {self.head_dim} is odd; RoPE rotates "
+                "pairs of channels, so pick dim and n_heads giving an even head_dim"
+            )
+
+    def _validate_rest(self) -> None:
+        if self.ffn_hidden_dim <= 0:
+            raise ConfigError(f"ModelConfig.ffn_hidden_dim={self.ffn_hidden_dim} must be positive")
+        for name in ("norm_eps", "rope_theta", "init_std"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"ModelConfig.{name}={value!r} must be a positive number")
+        scaling = self.rope_scaling
+        if scaling is not None:
+            if scaling.factor < 1:
+                raise ConfigError(
+                    f"ModelConfig.rope_scaling.factor={scaling.factor} must be >= 1 "
+                    "(it stretches the context; use rope_scaling: null for none)"
+                )
+            if scaling.high_freq_factor <= scaling.low_freq_factor:
+                raise ConfigError(
+                    "ModelConfig.rope_scaling: high_freq_factor="
+                    f"{scaling.high_freq_factor} must exceed low_freq_factor="
+                    f"{scaling.low_freq_factor}"
+                )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        """A named preset, with any field replaced by `overrides` (checked like a recipe)."""
+        if name not in PRESETS:
+            raise ConfigError(
+                f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}"
+            )
+        return from_dict(cls, {**PRESETS[name], **overrides})
+
+    def num_params(self, include_embeddings: bool = True) -> int:
+        """Parameter count, counting a tied embedding/LM-head matrix once.
+
+        Without embeddings, both the token embedding and an untied LM head are left out
+        (Kaplan et al.'s non-embedding count).
+        """
+        per_layer = self._linear_params_per_layer() + 2 * self.dim  # + two RMSNorm weights
+        body = self.n_layers * per_layer + self.dim
+        if not include_embeddings:
+            return body
+        embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return body + embeddings
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token (forward + backward), for MFU.
+
+        6 x (every weight used in a matmul: the layers' linears and the LM head, even when
+        tied; not the embedding lookup or the norms) plus
+        the attention term 12 x n_layers x dim x seq_len (PaLM, appendix B; the causal
+        half is not discounted, as in nanoGPT and torchtitan).
+        """
+        seq_len = self.max_seq_len if seq_len is None else seq_len
+        matmul_params = self.n_layers * self._linear_params_per_layer() + self.vocab_size * self.dim
+        return 6 * matmul_params + 12 * self.n_layers * self.dim * seq_len
+
+    def _linear_params_per_layer(self) -> int:
+        kv_dim = self.n_kv_heads * self.head_dim
+        return 2 * self.dim * self.dim + 2 * self.dim * kv_dim + 3 * self.dim * self.ffn_hidden_dim
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The `config.json` body of an HF `LlamaForCausalLM` with this shape.
+
+        RoPE is written in the top-level `rope_theta` / `rope_scaling` form, which
+        transformers 4.x and 5.x, vLLM and llama.cpp's converter all read.
+        """
+        rope_scaling = None
+        if self.rope_scaling is not None:
+            rope_scaling = {
+                "rope_type": "llama3",
+                "factor": self.rope_scaling.factor,
+                "low_freq_factor": self.rope_scaling.low_freq_factor,
+                "high_freq_factor": self.rope_scaling.high_freq_factor,
+                "original_max_position_embeddings": self.rope_scaling.original_max_seq_len,
+            }
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.dim,
+            "intermediate_size": self.ffn_hidden_dim,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_seq_len,
+            "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": rope_scaling,
+            "tie_word_embeddings": self.tie_embeddings,
+            "initializer_range": self.init_std,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "mlp_bias": False,
+            "pretraining_tp": 1,
+            "use_cache": True,
+        }
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Read an HF Llama `config.json` (transformers 4.x or 5.x layout)."""
+        if hf.get("model_type") != "llama":
+            raise ConfigError(
+                f"config.json: model_type={hf.get('model_type')!r}; lathe loads Llama-architecture "
+                "checkpoints only (model_type 'llama')"
+            )
+        for key, allowed in (("hidden_act", "silu"), ("attention_bias", False),
+                             ("mlp_bias", False)):
+            if hf.get(key, allowed) != allowed:
+                raise ConfigError(f"config.json: {key}={hf[key]!r} is not supported (only {allowed!r})")
+        n_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
+        if head_dim * n_heads != hf["hidden_size"]:
+            raise ConfigError(
+                f"config.json: head_dim={head_dim} x num_attention_heads={n_heads} != "
+                f"hidden_size={hf['hidden_size']}; lathe needs head_dim = hidden_size / heads"
+            )
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_theta = hf.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ConfigError(
+                f"config.json: rope type {rope_type!r} is not supported (only 'default', 'llama3')"
+            )
+        scaling = None
+        if rope_type == "llama3":
+            scaling = RopeScaling(
+                factor=rope["factor"],
+                low_freq_factor=rope["low_freq_factor"],
+                high_freq_factor=rope["high_freq_factor"],
+                original_max_seq_len=rope["original_max_position_embeddings"],
+            )
+        return cls(
+            vocab_size=hf["vocab_size"],
+            dim=hf["hidden_size"],
+            n_layers=hf["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+            ffn_hidden_dim=hf["intermediate_size"],
+            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            max_seq_len=hf.get("max_position_embeddings", 2048),
+            tie_embeddings=hf.get("tie_word_embeddings", False),
+            init_std=hf.get("initializer_range", 0.02),
+        )
+
+
+def llama_ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
+    """Llama's SwiGLU width: 2/3 of 4*dim, optionally scaled, rounded up to `multiple_of`."""
+    hidden = int(2 * 4 * dim / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * math.ceil(hidden / multiple_of)
+
+
+# Presets never pin ffn_hidden_dim, so overriding dim re-derives the FFN width.
+PRESETS: dict[str, dict[str, Any]] = {
+    # ~1M parameters: unit tests and smoke runs.
+    "tiny": dict(vocab_size=2048, dim=128, n_layers=4, n_heads=4, n_kv_heads=2,
+                 multiple_of=32, max_seq_len=256),
+    # ~13M parameters: the CPU end-to-end run.
+    "nano": dict(vocab_size=8192, dim=384, n_layers=6, n_heads=6, n_kv_heads=2,
+                 multiple_of=256, max_seq_len=512),
+    # ~125M parameters: GPT-2-small scale.
+    "small": dict(vocab_size=49152, dim=768, n_layers=12, n_heads=12, multiple_of=256,
+                  max_seq_len=2048),
+    # Llama-3.2-1B shape.
+    "1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+               multiple_of=256, ffn_dim_multiplier=1.5, rope_theta=500000.0,
+               rope_scaling={"factor": 32.0},
+               max_seq_len=131072),
+    # Llama-3-8B shape.
+    "8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+               multiple_of=1024, ffn_dim_multiplier=1.3, rope_theta=500000.0,
+               max_seq_len=8192, tie_embeddings=False),
+}

@@ -1,0 +1,228 @@
+"""The decoder-only transformer every lathe stage trains, exports and serves.
+
+Llama architecture: token embedding, pre-norm blocks (RMSNorm, causal self-attention
+with rotary position embeddings and grouped KV heads, residual; RMSNorm, SwiGLU MLP,
+residual), a final RMSNorm and an LM head that may share the embedding matrix.
+
+Module and parameter names mirror Hugging Face's `LlamaForCausalLM`
+(`model.layers.0.self_attn.q_proj.weight`, ...) and RoPE uses its rotate-half layout,
+so a state dict from this module *is* an HF Llama checkpoint. The file is
+single-device and precision-agnostic: parallelism, mixed precision and FP8 are
+applied from outside by the training runtime.
+
+Initialization (`Transformer.init_weights`): embeddings and every linear weight
+~ N(0, init_std), except the two projections that write into the residual stream
+(`o_proj`, `down_proj`) which use init_std / sqrt(2 * n_layers) (GPT-2) so the
+residual's variance does not grow with depth; RMSNorm weights are ones. A model built
+on the meta device is left uninitialized: whoever materializes it (checkpoint loading,
+sharded training) fills it and calls `init_weights` if it needs fresh values.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lathe.model.config import ModelConfig
+from lathe.model.kv_cache import KVCache
+
+IGNORE_INDEX = -100
+
+
+class CausalLMOutput(NamedTuple):
+    logits: Tensor
+    loss: Tensor | None
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32, cast back before the weight (as HF Llama)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> Tensor:
+    """Inverse frequencies theta^(-2i/d), with Llama-3 scaling when configured.
+
+    Llama-3 scaling leaves wavelengths shorter than original_len / high_freq_factor
+    alone, divides those longer than original_len / low_freq_factor by `factor`, and
+    interpolates smoothly in between.
+    """
+    d = config.head_dim
+    inv_freq = 1.0 / config.rope_theta ** (
+        torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d
+    )
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (s.original_max_seq_len / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    interpolated = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    long_wave = wavelen > s.original_max_seq_len / s.low_freq_factor
+    short_wave = wavelen < s.original_max_seq_len / s.high_freq_factor
+    scaled = torch.where(long_wave, inv_freq / s.factor, interpolated)
+    return torch.where(short_wave, inv_freq, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for given positions, recomputed per forward from `inv_freq`."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def reset_parameters(self, device: torch.device | str | None = None) -> None:
+        """Recompute the (non-persistent) frequency buffer, e.g. after meta-device init."""
+        device = self.inv_freq.device if device is None else device
+        self.register_buffer("inv_freq", rope_inv_freq(self.config, device), persistent=False)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate (B, H, T, D) `x` by position: rotate-half layout (pairs i and i + D/2)."""
+    cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            config.n_heads, config.n_kv_heads, config.head_dim
+        )
+        kv_dim = config.n_kv_heads * config.head_dim
+        self.q_proj = nn.Linear(config.dim, config.dim, bias=False)
+        self.k_proj = nn.Linear(config.dim, kv_dim, bias=False)
+        self.v_proj = nn.Linear(config.dim, kv_dim, bias=False)
+        self.o_proj = nn.Linear(config.dim, config.dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache | None,
+                mask: Tensor | None) -> Tensor:
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and seq > 1,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
+        self.up_proj = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
+        self.down_proj = nn.Linear(config.ffn_hidden_dim, config.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache | None,
+                mask: Tensor | None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """Everything but the LM head (HF's `LlamaModel`, hence the `model.` name prefix)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.tie_weights()
+        if self.lm_head.weight.device.type != "meta":
+            self.init_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the LM head when the config asks for it."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialize as described in the module docstring (also after meta-device init)."""
+        std = self.config.init_std
+        residual_std = std / math.sqrt(2 * self.config.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                out_proj = name.endswith(("o_proj", "down_proj"))
+                nn.init.normal_(module.weight, mean=0.0, std=residual_std if out_proj else std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+        self.model.rotary_emb.reset_parameters()
+
+    def forward(self, input_ids: Tensor, labels: Tensor | None = None,
+                positions: Tensor | None = None,
+                kv_cache: KVCache | None = None) -> CausalLMOutput:
+        """Logits (B, T, vocab) for `input_ids` (B, T), and the loss when `labels` are given.
+
+        `labels` align with `input_ids` (HF convention): position t's logits are scored
+        against labels[t + 1], and label -100 is ignored. `positions` (B, T) defaults to
+        0..T-1, or to what the cache assigns when `kv_cache` is given.
+        """
+        if kv_cache is not None:
+            positions, mask = kv_cache.prepare(input_ids, positions)
+        else:
+            mask = None
+            if positions is None:
+                positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+                positions = positions.expand_as(input_ids)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, kv_cache, mask)
+        logits = self.lm_head(self.model.norm(x))
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                ignore_index=IGNORE_INDEX,
+            )
+        return CausalLMOutput(logits, loss)

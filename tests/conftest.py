@@ -1,0 +1,19 @@
+"""Shared test setup: Triton's CPU interpreter, offline hubs, two threads, seeded torch."""
+
+import os
+
+# Must precede any @triton.jit decoration (see NOTES-cpu-stack.md).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
