@@ -6,7 +6,12 @@ checkpoint contract (HF Llama layout), atomic folder writes, and the typed-confi
 loader every stage's recipe goes through.
 """
 
-from lathe.model.checkpoint import CheckpointError, load_checkpoint, read_model_config, save_checkpoint
+from lathe.model.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    read_model_config,
+    save_checkpoint,
+)
 from lathe.model.config import PRESETS, ModelConfig, RopeScaling
 from lathe.model.generate import generate
 from lathe.model.kv_cache import ContiguousKVCache, KVCache

@@ -196,7 +196,8 @@ class ModelConfig:
         for key, allowed in (("hidden_act", "silu"), ("attention_bias", False),
                              ("mlp_bias", False)):
             if hf.get(key, allowed) != allowed:
-                raise ConfigError(f"config.json: {key}={hf[key]!r} is not supported (only {allowed!r})")
+                raise ConfigError(
+                    f"config.json: {key}={hf[key]!r} is not supported (only {allowed!r})")
         n_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
         if head_dim * n_heads != hf["hidden_size"]:

@@ -31,7 +31,8 @@ def load_config(cls: type[T], path: str | Path | None = None,
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"recipe {str(path)!r} does not exist; pass --config with a YAML file")
+            raise ConfigError(
+                f"recipe {str(path)!r} does not exist; pass --config with a YAML file")
         loaded = yaml.safe_load(path.read_text())
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"recipe {str(path)!r} must be a YAML mapping of field: value")
@@ -49,7 +50,8 @@ def parse_overrides(args: Sequence[str]) -> list[tuple[str, Any]]:
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or len(arg) == 2:
-            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.field=value")
+            raise ConfigError(
+                f"unexpected argument {arg!r}; overrides look like --section.field=value")
         key, sep, raw = arg[2:].partition("=")
         if not sep:
             if i + 1 >= len(args):
@@ -99,7 +101,9 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
                 return _coerce(option, value, name)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{name}={value!r} fits none of {hint}")
+        if len(errors) == 1:
+            raise ConfigError(errors[0])
+        raise ConfigError(f"{name}={value!r} fits none of {hint}")
     if origin is typing.Literal:
         if value not in args:
             raise ConfigError(f"{name}={value!r} must be one of {', '.join(map(repr, args))}")
@@ -118,6 +122,11 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
         return dict(value)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, str):
+        try:  # PyYAML (YAML 1.1) reads 5e-4 as a string: it wants 5.0e-4
+            return float(value)
+        except ValueError:
+            pass
     if hint in (int, float, str, bool):
         if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
             raise ConfigError(

@@ -1,0 +1,146 @@
+"""Checkpoint contract: exact round trips, sharding, one clear error, atomic writes."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import lathe.model.checkpoint as checkpoint_module
+from lathe.model import CheckpointError, load_checkpoint, save_checkpoint
+from tests.builders import build_tokenizer, tiny_model
+
+
+def assert_same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert sa[name].dtype == sb[name].dtype, name
+        assert torch.equal(sa[name], sb[name]), name
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_save_load_is_bit_exact(tmp_path, tie):
+    model = tiny_model(tie_embeddings=tie)
+    save_checkpoint(model, tmp_path / "ck")
+    loaded = load_checkpoint(tmp_path / "ck")
+    assert loaded.config == model.config
+    assert_same_weights(model, loaded)
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tie
+    ids = torch.randint(0, 256, (2, 20))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+    stored = load_file(tmp_path / "ck" / "model.safetensors")
+    assert ("lm_head.weight" in stored) == (not tie)
+    assert "model.layers.0.self_attn.q_proj.weight" in stored
+
+
+def test_folder_contents_follow_the_contract(tmp_path):
+    save_checkpoint(tiny_model(), tmp_path / "ck", provenance={"stage": "test", "steps": 3})
+    files = {p.name for p in (tmp_path / "ck").iterdir()}
+    assert files == {"config.json", "model.safetensors", "generation_config.json", "lathe.json"}
+    config = json.loads((tmp_path / "ck" / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
+    assert config["torch_dtype"] == "float32" and config["num_key_value_heads"] == 2
+    provenance = json.loads((tmp_path / "ck" / "lathe.json").read_text())
+    assert provenance["stage"] == "test" and provenance["steps"] == 3
+    assert provenance["parameters"] == tiny_model().config.num_params()
+
+
+def test_sharded_save_loads_exactly(tmp_path):
+    model = tiny_model(tie_embeddings=False)
+    save_checkpoint(model, tmp_path / "ck", max_shard_size="300KB")
+    folder = tmp_path / "ck"
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 3 and not (folder / "model.safetensors").exists()
+    assert set(index["weight_map"]) == set(model.state_dict())
+    assert_same_weights(model, load_checkpoint(folder))
+
+
+def test_bf16_keeps_its_dtype_unless_asked(tmp_path):
+    model = tiny_model().to(torch.bfloat16)
+    save_checkpoint(model, tmp_path / "ck")
+    assert json.loads((tmp_path / "ck" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert_same_weights(model, load_checkpoint(tmp_path / "ck"))
+    as_fp32 = load_checkpoint(tmp_path / "ck", dtype=torch.float32)
+    assert as_fp32.lm_head.weight.dtype == torch.float32
+    assert torch.equal(as_fp32.lm_head.weight, model.lm_head.weight.float())
+
+
+def test_missing_unexpected_and_mis_shaped_tensors_are_reported_together(tmp_path):
+    save_checkpoint(tiny_model(), tmp_path / "ck")
+    weights = tmp_path / "ck" / "model.safetensors"
+    state = load_file(weights)
+    del state["model.layers.1.mlp.up_proj.weight"]
+    state["model.layers.9.extra.weight"] = torch.zeros(3)
+    state["model.norm.weight"] = torch.ones(64)
+    save_file(state, weights, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(tmp_path / "ck")
+    message = str(error.value)
+    assert "missing (1): model.layers.1.mlp.up_proj.weight" in message
+    assert "unexpected (1): model.layers.9.extra.weight" in message
+    assert "mis-shaped (1): model.norm.weight (64,) (config expects (128,))" in message
+
+
+def test_config_that_disagrees_with_weights_is_a_clear_error(tmp_path):
+    save_checkpoint(tiny_model(), tmp_path / "ck")
+    config_file = tmp_path / "ck" / "config.json"
+    config = json.loads(config_file.read_text())
+    config["vocab_size"] = 300
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"model.embed_tokens.weight \(256, 128\) "
+                                              r"\(config expects \(300, 128\)\)"):
+        load_checkpoint(tmp_path / "ck")
+
+
+def test_not_a_checkpoint_folder(tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        load_checkpoint(tmp_path)
+    save_checkpoint(tiny_model(), tmp_path / "ck")
+    (tmp_path / "ck" / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="reads safetensors only"):
+        load_checkpoint(tmp_path / "ck")
+
+
+def test_failed_save_leaves_the_previous_checkpoint_untouched(tmp_path, monkeypatch):
+    first = tiny_model()
+    save_checkpoint(first, tmp_path / "ck")
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint_module, "save_torch_state_dict", crash)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tiny_model(n_layers=2), tmp_path / "ck")
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]  # no temp folder left behind
+    assert_same_weights(first, load_checkpoint(tmp_path / "ck"))
+
+
+def test_overwriting_replaces_the_whole_folder(tmp_path):
+    save_checkpoint(tiny_model(tie_embeddings=False), tmp_path / "ck", max_shard_size="300KB")
+    save_checkpoint(tiny_model(), tmp_path / "ck")
+    assert not (tmp_path / "ck" / "model.safetensors.index.json").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]
+    load_checkpoint(tmp_path / "ck")
+
+
+def test_tokenizer_files_and_special_ids_travel_with_the_checkpoint(tmp_path):
+    tokenizer = build_tokenizer(tmp_path / "tok")
+    save_checkpoint(tiny_model(vocab_size=320), tmp_path / "ck", tokenizer=tokenizer)
+    folder = tmp_path / "ck"
+    assert (folder / "tokenizer.json").read_bytes() == (tokenizer / "tokenizer.json").read_bytes()
+    assert (folder / "tokenizer_config.json").is_file()
+    config = json.loads((folder / "config.json").read_text())
+    generation = json.loads((folder / "generation_config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (0, 1, 2)
+    assert generation["eos_token_id"] == 1 and generation["bos_token_id"] == 0
+
+
+def test_tokenizer_larger_than_the_vocab_is_refused(tmp_path):
+    tokenizer = build_tokenizer(tmp_path / "tok", vocab_size=300)
+    with pytest.raises(CheckpointError, match="tokenizer has 300 tokens but the model's "
+                                              "vocab_size is 256"):
+        save_checkpoint(tiny_model(), tmp_path / "ck", tokenizer=tokenizer)
+    assert not (tmp_path / "ck").exists()

@@ -1,0 +1,131 @@
+"""ModelConfig presets and validation, and the typed YAML recipe loader."""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import pytest
+import torch
+
+from lathe.model import PRESETS, ConfigError, ModelConfig, Transformer, load_config
+
+
+@pytest.mark.parametrize("name, low, high", [
+    ("tiny", 0.8e6, 1.2e6), ("nano", 10e6, 30e6), ("small", 110e6, 140e6),
+    ("1b", 1.2e9, 1.3e9), ("8b", 8.0e9, 8.1e9),
+])
+def test_preset_sizes(name, low, high):
+    config = ModelConfig.from_preset(name)
+    assert low <= config.num_params() <= high
+    with torch.device("meta"):
+        model = Transformer(config)
+    assert sum(p.numel() for p in model.parameters()) == config.num_params()
+
+
+def test_presets_match_the_llama_shapes_they_name():
+    llama8b = ModelConfig.from_preset("8b")
+    assert (llama8b.ffn_hidden_dim, llama8b.n_kv_heads, llama8b.head_dim) == (14336, 8, 128)
+    assert llama8b.num_params() == 8_030_261_248  # Meta-Llama-3-8B
+    llama1b = ModelConfig.from_preset("1b")
+    assert llama1b.ffn_hidden_dim == 8192 and llama1b.rope_scaling.factor == 32.0
+    assert llama1b.num_params() == 1_235_814_400  # Llama-3.2-1B
+
+
+def test_preset_overrides_rederive_the_ffn_width():
+    config = ModelConfig.from_preset("tiny", dim=256, n_kv_heads=1)
+    assert config.ffn_hidden_dim == 704 and config.n_kv_heads == 1
+    assert ModelConfig.from_preset("tiny", ffn_hidden_dim=100).ffn_hidden_dim == 100
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"dim": 130}, "dim=130 is not divisible by n_heads=4"),
+    ({"n_kv_heads": 3}, "n_heads=4 is not divisible by n_kv_heads=3"),
+    ({"dim": 132, "n_heads": 12, "n_kv_heads": 12}, "head_dim = dim / n_heads = 11 is odd"),
+    ({"n_layers": 0}, "ModelConfig.n_layers=0 must be a positive integer"),
+    ({"norm_eps": -1.0}, "ModelConfig.norm_eps=-1.0 must be a positive number"),
+    ({"rope_scaling": {"factor": 0.5}}, "rope_scaling.factor=0.5 must be >= 1"),
+    ({"dimension": 64}, "unknown field(s) dimension"),
+    ({"dim": "wide"}, "dim='wide' must be of type int"),
+])
+def test_invalid_configs_name_the_fields(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        ModelConfig.from_preset("tiny", **overrides)
+    assert message in str(error.value)
+
+
+def test_unknown_preset():
+    with pytest.raises(ConfigError, match="unknown model preset 'huge'; choose one of tiny"):
+        ModelConfig.from_preset("huge")
+    assert set(PRESETS) == {"tiny", "nano", "small", "1b", "8b"}
+
+
+def test_hf_config_round_trip():
+    for name in PRESETS:
+        config = ModelConfig.from_preset(name)
+        again = ModelConfig.from_hf_config(config.to_hf_config())
+        assert again.__dict__ == {**config.__dict__, "multiple_of": again.multiple_of,
+                                  "ffn_dim_multiplier": None}
+
+
+def test_hf_configs_lathe_cannot_run_are_refused():
+    hf = ModelConfig.from_preset("tiny").to_hf_config()
+    with pytest.raises(ConfigError, match="model_type='mistral'"):
+        ModelConfig.from_hf_config({**hf, "model_type": "mistral"})
+    with pytest.raises(ConfigError, match="rope type 'yarn' is not supported"):
+        ModelConfig.from_hf_config({**hf, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    with pytest.raises(ConfigError, match="attention_bias=True is not supported"):
+        ModelConfig.from_hf_config({**hf, "attention_bias": True})
+
+
+@dataclass
+class Optim:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    schedule: Literal["cosine", "wsd"] = "cosine"
+
+
+@dataclass
+class Run:
+    name: str = "run"
+    steps: int = 10
+    optim: Optim = field(default_factory=Optim)
+    model: ModelConfig | None = None
+    tags: list[str] = field(default_factory=list)
+
+
+def test_recipe_with_dotted_overrides(tmp_path):
+    recipe = tmp_path / "run.yaml"
+    recipe.write_text("name: demo\noptim:\n  lr: 3\n  schedule: wsd\nmodel:\n  dim: 64\n"
+                      "  n_heads: 2\ntags: [a, b]\n")
+    run = load_config(Run, recipe, ["--optim.lr=5e-4", "--steps", "20", "--model.n_layers=1"])
+    assert run.name == "demo" and run.steps == 20 and run.tags == ["a", "b"]
+    assert run.optim == Optim(lr=5e-4, schedule="wsd")
+    assert isinstance(run.optim.lr, float)
+    assert run.model.dim == 64 and run.model.n_layers == 1 and run.model.ffn_hidden_dim == 192
+    assert load_config(Run) == Run()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--optim.lrr=1"], "unknown field(s) optim.lrr; valid fields of optim.: betas, lr, schedule"),
+    (["--steps=ten"], "steps='ten' must be of type int"),
+    (["--optim.lr=fast"], "optim.lr='fast' must be of type float"),
+    (["--steps=true"], "steps=True must be of type int"),
+    (["--optim.schedule=linear"], "optim.schedule='linear' must be one of 'cosine', 'wsd'"),
+    (["--tags=a"], "tags='a' must be a list"),
+    (["--steps"], "override --steps has no value"),
+    (["steps=3"], "unexpected argument 'steps=3'"),
+    (["--name.first=x"], "'name' is a value, not a section"),
+])
+def test_recipe_errors_name_the_field(overrides, message, tmp_path):
+    recipe = tmp_path / "run.yaml"
+    recipe.write_text("name: demo\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(Run, recipe, overrides)
+    assert message in str(error.value)
+
+
+def test_missing_or_malformed_recipe(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(Run, tmp_path / "nope.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must be a YAML mapping"):
+        load_config(Run, tmp_path / "list.yaml")

@@ -1,0 +1,82 @@
+"""The `lathe` console script: the subcommand table, init and generate, and their errors."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from lathe.model import generate, load_checkpoint
+from lathe.model.cli import COMMANDS, main
+from tests.builders import build_tokenizer
+
+
+def test_help_lists_every_subcommand(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in COMMANDS:
+        assert f"  {name} " in out
+
+
+def test_installed_console_script_runs():
+    beside_python = Path(sys.executable).parent / "lathe"
+    exe = str(beside_python) if beside_python.exists() else shutil.which("lathe")
+    assert exe, "the lathe console script is not installed"
+    result = subprocess.run([exe, "--help"], capture_output=True, text=True, check=True)
+    assert "init" in result.stdout and "generate" in result.stdout
+
+
+def test_unknown_command_exits_2(capsys):
+    assert main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+def test_init_then_generate_greedy(tmp_path, capsys):
+    out = tmp_path / "ck"
+    assert main(["init", "--preset", "tiny", "--out", str(out), "--n_layers=2", "--seed", "3"]) == 0
+    assert "tiny checkpoint" in capsys.readouterr().out
+    model = load_checkpoint(out)
+    assert model.config.n_layers == 2
+    assert json.loads((out / "lathe.json").read_text())["overrides"] == {"n_layers": 2}
+
+    assert main(["generate", str(out), "--prompt-ids", "1,2,3", "--max-new-tokens", "6"]) == 0
+    printed = capsys.readouterr().out.splitlines()[0]
+    want = generate(model, torch.tensor([[1, 2, 3]]), 6)[0].tolist()
+    assert printed == "continuation ids: " + ",".join(map(str, want))
+
+
+def test_init_with_tokenizer_makes_a_text_servable_checkpoint(tmp_path, capsys):
+    tokenizer = build_tokenizer(tmp_path / "tok", vocab_size=300)
+    out = tmp_path / "ck"
+    assert main(["init", "--preset", "tiny", "--out", str(out), "--tokenizer", str(tokenizer)]) == 0
+    assert load_checkpoint(out).config.vocab_size == 300
+    assert (out / "tokenizer.json").is_file()
+    capsys.readouterr()
+    assert main(["generate", str(out), "--prompt", "hello world", "--max-new-tokens", "4",
+                 "--temperature", "0.8", "--top-k", "20", "--seed", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("continuation ids: ") and lines[1].startswith("continuation text:")
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
+    out = tmp_path / "ck"
+    main(["init", "--preset", "tiny", "--out", str(out)])
+    capsys.readouterr()
+    cases = [
+        (["generate", str(out), "--prompt-ids", "1,x"], "must be comma-separated integers"),
+        (["generate", str(out), "--prompt-ids", "5000"], "[0, 2048)"),
+        (["generate", str(out), "--prompt", "hi"], "has no tokenizer, so pass --prompt-ids"),
+        (["generate", str(out), "--prompt-ids", "1", "--max-new-tokens", "300"],
+         "exceeds the model's max_seq_len=256"),
+        (["generate", str(tmp_path), "--prompt-ids", "1"], "no config.json"),
+        (["init", "--preset", "tiny", "--out", str(tmp_path / "x"), "--dim=130"],
+         "dim=130 is not divisible by n_heads=4"),
+        (["init", "--preset", "tiny", "--out", str(tmp_path / "x"), "--tokenizer", str(tmp_path)],
+         "no tokenizer.json"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (argv, err)
