@@ -1,0 +1,58 @@
+"""lathe's chat format, in one place: the special tokens, the Python formatter that
+post-training uses, and the Jinja template written into `tokenizer_config.json` so that
+`transformers`' `apply_chat_template` produces exactly the same string.
+
+    <|begin_of_text|><|system|>\nYou are terse.<|end_of_turn|><|user|>\nHi<|end_of_turn|>
+    <|assistant|>\nHello.<|end_of_turn|>
+
+(one line in reality). A generation prompt is `<|assistant|>\n`; a model's turn ends
+with `<|end_of_turn|>`, which is therefore the chat EOS token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypedDict
+
+from lathe.model.recipe import ConfigError
+
+BOS = "<|begin_of_text|>"
+END_OF_TURN = "<|end_of_turn|>"
+PAD = "<|pad|>"
+ROLES = ("system", "user", "assistant")
+SPECIAL_TOKENS = [BOS, END_OF_TURN, PAD] + [f"<|{role}|>" for role in ROLES]
+
+
+class Message(TypedDict):
+    role: str
+    content: str
+
+
+def role_header(role: str) -> str:
+    return f"<|{role}|>\n"
+
+
+def format_chat(messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
+    parts = [BOS]
+    for i, message in enumerate(messages):
+        if message.get("role") not in ROLES:
+            raise ConfigError(f"messages[{i}].role is {message.get('role')!r}; "
+                              f"use one of {', '.join(ROLES)}")
+        if not isinstance(message.get("content"), str):
+            raise ConfigError(f"messages[{i}].content must be a string")
+        parts.append(role_header(message["role"]) + message["content"] + END_OF_TURN)
+    if add_generation_prompt:
+        parts.append(role_header("assistant"))
+    return "".join(parts)
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('role must be system, user or assistant, got ' + message['role']) }}"
+    "{% endif %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '" + END_OF_TURN + "' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)

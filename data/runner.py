@@ -1,0 +1,179 @@
+"""`lathe clean`: runs the pipeline over every input shard in parallel, then dedups
+across all of them, writing the output folder
+
+    OUT/part-00000.parquet ...   cleaned, deduplicated documents (one part per input shard)
+    OUT/stats.json               per-stage statistics of the whole run (written last)
+    OUT/.work/                   per-shard results while the run is in progress
+
+Each shard's result and its statistics are written atomically, so a killed run resumes
+at the first unfinished shard and produces the same output as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from lathe.data.dedup import MinHasher, exact_key, first_occurrences, near_duplicate_mask
+from lathe.data.pipeline import READ, CleanConfig, Pipeline
+from lathe.data.sources import InputShard, list_shards
+from lathe.data.stats import RunStats, StageStats, docs_out, merge_run_stats
+from lathe.data.store import SUFFIX, read_documents, write_documents
+from lathe.model.atomic import atomic_file
+from lathe.model.recipe import ConfigError, to_dict
+
+WORK = ".work"
+
+
+@dataclass
+class CleanResult:
+    stats: RunStats
+    seconds: float
+    output: Path
+
+
+_pipeline: Pipeline | None = None
+
+
+def _init_worker(config: CleanConfig) -> None:
+    global _pipeline
+    _pipeline = Pipeline(config)
+
+
+def _clean_shard(job: tuple[int, InputShard, str, str]) -> tuple[int, int]:
+    index, shard, work, fmt = job
+    stats = _pipeline.new_stats()
+    docs = list(_pipeline.run(shard.read(), stats))
+    write_documents(Path(work) / f"{index:05d}{SUFFIX[fmt]}", docs, fmt)
+    _write_json(Path(work) / f"{index:05d}.stats.json",
+                {name: s.to_dict() for name, s in stats.items()})
+    return index, stats[READ].docs_in
+
+
+def _write_json(path: Path, data: dict) -> None:
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _read_stats(path: Path) -> RunStats:
+    return {name: StageStats.from_dict(s) for name, s in json.loads(path.read_text()).items()}
+
+
+def clean(input_spec: str, output: str | Path, config: CleanConfig,
+          progress: bool = True) -> CleanResult:
+    start = time.perf_counter()
+    output, work = Path(output), Path(output) / WORK
+    if (output / "stats.json").exists():
+        raise ConfigError(f"--output {str(output)!r} already holds a finished run "
+                          "(stats.json); choose a new folder or delete it")
+    shards = list_shards(input_spec, config.source)
+    manifest = {"input": input_spec, "shards": [s.name for s in shards],
+                "config": to_dict(config)}
+    if (work / "manifest.json").exists():
+        if json.loads((work / "manifest.json").read_text()) != manifest:
+            raise ConfigError(f"--output {str(output)!r} holds an unfinished run with another "
+                              "input or recipe; resume it with the same ones or use a new folder")
+    else:
+        _write_json(work / "manifest.json", manifest)
+
+    pending = [(i, s, str(work), config.output_format) for i, s in enumerate(shards)
+               if not (work / f"{i:05d}.stats.json").exists()]
+    _run_shards(pending, len(shards), config, progress)
+    per_shard = [_read_stats(work / f"{i:05d}.stats.json") for i in range(len(shards))]
+    stats = merge_run_stats(per_shard)
+    stats.update(_finalize(work, output, len(shards), config, progress))
+
+    seconds = time.perf_counter() - start
+    _write_json(output / "stats.json", {
+        "input": input_spec, "docs_in": stats[READ].docs_in, "docs_out": docs_out(stats),
+        "seconds": round(seconds, 2), "stages": {n: s.to_dict() for n, s in stats.items()}})
+    shutil.rmtree(work)
+    return CleanResult(stats, seconds, output)
+
+
+def _run_shards(pending: list, total: int, config: CleanConfig, progress: bool) -> None:
+    bar = tqdm(total=total, initial=total - len(pending), unit="shard", desc="clean",
+               disable=not progress)
+    docs, start = 0, time.perf_counter()
+    if config.num_proc <= 1:
+        _init_worker(config)
+        results = map(_clean_shard, pending)
+        pool = None
+    else:
+        # spawn: workers must not inherit a parent's torch/tokenizer threads or locks
+        pool = multiprocessing.get_context("spawn").Pool(
+            config.num_proc, initializer=_init_worker, initargs=(config,))
+        results = pool.imap_unordered(_clean_shard, pending)
+    try:
+        for _, n in results:
+            docs += n
+            bar.set_postfix(docs_per_s=f"{docs / (time.perf_counter() - start):,.0f}")
+            bar.update()
+    finally:
+        if pool is not None:
+            pool.terminate()
+        bar.close()
+
+
+def _finalize(work: Path, output: Path, n_shards: int, config: CleanConfig,
+              progress: bool) -> RunStats:
+    """Dedup across shards (if the recipe asks) and write the final parts."""
+    suffix = SUFFIX[config.output_format]
+    parts = [work / f"{i:05d}{suffix}" for i in range(n_shards)]
+    counts, chars, keys, bands = [], [], [], []
+    dedup = config.dedup
+    timings = {"exact_dedup": 0.0, "near_dedup": 0.0}
+    hasher = MinHasher(dedup) if dedup and dedup.near else None
+    for part in tqdm(parts, desc="dedup", unit="shard", disable=not progress or dedup is None):
+        docs = list(read_documents(part))
+        counts.append(len(docs))
+        chars.append(np.array([len(d.text) for d in docs], np.int64))
+        if dedup and dedup.exact:
+            t = time.perf_counter()
+            keys.append(np.array([exact_key(d.text) for d in docs], np.uint64))
+            timings["exact_dedup"] += time.perf_counter() - t
+        if hasher is not None:
+            t = time.perf_counter()
+            bands.append(hasher.band_keys(d.text for d in docs))
+            timings["near_dedup"] += time.perf_counter() - t
+    all_chars = np.concatenate(chars) if chars else np.zeros(0, np.int64)
+    keep = np.ones(len(all_chars), bool)
+    stats: RunStats = {}
+    if dedup and dedup.exact:
+        t = time.perf_counter()
+        exact = first_occurrences(np.concatenate(keys))
+        stats["exact_dedup"] = _dedup_stats(keep, exact, all_chars, "exact_duplicate",
+                                            timings["exact_dedup"] + time.perf_counter() - t)
+        keep &= exact
+    if hasher is not None:
+        t = time.perf_counter()
+        survivors = np.flatnonzero(keep)
+        near = np.zeros_like(keep)
+        near[survivors] = near_duplicate_mask(np.concatenate(bands)[survivors])
+        stats["near_dedup"] = _dedup_stats(keep, near | ~keep, all_chars, "near_duplicate",
+                                           timings["near_dedup"] + time.perf_counter() - t)
+        keep &= near
+    offsets = np.cumsum([0] + counts)
+    for i, part in enumerate(parts):
+        mask = keep[offsets[i]:offsets[i + 1]]
+        docs = [d for d, k in zip(read_documents(part), mask, strict=True) if k]
+        write_documents(output / f"part-{i:05d}{suffix}", docs, config.output_format)
+    return stats
+
+
+def _dedup_stats(reaching: np.ndarray, kept: np.ndarray, chars: np.ndarray, reason: str,
+                 seconds: float) -> StageStats:
+    survive = reaching & kept
+    s = StageStats(docs_in=int(reaching.sum()), kept=int(survive.sum()),
+                   chars_in=int(chars[reaching].sum()), chars_out=int(chars[survive].sum()),
+                   seconds=seconds)
+    if s.docs_in - s.kept:
+        s.dropped[reason] = s.docs_in - s.kept
+    return s

@@ -1,0 +1,88 @@
+"""The embedded default corpus: the running Python's standard library, on every machine
+with no download. Its `.py` files become code documents and `pydoc.HTMLDoc` pages of its
+top-level modules become raw-HTML documents. It is used as it is — repeated licence
+headers, author e-mails, generated tables and near-identical modules included — because
+that dirt is what the cleaning stages are for."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import importlib.util
+import io
+import pydoc
+import sys
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+from lathe.data.document import Rejected
+from lathe.data.sources import InputShard, Record, SourceConfig, text_document
+
+# Importing these has side effects (a browser, a Tk window, a printed poem) or needs a
+# platform this is not.
+_SKIP_MODULES = {"antigravity", "this", "idlelib", "turtledemo", "tkinter", "turtle",
+                 "__main__", "__hello__", "__phello__", "_tkinter"}
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def python_files() -> list[Path]:
+    root = stdlib_root()
+    return sorted(p for p in root.rglob("*.py")
+                  if "site-packages" not in p.parts and "dist-packages" not in p.parts)
+
+
+def documented_modules() -> list[str]:
+    names = sorted(n for n in sys.stdlib_module_names
+                   if not n.startswith("_") and n not in _SKIP_MODULES)
+    return [n for n in names if importlib.util.find_spec(n) is not None]
+
+
+def stdlib_shards(config: SourceConfig) -> list[InputShard]:
+    files = [str(p) for p in python_files()]
+    modules = documented_modules()
+    step = config.files_per_shard
+    shards = [InputShard(f"stdlib-py-{i // step:05d}", functools.partial(read_python_files,
+                                                                         files[i:i + step], config))
+              for i in range(0, len(files), step)]
+    page_step = max(1, step // 8)  # rendering a page costs more than reading a file
+    shards += [InputShard(f"stdlib-pydoc-{i // page_step:05d}",
+                          functools.partial(read_pydoc_pages, modules[i:i + page_step], config))
+               for i in range(0, len(modules), page_step)]
+    return shards
+
+
+def read_python_files(paths: list[str], config: SourceConfig) -> Iterator[Record]:
+    root = stdlib_root()
+    for path in paths:
+        relative = str(Path(path).relative_to(root))
+        try:
+            value = Path(path).read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            yield Rejected(relative, "invalid_utf8")
+            continue
+        yield text_document(value, f"stdlib/{relative}", relative, config, kind="code",
+                            metadata={"source": "stdlib", "path": relative})
+
+
+def render_pydoc(name: str) -> str:
+    """The HTML page `pydoc -w NAME` would write, rendered in memory."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        module = importlib.import_module(name)
+        html = pydoc.HTMLDoc()
+        return html.page(pydoc.describe(module), html.document(module, name))
+
+
+def read_pydoc_pages(names: list[str], config: SourceConfig) -> Iterator[Record]:
+    for name in names:
+        try:
+            page = render_pydoc(name)
+        except Exception:  # a module that fails to import here is not a document
+            yield Rejected(f"pydoc:{name}", "import_failed")
+            continue
+        yield text_document(page, f"pydoc/{name}", f"pydoc:{name}", config, is_html=True,
+                            kind="prose", metadata={"source": "stdlib-pydoc", "module": name})
