@@ -28,6 +28,7 @@ from lathe.data.stages.language import Language, LanguageConfig
 from lathe.data.stages.normalize import Normalize, NormalizeConfig
 from lathe.data.stages.pii import PII, PIIConfig
 from lathe.data.stats import RunStats, StageStats
+from lathe.model.recipe import ConfigError
 
 READ = "read"  # the pseudo-stage counting input records and the bad ones among them
 
@@ -48,6 +49,10 @@ class CleanConfig:
     code: CodeConfig | None = field(default_factory=CodeConfig)
     pii: PIIConfig | None = field(default_factory=PIIConfig)
     dedup: DedupConfig | None = field(default_factory=DedupConfig)
+
+    def __post_init__(self) -> None:
+        if self.num_proc < 1:
+            raise ConfigError(f"num_proc={self.num_proc} must be at least 1")
 
 
 STAGES: list[tuple[str, type[Stage]]] = [

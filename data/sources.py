@@ -25,7 +25,7 @@ Record = Document | Rejected
 @dataclass
 class SourceConfig:
     text_field: str = "text"
-    html_field: str | None = None  # read raw HTML from this field instead of text
+    html_field: str | None = None  # records with this field hold raw HTML to extract
     id_field: str = "id"
     kind: Kind = "prose"  # stdlib sets the kind per document (code for .py files)
     max_doc_bytes: int = 10_000_000
@@ -97,17 +97,21 @@ def _folder_shards(root: Path, config: SourceConfig) -> list[InputShard]:
 
 
 def make_document(record: dict[str, Any], where: str, config: SourceConfig) -> Record:
-    """Validate one record of a table-like source and turn it into a Document."""
-    field_name = config.html_field or config.text_field
+    """Validate one record of a table-like source and turn it into a Document: raw HTML
+    from `html_field` when the record has it, else text from `text_field`."""
+    field_name = config.text_field
+    if config.html_field is not None and record.get(config.html_field) is not None:
+        field_name = config.html_field
     value = record.get(field_name)
     if value is None:
         return Rejected(where, "missing_text")
     if not isinstance(value, str):
         return Rejected(where, "text_not_a_string")
     return text_document(value, str(record.get(config.id_field) or where), where, config,
-                         is_html=config.html_field is not None,
+                         is_html=field_name == config.html_field,
                          metadata={k: v for k, v in record.items()
-                                   if k not in (field_name, config.id_field)
+                                   if k not in (config.text_field, config.html_field,
+                                                config.id_field)
                                    and isinstance(v, str | int | float | bool)})
 
 

@@ -13,6 +13,12 @@ from lathe.model.recipe import ConfigError
 
 # subcommand -> ("module:function" taking argv and returning an exit code, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "clean": ("lathe.data.commands:clean_main",
+              "clean raw documents (filters, PII, dedup) with a recipe"),
+    "tokenizer": ("lathe.data.commands:tokenizer_main",
+                  "train a byte-level BPE tokenizer with chat tokens"),
+    "shards": ("lathe.data.commands:shards_main",
+               "tokenize cleaned documents into binary token shards"),
     "init": ("lathe.model.commands:init_main", "write a randomly initialized checkpoint"),
     "generate": ("lathe.model.commands:generate_main",
                  "continue a prompt with a checkpoint (greedy by default)"),

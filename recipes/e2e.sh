@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
-# The end-to-end run on the embedded default: every stage that exists so far, in order.
-# Today: create a `tiny` model, save it as a checkpoint, reload it and generate.
-# Outputs go to runs/e2e/ (override with OUT=...).
+# The end-to-end run on the embedded default corpus (Python's standard library): every
+# stage that exists so far, in order. Outputs go to runs/e2e/ (override with OUT=...);
+# a rerun starts from scratch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH"
 OUT=${OUT:-runs/e2e}
+rm -rf "$OUT"
 
-echo "== init: random tiny model -> $OUT/base"
-lathe init --preset tiny --out "$OUT/base" --seed 0
+echo "== clean: stdlib .py files and pydoc pages -> $OUT/clean"
+lathe clean --recipe recipes/data/stdlib.yaml --input stdlib --output "$OUT/clean"
 
-echo "== generate: reload $OUT/base and continue a prompt greedily"
-lathe generate "$OUT/base" --prompt-ids 1,2,3,4 --max-new-tokens 16
+echo "== tokenizer: byte-level BPE on the cleaned text -> $OUT/tokenizer"
+lathe tokenizer train --input "$OUT/clean" --vocab-size 4096 --output "$OUT/tokenizer"
+
+echo "== shards: tokenize into train/val token shards -> $OUT/shards"
+lathe shards --input "$OUT/clean" --tokenizer "$OUT/tokenizer" --output "$OUT/shards"
+
+echo "== init: random nano model with the trained tokenizer -> $OUT/base"
+lathe init --preset nano --tokenizer "$OUT/tokenizer" --out "$OUT/base" --seed 0
+
+echo "== generate: reload $OUT/base and continue a prompt"
+lathe generate "$OUT/base" --prompt "def main(" --max-new-tokens 16
