@@ -75,7 +75,7 @@ class MinHasher:
                 grams += h[k:len(words) - n + 1 + k] * self.position[k]
             return _mix(grams)
 
-    def band_keys(self, texts: Iterable[str], batch_shingles: int = 1 << 17) -> np.ndarray:
+    def band_keys(self, texts: Iterable[str], batch_shingles: int = 1 << 13) -> np.ndarray:
         """(len(texts), bands) uint64 keys; equal keys in a band mark candidate pairs."""
         bands, rows = self.config.bands, self.config.rows
         out: list[np.ndarray] = []
@@ -95,7 +95,10 @@ class MinHasher:
         flat = np.concatenate(shingles)
         starts = np.cumsum([0] + [len(s) for s in shingles[:-1]])
         with np.errstate(over="ignore"):
-            hashed = (flat[:, None] * self.a[None, :] + self.b[None, :]) >> np.uint64(32)
+            # batches are kept small (~8k shingles × 112 permutations) so this stays in cache
+            hashed = np.multiply(flat[:, None], self.a[None, :])
+            hashed += self.b
+            hashed >>= np.uint64(32)
             signature = np.minimum.reduceat(hashed, starts, axis=0)  # (docs, bands*rows)
             per_row = signature.reshape(len(shingles), bands, rows) * self.row_weight
             return _mix(per_row.sum(axis=2, dtype=np.uint64))
