@@ -23,6 +23,11 @@ class Document:
     kind: Kind = "prose"
     metadata: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def chars(self) -> int:
+        """Characters of the content a stage sees: raw HTML until extracted, then text."""
+        return len(self.html if self.html is not None else self.text)
+
 
 @dataclass(frozen=True)
 class Rejected:

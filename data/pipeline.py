@@ -85,9 +85,8 @@ class Pipeline:
                 read.dropped[record.reason] += 1
                 continue
             read.kept += 1
-            size = len(record.html if record.html is not None else record.text)
-            read.chars_in += size
-            read.chars_out += size
+            read.chars_in += record.chars
+            read.chars_out += record.chars
             if self.process(record, stats):
                 yield record
 
@@ -96,14 +95,14 @@ class Pipeline:
             s = stats[stage.name]
             start = time.perf_counter()
             s.docs_in += 1
-            s.chars_in += len(doc.html if doc.html is not None else doc.text)
+            s.chars_in += doc.chars
             verdict = stage(doc) if stage.applies(doc) else None
             s.seconds += time.perf_counter() - start
             if verdict is not None and not verdict.kept:
                 s.dropped[verdict.drop_reason] += 1
                 return False
             s.kept += 1
-            s.chars_out += len(doc.html if doc.html is not None else doc.text)
+            s.chars_out += doc.chars
             if verdict is not None:
                 s.edits.update(verdict.edits)
         return True

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from lathe.data.pipeline import READ, CleanConfig, Pipeline
 from lathe.data.sources import InputShard, list_shards
 from lathe.data.stats import RunStats, StageStats, docs_out, merge_run_stats
 from lathe.data.store import SUFFIX, read_documents, write_documents
-from lathe.model.atomic import atomic_file
+from lathe.model.atomic import write_json
 from lathe.model.recipe import ConfigError, to_dict
 
 WORK = ".work"
@@ -52,14 +53,9 @@ def _clean_shard(job: tuple[int, InputShard, str, str]) -> tuple[int, int]:
     stats = _pipeline.new_stats()
     docs = list(_pipeline.run(shard.read(), stats))
     write_documents(Path(work) / f"{index:05d}{SUFFIX[fmt]}", docs, fmt)
-    _write_json(Path(work) / f"{index:05d}.stats.json",
+    write_json(Path(work) / f"{index:05d}.stats.json",
                 {name: s.to_dict() for name, s in stats.items()})
     return index, stats[READ].docs_in
-
-
-def _write_json(path: Path, data: dict) -> None:
-    with atomic_file(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def _read_stats(path: Path) -> RunStats:
@@ -81,7 +77,7 @@ def clean(input_spec: str, output: str | Path, config: CleanConfig,
             raise ConfigError(f"--output {str(output)!r} holds an unfinished run with another "
                               "input or recipe; resume it with the same ones or use a new folder")
     else:
-        _write_json(work / "manifest.json", manifest)
+        write_json(work / "manifest.json", manifest)
 
     pending = [(i, s, str(work), config.output_format) for i, s in enumerate(shards)
                if not (work / f"{i:05d}.stats.json").exists()]
@@ -91,7 +87,7 @@ def clean(input_spec: str, output: str | Path, config: CleanConfig,
     stats.update(_finalize(work, output, len(shards), config, progress))
 
     seconds = time.perf_counter() - start
-    _write_json(output / "stats.json", {
+    write_json(output / "stats.json", {
         "input": input_spec, "docs_in": stats[READ].docs_in, "docs_out": docs_out(stats),
         "seconds": round(seconds, 2), "stages": {n: s.to_dict() for n, s in stats.items()}})
     shutil.rmtree(work)
@@ -163,8 +159,12 @@ def _finalize(work: Path, output: Path, n_shards: int, config: CleanConfig,
     offsets = np.cumsum([0] + counts)
     for i, part in enumerate(parts):
         mask = keep[offsets[i]:offsets[i + 1]]
-        docs = [d for d, k in zip(read_documents(part), mask, strict=True) if k]
-        write_documents(output / f"part-{i:05d}{suffix}", docs, config.output_format)
+        final = output / f"part-{i:05d}{suffix}"
+        if mask.all():  # nothing deduplicated away: the worker's file is already final
+            os.replace(part, final)
+        else:
+            docs = [d for d, k in zip(read_documents(part), mask, strict=True) if k]
+            write_documents(final, docs, config.output_format)
     return stats
 
 

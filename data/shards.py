@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from lathe.data.chat import BOS
 from lathe.data.store import document_files, read_documents
 from lathe.data.tokenizer import is_heldout
-from lathe.model.atomic import atomic_file
+from lathe.model.atomic import atomic_file, write_json
 from lathe.model.recipe import ConfigError
 
 MAGIC = b"LATHETOK"
@@ -137,8 +137,7 @@ def build_shards(input_dir: str | Path, tokenizer_dir: str | Path, output: str |
                            "bytes": sum(r[split]["bytes"] for r in results)}
                    for split in SPLITS},
     }
-    with atomic_file(output / META_FILE) as tmp:
-        tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    write_json(output / META_FILE, meta)
     return meta
 
 

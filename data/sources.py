@@ -160,11 +160,18 @@ def read_parquet(path: str, config: SourceConfig) -> Iterator[Record]:
             yield make_document(record, f"{path}:{number}", config)
 
 
+def read_utf8(path: str | Path) -> str | None:
+    """The file's text, or None when it is not valid UTF-8."""
+    try:
+        return Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 def read_loose_files(paths: list[str], config: SourceConfig) -> Iterator[Record]:
     for path in paths:
-        try:
-            value = Path(path).read_bytes().decode("utf-8")
-        except UnicodeDecodeError:
+        value = read_utf8(path)
+        if value is None:
             yield Rejected(path, "invalid_utf8")
             continue
         yield text_document(value, path, path, config, is_html=Path(path).suffix != ".txt",

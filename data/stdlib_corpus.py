@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from lathe.data.document import Rejected
-from lathe.data.sources import InputShard, Record, SourceConfig, text_document
+from lathe.data.sources import InputShard, Record, SourceConfig, read_utf8, text_document
 
 # Importing these has side effects (a browser, a Tk window, a printed poem) or needs a
 # platform this is not.
@@ -60,9 +60,8 @@ def read_python_files(paths: list[str], config: SourceConfig) -> Iterator[Record
     root = stdlib_root()
     for path in paths:
         relative = str(Path(path).relative_to(root))
-        try:
-            value = Path(path).read_bytes().decode("utf-8")
-        except UnicodeDecodeError:
+        value = read_utf8(path)
+        if value is None:
             yield Rejected(relative, "invalid_utf8")
             continue
         yield text_document(value, f"stdlib/{relative}", relative, config, kind="code",

@@ -35,20 +35,21 @@ def write_documents(path: str | Path, docs: Sequence[Document], fmt: Format) -> 
 
 
 def read_documents(path: str | Path) -> Iterator[Document]:
-    path = Path(path)
+    for row in _rows(Path(path)):
+        yield Document(row["id"], row["text"], kind=row["kind"],
+                       metadata=json.loads(row["metadata"]))
+
+
+def _rows(path: Path) -> Iterator[dict]:
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
         for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-            for row in batch.to_pylist():
-                yield Document(row["id"], row["text"], kind=row["kind"],
-                               metadata=json.loads(row["metadata"]))
+            yield from batch.to_pylist()
     else:
         with open(path, encoding="utf-8") as f:
             for line in f:
-                row = json.loads(line)
-                yield Document(row["id"], row["text"], kind=row["kind"],
-                               metadata=json.loads(row["metadata"]))
+                yield json.loads(line)
 
 
 def document_files(folder: str | Path) -> list[Path]:

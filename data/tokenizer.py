@@ -9,6 +9,7 @@ The folder written is what a checkpoint carries: `tokenizer.json`,
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import zlib
@@ -61,15 +62,11 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, max_digits: int = 3,
 
 def compression(tokenizer: Tokenizer, texts: Iterable[str]) -> dict[str, float]:
     n_bytes = n_tokens = 0
-    batch: list[str] = []
-    for text in [*texts, None]:
-        if text is not None:
-            batch.append(text)
-        if batch and (text is None or len(batch) == 256):
-            n_bytes += sum(len(t.encode("utf-8", "surrogatepass")) for t in batch)
-            n_tokens += sum(len(e.ids) for e in tokenizer.encode_batch(batch,
-                                                                       add_special_tokens=False))
-            batch = []
+    texts = iter(texts)
+    while batch := list(itertools.islice(texts, 256)):
+        n_bytes += sum(len(t.encode("utf-8", "surrogatepass")) for t in batch)
+        n_tokens += sum(len(e.ids) for e in tokenizer.encode_batch(batch,
+                                                                   add_special_tokens=False))
     return {"bytes": n_bytes, "tokens": n_tokens,
             "bytes_per_token": round(n_bytes / n_tokens, 4) if n_tokens else 0.0}
 

@@ -8,11 +8,13 @@ most a hidden `.NAME.tmp-*` leftover that the next write ignores.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -33,7 +35,7 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
             old = path.parent / f".{path.name}.old-{os.getpid()}"
             os.replace(path, old)
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        _fsync(path.parent)
         if old is not None:
             shutil.rmtree(old)
     except BaseException:
@@ -44,22 +46,20 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
 def _finish_tree(root: Path) -> None:
     """fsync every file and folder, and give them the modes a plain write would have
     (mkdtemp makes 0700 folders; some writers, safetensors among them, make 0600 files)."""
-    umask = os.umask(0)
-    os.umask(umask)
     for dirpath, _, filenames in os.walk(root):
         for name in filenames:
-            file = os.path.join(dirpath, name)
-            os.chmod(file, 0o666 & ~umask)
-            fd = os.open(file, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        os.chmod(dirpath, 0o777 & ~umask)
-        _fsync_dir(Path(dirpath))
+            _finish(Path(dirpath) / name, 0o666)
+        _finish(Path(dirpath), 0o777)
 
 
-def _fsync_dir(path: Path) -> None:
+def _finish(path: Path, mode: int) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, mode & ~umask)
+    _fsync(path)
+
+
+def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -77,16 +77,15 @@ def atomic_file(path: str | Path) -> Iterator[Path]:
     tmp = Path(name)
     try:
         yield tmp
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _finish(tmp, 0o666)
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        _fsync(path.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    """Write `data` as indented JSON, atomically."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2) + "\n")

@@ -33,18 +33,14 @@ class GopherRepetition(Stage):
         c, text = self.config, doc.text
         if not text:
             return drop("empty")
-        paras = T.paragraphs(text)
-        n_dup, dup_chars = T.find_duplicates(paras)
-        if n_dup / len(paras) > c.dup_para_frac:
-            return drop("dup_para_frac")
-        if dup_chars / len(text) > c.dup_para_char_frac:
-            return drop("dup_para_char_frac")
-        lines = T.lines(text)
-        n_dup, dup_chars = T.find_duplicates(lines)
-        if n_dup / len(lines) > c.dup_line_frac:
-            return drop("dup_line_frac")
-        if dup_chars / len(text) > c.dup_line_char_frac:
-            return drop("dup_line_char_frac")
+        for unit, parts, frac, char_frac in [
+                ("para", T.paragraphs(text), c.dup_para_frac, c.dup_para_char_frac),
+                ("line", T.lines(text), c.dup_line_frac, c.dup_line_char_frac)]:
+            n_dup, dup_chars = T.find_duplicates(parts)
+            if n_dup / len(parts) > frac:
+                return drop(f"dup_{unit}_frac")
+            if dup_chars / len(text) > char_frac:
+                return drop(f"dup_{unit}_char_frac")
         words = T.words(text)
         for n, limit in c.top_ngram_char_frac:
             if T.top_ngram_chars(words, int(n)) / len(text) > limit:

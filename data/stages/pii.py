@@ -41,6 +41,8 @@ _IPV6 = re.compile(r"(?<![0-9A-Fa-f:.])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4
 _PHONE = re.compile(
     r"(?<![\w+])(?:\+\d{1,3}[ .-]?)?(?:\(\d{2,4}\)[ .-]?|\d{2,4}[ .-])\d{3,4}[ .-]\d{3,4}(?![\w-])")
 
+_PATTERNS = {"private_key": _PRIVATE_KEY, "secret": _SECRET, "email": _EMAIL, "phone": _PHONE}
+
 
 @dataclass
 class PIIConfig(StageConfig):
@@ -48,17 +50,16 @@ class PIIConfig(StageConfig):
     kinds: list[str] = field(default_factory=lambda: list(PLACEHOLDERS))
     only_public_ips: bool = True
 
+    def __post_init__(self) -> None:
+        unknown = set(self.kinds) - set(PLACEHOLDERS)
+        if unknown:
+            raise ConfigError(f"pii.kinds has unknown kinds {sorted(unknown)}; "
+                              f"choose from {list(PLACEHOLDERS)}")
+
 
 class PII(Stage):
     name = "pii"
     config: PIIConfig
-
-    def __init__(self, config: PIIConfig) -> None:
-        super().__init__(config)
-        unknown = set(config.kinds) - set(PLACEHOLDERS)
-        if unknown:
-            raise ConfigError(f"pii.kinds has unknown kinds {sorted(unknown)}; "
-                              f"choose from {list(PLACEHOLDERS)}")
 
     def _is_scrubbed_ip(self, candidate: str) -> bool:
         try:
@@ -86,9 +87,7 @@ class PII(Stage):
                 text = _IPV4.sub(scrub_ip, text)
                 text = _IPV6.sub(scrub_ip, text)
             else:
-                pattern = {"private_key": _PRIVATE_KEY, "secret": _SECRET, "email": _EMAIL,
-                           "phone": _PHONE}[kind]
-                text, n = pattern.subn(PLACEHOLDERS[kind], text)
+                text, n = _PATTERNS[kind].subn(PLACEHOLDERS[kind], text)
             counts[kind] = n
         doc.text = text
         return keep(**counts)
