@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from lathe.data.chat import BOS, CHAT_TEMPLATE, END_OF_TURN, PAD, SPECIAL_TOKENS
@@ -69,6 +70,27 @@ def compression(tokenizer: Tokenizer, texts: Iterable[str]) -> dict[str, float]:
                                                                    add_special_tokens=False))
     return {"bytes": n_bytes, "tokens": n_tokens,
             "bytes_per_token": round(n_bytes / n_tokens, 4) if n_tokens else 0.0}
+
+
+def load_tokenizer(folder: str | Path) -> Tokenizer:
+    """The `tokenizer.json` of a tokenizer or checkpoint folder."""
+    file = Path(folder) / "tokenizer.json"
+    if not file.is_file():
+        raise ConfigError(f"{folder} has no tokenizer.json; point at a folder written by "
+                          "`lathe tokenizer train` (or a checkpoint that carries one)")
+    return Tokenizer.from_file(str(file))
+
+
+def token_byte_lengths(tokenizer: Tokenizer) -> np.ndarray:
+    """UTF-8 bytes each token id stands for (0 for special tokens), for bits per byte.
+
+    In byte-level BPE every character of a token's string is one byte of the text.
+    """
+    special = {token.content for token in tokenizer.get_added_tokens_decoder().values()}
+    lengths = np.zeros(tokenizer.get_vocab_size(with_added_tokens=True), dtype=np.int64)
+    for token, token_id in tokenizer.get_vocab(with_added_tokens=True).items():
+        lengths[token_id] = 0 if token in special else len(token)
+    return lengths
 
 
 def save_tokenizer(tokenizer: Tokenizer, folder: str | Path,

@@ -29,18 +29,28 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         yield tmp
-        _finish_tree(tmp)
-        old = None
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{os.getpid()}"
-            os.replace(path, old)
-        os.replace(tmp, path)
-        _fsync(path.parent)
-        if old is not None:
-            shutil.rmtree(old)
+        publish_directory(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def publish_directory(tmp: str | Path, path: str | Path) -> None:
+    """Make the completely written folder `tmp` appear as `path` in one rename.
+
+    For writers that cannot use `atomic_directory` as a context manager, e.g. several
+    processes filling one folder. An existing `path` is replaced.
+    """
+    tmp, path = Path(tmp), Path(path)
+    _finish_tree(tmp)
+    old = None
+    if path.exists():
+        old = path.parent / f".{path.name}.old-{os.getpid()}"
+        os.replace(path, old)
+    os.replace(tmp, path)
+    _fsync(path.parent)
+    if old is not None:
+        shutil.rmtree(old)
 
 
 def _finish_tree(root: Path) -> None:

@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                   "train a byte-level BPE tokenizer with chat tokens"),
     "shards": ("lathe.data.commands:shards_main",
                "tokenize cleaned documents into binary token shards"),
+    "pretrain": ("lathe.pretrain.train:main",
+                 "pretrain on token shards (accelerate: DDP, FSDP2, DeepSpeed; resumable)"),
     "init": ("lathe.model.commands:init_main", "write a randomly initialized checkpoint"),
     "generate": ("lathe.model.commands:generate_main",
                  "continue a prompt with a checkpoint (greedy by default)"),
@@ -43,12 +45,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"lathe: unknown command {name!r}; choose one of {', '.join(COMMANDS)}",
               file=sys.stderr)
         return 2
+    return run_command(name, rest)
+
+
+def run_command(name: str, argv: Sequence[str]) -> int:
+    """Run subcommand `name`; a bad config or checkpoint is one line on stderr and exit 2."""
     module, function = COMMANDS[name][0].split(":")
     command = getattr(importlib.import_module(module), function)
     try:
-        return command(rest)
+        return command(list(argv))
     except (ConfigError, CheckpointError) as e:
         print(f"lathe {name}: error: {e}", file=sys.stderr)
         return 2
-
-

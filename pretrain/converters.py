@@ -1,0 +1,78 @@
+"""Model transforms applied from outside the model, before accelerate wraps it (torchtitan's
+"converters"): FP8 linears through torchao, per-block activation checkpointing, and
+per-block `torch.compile`. None of them renames a parameter, so checkpoints keep HF names.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lathe.model.transformer import Transformer
+from lathe.pretrain.config import PrecisionConfig
+
+FP8_DIVISOR = 16  # torch._scaled_mm needs both matmul dimensions divisible by 16
+
+
+def fp8_eligible(module: nn.Module, name: str) -> bool:
+    """Linears FP8 suits: not the LM head (its logits feed the loss, as in torchtitan and
+    accelerate's AO recipe), and only shapes `_scaled_mm` accepts."""
+    if not isinstance(module, nn.Linear) or name.endswith("lm_head"):
+        return False
+    return module.in_features % FP8_DIVISOR == 0 and module.out_features % FP8_DIVISOR == 0
+
+
+def convert_to_fp8(model: Transformer, emulate: bool) -> list[str]:
+    """Swap eligible linears for torchao's Float8Linear (dynamic tensorwise scaling).
+
+    `emulate` runs the FP8 casts and scaled matmuls in higher precision, which is how
+    the same path trains on CPUs and GPUs without FP8 tensor cores. Returns the names of
+    the converted layers.
+    """
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    converted = [name for name, module in model.named_modules() if fp8_eligible(module, name)]
+    convert_to_float8_training(model, module_filter_fn=fp8_eligible,
+                               config=Float8LinearConfig(emulate=emulate))
+    return converted
+
+
+def enable_activation_checkpointing(model: Transformer) -> None:
+    """Recompute each decoder block's activations in the backward pass instead of keeping them.
+
+    The block's `forward` is wrapped in place (not the module), so parameter names and
+    FSDP's per-block wrapping are unchanged.
+    """
+    for layer in model.model.layers:
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+
+
+def compile_blocks(model: Transformer) -> None:
+    """`torch.compile` each decoder block in place (regional compilation: one compiled
+    graph reused by every block, fast to compile, names unchanged)."""
+    for layer in model.model.layers:
+        layer.compile()
+
+
+def apply_converters(model: Transformer, config: PrecisionConfig, device: torch.device) -> dict:
+    """Apply what `config` asks for, in the order that composes (FP8, then AC, then compile)."""
+    applied: dict = {}
+    if config.fp8:
+        emulate = not fp8_supported(device)
+        applied["fp8_layers"] = len(convert_to_fp8(model, emulate=emulate))
+        applied["fp8_emulated"] = emulate
+    if config.activation_checkpointing:
+        enable_activation_checkpointing(model)
+        applied["activation_checkpointing"] = True
+    if config.compile:
+        compile_blocks(model)
+        applied["compile"] = True
+    return applied
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """Real FP8 matmuls need compute capability 8.9+ (Ada, Hopper and later)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)

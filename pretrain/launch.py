@@ -1,0 +1,117 @@
+"""The Accelerator a launch asked for, and the proof that it got it.
+
+`accelerate launch` tells the training process what it wants through environment
+variables (WORLD_SIZE from torchrun, ACCELERATE_USE_FSDP / ACCELERATE_USE_DEEPSPEED and
+their FSDP_* / ACCELERATE_DEEPSPEED_* settings). On CUDA accelerate honours them. On a
+CPU-only machine it silently does not (see NOTES-cpu-stack.md): N processes that each
+believe they are alone, an FSDP recipe that becomes plain DDP, a DeepSpeed recipe that
+fails on its batch-size check. `build_accelerator` bridges that gap — and only on CPU with
+more than one process, so it is inert on GPUs:
+
+1. it initializes accelerate's process state as one gloo group (as `--cpu` would, but
+   without `--cpu`'s refusal of FSDP and DeepSpeed), which lets accelerate's own DeepSpeed
+   branch run;
+2. for FSDP, it registers the `FullyShardedDataParallelPlugin` that accelerate builds from
+   the FSDP_* variables, which accelerate only attaches for GPU backends.
+
+Whatever the device, `check_launch` then asserts that the distributed type and world size
+are the ones requested, so a silent fallback can never pass for the real thing.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from accelerate import Accelerator, PartialState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+
+class LaunchError(RuntimeError):
+    """The process group accelerate built is not the one the launch config asked for."""
+
+
+@dataclass(frozen=True)
+class Launch:
+    distributed_type: DistributedType
+    num_processes: int
+
+
+def requested_launch(env: dict[str, str] | None = None,
+                     cuda: bool | None = None) -> Launch:
+    """What the launcher asked for, read from the variables `accelerate launch` sets."""
+    env = os.environ if env is None else env
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    world_size = int(env.get("WORLD_SIZE", "1"))
+    if _flag(env, "ACCELERATE_USE_DEEPSPEED"):
+        kind = DistributedType.DEEPSPEED
+    elif _flag(env, "ACCELERATE_USE_FSDP"):
+        kind = DistributedType.FSDP
+    elif world_size > 1:
+        kind = DistributedType.MULTI_GPU if cuda else DistributedType.MULTI_CPU
+    else:
+        kind = DistributedType.NO
+    return Launch(kind, world_size)
+
+
+def needs_cpu_bridge(launch: Launch, cuda: bool | None = None) -> bool:
+    """True only for a multi-process launch on a machine without CUDA."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    return launch.num_processes > 1 and not cuda
+
+
+def build_accelerator(**kwargs: Any) -> Accelerator:
+    """`Accelerator(**kwargs)` for the current launch, bridged on CPU and checked."""
+    launch = requested_launch()
+    bridge = needs_cpu_bridge(launch)
+    if bridge:
+        PartialState(cpu=True)  # one gloo group of WORLD_SIZE processes
+    accelerator = Accelerator(**kwargs)
+    if bridge and launch.distributed_type is DistributedType.FSDP:
+        _attach_fsdp_plugin(accelerator)
+    check_launch(accelerator, launch)
+    return accelerator
+
+
+def _attach_fsdp_plugin(accelerator: Accelerator) -> None:
+    plugin = FullyShardedDataParallelPlugin()  # reads the FSDP_* variables
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)
+    state = accelerator.state
+    state.fsdp_plugin = plugin
+    state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+def check_launch(accelerator: Accelerator, launch: Launch) -> None:
+    got = Launch(accelerator.distributed_type, accelerator.num_processes)
+    if got != launch:
+        raise LaunchError(
+            f"the launch asked for {launch.distributed_type.value} on {launch.num_processes} "
+            f"process(es) but accelerate set up {got.distributed_type.value} on "
+            f"{got.num_processes}; check the --config_file given to `accelerate launch` "
+            "(and that `accelerate launch` was used for multi-process runs)")
+
+
+def describe(accelerator: Accelerator) -> dict[str, Any]:
+    """The parallel setup in a few plain fields, for logs, summaries and tests."""
+    info: dict[str, Any] = {
+        "distributed_type": accelerator.distributed_type.value,
+        "num_processes": accelerator.num_processes,
+        "device": str(accelerator.device),
+        "mixed_precision": accelerator.mixed_precision,
+    }
+    if accelerator.distributed_type is DistributedType.DEEPSPEED:
+        zero = accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]
+        info["zero_stage"] = zero["stage"]
+    if accelerator.distributed_type is DistributedType.FSDP:
+        info["fsdp_version"] = accelerator.state.fsdp_plugin.fsdp_version
+    if torch.distributed.is_initialized():
+        info["backend"] = torch.distributed.get_backend()
+    return info
+
+
+def _flag(env: dict[str, str], name: str) -> bool:
+    return env.get(name, "false").lower() in ("1", "true", "yes")

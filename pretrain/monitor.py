@@ -1,0 +1,138 @@
+"""What a run reports: metrics to W&B (through accelerate's tracker) and to a local
+`metrics.jsonl`, throughput as tokens/s and MFU, and memory.
+
+MFU = achieved FLOP/s ÷ peak FLOP/s of all devices. Training FLOPs per token come from
+`ModelConfig.flops_per_token`; peak FLOP/s from a table of dense bf16 tensor-core peaks
+per GPU (FP8 doubles them), or, on CPU, from a short fp32 matmul measured at start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lathe.model.atomic import atomic_file
+
+# Dense (no sparsity) bf16 peak FLOP/s per device, by a substring of its CUDA name.
+GPU_PEAK_BF16: dict[str, float] = {
+    "H200": 989e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10G": 125e12,
+    "A10": 125e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+    "V100": 125e12,
+    "T4": 65e12,
+}
+
+
+def peak_flops(device: torch.device, fp8: bool = False) -> tuple[float, str]:
+    """(peak FLOP/s of one device, where the figure came from)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, flops in GPU_PEAK_BF16.items():
+            if key in name:
+                return flops * (2 if fp8 else 1), f"table: {key} {'fp8' if fp8 else 'bf16'}"
+        return float("nan"), f"unknown GPU {name!r}: add it to GPU_PEAK_BF16"
+    return measure_cpu_peak(), "measured: fp32 matmul"
+
+
+def measure_cpu_peak(size: int = 1024, repeats: int = 5) -> float:
+    """Best fp32 matmul FLOP/s over a few repeats with this process's threads."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """Peak accelerator memory on CUDA, resident and peak resident host memory elsewhere (GiB)."""
+    if device.type == "cuda":
+        return {"memory/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+                "memory/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+    stats = {}
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                label = "rss" if key == "VmRSS" else "peak_rss"
+                stats[f"memory/{label}_gib"] = int(value.split()[0]) / 2**20
+    return stats
+
+
+class Throughput:
+    """Tokens/s and MFU over the steps since the last `measure`."""
+
+    def __init__(self, flops_per_token: int, peak_flops_total: float) -> None:
+        self.flops_per_token = flops_per_token
+        self.peak = peak_flops_total
+        self.reset()
+
+    def reset(self) -> None:
+        self.start, self.tokens = time.perf_counter(), 0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def measure(self) -> dict[str, float]:
+        seconds = max(time.perf_counter() - self.start, 1e-9)
+        tokens_per_s = self.tokens / seconds
+        self.reset()
+        return {"tokens_per_s": tokens_per_s,
+                "mfu": tokens_per_s * self.flops_per_token / self.peak}
+
+
+class MetricsLog:
+    """Rank 0's record of a run: every logged dict appended to metrics.jsonl, and forwarded
+    to accelerate's trackers (W&B) when any are configured."""
+
+    def __init__(self, path: Path, accelerator: Any) -> None:
+        self.path = path
+        self.accelerator = accelerator
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records past `step` (written by a run that died before its next checkpoint),
+        so that a resumed run's metrics.jsonl reads as one uninterrupted run."""
+        if not self.accelerator.is_main_process or not self.path.is_file():
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line and json.loads(line).get("step", 0) <= step]
+        with atomic_file(self.path) as tmp:
+            tmp.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        self.accelerator.log(scalars, step=step)
+
+    def log_texts(self, name: str, rows: list[tuple[str, str]], step: int) -> None:
+        """Prompt/continuation pairs: a W&B table, and one metrics.jsonl record."""
+        if not self.accelerator.is_main_process:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, name: [list(r) for r in rows]}) + "\n")
+        for tracker in self.accelerator.trackers:
+            if tracker.name == "wandb":
+                import wandb
+
+                tracker.log({name: wandb.Table(columns=["prompt", "continuation"],
+                                               data=[list(r) for r in rows])}, step=step)

@@ -1,0 +1,298 @@
+"""The training runtime every lathe training stage runs on.
+
+`Runtime` builds the Accelerator for the current launch (checked by `launch`), applies
+the model converters (FP8, activation checkpointing, compile), builds the optimizers and
+lets accelerate wrap everything for DDP, FSDP2 or DeepSpeed. It then owns one optimizer
+step — gradient accumulation, clipping, the LR schedule —, saving and resuming the
+training state, metrics and the progress bar, and the final export of an HF-layout
+checkpoint gathered from whatever shards the parallel setup left. A stage supplies only
+its model, its batches and its loss function.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate.utils import DistributedType, set_seed
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from lathe.model.checkpoint import save_checkpoint
+from lathe.model.config import ModelConfig
+from lathe.model.recipe import ConfigError, to_dict
+from lathe.model.transformer import Transformer
+from lathe.pretrain import state as training_state
+from lathe.pretrain.config import TrainConfig
+from lathe.pretrain.converters import apply_converters
+from lathe.pretrain.launch import build_accelerator, describe
+from lathe.pretrain.monitor import MetricsLog, Throughput, memory_stats, peak_flops
+from lathe.pretrain.optim import build_optimizers
+from lathe.pretrain.schedule import lr_factor
+
+# loss_fn(model, batch) -> (loss to backpropagate, metrics to average and log)
+LossFn = Callable[[nn.Module, Any], tuple[Tensor, dict[str, Tensor]]]
+
+
+@dataclass
+class StepResult:
+    lr: float
+    grad_norm: float | None
+    metrics: dict[str, float]
+
+
+class Runtime:
+    def __init__(self, config: TrainConfig, stage: str) -> None:
+        self.config, self.stage = config, stage
+        self.out_dir = Path(config.out_dir)
+        use_wandb = config.logging.report_to == "wandb"
+        if use_wandb:
+            default_wandb_offline()
+        self.accelerator = build_accelerator(
+            mixed_precision=config.precision.mixed_precision or default_mixed_precision(),
+            gradient_accumulation_steps=config.grad_accum_steps,
+            log_with="wandb" if use_wandb else None,
+            project_dir=str(self.out_dir),
+        )
+        self.setup = describe(self.accelerator)
+        self.device = self.accelerator.device
+        self.is_main = self.accelerator.is_main_process
+        if self.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", self.accelerator)
+        self.model: nn.Module | None = None
+        self.optimizers: list = []
+        self.total_steps = 0
+        self.step = 0
+        self.tokens_seen = 0
+        self._progress: tqdm | None = None
+        set_seed(config.seed)
+
+    # -- setup ---------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    def prepare(self, model: Transformer, total_steps: int, flops_per_token: int) -> None:
+        """Convert, build optimizers, wrap for the launch's parallelism, start throughput."""
+        self.total_steps = total_steps
+        self.converters = apply_converters(model, self.config.precision, self.device)
+        optimizers = build_optimizers(model, self.config.optim, self.device.type)
+        kind = self.accelerator.distributed_type
+        if len(optimizers) > 1 and kind in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+            raise ConfigError(
+                f"optim.name=muon needs whole matrices on every rank, but this launch is "
+                f"{kind.value}, which shards them; use a DDP or single-process launch config, "
+                "or optim.name=adamw")
+        if kind is DistributedType.DEEPSPEED:
+            self._configure_deepspeed()
+        prepared = self.accelerator.prepare(model, *optimizers)
+        self.model, self.optimizers = prepared[0], list(prepared[1:])
+        peak, self.peak_source = peak_flops(self.device, fp8=self.config.precision.fp8)
+        self.throughput = Throughput(flops_per_token, peak * self.world_size)
+
+    def _configure_deepspeed(self) -> None:
+        """Batch geometry and clipping are the runtime's; DeepSpeed must agree with them."""
+        ds = self.accelerator.state.deepspeed_plugin.deepspeed_config
+        c = self.config
+        ds["train_micro_batch_size_per_gpu"] = c.micro_batch_size
+        ds["gradient_accumulation_steps"] = c.grad_accum_steps
+        ds["train_batch_size"] = c.micro_batch_size * c.grad_accum_steps * self.world_size
+        ds["gradient_clipping"] = c.optim.grad_clip or 0.0
+        ds["zero_allow_untested_optimizer"] = True  # our torch AdamW, not DeepSpeed's
+        ds["steps_per_print"] = 2**31 - 1
+
+    def start(self, run_config: Any, resume: str) -> dict[str, Any] | None:
+        """Start trackers and resume if asked; returns the resumed trainer state (or None)."""
+        training_state.remove_partial_states(self.accelerator, self.out_dir)
+        path = training_state.resolve_resume(self.out_dir, resume)
+        restored = None
+        if path is not None:
+            restored = training_state.load_state(self.accelerator, path)
+            self.step, self.tokens_seen = restored["step"], restored["tokens_seen"]
+            self.metrics.truncate_after(self.step)
+        if self.config.logging.report_to == "wandb":
+            logging = self.config.logging
+            self.accelerator.init_trackers(
+                logging.project, config=to_dict(run_config),
+                init_kwargs={"wandb": {"name": logging.run_name or self.out_dir.name,
+                                       "tags": list(logging.tags), "dir": str(self.out_dir),
+                                       "id": self._wandb_run_id(), "resume": "allow"}})
+        if self.is_main and self.config.logging.progress:
+            self._progress = tqdm(total=self.total_steps, initial=self.step, unit="step",
+                                  desc=self.stage, dynamic_ncols=True)
+        self.throughput.reset()
+        self.started = time.perf_counter()
+        return restored
+
+    def _wandb_run_id(self) -> str:
+        """One W&B run per out_dir, continued across resumes."""
+        file = self.out_dir / "wandb-run-id"
+        if self.is_main and not file.is_file():
+            file.write_text(uuid.uuid4().hex[:12])
+        self.accelerator.wait_for_everyone()
+        return file.read_text().strip()
+
+    # -- one optimizer step --------------------------------------------------------------
+
+    def train_step(self, micro_batches: Sequence[Any], loss_fn: LossFn,
+                   tokens: int) -> StepResult:
+        """One optimizer step over `grad_accum_steps` micro-batches of this rank.
+
+        `tokens` is the number of tokens the step trains on across all ranks (for
+        throughput and the tokens-seen count). Metrics are averaged over micro-batches
+        here; `log_step` averages them over ranks.
+        """
+        if len(micro_batches) != self.config.grad_accum_steps:
+            raise ValueError(f"train_step got {len(micro_batches)} micro-batches, expected "
+                             f"grad_accum_steps={self.config.grad_accum_steps}")
+        lr = self.config.optim.lr * lr_factor(self.step, self.total_steps, self.config.schedule)
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+        self.model.train()
+        sums: dict[str, Tensor] = {}
+        grad_norm = None
+        for batch in micro_batches:
+            with self.accelerator.accumulate(self.model):
+                loss, metrics = loss_fn(self.model, batch)
+                self.accelerator.backward(loss)
+                for name, value in metrics.items():
+                    sums[name] = sums.get(name, 0) + value.detach().float()
+                if self.accelerator.sync_gradients:
+                    grad_norm = self._clip_gradients()
+                for optimizer in self.optimizers:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens_seen += tokens
+        self.throughput.add(tokens)
+        means = {name: total / len(micro_batches) for name, total in sums.items()}
+        return StepResult(lr, grad_norm, means)
+
+    def _clip_gradients(self) -> float | None:
+        max_norm = self.config.optim.grad_clip
+        norm = self.accelerator.clip_grad_norm_(
+            self.model.parameters(), max_norm if max_norm is not None else math.inf)
+        if norm is None:
+            return None
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    # -- logging -------------------------------------------------------------------------
+
+    def log_step(self, result: StepResult) -> dict[str, float] | None:
+        """Average metrics over ranks and log them every `log_every` steps (collective)."""
+        every = self.config.logging.log_every
+        if self.step % every and self.step != self.total_steps:
+            self._advance_progress(None)
+            return None
+        names = sorted(result.metrics)
+        reduced = self.accelerator.reduce(torch.stack([result.metrics[n] for n in names]),
+                                          reduction="mean")
+        record = {name: float(value) for name, value in zip(names, reduced.tolist(), strict=True)}
+        record.update(lr=result.lr, tokens_seen=self.tokens_seen,
+                      **self.throughput.measure(), **memory_stats(self.device))
+        if result.grad_norm is not None:
+            record["grad_norm"] = result.grad_norm
+        self.metrics.log(record, self.step)
+        self._advance_progress(record)
+        return record
+
+    def _advance_progress(self, record: dict[str, float] | None) -> None:
+        if self._progress is None:
+            return
+        if record is not None:
+            shown = {"loss": f"{record.get('loss', float('nan')):.4f}",
+                     "tok/s": f"{record['tokens_per_s']:,.0f}"}
+            self._progress.set_postfix(shown, refresh=False)
+        self._progress.update(1)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        self.metrics.log(metrics, self.step)
+
+    def print(self, *args: Any) -> None:
+        """Print once (rank 0), without breaking the progress bar."""
+        if self.is_main:
+            (self._progress.write if self._progress else print)(" ".join(map(str, args)))
+
+    # -- state and export ----------------------------------------------------------------
+
+    def save(self, extra: dict[str, Any]) -> Path:
+        """Save the full training state at the current step (collective)."""
+        return training_state.save_state(
+            self.accelerator, self.out_dir, self.step,
+            {"tokens_seen": self.tokens_seen, "world_size": self.world_size, **extra},
+            keep_last=self.config.checkpoint.keep_last)
+
+    def should(self, every: int) -> bool:
+        return self.step % every == 0 or self.step == self.total_steps
+
+    def export(self, model_config: ModelConfig, path: Path, tokenizer: Path | None,
+               provenance: dict[str, Any]) -> Path:
+        """Write the HF-layout checkpoint from the full (gathered) weights (collective)."""
+        state = self.accelerator.get_state_dict(self.model)
+        if self.is_main:
+            dtype = torch.bfloat16 if self.accelerator.mixed_precision == "bf16" else None
+            model = plain_model(model_config, state, dtype)
+            save_checkpoint(model, path, tokenizer=tokenizer, provenance={
+                "stage": self.stage, "steps": self.step, "tokens_seen": self.tokens_seen,
+                "parallel": self.setup, **provenance})
+        self.accelerator.wait_for_everyone()
+        return path
+
+    def finish(self) -> float:
+        """Close the progress bar and trackers; return the run's wall-clock seconds."""
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
+        self.accelerator.end_training()
+        return time.perf_counter() - self.started
+
+
+def plain_model(config: ModelConfig, state: dict[str, Tensor],
+                dtype: torch.dtype | None = None) -> Transformer:
+    """A single-device `Transformer` holding a gathered state dict (checked for completeness)."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    expected = set(model.state_dict())
+    missing = expected - set(state) - ({"lm_head.weight"} if config.tie_embeddings else set())
+    unexpected = set(state) - expected
+    if missing or unexpected:
+        raise RuntimeError(f"gathered weights do not match the model: missing {sorted(missing)}, "
+                           f"unexpected {sorted(unexpected)}")
+    state = {k: v.detach().to("cpu", dtype or v.dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    model.model.rotary_emb.reset_parameters("cpu")
+    return model
+
+
+def default_mixed_precision() -> str:
+    """The launch config's choice, else bf16 on CUDA and fp32 elsewhere (see NOTES: bf16
+    matmuls on CPUs without AMX are ~100x slower)."""
+    return os.environ.get("ACCELERATE_MIXED_PRECISION") or (
+        "bf16" if torch.cuda.is_available() else "no")
+
+
+def default_wandb_offline() -> None:
+    """Log offline (to out_dir/wandb) unless an API key or an explicit mode is set."""
+    if "WANDB_MODE" in os.environ or os.environ.get("WANDB_API_KEY"):
+        return
+    netrc = Path.home() / ".netrc"
+    if netrc.is_file() and "api.wandb.ai" in netrc.read_text():
+        return
+    os.environ["WANDB_MODE"] = "offline"

@@ -1,0 +1,32 @@
+"""Learning-rate schedules as pure functions of the step, so resuming needs only the step."""
+
+from __future__ import annotations
+
+import math
+
+from lathe.pretrain.config import ScheduleConfig
+
+
+def lr_factor(step: int, total_steps: int, config: ScheduleConfig) -> float:
+    """Multiplier of the peak LR for optimizer step `step` (0-based) of `total_steps`.
+
+    Warmup rises linearly to 1 over `warmup_steps` (first step at 1/warmup). Cosine then
+    falls to `min_lr_ratio` at the last step; WSD holds 1 until the final `decay_fraction`
+    of the run, then falls linearly to `min_lr_ratio`; constant stays at 1.
+    """
+    warmup = config.warmup_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    floor = config.min_lr_ratio
+    if config.kind == "constant":
+        return 1.0
+    if config.kind == "cosine":
+        span = max(total_steps - 1 - warmup, 1)
+        progress = min((step - warmup) / span, 1.0)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    decay_steps = max(round(config.decay_fraction * total_steps), 1)
+    decay_start = max(total_steps - decay_steps, warmup)
+    if step < decay_start:
+        return 1.0
+    progress = min((step - decay_start + 1) / max(total_steps - decay_start, 1), 1.0)
+    return 1.0 - (1 - floor) * progress
