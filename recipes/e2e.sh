@@ -17,8 +17,9 @@ lathe tokenizer train --input "$OUT/clean" --vocab-size 4096 --output "$OUT/toke
 echo "== shards: tokenize into train/val token shards -> $OUT/shards"
 lathe shards --input "$OUT/clean" --tokenizer "$OUT/tokenizer" --output "$OUT/shards"
 
-echo "== init: random nano model with the trained tokenizer -> $OUT/base"
-lathe init --preset nano --tokenizer "$OUT/tokenizer" --out "$OUT/base" --seed 0
+echo "== pretrain: the nano preset on the shards (about 10 minutes on 2 cores) -> $OUT/pretrain"
+lathe pretrain --config recipes/pretrain/nano.yaml --out_dir "$OUT/pretrain" \
+    --data.shards "$OUT/shards" --data.tokenizer "$OUT/tokenizer"
 
-echo "== generate: reload $OUT/base and continue a prompt"
-lathe generate "$OUT/base" --prompt "def main(" --max-new-tokens 16
+echo "== generate: reload the exported base checkpoint and continue a prompt"
+lathe generate "$OUT/pretrain/final" --prompt "def main(" --max-new-tokens 32

@@ -158,3 +158,33 @@ def test_compiled_blocks_match_eager(corpus, tmp_path):
     assert summary["converters"] == {"compile": True}
     a, b = step_losses(tmp_path / "eager"), step_losses(tmp_path / "compiled")
     assert max(abs(a[s] - b[s]) for s in a) < 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bf16_and_fp8_on_gpu(corpus, tmp_path):
+    """On a GPU: bf16 autocast, fused AdamW, and real FP8 matmuls where the GPU has them."""
+    summary = pretrain(build(run_config(corpus, tmp_path / "gpu", max_steps=30, **{
+        "precision.mixed_precision": "bf16", "precision.fp8": True})))
+    losses = step_losses(tmp_path / "gpu")
+    assert summary["parallel"]["device"].startswith("cuda")
+    assert summary["parallel"]["mixed_precision"] == "bf16"
+    assert summary["converters"]["fp8_emulated"] is (torch.cuda.get_device_capability() < (8, 9))
+    assert losses[30] < losses[1] - 1.0
+
+
+def test_both_entry_points_report_config_errors_in_one_line(corpus, tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    from lathe.model.cli import main
+
+    recipe = tmp_path / "run.yaml"
+    recipe.write_text(yaml.safe_dump(run_config(corpus, tmp_path / "out")))
+    assert main(["pretrain", "--config", str(recipe), "--optim.lr=fast"]) == 2
+    result = subprocess.run([sys.executable, "-m", "lathe.pretrain", "--config", str(recipe),
+                             "--max_steps=0"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "lathe pretrain: error: the run length comes to 0 steps; it must be at least 1")
