@@ -1,0 +1,178 @@
+"""The paged KV cache's bookkeeping: a fixed pool of blocks, a block table per sequence,
+reference counts, and automatic prefix caching.
+
+The KV tensors themselves live elsewhere (one slab per layer, indexed by block id); this
+module only decides which block holds which tokens. A *full* block is identified by a
+chained hash of (its parent block's hash, its token ids), so two sequences whose prompts
+share a prefix share those blocks, whatever their position in the batch. A block whose
+reference count drops to zero goes to the back of the free queue but keeps its hash: a
+later request with the same prefix revives it, and allocation takes the front of the
+queue, so the least recently freed cached block is the one evicted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+NO_HASH = -1
+
+
+def block_hash(parent: int, token_ids: Sequence[int]) -> int:
+    """Chained key of a full block: equal only for equal token prefixes (up to hash
+    collisions, which `BlockManager` rules out by comparing the stored token ids)."""
+    return hash((parent, tuple(token_ids)))
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int = NO_HASH
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class BlockTable:
+    """The blocks one sequence's tokens occupy, in order, and how many of its leading
+    tokens were found in the prefix cache (their KV need not be computed)."""
+
+    blocks: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+class OutOfBlocks(RuntimeError):
+    """The pool has too few free blocks; the scheduler must wait or preempt."""
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be >= 1")
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which found
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by at least one sequence."""
+        return 1 - len(self.free) / len(self.blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, token_ids: Sequence[int]) -> bool:
+        """Whether `allocate(token_ids)` would succeed now (cached blocks in use are free
+        of charge; cached blocks sitting in the free queue still take a free slot)."""
+        needed, parent, hitting = 0, NO_HASH, True
+        for start in range(0, len(token_ids), self.block_size):
+            chunk = token_ids[start:start + self.block_size]
+            full = len(chunk) == self.block_size
+            block = self._lookup(parent, chunk) if full and hitting else None
+            if block is None:
+                hitting = False
+                needed += 1
+            elif block.ref_count == 0:
+                needed += 1
+            parent = block.hash if block is not None else NO_HASH
+        return needed <= len(self.free)
+
+    def allocate(self, token_ids: Sequence[int]) -> BlockTable:
+        """Blocks for a new sequence's prompt, reusing cached full blocks of its prefix.
+
+        The cache is consulted until the first miss; the blocks after it are fresh and
+        join the cache only once `commit` reports their KV computed.
+        """
+        if not self.can_allocate(token_ids):
+            raise OutOfBlocks(f"{self.blocks_needed(len(token_ids))} blocks needed, "
+                              f"{len(self.free)} free")
+        table = BlockTable()
+        parent, hitting = NO_HASH, True
+        for start in range(0, len(token_ids), self.block_size):
+            chunk = token_ids[start:start + self.block_size]
+            full = len(chunk) == self.block_size
+            block = self._lookup(parent, chunk) if full and hitting else None
+            if full:
+                self.prefix_queries += len(chunk)
+            if block is None:
+                hitting = False
+                block = self._take_fresh()
+            else:
+                self.prefix_hits += len(chunk)
+                table.num_cached_tokens += len(chunk)
+                self._share(block)
+            table.blocks.append(block.block_id)
+            parent = block.hash
+        return table
+
+    def can_append(self, table: BlockTable, num_tokens: int) -> bool:
+        """Whether the sequence can grow to `num_tokens` tokens with the free blocks left."""
+        return self.blocks_needed(num_tokens) - len(table.blocks) <= len(self.free)
+
+    def grow(self, table: BlockTable, num_tokens: int) -> None:
+        """Open blocks until the table holds `num_tokens` tokens."""
+        if not self.can_append(table, num_tokens):
+            raise OutOfBlocks(f"growing to {num_tokens} tokens needs "
+                              f"{self.blocks_needed(num_tokens) - len(table.blocks)} blocks, "
+                              f"{len(self.free)} free")
+        while len(table.blocks) < self.blocks_needed(num_tokens):
+            table.blocks.append(self._take_fresh().block_id)
+
+    def commit(self, table: BlockTable, token_ids: Sequence[int], num_computed: int) -> None:
+        """Offer to the prefix cache every full block whose KV is now computed."""
+        parent = NO_HASH
+        for index in range(num_computed // self.block_size):
+            block = self.blocks[table.blocks[index]]
+            if block.hash == NO_HASH:
+                start = index * self.block_size
+                self._complete(block, parent, tuple(token_ids[start:start + self.block_size]))
+            parent = block.hash
+
+    def free_table(self, table: BlockTable) -> None:
+        """Release a finished, aborted or preempted sequence's blocks (last first, so that a
+        prompt's tail is evicted before its shared head)."""
+        for block_id in reversed(table.blocks):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        table.blocks.clear()
+        table.num_cached_tokens = 0
+
+    def _lookup(self, parent: int, chunk: Sequence[int]) -> Block | None:
+        block_id = self.cached.get(block_hash(parent, chunk))
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        return block if block.token_ids == tuple(chunk) else None
+
+    def _share(self, block: Block) -> Block:
+        """One more reference to a block in use or revived from the free queue."""
+        if block.ref_count == 0:
+            del self.free[block.block_id]
+        block.ref_count += 1
+        return block
+
+    def _take_fresh(self) -> Block:
+        """The least recently freed block, its cached content (if any) evicted."""
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if self.cached.get(block.hash) == block_id:
+            del self.cached[block.hash]
+        block.hash, block.token_ids, block.ref_count = NO_HASH, (), 1
+        return block
+
+    def _complete(self, block: Block, parent: int, chunk: tuple[int, ...]) -> None:
+        """Give a now-full block its chained hash and offer it to the prefix cache, unless
+        an identical block is cached already (then this copy stays private, but keeps the
+        hash so the blocks after it chain correctly)."""
+        block.hash, block.token_ids = block_hash(parent, chunk), chunk
+        self.cached.setdefault(block.hash, block.block_id)
