@@ -1,0 +1,102 @@
+"""Weight-only quantization of linear layers for serving (gpt-fast style).
+
+int8: symmetric, one fp scale per output channel: w ≈ q · scale, q in [-127, 127].
+int4: asymmetric, one (scale, minimum) pair per group of `group_size` input columns:
+w ≈ q · scale + minimum, q in [0, 15], two values packed per byte (low nibble = even
+column). Activations stay in the model's dtype; the reference forward dequantizes the
+weight and calls `F.linear` (a fused Triton dequantize-matmul is the kernels package's job).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+QuantMode = Literal["int8", "int4"]
+
+
+def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """(int8 weight, per-output-channel scale) of an (out, in) weight."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    return (q.float() * scale[:, None]).to(dtype)
+
+
+def quantize_int4(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(packed uint8 (out, in/2), scales (out, in/group), minimums (out, in/group))."""
+    out_features, in_features = weight.shape
+    if in_features % group_size or group_size % 2:
+        raise ValueError(f"int4: in_features={in_features} must be a multiple of the even "
+                         f"group_size={group_size}; use group_size 32 for narrow layers")
+    groups = weight.float().reshape(out_features, in_features // group_size, group_size)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((high - low) / 15).clamp(min=1e-12)
+    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    q = q.reshape(out_features, in_features)
+    packed = q[:, 0::2] | (q[:, 1::2] << 4)
+    return packed, scale, low
+
+
+def dequantize_int4(packed: Tensor, scale: Tensor, low: Tensor,
+                    dtype: torch.dtype = torch.float32) -> Tensor:
+    out_features = packed.shape[0]
+    q = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(out_features, -1).float()
+    group_size = q.shape[1] // scale.shape[1]
+    groups = q.reshape(out_features, -1, group_size) * scale[..., None] + low[..., None]
+    return groups.reshape(out_features, -1).to(dtype)
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        q, scale = quantize_int8(linear.weight.detach())
+        self.register_buffer("weight", q)
+        self.register_buffer("scale", scale.to(linear.weight.dtype))
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, dequantize_int8(self.weight, self.scale.float(), x.dtype))
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, linear: nn.Linear, group_size: int) -> None:
+        super().__init__()
+        packed, scale, low = quantize_int4(linear.weight.detach(), group_size)
+        self.register_buffer("weight", packed)
+        self.register_buffer("scale", scale.to(linear.weight.dtype))
+        self.register_buffer("minimum", low.to(linear.weight.dtype))
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.group_size = group_size
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight = dequantize_int4(self.weight, self.scale.float(), self.minimum.float(), x.dtype)
+        return F.linear(x, weight)
+
+
+def quantize_linears(model: nn.Module, mode: QuantMode, group_size: int = 128) -> int:
+    """Replace every `nn.Linear` of `model` in place; returns how many were replaced.
+
+    A tied LM head is quantized as its own copy (the embedding lookup keeps full precision).
+    For int4, layers narrower than `group_size` fall back to groups of 32.
+    """
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            if mode == "int8":
+                new = Int8Linear(child)
+            else:
+                size = group_size if child.in_features % group_size == 0 else 32
+                new = Int4Linear(child, size)
+            setattr(parent, name, new)
+            replaced += 1
+    return replaced
