@@ -17,7 +17,7 @@ from lathe.pretrain.config import OptimConfig
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two AdamW groups: matrices (decayed) and vectors such as norm weights (not)."""
     decay, no_decay = [], []
-    for param in _unique_trainable(model):
+    for param in _trainable(model):
         (decay if param.ndim >= 2 else no_decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
@@ -35,8 +35,8 @@ def build_optimizers(model: nn.Module, config: OptimConfig,
                           f"torch {torch.__version__}; use optim.name=adamw")
     hidden = {id(p) for name, p in model.named_parameters()
               if p.requires_grad and p.ndim == 2 and ".layers." in f".{name}"}
-    rest = [p for p in _unique_trainable(model) if id(p) not in hidden]
-    muon = torch.optim.Muon([p for p in _unique_trainable(model) if id(p) in hidden],
+    rest = [p for p in _trainable(model) if id(p) not in hidden]
+    muon = torch.optim.Muon([p for p in _trainable(model) if id(p) in hidden],
                             lr=config.lr, weight_decay=config.weight_decay,
                             momentum=config.muon_momentum, adjust_lr_fn="match_rms_adamw")
     adamw = torch.optim.AdamW(
@@ -46,6 +46,6 @@ def build_optimizers(model: nn.Module, config: OptimConfig,
     return [muon, adamw]
 
 
-def _unique_trainable(model: nn.Module) -> list[nn.Parameter]:
-    """Trainable parameters, a tied embedding/LM-head matrix counted once."""
+def _trainable(model: nn.Module) -> list[nn.Parameter]:
+    """Trainable parameters (`parameters()` yields a tied matrix once)."""
     return [p for p in model.parameters() if p.requires_grad]

@@ -69,6 +69,7 @@ class Runtime:
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", self.accelerator)
         self.model: nn.Module | None = None
         self.optimizers: list = []
+        self.converters: dict = {}
         self.total_steps = 0
         self.step = 0
         self.tokens_seen = 0

@@ -64,11 +64,15 @@ def step_losses(out_dir: Path, name: str = "loss") -> dict[int, float]:
     return {r["step"]: r[name] for r in records if name in r}
 
 
+def reset_accelerate() -> None:
+    """Forget accelerate's process-wide state, so the next run builds its own Accelerator
+    as a fresh process would."""
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
 @pytest.fixture(autouse=True)
 def fresh_accelerate_state():
-    """Each in-process run builds its own Accelerator, as a fresh process would."""
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
     yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()

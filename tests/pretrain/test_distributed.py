@@ -17,12 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from accelerate.state import AcceleratorState, GradientState
 
 from lathe.model.checkpoint import load_checkpoint
 from lathe.pretrain.state import complete_states
 from lathe.pretrain.train import pretrain
-from tests.pretrain.conftest import build, run_config, step_losses
+from tests.pretrain.conftest import build, reset_accelerate, run_config, step_losses
 
 pytestmark = pytest.mark.slow
 
@@ -80,8 +79,7 @@ def run_and_kill(cmd: list[str], out: Path, delay: float) -> int:
 def reference(corpus, tmp_path_factory) -> Path:
     """One process, the same global batch (8 windows per step) as 2 processes × 4."""
     out = tmp_path_factory.mktemp("single") / "run"
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
     pretrain(build(settings(corpus, out, micro_batch_size=8)))
     return out
 

@@ -12,7 +12,7 @@ from lathe.model.checkpoint import load_checkpoint
 from lathe.model.recipe import ConfigError
 from lathe.pretrain.runtime import Runtime
 from lathe.pretrain.train import pretrain
-from tests.pretrain.conftest import build, run_config, step_losses
+from tests.pretrain.conftest import build, reset_accelerate, run_config, step_losses
 
 
 def test_loss_falls_and_run_writes_everything(corpus, tmp_path):
@@ -55,9 +55,7 @@ def test_interrupted_run_resumes_bit_exact(corpus, tmp_path, monkeypatch):
         pretrain(build(run_config(corpus, interrupted)))
     assert max(step_losses(interrupted)) == 6
     monkeypatch.setattr(Runtime, "train_step", real_step)
-    from accelerate.state import AcceleratorState, GradientState
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
 
     pretrain(build(run_config(corpus, interrupted)), resume="auto")
     assert step_losses(interrupted) == step_losses(reference)  # exact, steps 1..12
