@@ -1,11 +1,13 @@
 """The KV-cache interface the attention layers talk to, and a simple contiguous cache.
 
 The model never knows how keys and values are stored. Once per forward it asks the
-cache to `prepare` room for the new tokens (getting back their positions and the
-attention mask), then each layer hands the cache its new K/V through `update` and gets
-back everything the new queries may attend to. `ContiguousKVCache` stores one dense
-buffer per layer (generation in `lathe.model.generate`, tests); the serving engine's
-paged cache implements the same two methods over its block tables.
+cache to `prepare` room for the new tokens (getting back their positions), then each
+attention layer hands the cache its queries and new K/V through `attend` and gets back
+the attention output: the cache stores the new K/V and attends over everything each
+query may see. `ContiguousKVCache` stores one dense buffer per layer (generation in
+`lathe.model.generate`, tests); the serving engine's paged cache implements the same two
+methods over block tables, for a batch of sequences of different lengths flattened into
+one row.
 """
 
 from __future__ import annotations
@@ -13,25 +15,22 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from lathe.model.config import ModelConfig
 
 
 class KVCache(Protocol):
-    def prepare(self, input_ids: Tensor, positions: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        """Reserve room for the (B, T) new tokens of this forward.
-
-        Returns their (B, T) positions (for RoPE) and the attention mask for this step:
-        a bool tensor broadcastable to (B, 1, T, S) where True means "may attend" and S
-        is the length `update` returns, or None for plain causal attention among the
-        new tokens when nothing is cached before them.
-        """
+    def prepare(self, input_ids: Tensor, positions: Tensor | None) -> Tensor:
+        """Reserve room for the (B, T) new tokens of this forward; return their (B, T)
+        positions (for RoPE)."""
         ...
 
-    def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store this layer's new (B, n_kv_heads, T, head_dim) keys and values; return the
-        (B, n_kv_heads, S, head_dim) keys and values the new queries attend over."""
+    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Store this layer's new (B, n_kv_heads, T, head_dim) keys and values and return
+        the causal attention of the (B, n_heads, T, head_dim) queries over every cached
+        and new key of their own sequence, shaped like `q`."""
         ...
 
 
@@ -49,8 +48,9 @@ class ContiguousKVCache:
         self.max_len = max_len
         self.length = 0
         self._start = 0
+        self._mask: Tensor | None = None
 
-    def prepare(self, input_ids: Tensor, positions: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    def prepare(self, input_ids: Tensor, positions: Tensor | None) -> Tensor:
         batch, new = input_ids.shape
         if batch != self.k.shape[1]:
             raise ValueError(f"batch of {batch} rows does not match the cache's {self.k.shape[1]}")
@@ -63,14 +63,19 @@ class ContiguousKVCache:
         self._start, self.length = start, end
         if positions is None:
             positions = torch.arange(start, end, device=input_ids.device).expand(batch, new)
-        if start == 0:
-            return positions, None
-        query_slots = torch.arange(start, end, device=input_ids.device)[:, None]
-        key_slots = torch.arange(end, device=input_ids.device)[None, :]
-        return positions, (key_slots <= query_slots)[None, None]
+        self._mask = None
+        if start > 0:
+            query_slots = torch.arange(start, end, device=input_ids.device)[:, None]
+            key_slots = torch.arange(end, device=input_ids.device)[None, :]
+            self._mask = (key_slots <= query_slots)[None, None]
+        return positions
 
-    def update(self, layer_idx: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         start, end = self._start, self.length
         self.k[layer_idx, :, :, start:end] = k
         self.v[layer_idx, :, :, start:end] = v
-        return self.k[layer_idx, :, :, :end], self.v[layer_idx, :, :, :end]
+        return F.scaled_dot_product_attention(
+            q, self.k[layer_idx, :, :, :end], self.v[layer_idx, :, :, :end],
+            attn_mask=self._mask, is_causal=self._mask is None and q.shape[2] > 1,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )

@@ -116,19 +116,17 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.dim, kv_dim, bias=False)
         self.o_proj = nn.Linear(config.dim, config.dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache | None,
-                mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache | None) -> Tensor:
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and seq > 1,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )
+            out = kv_cache.attend(self.layer_idx, q, k, v)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=seq > 1, enable_gqa=self.n_kv_heads != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -153,9 +151,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache | None,
-                mask: Tensor | None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, mask)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache | None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -199,25 +196,27 @@ class Transformer(nn.Module):
         self.model.rotary_emb.reset_parameters()
 
     def forward(self, input_ids: Tensor, labels: Tensor | None = None,
-                positions: Tensor | None = None,
-                kv_cache: KVCache | None = None) -> CausalLMOutput:
+                positions: Tensor | None = None, kv_cache: KVCache | None = None,
+                logits_to_keep: Tensor | None = None) -> CausalLMOutput:
         """Logits (B, T, vocab) for `input_ids` (B, T), and the loss when `labels` are given.
 
         `labels` align with `input_ids` (HF convention): position t's logits are scored
         against labels[t + 1], and label -100 is ignored. `positions` (B, T) defaults to
-        0..T-1, or to what the cache assigns when `kv_cache` is given.
+        0..T-1, or to what the cache assigns when `kv_cache` is given. `logits_to_keep`
+        (indices along T) computes the LM head only there — serving needs one row per
+        sequence, not one per prompt token.
         """
         if kv_cache is not None:
-            positions, mask = kv_cache.prepare(input_ids, positions)
-        else:
-            mask = None
-            if positions is None:
-                positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-                positions = positions.expand_as(input_ids)
+            positions = kv_cache.prepare(input_ids, positions)
+        elif positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            positions = positions.expand_as(input_ids)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, kv_cache, mask)
+            x = layer(x, cos, sin, kv_cache)
+        if logits_to_keep is not None:
+            x = x[:, logits_to_keep]
         logits = self.lm_head(self.model.norm(x))
         loss = None
         if labels is not None:

@@ -75,7 +75,7 @@ class BlockManager:
         needed, parent, hitting = 0, NO_HASH, True
         for start in range(0, len(token_ids), self.block_size):
             chunk = token_ids[start:start + self.block_size]
-            full = len(chunk) == self.block_size
+            full = self._lookable(start, len(token_ids))
             block = self._lookup(parent, chunk) if full and hitting else None
             if block is None:
                 hitting = False
@@ -89,7 +89,9 @@ class BlockManager:
         """Blocks for a new sequence's prompt, reusing cached full blocks of its prefix.
 
         The cache is consulted until the first miss; the blocks after it are fresh and
-        join the cache only once `commit` reports their KV computed.
+        join the cache only once `commit` reports their KV computed. The block holding the
+        last token is never taken from the cache: that token is always computed (its
+        logits give the next token), and computing it must not write into a shared block.
         """
         if not self.can_allocate(token_ids):
             raise OutOfBlocks(f"{self.blocks_needed(len(token_ids))} blocks needed, "
@@ -98,7 +100,7 @@ class BlockManager:
         parent, hitting = NO_HASH, True
         for start in range(0, len(token_ids), self.block_size):
             chunk = token_ids[start:start + self.block_size]
-            full = len(chunk) == self.block_size
+            full = self._lookable(start, len(token_ids))
             block = self._lookup(parent, chunk) if full and hitting else None
             if full:
                 self.prefix_queries += len(chunk)
@@ -146,6 +148,20 @@ class BlockManager:
                 self.free[block_id] = None
         table.blocks.clear()
         table.num_cached_tokens = 0
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (after new weights, the stored KV is stale). Only
+        valid with no sequence holding blocks."""
+        if self.num_free != len(self.blocks):
+            raise RuntimeError("reset_prefix_cache needs every block free; finish or abort "
+                               "the running sequences first")
+        for block in self.blocks:
+            block.hash, block.token_ids = NO_HASH, ()
+        self.cached.clear()
+
+    def _lookable(self, start: int, num_tokens: int) -> bool:
+        """Whether the block starting at token `start` may come from the prefix cache."""
+        return start + self.block_size < num_tokens
 
     def _lookup(self, parent: int, chunk: Sequence[int]) -> Block | None:
         block_id = self.cached.get(block_hash(parent, chunk))

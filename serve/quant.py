@@ -5,15 +5,38 @@ int4: asymmetric, one (scale, minimum) pair per group of `group_size` input colu
 w ≈ q · scale + minimum, q in [0, 15], two values packed per byte (low nibble = even
 column). Activations stay in the model's dtype; the reference forward dequantizes the
 weight and calls `F.linear` (a fused Triton dequantize-matmul is the kernels package's job).
+
+A quantized checkpoint is an ordinary checkpoint folder whose config.json carries a
+`quantization_config` ({"quant_method": "lathe", "mode", "group_size"}) and whose
+safetensors hold each linear's packed weight and scales under the module's name
+(`...q_proj.weight`, `...q_proj.scale`, for int4 also `...q_proj.minimum`). Only lathe
+loads it (`load_serving_model`); for other runtimes export GGUF.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
+
+from lathe.model.atomic import atomic_directory
+from lathe.model.checkpoint import (
+    CONFIG_FILE,
+    GENERATION_CONFIG_FILE,
+    PROVENANCE_FILE,
+    TOKENIZER_FILES,
+    WEIGHTS_FILE,
+    CheckpointError,
+    load_checkpoint,
+    read_model_config,
+)
+from lathe.model.transformer import Transformer
 
 QuantMode = Literal["int8", "int4"]
 
@@ -100,3 +123,73 @@ def quantize_linears(model: nn.Module, mode: QuantMode, group_size: int = 128) -
             setattr(parent, name, new)
             replaced += 1
     return replaced
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules())
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of parameters and buffers (what serving streams per decoded token, roughly)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def quantization_config(path: str | Path) -> dict | None:
+    """The `quantization_config` of a checkpoint folder, or None for a plain checkpoint."""
+    config = json.loads((Path(path) / CONFIG_FILE).read_text())
+    quant = config.get("quantization_config")
+    if quant is not None and (quant.get("quant_method") != "lathe"
+                              or quant.get("mode") not in ("int8", "int4")):
+        raise CheckpointError(f"{path}: quantization_config {quant} is not one lathe wrote "
+                              "(quant_method 'lathe', mode int8|int4)")
+    return quant
+
+
+def save_quantized_checkpoint(source: str | Path, out: str | Path, mode: QuantMode,
+                              group_size: int = 128) -> Path:
+    """Quantize a checkpoint folder's linears and write the result as a new folder."""
+    source = Path(source)
+    model = load_checkpoint(source, dtype=torch.float32)
+    quantize_linears(model, mode, group_size)
+    state = {name: t.contiguous() for name, t in model.state_dict().items()}
+    config = json.loads((source / CONFIG_FILE).read_text())
+    config["quantization_config"] = {"quant_method": "lathe", "mode": mode,
+                                     "group_size": group_size}
+    with atomic_directory(out) as tmp:
+        save_file(state, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        for name in (GENERATION_CONFIG_FILE, PROVENANCE_FILE, *TOKENIZER_FILES):
+            if (source / name).is_file():
+                shutil.copy2(source / name, tmp / name)
+    return Path(out)
+
+
+def load_serving_model(path: str | Path, quantize: QuantMode | None = None,
+                       group_size: int = 128, dtype: torch.dtype | None = None,
+                       device: torch.device | str | None = None) -> Transformer:
+    """A checkpoint ready to serve: a quantized checkpoint as written, or a plain one,
+    optionally quantized at load."""
+    quant = quantization_config(path)
+    if quant is None:
+        model = load_checkpoint(path, dtype=dtype, device=device)
+        if quantize is not None:
+            quantize_linears(model, quantize, group_size)
+        return model
+    if quantize is not None and quantize != quant["mode"]:
+        raise CheckpointError(f"{path} is already quantized to {quant['mode']}; "
+                              f"drop --quantize {quantize} or start from the full checkpoint")
+    with torch.device("meta"):
+        model = Transformer(read_model_config(path))
+    quantize_linears(model, quant["mode"], quant["group_size"])
+    state = load_file(Path(path) / WEIGHTS_FILE, device=str(device or "cpu"))
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    expected = set(model.state_dict())
+    if set(state) != expected:
+        raise CheckpointError(f"{path}: quantized weights do not match config.json (missing "
+                              f"{sorted(expected - set(state))[:4]}, unexpected "
+                              f"{sorted(set(state) - expected)[:4]})")
+    model.load_state_dict(state, assign=True)
+    model.model.rotary_emb.reset_parameters(device)
+    return model.eval()

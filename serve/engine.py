@@ -1,0 +1,368 @@
+"""The serving engine: continuous batching of many requests over one paged KV cache,
+running the shared `lathe.model.Transformer`.
+
+`LLMEngine.step()` is the whole hot loop: ask the scheduler what to run, flatten every
+scheduled sequence's new tokens into one row, run the model once through a `PagedBatch`
+(logits only for sequences whose context is now fully computed), sample one token for
+each of those, detokenize, match stop conditions, offer newly completed blocks to the
+prefix cache, and return what each sequence gained as `SequenceDelta`s. `generate()` is
+the offline API on top of it; `lathe.serve.async_engine` streams the same deltas.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+from torch import Tensor
+from tqdm import tqdm
+
+from lathe.model.checkpoint import GENERATION_CONFIG_FILE
+from lathe.model.transformer import Transformer
+from lathe.serve.block_manager import BlockManager
+from lathe.serve.detokenize import IncrementalDetokenizer
+from lathe.serve.paged_cache import KVSlabs, PagedBatch, SequenceSpan
+from lathe.serve.quant import QuantMode, is_quantized, load_serving_model
+from lathe.serve.sampling import SamplingParams, sample_token
+from lathe.serve.scheduler import Scheduler
+from lathe.serve.sequence import Sequence, Status
+from lathe.serve.stop import StopMatcher
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as given (the message names field and limit)."""
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # default: sized from the memory budget below
+    kv_cache_memory_mb: float = 256.0  # KV budget off-GPU
+    gpu_memory_utilization: float = 0.9  # on CUDA: fraction of device memory to fill
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely tokens at this position, best first
+
+
+@dataclass
+class SequenceDelta:
+    """What one sequence gained in one step (its last one carries `finish_reason`)."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, delta: SequenceDelta) -> None:
+        self.token_ids += delta.token_ids
+        self.text += delta.text
+        self.logprobs += delta.logprobs
+        self.finish_reason = delta.finish_reason or self.finish_reason
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_ids: list[int]
+    outputs: list[CompletionOutput]
+
+
+class _TextState:
+    """Detokenizer and stop-string matcher of one sequence."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stop: list[str]) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.stop = StopMatcher(stop)
+
+
+class LLMEngine:
+    def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None,
+                 config: EngineConfig | None = None,
+                 eos_token_ids: Iterable[int] = ()) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        self.eos_token_ids = set(eos_token_ids)
+        weight = model.model.embed_tokens.weight
+        self.device, dtype = weight.device, weight.dtype
+        num_blocks = self.config.num_blocks or self._blocks_in_budget(dtype)
+        self.block_manager = BlockManager(num_blocks, self.config.block_size)
+        self.slabs = KVSlabs(model.config, num_blocks, self.config.block_size, self.device, dtype)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
+                                   self.config.max_num_batched_tokens)
+        self.requests: dict[str, list[Sequence]] = {}
+        self._text: dict[Sequence, _TextState] = {}
+        self._ids = itertools.count()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, config: EngineConfig | None = None,
+                        quantize: QuantMode | None = None, dtype: torch.dtype | None = None,
+                        device: torch.device | str | None = None) -> LLMEngine:
+        """An engine on a checkpoint folder: its weights (optionally quantized at load), its
+        tokenizer when it has one, and the EOS ids of its generation_config.json."""
+        path = Path(path)
+        model = load_serving_model(path, quantize=quantize, dtype=dtype, device=device)
+        tokenizer_file = path / "tokenizer.json"
+        tokenizer = Tokenizer.from_file(str(tokenizer_file)) if tokenizer_file.is_file() else None
+        generation = path / GENERATION_CONFIG_FILE
+        eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() \
+            else None
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        return cls(model, tokenizer, config, eos_ids)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model.config.max_seq_len
+
+    def _blocks_in_budget(self, dtype: torch.dtype) -> int:
+        per_block = KVSlabs.bytes_per_block(self.model.config, self.config.block_size, dtype)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - self.config.gpu_memory_utilization) * total
+        else:
+            budget = self.config.kv_cache_memory_mb * 2**20
+        blocks = int(budget // per_block)
+        if blocks < 1:
+            raise RequestError(f"the KV-cache budget ({budget / 2**20:.0f} MiB) holds no block "
+                               f"of {per_block / 2**20:.2f} MiB; raise kv_cache_memory_mb or "
+                               "gpu_memory_utilization")
+        return blocks
+
+    # requests ---------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError("this checkpoint has no tokenizer.json: send token ids, not text")
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise `RequestError` for a request this engine could never complete."""
+        vocab = self.model.config.vocab_size
+        if not prompt_ids:
+            raise RequestError("prompt is empty: give at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                               f"[0, {vocab})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                f"prompt has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens} "
+                f"({total} in all); shorten the prompt or lower max_tokens")
+        blocks = self.block_manager.blocks_needed(total)
+        if blocks > len(self.block_manager.blocks):
+            raise RequestError(f"prompt + max_tokens = {total} tokens need {blocks} KV blocks but "
+                               f"the cache has {len(self.block_manager.blocks)}; lower max_tokens "
+                               "or give the engine a larger KV budget")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer; this checkpoint has none "
+                               "(use stop_token_ids)")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        """Queue a request (n sequences); returns its id."""
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        self.validate(prompt_ids, params)
+        seqs: list[Sequence] = []
+        for index in range(params.n):
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(self.device).manual_seed(params.seed + index)
+            seq = Sequence(request_id, index, list(prompt_ids), params, generator,
+                           parent=seqs[0] if seqs else None)
+            self._text[seq] = _TextState(self.tokenizer, params.stop)
+            self.scheduler.add(seq)
+            seqs.append(seq)
+        self.requests[request_id] = seqs
+        self.prompt_tokens_total += len(prompt_ids) * params.n
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its blocks (a no-op once it has finished)."""
+        for seq in self.requests.pop(request_id, []):
+            if seq.status is not Status.FINISHED:
+                self.scheduler.finish(seq, "abort")
+            self._text.pop(seq, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # the step ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[SequenceDelta]:
+        batch = self.scheduler.schedule()
+        if not batch.items:
+            return []
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        spans: list[SequenceSpan] = []
+        keep: list[int] = []
+        sampled: list[Sequence] = []
+        block_size = self.config.block_size
+        offsets = torch.arange(block_size)
+        for seq, count in batch.items:
+            start, end = seq.num_computed, seq.num_computed + count
+            row = len(ids)
+            ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            context = (torch.tensor(seq.table.blocks)[:, None] * block_size + offsets).flatten()
+            context = context[:end]
+            slots += context[start:end].tolist()
+            spans.append(SequenceSpan(row, count, context.to(self.device)))
+            seq.num_computed = end
+            if end == seq.num_tokens:
+                keep.append(row + count - 1)
+                sampled.append(seq)
+        device = self.device
+        view = PagedBatch(self.slabs, spans, torch.tensor(positions, device=device),
+                          torch.tensor(slots, device=device))
+        logits = self.model(torch.tensor([ids], device=device), kv_cache=view,
+                            logits_to_keep=torch.tensor(keep, device=device)).logits[0]
+        for seq, _ in batch.items:
+            self.block_manager.commit(seq.table, seq.token_ids, seq.num_computed)
+        picked = self._sample(sampled, logits)
+        return [self._append(seq, pick) for seq, pick in zip(sampled, picked, strict=True)]
+
+    def _sample(self, seqs: list[Sequence],
+                logits: Tensor) -> list[tuple[int, TokenLogprob | None]]:
+        greedy = logits.argmax(dim=-1).tolist()
+        picked = []
+        for i, seq in enumerate(seqs):
+            params = seq.params
+            plain = (params.greedy and params.repetition_penalty == 1.0
+                     and not params.presence_penalty and not params.frequency_penalty)
+            token = greedy[i] if plain else sample_token(logits[i], params, seq.prompt_ids,
+                                                         seq.output_ids, seq.generator)
+            logprob = None
+            if params.logprobs is not None:
+                row = torch.log_softmax(logits[i].float(), dim=-1)
+                top = row.topk(params.logprobs) if params.logprobs else None
+                logprob = TokenLogprob(token, float(row[token]), [] if top is None else list(
+                    zip(top.indices.tolist(), top.values.tolist(), strict=True)))
+            picked.append((token, logprob))
+        return picked
+
+    def _append(self, seq: Sequence, picked: tuple[int, TokenLogprob | None]) -> SequenceDelta:
+        token, logprob = picked
+        seq.output_ids.append(token)
+        self.generation_tokens_total += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        params, state = seq.params, self._text[seq]
+        reason = None
+        special = token in self.eos_token_ids or token in params.stop_token_ids
+        if token in params.stop_token_ids or (token in self.eos_token_ids
+                                              and not params.ignore_eos):
+            reason = "stop"
+        text = ""
+        if state.detokenizer is not None and not special:
+            text = state.stop.feed(state.detokenizer.step(token))
+            if state.stop.stopped:
+                reason = "stop"
+        if reason is None and (len(seq.output_ids) >= params.max_tokens
+                               or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            text += state.stop.flush()
+            self.scheduler.finish(seq, reason)
+            self._text.pop(seq, None)
+            if all(s.status is Status.FINISHED for s in self.requests.get(seq.request_id, [])):
+                self.requests.pop(seq.request_id, None)
+        return SequenceDelta(seq.request_id, seq.index, [token], text,
+                             [logprob] if logprob is not None else [], reason,
+                             len(seq.prompt_ids), seq.table.num_cached_tokens)
+
+    # offline API and weights ------------------------------------------------------------
+
+    def generate(self, prompts: list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 progress: bool = False) -> list[Completion]:
+        """Complete every prompt (text or token ids), batched continuously; results in order."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(
+            prompts)
+        if len(params_list) != len(prompts):
+            raise RequestError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        completions: dict[str, Completion] = {}
+        for prompt, p in zip(prompts, params_list, strict=True):
+            prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            request_id = self.add_request(prompt_ids, p)
+            completions[request_id] = Completion(request_id, prompt_ids,
+                                                 [CompletionOutput(i) for i in range(p.n)])
+        total = sum(p.n for p in params_list)
+        with tqdm(total=total, desc="generate", unit="seq", disable=not progress) as bar:
+            while self.has_unfinished():
+                for delta in self.step():
+                    if delta.request_id in completions:
+                        completions[delta.request_id].outputs[delta.index].add(delta)
+                        bar.update(delta.finish_reason is not None)
+        return list(completions.values())
+
+    def load_weights(self, state_dict: Mapping[str, Tensor]) -> None:
+        """Swap in new weights (e.g. the policy after a GRPO update) between requests; the
+        prefix cache is emptied since its KV came from the old weights."""
+        if self.has_unfinished():
+            raise RuntimeError("load_weights needs an idle engine; wait for or abort the "
+                               f"{self.num_running + self.num_waiting} unfinished sequences")
+        if is_quantized(self.model):
+            raise RuntimeError("load_weights takes full-precision weights; this engine's "
+                               "linears are quantized (build an unquantized engine for training)")
+        missing, unexpected = self.model.load_state_dict(dict(state_dict), strict=True)
+        if self.model.config.tie_embeddings:
+            missing = [name for name in missing if name != "lm_head.weight"]
+        if missing or unexpected:
+            raise RuntimeError(f"load_weights: missing {missing[:4]}, unexpected "
+                               f"{unexpected[:4]}; pass the policy's full state_dict")
+        self.block_manager.reset_prefix_cache()
+
+    def stats(self) -> dict[str, float]:
+        manager = self.block_manager
+        return {
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "kv_cache_usage": manager.usage,
+            "prefix_cache_queries": manager.prefix_queries,
+            "prefix_cache_hits": manager.prefix_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens": self.prompt_tokens_total,
+            "generation_tokens": self.generation_tokens_total,
+        }

@@ -1,0 +1,101 @@
+"""Which sequences run in the next engine step, and how many of their tokens.
+
+Each step first serves every running sequence that is decoding (one token each), then
+spends the remaining token budget on prefills: running sequences with prompt left to
+compute (chunked prefill), then new ones from the waiting queue in arrival order. When
+a decode cannot get a block, the most recently admitted running sequence is preempted
+by recompute — its blocks are freed and it goes back to the head of the waiting queue,
+keeping the tokens it generated — so the oldest requests always make progress.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from lathe.serve.block_manager import BlockManager
+from lathe.serve.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    """(sequence, number of its tokens to compute this step), decodes first."""
+
+    items: list[tuple[Sequence, int]]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        items: list[tuple[Sequence, int]] = []
+        budget = self.max_num_batched_tokens
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or seq.num_uncomputed != 1 or budget == 0:
+                continue
+            if self._make_room(seq):
+                items.append((seq, 1))
+                budget -= 1
+        for seq in self.running:
+            if seq.num_uncomputed > 1 and budget > 0:
+                count = min(seq.num_uncomputed, budget)
+                items.append((seq, count))
+                budget -= count
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = next((s for s in self.waiting if s.ready), None)
+            if seq is None or not self.block_manager.can_allocate(seq.token_ids):
+                break
+            self.waiting.remove(seq)
+            seq.table = self.block_manager.allocate(seq.token_ids)
+            seq.num_computed = seq.table.num_cached_tokens
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            count = min(seq.num_uncomputed, budget)
+            items.append((seq, count))
+            budget -= count
+        return ScheduledBatch(items)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence (EOS, stop, length or abort) and release its blocks."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free_table(seq.table)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+
+    def _make_room(self, seq: Sequence) -> bool:
+        """Grow `seq` by its next token's block, preempting the newest sequences if needed;
+        False when `seq` itself had to be preempted."""
+        while not self.block_manager.can_append(seq.table, seq.num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.block_manager.grow(seq.table, seq.num_tokens)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free_table(seq.table)
+        seq.status, seq.num_computed = Status.WAITING, 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

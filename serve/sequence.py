@@ -1,0 +1,65 @@
+"""One generated completion as the scheduler and engine see it: its tokens, its blocks,
+how much of it has KV computed, and how it ends.
+
+A request with n > 1 becomes n sequences; all but the first wait for the first one's
+prompt to be computed, then find its full blocks in the prefix cache instead of
+recomputing them.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from lathe.serve.block_manager import BlockTable
+from lathe.serve.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    index: int  # which of the request's n completions
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    parent: Sequence | None = None  # admitted only once the parent's prompt is computed
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    table: BlockTable = field(default_factory=BlockTable)
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens whose KV this sequence still needs (1 while decoding)."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def prompt_computed(self) -> bool:
+        return self.num_computed >= len(self.prompt_ids)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the scheduler may admit it (n > 1 siblings wait for the shared prompt)."""
+        parent = self.parent
+        return parent is None or parent.prompt_computed or parent.status is Status.FINISHED

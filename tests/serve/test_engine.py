@@ -1,0 +1,153 @@
+"""The paged, continuously batched engine against naive full-recompute decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lathe.serve.engine import EngineConfig, LLMEngine, RequestError
+from lathe.serve.sampling import SamplingParams
+from tests.serve.conftest import serve_model
+
+
+@torch.inference_mode()
+def naive_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(max_tokens):
+        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def prompts(lengths, vocab=256, seed=0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def engine_for(model, **config) -> LLMEngine:
+    return LLMEngine(model, config=EngineConfig(**{"block_size": 4, "num_blocks": 256,
+                                                  **config}))
+
+
+def test_batched_paged_greedy_equals_naive_recompute_token_for_token():
+    model = serve_model(256)
+    batch = prompts([3, 17, 40, 70, 1])
+    max_tokens = [5, 20, 9, 30, 12]
+    # a 24-token budget forces chunked prefills sharing steps with decodes
+    engine = engine_for(model, max_num_batched_tokens=24)
+    params = [SamplingParams(max_tokens=m, temperature=0) for m in max_tokens]
+    results = engine.generate(batch, params)
+    for prompt, m, result in zip(batch, max_tokens, results, strict=True):
+        assert result.outputs[0].token_ids == naive_greedy(model, prompt, m)
+        assert result.outputs[0].finish_reason == "length"
+    assert engine.block_manager.usage == 0 and not engine.has_unfinished()
+
+
+def test_prefix_cache_hit_gives_identical_output_and_counts():
+    model = serve_model(256)
+    engine = engine_for(model)
+    (prompt,) = prompts([30])
+    params = SamplingParams(max_tokens=8, temperature=0)
+    first = engine.generate([prompt], params)[0].outputs[0].token_ids
+    hits = engine.block_manager.prefix_hits
+    second = engine.generate([prompt], params)[0]
+    assert second.outputs[0].token_ids == first == naive_greedy(model, prompt, 8)
+    assert engine.block_manager.prefix_hits - hits == 28  # 7 full blocks; the last is recomputed
+
+
+def test_pool_is_empty_after_finished_and_aborted_requests():
+    engine = engine_for(serve_model(256), num_blocks=64)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=40, temperature=1.0, seed=i))
+           for i, p in enumerate(prompts([9, 21, 33]))]
+    for _ in range(3):
+        engine.step()
+    assert engine.block_manager.usage > 0
+    engine.abort(ids[1])
+    waiting = engine.add_request(prompts([5])[0], SamplingParams(max_tokens=4))
+    engine.abort(waiting)  # aborted before it was ever scheduled
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.block_manager.num_free == 64 and engine.requests == {}
+
+
+def test_tiny_cache_preempts_and_every_request_still_completes_exactly():
+    model = serve_model(256)
+    batch = prompts([10, 14, 6, 12], seed=1)
+    engine = engine_for(model, num_blocks=12)  # 48 slots for 4 sequences of up to 30 tokens
+    results = engine.generate(batch, SamplingParams(max_tokens=16, temperature=0))
+    assert engine.scheduler.num_preemptions > 0
+    for prompt, result in zip(batch, results, strict=True):
+        assert result.outputs[0].token_ids == naive_greedy(model, prompt, 16)
+    assert engine.block_manager.num_free == 12
+
+
+def test_same_seed_same_sample_and_n_shares_the_prompt_blocks():
+    engine = engine_for(serve_model(256))
+    (prompt,) = prompts([26])
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7, n=3)
+    a, b = (engine.generate([prompt], sampled)[0] for _ in range(2))
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert len({tuple(o.token_ids) for o in a.outputs}) == 3  # seed + index per completion
+    other = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=8)
+    assert engine.generate([prompt], other)[0].outputs[0].token_ids != a.outputs[0].token_ids
+
+    fresh = engine_for(serve_model(256))
+    fresh.generate([prompt], SamplingParams(max_tokens=4, temperature=0, n=4))
+    assert fresh.block_manager.prefix_hits == 3 * 24  # siblings reuse the first's 6 blocks
+
+
+def test_logprobs_are_the_models_log_softmax():
+    model = serve_model(256)
+    engine = engine_for(model)
+    (prompt,) = prompts([11])
+    out = engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0,
+                                                   logprobs=4))[0].outputs[0]
+    ids = prompt + out.token_ids
+    with torch.inference_mode():
+        reference = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    for t, lp in enumerate(out.logprobs):
+        row = reference[len(prompt) - 1 + t]
+        assert lp.token_id == out.token_ids[t]
+        assert lp.logprob == pytest.approx(float(row[lp.token_id]), abs=1e-5)
+        assert [i for i, _ in lp.top] == row.topk(4).indices.tolist()
+
+
+def test_load_weights_swaps_the_model_and_forgets_cached_prefixes():
+    engine = engine_for(serve_model(256))
+    (prompt,) = prompts([20])
+    params = SamplingParams(max_tokens=6, temperature=0)
+    engine.generate([prompt], params)
+    new = serve_model(256, init_std=0.1)
+    engine.load_weights(new.state_dict())
+    assert engine.block_manager.cached == {}
+    assert engine.generate([prompt], params)[0].outputs[0].token_ids == naive_greedy(
+        new, prompt, 6)
+
+
+def test_requests_over_the_context_window_are_refused_with_both_numbers():
+    engine = engine_for(serve_model(256))
+    with pytest.raises(RequestError, match="maximum context length is 256 .* prompt has 250 "
+                                           "tokens and max_tokens is 10"):
+        engine.add_request([1] * 250, SamplingParams(max_tokens=10))
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        engine.add_request([300], SamplingParams())
+
+
+def test_text_stop_strings_and_eos_from_a_checkpoint(checkpoint):
+    engine = LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=64))
+    prompt = "The river"
+    free = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0,
+                                                    ignore_eos=True))[0].outputs[0]
+    pieces = [engine.tokenizer.decode(free.token_ids[:i]) for i in range(len(free.token_ids))]
+    boundary = next(len(p) for p in pieces if 3 <= len(p) < len(free.text) - 2)
+    stop = free.text[boundary - 2:boundary + 2]  # spans a token boundary
+    stopped = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0,
+                                                       stop=[stop], ignore_eos=True))[0]
+    out = stopped.outputs[0]
+    assert out.finish_reason == "stop" and stop not in out.text
+    assert out.text == free.text[:free.text.index(stop)]
+    eos = engine.eos_token_ids
+    assert eos, "generation_config.json names the chat EOS"
+    forced = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0,
+                                                      stop_token_ids=[free.token_ids[2]]))[0]
+    assert forced.outputs[0].token_ids == free.token_ids[:3]
+    assert forced.outputs[0].finish_reason == "stop"
