@@ -191,5 +191,22 @@ def load_serving_model(path: str | Path, quantize: QuantMode | None = None,
                               f"{sorted(expected - set(state))[:4]}, unexpected "
                               f"{sorted(set(state) - expected)[:4]})")
     model.load_state_dict(state, assign=True)
-    model.model.rotary_emb.reset_parameters(device)
+    model.model.rotary_emb.reset_parameters(device or "cpu")
     return model.eval()
+
+
+@torch.inference_mode()
+def perplexity(model: Transformer, token_ids: list[int], window: int | None = None) -> float:
+    """exp(mean next-token loss) over `token_ids`, in non-overlapping windows of the
+    model's context length."""
+    window = window or model.config.max_seq_len
+    device = model.model.embed_tokens.weight.device
+    total, count = 0.0, 0
+    for start in range(0, len(token_ids) - 1, window):
+        chunk = torch.tensor([token_ids[start:start + window + 1]], device=device)
+        if chunk.shape[1] < 2:
+            break
+        logits = model(chunk[:, :-1]).logits[0].float()
+        total += float(F.cross_entropy(logits, chunk[0, 1:], reduction="sum"))
+        count += chunk.shape[1] - 1
+    return float(torch.exp(torch.tensor(total / count)))

@@ -5,15 +5,23 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lathe.model import load_checkpoint
+from lathe.model.checkpoint import CheckpointError
+from lathe.model.cli import main
+from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.quant import (
     Int4Linear,
     Int8Linear,
     dequantize_int4,
     dequantize_int8,
+    load_serving_model,
+    perplexity,
     quantize_int4,
     quantize_int8,
     quantize_linears,
+    weight_bytes,
 )
+from lathe.serve.sampling import SamplingParams
 from tests.builders import tiny_model
 
 
@@ -60,3 +68,25 @@ def test_every_linear_of_the_model_is_swapped_and_logits_stay_close():
         assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
         quantized = model(ids).logits
     assert ((quantized - reference).norm() / reference.norm()).item() < 0.02
+
+
+def test_quantized_checkpoint_round_trip_serves_the_same_logits(checkpoint, tmp_path, capsys):
+    ids = torch.randint(0, 400, (1, 40))
+    full = load_checkpoint(checkpoint)
+    for mode in ("int8", "int4"):
+        out = tmp_path / mode
+        assert main(["export", str(checkpoint), "--format", "quantized", "--quantize", mode,
+                     "--group-size", "32", "--out", str(out)]) == 0
+        assert "MiB" in capsys.readouterr().out
+        loaded = load_serving_model(out)
+        in_memory = load_serving_model(checkpoint, quantize=mode, group_size=32)
+        with torch.inference_mode():
+            assert torch.equal(loaded(ids).logits, in_memory(ids).logits)
+        ratio = weight_bytes(loaded) / weight_bytes(full)
+        assert ratio < (0.45 if mode == "int8" else 0.4)  # fp32 embedding stays
+        assert abs(perplexity(loaded, ids[0].tolist()) / perplexity(full, ids[0].tolist())
+                   - 1) < (0.02 if mode == "int8" else 0.2)
+        engine = LLMEngine.from_checkpoint(out, EngineConfig(num_blocks=32))
+        assert engine.generate([ids[0, :9].tolist()], SamplingParams(max_tokens=4, temperature=0))
+    with pytest.raises(CheckpointError, match="already quantized to int4"):
+        load_serving_model(tmp_path / "int4", quantize="int8")

@@ -1,0 +1,125 @@
+"""Streaming access to one `LLMEngine` from asyncio code (the server, GRPO rollouts).
+
+A single background task owns the engine: between steps it applies the requests added
+and aborted since the last one, then runs `step()` in a worker thread (the forward pass
+must not block the event loop) and routes each `SequenceDelta` to its request's queue.
+No engine state is touched from two threads at once, so the engine needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator, Callable
+
+from lathe.serve.engine import LLMEngine, SequenceDelta
+from lathe.serve.sampling import SamplingParams
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting than the engine was configured to queue."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_waiting: int = 256,
+                 on_step: Callable[[list[SequenceDelta], float], None] | None = None) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.on_step = on_step  # called with each step's deltas and its duration
+        self._queues: dict[str, asyncio.Queue[SequenceDelta | BaseException]] = {}
+        self._pending_adds: list[tuple[str, list[int], SamplingParams]] = []
+        self._pending_aborts: list[str] = []
+        self._wake = asyncio.Event()
+        self._ids = itertools.count()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.num_waiting + len(self._pending_adds)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               request_id: str | None = None) -> str:
+        """Queue a request now (raising `RequestError` or `QueueFull` at once); read its
+        deltas with `results`."""
+        self.engine.validate(prompt_ids, params)
+        if self.num_waiting >= self.max_waiting:
+            raise QueueFull(f"{self.num_waiting} requests are already waiting "
+                            f"(max_waiting={self.max_waiting}); retry later")
+        request_id = request_id or f"async-{next(self._ids)}"
+        self._queues[request_id] = asyncio.Queue()
+        self._pending_adds.append((request_id, prompt_ids, params))
+        self._wake.set()
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Abort a submitted request whose results nobody will read."""
+        self._queues.pop(request_id, None)
+        self._pending_aborts.append(request_id)
+        self._wake.set()
+
+    async def results(self, request_id: str, n: int) -> AsyncIterator[SequenceDelta]:
+        """Deltas of the request's n sequences until all have finished. Leaving early (a
+        client gone, a cancelled task) aborts the request and frees its blocks."""
+        queue = self._queues[request_id]
+        unfinished = n
+        try:
+            while unfinished:
+                delta = await queue.get()
+                if isinstance(delta, BaseException):
+                    raise delta
+                unfinished -= delta.finish_reason is not None
+                yield delta
+        finally:
+            self._queues.pop(request_id, None)
+            if unfinished:
+                self._pending_aborts.append(request_id)
+                self._wake.set()
+
+    async def stream(self, prompt_ids: list[int],
+                     params: SamplingParams) -> AsyncIterator[SequenceDelta]:
+        """`submit` and `results` in one call."""
+        request_id = self.submit(prompt_ids, params)
+        async for delta in self.results(request_id, params.n):
+            yield delta
+
+    async def _run(self) -> None:
+        while True:
+            self._apply_pending()
+            if not self.engine.has_unfinished():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            start = time.perf_counter()
+            try:
+                deltas = await asyncio.to_thread(self.engine.step)
+            except Exception as error:  # fail every open stream instead of hanging them
+                for request_id, queue in list(self._queues.items()):
+                    self.engine.abort(request_id)
+                    queue.put_nowait(error)
+                continue
+            if self.on_step is not None:
+                self.on_step(deltas, time.perf_counter() - start)
+            for delta in deltas:
+                queue = self._queues.get(delta.request_id)
+                if queue is not None:
+                    queue.put_nowait(delta)
+
+    def _apply_pending(self) -> None:
+        aborts, self._pending_aborts = set(self._pending_aborts), []
+        adds, self._pending_adds = self._pending_adds, []
+        for request_id in aborts:
+            self.engine.abort(request_id)
+        for request_id, prompt_ids, params in adds:
+            if request_id not in aborts:
+                self.engine.add_request(prompt_ids, params, request_id)

@@ -1,0 +1,55 @@
+"""A checkpoint's chat template (the Jinja string in tokenizer_config.json), rendered the
+way `transformers`' `apply_chat_template` renders it: a sandboxed environment, the
+tokenizer's special tokens as variables and `raise_exception` for template errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from lathe.model.checkpoint import CheckpointError
+
+
+class ChatTemplateError(ValueError):
+    """The messages do not fit the template (unknown role, missing content, ...)."""
+
+
+def _raise(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+class ChatTemplate:
+    def __init__(self, template: str, special_tokens: dict[str, str]) -> None:
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        environment.globals["raise_exception"] = _raise
+        self.template = environment.from_string(template)
+        self.special_tokens = special_tokens
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path) -> ChatTemplate:
+        path = Path(path)
+        config_file = path / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        template = config.get("chat_template")
+        if not template and (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text()
+        if not template:
+            raise CheckpointError(f"{path} has no chat template (tokenizer_config.json "
+                                  "chat_template); train the tokenizer with `lathe tokenizer "
+                                  "train` or use /v1/completions")
+        specials = {}
+        for key in ("bos_token", "eos_token", "pad_token"):
+            value = config.get(key)
+            specials[key] = value.get("content") if isinstance(value, dict) else (value or "")
+        return cls(template, specials)
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        try:
+            return self.template.render(messages=messages,
+                                        add_generation_prompt=add_generation_prompt,
+                                        **self.special_tokens)
+        except TemplateError as error:
+            raise ChatTemplateError(f"chat template failed: {error}") from None

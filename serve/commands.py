@@ -1,0 +1,154 @@
+"""`lathe serve` (the OpenAI-compatible server), `lathe chat` (a terminal chat against a
+checkpoint or a server) and `lathe export` (quantized and GGUF variants of a checkpoint)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from lathe.model.checkpoint import read_model_config
+from lathe.model.recipe import ConfigError
+from lathe.serve.engine import EngineConfig
+
+
+def _engine_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--quantize", choices=["int8", "int4"],
+                       help="weight-only quantization applied at load")
+    group.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    group.add_argument("--max-num-batched-tokens", type=int,
+                       default=EngineConfig.max_num_batched_tokens)
+    group.add_argument("--block-size", type=int, default=EngineConfig.block_size)
+    group.add_argument("--kv-cache-memory-mb", type=float,
+                       default=EngineConfig.kv_cache_memory_mb, help="KV budget off-GPU")
+    group.add_argument("--gpu-memory-utilization", type=float,
+                       default=EngineConfig.gpu_memory_utilization)
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ConfigError(f"--gpu-memory-utilization={args.gpu_memory_utilization} must be "
+                          "in (0, 1]")
+    return EngineConfig(block_size=args.block_size, kv_cache_memory_mb=args.kv_cache_memory_mb,
+                        gpu_memory_utilization=args.gpu_memory_utilization,
+                        max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+def serve_main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="lathe serve", description="Serve a checkpoint behind an OpenAI-compatible API.")
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="interface to bind (default: this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("LATHE_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' (default: $LATHE_API_KEY)")
+    parser.add_argument("--served-model-name", help="model id clients send (default: folder name)")
+    parser.add_argument("--max-waiting", type=int, default=256,
+                        help="queued requests before answering 429")
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    parser.add_argument("--log-level", default="info")
+    _engine_flags(parser)
+    args = parser.parse_args(argv)
+    read_model_config(args.checkpoint)  # fail before binding a port on a wrong path
+    import uvicorn
+
+    from lathe.serve.server import ServerConfig, build_app
+    config = ServerConfig(checkpoint=args.checkpoint, host=args.host, port=args.port,
+                          api_key=args.api_key, served_model_name=args.served_model_name,
+                          quantize=args.quantize, max_waiting=args.max_waiting,
+                          max_body_bytes=args.max_body_bytes, engine=_engine_config(args))
+    uvicorn.run(build_app(config), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def chat_main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="lathe chat", description="Chat in the terminal with a checkpoint folder or a "
+                                       "running `lathe serve` (http://HOST:PORT).")
+    parser.add_argument("target", help="checkpoint folder or server URL")
+    parser.add_argument("--system", help="system prompt")
+    parser.add_argument("--prompt", help="send this one message, print the answer and exit")
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--top-p", type=float, default=0.9)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--api-key", default=os.environ.get("LATHE_API_KEY"))
+    parser.add_argument("--model", help="model id on the server (default: its first)")
+    parser.add_argument("--quantize", choices=["int8", "int4"], help="local checkpoints only")
+    args = parser.parse_args(argv)
+    from lathe.serve.chat import LocalChat, RemoteChat, chat_loop, say, write_stdout
+    from lathe.serve.sampling import SamplingError, SamplingParams
+
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                "max_tokens": args.max_tokens, "seed": args.seed}
+    try:
+        SamplingParams(**sampling)
+    except SamplingError as error:
+        raise ConfigError(str(error).replace("_", "-", 1)) from None
+    if args.target.startswith(("http://", "https://")):
+        backend = RemoteChat(args.target, args.api_key, args.model)
+    else:
+        read_model_config(args.target)
+        backend = LocalChat(Path(args.target), args.quantize)
+    if args.prompt is not None:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}]
+        say(backend, messages, sampling, write_stdout)
+        print()
+        return 0
+    chat_loop(backend, sampling, args.system)
+    return 0
+
+
+def export_main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="lathe export", description="Write a servable variant of a checkpoint: a "
+        "weight-only quantized checkpoint folder (lathe serve loads it) or one GGUF file "
+        "(llama.cpp, Ollama).")
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("--format", required=True, choices=["quantized", "gguf"])
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--quantize", choices=["int8", "int4"], default="int8",
+                        help="--format quantized: weight-only scheme")
+    parser.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128],
+                        help="--format quantized, int4: input columns per scale")
+    parser.add_argument("--dtype", choices=["f16", "q8_0"], default="f16",
+                        help="--format gguf: tensor type of the weight matrices")
+    parser.add_argument("--eval-text", type=Path,
+                        help="--format quantized: report perplexity on this text file "
+                             "before and after quantization")
+    args = parser.parse_args(argv)
+    read_model_config(args.checkpoint)
+    from lathe.model.checkpoint import load_checkpoint
+    from lathe.serve.quant import (
+        load_serving_model,
+        perplexity,
+        save_quantized_checkpoint,
+        weight_bytes,
+    )
+
+    if args.format == "gguf":
+        from lathe.serve.gguf_export import export_gguf
+        out = export_gguf(args.checkpoint, args.out, args.dtype)
+        print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB, {args.dtype})")
+        return 0
+    save_quantized_checkpoint(args.checkpoint, args.out, args.quantize, args.group_size)
+    full, quantized = load_checkpoint(args.checkpoint), load_serving_model(args.out)
+    before, after = weight_bytes(full), weight_bytes(quantized)
+    print(f"wrote {args.out}: weights {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB "
+          f"({1 - after / before:.0%} smaller, {args.quantize})")
+    if args.eval_text is not None:
+        from lathe.data.tokenizer import load_tokenizer
+        ids = load_tokenizer(args.checkpoint).encode(args.eval_text.read_text()).ids
+        base, new = perplexity(full, ids), perplexity(quantized, ids)
+        print(f"perplexity on {args.eval_text} ({len(ids)} tokens): {base:.3f} -> {new:.3f} "
+              f"({new / base - 1:+.2%})")
+    return 0

@@ -1,0 +1,90 @@
+"""Prometheus metrics of a running server (vLLM's names, under the `lathe:` prefix).
+
+Engine state — requests running and waiting, KV-cache usage, prefix-cache queries and
+hits, preemptions, prompt and generation tokens — is read from the engine at scrape
+time; latency histograms (time to first token, inter-token latency, end-to-end) are
+observed by the server as each request streams.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from lathe.serve.engine import LLMEngine
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: Callable[[], LLMEngine | None], model: str) -> None:
+        self.engine, self.model = engine, model
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        engine = self.engine()
+        if engine is None:
+            return
+        stats = engine.stats()
+        for name, key, help_ in (
+                ("num_requests_running", "num_running", "Sequences in the running batch."),
+                ("num_requests_waiting", "num_waiting", "Sequences waiting to be admitted."),
+                ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV blocks in use.")):
+            gauge = GaugeMetricFamily(f"lathe:{name}", help_, labels=["model_name"])
+            gauge.add_metric([self.model], stats[key])
+            yield gauge
+        for name, key, help_ in (
+                ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up."),
+                ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found cached."),
+                ("num_preemptions", "num_preemptions", "Sequences preempted by recompute."),
+                ("prompt_tokens", "prompt_tokens", "Prompt tokens received."),
+                ("generation_tokens", "generation_tokens", "Tokens generated.")):
+            counter = CounterMetricFamily(f"lathe:{name}", help_, labels=["model_name"])
+            counter.add_metric([self.model], stats[key])
+            yield counter
+
+
+class ServerMetrics:
+    def __init__(self, engine: Callable[[], LLMEngine | None], model: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model = model
+        self.registry.register(_EngineCollector(engine, model))
+
+        def histogram(name: str, help_: str) -> Histogram:
+            return Histogram(f"lathe:{name}", help_, ["model_name"], registry=self.registry,
+                             buckets=LATENCY_BUCKETS).labels(model)
+        self.time_to_first_token = histogram("time_to_first_token_seconds",
+                                             "Time from request to its first token.")
+        self.inter_token_latency = histogram("inter_token_latency_seconds",
+                                             "Time between consecutive tokens of a sequence.")
+        self.e2e_latency = histogram("e2e_request_latency_seconds",
+                                     "Time from request to its last token.")
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Feeds one request's token arrivals into the latency histograms."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self.last: dict[int, float] = {}  # per sequence index
+
+    def token(self, index: int) -> None:
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+            self.metrics.time_to_first_token.observe(now - self.start)
+        if index in self.last:
+            self.metrics.inter_token_latency.observe(now - self.last[index])
+        self.last[index] = now
+
+    def done(self) -> None:
+        self.metrics.e2e_latency.observe(time.perf_counter() - self.start)

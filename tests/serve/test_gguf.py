@@ -1,0 +1,159 @@
+"""GGUF export checked by an independent llama.cpp-style forward over the file's tensors.
+
+The reference below reads only the GGUF file (names, shapes, dequantized data) and rotates
+adjacent pairs as llama.cpp does. Attention is sharpened (q scaled up) and inputs have
+many tokens, so a wrong q/k layout — invisible at position 0 — changes the logits a lot.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from lathe.model import load_checkpoint, save_checkpoint
+from lathe.serve.gguf_export import export_gguf
+
+
+def read_gguf(path):
+    reader = gguf.GGUFReader(str(path))
+    tensors = {}
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type)
+        tensors[t.name] = torch.from_numpy(np.array(data, dtype=np.float32))
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    return fields, tensors
+
+
+def rope_adjacent(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """(T, H, D): rotate pairs (2i, 2i+1) by position * theta^(-2i/D), as llama.cpp."""
+    seq, _, dim = x.shape
+    freqs = theta ** (-torch.arange(0, dim, 2).float() / dim)
+    angles = torch.arange(seq).float()[:, None] * freqs  # (T, D/2)
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = even * cos - odd * sin
+    out[..., 1::2] = even * sin + odd * cos
+    return out
+
+
+def gguf_forward(fields, w, ids: list[int]) -> torch.Tensor:
+    n_layers = fields["llama.block_count"]
+    n_heads, n_kv = fields["llama.attention.head_count"], fields["llama.attention.head_count_kv"]
+    eps, theta = fields["llama.attention.layer_norm_rms_epsilon"], fields["llama.rope.freq_base"]
+
+    def norm(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+    x = w["token_embd.weight"][ids]
+    seq = len(ids)
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        h = norm(x, w[p + "attn_norm.weight"])
+        q = (h @ w[p + "attn_q.weight"].T).view(seq, n_heads, -1)
+        k = (h @ w[p + "attn_k.weight"].T).view(seq, n_kv, -1)
+        v = (h @ w[p + "attn_v.weight"].T).view(seq, n_kv, -1)
+        q, k = rope_adjacent(q, theta), rope_adjacent(k, theta)
+        k, v = (t.repeat_interleave(n_heads // n_kv, dim=1) for t in (k, v))
+        scores = torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5
+        attn = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        mixed = torch.einsum("hqk,khd->qhd", attn, v).reshape(seq, -1)
+        x = x + mixed @ w[p + "attn_output.weight"].T
+        h = norm(x, w[p + "ffn_norm.weight"])
+        gate = torch.nn.functional.silu(h @ w[p + "ffn_gate.weight"].T)
+        x = x + (gate * (h @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T
+    head = w.get("output.weight", w["token_embd.weight"])
+    return norm(x, w["output_norm.weight"]) @ head.T
+
+
+@torch.no_grad()
+def with_gguf_weights(model, tensors):
+    """`model` given the file's (dequantized) linear and embedding weights, q/k un-permuted;
+    each stays within 1% of the original."""
+    config = model.config
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp, p = layer.self_attn, layer.mlp, f"blk.{i}."
+        for linear, name, heads in ((attn.q_proj, "attn_q", config.n_heads),
+                                    (attn.k_proj, "attn_k", config.n_kv_heads),
+                                    (attn.v_proj, "attn_v", None),
+                                    (attn.o_proj, "attn_output", None),
+                                    (mlp.gate_proj, "ffn_gate", None),
+                                    (mlp.up_proj, "ffn_up", None),
+                                    (mlp.down_proj, "ffn_down", None)):
+            weight = tensors[p + name + ".weight"]
+            weight = unpermute(weight, heads) if heads else weight
+            assert (weight - linear.weight).norm() / linear.weight.norm() < 0.01, name
+            linear.weight.copy_(weight)
+    model.model.embed_tokens.weight.copy_(tensors["token_embd.weight"])
+    return model
+
+
+@pytest.fixture(scope="module")
+def sharpened(checkpoint, tmp_path_factory):
+    """The tiny checkpoint with q scaled up (peaked attention), weights rounded to f16."""
+    model = load_checkpoint(checkpoint)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8.0)
+        for p in model.parameters():
+            p.copy_(p.half().float())
+    return save_checkpoint(model, tmp_path_factory.mktemp("gguf") / "sharp",
+                           tokenizer=checkpoint), model
+
+
+def unpermute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Adjacent-pair rows back to rotate-half rows (the inverse of llama.cpp's permute)."""
+    out, inp = weight.shape
+    return weight.reshape(n_heads, out // n_heads // 2, 2, inp).transpose(1, 2).reshape(out, inp)
+
+
+@pytest.mark.parametrize("dtype", ["f16", "q8_0"])
+def test_gguf_logits_match_lathe_on_many_tokens(sharpened, tmp_path, dtype):
+    """The reference forward over the file equals lathe's forward on the same weights
+    (for q8_0: lathe given the file's dequantized weights, which stay within 1% of the
+    originals), to 2e-4 of the largest logit."""
+    path, model = sharpened
+    out = export_gguf(path, tmp_path / f"model-{dtype}.gguf", dtype=dtype)
+    fields, tensors = read_gguf(out)
+    if dtype == "q8_0":
+        model = with_gguf_weights(load_checkpoint(path), tensors)
+    ids = torch.randint(0, model.config.vocab_size, (24,),
+                        generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        expected = model(ids[None]).logits[0]
+        got = gguf_forward(fields, tensors, ids.tolist())
+    scale = expected.abs().max()
+    assert (got - expected).abs().max() / scale < 2e-4
+    if dtype == "f16":
+        # the same forward on un-permuted q/k (HF layout read as llama.cpp's) is far off
+        wrong = dict(tensors)
+        for i in range(model.config.n_layers):
+            wrong[f"blk.{i}.attn_q.weight"] = model.model.layers[i].self_attn.q_proj.weight
+            wrong[f"blk.{i}.attn_k.weight"] = model.model.layers[i].self_attn.k_proj.weight
+        with torch.inference_mode():
+            off = gguf_forward(fields, wrong, ids.tolist())
+        assert (off - expected).abs().max() / scale > 1e-2
+
+
+def test_gguf_carries_hyperparameters_vocabulary_and_special_tokens(checkpoint, tmp_path):
+    fields, tensors = read_gguf(export_gguf(checkpoint, tmp_path / "m.gguf"))
+    model = load_checkpoint(checkpoint)
+    config = model.config
+    assert fields["general.architecture"] == "llama"
+    assert fields["llama.block_count"] == config.n_layers
+    assert fields["llama.embedding_length"] == config.dim
+    assert fields["llama.attention.head_count_kv"] == config.n_kv_heads
+    assert fields["tokenizer.ggml.model"] == "gpt2"
+    assert fields["tokenizer.ggml.pre"] == "llama-bpe"
+    tokens = fields["tokenizer.ggml.tokens"]
+    assert len(tokens) == config.vocab_size and "<|end_of_turn|>" in tokens
+    eos = fields["tokenizer.ggml.eos_token_id"]
+    assert tokens[eos] == "<|end_of_turn|>"
+    assert fields["tokenizer.ggml.token_type"][eos] == gguf.TokenType.CONTROL
+    assert len(fields["tokenizer.ggml.merges"]) > 100
+    assert "<|assistant|>" in fields["tokenizer.chat_template"]
+    assert "output.weight" not in tensors  # tied to token_embd
+    assert tensors["blk.0.attn_norm.weight"].dtype == torch.float32

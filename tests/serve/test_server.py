@@ -1,0 +1,221 @@
+"""The real server (uvicorn in a thread) through the official `openai` client and raw HTTP."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.server import ServerConfig, build_app
+
+API_KEY = "test-key"
+
+
+@dataclass
+class Running:
+    url: str
+    engine: Callable[[], LLMEngine]
+
+
+def start_server(checkpoint, load: Callable[[], LLMEngine] | None = None,
+                 **config) -> tuple[uvicorn.Server, threading.Thread, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = build_app(ServerConfig(checkpoint=checkpoint, port=port, served_model_name="tiny",
+                                 **config), load=load)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    return server, thread, url
+
+
+def wait_healthy(url: str) -> None:
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{url}/health").status_code != 200:
+        assert time.monotonic() < deadline, "model did not load"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def running(checkpoint) -> Iterator[Running]:
+    engines: list[LLMEngine] = []
+
+    def load() -> LLMEngine:
+        engines.append(LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=128)))
+        return engines[0]
+
+    server, thread, url = start_server(checkpoint, load, api_key=API_KEY, max_body_bytes=4096)
+    wait_healthy(url)
+    yield Running(url, lambda: engines[0])
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture
+def client(running) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{running.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def test_models_completions_and_usage(client, running):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    response = client.completions.create(model="tiny", prompt="The river", max_tokens=5,
+                                         temperature=0)
+    choice = response.choices[0]
+    assert choice.finish_reason in ("stop", "length") and response.usage.prompt_tokens > 0
+    assert response.usage.total_tokens == response.usage.prompt_tokens + \
+        response.usage.completion_tokens
+    engine = running.engine()
+    expected = engine.tokenizer.encode("The river", add_special_tokens=False).ids
+    assert response.usage.prompt_tokens == len(expected)
+
+    batch = client.completions.create(model="tiny", prompt=["a b", "c d e"], max_tokens=3,
+                                      temperature=0, n=2, logprobs=2)
+    assert sorted(c.index for c in batch.choices) == [0, 1, 2, 3]
+    assert batch.choices[0].text == batch.choices[1].text  # greedy, n=2
+    assert all(len(c.logprobs.top_logprobs[0]) == 2 for c in batch.choices)
+    ids = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=2, temperature=0)
+    assert ids.usage.prompt_tokens == 3
+
+
+def test_chat_through_the_checkpoint_template_and_seeds(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    a = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, seed=3,
+                                       temperature=1.0)
+    b = client.chat.completions.create(model="tiny", messages=messages,
+                                       max_completion_tokens=6, seed=3, temperature=1.0)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.choices[0].message.role == "assistant"
+    assert a.usage.completion_tokens <= 6
+    logprobs = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                              logprobs=True, top_logprobs=3, temperature=0)
+    content = logprobs.choices[0].logprobs.content
+    assert len(content) == logprobs.usage.completion_tokens
+    assert len(content[0].top_logprobs) == 3
+
+
+def test_streaming_with_and_without_the_usage_chunk(client):
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Tell me"}],
+                  max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    assert all(c.usage is None for c in chunks) and chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+    with_usage = list(client.completions.create(
+        model="tiny", prompt="The", max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert with_usage[-1].choices == [] and with_usage[-1].usage.completion_tokens == 4
+    assert all(c.usage is None for c in with_usage[:-1])
+
+
+def error_of(call) -> openai.APIStatusError:
+    with pytest.raises(openai.APIStatusError) as info:
+        call()
+    return info.value
+
+
+def test_every_error_has_its_status_and_message(client, running):
+    chat = [{"role": "user", "content": "Hi"}]
+    bad_temperature = error_of(lambda: client.chat.completions.create(
+        model="tiny", messages=chat, temperature=3.5))
+    assert bad_temperature.status_code == 400
+    assert "temperature=3.5 must be in [0, 2]" in bad_temperature.message
+    bad_type = error_of(lambda: client.completions.create(model="tiny", prompt="x",
+                                                          max_tokens="many"))
+    assert bad_type.status_code == 400 and "max_tokens" in bad_type.message
+    too_long = error_of(lambda: client.completions.create(model="tiny", prompt=[1] * 200,
+                                                          max_tokens=100))
+    assert too_long.status_code == 400
+    assert "maximum context length is 256" in too_long.message
+    assert "prompt has 200 tokens and max_tokens is 100" in too_long.message
+    bad_role = error_of(lambda: client.chat.completions.create(
+        model="tiny", messages=[{"role": "robot", "content": "x"}]))
+    assert bad_role.status_code == 400 and "role" in bad_role.message
+    unknown_model = error_of(lambda: client.completions.create(model="gpt-9", prompt="x"))
+    assert unknown_model.status_code == 404 and "gpt-9" in unknown_model.message
+    no_key = openai.OpenAI(base_url=f"{running.url}/v1", api_key="wrong", max_retries=0)
+    unauthorized = error_of(lambda: no_key.models.list())
+    assert unauthorized.status_code == 401 and "API key" in unauthorized.message
+
+    missing = httpx.get(f"{running.url}/v1/nothing-here")
+    assert missing.status_code == 404 and "no route" in missing.json()["error"]["message"]
+    huge = httpx.post(f"{running.url}/v1/completions", content=b"x" * 5000,
+                      headers={"Authorization": f"Bearer {API_KEY}"})
+    assert huge.status_code == 413 and "4096" in huge.json()["error"]["message"]
+    not_json = httpx.post(f"{running.url}/v1/completions", content=b"{nope",
+                          headers={"Authorization": f"Bearer {API_KEY}"})
+    assert not_json.status_code == 400
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(running):
+    engine = running.engine()
+    before = engine.generation_tokens_total
+    body = {"model": "tiny", "prompt": "The river", "max_tokens": 240, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    with httpx.stream("POST", f"{running.url}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+        next(response.iter_lines())
+    deadline = time.monotonic() + 10
+    while engine.requests or engine.block_manager.usage > 0:
+        assert time.monotonic() < deadline, "aborted request still holds blocks"
+        time.sleep(0.01)
+    assert engine.generation_tokens_total - before < 240
+
+
+def test_chat_cli_one_shot_against_the_server(client, running, capsys):
+    from lathe.model.cli import main
+    messages = [{"role": "user", "content": "Hi"}]
+    expected = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5,
+                                              temperature=0).choices[0].message.content
+    assert main(["chat", running.url, "--prompt", "Hi", "--api-key", API_KEY,
+                 "--temperature", "0", "--max-tokens", "5"]) == 0
+    assert capsys.readouterr().out == expected + "\n"
+
+
+def test_metrics_report_engine_state_and_latencies(client, running):
+    client.completions.create(model="tiny", prompt="The", max_tokens=3)
+    text = httpx.get(f"{running.url}/metrics").text
+    for name in ("lathe:num_requests_running", "lathe:num_requests_waiting",
+                 "lathe:kv_cache_usage_perc", "lathe:prefix_cache_queries_total",
+                 "lathe:prefix_cache_hits_total", "lathe:num_preemptions_total",
+                 "lathe:prompt_tokens_total", "lathe:generation_tokens_total",
+                 "lathe:time_to_first_token_seconds_bucket",
+                 "lathe:inter_token_latency_seconds_bucket",
+                 "lathe:e2e_request_latency_seconds_count"):
+        assert name in text, name
+
+
+def test_health_is_503_while_loading_and_a_full_queue_is_429(checkpoint):
+    release = threading.Event()
+
+    def slow_load() -> LLMEngine:
+        release.wait(30)
+        return LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=16))
+
+    server, thread, url = start_server(checkpoint, slow_load, max_waiting=0)
+    try:
+        assert httpx.get(f"{url}/health").status_code == 503
+        release.set()
+        wait_healthy(url)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        full = error_of(lambda: client.completions.create(model="tiny", prompt="x"))
+        assert full.status_code == 429 and "max_waiting=0" in full.message
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
