@@ -23,3 +23,25 @@ lathe pretrain --config recipes/pretrain/nano.yaml --out_dir "$OUT/pretrain" \
 
 echo "== generate: reload the exported base checkpoint and continue a prompt"
 lathe generate "$OUT/pretrain/final" --prompt "def main(" --max-new-tokens 32
+
+echo "== serve: the checkpoint behind the OpenAI-compatible API, one chat request, then stop"
+PORT=${PORT:-8765}
+lathe serve "$OUT/pretrain/final" --port "$PORT" --log-level warning > "$OUT/serve.log" 2>&1 &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null || true' EXIT
+python - "$PORT" <<'PY'
+import sys, time, urllib.request
+url = f"http://127.0.0.1:{sys.argv[1]}/health"
+for _ in range(300):
+    try:
+        if urllib.request.urlopen(url).status == 200:
+            break
+    except OSError:
+        time.sleep(0.2)
+else:
+    sys.exit("lathe serve did not become healthy; see its log")
+PY
+lathe chat "http://127.0.0.1:$PORT" --prompt "What does the json module do?" \
+    --max-tokens 48 --temperature 0
+kill "$SERVER" && wait "$SERVER" 2>/dev/null || true
+echo "== done: $OUT/pretrain/final served; server log in $OUT/serve.log"

@@ -1,0 +1,269 @@
+"""`python -m lathe.serve.bench`: serving speed and quantization quality, in one process.
+
+(a) offline throughput: N prompts × M new tokens through `LLMEngine.generate` and through
+    `transformers`' `generate()` with left-padded batches, on the same checkpoint;
+(b) the running server under load: a streaming client at concurrency 1, 4, 16 and 64,
+    reporting output tok/s, time to first token and inter-token latency (p50 / p99, as
+    `vllm bench serve` defines them);
+(c) single-stream decode tok/s for fp32, int8 and int4 weights, and the memory bandwidth it
+    implies (weight bytes streamed per token × tok/s) as a fraction of this machine's
+    measured copy bandwidth; with `--eval-shards`, perplexity on the validation tokens.
+
+Without `--checkpoint` it benchmarks a randomly initialized `nano` model (token-id prompts).
+Tables are printed and appended to docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import platform
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+
+from lathe.model.checkpoint import load_checkpoint, save_checkpoint
+from lathe.model.config import ModelConfig
+from lathe.model.transformer import Transformer
+from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.quant import load_serving_model, perplexity
+from lathe.serve.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def random_prompts(n: int, low: int, high: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for length in lengths]
+
+
+def offline(checkpoint: Path, prompts: list[list[int]], new_tokens: int) -> list[str]:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    engine = LLMEngine.from_checkpoint(checkpoint)
+    engine.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0))  # warm up
+    start = time.perf_counter()
+    ours = engine.generate(prompts, params)
+    lathe_s = time.perf_counter() - start
+
+    from transformers import LlamaForCausalLM
+    model = LlamaForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32).eval()
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding, as decoder-only generate() expects
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    with torch.inference_mode():
+        model.generate(input_ids=ids[:2], attention_mask=mask[:2], max_new_tokens=2,
+                       do_sample=False, pad_token_id=0)
+        start = time.perf_counter()
+        theirs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        hf_s = time.perf_counter() - start
+    same = sum(o.outputs[0].token_ids == t[width:].tolist() for o, t in zip(ours, theirs,
+                                                                           strict=True))
+    total = len(prompts) * new_tokens
+    return [
+        f"| lathe `LLMEngine.generate` (paged KV, continuous batching) | {total / lathe_s:,.0f} "
+        f"| {lathe_s:.2f} |",
+        f"| transformers `generate()` (padded batch, SDPA) | {total / hf_s:,.0f} | {hf_s:.2f} |",
+        f"| greedy outputs identical | {same}/{len(prompts)} | |",
+    ]
+
+
+def start_server(checkpoint: Path, engine_config: EngineConfig) -> tuple[object, str]:
+    import uvicorn
+
+    from lathe.serve.server import ServerConfig, build_app
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = build_app(ServerConfig(checkpoint=checkpoint, port=port, served_model_name="bench",
+                                 max_waiting=4096, engine=engine_config))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    threading.Thread(target=server.run, daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    while True:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return server, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+
+
+async def load_test(url: str, prompts: list[list[int]], new_tokens: int,
+                    concurrency: int) -> dict[str, float]:
+    gate = asyncio.Semaphore(concurrency)
+    ttfts: list[float] = []
+    itls: list[float] = []
+    produced = 0
+
+    async def one(client: httpx.AsyncClient, prompt: list[int]) -> None:
+        nonlocal produced
+        body = {"model": "bench", "prompt": prompt, "max_tokens": new_tokens, "stream": True,
+                "temperature": 0, "ignore_eos": True}
+        async with gate:
+            last, count = time.perf_counter(), 0
+            async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: {") or not json.loads(line[6:])["choices"]:
+                        continue
+                    now = time.perf_counter()
+                    (itls if count else ttfts).append(now - last)  # one token per chunk
+                    last, count = now, count + 1
+            produced += count
+
+    async with httpx.AsyncClient(timeout=None) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(one(client, p) for p in prompts))
+        seconds = time.perf_counter() - start
+
+    def pct(values: list[float], q: float) -> float:
+        return float(np.percentile(values, q)) * 1000 if values else float("nan")
+    return {"tok_s": produced / seconds, "ttft50": pct(ttfts, 50), "ttft99": pct(ttfts, 99),
+            "itl50": pct(itls, 50), "itl99": pct(itls, 99), "requests": len(prompts)}
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second moved by a large tensor copy (read + write)."""
+    src = torch.ones(64 * 2**20, device=device)  # 256 MiB of fp32
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / statistics.median(times)
+
+
+def streamed_bytes(model: torch.nn.Module) -> int:
+    """Weight bytes one decode step reads: every tensor but the embedding table, of which
+    one row is read (unless it is also the LM head)."""
+    embedding = model.model.embed_tokens.weight
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    head = getattr(model.lm_head, "weight", None)
+    if head is not embedding:
+        tensors.pop(id(embedding), None)
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def decode_speed(checkpoint: Path, quantize: str | None, prompt: list[int],
+                 new_tokens: int) -> tuple[float, int]:
+    engine = LLMEngine.from_checkpoint(checkpoint, quantize=quantize)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0))  # warm up
+    engine.add_request(prompt, params)
+    engine.step()  # prefill and first token
+    start = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    return steps / (time.perf_counter() - start), streamed_bytes(engine.model)
+
+
+def val_tokens(shards: Path, limit: int) -> list[int]:
+    from lathe.data.shards import read_shard
+    files = sorted(shards.glob("val-*.bin"))
+    if not files:
+        raise SystemExit(f"--eval-shards {shards}: no val-*.bin files (written by lathe shards)")
+    return np.concatenate([read_shard(f) for f in files])[:limit].tolist()
+
+
+def random_checkpoint(folder: Path) -> Path:
+    torch.manual_seed(0)
+    return save_checkpoint(Transformer(ModelConfig.from_preset("nano")), folder / "nano")
+
+
+def run(args: argparse.Namespace) -> str:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tmp = tempfile.TemporaryDirectory()
+    checkpoint = args.checkpoint or random_checkpoint(Path(tmp.name))
+    vocab = load_checkpoint(checkpoint).config.vocab_size
+    prompts = random_prompts(args.prompts, 32, 128, vocab)
+    sections = []
+
+    rows = offline(checkpoint, prompts, args.new_tokens)
+    print(*rows, sep="\n", flush=True)
+    sections += [f"### (a) Offline: {args.prompts} prompts of 32–128 tokens × {args.new_tokens} "
+                 "new tokens, greedy", "", "| engine | output tok/s | seconds |",
+                 "|---|---:|---:|", *rows, ""]
+
+    server, url = start_server(checkpoint, EngineConfig())
+    rows = []
+    for concurrency in args.concurrency:
+        load = random_prompts(max(2 * concurrency, 8), 32, 128, vocab, seed=concurrency)
+        r = asyncio.run(load_test(url, load, args.server_tokens, concurrency))
+        rows.append(f"| {concurrency} | {r['requests']} | {r['tok_s']:,.0f} | "
+                    f"{r['ttft50']:,.0f} / {r['ttft99']:,.0f} | "
+                    f"{r['itl50']:,.1f} / {r['itl99']:,.1f} |")
+        print(rows[-1], flush=True)
+    server.should_exit = True
+    sections += [f"### (b) `lathe serve` under load: streaming /v1/completions, prompts of "
+                 f"32–128 tokens, {args.server_tokens} output tokens each", "",
+                 "| concurrency | requests | output tok/s | TTFT p50 / p99 (ms) | "
+                 "ITL p50 / p99 (ms) |", "|---:|---:|---:|---:|---:|", *rows, ""]
+
+    bandwidth = copy_bandwidth(device)
+    eval_ids = val_tokens(args.eval_shards, args.eval_tokens) if args.eval_shards else None
+    rows = []
+    for quantize in (None, "int8", "int4"):
+        tok_s, nbytes = decode_speed(checkpoint, quantize, prompts[0], args.decode_tokens)
+        implied = tok_s * nbytes
+        ppl = ""
+        if eval_ids is not None:
+            ppl = f"{perplexity(load_serving_model(checkpoint, quantize=quantize), eval_ids):.3f}"
+        rows.append(f"| {quantize or 'fp32'} | {nbytes / 2**20:.1f} | {tok_s:,.1f} | "
+                    f"{implied / 1e9:.2f} | {implied / bandwidth:.1%} | {ppl or '—'} |")
+        print(rows[-1], flush=True)
+    sections += [f"### (c) Single-stream decode ({args.decode_tokens} tokens); copy bandwidth "
+                 f"{bandwidth / 1e9:.1f} GB/s" + (f"; perplexity on {len(eval_ids):,} validation "
+                                                  "tokens" if eval_ids else ""), "",
+                 "| weights | MiB streamed / token | tok/s | implied GB/s | of copy BW | "
+                 "perplexity |", "|---|---:|---:|---:|---:|---:|", *rows, ""]
+    tmp.cleanup()
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (
+        f"{platform.machine()}, {torch.get_num_threads()} threads")
+    source = args.checkpoint or "random-init nano (11M parameters)"
+    table = "\n".join([
+        f"## Serving — {datetime.date.today()} — {name}, torch {torch.__version__}", "",
+        f"Command: `python -m lathe.serve.bench` — checkpoint: {source}", "", *sections])
+    if args.write:
+        with (ROOT / "docs" / "benchmarks.md").open("a") as f:
+            f.write("\n" + table)
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lathe.serve.bench")
+    parser.add_argument("--checkpoint", type=Path, help="default: a random-init nano model")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--server-tokens", type=int, default=32)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--eval-shards", type=Path, help="token shards with a val split")
+    parser.add_argument("--eval-tokens", type=int, default=16384)
+    parser.add_argument("--no-write", dest="write", action="store_false",
+                        help="do not append to docs/benchmarks.md")
+    print(run(parser.parse_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
