@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypedDict
 
+from tokenizers import Tokenizer
+
 from lathe.model.recipe import ConfigError
 
 BOS = "<|begin_of_text|>"
@@ -44,6 +46,31 @@ def format_chat(messages: Sequence[Message], add_generation_prompt: bool = False
     if add_generation_prompt:
         parts.append(role_header("assistant"))
     return "".join(parts)
+
+
+def assistant_spans(messages: Sequence[Message]) -> tuple[str, list[tuple[int, int]]]:
+    """The formatted conversation and the character spans a model is trained to write:
+    each assistant message's content and the end-of-turn token after it."""
+    text = format_chat(messages)
+    spans, cursor = [], len(BOS)
+    for message in messages:
+        start = cursor + len(role_header(message["role"]))
+        cursor = start + len(message["content"]) + len(END_OF_TURN)
+        if message["role"] == "assistant":
+            spans.append((start, cursor))
+    return text, spans
+
+
+def tokenize_chat(tokenizer: Tokenizer, messages: Sequence[Message]) -> tuple[list[int],
+                                                                             list[bool]]:
+    """Token ids of the formatted conversation and, per token, whether it belongs to an
+    assistant span (by the token's character offsets, so the mask follows the template
+    string exactly even where BPE merges across a boundary)."""
+    text, spans = assistant_spans(messages)
+    encoding = tokenizer.encode(text, add_special_tokens=False)
+    mask = [any(start <= a and b <= end for start, end in spans) and b > a
+            for a, b in encoding.offsets]
+    return encoding.ids, mask
 
 
 CHAT_TEMPLATE = (

@@ -21,7 +21,8 @@ def test_wheel_maps_each_folder_under_the_lathe_namespace(tmp_path):
     assert top_level == {"lathe", wheel.name.split("-")[0] + "-" + wheel.name.split("-")[1]
                          + ".dist-info"}
     for package in PACKAGES:
-        assert f"lathe/{package}/__init__.py" in names
+        for init in (ROOT / package).rglob("__init__.py"):  # subpackages too
+            assert f"lathe/{init.relative_to(ROOT).as_posix()}" in names
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names
                                                     if n.endswith("entry_points.txt")))
     assert b"lathe = lathe.model.cli:main" in entry_points

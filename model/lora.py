@@ -1,0 +1,132 @@
+"""LoRA adapters on the shared `Transformer`, through `peft`.
+
+Adapters are injected into the model in place (`peft.inject_adapter_in_model`), so the
+module stays a `Transformer` — the training runtime's converters, the serving engine
+and every loss see the same class — with its base weights frozen. Because lathe's
+parameter names are Hugging Face Llama's, `save_adapter` writes an ordinary peft
+adapter folder (`adapter_config.json`, `adapter_model.safetensors`) that
+`PeftModel.from_pretrained(LlamaForCausalLM...)` loads, and `load_adapter` reads one back.
+`merge_lora` folds the adapters into the base weights and removes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
+from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils import get_peft_model_state_dict
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from lathe.model.atomic import atomic_directory
+from lathe.model.recipe import ConfigError
+from lathe.model.transformer import Transformer
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."  # how PeftModel names a wrapped model's parameters
+ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoraSection:
+    """`enabled: true` trains rank-`r` adapters on `target_modules` and freezes the rest."""
+
+    enabled: bool = False
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(ALL_LINEARS))
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise ConfigError(f"lora.r={self.r} must be >= 1")
+        if not 0 <= self.dropout < 1:
+            raise ConfigError(f"lora.dropout={self.dropout} must be in [0, 1)")
+        unknown = sorted(set(self.target_modules) - set(ALL_LINEARS) - {"lm_head"})
+        if unknown or not self.target_modules:
+            raise ConfigError(f"lora.target_modules={self.target_modules}: choose from "
+                              f"{', '.join(ALL_LINEARS)} (and lm_head)")
+
+    def peft_config(self) -> LoraConfig:
+        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                          target_modules=list(self.target_modules), bias="none")
+
+
+def apply_lora(model: Transformer, section: LoraSection) -> Transformer:
+    """Inject adapters in place and freeze every base parameter."""
+    inject_adapter_in_model(section.peft_config(), model)
+    return model
+
+
+def lora_layers(model: nn.Module) -> list[BaseTunerLayer]:
+    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+
+
+def has_lora(model: nn.Module) -> bool:
+    return bool(lora_layers(model))
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """The base model's forward, adapters bypassed (DPO's reference without a copy)."""
+    layers = lora_layers(model)
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+def save_adapter(model: nn.Module, section: LoraSection, path: str | Path,
+                 base_model: str | None = None) -> Path:
+    """Write a peft adapter folder (atomically)."""
+    state = {PEFT_PREFIX + name: tensor.detach().contiguous().cpu()
+             for name, tensor in get_peft_model_state_dict(model).items()}
+    config = section.peft_config()
+    config.base_model_name_or_path = base_model
+    with atomic_directory(path) as tmp:
+        config.save_pretrained(str(tmp))
+        save_file(state, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    return Path(path)
+
+
+def load_adapter(model: Transformer, path: str | Path) -> Transformer:
+    """Inject a saved adapter folder's LoRA layers and weights into `model`."""
+    path = Path(path)
+    if not (path / ADAPTER_CONFIG).is_file() or not (path / ADAPTER_WEIGHTS).is_file():
+        raise ConfigError(f"{path} is not a LoRA adapter folder (needs {ADAPTER_CONFIG} and "
+                          f"{ADAPTER_WEIGHTS}, as written by a lathe LoRA run)")
+    raw = json.loads((path / ADAPTER_CONFIG).read_text())
+    section = LoraSection(enabled=True, r=raw["r"], alpha=raw["lora_alpha"],
+                          dropout=raw.get("lora_dropout", 0.0),
+                          target_modules=sorted(raw["target_modules"]))
+    apply_lora(model, section)
+    state = {name.removeprefix(PEFT_PREFIX): tensor
+             for name, tensor in load_file(path / ADAPTER_WEIGHTS).items()}
+    result = set_peft_model_state_dict(model, state)
+    if result.unexpected_keys:
+        raise ConfigError(f"{path}: adapter weights {result.unexpected_keys[:4]} match no "
+                          "layer of this model; was it trained on a different base?")
+    return model
+
+
+@torch.no_grad()
+def merge_lora(model: Transformer) -> Transformer:
+    """Fold every adapter into its base weight and put the plain linear back."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, BaseTunerLayer):
+                child.merge()
+                setattr(parent, name, child.get_base_layer())
+    for parameter in model.parameters():
+        parameter.requires_grad_(True)
+    return model

@@ -1,0 +1,106 @@
+"""Typed configs of the post-training stages: each is the runtime's `TrainConfig` plus the
+policy checkpoint, its data, LoRA and the held-out task evaluation. Defaults run the
+tiny CPU setting on the README run's base checkpoint and the embedded arithmetic task."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from lathe.model.lora import LoraSection
+from lathe.model.recipe import ConfigError
+from lathe.pretrain.config import TrainConfig
+
+
+@dataclass
+class TaskEvalConfig:
+    """Accuracy by generation (greedy, the serve engine) on a held-out prompt set."""
+
+    prompts: str = "task:arithmetic"  # task:NAME (its test split) or a prompt .jsonl
+    task: str = "arithmetic"  # which verifier decides correctness: arithmetic | stdlib_qa
+    examples: int = 64
+    max_tokens: int = 12
+
+
+@dataclass
+class ChatDataConfig:
+    train: str = "task:arithmetic"  # a chat .jsonl, hf:NAME[:SPLIT] or task:NAME
+    eval: str | None = None  # held-out chats; default: the task's test split
+    limit: int | None = None
+    max_len: int = 128  # longer conversations are cut (their tail loses supervision)
+
+
+@dataclass
+class SFTConfig(TrainConfig):
+    out_dir: str = "runs/sft"
+    model: str = "runs/e2e/pretrain/final"
+    data: ChatDataConfig = field(default_factory=ChatDataConfig)
+    lora: LoraSection = field(default_factory=LoraSection)
+    task_eval: TaskEvalConfig = field(default_factory=TaskEvalConfig)
+
+
+@dataclass
+class PreferenceDataConfig:
+    train: str = "task:arithmetic"
+    eval: str | None = None
+    limit: int | None = None
+    max_len: int = 128
+
+
+@dataclass
+class DPOConfig(TrainConfig):
+    out_dir: str = "runs/dpo"
+    model: str = "runs/sft/final"
+    reference: str | None = None  # default: the starting policy (or the base under LoRA)
+    beta: float = 0.1
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    lora: LoraSection = field(default_factory=LoraSection)
+    task_eval: TaskEvalConfig = field(default_factory=TaskEvalConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.beta <= 0:
+            raise ConfigError(f"beta={self.beta} must be positive (TRL's default is 0.1)")
+
+
+@dataclass
+class RewardSpec:
+    """A reward from the registry (`lathe.posttrain.rewards.REWARDS`) or `module:function`."""
+
+    name: str = "exact_number"
+    weight: float = 1.0
+
+
+@dataclass
+class GRPOConfig(TrainConfig):
+    out_dir: str = "runs/grpo"
+    model: str = "runs/dpo/final"
+    prompts: str = "task:arithmetic"
+    limit: int | None = None
+    prompts_per_step: int = 8
+    num_generations: int = 8  # G completions per prompt
+    max_tokens: int = 12
+    temperature: float = 1.0
+    top_p: float = 1.0
+    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
+    advantage: Literal["grpo", "dr_grpo"] = "grpo"  # dr_grpo: no division by the group std
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # DAPO's clip-higher, e.g. 0.28
+    beta: float = 0.0  # KL to the reference (k3); 0 loads no reference model
+    updates_per_batch: int = 1  # optimizer steps on each rollout batch
+    lora: LoraSection = field(default_factory=LoraSection)
+    task_eval: TaskEvalConfig = field(default_factory=TaskEvalConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("prompts_per_step", "num_generations", "updates_per_batch", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.num_generations < 2:
+            raise ConfigError(f"num_generations={self.num_generations}: group-relative "
+                              "advantages need at least 2 completions per prompt")
+        if not 0 < self.epsilon < 1:
+            raise ConfigError(f"epsilon={self.epsilon} must be in (0, 1)")
+        if self.beta < 0:
+            raise ConfigError(f"beta={self.beta} must be >= 0")

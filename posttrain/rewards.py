@@ -1,0 +1,62 @@
+"""Verifiable rewards for GRPO and task accuracy: a registry of small functions
+`(completion, reference) -> float`, and loading a user's own by `module:function`."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable
+
+from lathe.data.tasks.arithmetic import extract_number
+from lathe.model.recipe import ConfigError
+
+Reward = Callable[[str, str], float]
+
+
+def exact_number(completion: str, reference: str) -> float:
+    """1 when the completion's last integer equals the reference number."""
+    return float(extract_number(completion) == int(reference))
+
+
+def exact_text(completion: str, reference: str) -> float:
+    """1 when the completion equals the reference up to surrounding whitespace."""
+    return float(" ".join(completion.split()) == " ".join(reference.split()))
+
+
+def number_only_format(completion: str, reference: str) -> float:
+    """1 when the completion is just an integer (the answer format the task asks for)."""
+    return float(re.fullmatch(r"\s*-?\d+\s*", completion) is not None)
+
+
+def length_penalty(completion: str, reference: str) -> float:
+    """-1 per 100 characters beyond the reference's length (discourages rambling)."""
+    return -max(len(completion) - len(reference), 0) / 100
+
+
+REWARDS: dict[str, Reward] = {"exact_number": exact_number, "exact_text": exact_text,
+                              "number_only_format": number_only_format,
+                              "length_penalty": length_penalty}
+VERIFIERS: dict[str, Reward] = {"arithmetic": exact_number, "stdlib_qa": exact_text}
+
+
+def load_reward(name: str) -> Reward:
+    """A registered reward, or `package.module:function` for one of your own."""
+    if name in REWARDS:
+        return REWARDS[name]
+    module_name, _, function = name.partition(":")
+    if not function:
+        raise ConfigError(f"reward {name!r}: not one of {', '.join(REWARDS)} and not a "
+                          "module:function import path")
+    try:
+        reward = getattr(importlib.import_module(module_name), function)
+    except (ImportError, AttributeError) as error:
+        raise ConfigError(f"reward {name!r} cannot be imported: {error}") from None
+    if not callable(reward):
+        raise ConfigError(f"reward {name!r} is not callable")
+    return reward
+
+
+def verifier(task: str) -> Reward:
+    if task not in VERIFIERS:
+        raise ConfigError(f"task_eval.task={task!r}: choose one of {', '.join(VERIFIERS)}")
+    return VERIFIERS[task]

@@ -1,0 +1,83 @@
+"""Embedded post-training tasks, chat tokenization masks and dataset-row validation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lathe.data.chat import END_OF_TURN, tokenize_chat
+from lathe.data.formats import load_chat_dataset, load_preference_dataset, load_prompt_dataset
+from lathe.data.tasks import task_examples
+from lathe.data.tasks.arithmetic import arithmetic_preferences, extract_number
+from lathe.data.tokenizer import train_tokenizer
+from lathe.model.recipe import ConfigError
+from tests.data.corpus import prose
+
+
+def test_tasks_are_deterministic_disjoint_and_verifiable():
+    train, test = task_examples("arithmetic", "train", 2000), task_examples("arithmetic", "test")
+    assert train == task_examples("arithmetic", "train", 2000)
+    assert not {r.prompt for r in train} & {r.prompt for r in test}
+    for row in train[:200]:
+        a, op, b = row.prompt.removeprefix("What is ").removesuffix("?").split()
+        assert int(row.reference) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+    assert max(len(r.prompt.split()[2]) for r in train) == 3  # multi-digit operands
+    qa = task_examples("stdlib_qa", "train")
+    assert len(qa) > 100 and all(r.prompt.startswith("What does ") for r in qa)
+    assert not {r.prompt for r in qa} & {r.prompt for r in task_examples("stdlib_qa", "test")}
+    for pair in arithmetic_preferences("test", 50):
+        assert extract_number(pair.chosen) != extract_number(pair.rejected)
+    with pytest.raises(ConfigError, match="unknown task 'poetry'"):
+        task_examples("poetry", "train")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer([prose(i, paragraphs=2) for i in range(40)], vocab_size=400,
+                           show_progress=False)
+
+
+def test_assistant_mask_covers_exactly_the_assistant_spans(tokenizer):
+    messages = [{"role": "system", "content": "Be terse."},
+                {"role": "user", "content": "What is 12 + 30?"},
+                {"role": "assistant", "content": "42"},
+                {"role": "user", "content": "And the river?"},
+                {"role": "assistant", "content": "It flows quietly past the old mill."}]
+    ids, mask = tokenize_chat(tokenizer, messages)
+    assert len(ids) == len(mask)
+    runs, current = [], []
+    for token, trained in zip(ids, mask, strict=True):
+        if trained:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    decoded = [tokenizer.decode(run, skip_special_tokens=False) for run in runs]
+    assert decoded == ["42" + END_OF_TURN, "It flows quietly past the old mill." + END_OF_TURN]
+
+
+def test_dataset_rows_are_validated_by_row_and_field(tmp_path):
+    good = tmp_path / "chat.jsonl"
+    good.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "hello"}]}) + "\n")
+    assert load_chat_dataset(str(good))[0][1]["content"] == "hello"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
+                   + json.dumps({"messages": [{"role": "bot", "content": "x"}]}) + "\n")
+    with pytest.raises(ConfigError, match="row 0: messages has no assistant turn"):
+        load_chat_dataset(str(bad))
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_text(json.dumps({"prompt": "2+2?", "chosen": [{"role": "assistant",
+                                                               "content": "4"}],
+                                 "rejected": "5"}) + "\n" + json.dumps({"prompt": "x"}) + "\n")
+    with pytest.raises(ConfigError, match="row 1: missing field 'chosen'"):
+        load_preference_dataset(str(prefs))
+    assert load_preference_dataset(str(prefs), limit=1)[0].chosen == "4"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "2+2?", "reference": 4}) + "\n")
+    with pytest.raises(ConfigError, match="row 0: field 'reference'"):
+        load_prompt_dataset(str(prompts))
+    assert load_prompt_dataset("task:arithmetic", "test", limit=3)[0].prompt[0]["role"] == "user"
