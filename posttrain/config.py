@@ -80,7 +80,7 @@ class GRPOConfig(TrainConfig):
     limit: int | None = None
     prompts_per_step: int = 8
     num_generations: int = 8  # G completions per prompt
-    max_tokens: int = 12
+    max_completion_tokens: int = 12
     temperature: float = 1.0
     top_p: float = 1.0
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
@@ -94,7 +94,8 @@ class GRPOConfig(TrainConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("prompts_per_step", "num_generations", "updates_per_batch", "max_tokens"):
+        for name in ("prompts_per_step", "num_generations", "updates_per_batch",
+                     "max_completion_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.num_generations < 2:

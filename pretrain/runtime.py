@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from lathe.model.checkpoint import save_checkpoint
 from lathe.model.config import ModelConfig
+from lathe.model.lora import LoraSection, apply_lora, merge_lora, save_adapter
 from lathe.model.recipe import ConfigError, to_dict
 from lathe.model.transformer import Transformer
 from lathe.pretrain import state as training_state
@@ -243,12 +244,19 @@ class Runtime:
         return self.step % every == 0 or self.step == self.total_steps
 
     def export(self, model_config: ModelConfig, path: Path, tokenizer: Path | None,
-               provenance: dict[str, Any]) -> Path:
-        """Write the HF-layout checkpoint from the full (gathered) weights (collective)."""
+               provenance: dict[str, Any], lora: LoraSection | None = None) -> Path:
+        """Write the HF-layout checkpoint from the full (gathered) weights (collective).
+
+        With `lora`, the adapters are also saved as a peft folder beside it
+        (`<path>-adapter`) and merged into the exported weights.
+        """
         state = self.accelerator.get_state_dict(self.model)
         if self.is_main:
             dtype = torch.bfloat16 if self.accelerator.mixed_precision == "bf16" else None
-            model = plain_model(model_config, state, dtype)
+            model = plain_model(model_config, state, dtype, lora)
+            if lora is not None:
+                save_adapter(model, lora, path.with_name(path.name + "-adapter"))
+                merge_lora(model)
             save_checkpoint(model, path, tokenizer=tokenizer, provenance={
                 "stage": self.stage, "steps": self.step, "tokens_seen": self.tokens_seen,
                 "parallel": self.setup, **provenance})
@@ -265,12 +273,16 @@ class Runtime:
 
 
 def plain_model(config: ModelConfig, state: dict[str, Tensor],
-                dtype: torch.dtype | None = None) -> Transformer:
-    """A single-device `Transformer` holding a gathered state dict (checked for completeness)."""
+                dtype: torch.dtype | None = None, lora: LoraSection | None = None) -> Transformer:
+    """A single-device `Transformer` (with `lora`'s adapters) holding a gathered state dict,
+    checked for completeness."""
     with torch.device("meta"):
         model = Transformer(config)
+        if lora is not None:
+            apply_lora(model, lora)
     expected = set(model.state_dict())
-    missing = expected - set(state) - ({"lm_head.weight"} if config.tie_embeddings else set())
+    missing = expected - set(state) - ({"lm_head.weight", "lm_head.base_layer.weight"}
+                                       if config.tie_embeddings else set())
     unexpected = set(state) - expected
     if missing or unexpected:
         raise RuntimeError(f"gathered weights do not match the model: missing {sorted(missing)}, "

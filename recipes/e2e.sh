@@ -12,7 +12,8 @@ echo "== clean: stdlib .py files and pydoc pages -> $OUT/clean"
 lathe clean --recipe recipes/data/stdlib.yaml --input stdlib --output "$OUT/clean"
 
 echo "== tokenizer: byte-level BPE on the cleaned text -> $OUT/tokenizer"
-lathe tokenizer train --input "$OUT/clean" --vocab-size 4096 --output "$OUT/tokenizer"
+lathe tokenizer train --input "$OUT/clean" --vocab-size 4096 --max-digits 1 \
+    --output "$OUT/tokenizer"
 
 echo "== shards: tokenize into train/val token shards -> $OUT/shards"
 lathe shards --input "$OUT/clean" --tokenizer "$OUT/tokenizer" --output "$OUT/shards"

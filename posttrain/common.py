@@ -1,0 +1,175 @@
+"""What every post-training stage shares: loading the policy (optionally with LoRA),
+resumable shuffled batches of examples, per-token log-probabilities, held-out task
+accuracy by generation with the serve engine, and the final export."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import torch
+import torch.nn.functional as F
+from accelerate.utils import DistributedType
+from tokenizers import Tokenizer
+from torch import Tensor, nn
+
+from lathe.data.formats import load_prompt_dataset
+from lathe.data.tokenizer import load_tokenizer
+from lathe.model.checkpoint import GENERATION_CONFIG_FILE, load_checkpoint
+from lathe.model.lora import LoraSection, apply_lora
+from lathe.model.recipe import to_dict
+from lathe.model.transformer import Transformer
+from lathe.posttrain.config import TaskEvalConfig
+from lathe.posttrain.rewards import verifier
+from lathe.pretrain.runtime import Runtime, plain_model
+from lathe.serve.chat_template import ChatTemplate
+from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.sampling import SamplingParams
+
+T = TypeVar("T")
+
+
+def load_policy(checkpoint: str, lora: LoraSection) -> tuple[Transformer, Tokenizer]:
+    """The starting weights in fp32 (the runtime applies mixed precision), with adapters
+    injected when LoRA is enabled, and the checkpoint's tokenizer."""
+    model = load_checkpoint(checkpoint, dtype=torch.float32)
+    if lora.enabled:
+        apply_lora(model, lora)
+    return model.train(), load_tokenizer(checkpoint)
+
+
+def pad_id(tokenizer: Tokenizer) -> int:
+    token = tokenizer.token_to_id("<|pad|>")
+    return token if token is not None else 0
+
+
+class ShuffledBatches(Generic[T]):
+    """Examples in a seeded order per epoch; each step takes micro_batch × world examples
+    and this rank keeps its share. `state_dict()` is (epoch, index): exact resume."""
+
+    def __init__(self, examples: Sequence[T], micro_batch: int, seed: int, rank: int = 0,
+                 world_size: int = 1) -> None:
+        if len(examples) < micro_batch * world_size:
+            raise ValueError(f"{len(examples)} examples cannot fill one step of "
+                             f"{micro_batch} × {world_size} ranks")
+        self.examples, self.micro_batch, self.seed = examples, micro_batch, seed
+        self.rank, self.world_size = rank, world_size
+        self.epoch, self.index = 0, 0
+
+    def _order(self) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1000 + self.epoch)
+        return torch.randperm(len(self.examples), generator=g).tolist()
+
+    def next(self) -> list[T]:
+        step = self.micro_batch * self.world_size
+        if self.index + step > len(self.examples):
+            self.epoch, self.index = self.epoch + 1, 0
+        order = self._order()[self.index:self.index + step]
+        self.index += step
+        mine = order[self.rank * self.micro_batch:(self.rank + 1) * self.micro_batch]
+        return [self.examples[i] for i in mine]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.index = state["epoch"], state["index"]
+
+
+def pad(rows: Sequence[Sequence[int]], value: int) -> Tensor:
+    """Right-pad token rows into one (B, T) tensor."""
+    width = max(len(r) for r in rows)
+    return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows])
+
+
+def token_logprobs(model: nn.Module, input_ids: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-sequence sum of log p(label) over labelled positions, and their count.
+
+    `labels` align with `input_ids` (position t is predicted from tokens < t); -100 skips.
+    """
+    logits = model(input_ids).logits[:, :-1].float()
+    targets = labels[:, 1:]
+    mask = targets != -100
+    picked = -F.cross_entropy(logits.transpose(1, 2), targets.clamp(min=0), reduction="none")
+    return (picked * mask).sum(-1), mask.sum(-1)
+
+
+def generation_model(runtime: Runtime, lora: LoraSection) -> Transformer | None:
+    """The policy as a single-device module for the serve engine, on the main process
+    (None elsewhere). Sharded launches gather the weights first (collective)."""
+    accelerator = runtime.accelerator
+    sharded = accelerator.distributed_type in (DistributedType.FSDP,
+                                               DistributedType.DEEPSPEED)
+    if not sharded:
+        return accelerator.unwrap_model(runtime.model) if runtime.is_main else None
+    state = accelerator.get_state_dict(runtime.model)
+    if not runtime.is_main:
+        return None
+    model = accelerator.unwrap_model(runtime.model)
+    return plain_model(model.config, state, lora=lora if lora.enabled else None).to(
+        runtime.device)
+
+
+def eos_ids(checkpoint: str) -> list[int]:
+    file = Path(checkpoint) / GENERATION_CONFIG_FILE
+    eos = json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+class TaskEvaluator:
+    """Greedy accuracy of the policy on held-out prompts, generated by the serve engine."""
+
+    def __init__(self, config: TaskEvalConfig, checkpoint: str, tokenizer: Tokenizer) -> None:
+        self.config = config
+        self.rows = load_prompt_dataset(config.prompts, split="test", limit=config.examples)
+        self.template = ChatTemplate.from_checkpoint(checkpoint)
+        self.tokenizer = tokenizer
+        self.eos = eos_ids(checkpoint)
+        self.correct = verifier(config.task)
+
+    def prompts(self) -> list[list[int]]:
+        return [self.tokenizer.encode(self.template.render(row.prompt),
+                                      add_special_tokens=False).ids for row in self.rows]
+
+    @torch.inference_mode()
+    def __call__(self, model: nn.Module) -> dict[str, Any]:
+        was_training = model.training
+        engine = LLMEngine(model.eval(), self.tokenizer, EngineConfig(num_blocks=512),
+                           self.eos)
+        params = SamplingParams(max_tokens=self.config.max_tokens, temperature=0)
+        outputs = engine.generate(self.prompts(), params)
+        model.train(was_training)
+        texts = [o.outputs[0].text for o in outputs]
+        scores = [self.correct(text, row.reference) for text, row in
+                  zip(texts, self.rows, strict=True)]
+        return {"accuracy": sum(scores) / len(scores),
+                "samples": [(row.prompt[-1]["content"], text)
+                            for row, text in zip(self.rows[:3], texts[:3], strict=True)]}
+
+
+def evaluate_task(runtime: Runtime, evaluator: TaskEvaluator, lora: LoraSection) -> float:
+    """Held-out accuracy, logged as eval/accuracy with a few samples (collective)."""
+    model = generation_model(runtime, lora)
+    accuracy = math.nan
+    if model is not None:
+        result = evaluator(model)
+        accuracy = result["accuracy"]
+        runtime.metrics.log_texts("eval/samples", result["samples"], runtime.step)
+    accuracy = float(runtime.accelerator.reduce(
+        torch.tensor(accuracy if runtime.is_main else 0.0, device=runtime.device),
+        reduction="sum"))
+    runtime.log({"eval/accuracy": accuracy})
+    return accuracy
+
+
+def export_policy(runtime: Runtime, config: Any, model_config: Any, checkpoint: str,
+                  lora: LoraSection, extra: dict[str, Any]) -> Path:
+    final = Path(config.out_dir) / "final"
+    runtime.export(model_config, final, Path(checkpoint), {
+        "config": to_dict(config), "base": checkpoint, **extra},
+        lora=lora if lora.enabled else None)
+    return final
+

@@ -1,0 +1,235 @@
+"""Direct preference optimization (`lathe dpo` / `accelerate launch -m lathe.posttrain.dpo`):
+raise the policy's log-likelihood ratio of chosen over rejected replies, relative to a
+frozen reference, without a reward model.
+
+Read top to bottom: config -> runtime -> policy (± LoRA) -> tokenized pairs -> reference
+log-probs, computed once before training and cached with each pair (under LoRA the
+reference is the same weights with the adapters disabled, so no second copy is ever
+loaded; otherwise `reference` or the starting checkpoint, freed afterwards) -> loop
+(sigmoid or IPO loss; chosen/rejected rewards, margins, accuracy) -> held-out preference
+accuracy and task accuracy -> export -> summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+from torch import Tensor, nn
+
+from lathe.data.chat import END_OF_TURN, format_chat
+from lathe.data.formats import PreferenceRow, load_preference_dataset
+from lathe.model.atomic import write_json
+from lathe.model.checkpoint import load_checkpoint
+from lathe.model.lora import adapters_disabled
+from lathe.model.recipe import load_config
+from lathe.model.transformer import IGNORE_INDEX
+from lathe.posttrain.common import (
+    ShuffledBatches,
+    TaskEvaluator,
+    evaluate_task,
+    export_policy,
+    load_policy,
+    pad,
+    pad_id,
+    token_logprobs,
+)
+from lathe.posttrain.config import DPOConfig
+from lathe.pretrain.runtime import Runtime
+
+
+@dataclass
+class Pair:
+    chosen: tuple[list[int], list[int]]  # ids, labels (-100 on the prompt)
+    rejected: tuple[list[int], list[int]]
+    reference: tuple[float, float] = (0.0, 0.0)  # reference log-probs of chosen, rejected
+
+
+def tokenize_pairs(tokenizer: Tokenizer, rows: list[PreferenceRow], max_len: int) -> list[Pair]:
+    def side(prompt: list[int], reply: str) -> tuple[list[int], list[int]]:
+        completion = tokenizer.encode(reply + END_OF_TURN, add_special_tokens=False).ids
+        ids = (prompt + completion)[:max_len]
+        return ids, ([IGNORE_INDEX] * len(prompt) + completion)[:max_len]
+
+    pairs = []
+    for row in rows:
+        prompt = tokenizer.encode(format_chat(row.prompt, add_generation_prompt=True),
+                                  add_special_tokens=False).ids
+        if len(prompt) < max_len:
+            pairs.append(Pair(side(prompt, row.chosen), side(prompt, row.rejected)))
+    return pairs
+
+
+def collate(pairs: list[Pair], pad_token: int, device: torch.device) -> dict[str, Tensor]:
+    """Chosen rows then rejected rows, padded together for one forward pass."""
+    sides = [p.chosen for p in pairs] + [p.rejected for p in pairs]
+    return {"ids": pad([s[0] for s in sides], pad_token).to(device),
+            "labels": pad([s[1] for s in sides], IGNORE_INDEX).to(device),
+            "reference": torch.tensor([p.reference[0] for p in pairs]
+                                      + [p.reference[1] for p in pairs], device=device)}
+
+
+def sequence_logprobs(model: nn.Module, batch: dict[str, Tensor], mean: bool) -> Tensor:
+    total, count = token_logprobs(model, batch["ids"], batch["labels"])
+    return total / count.clamp(min=1) if mean else total
+
+
+def dpo_loss(policy_logps: Tensor, reference_logps: Tensor, beta: float,
+             kind: str = "sigmoid") -> tuple[Tensor, dict[str, Tensor]]:
+    """DPO's loss on (2B,) log-probs laid out as B chosen then B rejected.
+
+    sigmoid: -log σ(β·[(π_c − ref_c) − (π_r − ref_r)]) (Rafailov et al.);
+    ipo: ([(π_c − ref_c) − (π_r − ref_r)] − 1/(2β))² (Azar et al.).
+    """
+    chosen, rejected = (policy_logps - reference_logps).chunk(2)
+    logits = chosen - rejected
+    if kind == "ipo":
+        loss = (logits - 1 / (2 * beta)).pow(2).mean()
+    else:
+        loss = -F.logsigmoid(beta * logits).mean()
+    rewards_chosen, rewards_rejected = beta * chosen.detach(), beta * rejected.detach()
+    return loss, {"loss": loss, "rewards/chosen": rewards_chosen.mean(),
+                  "rewards/rejected": rewards_rejected.mean(),
+                  "rewards/margins": (rewards_chosen - rewards_rejected).mean(),
+                  "rewards/accuracy": (rewards_chosen > rewards_rejected).float().mean()}
+
+
+@torch.no_grad()
+def attach_reference(model: nn.Module, pairs: list[Pair], mean: bool, micro_batch: int,
+                     pad_token: int, device: torch.device) -> None:
+    model.eval()
+    for start in range(0, len(pairs), micro_batch):
+        chunk = pairs[start:start + micro_batch]
+        logps = sequence_logprobs(model, collate(chunk, pad_token, device), mean).tolist()
+        for pair, chosen, rejected in zip(chunk, logps[:len(chunk)], logps[len(chunk):],
+                                          strict=True):
+            pair.reference = (chosen, rejected)
+    model.train()
+
+
+@torch.no_grad()
+def heldout_preference(runtime: Runtime, pairs: list[Pair], config: DPOConfig,
+                       pad_token: int) -> dict[str, float]:
+    """Loss and reward accuracy on held-out pairs, averaged over ranks (collective)."""
+    model = runtime.model
+    model.eval()
+    sums = torch.zeros(3, device=runtime.device)
+    mine = pairs[runtime.rank::runtime.world_size]
+    for start in range(0, len(mine), config.micro_batch_size):
+        batch = collate(mine[start:start + config.micro_batch_size], pad_token, runtime.device)
+        logps = sequence_logprobs(model, batch, config.loss == "ipo")
+        loss, metrics = dpo_loss(logps, batch["reference"], config.beta, config.loss)
+        n = len(batch["ids"]) // 2
+        sums += torch.stack([loss * n, metrics["rewards/accuracy"] * n,
+                             torch.tensor(float(n), device=runtime.device)])
+    model.train()
+    sums = runtime.accelerator.reduce(sums, reduction="sum")
+    return {"eval/dpo_loss": float(sums[0] / sums[2]),
+            "eval/preference_accuracy": float(sums[1] / sums[2])}
+
+
+def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
+    runtime = Runtime(config, stage="dpo")
+    model, tokenizer = load_policy(config.model, config.lora)
+    model_config = model.config
+    data, pad_token, mean = config.data, pad_id(tokenizer), config.loss == "ipo"
+    train = tokenize_pairs(tokenizer, load_preference_dataset(data.train, "train", data.limit),
+                           data.max_len)
+    heldout = tokenize_pairs(tokenizer, load_preference_dataset(
+        data.eval or data.train, "test", config.eval.batches * config.micro_batch_size),
+        data.max_len)
+
+    model.to(runtime.device)
+    if config.lora.enabled and config.reference is None:
+        with adapters_disabled(model):
+            attach_reference(model, train + heldout, mean, config.micro_batch_size, pad_token,
+                             runtime.device)
+    else:
+        reference = load_checkpoint(config.reference or config.model, dtype=torch.float32,
+                                    device=runtime.device)
+        attach_reference(reference, train + heldout, mean, config.micro_batch_size, pad_token,
+                         runtime.device)
+        del reference
+
+    batches = ShuffledBatches(train, config.micro_batch_size, config.seed, runtime.rank,
+                              runtime.world_size)
+    mean_len = sum(len(p.chosen[0]) + len(p.rejected[0]) for p in train) / len(train)
+    tokens_per_step = int(config.micro_batch_size * config.grad_accum_steps
+                          * runtime.world_size * mean_len)
+    total_steps = config.total_steps(tokens_per_step, model_config.num_params())
+    runtime.prepare(model, total_steps, model_config.flops_per_token(int(mean_len / 2)))
+    restored = runtime.start(config, resume)
+    if restored is not None:
+        batches.load_state_dict(restored["batches"])
+    evaluator = TaskEvaluator(config.task_eval, config.model, tokenizer)
+    runtime.print(f"dpo: {len(train):,} pairs, {len(heldout)} held out, beta {config.beta}, "
+                  f"{config.loss} loss, {total_steps} steps; reference log-probs cached"
+                  + (" (adapters disabled)" if config.lora.enabled else ""))
+
+    def loss_fn(m: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        return dpo_loss(sequence_logprobs(m, batch, mean), batch["reference"], config.beta,
+                        config.loss)
+
+    history: dict[str, list[float]] = {"preference_accuracy": [], "accuracy": []}
+
+    def evaluate() -> None:
+        metrics = heldout_preference(runtime, heldout, config, pad_token)
+        accuracy = evaluate_task(runtime, evaluator, config.lora)
+        runtime.log(metrics)
+        history["preference_accuracy"].append(metrics["eval/preference_accuracy"])
+        history["accuracy"].append(accuracy)
+        runtime.print(f"step {runtime.step}: held-out preference accuracy "
+                      f"{metrics['eval/preference_accuracy']:.1%} (loss "
+                      f"{metrics['eval/dpo_loss']:.4f}), {config.task_eval.task} accuracy "
+                      f"{accuracy:.1%}")
+
+    if restored is None:
+        evaluate()
+    while runtime.step < total_steps:
+        micro = [collate(batches.next(), pad_token, runtime.device)
+                 for _ in range(config.grad_accum_steps)]
+        tokens = sum(int(m["ids"].numel()) for m in micro) * runtime.world_size
+        runtime.log_step(runtime.train_step(micro, loss_fn, tokens))
+        if runtime.should(config.eval.every):
+            evaluate()
+        if runtime.should(config.checkpoint.every):
+            runtime.save({"batches": batches.state_dict()})
+
+    final = export_policy(runtime, config, model_config, config.model, config.lora,
+                          {"preference_accuracy": history["preference_accuracy"][-1:],
+                           "accuracy": history["accuracy"][-1:]})
+    seconds = runtime.finish()
+    summary = {"steps": runtime.step, "seconds": round(seconds, 1), "final": str(final),
+               **history, "parallel": runtime.setup}
+    if runtime.is_main:
+        write_json(Path(config.out_dir) / "summary.json", summary)
+        print(f"done: dpo {runtime.step} steps in {seconds:.0f}s; held-out preference accuracy "
+              f"{history['preference_accuracy'][0]:.1%} -> "
+              f"{history['preference_accuracy'][-1]:.1%}, task accuracy "
+              f"{history['accuracy'][0]:.1%} -> {history['accuracy'][-1]:.1%}\n"
+              f"checkpoint: {final}")
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="lathe dpo", description="Direct preference optimization on (prompt, chosen, "
+        "rejected) pairs. Override any field with --dotted.key=value, e.g. --beta=0.1.")
+    parser.add_argument("--config", type=Path, help="YAML recipe, e.g. recipes/dpo/tiny.yaml")
+    parser.add_argument("--resume", default="never", help="never, auto, or a state folder")
+    args, rest = parser.parse_known_args(argv)
+    dpo(load_config(DPOConfig, args.config, rest), resume=args.resume)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    from lathe.model.cli import run_command
+    sys.exit(run_command("dpo", sys.argv[1:]))

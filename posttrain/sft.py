@@ -1,0 +1,164 @@
+"""Supervised fine-tuning (`lathe sft` / `accelerate launch -m lathe.posttrain.sft`):
+teach the chat format by next-token loss on assistant tokens only.
+
+Read top to bottom: config -> runtime -> policy (± LoRA) -> tokenized chats (assistant
+mask from the chat template) -> loop (padded micro-batches, held-out assistant loss and
+task accuracy by generation) -> export (LoRA merged) -> summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+from torch import Tensor, nn
+
+from lathe.data.chat import Message, tokenize_chat
+from lathe.data.formats import load_chat_dataset
+from lathe.model.atomic import write_json
+from lathe.model.recipe import ConfigError, load_config
+from lathe.model.transformer import IGNORE_INDEX
+from lathe.posttrain.common import (
+    ShuffledBatches,
+    TaskEvaluator,
+    evaluate_task,
+    export_policy,
+    load_policy,
+    pad,
+    pad_id,
+)
+from lathe.posttrain.config import SFTConfig
+from lathe.pretrain.runtime import Runtime
+
+Example = tuple[list[int], list[int]]  # input ids, labels (-100 outside assistant spans)
+
+
+def tokenize(tokenizer: Tokenizer, chats: list[list[Message]], max_len: int) -> list[Example]:
+    examples = []
+    for messages in chats:
+        ids, mask = tokenize_chat(tokenizer, messages)
+        ids, mask = ids[:max_len], mask[:max_len]
+        if any(mask[1:]):  # something left to learn after truncation
+            examples.append((ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask,
+                                                                            strict=True)]))
+    return examples
+
+
+def collate(examples: list[Example], pad_token: int, device: torch.device) -> tuple[Tensor,
+                                                                                     Tensor]:
+    ids = pad([e[0] for e in examples], pad_token).to(device)
+    labels = pad([e[1] for e in examples], IGNORE_INDEX).to(device)
+    return ids, labels
+
+
+def sft_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    """Mean cross-entropy over the micro-batch's assistant tokens."""
+    ids, labels = batch
+    loss = model(ids, labels=labels).loss
+    return loss, {"loss": loss}
+
+
+@torch.no_grad()
+def heldout_loss(runtime: Runtime, examples: list[Example], micro_batch: int,
+                 pad_token: int) -> float:
+    """Token-weighted assistant loss on held-out chats, reduced over ranks (collective)."""
+    model = runtime.model
+    model.eval()
+    total = torch.zeros(2, device=runtime.device)
+    mine = examples[runtime.rank::runtime.world_size]
+    for start in range(0, len(mine), micro_batch):
+        ids, labels = collate(mine[start:start + micro_batch], pad_token, runtime.device)
+        tokens = (labels[:, 1:] != IGNORE_INDEX).sum()
+        total += torch.stack([model(ids, labels=labels).loss.float() * tokens, tokens.float()])
+    model.train()
+    total = runtime.accelerator.reduce(total, reduction="sum")
+    return float(total[0] / total[1])
+
+
+def sft(config: SFTConfig, resume: str = "never") -> dict[str, Any]:
+    runtime = Runtime(config, stage="sft")
+    model, tokenizer = load_policy(config.model, config.lora)
+    model_config = model.config
+    data = config.data
+    if data.max_len > model_config.max_seq_len:
+        raise ConfigError(f"data.max_len={data.max_len} exceeds the model's max_seq_len="
+                          f"{model_config.max_seq_len}")
+    train = tokenize(tokenizer, load_chat_dataset(data.train, "train", data.limit), data.max_len)
+    heldout = tokenize(tokenizer, load_chat_dataset(data.eval or data.train, "test",
+                                                    config.eval.batches * config.micro_batch_size),
+                       data.max_len)
+    batches = ShuffledBatches(train, config.micro_batch_size, config.seed, runtime.rank,
+                              runtime.world_size)
+    mean_len = sum(len(e[0]) for e in train) / len(train)
+    tokens_per_step = int(config.micro_batch_size * config.grad_accum_steps
+                          * runtime.world_size * mean_len)
+    total_steps = config.total_steps(tokens_per_step, model_config.num_params())
+    runtime.prepare(model, total_steps, model_config.flops_per_token(int(mean_len)))
+    restored = runtime.start(config, resume)
+    if restored is not None:
+        batches.load_state_dict(restored["batches"])
+    evaluator = TaskEvaluator(config.task_eval, config.model, tokenizer)
+    runtime.print(f"sft: {len(train):,} chats ({mean_len:.0f} tokens on average), "
+                  f"{len(heldout)} held out; {total_steps} steps on {runtime.setup['device']}"
+                  + (f"; LoRA r={config.lora.r}" if config.lora.enabled else ""))
+
+    pad_token = pad_id(tokenizer)
+    history: dict[str, list[float]] = {"heldout_loss": [], "accuracy": []}
+
+    def evaluate() -> None:
+        loss = heldout_loss(runtime, heldout, config.micro_batch_size, pad_token)
+        accuracy = evaluate_task(runtime, evaluator, config.lora)
+        runtime.log({"eval/heldout_loss": loss})
+        history["heldout_loss"].append(loss)
+        history["accuracy"].append(accuracy)
+        runtime.print(f"step {runtime.step}: held-out assistant loss {loss:.4f}, "
+                      f"{config.task_eval.task} accuracy {accuracy:.1%}")
+
+    if restored is None:
+        evaluate()
+    while runtime.step < total_steps:
+        micro = [collate(batches.next(), pad_token, runtime.device)
+                 for _ in range(config.grad_accum_steps)]
+        tokens = sum(int(m[0].numel()) for m in micro) * runtime.world_size
+        runtime.log_step(runtime.train_step(micro, sft_loss, tokens))
+        if runtime.should(config.eval.every):
+            evaluate()
+        if runtime.should(config.checkpoint.every):
+            runtime.save({"batches": batches.state_dict()})
+
+    final = export_policy(runtime, config, model_config, config.model, config.lora,
+                          {"heldout_loss": history["heldout_loss"][-1:],
+                           "accuracy": history["accuracy"][-1:]})
+    seconds = runtime.finish()
+    summary = {"steps": runtime.step, "seconds": round(seconds, 1), "final": str(final),
+               "heldout_loss": history["heldout_loss"], "accuracy": history["accuracy"],
+               "parallel": runtime.setup}
+    if runtime.is_main:
+        write_json(Path(config.out_dir) / "summary.json", summary)
+        print(f"done: sft {runtime.step} steps in {seconds:.0f}s; held-out assistant loss "
+              f"{history['heldout_loss'][0]:.4f} -> {history['heldout_loss'][-1]:.4f}, "
+              f"accuracy {history['accuracy'][0]:.1%} -> {history['accuracy'][-1]:.1%}\n"
+              f"checkpoint: {final}")
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="lathe sft", description="Supervised fine-tuning on chats (assistant tokens "
+        "only). Override any field with --dotted.key=value, e.g. --lora.enabled=true.")
+    parser.add_argument("--config", type=Path, help="YAML recipe, e.g. recipes/sft/tiny.yaml")
+    parser.add_argument("--resume", default="never", help="never, auto, or a state folder")
+    args, rest = parser.parse_known_args(argv)
+    sft(load_config(SFTConfig, args.config, rest), resume=args.resume)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    from lathe.model.cli import run_command
+    sys.exit(run_command("sft", sys.argv[1:]))

@@ -1,0 +1,69 @@
+"""Post-training losses against hand computations and closed forms."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lathe.posttrain.dpo import dpo_loss
+from lathe.posttrain.grpo import clipped_surrogate, group_advantages
+from lathe.posttrain.rewards import exact_number, length_penalty, load_reward
+
+
+def test_dpo_sigmoid_loss_matches_the_closed_form_and_is_log2_at_the_reference():
+    policy = torch.tensor([-3.0, -5.0, -4.0, -4.5])  # chosen (2) then rejected (2)
+    reference = torch.tensor([-3.5, -4.0, -4.0, -4.0])
+    loss, metrics = dpo_loss(policy, reference, beta=0.1)
+    margins = torch.tensor([(-3.0 + 3.5) - (-4.0 + 4.0), (-5.0 + 4.0) - (-4.5 + 4.0)])
+    expected = -torch.nn.functional.logsigmoid(0.1 * margins).mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert metrics["rewards/chosen"].item() == pytest.approx(0.1 * (0.5 - 1.0) / 2)
+    assert metrics["rewards/accuracy"].item() == 0.5
+    same, _ = dpo_loss(reference, reference, beta=0.1)
+    assert same.item() == pytest.approx(math.log(2), rel=1e-6)
+    ipo, _ = dpo_loss(reference, reference, beta=0.1, kind="ipo")
+    assert ipo.item() == pytest.approx((1 / 0.2) ** 2)
+
+
+def test_group_advantages_standard_and_dr_grpo():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
+    adv = group_advantages(rewards)
+    assert adv[0].tolist() == pytest.approx([0.5 / (0.5 + 1e-4), -0.5 / (0.5 + 1e-4)] * 1
+                                            + [-0.5 / (0.5 + 1e-4), 0.5 / (0.5 + 1e-4)])
+    assert adv[1].tolist() == [0.0] * 4  # a group that all agrees teaches nothing
+    assert group_advantages(rewards, "dr_grpo")[0].tolist() == [0.5, -0.5, -0.5, 0.5]
+
+
+def test_clipped_surrogate_matches_a_hand_computation():
+    old = torch.zeros(2, 3)
+    logps = torch.log(torch.tensor([[1.5, 0.9, 1.0], [0.5, 1.1, 1.0]]))
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    advantages = torch.tensor([1.0, -2.0])
+    loss, metrics = clipped_surrogate(logps, old, advantages, mask, epsilon=0.2)
+    # row 0 (A=+1): min(1.5, 1.2) = 1.2; min(0.9, 0.9) = 0.9
+    # row 1 (A=-2): min(-1.0, -1.6) = -1.6; min(-2.2, -2.2) = -2.2; min(-2, -2) = -2
+    expected = -(1.2 + 0.9 - 1.6 - 2.2 - 2.0) / 5
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert metrics["clip_fraction"].item() == pytest.approx(2 / 5)  # 1.5 up, 0.5 down
+    higher, _ = clipped_surrogate(logps, old, advantages, mask, 0.2, epsilon_high=0.28)
+    assert higher.item() == pytest.approx(-(1.28 + 0.9 - 1.6 - 2.2 - 2.0) / 5, rel=1e-6)
+    ref = torch.log(torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]))
+    with_kl, m = clipped_surrogate(logps, old, advantages, mask, 0.2, None, ref, beta=0.5)
+    delta = ref - logps
+    kl = ((torch.exp(delta) - delta - 1) * mask).sum() / 5
+    assert m["kl"].item() == pytest.approx(kl.item(), rel=1e-6)
+    assert with_kl.item() == pytest.approx(expected + 0.5 * kl.item(), rel=1e-5)
+
+
+def test_reward_registry_and_user_functions():
+    assert exact_number("so it is 42", "42") == 1.0 and exact_number("41", "42") == 0.0
+    assert length_penalty("x" * 150, "x" * 50) == pytest.approx(-1.0)
+    assert load_reward("tests.posttrain.test_losses:my_reward")("ab", "") == 2.0
+    with pytest.raises(Exception, match="cannot be imported"):
+        load_reward("tests.nope:missing")
+
+
+def my_reward(completion: str, reference: str) -> float:
+    return float(len(completion))
