@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
             "direct preference optimization against a cached frozen reference (± LoRA)"),
     "grpo": ("lathe.posttrain.grpo:main",
              "GRPO with verifiable rewards, rollouts from the serve engine (± LoRA)"),
+    "distill": ("lathe.posttrain.distill:main",
+                "distill a teacher into a student: logit KL/JSD or SFT on teacher answers"),
     "serve": ("lathe.serve.commands:serve_main",
               "serve a checkpoint behind an OpenAI-compatible API (paged KV, batching)"),
     "chat": ("lathe.serve.commands:chat_main",

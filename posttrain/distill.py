@@ -1,0 +1,245 @@
+"""Distillation (`lathe distill` / `accelerate launch -m lathe.posttrain.distill`): move a
+teacher's behaviour into a student that shares its tokenizer.
+
+Two modes. `logits`: on chat data, the student matches the teacher's next-token
+distributions on assistant tokens — forward KL, reverse KL or generalized JSD at a
+temperature — mixed with the ordinary cross-entropy by `ce_weight`. `teacher_data`: the
+teacher answers a prompt set with the serve engine, the answers are written as a chat
+dataset, and the student is SFT-trained on it. Both end by reporting student and teacher
+accuracy on the held-out task.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lathe.data.formats import load_chat_dataset, load_prompt_dataset
+from lathe.data.tokenizer import load_tokenizer
+from lathe.model.atomic import write_json
+from lathe.model.checkpoint import load_checkpoint
+from lathe.model.lora import LoraSection
+from lathe.model.recipe import ConfigError, load_config
+from lathe.model.transformer import IGNORE_INDEX
+from lathe.posttrain.common import (
+    ShuffledBatches,
+    TaskEvaluator,
+    evaluate_task,
+    export_policy,
+    load_policy,
+    pad_id,
+)
+from lathe.posttrain.config import ChatDataConfig, SFTConfig, TaskEvalConfig
+from lathe.posttrain.sft import collate, sft, tokenize
+from lathe.pretrain.config import TrainConfig
+from lathe.pretrain.runtime import Runtime
+from lathe.serve.chat_template import ChatTemplate
+from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.sampling import SamplingParams
+
+
+@dataclass
+class DistillConfig(TrainConfig):
+    out_dir: str = "runs/distill"
+    model: str = "runs/student"  # the student checkpoint
+    teacher: str = "runs/grpo/final"
+    mode: Literal["logits", "teacher_data"] = "logits"
+    loss: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
+    jsd_beta: float = 0.5  # interpolation of the generalized JSD (0.5: symmetric)
+    temperature: float = 1.0
+    ce_weight: float = 0.5  # loss = ce_weight · CE + (1 − ce_weight) · KD
+    teacher_max_tokens: int = 32  # teacher_data: answer length
+    data: ChatDataConfig = field(default_factory=ChatDataConfig)
+    lora: LoraSection = field(default_factory=LoraSection)
+    task_eval: TaskEvalConfig = field(default_factory=TaskEvalConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 <= self.ce_weight <= 1:
+            raise ConfigError(f"ce_weight={self.ce_weight} must be in [0, 1]")
+        if not 0 < self.jsd_beta < 1:
+            raise ConfigError(f"jsd_beta={self.jsd_beta} must be in (0, 1)")
+        if self.temperature <= 0:
+            raise ConfigError(f"temperature={self.temperature} must be positive")
+
+
+def kd_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor,
+            kind: str = "forward_kl", temperature: float = 1.0,
+            beta: float = 0.5) -> Tensor:
+    """Per-token divergence between teacher and student at `temperature` (scaled by T²,
+    Hinton et al.), averaged over masked positions. (N, T, V) logits, (N, T) mask."""
+    s = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    if kind == "forward_kl":  # KL(teacher ‖ student): mode-covering
+        per_token = (t.exp() * (t - s)).sum(-1)
+    elif kind == "reverse_kl":  # KL(student ‖ teacher): mode-seeking
+        per_token = (s.exp() * (s - t)).sum(-1)
+    elif kind == "jsd":  # β·KL(t ‖ m) + (1 − β)·KL(s ‖ m), m = β·t + (1 − β)·s
+        m = torch.logsumexp(torch.stack([t + torch.log(torch.tensor(beta)),
+                                         s + torch.log(torch.tensor(1 - beta))]), dim=0)
+        per_token = (beta * (t.exp() * (t - m)).sum(-1)
+                     + (1 - beta) * (s.exp() * (s - m)).sum(-1))
+    else:
+        raise ConfigError(f"loss={kind!r}: choose forward_kl, reverse_kl or jsd")
+    mask = mask.float()
+    return (per_token * mask).sum() / mask.sum().clamp(min=1) * temperature**2
+
+
+def check_same_tokenizer(student: str, teacher: str) -> None:
+    a = load_tokenizer(student).get_vocab(with_added_tokens=True)
+    b = load_tokenizer(teacher).get_vocab(with_added_tokens=True)
+    if a != b:
+        differ = sorted(set(a.items()) ^ set(b.items()))[:3]
+        raise ConfigError(f"teacher {teacher} and student {student} must share a tokenizer "
+                          f"(their vocabularies differ, e.g. {differ}); distill between "
+                          "models trained with the same tokenizer.json")
+
+
+def distill_logits(config: DistillConfig, resume: str) -> dict[str, Any]:
+    runtime = Runtime(config, stage="distill")
+    model, tokenizer = load_policy(config.model, config.lora)
+    teacher = load_checkpoint(config.teacher, dtype=torch.float32, device=runtime.device)
+    if teacher.config.vocab_size != model.config.vocab_size:
+        raise ConfigError(f"teacher vocab_size {teacher.config.vocab_size} != student "
+                          f"{model.config.vocab_size}: logits must cover the same tokens")
+    teacher.requires_grad_(False)
+    model_config, data = model.config, config.data
+    train = tokenize(tokenizer, load_chat_dataset(data.train, "train", data.limit), data.max_len)
+    heldout = tokenize(tokenizer, load_chat_dataset(data.eval or data.train, "test",
+                                                    config.eval.batches * config.micro_batch_size),
+                       data.max_len)
+    batches = ShuffledBatches(train, config.micro_batch_size, config.seed, runtime.rank,
+                              runtime.world_size)
+    mean_len = sum(len(e[0]) for e in train) / len(train)
+    total_steps = config.total_steps(int(config.micro_batch_size * config.grad_accum_steps
+                                         * runtime.world_size * mean_len),
+                                     model_config.num_params())
+    runtime.prepare(model, total_steps, model_config.flops_per_token(int(mean_len)))
+    restored = runtime.start(config, resume)
+    if restored is not None:
+        batches.load_state_dict(restored["batches"])
+    pad_token = pad_id(tokenizer)
+
+    def loss_fn(m: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        ids, labels = batch
+        out = m(ids, labels=labels)
+        with torch.no_grad():
+            teacher_logits = teacher(ids).logits
+        mask = labels[:, 1:] != IGNORE_INDEX
+        kd = kd_loss(out.logits[:, :-1], teacher_logits[:, :-1], mask, config.loss,
+                     config.temperature, config.jsd_beta)
+        loss = config.ce_weight * out.loss + (1 - config.ce_weight) * kd
+        return loss, {"loss": loss, "ce": out.loss, "kd": kd}
+
+    @torch.no_grad()
+    def heldout_kl() -> float:
+        runtime.model.eval()
+        sums = torch.zeros(2, device=runtime.device)
+        for start in range(runtime.rank * config.micro_batch_size, len(heldout),
+                           config.micro_batch_size * runtime.world_size):
+            ids, labels = collate(heldout[start:start + config.micro_batch_size], pad_token,
+                                  runtime.device)
+            mask = labels[:, 1:] != IGNORE_INDEX
+            kl = kd_loss(runtime.model(ids).logits[:, :-1], teacher(ids).logits[:, :-1], mask)
+            sums += torch.stack([kl * mask.sum(), mask.sum().float()])
+        runtime.model.train()
+        sums = runtime.accelerator.reduce(sums, reduction="sum")
+        return float(sums[0] / sums[1])
+
+    kls = []
+    if restored is None:
+        kls.append(heldout_kl())
+        runtime.print(f"distill ({config.loss}, T={config.temperature}): held-out KL(teacher ‖ "
+                      f"student) {kls[-1]:.4f}")
+    while runtime.step < total_steps:
+        micro = [collate(batches.next(), pad_token, runtime.device)
+                 for _ in range(config.grad_accum_steps)]
+        tokens = sum(int(m[0].numel()) for m in micro) * runtime.world_size
+        runtime.log_step(runtime.train_step(micro, loss_fn, tokens))
+        if runtime.should(config.eval.every):
+            kls.append(heldout_kl())
+            runtime.log({"eval/kl_to_teacher": kls[-1]})
+            runtime.print(f"step {runtime.step}: held-out KL to teacher {kls[-1]:.4f}")
+        if runtime.should(config.checkpoint.every):
+            runtime.save({"batches": batches.state_dict()})
+    evaluator = TaskEvaluator(config.task_eval, config.model, tokenizer)
+    student_accuracy = evaluate_task(runtime, evaluator, config.lora)
+    final = export_policy(runtime, config, model_config, config.model, config.lora,
+                          {"kl_to_teacher": kls[-1:]})
+    seconds = runtime.finish()
+    return {"steps": runtime.step, "seconds": round(seconds, 1), "final": str(final),
+            "kl_to_teacher": kls, "student_accuracy": student_accuracy,
+            "parallel": runtime.setup}
+
+
+def write_teacher_data(config: DistillConfig, path: Path) -> int:
+    """The teacher's greedy answers to the training prompts, as a chat .jsonl (atomically)."""
+    engine = LLMEngine.from_checkpoint(config.teacher, EngineConfig(num_blocks=1024))
+    template = ChatTemplate.from_checkpoint(config.teacher)
+    rows = load_prompt_dataset(config.data.train, "train", config.data.limit)
+    prompts = [engine.encode(template.render(row.prompt)) for row in rows]
+    params = SamplingParams(max_tokens=config.teacher_max_tokens, temperature=0)
+    answers = engine.generate(prompts, params, progress=True)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w") as f:
+        for row, answer in zip(rows, answers, strict=True):
+            f.write(json.dumps({"messages": [*row.prompt, {
+                "role": "assistant", "content": answer.outputs[0].text.strip()}]}) + "\n")
+    tmp.replace(path)
+    return len(rows)
+
+
+def distill(config: DistillConfig, resume: str = "never") -> dict[str, Any]:
+    check_same_tokenizer(config.model, config.teacher)
+    if config.mode == "logits":
+        summary = distill_logits(config, resume)
+    else:
+        out = Path(config.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        data_file = out / "teacher_data.jsonl"
+        if not data_file.is_file():
+            print(f"teacher {config.teacher} answered {write_teacher_data(config, data_file)} "
+                  f"prompts -> {data_file}")
+        shared = {f.name: getattr(config, f.name) for f in dataclasses.fields(TrainConfig)}
+        sft_config = SFTConfig(**shared, model=config.model, lora=config.lora,
+                               task_eval=config.task_eval,
+                               data=dataclasses.replace(config.data, train=str(data_file)))
+        result = sft(sft_config, resume)
+        summary = {**result, "student_accuracy": result["accuracy"][-1]}
+    if os.environ.get("RANK", "0") != "0":  # the report is the main process's job
+        return summary
+    teacher = TaskEvaluator(config.task_eval, config.teacher, load_tokenizer(config.teacher))
+    summary["teacher_accuracy"] = teacher(load_checkpoint(config.teacher))["accuracy"]
+    write_json(Path(config.out_dir) / "summary.json", summary)
+    print(f"done: distill ({config.mode}); held-out {config.task_eval.task} accuracy: student "
+          f"{summary['student_accuracy']:.1%}, teacher {summary['teacher_accuracy']:.1%}")
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="lathe distill", description="Distill a teacher into a student sharing its "
+        "tokenizer: --mode=logits (KL/JSD on chat data) or --mode=teacher_data (SFT on the "
+        "teacher's answers).")
+    parser.add_argument("--config", type=Path, help="YAML recipe")
+    parser.add_argument("--resume", default="never", help="never, auto, or a state folder")
+    args, rest = parser.parse_known_args(argv)
+    distill(load_config(DistillConfig, args.config, rest), resume=args.resume)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    from lathe.model.cli import run_command
+    sys.exit(run_command("distill", sys.argv[1:]))
