@@ -43,6 +43,7 @@ class LoraSection:
     alpha: float = 32.0
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: list(ALL_LINEARS))
+    qlora: bool = False  # NF4 4-bit frozen base (bitsandbytes; CUDA only)
 
     def __post_init__(self) -> None:
         if self.r < 1:
@@ -60,9 +61,32 @@ class LoraSection:
 
 
 def apply_lora(model: Transformer, section: LoraSection) -> Transformer:
-    """Inject adapters in place and freeze every base parameter."""
+    """Inject adapters in place and freeze every base parameter (QLoRA: first store the
+    targeted base linears in 4-bit NF4)."""
+    if section.qlora:
+        quantize_base_4bit(model, section.target_modules)
     inject_adapter_in_model(section.peft_config(), model)
     return model
+
+
+def quantize_base_4bit(model: Transformer, targets: list[str]) -> None:
+    """Swap the targeted linears for bitsandbytes NF4 layers on the GPU (QLoRA's base)."""
+    if not torch.cuda.is_available():
+        raise ConfigError("lora.qlora=true needs a CUDA GPU (bitsandbytes 4-bit kernels); "
+                          "none is visible here, so train plain LoRA with lora.qlora=false")
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise ConfigError("lora.qlora=true needs bitsandbytes: pip install bitsandbytes") from None
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and name in targets:
+                layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=False,
+                                          compute_dtype=torch.bfloat16, quant_type="nf4")
+                layer.weight = bnb.nn.Params4bit(child.weight.data.cpu(), requires_grad=False,
+                                                 quant_type="nf4")
+                setattr(parent, name, layer)
+    model.cuda()  # bitsandbytes quantizes on the move to the GPU
 
 
 def lora_layers(model: nn.Module) -> list[BaseTunerLayer]:

@@ -18,8 +18,8 @@ from torch import Tensor, nn
 
 from lathe.data.formats import load_prompt_dataset
 from lathe.data.tokenizer import load_tokenizer
-from lathe.model.checkpoint import GENERATION_CONFIG_FILE, load_checkpoint
-from lathe.model.lora import LoraSection, apply_lora
+from lathe.model.checkpoint import GENERATION_CONFIG_FILE, load_checkpoint, save_checkpoint
+from lathe.model.lora import LoraSection, apply_lora, load_adapter, merge_lora, save_adapter
 from lathe.model.recipe import to_dict
 from lathe.model.transformer import Transformer
 from lathe.posttrain.config import TaskEvalConfig
@@ -167,9 +167,20 @@ def evaluate_task(runtime: Runtime, evaluator: TaskEvaluator, lora: LoraSection)
 
 def export_policy(runtime: Runtime, config: Any, model_config: Any, checkpoint: str,
                   lora: LoraSection, extra: dict[str, Any]) -> Path:
+    """The HF checkpoint at out_dir/final (LoRA: merged, adapter beside it). A QLoRA
+    adapter is merged into the full-precision base, never into its 4-bit copy."""
     final = Path(config.out_dir) / "final"
-    runtime.export(model_config, final, Path(checkpoint), {
-        "config": to_dict(config), "base": checkpoint, **extra},
-        lora=lora if lora.enabled else None)
+    provenance = {"config": to_dict(config), "base": checkpoint, **extra}
+    if not lora.qlora:
+        runtime.export(model_config, final, Path(checkpoint), provenance,
+                       lora=lora if lora.enabled else None)
+        return final
+    adapter = final.with_name(final.name + "-adapter")
+    if runtime.is_main:
+        save_adapter(runtime.accelerator.unwrap_model(runtime.model), lora, adapter, checkpoint)
+        merged = merge_lora(load_adapter(load_checkpoint(checkpoint), adapter))
+        save_checkpoint(merged, final, tokenizer=Path(checkpoint), provenance={
+            "stage": runtime.stage, "steps": runtime.step, **provenance})
+    runtime.accelerator.wait_for_everyone()
     return final
 

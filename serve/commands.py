@@ -114,7 +114,10 @@ def export_main(argv: Sequence[str] | None = None) -> int:
         "weight-only quantized checkpoint folder (lathe serve loads it) or one GGUF file "
         "(llama.cpp, Ollama).")
     parser.add_argument("checkpoint", type=Path)
-    parser.add_argument("--format", required=True, choices=["quantized", "gguf"])
+    parser.add_argument("--format", default="hf", choices=["hf", "quantized", "gguf"],
+                        help="hf: a plain checkpoint folder (with --merge-lora)")
+    parser.add_argument("--merge-lora", type=Path, metavar="ADAPTER",
+                        help="fold this peft adapter folder into the weights first")
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--quantize", choices=["int8", "int4"], default="int8",
                         help="--format quantized: weight-only scheme")
@@ -128,6 +131,24 @@ def export_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     read_model_config(args.checkpoint)
     from lathe.model.checkpoint import load_checkpoint
+    if args.format == "hf" and args.merge_lora is None:
+        raise ConfigError("--format hf only makes sense with --merge-lora ADAPTER; for a "
+                          "quantized or GGUF variant pass --format quantized|gguf")
+    if args.merge_lora is not None:
+        import tempfile
+
+        from lathe.model.checkpoint import save_checkpoint
+        from lathe.model.lora import load_adapter, merge_lora
+        merged = merge_lora(load_adapter(load_checkpoint(args.checkpoint), args.merge_lora))
+        target = args.out if args.format == "hf" else Path(tempfile.mkdtemp()) / "merged"
+        tokenizer = args.checkpoint if (args.checkpoint / "tokenizer.json").is_file() else None
+        save_checkpoint(merged, target, tokenizer=tokenizer,
+                        provenance={"stage": "merge-lora", "base": str(args.checkpoint),
+                                    "adapter": str(args.merge_lora)})
+        print(f"merged {args.merge_lora} into {args.checkpoint} -> {target}")
+        if args.format == "hf":
+            return 0
+        args.checkpoint = target
     from lathe.serve.quant import (
         load_serving_model,
         perplexity,

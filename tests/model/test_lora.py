@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lathe.model.lora import (
@@ -12,6 +13,7 @@ from lathe.model.lora import (
     merge_lora,
     save_adapter,
 )
+from lathe.model.recipe import ConfigError
 from tests.builders import tiny_model
 
 
@@ -66,3 +68,9 @@ def test_adapter_folder_loads_in_peft_on_transformers(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(peft_model(ids).logits, model(ids).logits,
                                    atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_qlora_without_cuda_says_so():
+    with pytest.raises(ConfigError, match="lora.qlora=true needs a CUDA GPU"):
+        apply_lora(tiny_model(n_layers=1), LoraSection(enabled=True, qlora=True))

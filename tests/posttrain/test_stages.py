@@ -98,3 +98,18 @@ def test_sft_and_dpo_run_on_two_cpu_processes(base, tmp_path, stage):
     else:
         assert done["preference_accuracy"][-1] > done["preference_accuracy"][0]
     assert load_checkpoint(out / "final").config.n_layers == 2
+
+
+def test_export_merge_lora_writes_the_merged_checkpoint(base, tmp_path):
+    out = tmp_path / "sft"
+    assert main(["sft", *quick(out, base, max_steps=3, **{"eval.every": 3,
+                                                          "lora.enabled": "true"})]) == 0
+    assert main(["export", str(base), "--merge-lora", str(out / "final-adapter"),
+                 "--out", str(tmp_path / "merged")]) == 0
+    ids = torch.randint(0, 400, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(load_checkpoint(tmp_path / "merged")(ids).logits,
+                                   load_checkpoint(out / "final")(ids).logits)
+    assert main(["export", str(base), "--merge-lora", str(out / "final-adapter"), "--format",
+                 "gguf", "--out", str(tmp_path / "merged.gguf")]) == 0
+    assert (tmp_path / "merged.gguf").stat().st_size > 0
