@@ -93,7 +93,8 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
     device = torch.device(device if device is not None else "cpu")
     state: dict[str, torch.Tensor] = {}
     for file in _weight_files(path):
-        state.update(load_file(file, device=str(device)))
+        # safetensors accepts "cpu" but not the "cpu:0" multi-process CPU launches use
+        state.update(load_file(file, device="cpu" if device.type == "cpu" else str(device)))
     with torch.device("meta"):
         model = Transformer(config)
     _check_state_dict(model, state, path)

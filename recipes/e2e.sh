@@ -25,9 +25,29 @@ lathe pretrain --config recipes/pretrain/nano.yaml --out_dir "$OUT/pretrain" \
 echo "== generate: reload the exported base checkpoint and continue a prompt"
 lathe generate "$OUT/pretrain/final" --prompt "def main(" --max-new-tokens 32
 
-echo "== serve: the checkpoint behind the OpenAI-compatible API, one chat request, then stop"
+echo "== sft: the chat format on arithmetic chats, assistant tokens only -> $OUT/sft"
+lathe sft --config recipes/sft/e2e.yaml --out_dir "$OUT/sft" --model "$OUT/pretrain/final"
+
+echo "== dpo: right sums preferred over near misses -> $OUT/dpo"
+lathe dpo --config recipes/dpo/e2e.yaml --out_dir "$OUT/dpo" --model "$OUT/sft/final"
+
+echo "== grpo: exact-answer reward on 8 sampled completions per prompt -> $OUT/grpo"
+lathe grpo --config recipes/grpo/e2e.yaml --out_dir "$OUT/grpo" --model "$OUT/dpo/final"
+
+python - "$OUT" <<'PY'
+import json, sys
+out = sys.argv[1]
+s = {stage: json.load(open(f"{out}/{stage}/summary.json")) for stage in ("sft", "dpo", "grpo")}
+rows = [("base", s["sft"]["accuracy"][0]), ("sft", s["sft"]["accuracy"][-1]),
+        ("dpo", s["dpo"]["accuracy"][-1]), ("grpo", s["grpo"]["heldout_accuracy"][-1])]
+print("held-out arithmetic accuracy (200 problems, greedy):")
+for stage, accuracy in rows:
+    print(f"  {stage:<5} {accuracy:6.1%}")
+PY
+
+echo "== serve: the chat model behind the OpenAI-compatible API, one chat request, then stop"
 PORT=${PORT:-8765}
-lathe serve "$OUT/pretrain/final" --port "$PORT" --log-level warning > "$OUT/serve.log" 2>&1 &
+lathe serve "$OUT/grpo/final" --port "$PORT" --log-level warning > "$OUT/serve.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true' EXIT
 python - "$PORT" <<'PY'
@@ -42,7 +62,6 @@ for _ in range(300):
 else:
     sys.exit("lathe serve did not become healthy; see its log")
 PY
-lathe chat "http://127.0.0.1:$PORT" --prompt "What does the json module do?" \
-    --max-tokens 48 --temperature 0
+lathe chat "http://127.0.0.1:$PORT" --prompt "What is 38 + 47?" --max-tokens 8 --temperature 0
 kill "$SERVER" && wait "$SERVER" 2>/dev/null || true
-echo "== done: $OUT/pretrain/final served; server log in $OUT/serve.log"
+echo "== done: $OUT/grpo/final served; server log in $OUT/serve.log"

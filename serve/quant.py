@@ -182,7 +182,9 @@ def load_serving_model(path: str | Path, quantize: QuantMode | None = None,
     with torch.device("meta"):
         model = Transformer(read_model_config(path))
     quantize_linears(model, quant["mode"], quant["group_size"])
-    state = load_file(Path(path) / WEIGHTS_FILE, device=str(device or "cpu"))
+    device = torch.device(device if device is not None else "cpu")
+    state = load_file(Path(path) / WEIGHTS_FILE,
+                      device="cpu" if device.type == "cpu" else str(device))
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     expected = set(model.state_dict())
@@ -191,7 +193,7 @@ def load_serving_model(path: str | Path, quantize: QuantMode | None = None,
                               f"{sorted(expected - set(state))[:4]}, unexpected "
                               f"{sorted(set(state) - expected)[:4]})")
     model.load_state_dict(state, assign=True)
-    model.model.rotary_emb.reset_parameters(device or "cpu")
+    model.model.rotary_emb.reset_parameters(device)
     return model.eval()
 
 
