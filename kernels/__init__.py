@@ -1,2 +1,8 @@
 """lathe.kernels: Triton kernels, each beside its PyTorch reference, and the dispatch
 between them (see DESIGN.md). Imports only torch and triton."""
+
+from lathe.kernels.dispatch import kernel_enabled, use_triton
+from lathe.kernels.rmsnorm import add_rms_norm, rms_norm
+from lathe.kernels.swiglu import swiglu
+
+__all__ = ["add_rms_norm", "kernel_enabled", "rms_norm", "swiglu", "use_triton"]

@@ -8,7 +8,9 @@ Module and parameter names mirror Hugging Face's `LlamaForCausalLM`
 (`model.layers.0.self_attn.q_proj.weight`, ...) and RoPE uses its rotate-half layout,
 so a state dict from this module *is* an HF Llama checkpoint. The file is
 single-device and precision-agnostic: parallelism, mixed precision and FP8 are
-applied from outside by the training runtime.
+applied from outside by the training runtime. RMSNorm (also fused with the residual
+add) and SwiGLU go through `lathe.kernels`, which runs Triton on CUDA and the PyTorch
+reference elsewhere.
 
 Initialization (`Transformer.init_weights`): embeddings and every linear weight
 ~ N(0, init_std), except the two projections that write into the residual stream
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lathe.kernels import add_rms_norm, rms_norm, swiglu
 from lathe.model.config import ModelConfig
 from lathe.model.kv_cache import KVCache
 
@@ -39,7 +42,8 @@ class CausalLMOutput(NamedTuple):
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in fp32, cast back before the weight (as HF Llama)."""
+    """Root-mean-square norm computed in fp32, cast back before the weight (as HF Llama);
+    the computation is `lathe.kernels.rms_norm`."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -47,9 +51,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> Tensor:
@@ -140,7 +142,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.ffn_hidden_dim, config.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -152,8 +154,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache | None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache)
+        norm = self.post_attention_layernorm
+        normed, x = add_rms_norm(attended, x, norm.weight, norm.eps)  # one pass: add + norm
+        return x + self.mlp(normed)
 
 
 class Decoder(nn.Module):

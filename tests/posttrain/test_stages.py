@@ -4,6 +4,7 @@ LoRA exports merge exactly, and SFT/DPO run on 2 CPU processes."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -113,3 +114,23 @@ def test_export_merge_lora_writes_the_merged_checkpoint(base, tmp_path):
     assert main(["export", str(base), "--merge-lora", str(out / "final-adapter"), "--format",
                  "gguf", "--out", str(tmp_path / "merged.gguf")]) == 0
     assert (tmp_path / "merged.gguf").stat().st_size > 0
+
+
+def step_losses(out: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def test_sft_resumes_exactly_from_saved_state(base, tmp_path):
+    settings = {"optim.lr": 2e-3, "eval.every": 100, "checkpoint.every": 3,
+                "logging.log_every": 1, "checkpoint.keep_last": 3}
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert main(["sft", *quick(whole, base, max_steps=6, **settings)]) == 0
+    (resumed / "state").mkdir(parents=True)
+    shutil.copytree(whole / "state" / "step-00000003", resumed / "state" / "step-00000003")
+    assert main(["sft", *quick(resumed, base, max_steps=6, **settings), "--resume",
+                 "auto"]) == 0
+    expected, got = step_losses(whole), step_losses(resumed)
+    assert sorted(got) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert got[step] == pytest.approx(expected[step], abs=1e-6)

@@ -1,0 +1,37 @@
+"""Which implementation an op runs: the Triton kernel when its tensors are on CUDA and the
+kernel is enabled, the PyTorch reference otherwise — so nothing changes without a GPU.
+
+`LATHE_KERNELS=0` turns every kernel off; `LATHE_KERNELS_DISABLE=rms_norm,swiglu` turns off
+the ones named; `LATHE_KERNELS=force` runs them on CPU tensors too, which only works under
+Triton's interpreter (`TRITON_INTERPRET=1`, how CI tests the model with kernels on). Read at
+each call, so tests and benchmarks can flip them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:  # e.g. macOS: the references still run
+    HAVE_TRITON = False
+
+KERNELS = ("rms_norm", "add_rms_norm", "swiglu")
+
+
+def kernel_enabled(name: str) -> bool:
+    if name not in KERNELS:
+        raise ValueError(f"unknown kernel {name!r}; lathe has {', '.join(KERNELS)}")
+    if os.environ.get("LATHE_KERNELS", "1") == "0":
+        return False
+    disabled = {n.strip() for n in os.environ.get("LATHE_KERNELS_DISABLE", "").split(",")}
+    return name not in disabled
+
+
+def use_triton(name: str, tensor: torch.Tensor) -> bool:
+    on_device = tensor.is_cuda or os.environ.get("LATHE_KERNELS") == "force"
+    return HAVE_TRITON and on_device and kernel_enabled(name)

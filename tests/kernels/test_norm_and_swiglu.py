@@ -1,0 +1,105 @@
+"""RMSNorm (plain and fused with the residual add) and SwiGLU: Triton, run by the
+interpreter on CPU, against the PyTorch references — forward and gradients, fp32 and fp16,
+ordinary and awkward shapes. Tolerances: fp32 1e-5 (abs and rel); fp16 2e-3 forward,
+1e-2 gradients (gradients sum over rows in a different order)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lathe.kernels.rmsnorm import (
+    add_rms_norm_reference,
+    add_rms_norm_triton,
+    rms_norm,
+    rms_norm_reference,
+    rms_norm_triton,
+)
+from lathe.kernels.swiglu import swiglu_reference, swiglu_triton
+
+SHAPES = [(2, 5, 64), (1, 96), (37, 200), (3, 130)]  # non-power-of-two widths, a single row
+TOLERANCE = {torch.float32: (1e-5, 1e-5, 1e-5), torch.float16: (2e-3, 2e-3, 1e-2)}
+
+
+def inputs(shape, dtype, *extra, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g).to(dtype).requires_grad_() for _ in range(1 + len(
+        extra))]
+
+
+def grads(out, tensors, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    outs = out if isinstance(out, tuple) else (out,)
+    upstream = [torch.randn(o.shape, generator=g).to(o.dtype) for o in outs]
+    return torch.autograd.grad(outs, tensors, upstream)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rms_norm_matches_reference(shape, dtype):
+    atol, rtol, grad_tol = TOLERANCE[dtype]
+    (x,) = inputs(shape, dtype)
+    weight = (1 + 0.1 * torch.randn(shape[-1])).to(dtype).requires_grad_()
+    ours, ref = rms_norm_triton(x, weight, 1e-5), rms_norm_reference(x, weight, 1e-5)
+    torch.testing.assert_close(ours, ref, atol=atol, rtol=rtol)
+    for a, b in zip(grads(ours, [x, weight]), grads(ref, [x, weight]), strict=True):
+        torch.testing.assert_close(a, b, atol=grad_tol, rtol=grad_tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fused_add_rms_norm_matches_reference(shape, dtype):
+    atol, rtol, grad_tol = TOLERANCE[dtype]
+    x, residual = inputs(shape, dtype, "residual")
+    weight = (1 + 0.1 * torch.randn(shape[-1])).to(dtype).requires_grad_()
+    ours = add_rms_norm_triton(x, residual, weight, 1e-6)
+    ref = add_rms_norm_reference(x, residual, weight, 1e-6)
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
+    for a, b in zip(grads(ours, [x, residual, weight]), grads(ref, [x, residual, weight]),
+                    strict=True):
+        torch.testing.assert_close(a, b, atol=grad_tol, rtol=grad_tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 7, 344), (1, 1), (5, 1000)])
+def test_swiglu_matches_reference(shape, dtype):
+    atol, rtol, grad_tol = TOLERANCE[dtype]
+    gate, up = inputs(shape, dtype, "up")
+    ours, ref = swiglu_triton(gate, up), swiglu_reference(gate, up)
+    torch.testing.assert_close(ours, ref, atol=atol, rtol=rtol)
+    for a, b in zip(grads(ours, [gate, up]), grads(ref, [gate, up]), strict=True):
+        torch.testing.assert_close(a, b, atol=grad_tol, rtol=grad_tol)
+
+
+def test_dispatch_picks_the_reference_off_gpu_and_honours_switches(monkeypatch):
+    x, weight = torch.randn(4, 32), torch.ones(32)
+    assert torch.equal(rms_norm(x, weight, 1e-5), rms_norm_reference(x, weight, 1e-5))
+    from lathe.kernels.dispatch import kernel_enabled, use_triton
+    assert not use_triton("rms_norm", x)
+    monkeypatch.setenv("LATHE_KERNELS", "force")
+    assert use_triton("rms_norm", x)
+    monkeypatch.setenv("LATHE_KERNELS_DISABLE", "swiglu")
+    assert kernel_enabled("rms_norm") and not kernel_enabled("swiglu")
+    monkeypatch.setenv("LATHE_KERNELS", "0")
+    assert not use_triton("rms_norm", x)
+    with pytest.raises(ValueError, match="unknown kernel"):
+        kernel_enabled("flash")
+
+
+def test_model_forward_and_backward_match_with_kernels_on(monkeypatch):
+    from tests.builders import tiny_model
+    ids = torch.randint(0, 256, (2, 24))
+
+    def run():
+        model = tiny_model(n_layers=2)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    loss_off, grads_off = run()
+    monkeypatch.setenv("LATHE_KERNELS", "force")
+    loss_on, grads_on = run()
+    torch.testing.assert_close(loss_on, loss_off, atol=1e-5, rtol=1e-5)
+    for name, grad in grads_off.items():
+        torch.testing.assert_close(grads_on[name], grad, atol=1e-5, rtol=1e-4, msg=name)
