@@ -81,3 +81,13 @@ def test_dataset_rows_are_validated_by_row_and_field(tmp_path):
     with pytest.raises(ConfigError, match="row 0: field 'reference'"):
         load_prompt_dataset(str(prompts))
     assert load_prompt_dataset("task:arithmetic", "test", limit=3)[0].prompt[0]["role"] == "user"
+
+
+def test_hf_datasets_with_a_messages_column_load(tmp_path):
+    folder = tmp_path / "hfchat"
+    folder.mkdir()
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"},
+                          {"role": "assistant", "content": f"a{i}"}]} for i in range(3)]
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    chats = load_chat_dataset(f"hf:{folder}:train")  # datasets' loader on a local folder
+    assert [c[1]["content"] for c in chats] == ["a0", "a1", "a2"]
