@@ -3,6 +3,7 @@ between them (see DESIGN.md). Imports only torch and triton."""
 
 from lathe.kernels.dispatch import kernel_enabled, use_triton
 from lathe.kernels.rmsnorm import add_rms_norm, rms_norm
+from lathe.kernels.rope import rope
 from lathe.kernels.swiglu import swiglu
 
-__all__ = ["add_rms_norm", "kernel_enabled", "rms_norm", "swiglu", "use_triton"]
+__all__ = ["add_rms_norm", "kernel_enabled", "rms_norm", "rope", "swiglu", "use_triton"]

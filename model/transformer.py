@@ -10,7 +10,7 @@ so a state dict from this module *is* an HF Llama checkpoint. The file is
 single-device and precision-agnostic: parallelism, mixed precision and FP8 are
 applied from outside by the training runtime. RMSNorm (also fused with the residual
 add) and SwiGLU go through `lathe.kernels`, which runs Triton on CUDA and the PyTorch
-reference elsewhere.
+reference elsewhere; so does RoPE.
 
 Initialization (`Transformer.init_weights`): embeddings and every linear weight
 ~ N(0, init_std), except the two projections that write into the residual stream
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lathe.kernels import add_rms_norm, rms_norm, swiglu
+from lathe.kernels import add_rms_norm, rms_norm, rope, swiglu
 from lathe.model.config import ModelConfig
 from lathe.model.kv_cache import KVCache
 
@@ -98,13 +98,6 @@ class RotaryEmbedding(nn.Module):
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate (B, H, T, D) `x` by position: rotate-half layout (pairs i and i + D/2)."""
-    cos, sin = cos[:, None], sin[:, None]
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -123,7 +116,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = rope(q, k, cos, sin)
         if kv_cache is not None:
             out = kv_cache.attend(self.layer_idx, q, k, v)
         else:
