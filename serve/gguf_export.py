@@ -89,9 +89,13 @@ def _vocabulary(checkpoint: Path, vocab_size: int) -> tuple[list[str], list[int]
 
 
 def _pre_tokenizer(checkpoint: Path) -> str:
-    """llama.cpp's name for the pre-tokenization regex: lathe's default is Llama-3's."""
+    """llama.cpp's name for the pre-tokenization regex: lathe's with numbers split in
+    groups of up to 3 digits is Llama-3's ("llama-bpe"), one digit at a time is Qwen2's."""
     text = (checkpoint / "tokenizer.json").read_text()
-    return "llama-bpe" if json.dumps(split_pattern(3))[1:-1] in text else "default"
+    for digits, name in ((3, "llama-bpe"), (1, "qwen2")):
+        if json.dumps(split_pattern(digits))[1:-1] in text:
+            return name
+    return "default"
 
 
 def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f16") -> Path:

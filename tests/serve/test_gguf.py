@@ -157,3 +157,13 @@ def test_gguf_carries_hyperparameters_vocabulary_and_special_tokens(checkpoint, 
     assert "<|assistant|>" in fields["tokenizer.chat_template"]
     assert "output.weight" not in tensors  # tied to token_embd
     assert tensors["blk.0.attn_norm.weight"].dtype == torch.float32
+
+
+def test_pre_tokenizer_names_follow_the_digit_grouping(tmp_path):
+    from lathe.data.tokenizer import save_tokenizer, train_tokenizer
+    from lathe.serve.gguf_export import _pre_tokenizer
+    texts = ["x = 12345 + 678", "def f(): return 42"] * 20
+    for digits, name in ((3, "llama-bpe"), (1, "qwen2"), (2, "default")):
+        save_tokenizer(train_tokenizer(texts, 300, max_digits=digits, show_progress=False),
+                       tmp_path / str(digits))
+        assert _pre_tokenizer(tmp_path / str(digits)) == name
