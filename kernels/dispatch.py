@@ -20,7 +20,7 @@ try:
 except ImportError:  # e.g. macOS: the references still run
     HAVE_TRITON = False
 
-KERNELS = ("rms_norm", "add_rms_norm", "swiglu", "rope")
+KERNELS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "int8_matmul", "int4_matmul")
 
 
 def kernel_enabled(name: str) -> bool:

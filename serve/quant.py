@@ -3,8 +3,8 @@
 int8: symmetric, one fp scale per output channel: w ≈ q · scale, q in [-127, 127].
 int4: asymmetric, one (scale, minimum) pair per group of `group_size` input columns:
 w ≈ q · scale + minimum, q in [0, 15], two values packed per byte (low nibble = even
-column). Activations stay in the model's dtype; the reference forward dequantizes the
-weight and calls `F.linear` (a fused Triton dequantize-matmul is the kernels package's job).
+column). Activations stay in the model's dtype; the matmuls are `lathe.kernels`' (a Triton
+dequantize-in-tile matmul on CUDA; dequantize, then `F.linear` elsewhere).
 
 A quantized checkpoint is an ordinary checkpoint folder whose config.json carries a
 `quantization_config` ({"quant_method": "lathe", "mode", "group_size"}) and whose
@@ -25,6 +25,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from lathe.kernels.quant_matmul import (
+    int4_matmul,
+    int8_matmul,
+)
 from lathe.model.atomic import atomic_directory
 from lathe.model.checkpoint import (
     CONFIG_FILE,
@@ -49,10 +53,6 @@ def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
     return q, scale
 
 
-def dequantize_int8(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    return (q.float() * scale[:, None]).to(dtype)
-
-
 def quantize_int4(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
     """(packed uint8 (out, in/2), scales (out, in/group), minimums (out, in/group))."""
     out_features, in_features = weight.shape
@@ -68,15 +68,6 @@ def quantize_int4(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tens
     return packed, scale, low
 
 
-def dequantize_int4(packed: Tensor, scale: Tensor, low: Tensor,
-                    dtype: torch.dtype = torch.float32) -> Tensor:
-    out_features = packed.shape[0]
-    q = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(out_features, -1).float()
-    group_size = q.shape[1] // scale.shape[1]
-    groups = q.reshape(out_features, -1, group_size) * scale[..., None] + low[..., None]
-    return groups.reshape(out_features, -1).to(dtype)
-
-
 class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -86,7 +77,7 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, dequantize_int8(self.weight, self.scale.float(), x.dtype))
+        return int8_matmul(x, self.weight, self.scale)
 
 
 class Int4Linear(nn.Module):
@@ -100,8 +91,7 @@ class Int4Linear(nn.Module):
         self.group_size = group_size
 
     def forward(self, x: Tensor) -> Tensor:
-        weight = dequantize_int4(self.weight, self.scale.float(), self.minimum.float(), x.dtype)
-        return F.linear(x, weight)
+        return int4_matmul(x, self.weight, self.scale, self.minimum)
 
 
 def quantize_linears(model: nn.Module, mode: QuantMode, group_size: int = 128) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lathe.kernels.quant_matmul import dequantize_int4, dequantize_int8
 from lathe.model import load_checkpoint
 from lathe.model.checkpoint import CheckpointError
 from lathe.model.cli import main
@@ -12,8 +13,6 @@ from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.quant import (
     Int4Linear,
     Int8Linear,
-    dequantize_int4,
-    dequantize_int8,
     load_serving_model,
     perplexity,
     quantize_int4,

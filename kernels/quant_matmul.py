@@ -1,0 +1,123 @@
+"""Weight-only quantized matmuls in the serve engine's packed formats, dequantizing tiles
+on the fly inside a Triton matmul (the weight never exists in full precision), beside the
+PyTorch references that dequantize first.
+
+int8: w[n, k] = q[n, k] · scale[n]; the scale is applied once per output column after
+the K loop. int4: two values per byte (low nibble = even column), w[n, k] = q · scale +
+minimum per (n, k // group); a K tile never crosses a group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from lathe.kernels.dispatch import use_triton
+
+
+def dequantize_int8(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    return (q.float() * scale.float()[:, None]).to(dtype)
+
+
+def dequantize_int4(packed: Tensor, scale: Tensor, minimum: Tensor,
+                    dtype: torch.dtype = torch.float32) -> Tensor:
+    out_features = packed.shape[0]
+    q = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(out_features, -1).float()
+    group = q.shape[1] // scale.shape[1]
+    w = q.reshape(out_features, -1, group) * scale.float()[..., None] + minimum.float()[..., None]
+    return w.reshape(out_features, -1).to(dtype)
+
+
+def int8_matmul_reference(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    return F.linear(x, dequantize_int8(q, scale, x.dtype))
+
+
+def int4_matmul_reference(x: Tensor, packed: Tensor, scale: Tensor, minimum: Tensor) -> Tensor:
+    return F.linear(x, dequantize_int4(packed, scale, minimum, x.dtype))
+
+
+@triton.jit
+def _int8_matmul(X, Q, S, Y, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        x = tl.load(X + rm[:, None] * K + kk[None, :],
+                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        w = tl.load(Q + rn[None, :] * K + kk[:, None],
+                    mask=(rn[None, :] < N) & (kk[:, None] < K), other=0)
+        acc += tl.dot(x, w.to(x.dtype))  # tensor cores in the activation dtype
+    scale = tl.load(S + rn, mask=rn < N, other=0.0).to(tl.float32)
+    tl.store(Y + rm[:, None] * N + rn[None, :], (acc * scale[None, :]).to(Y.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _int4_matmul(X, P, S, MIN, Y, M, N, K, GROUP, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    half = tl.arange(0, BK // 2)
+    groups = K // GROUP
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        byte = k0 // 2 + half
+        packed = tl.load(P + rn[:, None] * (K // 2) + byte[None, :], mask=rn[:, None] < N,
+                         other=0)
+        q = tl.join(packed & 0xF, packed >> 4).reshape(BN, BK).to(tl.float32)
+        g = k0 // GROUP
+        scale = tl.load(S + rn * groups + g, mask=rn < N, other=0.0).to(tl.float32)
+        low = tl.load(MIN + rn * groups + g, mask=rn < N, other=0.0).to(tl.float32)
+        w = q * scale[:, None] + low[:, None]
+        kk = k0 + tl.arange(0, BK)
+        x = tl.load(X + rm[:, None] * K + kk[None, :], mask=rm[:, None] < M, other=0.0)
+        acc += tl.dot(x, tl.trans(w).to(x.dtype))
+    tl.store(Y + rm[:, None] * N + rn[None, :], acc.to(Y.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def _tiles(m: int) -> tuple[int, int, int]:
+    return (16 if m <= 16 else 64), 64, 32
+
+
+def int8_matmul_triton(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    (m, k), n = x2.shape, q.shape[0]
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    bm, bn, bk = _tiles(m)
+    _int8_matmul[(triton.cdiv(m, bm), triton.cdiv(n, bn))](x2, q.contiguous(), scale, y, m, n,
+                                                           k, BM=bm, BN=bn, BK=bk)
+    return y.view(*x.shape[:-1], n)
+
+
+def int4_matmul_triton(x: Tensor, packed: Tensor, scale: Tensor, minimum: Tensor) -> Tensor:
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    (m, k), n = x2.shape, packed.shape[0]
+    group = k // scale.shape[1]
+    bm, bn, bk = _tiles(m)
+    if group % bk:
+        raise ValueError(f"int4 matmul needs groups that are multiples of {bk}, got {group}")
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    _int4_matmul[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        x2, packed.contiguous(), scale.contiguous(), minimum.contiguous(), y, m, n, k, group,
+        BM=bm, BN=bn, BK=bk)
+    return y.view(*x.shape[:-1], n)
+
+
+def int8_matmul(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    """x @ dequantize(q, scale).T (Triton on CUDA, the reference elsewhere)."""
+    if use_triton("int8_matmul", x):
+        return int8_matmul_triton(x, q, scale)
+    return int8_matmul_reference(x, q, scale)
+
+
+def int4_matmul(x: Tensor, packed: Tensor, scale: Tensor, minimum: Tensor) -> Tensor:
+    """x @ dequantize(packed, scale, minimum).T (Triton on CUDA, the reference elsewhere)."""
+    if use_triton("int4_matmul", x):
+        return int4_matmul_triton(x, packed, scale, minimum)
+    return int4_matmul_reference(x, packed, scale, minimum)
