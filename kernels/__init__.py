@@ -2,8 +2,11 @@
 between them (see DESIGN.md). Imports only torch and triton."""
 
 from lathe.kernels.dispatch import kernel_enabled, use_triton
+from lathe.kernels.fused_ce import linear_cross_entropy
+from lathe.kernels.quant_matmul import int4_matmul, int8_matmul
 from lathe.kernels.rmsnorm import add_rms_norm, rms_norm
 from lathe.kernels.rope import rope
 from lathe.kernels.swiglu import swiglu
 
-__all__ = ["add_rms_norm", "kernel_enabled", "rms_norm", "rope", "swiglu", "use_triton"]
+__all__ = ["add_rms_norm", "int4_matmul", "int8_matmul", "kernel_enabled",
+           "linear_cross_entropy", "rms_norm", "rope", "swiglu", "use_triton"]

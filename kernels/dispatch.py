@@ -20,7 +20,8 @@ try:
 except ImportError:  # e.g. macOS: the references still run
     HAVE_TRITON = False
 
-KERNELS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "int8_matmul", "int4_matmul")
+KERNELS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "int8_matmul", "int4_matmul",
+           "linear_cross_entropy")
 
 
 def kernel_enabled(name: str) -> bool:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lathe.kernels import add_rms_norm, rms_norm, rope, swiglu
+from lathe.kernels import add_rms_norm, linear_cross_entropy, rms_norm, rope, swiglu
 from lathe.model.config import ModelConfig
 from lathe.model.kv_cache import KVCache
 
@@ -37,7 +37,7 @@ IGNORE_INDEX = -100
 
 
 class CausalLMOutput(NamedTuple):
-    logits: Tensor
+    logits: Tensor | None
     loss: Tensor | None
 
 
@@ -194,14 +194,17 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: Tensor, labels: Tensor | None = None,
                 positions: Tensor | None = None, kv_cache: KVCache | None = None,
-                logits_to_keep: Tensor | None = None) -> CausalLMOutput:
+                logits_to_keep: Tensor | None = None,
+                return_logits: bool = True) -> CausalLMOutput:
         """Logits (B, T, vocab) for `input_ids` (B, T), and the loss when `labels` are given.
 
         `labels` align with `input_ids` (HF convention): position t's logits are scored
         against labels[t + 1], and label -100 is ignored. `positions` (B, T) defaults to
         0..T-1, or to what the cache assigns when `kv_cache` is given. `logits_to_keep`
         (indices along T) computes the LM head only there — serving needs one row per
-        sequence, not one per prompt token.
+        sequence, not one per prompt token. With labels and `return_logits=False` the
+        loss goes through `lathe.kernels.linear_cross_entropy`, which on CUDA never holds
+        the full (B·T × vocab) logits; `logits` is then None.
         """
         if kv_cache is not None:
             positions = kv_cache.prepare(input_ids, positions)
@@ -214,7 +217,14 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, kv_cache)
         if logits_to_keep is not None:
             x = x[:, logits_to_keep]
-        logits = self.lm_head(self.model.norm(x))
+        x = self.model.norm(x)
+        head = self.lm_head.weight if type(self.lm_head) is nn.Linear else None
+        if labels is not None and not return_logits and head is not None \
+                and not hasattr(head, "device_mesh"):  # plain tensors only, not FSDP2 shards
+            loss = linear_cross_entropy(x[:, :-1].flatten(0, 1), head, labels[:, 1:].flatten(),
+                                        IGNORE_INDEX)
+            return CausalLMOutput(None, loss)
+        logits = self.lm_head(x)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(

@@ -58,7 +58,7 @@ def collate(examples: list[Example], pad_token: int, device: torch.device) -> tu
 def sft_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
     """Mean cross-entropy over the micro-batch's assistant tokens."""
     ids, labels = batch
-    loss = model(ids, labels=labels).loss
+    loss = model(ids, labels=labels, return_logits=False).loss  # fused head + loss on CUDA
     return loss, {"loss": loss}
 
 
