@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lathe.kernels.dispatch import use_triton
+from lathe.kernels.paged_attention import paged_decode_triton
 from lathe.model.config import ModelConfig
 
 
@@ -74,6 +76,9 @@ class PagedBatch:
             for i, span in enumerate(decodes):
                 self.decode_context[i, :len(span.context)] = span.context
                 self.decode_mask[i, ..., :len(span.context)] = True
+            size = slabs.block_size  # each block's slots are contiguous: its first names it
+            self.decode_tables = self.decode_context[:, ::size] // size
+            self.decode_lens = self.decode_mask.flatten(1).sum(-1)
 
     def prepare(self, input_ids: Tensor, positions: Tensor | None) -> Tensor:
         if input_ids.shape != (1, len(self.slot_mapping)):
@@ -88,12 +93,17 @@ class PagedBatch:
         gqa = q.shape[1] != k.shape[1]
         out = torch.empty_like(q)
         if len(self.decode_rows):
-            keys = k_slab[self.decode_context].transpose(1, 2)  # (B, kv_heads, S, D)
-            values = v_slab[self.decode_context].transpose(1, 2)
-            queries = q[0, :, self.decode_rows].transpose(0, 1)[:, :, None]  # (B, H, 1, D)
-            attended = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=self.decode_mask, enable_gqa=gqa)
-            out[0, :, self.decode_rows] = attended[:, :, 0].transpose(0, 1)
+            queries = q[0, :, self.decode_rows].transpose(0, 1)  # (B, H, D)
+            if use_triton("paged_decode", q):
+                attended = paged_decode_triton(queries, k_slab, v_slab, self.decode_tables,
+                                               self.decode_lens, self.slabs.block_size)
+            else:
+                keys = k_slab[self.decode_context].transpose(1, 2)  # (B, kv_heads, S, D)
+                values = v_slab[self.decode_context].transpose(1, 2)
+                attended = F.scaled_dot_product_attention(
+                    queries[:, :, None], keys, values, attn_mask=self.decode_mask,
+                    enable_gqa=gqa)[:, :, 0]
+            out[0, :, self.decode_rows] = attended.transpose(0, 1)
         for span in self.prefills:
             rows = slice(span.start, span.start + span.length)
             keys = k_slab[span.context].transpose(0, 1)[None]
