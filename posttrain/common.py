@@ -4,9 +4,10 @@ accuracy by generation with the serve engine, and the final export."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -20,7 +21,7 @@ from lathe.data.formats import load_prompt_dataset
 from lathe.data.tokenizer import load_tokenizer
 from lathe.model.checkpoint import GENERATION_CONFIG_FILE, load_checkpoint, save_checkpoint
 from lathe.model.lora import LoraSection, apply_lora, load_adapter, merge_lora, save_adapter
-from lathe.model.recipe import to_dict
+from lathe.model.recipe import load_config, to_dict
 from lathe.model.transformer import Transformer
 from lathe.posttrain.config import TaskEvalConfig
 from lathe.posttrain.rewards import verifier
@@ -184,3 +185,18 @@ def export_policy(runtime: Runtime, config: Any, model_config: Any, checkpoint: 
     runtime.accelerator.wait_for_everyone()
     return final
 
+
+
+def stage_main(stage: str, description: str, config_cls: type, run: Callable[..., Any],
+               argv: Sequence[str] | None) -> int:
+    """The command line every stage shares: `--config` recipe, `--resume`, and dotted
+    overrides of any config field."""
+    parser = argparse.ArgumentParser(
+        prog=f"lathe {stage}",
+        description=f"{description} Override any field with --dotted.key=value.")
+    parser.add_argument("--config", type=Path,
+                        help=f"YAML recipe, e.g. recipes/{stage}/e2e.yaml")
+    parser.add_argument("--resume", default="never", help="never, auto, or a state folder")
+    args, rest = parser.parse_known_args(argv)
+    run(load_config(config_cls, args.config, rest), resume=args.resume)
+    return 0

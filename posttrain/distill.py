@@ -11,7 +11,6 @@ accuracy on the held-out task.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -29,7 +28,7 @@ from lathe.data.tokenizer import load_tokenizer
 from lathe.model.atomic import write_json
 from lathe.model.checkpoint import load_checkpoint
 from lathe.model.lora import LoraSection
-from lathe.model.recipe import ConfigError, load_config
+from lathe.model.recipe import ConfigError
 from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.common import (
     ShuffledBatches,
@@ -38,6 +37,7 @@ from lathe.posttrain.common import (
     export_policy,
     load_policy,
     pad_id,
+    stage_main,
 )
 from lathe.posttrain.config import ChatDataConfig, SFTConfig, TaskEvalConfig
 from lathe.posttrain.sft import collate, sft, tokenize
@@ -227,15 +227,9 @@ def distill(config: DistillConfig, resume: str = "never") -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="lathe distill", description="Distill a teacher into a student sharing its "
-        "tokenizer: --mode=logits (KL/JSD on chat data) or --mode=teacher_data (SFT on the "
-        "teacher's answers).")
-    parser.add_argument("--config", type=Path, help="YAML recipe")
-    parser.add_argument("--resume", default="never", help="never, auto, or a state folder")
-    args, rest = parser.parse_known_args(argv)
-    distill(load_config(DistillConfig, args.config, rest), resume=args.resume)
-    return 0
+    return stage_main("distill", "Distill a teacher into a student sharing its tokenizer: "
+                      "--mode=logits (KL/JSD on chat data) or --mode=teacher_data (SFT on "
+                      "the teacher's answers).", DistillConfig, distill, argv)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ accuracy and task accuracy -> export -> summary.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,6 @@ from lathe.data.formats import PreferenceRow, load_preference_dataset
 from lathe.model.atomic import write_json
 from lathe.model.checkpoint import load_checkpoint
 from lathe.model.lora import adapters_disabled
-from lathe.model.recipe import load_config
 from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.common import (
     ShuffledBatches,
@@ -38,6 +36,7 @@ from lathe.posttrain.common import (
     load_policy,
     pad,
     pad_id,
+    stage_main,
     token_logprobs,
 )
 from lathe.posttrain.config import DPOConfig
@@ -218,14 +217,8 @@ def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="lathe dpo", description="Direct preference optimization on (prompt, chosen, "
-        "rejected) pairs. Override any field with --dotted.key=value, e.g. --beta=0.1.")
-    parser.add_argument("--config", type=Path, help="YAML recipe, e.g. recipes/dpo/tiny.yaml")
-    parser.add_argument("--resume", default="never", help="never, auto, or a state folder")
-    args, rest = parser.parse_known_args(argv)
-    dpo(load_config(DPOConfig, args.config, rest), resume=args.resume)
-    return 0
+    return stage_main("dpo", "Direct preference optimization on (prompt, chosen, rejected) pairs.",
+                      DPOConfig, dpo, argv)
 
 
 if __name__ == "__main__":

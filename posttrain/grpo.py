@@ -14,7 +14,6 @@ ZeRO) sees the same batch; each rank trains on its share.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ from lathe.data.formats import PromptRow, load_prompt_dataset
 from lathe.model.atomic import write_json
 from lathe.model.checkpoint import load_checkpoint
 from lathe.model.lora import adapters_disabled, merge_lora
-from lathe.model.recipe import ConfigError, load_config
+from lathe.model.recipe import ConfigError
 from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.common import (
     ShuffledBatches,
@@ -40,6 +39,7 @@ from lathe.posttrain.common import (
     load_policy,
     pad,
     pad_id,
+    stage_main,
 )
 from lathe.posttrain.config import GRPOConfig
 from lathe.posttrain.rewards import load_reward, verifier
@@ -278,14 +278,8 @@ def attach_old_and_reference(model: nn.Module, reference: nn.Module | None,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="lathe grpo", description="GRPO with verifiable rewards; rollouts from the serve "
-        "engine. Override any field with --dotted.key=value, e.g. --num_generations=8.")
-    parser.add_argument("--config", type=Path, help="YAML recipe, e.g. recipes/grpo/tiny.yaml")
-    parser.add_argument("--resume", default="never", help="never, auto, or a state folder")
-    args, rest = parser.parse_known_args(argv)
-    grpo(load_config(GRPOConfig, args.config, rest), resume=args.resume)
-    return 0
+    return stage_main("grpo", "GRPO with verifiable rewards; rollouts from the serve engine.",
+                      GRPOConfig, grpo, argv)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ task accuracy by generation) -> export (LoRA merged) -> summary.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from torch import Tensor, nn
 from lathe.data.chat import Message, tokenize_chat
 from lathe.data.formats import load_chat_dataset
 from lathe.model.atomic import write_json
-from lathe.model.recipe import ConfigError, load_config
+from lathe.model.recipe import ConfigError
 from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.common import (
     ShuffledBatches,
@@ -30,6 +29,7 @@ from lathe.posttrain.common import (
     load_policy,
     pad,
     pad_id,
+    stage_main,
 )
 from lathe.posttrain.config import SFTConfig
 from lathe.pretrain.runtime import Runtime
@@ -147,14 +147,8 @@ def sft(config: SFTConfig, resume: str = "never") -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="lathe sft", description="Supervised fine-tuning on chats (assistant tokens "
-        "only). Override any field with --dotted.key=value, e.g. --lora.enabled=true.")
-    parser.add_argument("--config", type=Path, help="YAML recipe, e.g. recipes/sft/tiny.yaml")
-    parser.add_argument("--resume", default="never", help="never, auto, or a state folder")
-    args, rest = parser.parse_known_args(argv)
-    sft(load_config(SFTConfig, args.config, rest), resume=args.resume)
-    return 0
+    return stage_main("sft", "Supervised fine-tuning on chats (assistant tokens only).",
+                      SFTConfig, sft, argv)
 
 
 if __name__ == "__main__":
