@@ -80,6 +80,21 @@ class ShuffledBatches(Generic[T]):
         self.epoch, self.index = state["epoch"], state["index"]
 
 
+def train_on_batches(runtime: Runtime, config: Any, batches: ShuffledBatches,
+                     collate: Callable[[list], Any], loss_fn: Callable,
+                     tokens_of: Callable[[Any], int], evaluate: Callable[[], None]) -> None:
+    """The supervised loop SFT, DPO and distillation share: accumulate micro-batches, step,
+    evaluate and save state on their cadences (the batch position is the resume state)."""
+    while runtime.step < runtime.total_steps:
+        micro = [collate(batches.next()) for _ in range(config.grad_accum_steps)]
+        tokens = sum(tokens_of(m) for m in micro) * runtime.world_size
+        runtime.log_step(runtime.train_step(micro, loss_fn, tokens))
+        if runtime.should(config.eval.every):
+            evaluate()
+        if runtime.should(config.checkpoint.every):
+            runtime.save({"batches": batches.state_dict()})
+
+
 def pad(rows: Sequence[Sequence[int]], value: int) -> Tensor:
     """Right-pad token rows into one (B, T) tensor."""
     width = max(len(r) for r in rows)

@@ -38,6 +38,7 @@ from lathe.posttrain.common import (
     load_policy,
     pad_id,
     stage_main,
+    train_on_batches,
 )
 from lathe.posttrain.config import ChatDataConfig, SFTConfig, TaskEvalConfig
 from lathe.posttrain.sft import collate, sft, tokenize
@@ -161,17 +162,14 @@ def distill_logits(config: DistillConfig, resume: str) -> dict[str, Any]:
         kls.append(heldout_kl())
         runtime.print(f"distill ({config.loss}, T={config.temperature}): held-out KL(teacher ‖ "
                       f"student) {kls[-1]:.4f}")
-    while runtime.step < total_steps:
-        micro = [collate(batches.next(), pad_token, runtime.device)
-                 for _ in range(config.grad_accum_steps)]
-        tokens = sum(int(m[0].numel()) for m in micro) * runtime.world_size
-        runtime.log_step(runtime.train_step(micro, loss_fn, tokens))
-        if runtime.should(config.eval.every):
-            kls.append(heldout_kl())
-            runtime.log({"eval/kl_to_teacher": kls[-1]})
-            runtime.print(f"step {runtime.step}: held-out KL to teacher {kls[-1]:.4f}")
-        if runtime.should(config.checkpoint.every):
-            runtime.save({"batches": batches.state_dict()})
+    def evaluate() -> None:
+        kls.append(heldout_kl())
+        runtime.log({"eval/kl_to_teacher": kls[-1]})
+        runtime.print(f"step {runtime.step}: held-out KL to teacher {kls[-1]:.4f}")
+
+    train_on_batches(runtime, config, batches,
+                     lambda rows: collate(rows, pad_token, runtime.device), loss_fn,
+                     lambda batch: int(batch[0].numel()), evaluate)
     evaluator = TaskEvaluator(config.task_eval, config.model, tokenizer)
     student_accuracy = evaluate_task(runtime, evaluator, config.lora)
     final = export_policy(runtime, config, model_config, config.model, config.lora,

@@ -38,6 +38,7 @@ from lathe.posttrain.common import (
     pad_id,
     stage_main,
     token_logprobs,
+    train_on_batches,
 )
 from lathe.posttrain.config import DPOConfig
 from lathe.pretrain.runtime import Runtime
@@ -190,15 +191,9 @@ def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
 
     if restored is None:
         evaluate()
-    while runtime.step < total_steps:
-        micro = [collate(batches.next(), pad_token, runtime.device)
-                 for _ in range(config.grad_accum_steps)]
-        tokens = sum(int(m["ids"].numel()) for m in micro) * runtime.world_size
-        runtime.log_step(runtime.train_step(micro, loss_fn, tokens))
-        if runtime.should(config.eval.every):
-            evaluate()
-        if runtime.should(config.checkpoint.every):
-            runtime.save({"batches": batches.state_dict()})
+    train_on_batches(runtime, config, batches,
+                     lambda rows: collate(rows, pad_token, runtime.device), loss_fn,
+                     lambda batch: int(batch["ids"].numel()), evaluate)
 
     final = export_policy(runtime, config, model_config, config.model, config.lora,
                           {"preference_accuracy": history["preference_accuracy"][-1:],

@@ -30,6 +30,7 @@ from lathe.posttrain.common import (
     pad,
     pad_id,
     stage_main,
+    train_on_batches,
 )
 from lathe.posttrain.config import SFTConfig
 from lathe.pretrain.runtime import Runtime
@@ -120,15 +121,9 @@ def sft(config: SFTConfig, resume: str = "never") -> dict[str, Any]:
 
     if restored is None:
         evaluate()
-    while runtime.step < total_steps:
-        micro = [collate(batches.next(), pad_token, runtime.device)
-                 for _ in range(config.grad_accum_steps)]
-        tokens = sum(int(m[0].numel()) for m in micro) * runtime.world_size
-        runtime.log_step(runtime.train_step(micro, sft_loss, tokens))
-        if runtime.should(config.eval.every):
-            evaluate()
-        if runtime.should(config.checkpoint.every):
-            runtime.save({"batches": batches.state_dict()})
+    train_on_batches(runtime, config, batches,
+                     lambda rows: collate(rows, pad_token, runtime.device), sft_loss,
+                     lambda batch: int(batch[0].numel()), evaluate)
 
     final = export_policy(runtime, config, model_config, config.model, config.lora,
                           {"heldout_loss": history["heldout_loss"][-1:],
