@@ -1,6 +1,7 @@
 """lathe.kernels: Triton kernels, each beside its PyTorch reference, and the dispatch
 between them (see DESIGN.md). Imports only torch and triton."""
 
+from lathe.kernels.attention import causal_attention
 from lathe.kernels.dispatch import kernel_enabled, use_triton
 from lathe.kernels.fused_ce import linear_cross_entropy
 from lathe.kernels.quant_matmul import int4_matmul, int8_matmul
@@ -8,5 +9,5 @@ from lathe.kernels.rmsnorm import add_rms_norm, rms_norm
 from lathe.kernels.rope import rope
 from lathe.kernels.swiglu import swiglu
 
-__all__ = ["add_rms_norm", "int4_matmul", "int8_matmul", "kernel_enabled",
+__all__ = ["add_rms_norm", "causal_attention", "int4_matmul", "int8_matmul", "kernel_enabled",
            "linear_cross_entropy", "rms_norm", "rope", "swiglu", "use_triton"]

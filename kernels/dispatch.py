@@ -21,7 +21,7 @@ except ImportError:  # e.g. macOS: the references still run
     HAVE_TRITON = False
 
 KERNELS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "int8_matmul", "int4_matmul",
-           "linear_cross_entropy", "paged_decode")
+           "linear_cross_entropy", "paged_decode", "causal_attention")
 
 
 def kernel_enabled(name: str) -> bool:
@@ -36,3 +36,9 @@ def kernel_enabled(name: str) -> bool:
 def use_triton(name: str, tensor: torch.Tensor) -> bool:
     on_device = tensor.is_cuda or os.environ.get("LATHE_KERNELS") == "force"
     return HAVE_TRITON and on_device and kernel_enabled(name)
+
+
+def tuning_configs(configs: list) -> list:
+    """The autotune candidates, cut to the first under Triton's interpreter, where timing
+    means nothing and each extra config only slows the tests."""
+    return configs[:1] if os.environ.get("TRITON_INTERPRET") == "1" else configs

@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from lathe.kernels import causal_attention
 from lathe.model.config import ModelConfig
 
 
@@ -48,7 +48,6 @@ class ContiguousKVCache:
         self.max_len = max_len
         self.length = 0
         self._start = 0
-        self._mask: Tensor | None = None
 
     def prepare(self, input_ids: Tensor, positions: Tensor | None) -> Tensor:
         batch, new = input_ids.shape
@@ -63,19 +62,10 @@ class ContiguousKVCache:
         self._start, self.length = start, end
         if positions is None:
             positions = torch.arange(start, end, device=input_ids.device).expand(batch, new)
-        self._mask = None
-        if start > 0:
-            query_slots = torch.arange(start, end, device=input_ids.device)[:, None]
-            key_slots = torch.arange(end, device=input_ids.device)[None, :]
-            self._mask = (key_slots <= query_slots)[None, None]
         return positions
 
     def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         start, end = self._start, self.length
         self.k[layer_idx, :, :, start:end] = k
         self.v[layer_idx, :, :, start:end] = v
-        return F.scaled_dot_product_attention(
-            q, self.k[layer_idx, :, :, :end], self.v[layer_idx, :, :, :end],
-            attn_mask=self._mask, is_causal=self._mask is None and q.shape[2] > 1,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
+        return causal_attention(q, self.k[layer_idx, :, :, :end], self.v[layer_idx, :, :, :end])

@@ -29,7 +29,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lathe.kernels import add_rms_norm, linear_cross_entropy, rms_norm, rope, swiglu
+from lathe.kernels import (
+    add_rms_norm,
+    causal_attention,
+    linear_cross_entropy,
+    rms_norm,
+    rope,
+    swiglu,
+)
 from lathe.model.config import ModelConfig
 from lathe.model.kv_cache import KVCache
 
@@ -120,8 +127,7 @@ class Attention(nn.Module):
         if kv_cache is not None:
             out = kv_cache.attend(self.layer_idx, q, k, v)
         else:
-            out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=seq > 1, enable_gqa=self.n_kv_heads != self.n_heads)
+            out = causal_attention(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 

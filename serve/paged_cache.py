@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lathe.kernels.attention import causal_attention
 from lathe.kernels.dispatch import use_triton
 from lathe.kernels.paged_attention import paged_decode_triton
 from lathe.model.config import ModelConfig
@@ -90,7 +91,6 @@ class PagedBatch:
         k_slab, v_slab = self.slabs.k[layer_idx], self.slabs.v[layer_idx]
         k_slab[self.slot_mapping] = k[0].transpose(0, 1)
         v_slab[self.slot_mapping] = v[0].transpose(0, 1)
-        gqa = q.shape[1] != k.shape[1]
         out = torch.empty_like(q)
         if len(self.decode_rows):
             queries = q[0, :, self.decode_rows].transpose(0, 1)  # (B, H, D)
@@ -102,15 +102,11 @@ class PagedBatch:
                 values = v_slab[self.decode_context].transpose(1, 2)
                 attended = F.scaled_dot_product_attention(
                     queries[:, :, None], keys, values, attn_mask=self.decode_mask,
-                    enable_gqa=gqa)[:, :, 0]
+                    enable_gqa=q.shape[1] != k.shape[1])[:, :, 0]
             out[0, :, self.decode_rows] = attended.transpose(0, 1)
         for span in self.prefills:
             rows = slice(span.start, span.start + span.length)
             keys = k_slab[span.context].transpose(0, 1)[None]
             values = v_slab[span.context].transpose(0, 1)[None]
-            cached = len(span.context) - span.length
-            query_pos = torch.arange(span.length, device=q.device)[:, None] + cached
-            mask = torch.arange(len(span.context), device=q.device)[None] <= query_pos
-            out[:, :, rows] = F.scaled_dot_product_attention(
-                q[:, :, rows], keys, values, attn_mask=mask, enable_gqa=gqa)
+            out[:, :, rows] = causal_attention(q[:, :, rows], keys, values)
         return out

@@ -1,21 +1,29 @@
 """Paged decode attention (interpreter) against gather + SDPA: block tables with holes
 (non-contiguous, unused blocks between), contexts from 1 token to several blocks, GQA
-ratios 1, 4 and 8. Tolerance: fp32 1e-5; fp16 slabs and queries 2e-3 (vLLM allows
-1.5e-2/1e-2 for bf16)."""
+ratios 1, 4 and 8, a head size that is not a power of two, and split-KV with partitions
+of one and two blocks (so short sequences have empty partitions to merge). Tolerance:
+fp32 1e-5; fp16 slabs and queries 2e-3 (vLLM allows 1.5e-2/1e-2 for bf16)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lathe.kernels.paged_attention import paged_decode_reference, paged_decode_triton
+from lathe.kernels.paged_attention import (
+    num_partitions,
+    paged_decode_reference,
+    paged_decode_triton,
+)
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
-@pytest.mark.parametrize("n_heads, n_kv_heads", [(4, 4), (4, 2), (8, 2), (8, 1)])
-def test_paged_decode_matches_gather_and_sdpa(n_heads, n_kv_heads, dtype, tol):
+@pytest.mark.parametrize("n_heads, n_kv_heads, head_dim", [(4, 4, 32), (4, 2, 24), (8, 2, 32),
+                                                           (8, 1, 32)])
+@pytest.mark.parametrize("partition_size", [512, 32, 16])
+def test_paged_decode_matches_gather_and_sdpa(n_heads, n_kv_heads, head_dim, partition_size,
+                                              dtype, tol):
     g = torch.Generator().manual_seed(0)
-    block_size, num_blocks, head_dim = 16, 40, 32
+    block_size, num_blocks = 16, 40
     k_slab = torch.randn(num_blocks * block_size, n_kv_heads, head_dim, generator=g).to(dtype)
     v_slab = torch.randn(num_blocks * block_size, n_kv_heads, head_dim, generator=g).to(dtype)
     lens = torch.tensor([1, 16, 17, 70])
@@ -27,10 +35,21 @@ def test_paged_decode_matches_gather_and_sdpa(n_heads, n_kv_heads, dtype, tol):
         tables[b, :count] = order[used:used + count]
         used += count + 1  # skip one block between sequences
     q = torch.randn(n_heads, 4, head_dim, generator=g).to(dtype).transpose(0, 1)  # strided
-    ours = paged_decode_triton(q, k_slab, v_slab, tables, lens, block_size)
+    ours = paged_decode_triton(q, k_slab, v_slab, tables, lens, block_size, partition_size)
     ref = paged_decode_reference(q.float(), k_slab.float(), v_slab.float(), tables, lens,
                                  block_size)
     torch.testing.assert_close(ours.float(), ref, atol=tol, rtol=tol)
+
+
+def test_split_kv_follows_the_context_length_and_the_batch_size():
+    assert num_partitions(batch=1, n_heads=32, max_context=512, partition_size=512) == 1
+    assert num_partitions(batch=1, n_heads=32, max_context=4000, partition_size=512) == 8
+    assert num_partitions(batch=64, n_heads=32, max_context=4000, partition_size=512) == 1
+    assert num_partitions(batch=64, n_heads=32, max_context=16384, partition_size=512) == 32
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        paged_decode_triton(torch.zeros(1, 4, 16), torch.zeros(16, 4, 16),
+                            torch.zeros(16, 4, 16), torch.zeros(1, 1, dtype=torch.long),
+                            torch.ones(1, dtype=torch.long), 16, partition_size=40)
 
 
 def test_engine_greedy_output_is_the_same_with_the_paged_kernel(monkeypatch):
