@@ -225,8 +225,8 @@ class Transformer(nn.Module):
             x = x[:, logits_to_keep]
         x = self.model.norm(x)
         head = self.lm_head.weight if type(self.lm_head) is nn.Linear else None
-        if labels is not None and not return_logits and head is not None \
-                and not hasattr(head, "device_mesh"):  # plain tensors only, not FSDP2 shards
+        sharded = hasattr(head, "device_mesh") or hasattr(head, "ds_id")  # FSDP2 / ZeRO-3
+        if labels is not None and not return_logits and head is not None and not sharded:
             loss = linear_cross_entropy(x[:, :-1].flatten(0, 1), head, labels[:, 1:].flatten(),
                                         IGNORE_INDEX)
             return CausalLMOutput(None, loss)

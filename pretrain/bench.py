@@ -4,27 +4,31 @@ loop (AdamW, clipping, next-token loss) on the same random batches, in one proce
 
 On CPU it measures the `tiny` and `nano` presets in fp32, against the measured fp32
 matmul peak. On a GPU it adds a ~1B model (the `1b` preset at 2,048 context) in bf16
-autocast, then lathe with per-block torch.compile and with torchao FP8, against the
-device's bf16 (or FP8) peak. Results are printed and appended to docs/benchmarks.md.
+autocast, with lathe's Triton kernels on and off (`LATHE_KERNELS=0`), then with per-block
+torch.compile and with torchao FP8, against the device's bf16 (or FP8) peak; peak memory
+shows what the fused kernels save. Results are printed and appended to docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import os
 import platform
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lathe.model.config import ModelConfig
 from lathe.model.transformer import Transformer
 from lathe.pretrain.converters import compile_blocks, convert_to_fp8, fp8_supported
 from lathe.pretrain.monitor import peak_flops
+from lathe.pretrain.train import lm_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,6 +44,7 @@ class Case:
     autocast: torch.dtype | None = None
     compile: bool = False
     fp8: bool = False
+    kernels: bool = True  # False runs lathe with LATHE_KERNELS=0 (the PyTorch references)
 
 
 def build(case: Case, device: torch.device) -> tuple[nn.Module, ModelConfig]:
@@ -70,8 +75,10 @@ def train_steps(model: nn.Module, case: Case, config: ModelConfig, device: torch
 
     def step() -> None:
         with torch.autocast(device.type, dtype=case.autocast, enabled=case.autocast is not None):
-            logits = model(batch[:, :-1]).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+            if case.implementation == "transformers":
+                loss = model(input_ids=batch, labels=batch).loss
+            else:
+                loss, _ = lm_loss(model, batch, z_loss=0.0)  # what `lathe pretrain` runs
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -85,6 +92,21 @@ def train_steps(model: nn.Module, case: Case, config: ModelConfig, device: torch
         step()
     synchronize(device)
     return (time.perf_counter() - start) / steps
+
+
+@contextlib.contextmanager
+def kernels_switched(on: bool) -> Iterator[None]:
+    """Run with lathe's Triton kernels on (the default) or off (LATHE_KERNELS=0)."""
+    before = os.environ.get("LATHE_KERNELS")
+    if not on:
+        os.environ["LATHE_KERNELS"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LATHE_KERNELS", None)
+        else:
+            os.environ["LATHE_KERNELS"] = before
 
 
 def synchronize(device: torch.device) -> None:
@@ -104,6 +126,7 @@ def cases(device: torch.device) -> list[Case]:
         Case("nano bf16", "nano", {}, 32, 512, "lathe", bf16),
         Case("1b bf16", "1b", one_b, 4, 2048, "transformers", bf16),
         Case("1b bf16", "1b", one_b, 4, 2048, "lathe", bf16),
+        Case("1b bf16, kernels off", "1b", one_b, 4, 2048, "lathe", bf16, kernels=False),
         Case("1b bf16 + compile", "1b", one_b, 4, 2048, "lathe", bf16, compile=True),
         Case("1b bf16 + compile + FP8", "1b", one_b, 4, 2048, "lathe", bf16, compile=True,
              fp8=True),
@@ -116,7 +139,8 @@ def run(steps: int, warmup: int, write: bool) -> str:
     peaks = {fp8: peak_flops(device, fp8=fp8) for fp8 in (False, True)}  # measured once
     for case in cases(device):
         model, config = build(case, device)
-        seconds = train_steps(model, case, config, device, steps, warmup)
+        with kernels_switched(case.kernels):
+            seconds = train_steps(model, case, config, device, steps, warmup)
         tokens_per_s = case.batch * case.seq_len / seconds
         peak, source = peaks[case.fp8]
         mfu = tokens_per_s * config.flops_per_token(case.seq_len) / peak

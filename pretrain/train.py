@@ -31,11 +31,17 @@ from lathe.pretrain.runtime import Runtime
 
 def lm_loss(model: nn.Module, batch: Tensor, z_loss: float) -> tuple[Tensor, dict[str, Tensor]]:
     """Next-token cross-entropy on a (B, T + 1) window batch, plus optional z-loss
-    (PaLM: z_loss · mean(logsumexp(logits)²) keeps the softmax normalizer near 1)."""
+    (PaLM: z_loss · mean(logsumexp(logits)²) keeps the softmax normalizer near 1).
+
+    Without z-loss the whole window goes in with itself as labels and the head and loss
+    are fused (`lathe.kernels.linear_cross_entropy`: on CUDA the (B·T × vocab) logits never
+    exist); the last position's hidden state is computed and dropped, which is causal-safe.
+    """
+    if not z_loss:
+        ce = model(batch, labels=batch, return_logits=False).loss
+        return ce, {"loss": ce}
     logits = model(batch[:, :-1]).logits.float()
     ce = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-    if not z_loss:
-        return ce, {"loss": ce}
     z = torch.logsumexp(logits, dim=-1).pow(2).mean()
     return ce + z_loss * z, {"loss": ce, "z_loss": z}
 
