@@ -24,17 +24,18 @@ from lathe.kernels.dispatch import use_triton
 
 def paged_decode_reference(q: Tensor, k_slab: Tensor, v_slab: Tensor, block_tables: Tensor,
                            context_lens: Tensor, block_size: int) -> Tensor:
-    """(B, H, D) queries; block_tables (B, max_blocks) int; context_lens (B,) -> (B, H, D)."""
-    out = torch.empty_like(q)
+    """(B, H, D) queries; block_tables (B, max_blocks) int; context_lens (B,) -> (B, H, D).
+
+    Gathers every sequence's blocks into a padded (B, n_kv_heads, max_blocks · block_size,
+    D) copy and runs one masked SDPA: the engine's path off-GPU and the kernel's baseline.
+    """
     offsets = torch.arange(block_size, device=q.device)
-    for b in range(q.shape[0]):
-        n = int(context_lens[b])
-        slots = (block_tables[b, :(n + block_size - 1) // block_size, None] * block_size
-                 + offsets).flatten()[:n]
-        keys, values = k_slab[slots].transpose(0, 1), v_slab[slots].transpose(0, 1)
-        out[b] = F.scaled_dot_product_attention(
-            q[b, :, None], keys, values, enable_gqa=q.shape[1] != k_slab.shape[1])[:, 0]
-    return out
+    slots = (block_tables.long()[:, :, None] * block_size + offsets).flatten(1)
+    visible = torch.arange(slots.shape[1], device=q.device) < context_lens[:, None]
+    keys, values = k_slab[slots].transpose(1, 2), v_slab[slots].transpose(1, 2)
+    return F.scaled_dot_product_attention(
+        q[:, :, None], keys, values, attn_mask=visible[:, None, None],
+        enable_gqa=q.shape[1] != k_slab.shape[1])[:, :, 0]
 
 
 @triton.jit

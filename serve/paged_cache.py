@@ -9,8 +9,10 @@ writes rows.
 into a single row (prefill chunks and single decode tokens side by side). It implements
 `lathe.model.kv_cache.KVCache`, so the unmodified `Transformer` runs on it: `attend`
 writes the step's K/V into the slabs, then attends each sequence's queries over its own
-context only — decode rows together in one padded SDPA call, each prefill chunk in its
-own causal SDPA call — so a mixed step computes exactly what separate steps would.
+context only — decode rows together through `lathe.kernels.paged_decode` (the Triton
+paged kernel on CUDA, one padded gather + SDPA elsewhere), each prefill chunk through
+`lathe.kernels.causal_attention` over its gathered context — so a mixed step computes
+exactly what separate steps would.
 """
 
 from __future__ import annotations
@@ -19,12 +21,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from lathe.kernels.attention import causal_attention
-from lathe.kernels.dispatch import use_triton
-from lathe.kernels.paged_attention import paged_decode_triton
+from lathe.kernels.paged_attention import paged_decode
 from lathe.model.config import ModelConfig
 
 
@@ -69,17 +69,14 @@ class PagedBatch:
         self.decode_rows = torch.tensor([s.start for s in decodes], device=device,
                                         dtype=torch.long)
         if decodes:
-            width = max(len(s.context) for s in decodes)
-            self.decode_context = torch.zeros(len(decodes), width, dtype=torch.long,
-                                              device=device)
-            self.decode_mask = torch.zeros(len(decodes), 1, 1, width, dtype=torch.bool,
-                                           device=device)
-            for i, span in enumerate(decodes):
-                self.decode_context[i, :len(span.context)] = span.context
-                self.decode_mask[i, ..., :len(span.context)] = True
             size = slabs.block_size  # each block's slots are contiguous: its first names it
-            self.decode_tables = self.decode_context[:, ::size] // size
-            self.decode_lens = self.decode_mask.flatten(1).sum(-1)
+            width = max(len(s.context) for s in decodes)
+            self.decode_tables = torch.zeros(len(decodes), (width + size - 1) // size,
+                                             dtype=torch.long, device=device)
+            for i, span in enumerate(decodes):
+                self.decode_tables[i, :(len(span.context) + size - 1) // size] = (
+                    span.context[::size] // size)
+            self.decode_lens = torch.tensor([len(s.context) for s in decodes], device=device)
 
     def prepare(self, input_ids: Tensor, positions: Tensor | None) -> Tensor:
         if input_ids.shape != (1, len(self.slot_mapping)):
@@ -94,15 +91,8 @@ class PagedBatch:
         out = torch.empty_like(q)
         if len(self.decode_rows):
             queries = q[0, :, self.decode_rows].transpose(0, 1)  # (B, H, D)
-            if use_triton("paged_decode", q):
-                attended = paged_decode_triton(queries, k_slab, v_slab, self.decode_tables,
-                                               self.decode_lens, self.slabs.block_size)
-            else:
-                keys = k_slab[self.decode_context].transpose(1, 2)  # (B, kv_heads, S, D)
-                values = v_slab[self.decode_context].transpose(1, 2)
-                attended = F.scaled_dot_product_attention(
-                    queries[:, :, None], keys, values, attn_mask=self.decode_mask,
-                    enable_gqa=q.shape[1] != k.shape[1])[:, :, 0]
+            attended = paged_decode(queries, k_slab, v_slab, self.decode_tables,
+                                    self.decode_lens, self.slabs.block_size)
             out[0, :, self.decode_rows] = attended.transpose(0, 1)
         for span in self.prefills:
             rows = slice(span.start, span.start + span.length)
