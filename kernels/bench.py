@@ -1,7 +1,9 @@
-"""`python -m lathe.kernels.bench`: each Triton kernel against its PyTorch reference and
-`torch.compile` of the reference (and Liger's, when `liger-kernel` is installed), forward
-and forward+backward, as time and achieved GB/s. Needs a CUDA GPU: without one it says so
-and exits cleanly. The table is printed and appended to docs/benchmarks.md.
+"""`python -m lathe.kernels.bench`: each Triton kernel against its PyTorch reference,
+`torch.compile` of that reference, and Liger's kernel where Liger has one (when
+`liger-kernel` is installed) — forward and forward+backward time, the forward's achieved
+GB/s (memory-bound kernels) or TFLOP/s (matmul-bound ones), and peak memory above the
+inputs. Needs a CUDA GPU: without one it says so and exits cleanly. The table is printed
+and appended to docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -9,78 +11,282 @@ from __future__ import annotations
 import argparse
 import datetime
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
-from lathe.kernels.rmsnorm import add_rms_norm_triton, rms_norm_reference, rms_norm_triton
+from lathe.kernels.attention import causal_attention_reference, causal_attention_triton
+from lathe.kernels.fused_ce import linear_cross_entropy_reference, linear_cross_entropy_triton
+from lathe.kernels.paged_attention import paged_decode_reference, paged_decode_triton
+from lathe.kernels.quant_matmul import (
+    dequantize_int4,
+    dequantize_int8,
+    int4_matmul_reference,
+    int4_matmul_triton,
+    int8_matmul_reference,
+    int8_matmul_triton,
+)
+from lathe.kernels.rmsnorm import (
+    add_rms_norm_reference,
+    add_rms_norm_triton,
+    rms_norm_reference,
+    rms_norm_triton,
+)
+from lathe.kernels.rope import rope_reference, rope_triton
 from lathe.kernels.swiglu import swiglu_reference, swiglu_triton
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def bench(fn: Callable[[], object], backward: bool) -> float:
-    """Median milliseconds of `fn` (and its backward) by triton's do_bench."""
-    from triton.testing import do_bench
+@dataclass
+class Sizes:
+    """Llama-3-1B-like shapes by default: 8 × 2,048 tokens of width 2,048."""
 
-    def step() -> None:
-        out = fn()
-        if backward:
-            out = out[0] if isinstance(out, tuple) else out
-            out.backward(torch.ones_like(out))
-    return do_bench(step)
+    rows: int = 8 * 2048
+    dim: int = 2048
+    hidden: int = 8192
+    vocab: int = 128256
+    ce_rows: int = 8192
+    batch: int = 4
+    seq: int = 2048
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 64
+    decode_batch: int = 32
+    context: int = 2048
+    long_context: int = 32768
+    block_size: int = 16
+    int4_group: int = 128
 
 
-def cases(rows: int, dim: int, hidden: int, dtype: torch.dtype) -> list[tuple]:
-    device = "cuda"
-    x = torch.randn(rows, dim, device=device, dtype=dtype, requires_grad=True)
-    r = torch.randn_like(x, requires_grad=True)
-    w = torch.ones(dim, device=device, dtype=dtype, requires_grad=True)
-    g = torch.randn(rows, hidden, device=device, dtype=dtype, requires_grad=True)
-    u = torch.randn_like(g, requires_grad=True)
+@dataclass
+class Case:
+    name: str
+    unit: str  # "GB/s" (work = bytes the forward must move) or "TFLOP/s" (work = flops)
+    work: float
+    impls: dict[str, Callable[[], Tensor | tuple[Tensor, ...]]] = field(default_factory=dict)
+    backward: bool = True
+
+
+def _leaf(*shape: int, device: str, dtype: torch.dtype, grad: bool = True) -> Tensor:
+    return torch.randn(*shape, device=device, dtype=dtype).requires_grad_(grad)
+
+
+def _norm_cases(s: Sizes, device: str, dtype: torch.dtype, compile: bool) -> list[Case]:
+    x = _leaf(s.rows, s.dim, device=device, dtype=dtype)
+    r = _leaf(s.rows, s.dim, device=device, dtype=dtype)
+    w = torch.ones(s.dim, device=device, dtype=dtype, requires_grad=True)
+    g = _leaf(s.rows, s.hidden, device=device, dtype=dtype)
+    u = _leaf(s.rows, s.hidden, device=device, dtype=dtype)
     size = x.element_size()
-    compiled_norm = torch.compile(rms_norm_reference)
-    compiled_swiglu = torch.compile(swiglu_reference)
-    out = [
-        ("rms_norm", 2 * x.numel() * size, {
-            "triton": lambda: rms_norm_triton(x, w, 1e-5),
-            "torch": lambda: rms_norm_reference(x, w, 1e-5),
-            "torch.compile": lambda: compiled_norm(x, w, 1e-5)}),
-        ("add_rms_norm", 4 * x.numel() * size, {
-            "triton": lambda: add_rms_norm_triton(x, r, w, 1e-5),
-            "torch": lambda: rms_norm_reference(x + r, w, 1e-5),
-            "torch.compile": lambda: compiled_norm(x + r, w, 1e-5)}),
-        ("swiglu", 3 * g.numel() * size, {
-            "triton": lambda: swiglu_triton(g, u),
-            "torch": lambda: swiglu_reference(g, u),
-            "torch.compile": lambda: compiled_swiglu(g, u)}),
-    ]
+    norm = Case("rms_norm", "GB/s", 2 * x.numel() * size, {
+        "triton": lambda: rms_norm_triton(x, w, 1e-5),
+        "torch": lambda: rms_norm_reference(x, w, 1e-5)})
+    add_norm = Case("add_rms_norm", "GB/s", 4 * x.numel() * size, {
+        "triton": lambda: add_rms_norm_triton(x, r, w, 1e-5),
+        "torch": lambda: add_rms_norm_reference(x, r, w, 1e-5)})
+    act = Case("swiglu", "GB/s", 3 * g.numel() * size, {
+        "triton": lambda: swiglu_triton(g, u),
+        "torch": lambda: swiglu_reference(g, u)})
+    if compile:
+        compiled_norm, compiled_add, compiled_act = (
+            torch.compile(f) for f in (rms_norm_reference, add_rms_norm_reference,
+                                       swiglu_reference))
+        norm.impls["torch.compile"] = lambda: compiled_norm(x, w, 1e-5)
+        add_norm.impls["torch.compile"] = lambda: compiled_add(x, r, w, 1e-5)
+        act.impls["torch.compile"] = lambda: compiled_act(g, u)
     try:
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
-        out[0][2]["liger"] = lambda: LigerRMSNormFunction.apply(x, w, 1e-5)
-        out[2][2]["liger"] = lambda: LigerSiLUMulFunction.apply(g, u)
+        norm.impls["liger"] = lambda: LigerRMSNormFunction.apply(x, w, 1e-5)
+        act.impls["liger"] = lambda: LigerSiLUMulFunction.apply(g, u)
     except ImportError:
         pass
-    return out
+    return [norm, add_norm, act]
 
 
-def run(rows: int, dim: int, hidden: int, write: bool) -> str:
-    dtype = torch.bfloat16
+def _rope_case(s: Sizes, device: str, dtype: torch.dtype, compile: bool) -> Case:
+    q = _leaf(s.batch, s.heads, s.seq, s.head_dim, device=device, dtype=dtype)
+    k = _leaf(s.batch, s.kv_heads, s.seq, s.head_dim, device=device, dtype=dtype)
+    angles = torch.rand(s.batch, s.seq, s.head_dim // 2, device=device) * 6.28
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    case = Case("rope", "GB/s", 2 * (q.numel() + k.numel()) * q.element_size(), {
+        "triton": lambda: rope_triton(q, k, cos, sin),
+        "torch": lambda: rope_reference(q, k, cos, sin)})
+    if compile:
+        compiled = torch.compile(rope_reference)
+        case.impls["torch.compile"] = lambda: compiled(q, k, cos, sin)
+    try:
+        from liger_kernel.ops.rope import LigerRopeFunction
+        case.impls["liger"] = lambda: LigerRopeFunction.apply(q, k, cos, sin)
+    except ImportError:
+        pass
+    return case
+
+
+def _cross_entropy_case(s: Sizes, device: str, dtype: torch.dtype, compile: bool) -> Case:
+    hidden = _leaf(s.ce_rows, s.dim, device=device, dtype=dtype)
+    weight = (0.02 * torch.randn(s.vocab, s.dim, device=device)).to(dtype).requires_grad_()
+    labels = torch.randint(0, s.vocab, (s.ce_rows,), device=device)
+    case = Case("linear_cross_entropy", "TFLOP/s", 2 * s.ce_rows * s.dim * s.vocab, {
+        "triton": lambda: linear_cross_entropy_triton(hidden, weight, labels, -100),
+        "torch": lambda: linear_cross_entropy_reference(hidden, weight, labels, -100)})
+    if compile:
+        compiled = torch.compile(linear_cross_entropy_reference)
+        case.impls["torch.compile"] = lambda: compiled(hidden, weight, labels, -100)
+    try:
+        from liger_kernel.ops.fused_linear_cross_entropy import (
+            LigerFusedLinearCrossEntropyFunction,
+        )
+        case.impls["liger"] = lambda: LigerFusedLinearCrossEntropyFunction.apply(
+            hidden, weight, labels)[0]
+    except ImportError:
+        pass
+    return case
+
+
+def _quant_cases(s: Sizes, device: str, dtype: torch.dtype, compile: bool) -> list[Case]:
+    """Decode-sized GEMMs (decode_batch rows) against the engine's packed weights, and the
+    same weights dense in `dtype`: the bandwidth weight-only quantization is meant to save."""
+    x = torch.randn(s.decode_batch, s.dim, device=device, dtype=dtype)
+    q8 = torch.randint(-127, 128, (s.hidden, s.dim), device=device, dtype=torch.int8)
+    scale8 = torch.rand(s.hidden, device=device) / 127
+    packed = torch.randint(0, 256, (s.hidden, s.dim // 2), device=device, dtype=torch.uint8)
+    groups = s.dim // s.int4_group
+    scale4 = torch.rand(s.hidden, groups, device=device) / 15
+    minimum = -torch.rand(s.hidden, groups, device=device)
+    dense8, dense4 = dequantize_int8(q8, scale8, dtype), dequantize_int4(packed, scale4,
+                                                                          minimum, dtype)
+    int8 = Case("int8_matmul", "GB/s", q8.numel() + 4 * scale8.numel(), {
+        "triton": lambda: int8_matmul_triton(x, q8, scale8),
+        "torch": lambda: int8_matmul_reference(x, q8, scale8),
+        f"dense {str(dtype)[6:]}": lambda: torch.nn.functional.linear(x, dense8)},
+        backward=False)
+    int4 = Case("int4_matmul", "GB/s", packed.numel() + 8 * scale4.numel(), {
+        "triton": lambda: int4_matmul_triton(x, packed, scale4, minimum),
+        "torch": lambda: int4_matmul_reference(x, packed, scale4, minimum),
+        f"dense {str(dtype)[6:]}": lambda: torch.nn.functional.linear(x, dense4)},
+        backward=False)
+    if compile:
+        c8, c4 = torch.compile(int8_matmul_reference), torch.compile(int4_matmul_reference)
+        int8.impls["torch.compile"] = lambda: c8(x, q8, scale8)
+        int4.impls["torch.compile"] = lambda: c4(x, packed, scale4, minimum)
+    return [int8, int4]
+
+
+def _paged_case(name: str, batch: int, context: int, s: Sizes, device: str,
+                dtype: torch.dtype, compile: bool) -> Case:
+    """`batch` sequences of `context` tokens whose blocks are scattered over the pool."""
+    blocks = (context + s.block_size - 1) // s.block_size
+    pool = batch * blocks + 1
+    k_slab = torch.randn(pool * s.block_size, s.kv_heads, s.head_dim, device=device,
+                         dtype=dtype)
+    v_slab = torch.randn_like(k_slab)
+    tables = torch.randperm(pool, device=device)[:batch * blocks].view(batch, blocks)
+    lens = torch.full((batch,), context, device=device)
+    q = torch.randn(batch, s.heads, s.head_dim, device=device, dtype=dtype)
+    args = (q, k_slab, v_slab, tables, lens, s.block_size)
+    kv_bytes = 2 * batch * context * s.kv_heads * s.head_dim * k_slab.element_size()
+    case = Case(name, "GB/s", kv_bytes, {
+        "triton": lambda: paged_decode_triton(*args),
+        "triton, no split-KV": lambda: paged_decode_triton(
+            *args, partition_size=blocks * s.block_size),
+        "torch (gather + SDPA)": lambda: paged_decode_reference(*args)}, backward=False)
+    if compile:
+        compiled = torch.compile(paged_decode_reference)
+        case.impls["torch.compile"] = lambda: compiled(*args)
+    return case
+
+
+def _attention_case(s: Sizes, device: str, dtype: torch.dtype, compile: bool) -> Case:
+    q = _leaf(s.batch, s.heads, s.seq, s.head_dim, device=device, dtype=dtype)
+    k = _leaf(s.batch, s.kv_heads, s.seq, s.head_dim, device=device, dtype=dtype)
+    v = _leaf(s.batch, s.kv_heads, s.seq, s.head_dim, device=device, dtype=dtype)
+    flops = 4 * s.batch * s.heads * s.seq * s.seq * s.head_dim / 2  # causal: half the scores
+    case = Case("causal_attention", "TFLOP/s", flops, {
+        "triton": lambda: causal_attention_triton(q, k, v),
+        "torch (SDPA)": lambda: causal_attention_reference(q, k, v)})
+    if compile:
+        compiled = torch.compile(causal_attention_reference)
+        case.impls["torch.compile"] = lambda: compiled(q, k, v)
+    return case
+
+
+def cases(sizes: Sizes, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+          compile: bool = True) -> list[Case]:
+    """Every kernel's case at `sizes`; every implementation in a case computes the same."""
+    return [
+        *_norm_cases(sizes, device, dtype, compile),
+        _rope_case(sizes, device, dtype, compile),
+        _cross_entropy_case(sizes, device, dtype, compile),
+        *_quant_cases(sizes, device, dtype, compile),
+        _attention_case(sizes, device, dtype, compile),
+        _paged_case("paged_decode", sizes.decode_batch, sizes.context, sizes, device, dtype,
+                    compile),
+        _paged_case("paged_decode, one long sequence", 1, sizes.long_context, sizes, device,
+                    dtype, compile),
+    ]
+
+
+def _outputs(result: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    return result if isinstance(result, tuple) else (result,)
+
+
+def _step(fn: Callable, backward: bool) -> Callable[[], None]:
+    def step() -> None:
+        outs = _outputs(fn())
+        if backward:
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    return step
+
+
+def measure(fn: Callable, backward: bool) -> tuple[float, float | None, float]:
+    """(forward ms, forward+backward ms or None, peak MiB above what was allocated before)."""
+    from triton.testing import do_bench
+
+    forward = do_bench(_step(fn, False))
+    both = do_bench(_step(fn, True)) if backward else None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    _step(fn, backward)()
+    torch.cuda.synchronize()
+    return forward, both, (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def run(sizes: Sizes, write: bool) -> str:
     lines = []
-    for name, forward_bytes, impls in cases(rows, dim, hidden, dtype):
-        for impl, fn in impls.items():
-            fwd, both = bench(fn, False), bench(fn, True)
-            lines.append(f"| {name} | {impl} | {fwd * 1e3:,.1f} | "
-                         f"{forward_bytes / fwd / 1e6:,.0f} | {both * 1e3:,.1f} |")
+    for case in cases(sizes):
+        for impl, fn in case.impls.items():
+            try:
+                forward, both, peak = measure(fn, case.backward)
+            except Exception as error:  # a third-party kernel whose API moved: report it
+                lines.append(f"| {case.name} | {impl} | failed: {type(error).__name__} "
+                             "| | | |")
+                print(lines[-1], error, flush=True)
+                continue
+            scale = 1e9 if case.unit == "GB/s" else 1e12
+            rate = case.work / (forward * 1e-3) / scale
+            both_text = f"{both * 1e3:,.1f}" if both is not None else "—"
+            lines.append(f"| {case.name} | {impl} | {forward * 1e3:,.1f} | "
+                         f"{rate:,.{0 if case.unit == 'GB/s' else 1}f} {case.unit} | "
+                         f"{both_text} | {peak:,.0f} |")
             print(lines[-1], flush=True)
     table = "\n".join([
         f"## Kernels — {datetime.date.today()} — {torch.cuda.get_device_name()}, "
         f"torch {torch.__version__}", "",
-        f"Command: `python -m lathe.kernels.bench` — {rows} rows × {dim} (norms), "
-        f"{rows} × {hidden} (SwiGLU), bf16", "",
-        "| kernel | implementation | forward µs | forward GB/s | forward+backward µs |",
-        "|---|---|---:|---:|---:|", *lines, ""])
+        f"Command: `python -m lathe.kernels.bench`, bf16 — norms {sizes.rows} × {sizes.dim}, "
+        f"SwiGLU {sizes.rows} × {sizes.hidden}; RoPE and attention {sizes.batch} × "
+        f"{sizes.seq} tokens, {sizes.heads} heads / {sizes.kv_heads} KV heads of "
+        f"{sizes.head_dim}; fused CE {sizes.ce_rows} × {sizes.dim} → {sizes.vocab}; "
+        f"quantized GEMMs {sizes.decode_batch} × {sizes.dim} → {sizes.hidden}; paged decode "
+        f"{sizes.decode_batch} × {sizes.context} and 1 × {sizes.long_context} tokens.", "",
+        "| kernel | implementation | forward µs | forward rate | forward+backward µs "
+        "| peak MiB |",
+        "|---|---|---:|---:|---:|---:|", *lines, ""])
     if write:
         with (ROOT / "docs" / "benchmarks.md").open("a") as f:
             f.write("\n" + table)
@@ -89,16 +295,17 @@ def run(rows: int, dim: int, hidden: int, write: bool) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lathe.kernels.bench")
-    parser.add_argument("--rows", type=int, default=8 * 2048)
-    parser.add_argument("--dim", type=int, default=2048)
-    parser.add_argument("--hidden", type=int, default=8192)
+    defaults = Sizes()
+    for name, value in vars(defaults).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
     parser.add_argument("--no-write", dest="write", action="store_false")
-    args = parser.parse_args(argv)
+    args = vars(parser.parse_args(argv))
+    write = args.pop("write")
     if not torch.cuda.is_available():
         print("lathe.kernels.bench measures Triton kernels on a CUDA GPU; none is visible "
               "here, so there is nothing to time (CPU runs the PyTorch references).")
         return 0
-    print(run(args.rows, args.dim, args.hidden, args.write))
+    print(run(Sizes(**args), write))
     return 0
 
 

@@ -1,0 +1,36 @@
+"""The kernels benchmark compares like with like: at tiny sizes on CPU (Triton under the
+interpreter), every implementation in every case computes the same outputs, and the
+cases with a backward run it. Without a GPU the command says so and exits 0."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lathe.kernels import bench
+
+TINY = bench.Sizes(rows=6, dim=64, hidden=96, vocab=300, ce_rows=10, batch=1, seq=20, heads=4,
+                   kv_heads=2, head_dim=16, decode_batch=3, context=40, long_context=100,
+                   block_size=16, int4_group=32)
+
+
+def test_every_implementation_in_a_case_computes_the_same():
+    torch.manual_seed(0)
+    for case in bench.cases(TINY, device="cpu", dtype=torch.float32, compile=False):
+        assert case.work > 0 and case.unit in ("GB/s", "TFLOP/s")
+        assert {"triton"} < set(case.impls), case.name
+        results = {name: bench._outputs(fn()) for name, fn in case.impls.items()}
+        expected = results.pop("triton")
+        for name, outs in results.items():
+            for ours, theirs in zip(expected, outs, strict=True):
+                scale = theirs.abs().max().clamp(min=1)
+                torch.testing.assert_close(ours / scale, theirs / scale, atol=1e-4, rtol=0,
+                                           msg=lambda m, c=case.name, n=name: f"{c} / {n}: {m}")
+        if case.backward:
+            bench._step(case.impls["triton"], backward=True)()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the bench runs for real")
+def test_without_a_gpu_the_bench_says_so_and_exits_cleanly(capsys):
+    assert bench.main(["--no-write"]) == 0
+    assert "CUDA GPU" in capsys.readouterr().out
