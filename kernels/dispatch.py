@@ -9,7 +9,9 @@ each call, so tests and benchmarks can flip them.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -42,3 +44,23 @@ def tuning_configs(configs: list) -> list:
     """The autotune candidates, cut to the first under Triton's interpreter, where timing
     means nothing and each extra config only slows the tests."""
     return configs[:1] if os.environ.get("TRITON_INTERPRET") == "1" else configs
+
+
+@contextlib.contextmanager
+def kernels_off(*names: str) -> Iterator[None]:
+    """Run the block on the PyTorch references of the named kernels (all, when none are
+    named), as `LATHE_KERNELS=0` / `LATHE_KERNELS_DISABLE` would; benchmarks compare with it."""
+    for name in names:
+        kernel_enabled(name)  # refuses unknown names
+    key, value = ("LATHE_KERNELS_DISABLE", ",".join(names)) if names else ("LATHE_KERNELS", "0")
+    before = os.environ.get(key)
+    if names and before:
+        value = f"{before},{value}"
+    os.environ[key] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before

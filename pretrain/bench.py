@@ -14,16 +14,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import os
 import platform
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from lathe.kernels.dispatch import kernels_off
 from lathe.model.config import ModelConfig
 from lathe.model.transformer import Transformer
 from lathe.pretrain.converters import compile_blocks, convert_to_fp8, fp8_supported
@@ -94,21 +93,6 @@ def train_steps(model: nn.Module, case: Case, config: ModelConfig, device: torch
     return (time.perf_counter() - start) / steps
 
 
-@contextlib.contextmanager
-def kernels_switched(on: bool) -> Iterator[None]:
-    """Run with lathe's Triton kernels on (the default) or off (LATHE_KERNELS=0)."""
-    before = os.environ.get("LATHE_KERNELS")
-    if not on:
-        os.environ["LATHE_KERNELS"] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("LATHE_KERNELS", None)
-        else:
-            os.environ["LATHE_KERNELS"] = before
-
-
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -139,7 +123,7 @@ def run(steps: int, warmup: int, write: bool) -> str:
     peaks = {fp8: peak_flops(device, fp8=fp8) for fp8 in (False, True)}  # measured once
     for case in cases(device):
         model, config = build(case, device)
-        with kernels_switched(case.kernels):
+        with contextlib.nullcontext() if case.kernels else kernels_off():
             seconds = train_steps(model, case, config, device, steps, warmup)
         tokens_per_s = case.batch * case.seq_len / seconds
         peak, source = peaks[case.fp8]

@@ -7,7 +7,10 @@
     `vllm bench serve` defines them);
 (c) single-stream decode tok/s for fp32, int8 and int4 weights, and the memory bandwidth it
     implies (weight bytes streamed per token × tok/s) as a fraction of this machine's
-    measured copy bandwidth; with `--eval-shards`, perplexity on the validation tokens.
+    measured copy bandwidth; with `--eval-shards`, perplexity on the validation tokens;
+(d) on a GPU, batched decode tok/s with the Triton paged-attention kernel against the
+    gather + SDPA path it replaces (`LATHE_KERNELS_DISABLE=paged_decode`), at several batch
+    sizes over long prompts.
 
 Without `--checkpoint` it benchmarks a randomly initialized `nano` model (token-id prompts).
 Tables are printed and appended to docs/benchmarks.md.
@@ -31,6 +34,7 @@ import httpx
 import numpy as np
 import torch
 
+from lathe.kernels.dispatch import kernels_off
 from lathe.model.checkpoint import load_checkpoint, save_checkpoint
 from lathe.model.config import ModelConfig
 from lathe.model.transformer import Transformer
@@ -176,6 +180,25 @@ def decode_speed(checkpoint: Path, quantize: str | None, prompt: list[int],
     return steps / (time.perf_counter() - start), streamed_bytes(engine.model)
 
 
+def batched_decode_speed(checkpoint: Path, batch: int, prompt_tokens: int,
+                         new_tokens: int) -> float:
+    """Decode tok/s of `batch` concurrent sequences after `prompt_tokens`-token prompts:
+    a full generate minus a prefill-only one, so prefill time is not counted."""
+    config = EngineConfig(num_blocks=batch * ((prompt_tokens + new_tokens) // 16 + 2))
+    engine = LLMEngine.from_checkpoint(checkpoint, config=config)
+    vocab = engine.model.config.vocab_size
+    prompts = random_prompts(batch, prompt_tokens, prompt_tokens, vocab, seed=batch)
+    engine.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0))  # warm up
+
+    def seconds(tokens: int) -> float:
+        start = time.perf_counter()
+        engine.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0,
+                                                ignore_eos=True))
+        return time.perf_counter() - start
+    prefill = seconds(1)
+    return batch * (new_tokens - 1) / (seconds(new_tokens) - prefill)
+
+
 def val_tokens(shards: Path, limit: int) -> list[int]:
     from lathe.data.shards import read_shard
     files = sorted(shards.glob("val-*.bin"))
@@ -235,6 +258,21 @@ def run(args: argparse.Namespace) -> str:
                                                   "tokens" if eval_ids else ""), "",
                  "| weights | MiB streamed / token | tok/s | implied GB/s | of copy BW | "
                  "perplexity |", "|---|---:|---:|---:|---:|---:|", *rows, ""]
+    if device.type == "cuda":
+        rows = []
+        max_seq_len = load_checkpoint(checkpoint).config.max_seq_len
+        context = min(args.decode_context, max_seq_len - args.decode_tokens)
+        for batch in args.decode_batches:
+            with_kernel = batched_decode_speed(checkpoint, batch, context, args.decode_tokens)
+            with kernels_off("paged_decode"):
+                gathered = batched_decode_speed(checkpoint, batch, context, args.decode_tokens)
+            rows.append(f"| {batch} | {with_kernel:,.0f} | {gathered:,.0f} | "
+                        f"{with_kernel / gathered:.2f}× |")
+            print(rows[-1], flush=True)
+        sections += [f"### (d) Batched decode after {context}-token prompts "
+                     f"({args.decode_tokens} tokens each): Triton paged attention vs gather + "
+                     "SDPA", "", "| batch | paged kernel tok/s | gather + SDPA tok/s | speed-up |",
+                     "|---:|---:|---:|---:|", *rows, ""]
     tmp.cleanup()
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (
@@ -257,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--server-tokens", type=int, default=32)
     parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 16, 64],
+                        help="(d), GPU only: concurrent sequences")
+    parser.add_argument("--decode-context", type=int, default=1024,
+                        help="(d), GPU only: prompt tokens before decoding")
     parser.add_argument("--eval-shards", type=Path, help="token shards with a val split")
     parser.add_argument("--eval-tokens", type=int, default=16384)
     parser.add_argument("--no-write", dest="write", action="store_false",

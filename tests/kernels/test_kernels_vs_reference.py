@@ -87,6 +87,21 @@ def test_dispatch_picks_the_reference_off_gpu_and_honours_switches(monkeypatch):
         kernel_enabled("flash")
 
 
+def test_kernels_off_turns_named_or_all_kernels_off_and_restores(monkeypatch):
+    from lathe.kernels.dispatch import kernel_enabled, kernels_off
+    monkeypatch.setenv("LATHE_KERNELS_DISABLE", "rope")
+    monkeypatch.delenv("LATHE_KERNELS", raising=False)
+    with kernels_off("swiglu"):
+        assert not kernel_enabled("swiglu") and not kernel_enabled("rope")
+        assert kernel_enabled("rms_norm")
+    assert kernel_enabled("swiglu") and not kernel_enabled("rope")
+    with kernels_off():
+        assert not any(kernel_enabled(n) for n in ("rms_norm", "paged_decode"))
+    assert kernel_enabled("rms_norm")
+    with pytest.raises(ValueError, match="unknown kernel"), kernels_off("flash"):
+        pass
+
+
 def test_model_forward_and_backward_match_with_kernels_on(monkeypatch):
     from tests.builders import tiny_model
     ids = torch.randint(0, 256, (2, 24))
