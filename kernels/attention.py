@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lathe.kernels.dispatch import tuning_configs, use_triton
+from lathe.kernels.dispatch import dot_precision, tuning_configs, use_triton
 
 
 def causal_attention_reference(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -174,7 +174,7 @@ def _strides(t: Tensor) -> tuple[int, int, int]:
 def _launch_args(q: Tensor) -> dict:
     head_dim = q.shape[-1]
     return {"HEAD_DIM": head_dim, "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
-            "PRECISION": "ieee" if q.dtype == torch.float32 else "tf32"}
+            "PRECISION": dot_precision(q.dtype)}
 
 
 def _forward_triton(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

@@ -40,6 +40,13 @@ def use_triton(name: str, tensor: torch.Tensor) -> bool:
     return HAVE_TRITON and on_device and kernel_enabled(name)
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """`tl.dot`'s input_precision: fp32 inputs are multiplied in full fp32 ("ieee") so the
+    kernels match their fp32 references; TF32 would cost ~1e-3 relative error. Ignored for
+    fp16/bf16 inputs, which use the tensor cores either way."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def tuning_configs(configs: list) -> list:
     """The autotune candidates, cut to the first under Triton's interpreter, where timing
     means nothing and each extra config only slows the tests."""

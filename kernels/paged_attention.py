@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lathe.kernels.dispatch import use_triton
+from lathe.kernels.dispatch import dot_precision, use_triton
 
 
 def paged_decode_reference(q: Tensor, k_slab: Tensor, v_slab: Tensor, block_tables: Tensor,
@@ -138,7 +138,7 @@ def paged_decode_triton(q: Tensor, k_slab: Tensor, v_slab: Tensor, block_tables:
         part_lse, head_dim ** -0.5, tables.shape[1], n_heads, n_kv_heads, partition_blocks,
         parts, BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), SPLIT=split,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+        PRECISION=dot_precision(q.dtype))
     if split:
         _merge_partitions[(batch * n_heads,)](
             part_out, part_lse, out, parts, HEAD_DIM=head_dim, BLOCK_D=block_d,

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lathe.kernels.dispatch import use_triton
+from lathe.kernels.dispatch import dot_precision, use_triton
 
 
 def dequantize_int8(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -40,7 +40,8 @@ def int4_matmul_reference(x: Tensor, packed: Tensor, scale: Tensor, minimum: Ten
 
 
 @triton.jit
-def _int8_matmul(X, Q, S, Y, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def _int8_matmul(X, Q, S, Y, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 PRECISION: tl.constexpr):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -51,7 +52,7 @@ def _int8_matmul(X, Q, S, Y, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl
                     mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
         w = tl.load(Q + rn[None, :] * K + kk[:, None],
                     mask=(rn[None, :] < N) & (kk[:, None] < K), other=0)
-        acc += tl.dot(x, w.to(x.dtype))  # tensor cores in the activation dtype
+        acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)  # in the activation dtype
     scale = tl.load(S + rn, mask=rn < N, other=0.0).to(tl.float32)
     tl.store(Y + rm[:, None] * N + rn[None, :], (acc * scale[None, :]).to(Y.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
@@ -59,7 +60,7 @@ def _int8_matmul(X, Q, S, Y, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl
 
 @triton.jit
 def _int4_matmul(X, P, S, MIN, Y, M, N, K, GROUP, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr):
+                 BK: tl.constexpr, PRECISION: tl.constexpr):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     half = tl.arange(0, BK // 2)
@@ -76,7 +77,7 @@ def _int4_matmul(X, P, S, MIN, Y, M, N, K, GROUP, BM: tl.constexpr, BN: tl.const
         w = q * scale[:, None] + low[:, None]
         kk = k0 + tl.arange(0, BK)
         x = tl.load(X + rm[:, None] * K + kk[None, :], mask=rm[:, None] < M, other=0.0)
-        acc += tl.dot(x, tl.trans(w).to(x.dtype))
+        acc += tl.dot(x, tl.trans(w).to(x.dtype), input_precision=PRECISION)
     tl.store(Y + rm[:, None] * N + rn[None, :], acc.to(Y.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -91,7 +92,8 @@ def int8_matmul_triton(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     bm, bn, bk = _tiles(m)
     _int8_matmul[(triton.cdiv(m, bm), triton.cdiv(n, bn))](x2, q.contiguous(), scale, y, m, n,
-                                                           k, BM=bm, BN=bn, BK=bk)
+                                                           k, BM=bm, BN=bn, BK=bk,
+                                                           PRECISION=dot_precision(x.dtype))
     return y.view(*x.shape[:-1], n)
 
 
@@ -105,7 +107,7 @@ def int4_matmul_triton(x: Tensor, packed: Tensor, scale: Tensor, minimum: Tensor
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     _int4_matmul[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         x2, packed.contiguous(), scale.contiguous(), minimum.contiguous(), y, m, n, k, group,
-        BM=bm, BN=bn, BK=bk)
+        BM=bm, BN=bn, BK=bk, PRECISION=dot_precision(x.dtype))
     return y.view(*x.shape[:-1], n)
 
 

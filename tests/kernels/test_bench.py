@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lathe.kernels import bench
+from tests.kernels.target import DEVICE
 
 TINY = bench.Sizes(rows=6, dim=64, hidden=96, vocab=300, ce_rows=10, batch=1, seq=20, heads=4,
                    kv_heads=2, head_dim=16, decode_batch=3, context=40, long_context=100,
@@ -16,7 +17,7 @@ TINY = bench.Sizes(rows=6, dim=64, hidden=96, vocab=300, ce_rows=10, batch=1, se
 
 def test_every_implementation_in_a_case_computes_the_same():
     torch.manual_seed(0)
-    for case in bench.cases(TINY, device="cpu", dtype=torch.float32, compile=False):
+    for case in bench.cases(TINY, device=DEVICE, dtype=torch.float32, compile=False):
         assert case.work > 0 and case.unit in ("GB/s", "TFLOP/s")
         assert {"triton"} < set(case.impls), case.name
         results = {name: bench._outputs(fn()) for name, fn in case.impls.items()}

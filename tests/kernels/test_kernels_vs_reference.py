@@ -1,13 +1,15 @@
 """RMSNorm (plain and fused with the residual add), SwiGLU and RoPE: Triton, run by the
 interpreter on CPU, against the PyTorch references — forward and gradients, fp32 and fp16,
-ordinary and awkward shapes. Tolerances: fp32 1e-5 (abs and rel); fp16 2e-3 forward,
-1e-2 gradients (gradients sum over rows in a different order)."""
+ordinary and awkward shapes (compiled on a GPU, bf16 too: see target.py). Tolerances:
+fp32 1e-5 (abs and rel); fp16 2e-3 forward, 1e-2 gradients (gradients sum over rows in a
+different order); bf16 2e-2 forward, 5e-2 gradients (Liger's bf16 bounds)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from lathe.kernels.dispatch import kernels_off
 from lathe.kernels.rmsnorm import (
     add_rms_norm_reference,
     add_rms_norm_triton,
@@ -16,42 +18,44 @@ from lathe.kernels.rmsnorm import (
     rms_norm_triton,
 )
 from lathe.kernels.swiglu import swiglu_reference, swiglu_triton
+from tests.kernels.target import DEVICE, DTYPES, enable_kernels
 
 SHAPES = [(2, 5, 64), (1, 96), (37, 200), (3, 130)]  # non-power-of-two widths, a single row
-TOLERANCE = {torch.float32: (1e-5, 1e-5, 1e-5), torch.float16: (2e-3, 2e-3, 1e-2)}
+TOLERANCE = {torch.float32: (1e-5, 1e-5, 1e-5), torch.float16: (2e-3, 2e-3, 1e-2),
+             torch.bfloat16: (2e-2, 2e-2, 5e-2)}
 
 
 def inputs(shape, dtype, *extra, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=g).to(dtype).requires_grad_() for _ in range(1 + len(
-        extra))]
+    return [torch.randn(shape, generator=g).to(DEVICE, dtype).requires_grad_()
+            for _ in range(1 + len(extra))]
 
 
 def grads(out, tensors, seed=1):
     g = torch.Generator().manual_seed(seed)
     outs = out if isinstance(out, tuple) else (out,)
-    upstream = [torch.randn(o.shape, generator=g).to(o.dtype) for o in outs]
+    upstream = [torch.randn(o.shape, generator=g).to(o.device, o.dtype) for o in outs]
     return torch.autograd.grad(outs, tensors, upstream)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_rms_norm_matches_reference(shape, dtype):
     atol, rtol, grad_tol = TOLERANCE[dtype]
     (x,) = inputs(shape, dtype)
-    weight = (1 + 0.1 * torch.randn(shape[-1])).to(dtype).requires_grad_()
+    weight = (1 + 0.1 * torch.randn(shape[-1])).to(DEVICE, dtype).requires_grad_()
     ours, ref = rms_norm_triton(x, weight, 1e-5), rms_norm_reference(x, weight, 1e-5)
     torch.testing.assert_close(ours, ref, atol=atol, rtol=rtol)
     for a, b in zip(grads(ours, [x, weight]), grads(ref, [x, weight]), strict=True):
         torch.testing.assert_close(a, b, atol=grad_tol, rtol=grad_tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_fused_add_rms_norm_matches_reference(shape, dtype):
     atol, rtol, grad_tol = TOLERANCE[dtype]
     x, residual = inputs(shape, dtype, "residual")
-    weight = (1 + 0.1 * torch.randn(shape[-1])).to(dtype).requires_grad_()
+    weight = (1 + 0.1 * torch.randn(shape[-1])).to(DEVICE, dtype).requires_grad_()
     ours = add_rms_norm_triton(x, residual, weight, 1e-6)
     ref = add_rms_norm_reference(x, residual, weight, 1e-6)
     for a, b in zip(ours, ref, strict=True):
@@ -61,7 +65,7 @@ def test_fused_add_rms_norm_matches_reference(shape, dtype):
         torch.testing.assert_close(a, b, atol=grad_tol, rtol=grad_tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(3, 7, 344), (1, 1), (5, 1000)])
 def test_swiglu_matches_reference(shape, dtype):
     atol, rtol, grad_tol = TOLERANCE[dtype]
@@ -104,34 +108,35 @@ def test_kernels_off_turns_named_or_all_kernels_off_and_restores(monkeypatch):
 
 def test_model_forward_and_backward_match_with_kernels_on(monkeypatch):
     from tests.builders import tiny_model
-    ids = torch.randint(0, 256, (2, 24))
+    ids = torch.randint(0, 256, (2, 24), device=DEVICE)
 
     def run():
-        model = tiny_model(n_layers=2)
+        model = tiny_model(n_layers=2).to(DEVICE)
         loss = model(ids, labels=ids).loss
         loss.backward()
         return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
-    loss_off, grads_off = run()
-    monkeypatch.setenv("LATHE_KERNELS", "force")
+    with kernels_off():
+        loss_off, grads_off = run()
+    enable_kernels(monkeypatch)
     loss_on, grads_on = run()
     torch.testing.assert_close(loss_on, loss_off, atol=1e-5, rtol=1e-5)
     for name, grad in grads_off.items():
         torch.testing.assert_close(grads_on[name], grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch, heads, kv_heads, seq, dim", [(2, 4, 1, 7, 32), (1, 8, 8, 1, 64),
                                                                (3, 8, 2, 5, 48)])
 def test_rope_matches_reference(batch, heads, kv_heads, seq, dim, dtype):
     from lathe.kernels.rope import rope_reference, rope_triton
     atol, rtol, grad_tol = TOLERANCE[dtype]
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(batch, heads, seq, dim, generator=g).to(dtype).requires_grad_()
-    k = torch.randn(batch, kv_heads, seq, dim, generator=g).to(dtype).requires_grad_()
+    q = torch.randn(batch, heads, seq, dim, generator=g).to(DEVICE, dtype).requires_grad_()
+    k = torch.randn(batch, kv_heads, seq, dim, generator=g).to(DEVICE, dtype).requires_grad_()
     angles = torch.randn(batch, seq, dim // 2, generator=g) * 3
-    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
-    sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
+    cos = torch.cat([angles.cos()] * 2, -1).to(DEVICE, dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(DEVICE, dtype)
     ours, ref = rope_triton(q, k, cos, sin), rope_reference(q, k, cos, sin)
     for a, b in zip(ours, ref, strict=True):
         torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
