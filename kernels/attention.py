@@ -47,12 +47,12 @@ def _tile(ptr, rows, n_rows, row_stride, dims, HEAD_DIM: tl.constexpr):
     return tl.load(ptr + rows[:, None] * row_stride + dims[None, :], mask=mask, other=0.0)
 
 
-@triton.autotune(configs=_configs(), key=["seq_q", "seq_k", "HEAD_DIM"])
+@triton.autotune(configs=_configs(), key=["LENGTH_BUCKET", "HEAD_DIM"])
 @triton.jit
 def _forward(Q, K, V, OUT, LSE, scale, seq_q, seq_k, n_heads, group,
              q_batch, q_head, q_row, k_batch, k_head, k_row, v_batch, v_head, v_row,
-             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+             LENGTH_BUCKET, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+             PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     batch, head = tl.program_id(1) // n_heads, tl.program_id(1) % n_heads
     kv_head = head // group
@@ -89,12 +89,12 @@ def _forward(Q, K, V, OUT, LSE, scale, seq_q, seq_k, n_heads, group,
              (running_max + tl.log2(total)) / 1.4426950408889634, mask=row_ok)
 
 
-@triton.autotune(configs=_configs(), key=["seq_q", "seq_k", "HEAD_DIM"])
+@triton.autotune(configs=_configs(), key=["LENGTH_BUCKET", "HEAD_DIM"])
 @triton.jit
 def _backward_dq(Q, K, V, DO, LSE, DELTA, DQ, scale, seq_q, seq_k, n_heads, group,
                  k_batch, k_head, k_row, v_batch, v_head, v_row,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 LENGTH_BUCKET, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     batch, head = tl.program_id(1) // n_heads, tl.program_id(1) % n_heads
     kv_head = head // group
@@ -126,12 +126,12 @@ def _backward_dq(Q, K, V, DO, LSE, DELTA, DQ, scale, seq_q, seq_k, n_heads, grou
              mask=(rows[:, None] < seq_q) & (dims[None, :] < HEAD_DIM))
 
 
-@triton.autotune(configs=_configs(), key=["seq_q", "seq_k", "HEAD_DIM"])
+@triton.autotune(configs=_configs(), key=["LENGTH_BUCKET", "HEAD_DIM"])
 @triton.jit
 def _backward_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, scale, seq_q, seq_k, n_heads, n_kv_heads,
                    group, k_batch, k_head, k_row, v_batch, v_head, v_row,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   LENGTH_BUCKET, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     batch, kv_head = tl.program_id(1) // n_kv_heads, tl.program_id(1) % n_kv_heads
     offset = seq_k - seq_q
@@ -171,9 +171,13 @@ def _strides(t: Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _launch_args(q: Tensor) -> dict:
+def _launch_args(q: Tensor, seq_k: int) -> dict:
+    """Meta-arguments. Autotuning is keyed on the key length's power-of-two bucket, not the
+    exact lengths: a serving engine's prefill chunks come in every length, and re-tuning
+    for each would stall it."""
     head_dim = q.shape[-1]
-    return {"HEAD_DIM": head_dim, "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
+    return {"LENGTH_BUCKET": triton.next_power_of_2(seq_k), "HEAD_DIM": head_dim,
+            "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
             "PRECISION": dot_precision(q.dtype)}
 
 
@@ -187,7 +191,7 @@ def _forward_triton(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         return triton.cdiv(seq_q, meta["BLOCK_M"]), batch * n_heads
     _forward[grid](q, k, v, out, lse, head_dim ** -0.5, seq_q, seq_k, n_heads,
                    n_heads // n_kv_heads, *_strides(q), *_strides(k), *_strides(v),
-                   **_launch_args(q))
+                   **_launch_args(q, seq_k))
     return out, lse
 
 
@@ -209,7 +213,7 @@ class _CausalAttention(torch.autograd.Function):
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         scale, group = head_dim ** -0.5, n_heads // n_kv_heads
-        args = _launch_args(q)
+        args = _launch_args(q, seq_k)
         _backward_dq[lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * n_heads)](
             q, k, v, grad_out, lse, delta, dq, scale, seq_q, seq_k, n_heads, group,
             *_strides(k), *_strides(v), **args)

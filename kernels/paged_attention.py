@@ -148,7 +148,10 @@ def paged_decode_triton(q: Tensor, k_slab: Tensor, v_slab: Tensor, block_tables:
 
 def paged_decode(q: Tensor, k_slab: Tensor, v_slab: Tensor, block_tables: Tensor,
                  context_lens: Tensor, block_size: int) -> Tensor:
-    """Decode attention through block tables (Triton on CUDA, gather + SDPA elsewhere)."""
-    if use_triton("paged_decode", q):
+    """Decode attention through block tables (Triton on CUDA, gather + SDPA elsewhere).
+    The kernel tiles one block per step, so it takes blocks of 16 tokens or more (a power of
+    two, the smallest `tl.dot` tile); smaller blocks take the gather path."""
+    tileable = block_size >= 16 and block_size & (block_size - 1) == 0
+    if tileable and use_triton("paged_decode", q):
         return paged_decode_triton(q, k_slab, v_slab, block_tables, context_lens, block_size)
     return paged_decode_reference(q, k_slab, v_slab, block_tables, context_lens, block_size)
