@@ -15,7 +15,8 @@ from lathe.kernels.attention import (
     causal_attention_reference,
     causal_attention_triton,
 )
-from tests.kernels.target import DEVICE, DTYPES
+from lathe.kernels.dispatch import kernels_off
+from tests.kernels.target import DEVICE, DTYPES, enable_kernels
 
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 1e-2),
              torch.bfloat16: (1.5e-2, 5e-2)}
@@ -70,3 +71,19 @@ def test_mismatched_shapes_are_refused_with_the_rule():
     q, k, v = qkv(1, 4, 2, 9, 8, 16, torch.float32)
     with pytest.raises(ValueError, match="Sq ≤ Sk"):
         causal_attention_triton(q, k, v)
+
+
+def test_model_prefill_chunks_and_decode_through_the_kernel_match_kernels_off(monkeypatch):
+    """The contiguous cache hands each chunk to causal_attention with Sq < Sk."""
+    from lathe.model.kv_cache import ContiguousKVCache
+    from tests.builders import tiny_model
+    model = tiny_model(n_kv_heads=1).to(DEVICE)  # GQA 4
+    ids = torch.randint(0, 256, (2, 30), device=DEVICE)
+    with torch.no_grad(), kernels_off():
+        full = model(ids).logits
+    enable_kernels(monkeypatch)
+    cache = ContiguousKVCache(model.config, 2, 30, device=DEVICE)
+    with torch.no_grad():
+        chunks = [model(ids[:, a:b], kv_cache=cache).logits
+                  for a, b in ((0, 11), (11, 12), (12, 25), (25, 30))]
+    torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=1e-5, rtol=1e-5)
