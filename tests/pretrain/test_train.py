@@ -186,3 +186,19 @@ def test_both_entry_points_report_config_errors_in_one_line(corpus, tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         "lathe pretrain: error: the run length comes to 0 steps; it must be at least 1")
+
+
+@pytest.mark.parametrize("kernels", ["0", "force"])
+def test_fused_training_loss_equals_next_token_cross_entropy(kernels, monkeypatch):
+    """lm_loss feeds the whole (B, T + 1) window with itself as labels so the head and loss
+    can fuse; the extra last position must change nothing (causality)."""
+    from lathe.pretrain.train import lm_loss
+    from tests.builders import tiny_model
+    model = tiny_model(n_layers=1)
+    batch = torch.randint(0, 256, (3, 17))
+    logits = model(batch[:, :-1]).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    monkeypatch.setenv("LATHE_KERNELS", kernels)
+    loss, metrics = lm_loss(model, batch, z_loss=0.0)
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+    assert metrics == {"loss": loss}
