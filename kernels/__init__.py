@@ -2,12 +2,14 @@
 between them (see DESIGN.md). Imports only torch and triton."""
 
 from lathe.kernels.attention import causal_attention
-from lathe.kernels.dispatch import kernel_enabled, use_triton
+from lathe.kernels.dispatch import kernel_enabled, kernels_off, use_triton
 from lathe.kernels.fused_ce import linear_cross_entropy
+from lathe.kernels.paged_attention import paged_decode
 from lathe.kernels.quant_matmul import int4_matmul, int8_matmul
 from lathe.kernels.rmsnorm import add_rms_norm, rms_norm
 from lathe.kernels.rope import rope
 from lathe.kernels.swiglu import swiglu
 
 __all__ = ["add_rms_norm", "causal_attention", "int4_matmul", "int8_matmul", "kernel_enabled",
-           "linear_cross_entropy", "rms_norm", "rope", "swiglu", "use_triton"]
+           "kernels_off", "linear_cross_entropy", "paged_decode", "rms_norm", "rope", "swiglu",
+           "use_triton"]

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lathe.kernels.dispatch import kernels_off
+from lathe.kernels import kernels_off
 from lathe.model.config import ModelConfig
 from lathe.model.transformer import Transformer
 from lathe.pretrain.converters import compile_blocks, convert_to_fp8, fp8_supported

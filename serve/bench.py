@@ -34,7 +34,7 @@ import httpx
 import numpy as np
 import torch
 
-from lathe.kernels.dispatch import kernels_off
+from lathe.kernels import kernels_off
 from lathe.model.checkpoint import load_checkpoint, save_checkpoint
 from lathe.model.config import ModelConfig
 from lathe.model.transformer import Transformer

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lathe.kernels.attention import causal_attention
-from lathe.kernels.paged_attention import paged_decode
+from lathe.kernels import causal_attention, paged_decode
 from lathe.model.config import ModelConfig
 
 
