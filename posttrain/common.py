@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from lathe.data.formats import load_prompt_dataset
 from lathe.data.tokenizer import load_tokenizer
+from lathe.model.atomic import write_json
 from lathe.model.checkpoint import GENERATION_CONFIG_FILE, load_checkpoint, save_checkpoint
 from lathe.model.lora import LoraSection, apply_lora, load_adapter, merge_lora, save_adapter
 from lathe.model.recipe import load_config, to_dict
@@ -200,6 +201,20 @@ def export_policy(runtime: Runtime, config: Any, model_config: Any, checkpoint: 
     runtime.accelerator.wait_for_everyone()
     return final
 
+
+def finish_stage(runtime: Runtime, config: Any, model_config: Any,
+                 history: dict[str, list[float]], exported: Sequence[str]) -> dict[str, Any]:
+    """Export out_dir/final (its provenance: the last value of each `exported` history
+    entry), close the run, and write and return the summary: steps, seconds, the final
+    checkpoint, the whole history and the parallel setup."""
+    final = export_policy(runtime, config, model_config, config.model, config.lora,
+                          {key: history[key][-1:] for key in exported})
+    seconds = runtime.finish()
+    summary = {"steps": runtime.step, "seconds": round(seconds, 1), "final": str(final),
+               **history, "parallel": runtime.setup}
+    if runtime.is_main:
+        write_json(Path(config.out_dir) / "summary.json", summary)
+    return summary
 
 
 def stage_main(stage: str, description: str, config_cls: type, run: Callable[..., Any],

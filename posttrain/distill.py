@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lathe.data.formats import load_chat_dataset, load_prompt_dataset
+from lathe.data.formats import load_prompt_dataset
 from lathe.data.tokenizer import load_tokenizer
 from lathe.model.atomic import write_json
 from lathe.model.checkpoint import load_checkpoint
@@ -31,17 +31,16 @@ from lathe.model.lora import LoraSection
 from lathe.model.recipe import ConfigError
 from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.common import (
-    ShuffledBatches,
     TaskEvaluator,
     evaluate_task,
-    export_policy,
+    finish_stage,
     load_policy,
     pad_id,
     stage_main,
     train_on_batches,
 )
 from lathe.posttrain.config import ChatDataConfig, SFTConfig, TaskEvalConfig
-from lathe.posttrain.sft import collate, sft, tokenize
+from lathe.posttrain.sft import collate, sft, start_chat_run
 from lathe.pretrain.config import TrainConfig
 from lathe.pretrain.runtime import Runtime
 from lathe.serve.chat_template import ChatTemplate
@@ -114,21 +113,8 @@ def distill_logits(config: DistillConfig, resume: str) -> dict[str, Any]:
         raise ConfigError(f"teacher vocab_size {teacher.config.vocab_size} != student "
                           f"{model.config.vocab_size}: logits must cover the same tokens")
     teacher.requires_grad_(False)
-    model_config, data = model.config, config.data
-    train = tokenize(tokenizer, load_chat_dataset(data.train, "train", data.limit), data.max_len)
-    heldout = tokenize(tokenizer, load_chat_dataset(data.eval or data.train, "test",
-                                                    config.eval.batches * config.micro_batch_size),
-                       data.max_len)
-    batches = ShuffledBatches(train, config.micro_batch_size, config.seed, runtime.rank,
-                              runtime.world_size)
-    mean_len = sum(len(e[0]) for e in train) / len(train)
-    total_steps = config.total_steps(int(config.micro_batch_size * config.grad_accum_steps
-                                         * runtime.world_size * mean_len),
-                                     model_config.num_params())
-    runtime.prepare(model, total_steps, model_config.flops_per_token(int(mean_len)))
-    restored = runtime.start(config, resume)
-    if restored is not None:
-        batches.load_state_dict(restored["batches"])
+    model_config = model.config
+    run = start_chat_run(runtime, config, model, tokenizer, resume)
     pad_token = pad_id(tokenizer)
 
     def loss_fn(m: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
@@ -146,9 +132,9 @@ def distill_logits(config: DistillConfig, resume: str) -> dict[str, Any]:
     def heldout_kl() -> float:
         runtime.model.eval()
         sums = torch.zeros(2, device=runtime.device)
-        for start in range(runtime.rank * config.micro_batch_size, len(heldout),
+        for start in range(runtime.rank * config.micro_batch_size, len(run.heldout),
                            config.micro_batch_size * runtime.world_size):
-            ids, labels = collate(heldout[start:start + config.micro_batch_size], pad_token,
+            ids, labels = collate(run.heldout[start:start + config.micro_batch_size], pad_token,
                                   runtime.device)
             mask = labels[:, 1:] != IGNORE_INDEX
             kl = kd_loss(runtime.model(ids).logits[:, :-1], teacher(ids).logits[:, :-1], mask)
@@ -158,26 +144,24 @@ def distill_logits(config: DistillConfig, resume: str) -> dict[str, Any]:
         return float(sums[0] / sums[1])
 
     kls = []
-    if restored is None:
+    if run.restored is None:
         kls.append(heldout_kl())
         runtime.print(f"distill ({config.loss}, T={config.temperature}): held-out KL(teacher ‖ "
                       f"student) {kls[-1]:.4f}")
+
     def evaluate() -> None:
         kls.append(heldout_kl())
         runtime.log({"eval/kl_to_teacher": kls[-1]})
         runtime.print(f"step {runtime.step}: held-out KL to teacher {kls[-1]:.4f}")
 
-    train_on_batches(runtime, config, batches,
+    train_on_batches(runtime, config, run.batches,
                      lambda rows: collate(rows, pad_token, runtime.device), loss_fn,
                      lambda batch: int(batch[0].numel()), evaluate)
     evaluator = TaskEvaluator(config.task_eval, config.model, tokenizer)
     student_accuracy = evaluate_task(runtime, evaluator, config.lora)
-    final = export_policy(runtime, config, model_config, config.model, config.lora,
-                          {"kl_to_teacher": kls[-1:]})
-    seconds = runtime.finish()
-    return {"steps": runtime.step, "seconds": round(seconds, 1), "final": str(final),
-            "kl_to_teacher": kls, "student_accuracy": student_accuracy,
-            "parallel": runtime.setup}
+    summary = finish_stage(runtime, config, model_config, {"kl_to_teacher": kls},
+                           ["kl_to_teacher"])
+    return {**summary, "student_accuracy": student_accuracy}
 
 
 def write_teacher_data(config: DistillConfig, path: Path) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +23,6 @@ from torch import Tensor, nn
 
 from lathe.data.chat import END_OF_TURN, format_chat
 from lathe.data.formats import PreferenceRow, load_preference_dataset
-from lathe.model.atomic import write_json
 from lathe.model.checkpoint import load_checkpoint
 from lathe.model.lora import adapters_disabled
 from lathe.model.transformer import IGNORE_INDEX
@@ -32,7 +30,7 @@ from lathe.posttrain.common import (
     ShuffledBatches,
     TaskEvaluator,
     evaluate_task,
-    export_policy,
+    finish_stage,
     load_policy,
     pad,
     pad_id,
@@ -195,19 +193,14 @@ def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
                      lambda rows: collate(rows, pad_token, runtime.device), loss_fn,
                      lambda batch: int(batch["ids"].numel()), evaluate)
 
-    final = export_policy(runtime, config, model_config, config.model, config.lora,
-                          {"preference_accuracy": history["preference_accuracy"][-1:],
-                           "accuracy": history["accuracy"][-1:]})
-    seconds = runtime.finish()
-    summary = {"steps": runtime.step, "seconds": round(seconds, 1), "final": str(final),
-               **history, "parallel": runtime.setup}
+    summary = finish_stage(runtime, config, model_config, history,
+                           ["preference_accuracy", "accuracy"])
     if runtime.is_main:
-        write_json(Path(config.out_dir) / "summary.json", summary)
-        print(f"done: dpo {runtime.step} steps in {seconds:.0f}s; held-out preference accuracy "
-              f"{history['preference_accuracy'][0]:.1%} -> "
+        print(f"done: dpo {runtime.step} steps in {summary['seconds']:.0f}s; held-out preference "
+              f"accuracy {history['preference_accuracy'][0]:.1%} -> "
               f"{history['preference_accuracy'][-1]:.1%}, task accuracy "
               f"{history['accuracy'][0]:.1%} -> {history['accuracy'][-1]:.1%}\n"
-              f"checkpoint: {final}")
+              f"checkpoint: {summary['final']}")
     return summary
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +23,6 @@ from accelerate.utils import broadcast_object_list
 from torch import Tensor, nn
 
 from lathe.data.formats import PromptRow, load_prompt_dataset
-from lathe.model.atomic import write_json
 from lathe.model.checkpoint import load_checkpoint
 from lathe.model.lora import adapters_disabled, merge_lora
 from lathe.model.recipe import ConfigError
@@ -34,7 +32,7 @@ from lathe.posttrain.common import (
     TaskEvaluator,
     eos_ids,
     evaluate_task,
-    export_policy,
+    finish_stage,
     generation_model,
     load_policy,
     pad,
@@ -246,19 +244,13 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
         if runtime.should(config.checkpoint.every):
             runtime.save({"prompts": sampler.state_dict()})
 
-    final = export_policy(runtime, config, model_config, config.model, config.lora,
-                          {"reward": history["reward"][-1:],
-                           "heldout_accuracy": history["heldout_accuracy"][-1:]})
-    seconds = runtime.finish()
-    summary = {"steps": runtime.step, "seconds": round(seconds, 1), "final": str(final),
-               **history, "parallel": runtime.setup}
+    summary = finish_stage(runtime, config, model_config, history, ["reward", "heldout_accuracy"])
     if runtime.is_main:
-        write_json(Path(config.out_dir) / "summary.json", summary)
         first, last = history["reward"][:5], history["reward"][-5:]
-        print(f"done: grpo {runtime.step} steps in {seconds:.0f}s; mean reward "
+        print(f"done: grpo {runtime.step} steps in {summary['seconds']:.0f}s; mean reward "
               f"{sum(first) / len(first):.3f} (first 5 batches) -> {sum(last) / len(last):.3f} "
               f"(last 5), held-out accuracy {history['heldout_accuracy'][0]:.1%} -> "
-              f"{history['heldout_accuracy'][-1]:.1%}\ncheckpoint: {final}")
+              f"{history['heldout_accuracy'][-1]:.1%}\ncheckpoint: {summary['final']}")
     return summary
 
 

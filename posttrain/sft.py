@@ -9,7 +9,7 @@ task accuracy by generation) -> export (LoRA merged) -> summary.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,14 +18,13 @@ from torch import Tensor, nn
 
 from lathe.data.chat import Message, tokenize_chat
 from lathe.data.formats import load_chat_dataset
-from lathe.model.atomic import write_json
 from lathe.model.recipe import ConfigError
 from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.common import (
     ShuffledBatches,
     TaskEvaluator,
     evaluate_task,
-    export_policy,
+    finish_stage,
     load_policy,
     pad,
     pad_id,
@@ -80,14 +79,26 @@ def heldout_loss(runtime: Runtime, examples: list[Example], micro_batch: int,
     return float(total[0] / total[1])
 
 
-def sft(config: SFTConfig, resume: str = "never") -> dict[str, Any]:
-    runtime = Runtime(config, stage="sft")
-    model, tokenizer = load_policy(config.model, config.lora)
-    model_config = model.config
-    data = config.data
+@dataclass
+class ChatRun:
+    """A chat-trained run, started: its examples, their batch order and mean length, and
+    the state restored on resume (None on a fresh start)."""
+
+    train: list[Example]
+    heldout: list[Example]
+    batches: ShuffledBatches
+    mean_len: float
+    restored: dict[str, Any] | None
+
+
+def start_chat_run(runtime: Runtime, config: Any, model: nn.Module, tokenizer: Tokenizer,
+                   resume: str) -> ChatRun:
+    """Tokenize `config.data`'s training and held-out chats, size the run from their mean
+    length, prepare the runtime, and on resume restore the batch order (SFT, distillation)."""
+    model_config, data = model.config, config.data
     if data.max_len > model_config.max_seq_len:
         raise ConfigError(f"data.max_len={data.max_len} exceeds the model's max_seq_len="
-                          f"{model_config.max_seq_len}")
+                          f"{model_config.max_seq_len}; lower data.max_len")
     train = tokenize(tokenizer, load_chat_dataset(data.train, "train", data.limit), data.max_len)
     heldout = tokenize(tokenizer, load_chat_dataset(data.eval or data.train, "test",
                                                     config.eval.batches * config.micro_batch_size),
@@ -102,16 +113,25 @@ def sft(config: SFTConfig, resume: str = "never") -> dict[str, Any]:
     restored = runtime.start(config, resume)
     if restored is not None:
         batches.load_state_dict(restored["batches"])
+    return ChatRun(train, heldout, batches, mean_len, restored)
+
+
+def sft(config: SFTConfig, resume: str = "never") -> dict[str, Any]:
+    runtime = Runtime(config, stage="sft")
+    model, tokenizer = load_policy(config.model, config.lora)
+    model_config = model.config
+    run = start_chat_run(runtime, config, model, tokenizer, resume)
     evaluator = TaskEvaluator(config.task_eval, config.model, tokenizer)
-    runtime.print(f"sft: {len(train):,} chats ({mean_len:.0f} tokens on average), "
-                  f"{len(heldout)} held out; {total_steps} steps on {runtime.setup['device']}"
+    runtime.print(f"sft: {len(run.train):,} chats ({run.mean_len:.0f} tokens on average), "
+                  f"{len(run.heldout)} held out; {runtime.total_steps} steps on "
+                  f"{runtime.setup['device']}"
                   + (f"; LoRA r={config.lora.r}" if config.lora.enabled else ""))
 
     pad_token = pad_id(tokenizer)
     history: dict[str, list[float]] = {"heldout_loss": [], "accuracy": []}
 
     def evaluate() -> None:
-        loss = heldout_loss(runtime, heldout, config.micro_batch_size, pad_token)
+        loss = heldout_loss(runtime, run.heldout, config.micro_batch_size, pad_token)
         accuracy = evaluate_task(runtime, evaluator, config.lora)
         runtime.log({"eval/heldout_loss": loss})
         history["heldout_loss"].append(loss)
@@ -119,25 +139,18 @@ def sft(config: SFTConfig, resume: str = "never") -> dict[str, Any]:
         runtime.print(f"step {runtime.step}: held-out assistant loss {loss:.4f}, "
                       f"{config.task_eval.task} accuracy {accuracy:.1%}")
 
-    if restored is None:
+    if run.restored is None:
         evaluate()
-    train_on_batches(runtime, config, batches,
+    train_on_batches(runtime, config, run.batches,
                      lambda rows: collate(rows, pad_token, runtime.device), sft_loss,
                      lambda batch: int(batch[0].numel()), evaluate)
 
-    final = export_policy(runtime, config, model_config, config.model, config.lora,
-                          {"heldout_loss": history["heldout_loss"][-1:],
-                           "accuracy": history["accuracy"][-1:]})
-    seconds = runtime.finish()
-    summary = {"steps": runtime.step, "seconds": round(seconds, 1), "final": str(final),
-               "heldout_loss": history["heldout_loss"], "accuracy": history["accuracy"],
-               "parallel": runtime.setup}
+    summary = finish_stage(runtime, config, model_config, history, ["heldout_loss", "accuracy"])
     if runtime.is_main:
-        write_json(Path(config.out_dir) / "summary.json", summary)
-        print(f"done: sft {runtime.step} steps in {seconds:.0f}s; held-out assistant loss "
-              f"{history['heldout_loss'][0]:.4f} -> {history['heldout_loss'][-1]:.4f}, "
+        print(f"done: sft {runtime.step} steps in {summary['seconds']:.0f}s; held-out assistant "
+              f"loss {history['heldout_loss'][0]:.4f} -> {history['heldout_loss'][-1]:.4f}, "
               f"accuracy {history['accuracy'][0]:.1%} -> {history['accuracy'][-1]:.1%}\n"
-              f"checkpoint: {final}")
+              f"checkpoint: {summary['final']}")
     return summary
 
 
