@@ -47,6 +47,12 @@ def _tile(ptr, rows, n_rows, row_stride, dims, HEAD_DIM: tl.constexpr):
     return tl.load(ptr + rows[:, None] * row_stride + dims[None, :], mask=mask, other=0.0)
 
 
+@triton.jit
+def _causal(rows, cols, offset, seq_k):
+    """Which (row, col) scores exist: bottom-right causal, inside the key length."""
+    return (cols[None, :] <= rows[:, None] + offset) & (cols[None, :] < seq_k)
+
+
 @triton.autotune(configs=_configs(), key=["LENGTH_BUCKET", "HEAD_DIM"])
 @triton.jit
 def _forward(Q, K, V, OUT, LSE, scale, seq_q, seq_k, n_heads, group,
@@ -72,8 +78,7 @@ def _forward(Q, K, V, OUT, LSE, scale, seq_q, seq_k, n_heads, group,
         k = _tile(k_base, cols, seq_k, k_row, dims, HEAD_DIM)
         v = _tile(v_base, cols, seq_k, v_row, dims, HEAD_DIM)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        visible = (cols[None, :] <= rows[:, None] + offset) & (cols[None, :] < seq_k)
-        scores = tl.where(visible, scores, -float("inf"))
+        scores = tl.where(_causal(rows, cols, offset, seq_k), scores, -float("inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         p = tl.exp2(scores - new_max[:, None])
         correction = tl.exp2(running_max - new_max)
@@ -115,8 +120,7 @@ def _backward_dq(Q, K, V, DO, LSE, DELTA, DQ, scale, seq_q, seq_k, n_heads, grou
         k = _tile(k_base, cols, seq_k, k_row, dims, HEAD_DIM)
         v = _tile(v_base, cols, seq_k, v_row, dims, HEAD_DIM)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        visible = ((cols[None, :] <= rows[:, None] + offset) & (cols[None, :] < seq_k)
-                   & (rows[:, None] < seq_q))
+        visible = _causal(rows, cols, offset, seq_k) & (rows[:, None] < seq_q)
         p = tl.where(visible, tl.exp(scores - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
@@ -152,8 +156,7 @@ def _backward_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, scale, seq_q, seq_k, n_heads
             lse = tl.load(LSE + query_head * seq_q + rows, mask=rows < seq_q, other=0.0)
             delta = tl.load(DELTA + query_head * seq_q + rows, mask=rows < seq_q, other=0.0)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            visible = ((cols[None, :] <= rows[:, None] + offset) & (cols[None, :] < seq_k)
-                       & (rows[:, None] < seq_q))
+            visible = _causal(rows, cols, offset, seq_k) & (rows[:, None] < seq_q)
             p = tl.where(visible, tl.exp(scores - lse[:, None]), 0.0)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
