@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from lathe.kernels.attention import causal_attention_reference, causal_attention_triton
@@ -160,16 +161,15 @@ def _quant_cases(s: Sizes, device: str, dtype: torch.dtype, compile: bool) -> li
     minimum = -torch.rand(s.hidden, groups, device=device)
     dense8, dense4 = dequantize_int8(q8, scale8, dtype), dequantize_int4(packed, scale4,
                                                                           minimum, dtype)
+    dense = f"dense {str(dtype).removeprefix('torch.')}"
     int8 = Case("int8_matmul", "GB/s", q8.numel() + 4 * scale8.numel(), {
         "triton": lambda: int8_matmul_triton(x, q8, scale8),
         "torch": lambda: int8_matmul_reference(x, q8, scale8),
-        f"dense {str(dtype)[6:]}": lambda: torch.nn.functional.linear(x, dense8)},
-        backward=False)
+        dense: lambda: F.linear(x, dense8)}, backward=False)
     int4 = Case("int4_matmul", "GB/s", packed.numel() + 8 * scale4.numel(), {
         "triton": lambda: int4_matmul_triton(x, packed, scale4, minimum),
         "torch": lambda: int4_matmul_reference(x, packed, scale4, minimum),
-        f"dense {str(dtype)[6:]}": lambda: torch.nn.functional.linear(x, dense4)},
-        backward=False)
+        dense: lambda: F.linear(x, dense4)}, backward=False)
     if compile:
         c8, c4 = torch.compile(int8_matmul_reference), torch.compile(int4_matmul_reference)
         int8.impls["torch.compile"] = lambda: c8(x, q8, scale8)
