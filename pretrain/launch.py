@@ -16,17 +16,27 @@ more than one process, so it is inert on GPUs:
 
 Whatever the device, `check_launch` then asserts that the distributed type and world size
 are the ones requested, so a silent fallback can never pass for the real thing.
+
+Under `accelerate launch` (torchrun) every rank is also tied to the launcher's life: torchrun
+starts ranks in sessions of their own, so a launcher killed with SIGKILL (a preemption, an
+OOM kill, `kill -9`) would otherwise leave them training on as orphans, writing into the
+out_dir that the resumed run is using.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+_PR_SET_PDEATHSIG = 1
 
 
 class LaunchError(RuntimeError):
@@ -65,6 +75,8 @@ def needs_cpu_bridge(launch: Launch, cuda: bool | None = None) -> bool:
 def build_accelerator(**kwargs: Any) -> Accelerator:
     """`Accelerator(**kwargs)` for the current launch, bridged on CPU and checked."""
     launch = requested_launch()
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        exit_with_launcher()
     bridge = needs_cpu_bridge(launch)
     if bridge:
         PartialState(cpu=True)  # one gloo group of WORLD_SIZE processes
@@ -73,6 +85,19 @@ def build_accelerator(**kwargs: Any) -> Accelerator:
         _attach_fsdp_plugin(accelerator)
     check_launch(accelerator, launch)
     return accelerator
+
+
+def exit_with_launcher() -> None:
+    """Have the kernel SIGKILL this process when its parent (the launcher) dies (Linux's
+    PR_SET_PDEATHSIG; elsewhere nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    launcher = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != launcher:  # it died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _attach_fsdp_plugin(accelerator: Accelerator) -> None:

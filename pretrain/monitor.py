@@ -98,6 +98,14 @@ class Throughput:
                 "mfu": tokens_per_s * self.flops_per_token / self.peak}
 
 
+def _step_of(line: str) -> float:
+    """A record's step; infinite for a line torn by a kill mid-write, so it is dropped."""
+    try:
+        return json.loads(line).get("step", 0)
+    except ValueError:
+        return float("inf")
+
+
 class MetricsLog:
     """Rank 0's record of a run: every logged dict appended to metrics.jsonl, and forwarded
     to accelerate's trackers (W&B) when any are configured."""
@@ -112,7 +120,7 @@ class MetricsLog:
         if not self.accelerator.is_main_process or not self.path.is_file():
             return
         kept = [line for line in self.path.read_text().splitlines()
-                if line and json.loads(line).get("step", 0) <= step]
+                if _step_of(line) <= step]
         with atomic_file(self.path) as tmp:
             tmp.write_text("".join(line + "\n" for line in kept))
 

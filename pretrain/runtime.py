@@ -33,6 +33,7 @@ from lathe.model.transformer import Transformer
 from lathe.pretrain import state as training_state
 from lathe.pretrain.config import TrainConfig
 from lathe.pretrain.converters import apply_converters
+from lathe.pretrain.failpoints import failpoint
 from lathe.pretrain.launch import build_accelerator, describe
 from lathe.pretrain.monitor import MetricsLog, Throughput, memory_stats, peak_flops
 from lathe.pretrain.optim import build_optimizers
@@ -118,13 +119,12 @@ class Runtime:
 
     def start(self, run_config: Any, resume: str) -> dict[str, Any] | None:
         """Start trackers and resume if asked; returns the resumed trainer state (or None)."""
-        training_state.remove_partial_states(self.accelerator, self.out_dir)
-        path = training_state.resolve_resume(self.out_dir, resume)
+        path = training_state.choose_resume(self.accelerator, self.out_dir, resume, self.print)
         restored = None
         if path is not None:
             restored = training_state.load_state(self.accelerator, path)
             self.step, self.tokens_seen = restored["step"], restored["tokens_seen"]
-            self.metrics.truncate_after(self.step)
+        self.metrics.truncate_after(self.step)  # a fresh start keeps no earlier run's records
         if self.config.logging.report_to == "wandb":
             logging = self.config.logging
             self.accelerator.init_trackers(
@@ -167,10 +167,12 @@ class Runtime:
         self.model.train()
         sums: dict[str, Tensor] = {}
         grad_norm = None
-        for batch in micro_batches:
+        for index, batch in enumerate(micro_batches):
             with self.accelerator.accumulate(self.model):
                 loss, metrics = loss_fn(self.model, batch)
                 self.accelerator.backward(loss)
+                if index == 0:
+                    failpoint("step", self.step + 1, self.rank)
                 for name, value in metrics.items():
                     sums[name] = sums.get(name, 0) + value.detach().float()
                 if self.accelerator.sync_gradients:

@@ -4,23 +4,35 @@ all ranks together, the newest K kept.
 A state folder holds what `accelerator.save_state` writes for the current parallel setup
 (model and optimizer — sharded for FSDP2 and DeepSpeed —, RNG states per rank, the
 accumulation counter) plus `trainer_state.json` (step, tokens seen, dataloader position,
-anything the stage adds). All ranks write into one hidden `.step-N.tmp` folder; rank 0
-publishes it by a rename only after every rank has finished, so a folder named `step-N`
-is always complete and a run killed at any moment resumes from the newest one.
+anything the stage adds, and the size of every file the ranks wrote).
+
+The rules that make a run killed at any moment resume from the newest complete state:
+- every rank writes into one hidden `.step-N.tmp` folder; rank 0 publishes it by a rename
+  only after a barrier that every rank reaches after its own part is on disk;
+- an old state is retired by renaming it hidden before deleting it, so a half-deleted
+  folder never carries a `step-N` name;
+- `--resume auto` checks a candidate against the file list in its trainer_state.json and
+  skips (with the reason printed) one that is not whole; rank 0 decides and every rank
+  loads what it decided;
+- hidden leftovers of a killed save or rotation are removed at start, with a message.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 
 from lathe.model.atomic import publish_directory, write_json
 from lathe.model.recipe import ConfigError
+from lathe.pretrain.failpoints import failpoint
 
 STATE_DIR = "state"
 TRAINER_STATE_FILE = "trainer_state.json"
@@ -31,29 +43,68 @@ def step_dir(out_dir: Path, step: int) -> Path:
     return out_dir / STATE_DIR / f"step-{step:08d}"
 
 
-def complete_states(out_dir: Path) -> list[Path]:
-    """Published state folders, oldest first."""
+def published_states(out_dir: Path) -> list[Path]:
+    """State folders under their final `step-N` name, oldest first."""
     root = out_dir / STATE_DIR
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir()
-             if _STEP_DIR.fullmatch(p.name) and (p / TRAINER_STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: p.name)
+    return sorted((p for p in root.iterdir() if _STEP_DIR.fullmatch(p.name) and p.is_dir()),
+                  key=lambda p: p.name)
 
 
-def resolve_resume(out_dir: Path, resume: str) -> Path | None:
-    """`never` -> None; `auto` -> the newest complete state (None if there is none);
-    anything else is a state folder path that must exist."""
+def incomplete_reason(path: Path) -> str | None:
+    """Why the state folder `path` cannot be resumed from, or None when it is whole."""
+    try:
+        trainer_state = json.loads((path / TRAINER_STATE_FILE).read_text())
+    except FileNotFoundError:
+        return f"no {TRAINER_STATE_FILE}"
+    except (OSError, ValueError) as error:
+        return f"unreadable {TRAINER_STATE_FILE}: {error}"
+    files = trainer_state.get("files") if isinstance(trainer_state, dict) else None
+    if not isinstance(files, dict):
+        return f"{TRAINER_STATE_FILE} has no file list"
+    for name, size in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, {size} were written"
+    return None
+
+
+def resolve_resume(out_dir: Path, resume: str,
+                   report: Callable[[str], None] = print) -> Path | None:
+    """`never` -> None; `auto` -> the newest whole state (None if there is none), reporting
+    each newer one it skips; anything else is a state folder that must be whole."""
     if resume == "never":
         return None
     if resume == "auto":
-        states = complete_states(out_dir)
-        return states[-1] if states else None
+        for path in reversed(published_states(out_dir)):
+            reason = incomplete_reason(path)
+            if reason is None:
+                return path
+            report(f"resume: skipping {path}: {reason}")
+        return None
     path = Path(resume)
-    if not (path / TRAINER_STATE_FILE).is_file():
-        raise ConfigError(f"--resume {resume}: not a complete training-state folder (no "
-                          f"{TRAINER_STATE_FILE}); use --resume auto or a {STATE_DIR}/step-N path")
+    reason = incomplete_reason(path)
+    if reason is not None:
+        raise ConfigError(f"--resume {resume}: not a complete training-state folder ({reason});"
+                          f" use --resume auto or another {STATE_DIR}/step-N folder")
     return path
+
+
+def choose_resume(accelerator: Accelerator, out_dir: Path, resume: str,
+                  report: Callable[[str], None] = print) -> Path | None:
+    """`resolve_resume` decided on rank 0 and shared, so every rank loads the same state
+    (collective). Also clears the leftovers of a save or rotation that was killed."""
+    choice: list[Any] = [None]
+    if accelerator.is_main_process:
+        remove_leftovers(out_dir, report)
+        path = resolve_resume(out_dir, resume, report)
+        choice = [None if path is None else str(path)]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(choice, from_process=0)
+    return None if choice[0] is None else Path(choice[0])
 
 
 def save_state(accelerator: Accelerator, out_dir: Path, step: int,
@@ -61,17 +112,21 @@ def save_state(accelerator: Accelerator, out_dir: Path, step: int,
     """Write the full training state for `step` (collective: every rank must call it)."""
     final = step_dir(out_dir, step)
     tmp = final.parent / f".{final.name}.tmp"
+    rank = accelerator.process_index
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
+    failpoint("save-shard", step, rank)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        write_json(tmp / TRAINER_STATE_FILE, {"step": step, **trainer_state})
+        write_json(tmp / TRAINER_STATE_FILE,
+                   {"step": step, **trainer_state, "files": _file_sizes(tmp)})
+        failpoint("save-publish", step, rank)
         publish_directory(tmp, final)
-        for old in complete_states(out_dir)[:-keep_last]:
-            shutil.rmtree(old)
+        for old in published_states(out_dir)[:-keep_last]:
+            _retire(old, step, rank)
     accelerator.wait_for_everyone()
     return final
 
@@ -79,12 +134,29 @@ def save_state(accelerator: Accelerator, out_dir: Path, step: int,
 def load_state(accelerator: Accelerator, path: Path) -> dict[str, Any]:
     """Restore model, optimizer and RNG from `path`; return its trainer_state.json."""
     accelerator.load_state(str(path))
-    return json.loads((path / TRAINER_STATE_FILE).read_text())
+    trainer_state = json.loads((path / TRAINER_STATE_FILE).read_text())
+    trainer_state.pop("files", None)
+    return trainer_state
 
 
-def remove_partial_states(accelerator: Accelerator, out_dir: Path) -> None:
-    """Delete `.step-N.tmp` folders left by a run that died while saving."""
-    if accelerator.is_main_process and (out_dir / STATE_DIR).is_dir():
-        for leftover in (out_dir / STATE_DIR).glob(".step-*"):
-            shutil.rmtree(leftover, ignore_errors=True)
-    accelerator.wait_for_everyone()
+def remove_leftovers(out_dir: Path, report: Callable[[str], None] = print) -> None:
+    """Delete the hidden folders a killed save (`.step-N.tmp`) or rotation left behind."""
+    root = out_dir / STATE_DIR
+    if not root.is_dir():
+        return
+    for leftover in sorted(root.glob(".step-*")):
+        report(f"resume: removing {leftover.name}, left by a run killed while saving or "
+               "deleting a state")
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _file_sizes(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _retire(path: Path, step: int, rank: int) -> None:
+    hidden = path.parent / f".{path.name}.old"
+    os.replace(path, hidden)
+    failpoint("save-rotate", step, rank)
+    shutil.rmtree(hidden)

@@ -26,6 +26,7 @@ from lathe.model.recipe import ConfigError, load_config, to_dict
 from lathe.model.transformer import Transformer
 from lathe.pretrain.config import PretrainConfig
 from lathe.pretrain.evaluate import sample_continuations, validation_metrics
+from lathe.pretrain.failpoints import failpoint
 from lathe.pretrain.runtime import Runtime
 
 
@@ -70,13 +71,14 @@ def pretrain(config: PretrainConfig, resume: str = "never") -> dict[str, Any]:
     model = Transformer(model_config)
     runtime.prepare(model, total_steps, model_config.flops_per_token(seq_len))
     restored = runtime.start(config, resume)
+    last_eval: dict[str, float] = {}
     if restored is not None:
         train_loader.load_state_dict(restored["loader"])
+        last_eval = restored.get("last_eval", {})
         runtime.print(f"resumed from step {runtime.step} ({runtime.tokens_seen:,} tokens)")
     runtime.print(_banner(runtime, model_config, total_steps, tokens_per_step, train_loader))
 
     byte_lengths = token_byte_lengths(tokenizer)
-    last_eval: dict[str, float] = {}
     while runtime.step < total_steps:
         batches = [train_loader.next_batch().to(runtime.device)
                    for _ in range(config.grad_accum_steps)]
@@ -88,6 +90,7 @@ def pretrain(config: PretrainConfig, resume: str = "never") -> dict[str, Any]:
                                            config.eval.batches, byte_lengths,
                                            runtime.accelerator)
             runtime.log(last_eval)
+            failpoint("eval", runtime.step, runtime.rank)
             samples = sample_continuations(
                 runtime.accelerator.unwrap_model(runtime.model), tokenizer,
                 config.eval.sample_prompts, config.eval.sample_tokens, seq_len)
@@ -96,7 +99,7 @@ def pretrain(config: PretrainConfig, resume: str = "never") -> dict[str, Any]:
                           f"bpb {last_eval['val/bpb']:.4f}; "
                           + " | ".join(f"{p!r} -> {c!r}" for p, c in samples))
         if runtime.should(config.checkpoint.every):
-            runtime.save({"loader": train_loader.state_dict()})
+            runtime.save({"loader": train_loader.state_dict(), "last_eval": last_eval})
 
     final = Path(config.out_dir) / "final"
     runtime.export(model_config, final, Path(config.data.tokenizer), {

@@ -2,7 +2,6 @@
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import torch
 
 from lathe.model import generate, load_checkpoint
 from lathe.model.cli import COMMANDS, main
+from tests import processes
 from tests.builders import build_tokenizer
 
 
@@ -24,7 +24,7 @@ def test_installed_console_script_runs():
     beside_python = Path(sys.executable).parent / "lathe"
     exe = str(beside_python) if beside_python.exists() else shutil.which("lathe")
     assert exe, "the lathe console script is not installed"
-    result = subprocess.run([exe, "--help"], capture_output=True, text=True, check=True)
+    result = processes.run([exe, "--help"], timeout=60)
     assert "init" in result.stdout and "generate" in result.stdout
 
 

@@ -1,11 +1,12 @@
 """The wheel installs everything under `lathe.` and nothing generic at the top level."""
 
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+
+from tests import processes
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("model", "data", "pretrain", "posttrain", "serve", "kernels")
@@ -13,8 +14,8 @@ PACKAGES = ("model", "data", "pretrain", "posttrain", "serve", "kernels")
 
 @pytest.mark.slow
 def test_wheel_maps_each_folder_under_the_lathe_namespace(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(tmp_path), str(ROOT)], check=True)
+    processes.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                   "-q", "-w", str(tmp_path), str(ROOT)], timeout=300)
     (wheel,) = tmp_path.glob("lathe-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {name.split("/")[0] for name in names}

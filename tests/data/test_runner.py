@@ -18,6 +18,7 @@ from lathe.data.runner import clean
 from lathe.data.stats import docs_out
 from lathe.data.store import document_files, read_documents
 from lathe.model.recipe import ConfigError, load_config
+from tests import processes
 from tests.data.corpus import html_page, prose, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,14 +107,17 @@ def test_killed_run_resumes_to_the_same_output(tmp_path):
     args = [sys.executable, "-m", "lathe.model", "clean", "--recipe", str(WEB),
             "--input", str(tmp_path / "in"), "--num_proc=1", "--no-progress",
             "--source.html_field=html"]
-    subprocess.run([*args, "--output", str(tmp_path / "full")], check=True,
-                   capture_output=True)
+    processes.run([*args, "--output", str(tmp_path / "full")], timeout=300)
 
     work = tmp_path / "killed" / ".work"
     proc = subprocess.Popen([*args, "--output", str(tmp_path / "killed")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
-    while not (work / "00003.stats.json").exists() and time.time() < deadline:
+    while not (work / "00003.stats.json").exists():
+        assert proc.poll() is None, "the run ended before it was killed"
+        if time.time() > deadline:
+            proc.kill()
+            pytest.fail("the run wrote no stats within 120 s")
         time.sleep(0.01)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -121,8 +125,7 @@ def test_killed_run_resumes_to_the_same_output(tmp_path):
     assert 4 <= len(done) < 16, "the run was not killed mid-way"
     assert not (tmp_path / "killed" / "stats.json").exists()
 
-    subprocess.run([*args, "--output", str(tmp_path / "killed")], check=True,
-                   capture_output=True)
+    processes.run([*args, "--output", str(tmp_path / "killed")], timeout=300)
     assert output_docs(tmp_path / "killed") == output_docs(tmp_path / "full")
     full = json.loads((tmp_path / "full" / "stats.json").read_text())
     resumed = json.loads((tmp_path / "killed" / "stats.json").read_text())

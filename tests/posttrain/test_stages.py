@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from lathe.data.tasks import task_examples
 from lathe.model import load_checkpoint
 from lathe.model.cli import main
 from lathe.model.lora import load_adapter
+from tests import processes
 from tests.posttrain.conftest import quick
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,8 +90,7 @@ def test_sft_and_dpo_run_on_two_cpu_processes(base, tmp_path, stage):
            str(ROOT / "recipes" / "accelerate" / "cpu-ddp.yaml"), "-m",
            f"lathe.posttrain.{stage}", *quick(out, base, max_steps=12, micro_batch_size=4,
                                              **{"optim.lr": 2e-3, "eval.every": 12})]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    processes.run(cmd, timeout=300, cwd=ROOT)
     done = summary(out)
     assert done["parallel"]["num_processes"] == 2 and done["parallel"]["backend"] == "gloo"
     if stage == "sft":

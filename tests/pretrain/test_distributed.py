@@ -1,13 +1,13 @@
 """Multi-process runs on CPU (2 processes, gloo) through `accelerate launch`: DDP, FSDP2 and
 DeepSpeed ZeRO-1/2/3 each assert their setup and match one process with the same global
-batch; runs SIGKILLed mid-way resume to the uninterrupted losses; FSDP2 and ZeRO-3 exports
+batch; runs SIGKILLed at every phase of a step resume to the uninterrupted losses, and
+killing the launcher takes every rank with it; FSDP2 and ZeRO-3 exports
 gather into checkpoints that transformers loads with lathe's logits."""
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -19,15 +19,15 @@ import torch
 import yaml
 
 from lathe.model.checkpoint import load_checkpoint
-from lathe.pretrain.state import complete_states
+from lathe.pretrain.state import published_states
 from lathe.pretrain.train import pretrain
+from tests import processes
 from tests.pretrain.conftest import build, reset_accelerate, run_config, step_losses
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).parents[2]
 STEPS, EVERY = 24, 8
-KILL_STEPS = 160  # long enough (a few seconds) to be killed at a random moment
 # recipe -> what describe() must report
 SETUPS = {
     "cpu-ddp": {"distributed_type": "MULTI_CPU"},
@@ -52,27 +52,16 @@ def command(recipe: str, config: dict, resume: str = "never") -> list[str]:
             "--config", str(path), "--resume", resume]
 
 
-def run(cmd: list[str]) -> None:
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-
-
-def run_and_kill(cmd: list[str], out: Path, delay: float) -> int:
-    """Start `cmd`, SIGKILL its whole process group `delay` s after it publishes its first
-    new state folder; return the last step it logged."""
-    before = {p.name for p in complete_states(out)}
-    process = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while not {p.name for p in complete_states(out)} - before:
-        assert process.poll() is None, "the run ended before its first checkpoint"
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    time.sleep(delay)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-    assert not (out / "summary.json").exists(), "the run finished before it was killed"
-    return max(step_losses(out))
+def run(cmd: list[str], failpoint: str | None = None) -> str:
+    """Run `cmd` to the end (or, with `failpoint`, to its kill there); return its output."""
+    env = dict(os.environ, LATHE_FAILPOINT=failpoint) if failpoint else None
+    result = processes.run(cmd, timeout=300, check=failpoint is None, cwd=ROOT, env=env)
+    output = result.stdout + result.stderr
+    if failpoint:
+        phase, step = failpoint.split("@")[:2]
+        assert f"lathe failpoint: SIGKILL at {phase}@{step}" in output, output
+        assert result.returncode != 0, output
+    return output
 
 
 @pytest.fixture(scope="module")
@@ -125,31 +114,87 @@ def test_sharded_export_loads_in_transformers(recipe, two_process_runs, referenc
     assert max((gathered[k] - single[k]).abs().max().item() for k in single) < 1e-4
 
 
+# One run killed at each moment of a step that matters, every kill followed by
+# `--resume auto`: a rank mid-step, a rank mid-eval, each rank having written its part of a
+# save (the other maybe not), a save whose parts are all written but not published, a
+# rotation that has hidden the old state but not deleted it. keep_last=1, so rotations
+# happen mid-run. (failpoint, the newest state left after the kill, what the next run says)
+KILLS = [
+    ("save-publish@8", None, "removing .step-00000008.tmp"),
+    ("step@10@1", 8, None),
+    ("eval@16@0", 8, None),
+    ("save-shard@16@0", 8, "removing .step-00000016.tmp"),
+    ("save-shard@16@1", 8, "removing .step-00000016.tmp"),
+    ("save-rotate@16", 16, "removing .step-00000008.old"),
+]
+
+
 @pytest.mark.parametrize(("recipe", "micro_batch_size", "tolerance"), [
     ("cpu", 8, 0.0),  # one process: bit-exact
     ("cpu-ddp", 4, 1e-6),
     ("cpu-fsdp2", 4, 1e-6),
+    ("cpu-zero1", 4, 1e-6),
     ("cpu-zero2", 4, 1e-6),
+    ("cpu-zero3", 4, 1e-6),
 ])
-def test_run_killed_at_random_moments_resumes(recipe, micro_batch_size, tolerance, corpus,
-                                              tmp_path):
-    """SIGKILL at seeded random moments (mid-step, mid-eval, mid-save), resume, maybe get
-    killed again, resume to the end: the loss sequence is the uninterrupted one."""
-    def cmd(out: Path, resume: str) -> list[str]:
-        return command(recipe, settings(corpus, out, micro_batch_size, KILL_STEPS), resume)
-
-    run(cmd(tmp_path / "uninterrupted", "never"))
+def test_run_killed_at_each_phase_resumes(recipe, micro_batch_size, tolerance, corpus,
+                                          tmp_path, reference, two_process_runs):
+    """After six kills and resumes, the losses, evals and final weights are the
+    uninterrupted run's, and no partial state is left."""
+    uninterrupted = reference if recipe == "cpu" else two_process_runs[recipe]
     out = tmp_path / "killed"
-    rng = random.Random(recipe)
-    died_at = run_and_kill(cmd(out, "never"), out, delay=rng.uniform(0, 1.5))
-    assert EVERY <= died_at < KILL_STEPS
-    died_again = run_and_kill(cmd(out, "auto"), out, delay=rng.uniform(0, 1.5))
-    assert died_again < KILL_STEPS
-    run(cmd(out, "auto"))
-    resumed, uninterrupted = step_losses(out), step_losses(tmp_path / "uninterrupted")
-    assert sorted(resumed) == list(range(1, KILL_STEPS + 1))
-    assert max(abs(resumed[s] - uninterrupted[s]) for s in resumed) <= tolerance
-    assert not list((out / "state").glob(".step-*"))
-    a = load_checkpoint(tmp_path / "uninterrupted" / "final").state_dict()
+    config = settings(corpus, out, micro_batch_size)
+    config["checkpoint"] = {"every": EVERY, "keep_last": 1}
+    resume, expected_message = "never", None
+    for failpoint, newest, message in KILLS:
+        if recipe == "cpu":  # one process: rank 0 is every rank
+            failpoint = "@".join(failpoint.split("@")[:2])
+        output = run(command(recipe, config, resume), failpoint)
+        if expected_message:
+            assert expected_message in output, output
+        resume, expected_message = "auto", message
+        assert not (out / "summary.json").exists()
+        published = [p.name for p in published_states(out)]
+        assert published[-1:] == ([f"step-{newest:08d}"] if newest else []), (failpoint,
+                                                                              published)
+    output = run(command(recipe, config, "auto"))
+    assert expected_message in output, output
+
+    resumed, reference_losses = step_losses(out), step_losses(uninterrupted)
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(r["step"] for r in logged if "loss" in r) == list(range(1, STEPS + 1))
+    assert max(abs(resumed[s] - reference_losses[s]) for s in resumed) <= tolerance
+    val, reference_val = step_losses(out, "val/loss"), step_losses(uninterrupted, "val/loss")
+    assert sorted(val) == sorted(reference_val)
+    assert max(abs(val[s] - reference_val[s]) for s in val) <= tolerance
+    assert sorted(p.name for p in (out / "state").iterdir()) == [f"step-{STEPS:08d}"]
+    a = load_checkpoint(uninterrupted / "final").state_dict()
     b = load_checkpoint(out / "final").state_dict()
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= max(tolerance, 1e-6) * 10
+
+
+def test_killing_the_launcher_kills_every_rank(corpus, tmp_path):
+    """SIGKILL to `accelerate launch` alone (a preemption or OOM kill of the launcher) must
+    not leave ranks training on as orphans in the out_dir a resumed run will use."""
+    out = tmp_path / "run"
+    cmd = command("cpu-ddp", settings(corpus, out, micro_batch_size=4, steps=100_000))
+    launcher = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not published_states(out):
+            assert launcher.poll() is None, "the run ended before its first checkpoint"
+            assert time.monotonic() < deadline, "no checkpoint within 120 s"
+            time.sleep(0.05)
+        ranks = [pid for pid in processes.descendants(launcher.pid)
+                 if b"lathe.pretrain" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(ranks) == 2, ranks
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while any(map(processes.alive, ranks)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(processes.alive, ranks)), "ranks outlived their launcher"
+    finally:
+        if launcher.poll() is None:
+            processes.kill_tree(launcher.pid)

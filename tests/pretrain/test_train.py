@@ -12,6 +12,7 @@ from lathe.model.checkpoint import load_checkpoint
 from lathe.model.recipe import ConfigError
 from lathe.pretrain.runtime import Runtime
 from lathe.pretrain.train import pretrain
+from tests import processes
 from tests.pretrain.conftest import build, reset_accelerate, run_config, step_losses
 
 
@@ -171,7 +172,6 @@ def test_bf16_and_fp8_on_gpu(corpus, tmp_path):
 
 
 def test_both_entry_points_report_config_errors_in_one_line(corpus, tmp_path):
-    import subprocess
     import sys
 
     import yaml
@@ -181,8 +181,8 @@ def test_both_entry_points_report_config_errors_in_one_line(corpus, tmp_path):
     recipe = tmp_path / "run.yaml"
     recipe.write_text(yaml.safe_dump(run_config(corpus, tmp_path / "out")))
     assert main(["pretrain", "--config", str(recipe), "--optim.lr=fast"]) == 2
-    result = subprocess.run([sys.executable, "-m", "lathe.pretrain", "--config", str(recipe),
-                             "--max_steps=0"], capture_output=True, text=True, timeout=120)
+    result = processes.run([sys.executable, "-m", "lathe.pretrain", "--config", str(recipe),
+                            "--max_steps=0"], timeout=120, check=False)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         "lathe pretrain: error: the run length comes to 0 steps; it must be at least 1")

@@ -1,0 +1,45 @@
+"""Deterministic crash points, so resume can be tested at every moment that matters.
+
+`LATHE_FAILPOINT=PHASE@STEP[@RANK]` makes the process of rank RANK (every rank when left
+out) SIGKILL itself when it reaches PHASE at training step STEP — no cleanup, no flushing,
+as a preemption or an OOM kill would end it. Under `accelerate launch` the launcher then
+takes the other ranks down, wherever they are. Phases, in the order a step meets them:
+
+- `step`: mid optimizer step, after the first micro-batch's backward;
+- `eval`: mid evaluation, after the validation loss, before the samples;
+- `save-shard`: this rank has written its part of the state, other ranks may not have;
+- `save-publish`: every part and trainer_state.json are written, the folder is unpublished;
+- `save-rotate`: the new state is published, an old one is hidden but not yet deleted.
+
+Unset (the default), a failpoint costs one environment lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+ENV = "LATHE_FAILPOINT"
+PHASES = ("step", "eval", "save-shard", "save-publish", "save-rotate")
+
+
+def failpoint(phase: str, step: int, rank: int) -> None:
+    """SIGKILL this process if `LATHE_FAILPOINT` names this phase, step and rank."""
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    want_phase, want_step, want_rank = parse(spec)
+    if phase == want_phase and step == want_step and want_rank in (None, rank):
+        print(f"lathe failpoint: SIGKILL at {phase}@{step} on rank {rank}", file=sys.stderr,
+              flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def parse(spec: str) -> tuple[str, int, int | None]:
+    parts = spec.split("@")
+    if len(parts) not in (2, 3) or parts[0] not in PHASES or not all(
+            p.isdigit() for p in parts[1:]):
+        raise ValueError(f"{ENV}={spec!r}: expected PHASE@STEP[@RANK] with PHASE one of "
+                         f"{', '.join(PHASES)}, e.g. save-shard@16@1; unset it to train normally")
+    return parts[0], int(parts[1]), int(parts[2]) if len(parts) == 3 else None
