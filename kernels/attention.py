@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lathe.kernels.dispatch import dot_precision, tuning_configs, use_triton
+from lathe.kernels.dispatch import check_same_dtype, dot_precision, tuning_configs, use_triton
 
 
 def causal_attention_reference(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -55,7 +55,7 @@ def _causal(rows, cols, offset, seq_k):
 
 @triton.autotune(configs=_configs(), key=["LENGTH_BUCKET", "HEAD_DIM"])
 @triton.jit
-def _forward(Q, K, V, OUT, LSE, scale, seq_q, seq_k, n_heads, group,
+def _forward(Q, K, V, OUT, LSE, SCALE: tl.constexpr, seq_q, seq_k, n_heads, group,
              q_batch, q_head, q_row, k_batch, k_head, k_row, v_batch, v_head, v_row,
              LENGTH_BUCKET, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
              PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -71,7 +71,9 @@ def _forward(Q, K, V, OUT, LSE, scale, seq_q, seq_k, n_heads, group,
     running_max = tl.full([BLOCK_M], -float("inf"), tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    qk_scale = scale * 1.4426950408889634  # exp2 instead of exp
+    # SCALE is a constexpr: torch.compile hands a Python float argument to a user kernel as
+    # fp64, which would turn the loop-carried running_max fp64 and fail to compile.
+    qk_scale = SCALE * 1.4426950408889634  # exp2 instead of exp
     end = tl.minimum(seq_k, start_m + BLOCK_M + offset)
     for start_n in range(0, end, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
@@ -96,7 +98,8 @@ def _forward(Q, K, V, OUT, LSE, scale, seq_q, seq_k, n_heads, group,
 
 @triton.autotune(configs=_configs(), key=["LENGTH_BUCKET", "HEAD_DIM"])
 @triton.jit
-def _backward_dq(Q, K, V, DO, LSE, DELTA, DQ, scale, seq_q, seq_k, n_heads, group,
+def _backward_dq(Q, K, V, DO, LSE, DELTA, DQ, SCALE: tl.constexpr, seq_q, seq_k, n_heads,
+                 group,
                  k_batch, k_head, k_row, v_batch, v_head, v_row,
                  LENGTH_BUCKET, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -119,20 +122,21 @@ def _backward_dq(Q, K, V, DO, LSE, DELTA, DQ, scale, seq_q, seq_k, n_heads, grou
         cols = start_n + tl.arange(0, BLOCK_N)
         k = _tile(k_base, cols, seq_k, k_row, dims, HEAD_DIM)
         v = _tile(v_base, cols, seq_k, v_row, dims, HEAD_DIM)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * SCALE
         visible = _causal(rows, cols, offset, seq_k) & (rows[:, None] < seq_q)
         p = tl.where(visible, tl.exp(scores - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     tl.store(DQ + base + rows[:, None] * HEAD_DIM + dims[None, :],
-             (dq * scale).to(DQ.dtype.element_ty),
+             (dq * SCALE).to(DQ.dtype.element_ty),
              mask=(rows[:, None] < seq_q) & (dims[None, :] < HEAD_DIM))
 
 
 @triton.autotune(configs=_configs(), key=["LENGTH_BUCKET", "HEAD_DIM"])
 @triton.jit
-def _backward_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, scale, seq_q, seq_k, n_heads, n_kv_heads,
+def _backward_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, SCALE: tl.constexpr, seq_q, seq_k, n_heads,
+                   n_kv_heads,
                    group, k_batch, k_head, k_row, v_batch, v_head, v_row,
                    LENGTH_BUCKET, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -155,7 +159,7 @@ def _backward_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, scale, seq_q, seq_k, n_heads
             do = _tile(DO + base, rows, seq_q, HEAD_DIM, dims, HEAD_DIM)
             lse = tl.load(LSE + query_head * seq_q + rows, mask=rows < seq_q, other=0.0)
             delta = tl.load(DELTA + query_head * seq_q + rows, mask=rows < seq_q, other=0.0)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * SCALE
             visible = _causal(rows, cols, offset, seq_k) & (rows[:, None] < seq_q)
             p = tl.where(visible, tl.exp(scores - lse[:, None]), 0.0)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
@@ -164,7 +168,7 @@ def _backward_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, scale, seq_q, seq_k, n_heads
             dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
     out = (tl.program_id(1) * seq_k + cols[:, None]) * HEAD_DIM + dims[None, :]
     mask = (cols[:, None] < seq_k) & (dims[None, :] < HEAD_DIM)
-    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=mask)
+    tl.store(DK + out, (dk * SCALE).to(DK.dtype.element_ty), mask=mask)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=mask)
 
 
@@ -242,6 +246,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """Causal attention of the last Sq positions over Sk keys (Triton on CUDA, SDPA elsewhere)."""
+    check_same_dtype("causal_attention", q=q, k=k, v=v)
     if use_triton("causal_attention", q):
         return causal_attention_triton(q, k, v)
     return causal_attention_reference(q, k, v)

@@ -40,6 +40,16 @@ def use_triton(name: str, tensor: torch.Tensor) -> bool:
     return HAVE_TRITON and on_device and kernel_enabled(name)
 
 
+def check_same_dtype(op: str, **tensors: torch.Tensor) -> None:
+    """Refuse operands of different dtypes on every device: Triton's `tl.dot` demands it on
+    GPU, and checking everywhere lets a CPU test catch what would crash a GPU run."""
+    dtypes = {name: t.dtype for name, t in tensors.items()}
+    if len(set(dtypes.values())) > 1:
+        got = ", ".join(f"{name} {str(d).removeprefix('torch.')}" for name, d in dtypes.items())
+        raise TypeError(f"{op} needs one dtype for {', '.join(dtypes)}; got {got}. Convert them "
+                        "where they meet (a KV cache converts into its own dtype)")
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """`tl.dot`'s input_precision: fp32 inputs are multiplied in full fp32 ("ieee") so the
     kernels match their fp32 references; TF32 would cost ~1e-3 relative error. Ignored for

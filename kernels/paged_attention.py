@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lathe.kernels.dispatch import dot_precision, use_triton
+from lathe.kernels.dispatch import check_same_dtype, dot_precision, use_triton
 
 
 def paged_decode_reference(q: Tensor, k_slab: Tensor, v_slab: Tensor, block_tables: Tensor,
@@ -39,7 +39,8 @@ def paged_decode_reference(q: Tensor, k_slab: Tensor, v_slab: Tensor, block_tabl
 
 
 @triton.jit
-def _paged_decode(Q, K, V, TABLES, LENS, OUT, PART_OUT, PART_LSE, scale, max_blocks, n_heads,
+def _paged_decode(Q, K, V, TABLES, LENS, OUT, PART_OUT, PART_LSE, SCALE: tl.constexpr,
+                  max_blocks, n_heads,
                   n_kv_heads, partition_blocks, num_partitions, BLOCK_SIZE: tl.constexpr,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   GROUP_PAD: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr):
@@ -66,7 +67,7 @@ def _paged_decode(Q, K, V, TABLES, LENS, OUT, PART_OUT, PART_LSE, scale, max_blo
         kv = (rows[:, None] * n_kv_heads + kv_head) * HEAD_DIM + dims[None, :]
         k = tl.load(K + kv, mask=ok[:, None] & dim_ok[None, :], other=0.0)
         v = tl.load(V + kv, mask=ok[:, None] & dim_ok[None, :], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * SCALE
         scores = tl.where(ok[None, :], scores, -float("inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
         correction = tl.exp(running_max - new_max)
@@ -151,6 +152,7 @@ def paged_decode(q: Tensor, k_slab: Tensor, v_slab: Tensor, block_tables: Tensor
     """Decode attention through block tables (Triton on CUDA, gather + SDPA elsewhere).
     The kernel tiles one block per step, so it takes blocks of 16 tokens or more (a power of
     two, the smallest `tl.dot` tile); smaller blocks take the gather path."""
+    check_same_dtype("paged_decode", q=q, k_slab=k_slab, v_slab=v_slab)
     tileable = block_size >= 16 and block_size & (block_size - 1) == 0
     if tileable and use_triton("paged_decode", q):
         return paged_decode_triton(q, k_slab, v_slab, block_tables, context_lens, block_size)

@@ -13,21 +13,23 @@ from lathe.model.kv_cache import ContiguousKVCache
 from lathe.model.transformer import Transformer
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: torchao's FP8 linears fail under it with autocast
 def generate(model: Transformer, prompt_ids: Tensor, max_new_tokens: int, *,
              temperature: float = 0.0, top_k: int | None = None,
              eos_token_id: int | None = None,
-             generator: torch.Generator | None = None) -> Tensor:
+             generator: torch.Generator | None = None,
+             kv_dtype: torch.dtype | None = None) -> Tensor:
     """Continue each row of `prompt_ids` (B, T); return the (B, n) new tokens.
 
     Greedy when `temperature` is 0, otherwise sampled from softmax(logits / temperature)
     restricted to the `top_k` most likely tokens. Stops early once every row has
-    produced `eos_token_id`; a row that finished first is padded with it.
+    produced `eos_token_id`; a row that finished first is padded with it. The KV cache is
+    in `kv_dtype`, by default the weights' dtype.
     """
     batch, prompt_len = prompt_ids.shape
     weight = model.model.embed_tokens.weight
     cache = ContiguousKVCache(model.config, batch, prompt_len + max_new_tokens,
-                              device=weight.device, dtype=weight.dtype)
+                              device=weight.device, dtype=kv_dtype or weight.dtype)
     logits = model(prompt_ids, kv_cache=cache).logits[:, -1]
     done = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
     new_tokens = []

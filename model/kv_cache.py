@@ -65,7 +65,11 @@ class ContiguousKVCache:
         return positions
 
     def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Attention runs in the cache's dtype (K/V are stored in it, q is converted), so a
+        cache of one dtype serves activations of another, e.g. under bf16 autocast."""
         start, end = self._start, self.length
         self.k[layer_idx, :, :, start:end] = k
         self.v[layer_idx, :, :, start:end] = v
-        return causal_attention(q, self.k[layer_idx, :, :, :end], self.v[layer_idx, :, :, :end])
+        out = causal_attention(q.to(self.k.dtype), self.k[layer_idx, :, :, :end],
+                               self.v[layer_idx, :, :, :end])
+        return out.to(q.dtype)

@@ -152,10 +152,10 @@ class TaskEvaluator:
                                       add_special_tokens=False).ids for row in self.rows]
 
     @torch.inference_mode()
-    def __call__(self, model: nn.Module) -> dict[str, Any]:
+    def __call__(self, model: nn.Module, kv_dtype: torch.dtype | None = None) -> dict[str, Any]:
         was_training = model.training
         engine = LLMEngine(model.eval(), self.tokenizer, EngineConfig(num_blocks=512),
-                           self.eos)
+                           self.eos, kv_dtype=kv_dtype)
         params = SamplingParams(max_tokens=self.config.max_tokens, temperature=0)
         outputs = engine.generate(self.prompts(), params)
         model.train(was_training)
@@ -172,7 +172,8 @@ def evaluate_task(runtime: Runtime, evaluator: TaskEvaluator, lora: LoraSection)
     model = generation_model(runtime, lora)
     accuracy = math.nan
     if model is not None:
-        result = evaluator(model)
+        with runtime.autocast():
+            result = evaluator(model, runtime.compute_dtype)
         accuracy = result["accuracy"]
         runtime.metrics.log_texts("eval/samples", result["samples"], runtime.step)
     accuracy = float(runtime.accelerator.reduce(

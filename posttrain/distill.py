@@ -120,7 +120,7 @@ def distill_logits(config: DistillConfig, resume: str) -> dict[str, Any]:
     def loss_fn(m: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         ids, labels = batch
         out = m(ids, labels=labels)
-        with torch.no_grad():
+        with torch.no_grad(), runtime.autocast():
             teacher_logits = teacher(ids).logits
         mask = labels[:, 1:] != IGNORE_INDEX
         kd = kd_loss(out.logits[:, :-1], teacher_logits[:, :-1], mask, config.loss,
@@ -137,7 +137,9 @@ def distill_logits(config: DistillConfig, resume: str) -> dict[str, Any]:
             ids, labels = collate(run.heldout[start:start + config.micro_batch_size], pad_token,
                                   runtime.device)
             mask = labels[:, 1:] != IGNORE_INDEX
-            kl = kd_loss(runtime.model(ids).logits[:, :-1], teacher(ids).logits[:, :-1], mask)
+            with runtime.autocast():
+                teacher_logits = teacher(ids).logits
+            kl = kd_loss(runtime.model(ids).logits[:, :-1], teacher_logits[:, :-1], mask)
             sums += torch.stack([kl * mask.sum(), mask.sum().float()])
         runtime.model.train()
         sums = runtime.accelerator.reduce(sums, reduction="sum")

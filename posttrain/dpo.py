@@ -145,14 +145,15 @@ def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
 
     model.to(runtime.device)
     if config.lora.enabled and config.reference is None:
-        with adapters_disabled(model):
+        with adapters_disabled(model), runtime.autocast():
             attach_reference(model, train + heldout, mean, config.micro_batch_size, pad_token,
                              runtime.device)
     else:
         reference = load_checkpoint(config.reference or config.model, dtype=torch.float32,
                                     device=runtime.device)
-        attach_reference(reference, train + heldout, mean, config.micro_batch_size, pad_token,
-                         runtime.device)
+        with runtime.autocast():
+            attach_reference(reference, train + heldout, mean, config.micro_batch_size,
+                             pad_token, runtime.device)
         del reference
 
     batches = ShuffledBatches(train, config.micro_batch_size, config.seed, runtime.rank,

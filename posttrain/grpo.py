@@ -116,14 +116,15 @@ def collate(rollouts: list[Rollout], pad_token: int, device: torch.device) -> di
 class RolloutGenerator:
     """The serve engine on its own copy of the policy: G samples per prompt, scored."""
 
-    def __init__(self, config: GRPOConfig, tokenizer: Any, model: nn.Module) -> None:
+    def __init__(self, config: GRPOConfig, tokenizer: Any, model: nn.Module,
+                 kv_dtype: torch.dtype) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.template = ChatTemplate.from_checkpoint(config.model)
         self.rewards = [(load_reward(r.name), r.weight) for r in config.rewards]
         self.correct = verifier(config.task_eval.task)
         self.engine = LLMEngine(model.eval(), tokenizer, EngineConfig(num_blocks=1024),
-                                eos_ids(config.model))
+                                eos_ids(config.model), kv_dtype=kv_dtype)
 
     def refresh(self, state: dict[str, Tensor]) -> None:
         self.engine.load_weights(state)
@@ -181,7 +182,7 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
     generator = None
     if runtime.is_main:
         generator = RolloutGenerator(config, tokenizer, load_checkpoint(
-            config.model, dtype=torch.float32, device=runtime.device))
+            config.model, dtype=torch.float32, device=runtime.device), runtime.compute_dtype)
     state = engine_state(runtime, config)
     if generator is not None:
         generator.refresh(state)
@@ -203,8 +204,9 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
         history["heldout_accuracy"].append(evaluate_task(runtime, evaluator, config.lora))
     while runtime.step < total_steps:
         rows = sampler.next()
-        batch = [generator(rows, seed=config.seed * 7919 + runtime.step * 104729)
-                 if generator is not None else None]
+        with runtime.autocast():
+            batch = [generator(rows, seed=config.seed * 7919 + runtime.step * 104729)
+                     if generator is not None else None]
         broadcast_object_list(batch)
         rollouts: list[Rollout] = batch[0]
         rewards = torch.tensor([r.reward for r in rollouts]).view(len(rows), -1)
@@ -215,8 +217,9 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
         size = rollouts_per_rank // config.grad_accum_steps
         micro = [collate(mine[i:i + size], pad_token, runtime.device)
                  for i in range(0, rollouts_per_rank, size)]
-        attach_old_and_reference(runtime.model, reference, micro, config.lora.enabled
-                                 and config.beta > 0)
+        with runtime.autocast():
+            attach_old_and_reference(runtime.model, reference, micro, config.lora.enabled
+                                     and config.beta > 0)
         tokens = sum(int(m["mask"].sum()) for m in micro) * runtime.world_size
         rollout_metrics = {
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),

@@ -26,7 +26,8 @@ def fp8_eligible(module: nn.Module, name: str) -> bool:
 
 
 def convert_to_fp8(model: Transformer, emulate: bool) -> list[str]:
-    """Swap eligible linears for torchao's Float8Linear (dynamic tensorwise scaling).
+    """Swap eligible linears for torchao's Float8Linear (dynamic tensorwise scaling), each
+    padding its token count to a multiple of 16 (`pad_tokens_for_fp8`).
 
     `emulate` runs the FP8 casts and scaled matmuls in higher precision, which is how
     the same path trains on CPUs and GPUs without FP8 tensor cores. Returns the names of
@@ -37,7 +38,40 @@ def convert_to_fp8(model: Transformer, emulate: bool) -> list[str]:
     converted = [name for name, module in model.named_modules() if fp8_eligible(module, name)]
     convert_to_float8_training(model, module_filter_fn=fp8_eligible,
                                config=Float8LinearConfig(emulate=emulate))
+    for name in converted:
+        pad_tokens_for_fp8(model.get_submodule(name))
     return converted
+
+
+def pad_tokens_for_fp8(linear: nn.Module) -> None:
+    """Give `linear` inputs whose token count (all dimensions but the last) is a multiple
+    of 16, by appending zero rows and dropping their outputs.
+
+    The token count is the M of the forward GEMM and the inner dimension of the weight
+    gradient's, and `torch._scaled_mm` needs both divisible by 16; a batch of
+    micro_batch × (seq_len + 1) tokens (8 × 4097) seldom is. Zero rows leave the tensorwise
+    amax, every real output row and the weight gradient unchanged, so the loss is exact.
+    Hooks, not a wrapper module, so parameter names stay HF's.
+    """
+    def pad(module: nn.Module, args: tuple) -> tuple | None:
+        x = args[0]
+        rows = x.numel() // x.shape[-1]
+        extra = -rows % FP8_DIVISOR
+        if not extra:
+            return None
+        module._fp8_unpad = (x.shape[:-1], rows)
+        return (torch.nn.functional.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, extra)),
+                *args[1:])
+
+    def unpad(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        shape_rows = module.__dict__.pop("_fp8_unpad", None)
+        if shape_rows is None:
+            return None
+        shape, rows = shape_rows
+        return output[:rows].reshape(*shape, output.shape[-1])
+
+    linear.register_forward_pre_hook(pad)
+    linear.register_forward_hook(unpad)
 
 
 def enable_activation_checkpointing(model: Transformer) -> None:

@@ -47,7 +47,8 @@ def validation_metrics(model: nn.Module, loader: PackedLoader, batches: int,
 
 
 def sample_continuations(model: nn.Module, tokenizer: Tokenizer, prompts: list[str],
-                         max_new_tokens: int, max_seq_len: int) -> list[tuple[str, str]]:
+                         max_new_tokens: int, max_seq_len: int,
+                         kv_dtype: torch.dtype | None = None) -> list[tuple[str, str]]:
     """Greedy continuation of each prompt, as a document start (every rank runs it in
     lockstep, which sharded models need for their all-gathers)."""
     model.eval()
@@ -56,7 +57,8 @@ def sample_continuations(model: nn.Module, tokenizer: Tokenizer, prompts: list[s
     bos = tokenizer.token_to_id(BOS)
     for prompt in prompts:
         ids = ([bos] + tokenizer.encode(prompt).ids)[-(max_seq_len - max_new_tokens):]
-        new = generate(model, torch.tensor([ids], device=device), max_new_tokens)
+        new = generate(model, torch.tensor([ids], device=device), max_new_tokens,
+                       kv_dtype=kv_dtype)
         rows.append((prompt, tokenizer.decode(new[0].tolist())))
     model.train()
     return rows

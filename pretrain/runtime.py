@@ -11,6 +11,7 @@ its model, its batches and its loss function.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -37,6 +38,7 @@ from lathe.pretrain.failpoints import failpoint
 from lathe.pretrain.launch import build_accelerator, describe
 from lathe.pretrain.monitor import MetricsLog, Throughput, memory_stats, peak_flops
 from lathe.pretrain.optim import build_optimizers
+from lathe.pretrain.precision import compute_dtype, default_mixed_precision
 from lathe.pretrain.schedule import lr_factor
 
 # loss_fn(model, batch) -> (loss to backpropagate, metrics to average and log)
@@ -64,6 +66,7 @@ class Runtime:
             project_dir=str(self.out_dir),
         )
         self.setup = describe(self.accelerator)
+        self.compute_dtype = compute_dtype(self.accelerator.mixed_precision)
         self.device = self.accelerator.device
         self.is_main = self.accelerator.is_main_process
         if self.is_main:
@@ -146,6 +149,11 @@ class Runtime:
             file.write_text(uuid.uuid4().hex[:12])
         self.accelerator.wait_for_everyone()
         return file.read_text().strip()
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The launch's mixed precision for forwards outside the prepared model's own
+        (references, teachers, rollouts): see `lathe.pretrain.precision`."""
+        return self.accelerator.autocast()
 
     # -- one optimizer step --------------------------------------------------------------
 
@@ -294,13 +302,6 @@ def plain_model(config: ModelConfig, state: dict[str, Tensor],
     model.tie_weights()
     model.model.rotary_emb.reset_parameters("cpu")
     return model
-
-
-def default_mixed_precision() -> str:
-    """The launch config's choice, else bf16 on CUDA and fp32 elsewhere (see NOTES: bf16
-    matmuls on CPUs without AMX are ~100x slower)."""
-    return os.environ.get("ACCELERATE_MIXED_PRECISION") or (
-        "bf16" if torch.cuda.is_available() else "no")
 
 
 def default_wandb_offline() -> None:

@@ -93,7 +93,8 @@ def pretrain(config: PretrainConfig, resume: str = "never") -> dict[str, Any]:
             failpoint("eval", runtime.step, runtime.rank)
             samples = sample_continuations(
                 runtime.accelerator.unwrap_model(runtime.model), tokenizer,
-                config.eval.sample_prompts, config.eval.sample_tokens, seq_len)
+                config.eval.sample_prompts, config.eval.sample_tokens, seq_len,
+                kv_dtype=runtime.compute_dtype)
             runtime.metrics.log_texts("samples", samples, runtime.step)
             runtime.print(f"step {runtime.step}: val loss {last_eval['val/loss']:.4f}, "
                           f"bpb {last_eval['val/bpb']:.4f}; "

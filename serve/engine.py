@@ -103,13 +103,15 @@ class _TextState:
 class LLMEngine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None,
                  config: EngineConfig | None = None,
-                 eos_token_ids: Iterable[int] = ()) -> None:
+                 eos_token_ids: Iterable[int] = (), kv_dtype: torch.dtype | None = None) -> None:
+        """`kv_dtype`: the KV cache's dtype, by default the weights'; a training stage
+        passes its autocast dtype (see `lathe.pretrain.precision`)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.eos_token_ids = set(eos_token_ids)
         weight = model.model.embed_tokens.weight
-        self.device, dtype = weight.device, weight.dtype
+        self.device, dtype = weight.device, kv_dtype or weight.dtype
         num_blocks = self.config.num_blocks or self._blocks_in_budget(dtype)
         self.block_manager = BlockManager(num_blocks, self.config.block_size)
         self.slabs = KVSlabs(model.config, num_blocks, self.config.block_size, self.device, dtype)

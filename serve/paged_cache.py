@@ -84,9 +84,12 @@ class PagedBatch:
         return self.positions[None]
 
     def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Attention runs in the slabs' dtype (new K/V are stored in it, q is converted), so
+        the cache serves activations of another dtype, e.g. under bf16 autocast."""
         k_slab, v_slab = self.slabs.k[layer_idx], self.slabs.v[layer_idx]
-        k_slab[self.slot_mapping] = k[0].transpose(0, 1)
-        v_slab[self.slot_mapping] = v[0].transpose(0, 1)
+        k_slab[self.slot_mapping] = k[0].transpose(0, 1).to(k_slab.dtype)
+        v_slab[self.slot_mapping] = v[0].transpose(0, 1).to(v_slab.dtype)
+        result_dtype, q = q.dtype, q.to(k_slab.dtype)
         out = torch.empty_like(q)
         if len(self.decode_rows):
             queries = q[0, :, self.decode_rows].transpose(0, 1)  # (B, H, D)
@@ -98,4 +101,4 @@ class PagedBatch:
             keys = k_slab[span.context].transpose(0, 1)[None]
             values = v_slab[span.context].transpose(0, 1)[None]
             out[:, :, rows] = causal_attention(q[:, :, rows], keys, values)
-        return out
+        return out.to(result_dtype)

@@ -87,3 +87,15 @@ def test_model_prefill_chunks_and_decode_through_the_kernel_match_kernels_off(mo
         chunks = [model(ids[:, a:b], kv_cache=cache).logits
                   for a, b in ((0, 11), (11, 12), (12, 25), (25, 30))]
     torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kernels", ["0", "force"])
+def test_mixed_dtypes_are_refused_on_every_device(kernels, monkeypatch):
+    """`tl.dot` refuses bf16 q against fp32 k/v on a GPU; the dispatch refuses it everywhere,
+    so a CPU test catches the mix (it crashed the first GPU pretraining eval)."""
+    monkeypatch.setenv("LATHE_KERNELS", kernels)
+    q = torch.randn(1, 2, 4, 16, dtype=torch.bfloat16)
+    k = v = torch.randn(1, 1, 4, 16)
+    with pytest.raises(TypeError, match="causal_attention needs one dtype for q, k, v; got "
+                                        "q bfloat16, k float32, v float32"):
+        causal_attention(q, k, v)

@@ -194,3 +194,16 @@ def test_sampling_is_reproducible_with_a_seed_and_respects_top_k():
     assert torch.equal(run(1), run(1))
     assert not torch.equal(run(1), run(2))
     assert torch.equal(run(3, top_k=1), generate(model, prompt, 8))
+
+
+@pytest.mark.parametrize("kernels", ["0", "force"])
+def test_an_fp32_cache_serves_bf16_activations(kernels, monkeypatch):
+    """Under bf16 autocast, K/V arrive in bf16 while the cache is fp32: the cache stores and
+    attends in its own dtype and hands back q's, so generation runs either way."""
+    monkeypatch.setenv("LATHE_KERNELS", kernels)
+    model = tiny_model(n_layers=1, dim=32, n_heads=2, n_kv_heads=1, ffn_hidden_dim=64)
+    prompt = torch.randint(0, 256, (2, 5))
+    with torch.autocast("cpu", torch.bfloat16):
+        fp32_cache = generate(model, prompt, 4, kv_dtype=torch.float32)
+        bf16_cache = generate(model, prompt, 4, kv_dtype=torch.bfloat16)
+    assert fp32_cache.shape == bf16_cache.shape == (2, 4)

@@ -4,6 +4,7 @@ activation checkpointing, run length, export and monitoring."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -202,3 +203,53 @@ def test_fused_training_loss_equals_next_token_cross_entropy(kernels, monkeypatc
     loss, metrics = lm_loss(model, batch, z_loss=0.0)
     torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
     assert metrics == {"loss": loss}
+
+
+def test_fp8_gemms_get_token_counts_divisible_by_16_and_the_loss_is_exact():
+    """`torch._scaled_mm` needs M % 16 == 0; a (2, 17)-token batch has 34 rows. The padded
+    layers must see multiples of 16 and give the unpadded layers' loss and gradients."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from lathe.model import ModelConfig, Transformer
+    from lathe.pretrain.converters import FP8_DIVISOR, convert_to_fp8, fp8_eligible
+
+    config = ModelConfig.from_preset("tiny", vocab_size=256, dim=64, n_layers=1, n_heads=4,
+                                     n_kv_heads=2, ffn_hidden_dim=128, max_seq_len=64)
+    padded, plain = Transformer(config), Transformer(config)
+    plain.load_state_dict(padded.state_dict())
+    convert_to_fp8(padded, emulate=True)
+    convert_to_float8_training(plain, module_filter_fn=fp8_eligible,
+                               config=Float8LinearConfig(emulate=True))
+    rows_seen = []
+    for name, module in padded.named_modules():
+        if fp8_eligible(module, name) or type(module).__name__ == "Float8Linear":
+            module.register_forward_pre_hook(lambda m, a: rows_seen.append(
+                a[0].numel() // a[0].shape[-1]))
+    batch = torch.randint(0, 256, (2, 17))
+    losses = []
+    for model in (padded, plain):
+        loss = model(batch, labels=batch).loss
+        loss.backward()
+        losses.append(loss)
+    assert rows_seen and all(rows % FP8_DIVISOR == 0 for rows in rows_seen), rows_seen
+    torch.testing.assert_close(losses[0], losses[1], atol=1e-6, rtol=0)
+    for (name, a), (_, b) in zip(padded.named_parameters(), plain.named_parameters(),
+                                 strict=True):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_pretraining_in_bf16_with_kernels_forced(corpus, tmp_path, monkeypatch, fp8):
+    """The GPU's numerics on CPU: bf16 autocast, every Triton kernel (interpreted), eval with
+    sample continuations through the KV cache, a checkpoint and the bf16 export."""
+    monkeypatch.setenv("LATHE_KERNELS", "force")
+    out = tmp_path / "bf16"
+    summary = pretrain(build(run_config(corpus, out, max_steps=2, micro_batch_size=2, **{
+        "precision.mixed_precision": "bf16", "precision.fp8": fp8,
+        "model.overrides": {"dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,
+                            "ffn_hidden_dim": 64, "max_seq_len": 32},
+        "data.seq_len": 15, "eval.every": 2, "eval.batches": 1, "checkpoint.every": 2})))
+    assert summary["parallel"]["mixed_precision"] == "bf16"
+    assert summary["converters"].get("fp8_layers", 0) == (7 if fp8 else 0)
+    assert all(map(math.isfinite, step_losses(out).values()))
+    assert load_checkpoint(out / "final").model.embed_tokens.weight.dtype == torch.bfloat16

@@ -1,0 +1,86 @@
+"""Every post-training stage, a few steps under bf16 autocast with the Triton kernels forced
+on (Triton's interpreter): the dtype paths a GPU run takes — policy, reference, teacher,
+rollout engine, task evaluation's KV cache — so a bf16/fp32 mix fails here, not on the
+first GPU run. (The numbers mean nothing: the interpreter's bf16 is wrong, see NOTES.)"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from lathe.model import ModelConfig, Transformer, load_checkpoint, save_checkpoint
+from lathe.model.cli import main
+from tests.posttrain.conftest import quick
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def small_base(base, tmp_path_factory) -> Path:
+    """`base`'s tokenizer with a one-layer, 32-wide model: seconds per stage even with
+    bf16 on this CPU and every kernel interpreted."""
+    config = load_checkpoint(base).config
+    small = ModelConfig.from_preset("tiny", vocab_size=config.vocab_size, n_layers=1, dim=32,
+                                    n_heads=2, n_kv_heads=1, ffn_hidden_dim=64, max_seq_len=64)
+    torch.manual_seed(0)
+    return save_checkpoint(Transformer(small), tmp_path_factory.mktemp("bf16") / "base",
+                           tokenizer=base)
+
+
+@pytest.fixture(autouse=True)
+def kernels_forced(monkeypatch):
+    monkeypatch.setenv("LATHE_KERNELS", "force")
+
+
+def bf16(out: Path, model: Path, **extra) -> list[str]:
+    return quick(out, model, max_steps=2, micro_batch_size=2, **{
+        "precision.mixed_precision": "bf16", "task_eval.examples": 2,
+        "task_eval.max_tokens": 2, "eval.batches": 1, "eval.every": 2, **extra})
+
+
+def exported_dtypes(folder: Path) -> set[str]:
+    with safe_open(folder / "model.safetensors", "pt") as weights:
+        return {weights.get_slice(name).get_dtype() for name in weights.keys()}  # noqa: SIM118
+
+
+def first_loss(out: Path) -> float:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return next(r["loss"] for r in records if "loss" in r)
+
+
+def test_sft_in_bf16(small_base, tmp_path):
+    out = tmp_path / "sft"
+    assert main(["sft", *bf16(out, small_base, **{"data.max_len": 32})]) == 0
+    assert math.isfinite(first_loss(out))
+    assert exported_dtypes(out / "final") == {"BF16"}
+
+
+def test_dpo_in_bf16_starts_at_log_2(small_base, tmp_path):
+    """The reference log-probs are computed in the policy's autocast, so at step 1 policy
+    and reference agree exactly and the sigmoid loss is log 2."""
+    out = tmp_path / "dpo"
+    assert main(["dpo", *bf16(out, small_base, **{"data.train": "task:arithmetic",
+                                                  "data.max_len": 32, "data.limit": 8})]) == 0
+    assert first_loss(out) == pytest.approx(math.log(2), abs=1e-6)
+    assert exported_dtypes(out / "final") == {"BF16"}
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_grpo_in_bf16_with_a_reference(small_base, tmp_path, lora):
+    out = tmp_path / "grpo"
+    assert main(["grpo", *bf16(out, small_base, prompts_per_step=2, num_generations=2,
+                               max_completion_tokens=3, beta=0.04,
+                               **{"lora.enabled": str(lora).lower()})]) == 0
+    assert math.isfinite(first_loss(out))
+
+
+def test_logit_distillation_in_bf16(small_base, tmp_path):
+    out = tmp_path / "distill"
+    assert main(["distill", *bf16(out, small_base, teacher=small_base, **{
+        "data.max_len": 32, "data.limit": 8})]) == 0
+    assert math.isfinite(first_loss(out))
