@@ -51,22 +51,25 @@ def random_prompts(n: int, low: int, high: int, vocab: int, seed: int = 0) -> li
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for length in lengths]
 
 
-def offline(checkpoint: Path, prompts: list[list[int]], new_tokens: int) -> list[str]:
+def offline(checkpoint: Path, prompts: list[list[int]], new_tokens: int,
+            device: torch.device) -> list[str]:
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    engine = LLMEngine.from_checkpoint(checkpoint)
+    engine = LLMEngine.from_checkpoint(checkpoint, device=device)
     engine.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0))  # warm up
     start = time.perf_counter()
     ours = engine.generate(prompts, params)
     lathe_s = time.perf_counter() - start
 
     from transformers import LlamaForCausalLM
-    model = LlamaForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32).eval()
+    dtype = engine.model.model.embed_tokens.weight.dtype  # both in the checkpoint's dtype
+    model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
     width = max(map(len, prompts))
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):  # left padding, as decoder-only generate() expects
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
     with torch.inference_mode():
         model.generate(input_ids=ids[:2], attention_mask=mask[:2], max_new_tokens=2,
                        do_sample=False, pad_token_id=0)
@@ -166,8 +169,8 @@ def streamed_bytes(model: torch.nn.Module) -> int:
 
 
 def decode_speed(checkpoint: Path, quantize: str | None, prompt: list[int],
-                 new_tokens: int) -> tuple[float, int]:
-    engine = LLMEngine.from_checkpoint(checkpoint, quantize=quantize)
+                 new_tokens: int, device: torch.device) -> tuple[float, int]:
+    engine = LLMEngine.from_checkpoint(checkpoint, quantize=quantize, device=device)
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0))  # warm up
     engine.add_request(prompt, params)
@@ -181,22 +184,25 @@ def decode_speed(checkpoint: Path, quantize: str | None, prompt: list[int],
 
 
 def batched_decode_speed(checkpoint: Path, batch: int, prompt_tokens: int,
-                         new_tokens: int) -> float:
+                         new_tokens: int, device: torch.device) -> float:
     """Decode tok/s of `batch` concurrent sequences after `prompt_tokens`-token prompts:
-    a full generate minus a prefill-only one, so prefill time is not counted."""
+    a full generate minus a prefill-only one, so prefill time is not counted. Each timed
+    call gets prompts of its own, so the prefix cache never skips the prefill of one and
+    not the other."""
     config = EngineConfig(num_blocks=batch * ((prompt_tokens + new_tokens) // 16 + 2))
-    engine = LLMEngine.from_checkpoint(checkpoint, config=config)
+    engine = LLMEngine.from_checkpoint(checkpoint, config=config, device=device)
     vocab = engine.model.config.vocab_size
-    prompts = random_prompts(batch, prompt_tokens, prompt_tokens, vocab, seed=batch)
-    engine.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0))  # warm up
+    engine.generate(random_prompts(1, prompt_tokens, prompt_tokens, vocab, seed=10**6),
+                    SamplingParams(max_tokens=2, temperature=0))  # warm up
 
-    def seconds(tokens: int) -> float:
+    def seconds(tokens: int, seed: int) -> float:
+        prompts = random_prompts(batch, prompt_tokens, prompt_tokens, vocab, seed=seed)
         start = time.perf_counter()
         engine.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0,
                                                 ignore_eos=True))
         return time.perf_counter() - start
-    prefill = seconds(1)
-    return batch * (new_tokens - 1) / (seconds(new_tokens) - prefill)
+    prefill = seconds(1, seed=2 * batch)
+    return batch * (new_tokens - 1) / (seconds(new_tokens, seed=2 * batch + 1) - prefill)
 
 
 def val_tokens(shards: Path, limit: int) -> list[int]:
@@ -220,7 +226,7 @@ def run(args: argparse.Namespace) -> str:
     prompts = random_prompts(args.prompts, 32, 128, vocab)
     sections = []
 
-    rows = offline(checkpoint, prompts, args.new_tokens)
+    rows = offline(checkpoint, prompts, args.new_tokens, device)
     print(*rows, sep="\n", flush=True)
     sections += [f"### (a) Offline: {args.prompts} prompts of 32–128 tokens × {args.new_tokens} "
                  "new tokens, greedy", "", "| engine | output tok/s | seconds |",
@@ -245,7 +251,8 @@ def run(args: argparse.Namespace) -> str:
     eval_ids = val_tokens(args.eval_shards, args.eval_tokens) if args.eval_shards else None
     rows = []
     for quantize in (None, "int8", "int4"):
-        tok_s, nbytes = decode_speed(checkpoint, quantize, prompts[0], args.decode_tokens)
+        tok_s, nbytes = decode_speed(checkpoint, quantize, prompts[0], args.decode_tokens,
+                                     device)
         implied = tok_s * nbytes
         ppl = ""
         if eval_ids is not None:
@@ -263,9 +270,11 @@ def run(args: argparse.Namespace) -> str:
         max_seq_len = load_checkpoint(checkpoint).config.max_seq_len
         context = min(args.decode_context, max_seq_len - args.decode_tokens)
         for batch in args.decode_batches:
-            with_kernel = batched_decode_speed(checkpoint, batch, context, args.decode_tokens)
+            with_kernel = batched_decode_speed(checkpoint, batch, context, args.decode_tokens,
+                                               device)
             with kernels_off("paged_decode"):
-                gathered = batched_decode_speed(checkpoint, batch, context, args.decode_tokens)
+                gathered = batched_decode_speed(checkpoint, batch, context, args.decode_tokens,
+                                                device)
             rows.append(f"| {batch} | {with_kernel:,.0f} | {gathered:,.0f} | "
                         f"{with_kernel / gathered:.2f}× |")
             print(rows[-1], flush=True)

@@ -159,7 +159,9 @@ def load_serving_model(path: str | Path, quantize: QuantMode | None = None,
                        group_size: int = 128, dtype: torch.dtype | None = None,
                        device: torch.device | str | None = None) -> Transformer:
     """A checkpoint ready to serve: a quantized checkpoint as written, or a plain one,
-    optionally quantized at load."""
+    optionally quantized at load. On the GPU when there is one, unless `device` says."""
+    device = torch.device(device if device is not None else
+                          "cuda" if torch.cuda.is_available() else "cpu")
     quant = quantization_config(path)
     if quant is None:
         model = load_checkpoint(path, dtype=dtype, device=device)
@@ -172,7 +174,6 @@ def load_serving_model(path: str | Path, quantize: QuantMode | None = None,
     with torch.device("meta"):
         model = Transformer(read_model_config(path))
     quantize_linears(model, quant["mode"], quant["group_size"])
-    device = torch.device(device if device is not None else "cpu")
     state = load_file(Path(path) / WEIGHTS_FILE,
                       device="cpu" if device.type == "cpu" else str(device))
     if dtype is not None:
