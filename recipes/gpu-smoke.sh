@@ -13,6 +13,9 @@ OUT=${OUT:-runs/gpu-smoke}
 PY=${PYTHON:-python}
 PORT=${PORT:-8766}
 export WANDB_MODE=disabled TRITON_INTERPRET=0
+"$PY" -c "import torch; assert torch.cuda.is_available()" 2>/dev/null || {
+    echo "recipes/gpu-smoke.sh needs a CUDA GPU (torch.cuda.is_available() is False)" >&2
+    exit 2; }
 rm -rf "$OUT" && mkdir -p "$OUT"
 failed=0
 
@@ -31,9 +34,6 @@ lathe() { "$PY" -m lathe.model "$@"; }
 launch() { "$PY" -m accelerate.commands.launch --config_file recipes/accelerate/gpu.yaml "$@"; }
 quiet=(--logging.report_to=none --logging.progress=false)
 post=("${quiet[@]}" --task_eval.examples=32 --eval.batches=2)
-
-"$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU'" || {
-    echo "recipes/gpu-smoke.sh needs a CUDA GPU"; exit 2; }
 
 data() {
     lathe clean --recipe recipes/data/stdlib.yaml --input stdlib --output "$OUT/clean" &&
