@@ -13,10 +13,11 @@ from lathe.kernels.dispatch import use_triton
 
 
 def rotate_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """(B, H, T, D) x rotated by (B, T, D) cos/sin."""
+    """(B, H, T, D) x rotated by (B, T, D) cos/sin, returned in x's dtype as the kernel's is
+    (bf16 q and k against fp32 tables would otherwise come back fp32, beside a bf16 v)."""
     cos, sin = cos[:, None], sin[:, None]
     x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
 
 
 def rope_reference(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:

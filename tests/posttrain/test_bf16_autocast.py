@@ -1,5 +1,5 @@
-"""Every post-training stage, a few steps under bf16 autocast with the Triton kernels forced
-on (Triton's interpreter): the dtype paths a GPU run takes — policy, reference, teacher,
+"""Every post-training stage, a few steps under bf16 autocast, with the Triton kernels forced
+on (Triton's interpreter) and off: the dtype paths a GPU run takes — policy, reference, teacher,
 rollout engine, task evaluation's KV cache — so a bf16/fp32 mix fails here, not on the
 first GPU run. (The numbers mean nothing: the interpreter's bf16 is wrong, see NOTES.)"""
 
@@ -32,9 +32,10 @@ def small_base(base, tmp_path_factory) -> Path:
                            tokenizer=base)
 
 
-@pytest.fixture(autouse=True)
-def kernels_forced(monkeypatch):
-    monkeypatch.setenv("LATHE_KERNELS", "force")
+@pytest.fixture(autouse=True, params=["force", "0"])
+def kernels(request, monkeypatch):
+    """With every kernel forced on (interpreted) and with none: both dtype paths."""
+    monkeypatch.setenv("LATHE_KERNELS", request.param)
 
 
 def bf16(out: Path, model: Path, **extra) -> list[str]:

@@ -238,11 +238,12 @@ def test_fp8_gemms_get_token_counts_divisible_by_16_and_the_loss_is_exact():
         torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_pretraining_in_bf16_with_kernels_forced(corpus, tmp_path, monkeypatch, fp8):
-    """The GPU's numerics on CPU: bf16 autocast, every Triton kernel (interpreted), eval with
-    sample continuations through the KV cache, a checkpoint and the bf16 export."""
-    monkeypatch.setenv("LATHE_KERNELS", "force")
+@pytest.mark.parametrize(("kernels", "fp8"), [("force", False), ("force", True), ("0", False),
+                                              ("0", True)])
+def test_pretraining_in_bf16(corpus, tmp_path, monkeypatch, kernels, fp8):
+    """The GPU's numerics on CPU: bf16 autocast, every Triton kernel (interpreted) or none,
+    eval with sample continuations through the KV cache, a checkpoint and the bf16 export."""
+    monkeypatch.setenv("LATHE_KERNELS", kernels)
     out = tmp_path / "bf16"
     summary = pretrain(build(run_config(corpus, out, max_steps=2, micro_batch_size=2, **{
         "precision.mixed_precision": "bf16", "precision.fp8": fp8,
