@@ -151,7 +151,7 @@ class TaskEvaluator:
         return [self.tokenizer.encode(self.template.render(row.prompt),
                                       add_special_tokens=False).ids for row in self.rows]
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode, which FP8 policies fail under (see the engine)
     def __call__(self, model: nn.Module, kv_dtype: torch.dtype | None = None) -> dict[str, Any]:
         was_training = model.training
         engine = LLMEngine(model.eval(), self.tokenizer, EngineConfig(num_blocks=512),

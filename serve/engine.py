@@ -229,7 +229,9 @@ class LLMEngine:
 
     # the step ---------------------------------------------------------------------------
 
-    @torch.inference_mode()
+    # no_grad, not inference_mode: a training stage's engine may run an FP8 (torchao) policy
+    # under autocast, which fails in inference mode
+    @torch.no_grad()
     def step(self) -> list[SequenceDelta]:
         batch = self.scheduler.schedule()
         if not batch.items:

@@ -54,9 +54,12 @@ def first_loss(out: Path) -> float:
     return next(r["loss"] for r in records if "loss" in r)
 
 
-def test_sft_in_bf16(small_base, tmp_path):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_sft_in_bf16(small_base, tmp_path, fp8):
+    """With FP8 too: the task evaluation's engine runs the converted policy."""
     out = tmp_path / "sft"
-    assert main(["sft", *bf16(out, small_base, **{"data.max_len": 32})]) == 0
+    assert main(["sft", *bf16(out, small_base, **{"data.max_len": 32,
+                                                  "precision.fp8": str(fp8).lower()})]) == 0
     assert math.isfinite(first_loss(out))
     assert exported_dtypes(out / "final") == {"BF16"}
 
