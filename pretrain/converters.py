@@ -6,9 +6,11 @@ per-block `torch.compile`. None of them renames a parameter, so checkpoints keep
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lathe.model.transformer import Transformer
@@ -51,27 +53,19 @@ def pad_tokens_for_fp8(linear: nn.Module) -> None:
     gradient's, and `torch._scaled_mm` needs both divisible by 16; a batch of
     micro_batch × (seq_len + 1) tokens (8 × 4097) seldom is. Zero rows leave the tensorwise
     amax, every real output row and the weight gradient unchanged, so the loss is exact.
-    Hooks, not a wrapper module, so parameter names stay HF's.
+    The forward is wrapped in place (stateless, so compile traces it), not the module, so
+    parameter names stay HF's.
     """
-    def pad(module: nn.Module, args: tuple) -> tuple | None:
-        x = args[0]
-        rows = x.numel() // x.shape[-1]
-        extra = -rows % FP8_DIVISOR
-        if not extra:
-            return None
-        module._fp8_unpad = (x.shape[:-1], rows)
-        return (torch.nn.functional.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, extra)),
-                *args[1:])
+    linear.forward = functools.partial(_padded_forward, linear.forward)
 
-    def unpad(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
-        shape_rows = module.__dict__.pop("_fp8_unpad", None)
-        if shape_rows is None:
-            return None
-        shape, rows = shape_rows
-        return output[:rows].reshape(*shape, output.shape[-1])
 
-    linear.register_forward_pre_hook(pad)
-    linear.register_forward_hook(unpad)
+def _padded_forward(forward: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    rows = x.numel() // x.shape[-1]
+    extra = -rows % FP8_DIVISOR
+    if not extra:
+        return forward(x)
+    out = forward(F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, extra)))
+    return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
 
 
 def enable_activation_checkpointing(model: Transformer) -> None:
