@@ -1,4 +1,4 @@
-"""Small seeded things tests build: models and tokenizers."""
+"""Small seeded things tests build: models and tokenizers; and a fresh accelerate state."""
 
 import json
 from pathlib import Path
@@ -7,6 +7,15 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from lathe.model import ModelConfig, Transformer
+
+
+def reset_accelerate() -> None:
+    """Forget accelerate's process-wide state, so the next run builds its own Accelerator
+    (with its own mixed precision) as a fresh process would."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
 
 
 def tiny_model(**overrides) -> Transformer:

@@ -11,9 +11,20 @@ os.environ.setdefault("WANDB_MODE", "offline")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.builders import reset_accelerate  # noqa: E402
+
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """Every in-process training run starts from accelerate's state as a new process would:
+    one test's bf16 Accelerator must not leak into the next test's fp32 one."""
+    reset_accelerate()
+    yield
+    reset_accelerate()

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-from accelerate.state import AcceleratorState, GradientState
 
 from lathe.data.document import Document
 from lathe.data.shards import build_shards
@@ -62,17 +61,3 @@ def build(config: dict) -> PretrainConfig:
 def step_losses(out_dir: Path, name: str = "loss") -> dict[int, float]:
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r[name] for r in records if name in r}
-
-
-def reset_accelerate() -> None:
-    """Forget accelerate's process-wide state, so the next run builds its own Accelerator
-    as a fresh process would."""
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    reset_accelerate()
-    yield
-    reset_accelerate()

@@ -22,7 +22,8 @@ from lathe.model.checkpoint import load_checkpoint
 from lathe.pretrain.state import published_states
 from lathe.pretrain.train import pretrain
 from tests import processes
-from tests.pretrain.conftest import build, reset_accelerate, run_config, step_losses
+from tests.builders import reset_accelerate
+from tests.pretrain.conftest import build, run_config, step_losses
 
 pytestmark = pytest.mark.slow
 

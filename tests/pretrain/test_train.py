@@ -14,7 +14,8 @@ from lathe.model.recipe import ConfigError
 from lathe.pretrain.runtime import Runtime
 from lathe.pretrain.train import pretrain
 from tests import processes
-from tests.pretrain.conftest import build, reset_accelerate, run_config, step_losses
+from tests.builders import reset_accelerate
+from tests.pretrain.conftest import build, run_config, step_losses
 
 
 def test_loss_falls_and_run_writes_everything(corpus, tmp_path):
