@@ -24,6 +24,12 @@ ENV = "LATHE_FAILPOINT"
 PHASES = ("step", "eval", "save-shard", "save-publish", "save-rotate")
 
 
+def check_env() -> None:
+    """Refuse a malformed `LATHE_FAILPOINT` when a run starts, not at its first failpoint."""
+    if os.environ.get(ENV):
+        parse(os.environ[ENV])
+
+
 def failpoint(phase: str, step: int, rank: int) -> None:
     """SIGKILL this process if `LATHE_FAILPOINT` names this phase, step and rank."""
     spec = os.environ.get(ENV)

@@ -34,7 +34,7 @@ from lathe.model.transformer import Transformer
 from lathe.pretrain import state as training_state
 from lathe.pretrain.config import TrainConfig
 from lathe.pretrain.converters import apply_converters
-from lathe.pretrain.failpoints import failpoint
+from lathe.pretrain.failpoints import check_env, failpoint
 from lathe.pretrain.launch import build_accelerator, describe
 from lathe.pretrain.monitor import MetricsLog, Throughput, memory_stats, peak_flops
 from lathe.pretrain.optim import build_optimizers
@@ -55,6 +55,7 @@ class StepResult:
 class Runtime:
     def __init__(self, config: TrainConfig, stage: str) -> None:
         self.config, self.stage = config, stage
+        check_env()
         self.out_dir = Path(config.out_dir)
         use_wandb = config.logging.report_to == "wandb"
         if use_wandb:

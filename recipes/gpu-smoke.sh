@@ -64,11 +64,13 @@ compile_fp8() {
 }
 step pretrain-compile-fp8 compile_fp8
 
-kill_and_resume() {
-    ! LATHE_FAILPOINT=save-shard@40 pretrain pretrain-resume --precision.compile=true &&
-    grep -q 'lathe failpoint: SIGKILL at save-shard@40' "$OUT/kill-and-resume.log" &&
-    pretrain pretrain-resume --precision.compile=true --resume auto &&
-    exported "$OUT/pretrain-resume"
+kill_and_resume() {  # killed while saving step 40, so the resume starts from step 20
+    local killed=$OUT/pretrain-resume.killed.log resumed=$OUT/pretrain-resume.resumed.log
+    ! LATHE_FAILPOINT=save-shard@40 pretrain pretrain-resume --precision.compile=true \
+        > "$killed" 2>&1 &&
+    grep -q 'lathe failpoint: SIGKILL at save-shard@40' "$killed" &&
+    pretrain pretrain-resume --precision.compile=true --resume auto > "$resumed" 2>&1 &&
+    grep -q 'resumed from step 20' "$resumed" && exported "$OUT/pretrain-resume"
 }
 step kill-and-resume kill_and_resume
 

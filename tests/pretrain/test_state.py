@@ -75,6 +75,9 @@ def test_failpoint_specs_are_validated(monkeypatch):
     for bad in ("save@16", "step", "step@x", "step@1@2@3"):
         with pytest.raises(ValueError, match="expected PHASE@STEP"):
             failpoints.parse(bad)
+    monkeypatch.setenv(failpoints.ENV, "save@16")
+    with pytest.raises(ValueError, match="LATHE_FAILPOINT='save@16'"):
+        failpoints.check_env()
     monkeypatch.setenv(failpoints.ENV, "eval@5@1")
     failpoints.failpoint("eval", 5, rank=0)  # another rank: nothing happens
     failpoints.failpoint("eval", 4, rank=1)  # another step
