@@ -4,21 +4,33 @@ A single background task owns the engine: between steps it applies the requests 
 and aborted since the last one, then runs `step()` in a worker thread (the forward pass
 must not block the event loop) and routes each `SequenceDelta` to its request's queue.
 No engine state is touched from two threads at once, so the engine needs no locks.
+
+Failures are kept to their scope. A request the engine refuses when it is added fails
+alone: its stream raises the error. A failing `step()` leaves the engine's state unknown,
+so the engine is *dead* (as vLLM's EngineDeadError): every open stream and every later
+`submit` raises `EngineDead` at once, and the server's /health turns 503 — nothing hangs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
 from lathe.serve.engine import LLMEngine, SequenceDelta
 from lathe.serve.sampling import SamplingParams
 
+log = logging.getLogger("lathe.serve")
+
 
 class QueueFull(RuntimeError):
     """More requests are waiting than the engine was configured to queue."""
+
+
+class EngineDead(RuntimeError):
+    """The engine loop failed; no request can be served until the process restarts."""
 
 
 class AsyncEngine:
@@ -33,6 +45,7 @@ class AsyncEngine:
         self._wake = asyncio.Event()
         self._ids = itertools.count()
         self._task: asyncio.Task | None = None
+        self.dead: EngineDead | None = None
 
     def start(self) -> None:
         if self._task is None:
@@ -50,8 +63,10 @@ class AsyncEngine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                request_id: str | None = None) -> str:
-        """Queue a request now (raising `RequestError` or `QueueFull` at once); read its
-        deltas with `results`."""
+        """Queue a request now (raising `EngineDead`, `RequestError` or `QueueFull` at once);
+        read its deltas with `results`."""
+        if self.dead is not None:
+            raise self.dead
         self.engine.validate(prompt_ids, params)
         if self.num_waiting >= self.max_waiting:
             raise QueueFull(f"{self.num_waiting} requests are already waiting "
@@ -94,26 +109,29 @@ class AsyncEngine:
             yield delta
 
     async def _run(self) -> None:
-        while True:
-            self._apply_pending()
-            if not self.engine.has_unfinished():
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            start = time.perf_counter()
-            try:
+        try:
+            while True:
+                self._apply_pending()
+                if not self.engine.has_unfinished():
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                start = time.perf_counter()
                 deltas = await asyncio.to_thread(self.engine.step)
-            except Exception as error:  # fail every open stream instead of hanging them
-                for request_id, queue in list(self._queues.items()):
-                    self.engine.abort(request_id)
-                    queue.put_nowait(error)
-                continue
-            if self.on_step is not None:
-                self.on_step(deltas, time.perf_counter() - start)
-            for delta in deltas:
-                queue = self._queues.get(delta.request_id)
-                if queue is not None:
-                    queue.put_nowait(delta)
+                if self.on_step is not None:
+                    self.on_step(deltas, time.perf_counter() - start)
+                for delta in deltas:
+                    queue = self._queues.get(delta.request_id)
+                    if queue is not None:
+                        queue.put_nowait(delta)
+        except Exception as error:  # fail every open stream and every later request
+            self.dead = EngineDead(f"the engine failed and must be restarted: "
+                                   f"{type(error).__name__}: {error}")
+            self.dead.__cause__ = error
+            log.exception("engine loop failed; failing every request from now on")
+            for queue in self._queues.values():
+                queue.put_nowait(self.dead)
+            self._pending_adds.clear()
 
     def _apply_pending(self) -> None:
         aborts, self._pending_aborts = set(self._pending_aborts), []
@@ -121,5 +139,12 @@ class AsyncEngine:
         for request_id in aborts:
             self.engine.abort(request_id)
         for request_id, prompt_ids, params in adds:
-            if request_id not in aborts:
+            if request_id in aborts:
+                continue
+            try:
                 self.engine.add_request(prompt_ids, params, request_id)
+            except Exception as error:  # this request fails alone
+                self.engine.abort(request_id)
+                queue = self._queues.get(request_id)
+                if queue is not None:
+                    queue.put_nowait(error)

@@ -69,10 +69,10 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, token_ids: Sequence[int]) -> bool:
-        """Whether `allocate(token_ids)` would succeed now (cached blocks in use are free
-        of charge; cached blocks sitting in the free queue still take a free slot)."""
-        needed, parent, hitting = 0, NO_HASH, True
+    def can_allocate(self, token_ids: Sequence[int], use_cache: bool = True) -> bool:
+        """Whether `allocate(token_ids, use_cache)` would succeed now (cached blocks in use
+        are free of charge; cached blocks sitting in the free queue still take a free slot)."""
+        needed, parent, hitting = 0, NO_HASH, use_cache
         for start in range(0, len(token_ids), self.block_size):
             chunk = token_ids[start:start + self.block_size]
             full = self._lookable(start, len(token_ids))
@@ -85,24 +85,25 @@ class BlockManager:
             parent = block.hash if block is not None else NO_HASH
         return needed <= len(self.free)
 
-    def allocate(self, token_ids: Sequence[int]) -> BlockTable:
-        """Blocks for a new sequence's prompt, reusing cached full blocks of its prefix.
+    def allocate(self, token_ids: Sequence[int], use_cache: bool = True) -> BlockTable:
+        """Blocks for a new sequence's prompt, reusing cached full blocks of its prefix
+        (unless `use_cache` is False: a prompt being scored computes every position).
 
         The cache is consulted until the first miss; the blocks after it are fresh and
         join the cache only once `commit` reports their KV computed. The block holding the
         last token is never taken from the cache: that token is always computed (its
         logits give the next token), and computing it must not write into a shared block.
         """
-        if not self.can_allocate(token_ids):
+        if not self.can_allocate(token_ids, use_cache):
             raise OutOfBlocks(f"{self.blocks_needed(len(token_ids))} blocks needed, "
                               f"{len(self.free)} free")
         table = BlockTable()
-        parent, hitting = NO_HASH, True
+        parent, hitting = NO_HASH, use_cache
         for start in range(0, len(token_ids), self.block_size):
             chunk = token_ids[start:start + self.block_size]
             full = self._lookable(start, len(token_ids))
             block = self._lookup(parent, chunk) if full and hitting else None
-            if full:
+            if full and use_cache:
                 self.prefix_queries += len(chunk)
             if block is None:
                 hitting = False

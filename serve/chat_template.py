@@ -25,7 +25,10 @@ class ChatTemplate:
     def __init__(self, template: str, special_tokens: dict[str, str]) -> None:
         environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         environment.globals["raise_exception"] = _raise
-        self.template = environment.from_string(template)
+        try:
+            self.template = environment.from_string(template)
+        except TemplateError as error:
+            raise CheckpointError(f"the chat template does not parse: {error}") from None
         self.special_tokens = special_tokens
 
     @classmethod
@@ -47,9 +50,25 @@ class ChatTemplate:
         return cls(template, specials)
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The prompt text; `ChatTemplateError` when the template refuses the messages or
+        fails on them (a template is code: whatever it raises fails this request only)."""
         try:
             return self.template.render(messages=messages,
                                         add_generation_prompt=add_generation_prompt,
                                         **self.special_tokens)
+        except ChatTemplateError:
+            raise
         except TemplateError as error:
             raise ChatTemplateError(f"chat template failed: {error}") from None
+        except Exception as error:
+            raise ChatTemplateError(f"the checkpoint's chat template failed on these "
+                                    f"messages: {type(error).__name__}: {error}") from None
+
+    def check(self) -> None:
+        """Raise `CheckpointError` unless the template renders one user message (run
+        once at load, so a broken template is reported there, not on every request)."""
+        try:
+            self.render([{"role": "user", "content": "Hi"}])
+        except ChatTemplateError as error:
+            raise CheckpointError(f"its chat template cannot render one user message: "
+                                  f"{error}") from None

@@ -3,10 +3,11 @@ running the shared `lathe.model.Transformer`.
 
 `LLMEngine.step()` is the whole hot loop: ask the scheduler what to run, flatten every
 scheduled sequence's new tokens into one row, run the model once through a `PagedBatch`
-(logits only for sequences whose context is now fully computed), sample one token for
-each of those, detokenize, match stop conditions, offer newly completed blocks to the
-prefix cache, and return what each sequence gained as `SequenceDelta`s. `generate()` is
-the offline API on top of it; `lathe.serve.async_engine` streams the same deltas.
+(logits only for sequences whose context is now fully computed, plus every prompt row of
+a request that asked for prompt log-probabilities), sample one token for each of those,
+detokenize, match stop conditions, offer newly completed blocks to the prefix cache, and
+return what each sequence gained as `SequenceDelta`s. `generate()` is the offline API on
+top of it; `lathe.serve.async_engine` streams the same deltas.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ class SequenceDelta:
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    # on the first delta of a request that asked for them: one entry per prompt token,
+    # None for the first (nothing precedes it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -90,6 +94,7 @@ class Completion:
     request_id: str
     prompt_ids: list[int]
     outputs: list[CompletionOutput]
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class _TextState:
@@ -187,6 +192,10 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; this checkpoint has none "
                                "(use stop_token_ids)")
+        outside = [t for t in params.logit_bias if not 0 <= t < vocab]
+        if outside:
+            raise RequestError(f"logit_bias token ids {outside[:5]} are outside the "
+                               f"vocabulary [0, {vocab})")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
@@ -197,14 +206,15 @@ class LLMEngine:
         self.validate(prompt_ids, params)
         seqs: list[Sequence] = []
         for index in range(params.n):
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(self.device).manual_seed(params.seed + index)
-            seq = Sequence(request_id, index, list(prompt_ids), params, generator,
+            seq = Sequence(request_id, index, list(prompt_ids), params,
+                           params.generator(self.device, index),
                            parent=seqs[0] if seqs else None)
+            if index == 0 and params.prompt_logprobs is not None:
+                seq.prompt_logprobs = [None]
+            seqs.append(seq)
+        for seq in seqs:  # built all before scheduling any, so a failure leaves no trace
             self._text[seq] = _TextState(self.tokenizer, params.stop)
             self.scheduler.add(seq)
-            seqs.append(seq)
         self.requests[request_id] = seqs
         self.prompt_tokens_total += len(prompt_ids) * params.n
         return request_id
@@ -240,7 +250,9 @@ class LLMEngine:
         positions: list[int] = []
         slots: list[int] = []
         spans: list[SequenceSpan] = []
-        keep: list[int] = []
+        keep: list[int] = []  # rows whose logits the LM head computes
+        sample_rows: list[int] = []  # of which sampled (one per sequence)
+        scored: list[tuple[Sequence, int, int, int]] = []  # prompt log-probs: seq, at, from, to
         sampled: list[Sequence] = []
         block_size = self.config.block_size
         offsets = torch.arange(block_size)
@@ -254,17 +266,31 @@ class LLMEngine:
             slots += context[start:end].tolist()
             spans.append(SequenceSpan(row, count, context.to(self.device)))
             seq.num_computed = end
+            if seq.prompt_logprobs is not None:
+                # position p's logits score prompt token p + 1; a recompute after
+                # preemption skips the positions already scored
+                first = max(start, len(seq.prompt_logprobs) - 1)
+                last = min(end, len(seq.prompt_ids) - 1)
+                if first < last:
+                    scored.append((seq, len(keep), first, last))
+                    keep += range(row + first - start, row + last - start)
             if end == seq.num_tokens:
+                sample_rows.append(len(keep))
                 keep.append(row + count - 1)
                 sampled.append(seq)
         device = self.device
         view = PagedBatch(self.slabs, spans, torch.tensor(positions, device=device),
                           torch.tensor(slots, device=device))
         logits = self.model(torch.tensor([ids], device=device), kv_cache=view,
-                            logits_to_keep=torch.tensor(keep, device=device)).logits[0]
+                            logits_to_keep=torch.tensor(keep, device=device,
+                                                        dtype=torch.long)).logits[0]
         for seq, _ in batch.items:
             self.block_manager.commit(seq.table, seq.token_ids, seq.num_computed)
-        picked = self._sample(sampled, logits)
+        for seq, at, first, last in scored:
+            seq.prompt_logprobs += _token_logprobs(logits[at:at + last - first],
+                                                   seq.prompt_ids[first + 1:last + 1],
+                                                   seq.params.prompt_logprobs or 0)
+        picked = self._sample(sampled, logits[sample_rows])
         return [self._append(seq, pick) for seq, pick in zip(sampled, picked, strict=True)]
 
     def _sample(self, seqs: list[Sequence],
@@ -273,16 +299,11 @@ class LLMEngine:
         picked = []
         for i, seq in enumerate(seqs):
             params = seq.params
-            plain = (params.greedy and params.repetition_penalty == 1.0
-                     and not params.presence_penalty and not params.frequency_penalty)
-            token = greedy[i] if plain else sample_token(logits[i], params, seq.prompt_ids,
-                                                         seq.output_ids, seq.generator)
+            token = greedy[i] if params.plain_greedy else sample_token(
+                logits[i], params, seq.prompt_ids, seq.output_ids, seq.generator)
             logprob = None
             if params.logprobs is not None:
-                row = torch.log_softmax(logits[i].float(), dim=-1)
-                top = row.topk(params.logprobs) if params.logprobs else None
-                logprob = TokenLogprob(token, float(row[token]), [] if top is None else list(
-                    zip(top.indices.tolist(), top.values.tolist(), strict=True)))
+                (logprob,) = _token_logprobs(logits[i:i + 1], [token], params.logprobs)
             picked.append((token, logprob))
         return picked
 
@@ -312,9 +333,11 @@ class LLMEngine:
             self._text.pop(seq, None)
             if all(s.status is Status.FINISHED for s in self.requests.get(seq.request_id, [])):
                 self.requests.pop(seq.request_id, None)
+        first = len(seq.output_ids) == 1
         return SequenceDelta(seq.request_id, seq.index, [token], text,
                              [logprob] if logprob is not None else [], reason,
-                             len(seq.prompt_ids), seq.table.num_cached_tokens)
+                             len(seq.prompt_ids), seq.table.num_cached_tokens,
+                             seq.prompt_logprobs if first else None)
 
     # offline API and weights ------------------------------------------------------------
 
@@ -337,7 +360,10 @@ class LLMEngine:
             while self.has_unfinished():
                 for delta in self.step():
                     if delta.request_id in completions:
-                        completions[delta.request_id].outputs[delta.index].add(delta)
+                        completion = completions[delta.request_id]
+                        completion.outputs[delta.index].add(delta)
+                        if delta.prompt_logprobs is not None:
+                            completion.prompt_logprobs = delta.prompt_logprobs
                         bar.update(delta.finish_reason is not None)
         return list(completions.values())
 
@@ -370,3 +396,13 @@ class LLMEngine:
             "prompt_tokens": self.prompt_tokens_total,
             "generation_tokens": self.generation_tokens_total,
         }
+
+
+def _token_logprobs(logits: Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each row's log-probability of its token and its `top` most likely tokens (fp32)."""
+    rows = torch.log_softmax(logits.float(), dim=-1)
+    chosen = rows.gather(1, torch.tensor(tokens, device=rows.device)[:, None])[:, 0].tolist()
+    best = rows.topk(top) if top else None
+    return [TokenLogprob(token, value, [] if best is None else list(zip(
+        best.indices[i].tolist(), best.values[i].tolist(), strict=True)))
+        for i, (token, value) in enumerate(zip(tokens, chosen, strict=True))]

@@ -1,87 +1,246 @@
 """OpenAI request bodies (pydantic) and the response and chunk JSON the server sends.
 
 Field names and defaults follow OpenAI's API (completions default to 16 tokens, chat to
-the rest of the context window); vLLM's extras top_k, min_p, repetition_penalty,
-stop_token_ids and ignore_eos are accepted too. Ranges are checked once, by
-`SamplingParams`, whose message names the field and its allowed range.
+the rest of the context window; a null field means its default); vLLM's extras top_k,
+min_p, repetition_penalty, stop_token_ids and ignore_eos are accepted too. Ranges are
+checked once, by `SamplingParams`, whose message names the field and its allowed range.
+
+Nothing is dropped silently: a field this server does not implement (`tools`,
+`response_format` other than text, `suffix`, `best_of` other than n, any unknown name)
+is a `ProtocolError` naming it, as vLLM answers. Text anywhere in a body must be valid
+Unicode: a lone surrogate (`"\\ud800"` in JSON) is refused before it can reach the
+tokenizer.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 from tokenizers import Tokenizer
 
 from lathe.serve.engine import CompletionOutput, TokenLogprob
 from lathe.serve.sampling import SamplingParams
 
 
+class ProtocolError(ValueError):
+    """A request field this server refuses (the message names it); answered with a 400."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _lone_surrogate(body: Any) -> str | None:
+    """The path of the first string (or key) holding a lone surrogate, if any."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if any("\ud800" <= ch <= "\udfff" for ch in value):
+                return path or "body"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                name = f"{path}.{key}" if path else str(key)
+                if isinstance(key, str) and any("\ud800" <= ch <= "\udfff" for ch in key):
+                    return name
+                stack.append((name, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+    return None
+
+
+def _harmless(values: tuple) -> Callable[[Any], bool]:
+    return lambda value: value in values
+
+
+# OpenAI fields this server accepts only with the value that means "not used"; anything
+# else is refused with the reason.
+_ONLY_UNUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "tools": (_harmless((None, [])), "tool calling is not supported by this server"),
+    "functions": (_harmless((None, [])), "function calling is not supported by this server"),
+    "tool_choice": (_harmless((None, "none")), "tool calling is not supported by this server"),
+    "function_call": (_harmless((None, "none")),
+                      "function calling is not supported by this server"),
+    "parallel_tool_calls": (lambda _: True, ""),  # only qualifies `tools`
+    "response_format": (
+        lambda value: value is None or (isinstance(value, dict) and value == {"type": "text"}),
+        "only {\"type\": \"text\"} is supported: this server has no constrained (JSON) "
+        "decoding; ask for JSON in the prompt instead"),
+    "suffix": (_harmless((None, "")), "insertion (suffix) is not supported by this model"),
+    "store": (_harmless((None, False)), "this server does not store completions"),
+    "metadata": (lambda _: True, ""),  # annotates stored completions; nothing is stored
+    "user": (lambda value: value is None or isinstance(value, str), "must be a string"),
+    "service_tier": (_harmless((None, "auto", "default")), "this server has one tier"),
+    "modalities": (_harmless((None, ["text"])), "this model reads and writes text only"),
+}
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
 
     model: str
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    stream: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    stop_token_ids: list[int] = Field(default_factory=list)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, body: Any) -> Any:
+        where = _lone_surrogate(body)
+        if where is not None:
+            raise PydanticCustomError(
+                "lone_surrogate", "{where}: text holds a lone UTF-16 surrogate; send valid "
+                "Unicode", {"where": where.encode("ascii", "backslashreplace").decode()})
+        return body
 
     @property
     def include_usage(self) -> bool:
-        return self.stream and self.stream_options is not None and \
+        return bool(self.stream) and self.stream_options is not None and \
             self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def check_supported(self) -> None:
+        """Raise `ProtocolError` for the first field this server would otherwise ignore."""
+        for name, value in (self.model_extra or {}).items():
+            accepted, reason = _ONLY_UNUSED.get(name, (None, ""))
+            shown = name.encode("ascii", "backslashreplace").decode()
+            if accepted is None:
+                raise ProtocolError(f"unknown parameter `{shown}`: this server does not "
+                                    "support it; remove it", shown)
+            if not accepted(value):
+                raise ProtocolError(f"{name}: {reason}", name)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """The engine's parameters (raises `SamplingError` naming a field out of range)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        given = {
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty, "n": self.n,
+            "stop_token_ids": self.stop_token_ids, "logit_bias": self.logit_bias}
         return SamplingParams(
-            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-            top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            seed=self.seed, stop=stop, stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos, n=self.n, logprobs=logprobs)
+            max_tokens=max_tokens, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            **{name: value for name, value in given.items() if value is not None})
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise ProtocolError(f"best_of={self.best_of} is not supported: only best_of = n "
+                                f"(= {self.n or 1}); sample n completions and rank them "
+                                "yourself", "best_of")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise ProtocolError(f"max_tokens={self.max_tokens} must be >= 0 (0 only with "
+                                "echo, to score the prompt)", "max_tokens")
+        if self.max_tokens == 0 and not self.echo:
+            raise ProtocolError("max_tokens=0 generates nothing; it needs echo=true (to "
+                                "score the prompt) or give max_tokens >= 1", "max_tokens")
+
+
+ROLES = ("system", "developer", "user", "assistant")
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     role: str
-    content: str | list[dict[str, Any]]
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.get("text", "") for part in self.content
-                       if part.get("type") == "text")
+    content: str | list[Any] | None = None
 
 
-class ChatCompletionRequest(_Sampling):
+def message_text(index: int, message: ChatMessage) -> dict[str, str]:
+    """One message as the chat template takes it ({role, content}); `developer` is the
+    system role under its newer name. Raises `ProtocolError` naming what is wrong."""
+    where = f"messages[{index}]"
+    if message.role == "tool":
+        raise ProtocolError(f"{where}.role: tool messages need tool calling, which this "
+                            "server does not support", "messages")
+    if message.role not in ROLES:
+        raise ProtocolError(f"{where}.role {message.role!r} is not one of {', '.join(ROLES)}",
+                            "messages")
+    extra = next(iter(message.model_extra or {}), None)
+    if extra is not None:
+        raise ProtocolError(f"{where}.{extra} is not supported by this server; remove it",
+                            "messages")
+    if message.content is None:
+        raise ProtocolError(f"{where}.content is required (a string or text parts)", "messages")
+    if isinstance(message.content, str):
+        text = message.content
+    else:
+        parts = []
+        for j, part in enumerate(message.content):
+            at = f"{where}.content[{j}]"
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ProtocolError(f"{at}: content parts of type {kind!r} are not supported; "
+                                    "this model reads text parts only", "messages")
+            if not isinstance(part.get("text"), str):
+                raise ProtocolError(f"{at}.text must be a string, got "
+                                    f"{type(part.get('text')).__name__}", "messages")
+            parts.append(part["text"])
+        text = "".join(parts)
+    return {"role": "system" if message.role == "developer" else message.role,
+            "content": text}
+
+
+class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for name in ("max_completion_tokens", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ProtocolError(f"{name}={value} must be >= 1", name)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ProtocolError("top_logprobs needs logprobs=true", "top_logprobs")
+
+    @property
+    def completion_budget(self) -> int | None:
+        """max_completion_tokens (OpenAI's current name) or max_tokens; None: the rest of
+        the context window."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def chat(self) -> list[dict[str, str]]:
+        return [message_text(i, message) for i, message in enumerate(self.messages)]
 
 
 def new_id(prefix: str) -> str:
@@ -97,18 +256,43 @@ def _token_text(tokenizer: Tokenizer | None, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else str(token_id)
 
 
+@dataclass
+class Echo:
+    """A completions prompt sent back in front of its completion (`echo`): its text and,
+    when log-probabilities were asked for, one entry per prompt token (None first)."""
+
+    text: str | None  # None: decode token_ids (once they are validated)
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None] | None = None
+
+
 def completion_logprobs(tokenizer: Tokenizer | None, logprobs: list[TokenLogprob],
-                        offset: int = 0) -> dict[str, list]:
-    """The legacy completions `logprobs` object (tokens, token_logprobs, top_logprobs)."""
-    tokens = [_token_text(tokenizer, lp.token_id) for lp in logprobs]
+                        offset: int = 0, echo: Echo | None = None) -> dict[str, list]:
+    """The legacy completions `logprobs` object (tokens, token_logprobs, top_logprobs,
+    text_offset). As in vLLM, each top_logprobs map also holds the chosen token, so
+    logprobs=0 still names it; echoed prompt tokens come first, the first one null."""
+    entries: list[TokenLogprob | None] = list(logprobs)
+    token_ids = [lp.token_id for lp in logprobs]
+    if echo is not None:
+        prompt = echo.logprobs or [None] * len(echo.token_ids)
+        entries, token_ids = prompt + entries, echo.token_ids + token_ids
+    tokens = [_token_text(tokenizer, t) for t in token_ids]
     offsets = []
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
+
+    def top(entry: TokenLogprob | None) -> dict[str, float] | None:
+        if entry is None:
+            return None
+        best = {_token_text(tokenizer, t): v for t, v in entry.top}
+        best.setdefault(_token_text(tokenizer, entry.token_id), entry.logprob)
+        return best
+
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{_token_text(tokenizer, t): v for t, v in lp.top} for lp in logprobs],
+        "token_logprobs": [None if e is None else e.logprob for e in entries],
+        "top_logprobs": [top(e) for e in entries],
         "text_offset": offsets,
     }
 
@@ -136,14 +320,17 @@ class ResponseBuilder:
                 "choices": choices, **extra}
 
     def response(self, outputs: list[CompletionOutput], want_logprobs: bool,
-                 prompt_tokens: int) -> dict[str, Any]:
+                 prompt_tokens: int, echoes: list[Echo | None] | None = None) -> dict[str, Any]:
+        """`echoes[i]`: the prompt to put in front of choice i (completions with echo)."""
         completion_tokens = sum(len(o.token_ids) for o in outputs)
         choices = []
-        for o in outputs:
+        for i, o in enumerate(outputs):
             if self.kind == "completion":
-                logprobs = completion_logprobs(self.tokenizer, o.logprobs) if want_logprobs \
-                    else None
-                choices.append({"index": o.index, "text": o.text, "logprobs": logprobs,
+                echo = echoes[i] if echoes else None
+                logprobs = completion_logprobs(self.tokenizer, o.logprobs, echo=echo) \
+                    if want_logprobs else None
+                text = ((echo.text or "") if echo else "") + o.text
+                choices.append({"index": o.index, "text": text, "logprobs": logprobs,
                                 "finish_reason": o.finish_reason})
             else:
                 logprobs = chat_logprobs(self.tokenizer, o.logprobs) if want_logprobs else None
@@ -154,11 +341,13 @@ class ResponseBuilder:
         return self._envelope(obj, choices, usage=usage(prompt_tokens, completion_tokens))
 
     def chunk(self, index: int, text: str, logprobs: list[TokenLogprob] | None,
-              finish_reason: str | None, first: bool = False) -> dict[str, Any]:
+              finish_reason: str | None, first: bool = False,
+              echo: Echo | None = None) -> dict[str, Any]:
         if self.kind == "completion":
-            choice = {"index": index, "text": text, "finish_reason": finish_reason,
+            choice = {"index": index, "text": ((echo.text or "") if echo else "") + text,
+                      "finish_reason": finish_reason,
                       "logprobs": None if logprobs is None
-                      else completion_logprobs(self.tokenizer, logprobs)}
+                      else completion_logprobs(self.tokenizer, logprobs, echo=echo)}
             return self._envelope("text_completion", [choice])
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else \
             ({"content": text} if text else {})

@@ -40,6 +40,8 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
+    # [None, logprob of prompt token 1, ...] while a request's prompt log-probs are scored
+    prompt_logprobs: list | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -57,6 +59,11 @@ class Sequence:
     @property
     def prompt_computed(self) -> bool:
         return self.num_computed >= len(self.prompt_ids)
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """A sequence scoring its prompt must compute every prompt position itself."""
+        return self.prompt_logprobs is None
 
     @property
     def ready(self) -> bool:

@@ -1,17 +1,23 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of one `AsyncEngine`.
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (JSON or
-Server-Sent Events), `GET /health` (503 until the model has loaded) and `GET /metrics`
-(Prometheus). Every error is OpenAI's error JSON: 400 for invalid input (naming the field
-and its range, or the prompt length and the context window), 401 without the configured
-API key, 404 for an unknown model or path, 413 for an oversized body, 429 when the
-waiting queue is full; bad input never reaches a 500. A streaming client that disconnects
-is aborted and its KV blocks freed.
+Server-Sent Events), `GET /health` (503 until the model has loaded, and for good once the
+engine has failed) and `GET /metrics` (Prometheus). Every error is OpenAI's error JSON:
+400 for invalid or unsupported input (naming the field), 401 without the configured API
+key, 404 for an unknown model or path, 413 for a body over the limit (counted on the
+bytes read, chunked or not), 429 when the waiting queue is full, 503 while loading or
+after an engine failure. A bad request fails alone and never reaches a 500. A client that
+disconnects, streaming or not, is aborted and its KV blocks freed.
+
+With an API key, every route but /health needs it (compared in constant time, any case
+of the `Bearer` scheme); /metrics too when `protect_metrics` is set. The interactive docs
+are then off and /openapi.json needs the key.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -29,11 +35,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lathe.serve.async_engine import AsyncEngine, QueueFull
+from lathe.serve.async_engine import AsyncEngine, EngineDead, QueueFull
 from lathe.serve.chat_template import ChatTemplate, ChatTemplateError
 from lathe.serve.engine import CompletionOutput, EngineConfig, LLMEngine, RequestError
 from lathe.serve.metrics import RequestTimer, ServerMetrics
-from lathe.serve.protocol import ChatCompletionRequest, CompletionRequest, ResponseBuilder
+from lathe.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    Echo,
+    ProtocolError,
+    ResponseBuilder,
+)
 from lathe.serve.quant import QuantMode
 from lathe.serve.sampling import SamplingError, SamplingParams
 
@@ -46,6 +58,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    protect_metrics: bool = False  # /metrics needs the API key too
     served_model_name: str | None = None
     quantize: QuantMode | None = None
     max_waiting: int = 256
@@ -65,33 +78,66 @@ class APIError(Exception):
             status, message, param, code, kind)
 
 
+def _printable(text: str) -> str:
+    """Text that JSON-encodes as UTF-8 whatever a client sent (lone surrogates escaped)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_response(status: int, message: str, kind: str = "invalid_request_error",
                    param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
+    return JSONResponse({"error": {"message": _printable(message), "type": kind,
+                                   "param": None if param is None else _printable(param),
                                    "code": code}}, status_code=status)
 
 
+def error_event(error: APIError) -> str:
+    body = {"error": {"message": _printable(error.message), "type": error.kind,
+                      "param": error.param, "code": error.code}}
+    return f"data: {json.dumps(body)}\n\n"
+
+
 class BodyLimit:
-    """Reject request bodies over `max_bytes` (by Content-Length) with a 413."""
+    """Answer 413 to request bodies over `max_bytes`, counting the bytes as they arrive
+    (a chunked body declares no Content-Length); a body within the limit is replayed to
+    the app unchanged."""
 
     def __init__(self, app: Any, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http":
-            length = dict(scope["headers"]).get(b"content-length")
-            if length is not None and int(length) > self.max_bytes:
-                response = error_response(413, f"request body of {int(length)} bytes exceeds "
-                                          f"the server's limit of {self.max_bytes} bytes")
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        size = int(declared) if declared.isdigit() else 0
+        messages: list[dict] = []
+        while size <= self.max_bytes:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            if not messages[:-1]:
+                size = 0  # from here on, count what really arrives
+            size += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        if size > self.max_bytes:
+            response = error_response(413, f"request body exceeds the server's limit of "
+                                      f"{self.max_bytes} bytes")
+            await response(scope, receive, send)
+            return
+
+        async def replay() -> dict:
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
 
 
 class _State:
     def __init__(self) -> None:
         self.engine: AsyncEngine | None = None
         self.template: ChatTemplate | None = None
+        self.no_template: str = "this checkpoint has no chat template; use /v1/completions"
         self.load_error: str | None = None
 
 
@@ -108,7 +154,10 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
             engine = await asyncio.to_thread(load)
             try:
                 state.template = ChatTemplate.from_checkpoint(config.checkpoint)
+                state.template.check()
             except ValueError as error:
+                state.template = None
+                state.no_template = f"chat completions are off for this checkpoint: {error}"
                 log.warning("chat completions disabled: %s", error)
         except Exception as error:
             state.load_error = f"{type(error).__name__}: {error}"
@@ -127,7 +176,10 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
         if state.engine is not None:
             await state.engine.stop()
 
-    app = FastAPI(title="lathe", lifespan=lifespan)
+    keyed = config.api_key is not None
+    app = FastAPI(title="lathe", lifespan=lifespan, docs_url=None if keyed else "/docs",
+                  redoc_url=None if keyed else "/redoc",
+                  openapi_url=None if keyed else "/openapi.json")
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
 
     @app.exception_handler(APIError)
@@ -138,7 +190,8 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
     async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"] if part != "body")
-        return error_response(400, f"{where or 'body'}: {first['msg']}", param=where or None)
+        return error_response(400, f"{where}: {first['msg']}" if where else first["msg"],
+                              param=where or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -147,11 +200,18 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
         return error_response(error.status_code, message, code="not_found"
                               if error.status_code == 404 else None)
 
+    @app.exception_handler(Exception)
+    async def server_fault(request: Request, error: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal error: {type(error).__name__}",
+                              kind="internal_server_error")
+
     def authorize(request: Request) -> None:
         if config.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        if header != f"Bearer {config.api_key}":
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+                key.strip().encode(), config.api_key.encode()):
             raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
 
@@ -159,6 +219,8 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
         if state.engine is None:
             raise APIError(503, "the model is still loading; poll GET /health",
                            kind="service_unavailable")
+        if state.engine.dead is not None:
+            raise APIError(503, str(state.engine.dead), kind="service_unavailable")
         if model is not None and model != name:
             raise APIError(404, f"the model `{model}` does not exist; this server serves "
                            f"`{name}`", param="model", code="model_not_found")
@@ -168,11 +230,18 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
     async def health() -> Response:
         if state.engine is None:
             return JSONResponse({"status": state.load_error or "loading"}, status_code=503)
+        if state.engine.dead is not None:
+            return JSONResponse({"status": str(state.engine.dead)}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(authorize)] if config.protect_metrics else [])
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    if keyed:
+        @app.get("/openapi.json", dependencies=[Depends(authorize)], include_in_schema=False)
+        async def openapi() -> dict[str, Any]:
+            return app.openapi()
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> dict[str, Any]:
@@ -182,47 +251,63 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
             "max_model_len": engine.engine.max_model_len}]}
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        _supported(body)
         engine = ready(body.model)
         prompts = _prompt_ids(engine.engine, body.prompt)
         window = engine.engine.max_model_len
-        params = [_params(body, body.max_tokens if body.max_tokens is not None
-                          else window - len(p), body.logprobs) for p in prompts]
+        # echo with max_tokens=0 scores the prompt: one token is generated and dropped
+        score_only = body.echo and body.max_tokens == 0
+        logprobs = body.logprobs
+        params = [_params(body, 1 if score_only else body.max_tokens if body.max_tokens
+                          is not None else window - len(p), logprobs,
+                          logprobs if body.echo else None) for p in prompts]
+        echoes = [Echo(given if isinstance(given, str) else None, ids) for given, ids in zip(
+            _prompt_list(body.prompt), prompts, strict=True)] if body.echo else None
         builder = ResponseBuilder("completion", name, engine.engine.tokenizer)
-        return await _respond(engine, metrics, builder, body, prompts, params,
-                              body.logprobs is not None)
+        return await _respond(request, engine, metrics, builder, body, prompts, params,
+                              logprobs is not None, echoes, score_only)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        _supported(body)
         engine = ready(body.model)
         if state.template is None:
-            raise APIError(400, "this checkpoint has no chat template; use /v1/completions")
+            raise APIError(400, state.no_template)
         try:
-            text = state.template.render([{"role": m.role, "content": m.text()}
-                                          for m in body.messages])
-            prompt = engine.engine.encode(text)
-        except (ChatTemplateError, RequestError) as error:
+            messages = body.chat()
+            prompt = engine.engine.encode(state.template.render(messages))
+        except (ProtocolError, ChatTemplateError, RequestError) as error:
             raise APIError(400, str(error), param="messages") from None
-        if body.top_logprobs is not None and not body.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        max_tokens = body.completion_budget
         if max_tokens is None:
             max_tokens = max(engine.engine.max_model_len - len(prompt), 1)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         builder = ResponseBuilder("chat", name, engine.engine.tokenizer)
-        return await _respond(engine, metrics, builder, body, [prompt],
-                              [_params(body, max_tokens, logprobs)], body.logprobs)
+        return await _respond(request, engine, metrics, builder, body, [prompt],
+                              [_params(body, max_tokens, logprobs)], bool(body.logprobs))
 
     return app
 
 
-def _prompt_ids(engine: LLMEngine, prompt: str | list) -> list[list[int]]:
+def _supported(body: CompletionRequest | ChatCompletionRequest) -> None:
+    try:
+        body.check_supported()
+    except ProtocolError as error:
+        raise APIError(400, str(error), param=error.param) from None
+
+
+def _prompt_list(prompt: str | list) -> list[str | list[int]]:
+    """The prompts of a completions request: a string, token ids, or a list of either."""
     if isinstance(prompt, str):
-        prompts: list = [prompt]
-    elif prompt and all(isinstance(p, int) for p in prompt):
-        prompts = [prompt]
-    else:
-        prompts = list(prompt)
+        return [prompt]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [prompt]
+    return list(prompt)
+
+
+def _prompt_ids(engine: LLMEngine, prompt: str | list) -> list[list[int]]:
+    prompts = _prompt_list(prompt)
     if not prompts:
         raise APIError(400, "prompt is an empty list; give a string, strings or token ids",
                        param="prompt")
@@ -233,60 +318,139 @@ def _prompt_ids(engine: LLMEngine, prompt: str | list) -> list[list[int]]:
 
 
 def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-            logprobs: int | None) -> SamplingParams:
+            logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     try:
-        return body.sampling_params(max_tokens, logprobs)
+        return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
     except SamplingError as error:
         raise APIError(400, str(error), param=str(error).split("=")[0]) from None
 
 
-async def _respond(engine: AsyncEngine, metrics: ServerMetrics, builder: ResponseBuilder,
-                   body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]],
-                   params: list[SamplingParams], want_logprobs: bool) -> Response:
+def _api_error(error: BaseException) -> APIError:
+    """What a failure while a request was being served tells its client."""
+    if isinstance(error, RequestError):
+        return APIError(400, str(error))
+    if isinstance(error, EngineDead):
+        return APIError(503, str(error), kind="service_unavailable")
+    log.error("request failed: %s: %s", type(error).__name__, error)
+    return APIError(500, f"internal error: {type(error).__name__}",
+                    kind="internal_server_error")
+
+
+async def _respond(request: Request, engine: AsyncEngine, metrics: ServerMetrics,
+                   builder: ResponseBuilder, body: CompletionRequest | ChatCompletionRequest,
+                   prompts: list[list[int]], params: list[SamplingParams], want_logprobs: bool,
+                   echoes: list[Echo] | None = None, score_only: bool = False) -> Response:
+    """Submit one request per prompt and answer with their n completions each, as JSON or
+    as Server-Sent Events. `echoes`: the prompts to put in front (completions `echo`);
+    `score_only`: drop the one generated token (echo with max_tokens=0)."""
     request_ids: list[str] = []
     try:
         for prompt, p in zip(prompts, params, strict=True):
             engine.engine.validate(prompt, p)
         for prompt, p in zip(prompts, params, strict=True):
             request_ids.append(engine.submit(prompt, p))
-    except RequestError as error:
+    except (RequestError, QueueFull, EngineDead) as error:
+        for request_id in request_ids:  # the prompts accepted before the one that failed
+            engine.abort(request_id)
+        if isinstance(error, QueueFull):
+            raise APIError(429, str(error), kind="rate_limit_exceeded") from None
+        if isinstance(error, EngineDead):
+            raise APIError(503, str(error), kind="service_unavailable") from None
         raise APIError(400, str(error), param="max_tokens" if "max_tokens" in str(error)
                        else "prompt") from None
-    except QueueFull as error:
-        for request_id in request_ids:  # the prompts accepted before the queue filled up
-            engine.abort(request_id)
-        raise APIError(429, str(error), kind="rate_limit_exceeded") from None
+    tokenizer = engine.engine.tokenizer
+    for echo in echoes or []:  # token-id prompts echo as their decoded (now validated) ids
+        if echo.text is None:
+            echo.text = tokenizer.decode(echo.token_ids, skip_special_tokens=False) \
+                if tokenizer is not None else ""
     n = params[0].n
     prompt_tokens = sum(len(p) for p in prompts)
     streams = [engine.results(r, n) for r in request_ids]
     timer = RequestTimer(metrics)
+
+    def choice_echo(prompt_index: int) -> Echo | None:
+        return echoes[prompt_index] if echoes is not None else None
+
+    def visible(prompt_index: int, delta: Any) -> Any:
+        """The delta as the client sees it: echo's prompt log-probs kept, and with
+        `score_only` its generated token dropped."""
+        echo = choice_echo(prompt_index)
+        if echo is not None and delta.prompt_logprobs is not None:
+            echo.logprobs = delta.prompt_logprobs
+        if score_only:
+            delta.token_ids, delta.text, delta.logprobs = [], "", []
+        return delta
+
     if not body.stream:
         outputs = [CompletionOutput(i) for i in range(len(prompts) * n)]
-        async for prompt_index, delta in _merge(streams):
-            index = prompt_index * n + delta.index
-            for _ in delta.token_ids:
-                timer.token(index)
-            outputs[index].add(delta)
+
+        async def collect() -> None:
+            async for prompt_index, delta in _merge(streams):
+                index = prompt_index * n + delta.index
+                delta = visible(prompt_index, delta)
+                for _ in delta.token_ids:
+                    timer.token(index)
+                outputs[index].add(delta)
+
+        try:
+            finished = await _unless_disconnected(request, collect())
+        except Exception as error:
+            raise _api_error(error) from None
+        if not finished:
+            return Response(status_code=499)  # nobody is listening; the requests are aborted
         timer.done()
-        return JSONResponse(builder.response(outputs, want_logprobs, prompt_tokens))
+        choice_echoes = [choice_echo(i // n) for i in range(len(outputs))] if echoes else None
+        return JSONResponse(builder.response(outputs, want_logprobs, prompt_tokens,
+                                             choice_echoes))
 
     async def events() -> AsyncIterator[str]:
         completion_tokens, started = 0, set()
-        async for prompt_index, delta in _merge(streams):
-            index = prompt_index * n + delta.index
-            for _ in delta.token_ids:
-                timer.token(index)
-            completion_tokens += len(delta.token_ids)
-            chunk = builder.chunk(index, delta.text, delta.logprobs if want_logprobs else None,
-                                  delta.finish_reason, first=index not in started)
-            started.add(index)
-            yield f"data: {json.dumps(chunk)}\n\n"
-        timer.done()
-        if body.include_usage:
-            yield f"data: {json.dumps(builder.usage_chunk(prompt_tokens, completion_tokens))}\n\n"
+        try:
+            async for prompt_index, delta in _merge(streams):
+                index = prompt_index * n + delta.index
+                delta = visible(prompt_index, delta)
+                for _ in delta.token_ids:
+                    timer.token(index)
+                completion_tokens += len(delta.token_ids)
+                first = index not in started
+                chunk = builder.chunk(index, delta.text,
+                                      delta.logprobs if want_logprobs else None,
+                                      delta.finish_reason, first=first,
+                                      echo=choice_echo(prompt_index) if first else None)
+                started.add(index)
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except Exception as error:
+            yield error_event(_api_error(error))
+        else:
+            timer.done()
+            if body.include_usage:
+                yield (f"data: {json.dumps(builder.usage_chunk(prompt_tokens, completion_tokens))}"
+                       "\n\n")
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def _unless_disconnected(request: Request, work: Any) -> bool:
+    """Run `work` to its end (True), or cancel it as soon as the client disconnects
+    (False); cancelling closes the request's result streams, which aborts them."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+    if task.cancelled() or not task.done():
+        await asyncio.gather(task, return_exceptions=True)
+        return False
+    task.result()
+    return True
 
 
 async def _merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
