@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from huggingface_hub import save_torch_state_dict
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
@@ -38,6 +39,37 @@ DEFAULT_SAMPLING = {"do_sample": True, "temperature": 0.7, "top_p": 0.9}
 
 class CheckpointError(ValueError):
     """A checkpoint folder that is missing, malformed, or does not match its config."""
+
+
+# config.json fields read as numbers, and the type each must have
+_INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "intermediate_size", "max_position_embeddings", "head_dim")
+_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "initializer_range")
+
+
+def read_json_object(file: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file as a dict, or one `CheckpointError` saying what is wrong."""
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{file}: cannot be read ({error})") from None
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{file}: not valid JSON ({error}); restore or re-export "
+                              "the checkpoint") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: must hold a JSON object, not a {type(data).__name__}")
+    return data
+
+
+def load_safetensors(file: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file; a truncated or corrupt file is a
+    `CheckpointError` naming it."""
+    try:
+        # safetensors accepts "cpu" but not the "cpu:0" multi-process CPU launches use
+        return load_file(file, device="cpu" if device.type == "cpu" else str(device))
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({error}); it is "
+                              "truncated or corrupt — copy or export it again") from None
 
 
 def save_checkpoint(model: Transformer, path: str | Path, tokenizer: str | Path | None = None,
@@ -93,8 +125,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
     device = torch.device(device if device is not None else "cpu")
     state: dict[str, torch.Tensor] = {}
     for file in _weight_files(path):
-        # safetensors accepts "cpu" but not the "cpu:0" multi-process CPU launches use
-        state.update(load_file(file, device="cpu" if device.type == "cpu" else str(device)))
+        state.update(load_safetensors(file, device))
     with torch.device("meta"):
         model = Transformer(config)
     _check_state_dict(model, state, path)
@@ -114,13 +145,38 @@ def read_model_config(path: str | Path) -> ModelConfig:
             f"{path}: no {CONFIG_FILE}; a checkpoint is a folder with {CONFIG_FILE} and "
             f"{WEIGHTS_FILE} (write one with `lathe init` or save_checkpoint)"
         )
-    return ModelConfig.from_hf_config(json.loads(file.read_text()))
+    hf = read_json_object(file)
+    for name in _INT_FIELDS:
+        value = hf.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise CheckpointError(f"{file}: {name}={value!r} must be an integer")
+    for name in _FLOAT_FIELDS:
+        value = hf.get(name)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise CheckpointError(f"{file}: {name}={value!r} must be a number")
+    try:
+        return ModelConfig.from_hf_config(hf)
+    except KeyError as error:
+        raise CheckpointError(f"{file}: the field {error} is missing") from None
+    except (TypeError, AttributeError, ZeroDivisionError) as error:
+        raise CheckpointError(f"{file}: {error}") from None
 
 
 def _weight_files(path: Path) -> list[Path]:
     if (path / WEIGHTS_INDEX_FILE).is_file():
-        weight_map = json.loads((path / WEIGHTS_INDEX_FILE).read_text())["weight_map"]
-        files = [path / name for name in sorted(set(weight_map.values()))]
+        index = path / WEIGHTS_INDEX_FILE
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map or not all(
+                isinstance(name, str) for name in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map must map parameter names to shard "
+                                  "file names")
+        files = []
+        for name in sorted(set(weight_map.values())):
+            # a plain file name: "../x" or "/x" would read outside the checkpoint folder
+            if not name.endswith(".safetensors") or Path(name).name != name or "\\" in name:
+                raise CheckpointError(f"{index}: shard {name!r} must be the name of a "
+                                      ".safetensors file in the checkpoint folder")
+            files.append(path / name)
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"{path}: shard(s) named in {WEIGHTS_INDEX_FILE} are missing: "
@@ -141,6 +197,8 @@ def _check_state_dict(model: Transformer, state: dict[str, torch.Tensor], path: 
     }
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
+    not_float = [f"{name} ({tensor.dtype})" for name, tensor in sorted(state.items())
+                 if name in expected and not tensor.is_floating_point()]
     mis_shaped = [
         f"{name} {tuple(state[name].shape)} (config expects {expected[name]})"
         for name in sorted(set(expected) & set(state))
@@ -149,7 +207,7 @@ def _check_state_dict(model: Transformer, state: dict[str, torch.Tensor], path: 
     problems = [
         f"{label} ({len(items)}): {', '.join(items[:8])}{' ...' if len(items) > 8 else ''}"
         for label, items in (("missing", missing), ("unexpected", unexpected),
-                             ("mis-shaped", mis_shaped))
+                             ("mis-shaped", mis_shaped), ("not floating point", not_float))
         if items
     ]
     if problems:

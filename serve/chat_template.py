@@ -4,13 +4,12 @@ tokenizer's special tokens as variables and `raise_exception` for template error
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from lathe.model.checkpoint import CheckpointError
+from lathe.model.checkpoint import CheckpointError, read_json_object
 
 
 class ChatTemplateError(ValueError):
@@ -35,8 +34,11 @@ class ChatTemplate:
     def from_checkpoint(cls, path: str | Path) -> ChatTemplate:
         path = Path(path)
         config_file = path / "tokenizer_config.json"
-        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        config = read_json_object(config_file) if config_file.is_file() else {}
         template = config.get("chat_template")
+        if template is not None and not isinstance(template, str):
+            raise CheckpointError(f"{config_file}: chat_template must be a string (one Jinja "
+                                  f"template), not a {type(template).__name__}")
         if not template and (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
         if not template:

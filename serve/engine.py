@@ -13,7 +13,6 @@ top of it; `lathe.serve.async_engine` streams the same deltas.
 from __future__ import annotations
 
 import itertools
-import json
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from tokenizers import Tokenizer
 from torch import Tensor
 from tqdm import tqdm
 
-from lathe.model.checkpoint import GENERATION_CONFIG_FILE
+from lathe.model.checkpoint import GENERATION_CONFIG_FILE, CheckpointError, read_json_object
 from lathe.model.transformer import Transformer
 from lathe.serve.block_manager import BlockManager
 from lathe.serve.detokenize import IncrementalDetokenizer
@@ -136,12 +135,15 @@ class LLMEngine:
         tokenizer when it has one, and the EOS ids of its generation_config.json."""
         path = Path(path)
         model = load_serving_model(path, quantize=quantize, dtype=dtype, device=device)
-        tokenizer_file = path / "tokenizer.json"
-        tokenizer = Tokenizer.from_file(str(tokenizer_file)) if tokenizer_file.is_file() else None
+        vocab = model.config.vocab_size
+        tokenizer = _load_tokenizer(path / "tokenizer.json", vocab)
         generation = path / GENERATION_CONFIG_FILE
-        eos = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() \
-            else None
-        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        eos = read_json_object(generation).get("eos_token_id") if generation.is_file() else None
+        eos_ids = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+        if eos is not None and (not eos_ids or not all(
+                isinstance(t, int) and 0 <= t < vocab for t in eos_ids)):
+            raise CheckpointError(f"{generation}: eos_token_id={eos!r} must be a token id in "
+                                  f"[0, {vocab}) or a non-empty list of them")
         return cls(model, tokenizer, config, eos_ids)
 
     @property
@@ -396,6 +398,22 @@ class LLMEngine:
             "prompt_tokens": self.prompt_tokens_total,
             "generation_tokens": self.generation_tokens_total,
         }
+
+
+def _load_tokenizer(file: Path, vocab_size: int) -> Tokenizer | None:
+    """The checkpoint's tokenizer (None without tokenizer.json), checked against the model."""
+    if not file.is_file():
+        return None
+    try:
+        tokenizer = Tokenizer.from_file(str(file))
+    except Exception as error:  # the Rust loader raises a bare Exception
+        raise CheckpointError(f"{file}: not a tokenizer the `tokenizers` library loads "
+                              f"({error}); copy it again from the tokenizer folder") from None
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if size > vocab_size:
+        raise CheckpointError(f"{file}: {size} tokens, but the model's vocab_size is "
+                              f"{vocab_size}; this tokenizer belongs to another model")
+    return tokenizer
 
 
 def _token_logprobs(logits: Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:

@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from lathe.kernels.quant_matmul import (
@@ -38,6 +38,8 @@ from lathe.model.checkpoint import (
     WEIGHTS_FILE,
     CheckpointError,
     load_checkpoint,
+    load_safetensors,
+    read_json_object,
     read_model_config,
 )
 from lathe.model.transformer import Transformer
@@ -127,12 +129,13 @@ def weight_bytes(model: nn.Module) -> int:
 
 def quantization_config(path: str | Path) -> dict | None:
     """The `quantization_config` of a checkpoint folder, or None for a plain checkpoint."""
-    config = json.loads((Path(path) / CONFIG_FILE).read_text())
-    quant = config.get("quantization_config")
-    if quant is not None and (quant.get("quant_method") != "lathe"
-                              or quant.get("mode") not in ("int8", "int4")):
+    quant = read_json_object(Path(path) / CONFIG_FILE).get("quantization_config")
+    if quant is not None and (not isinstance(quant, dict) or quant.get("quant_method") != "lathe"
+                              or quant.get("mode") not in ("int8", "int4")
+                              or not isinstance(quant.get("group_size"), int)
+                              or quant["group_size"] < 1):
         raise CheckpointError(f"{path}: quantization_config {quant} is not one lathe wrote "
-                              "(quant_method 'lathe', mode int8|int4)")
+                              "(quant_method 'lathe', mode int8|int4, group_size >= 1)")
     return quant
 
 
@@ -174,15 +177,21 @@ def load_serving_model(path: str | Path, quantize: QuantMode | None = None,
     with torch.device("meta"):
         model = Transformer(read_model_config(path))
     quantize_linears(model, quant["mode"], quant["group_size"])
-    state = load_file(Path(path) / WEIGHTS_FILE,
-                      device="cpu" if device.type == "cpu" else str(device))
+    state = load_safetensors(Path(path) / WEIGHTS_FILE, device)
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-    expected = set(model.state_dict())
-    if set(state) != expected:
+    expected = model.state_dict()
+    if set(state) != set(expected):
         raise CheckpointError(f"{path}: quantized weights do not match config.json (missing "
-                              f"{sorted(expected - set(state))[:4]}, unexpected "
-                              f"{sorted(set(state) - expected)[:4]})")
+                              f"{sorted(set(expected) - set(state))[:4]}, unexpected "
+                              f"{sorted(set(state) - set(expected))[:4]})")
+    wrong = [f"{name} {tuple(t.shape)} {t.dtype} (expected {tuple(expected[name].shape)} "
+             f"{expected[name].dtype})" for name, t in sorted(state.items())
+             if t.shape != expected[name].shape or t.is_floating_point()
+             != expected[name].is_floating_point()]
+    if wrong:
+        raise CheckpointError(f"{path}: quantized weights of the wrong shape or kind: "
+                              f"{', '.join(wrong[:4])}")
     model.load_state_dict(state, assign=True)
     model.model.rotary_emb.reset_parameters(device)
     return model.eval()
