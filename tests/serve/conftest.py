@@ -1,14 +1,25 @@
-"""A seeded tiny checkpoint with lathe's trained BPE tokenizer and chat template."""
+"""A seeded tiny checkpoint with lathe's trained BPE tokenizer and chat template, and the
+real server on it (uvicorn in a thread, on a free loopback port)."""
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 import torch
+import uvicorn
 
 from lathe.data.tokenizer import save_tokenizer, train_tokenizer
 from lathe.model import ModelConfig, Transformer, save_checkpoint
+from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.server import ServerConfig, build_app
 from tests.data.corpus import prose
 
 
@@ -28,3 +39,58 @@ def checkpoint(tmp_path_factory) -> Path:
     save_tokenizer(tokenizer, root / "tokenizer")
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     return save_checkpoint(serve_model(vocab), root / "ckpt", tokenizer=root / "tokenizer")
+
+
+API_KEY = "test-key"
+
+
+@dataclass
+class Running:
+    url: str
+    engine: Callable[[], LLMEngine]
+
+
+def start_server(checkpoint, load: Callable[[], LLMEngine] | None = None,
+                 **config) -> tuple[uvicorn.Server, threading.Thread, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = build_app(ServerConfig(checkpoint=checkpoint, port=port, served_model_name="tiny",
+                                 **config), load=load)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    return server, thread, url
+
+
+def wait_healthy(url: str) -> None:
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{url}/health").status_code != 200:
+        assert time.monotonic() < deadline, "model did not load"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def running(checkpoint) -> Iterator[Running]:
+    engines: list[LLMEngine] = []
+
+    def load() -> LLMEngine:
+        engines.append(LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=128)))
+        return engines[0]
+
+    server, thread, url = start_server(checkpoint, load, api_key=API_KEY, max_body_bytes=4096)
+    wait_healthy(url)
+    yield Running(url, lambda: engines[0])
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture
+def client(running) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{running.url}/v1", api_key=API_KEY, max_retries=0)
+

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lathe.serve.engine import EngineConfig, LLMEngine, RequestError
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling import SamplingError, SamplingParams
 from tests.serve.conftest import serve_model
 
 
@@ -151,3 +151,69 @@ def test_text_stop_strings_and_eos_from_a_checkpoint(checkpoint):
                                                       stop_token_ids=[free.token_ids[2]]))[0]
     assert forced.outputs[0].token_ids == free.token_ids[:3]
     assert forced.outputs[0].finish_reason == "stop"
+
+
+def test_a_prompt_past_the_token_budget_prefills_alone_across_steps():
+    model = serve_model(256, max_seq_len=1024)
+    (prompt,) = prompts([600])
+    engine = engine_for(model, max_num_batched_tokens=64)  # 10 steps with no row to sample
+    result = engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0))[0]
+    assert result.outputs[0].token_ids == naive_greedy(model, prompt, 3)
+
+
+def test_prompt_logprobs_score_every_prompt_token_across_chunks_cache_and_preemption():
+    model = serve_model(256)
+    (prompt,) = prompts([60])
+    (short,) = prompts([9], seed=3)
+    with torch.inference_mode():
+        reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+    engine = engine_for(model, max_num_batched_tokens=16, num_blocks=18)
+    engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0))  # now cached
+    hits = engine.block_manager.prefix_hits
+    # `short` is admitted first and keeps growing: the scored prompt, admitted after it
+    # into the last free blocks, is preempted mid-prefill and later recomputed
+    other, scored = engine.generate(
+        [short, prompt], [SamplingParams(max_tokens=40, temperature=0),
+                          SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=3, n=2)])
+    assert engine.scheduler.num_preemptions > 0
+    entries = scored.prompt_logprobs
+    assert len(entries) == len(prompt) and entries[0] is None
+    for t, entry in enumerate(entries[1:], start=1):
+        row = reference[t - 1]
+        assert entry.token_id == prompt[t]
+        assert entry.logprob == pytest.approx(float(row[prompt[t]]), abs=1e-5)
+        assert [i for i, _ in entry.top] == row.topk(3).indices.tolist()
+    # the scored prompt computed every position itself; only its sibling read the cache
+    assert engine.block_manager.prefix_hits - hits <= 56
+    assert [o.token_ids for o in scored.outputs] == [naive_greedy(model, prompt, 4)] * 2
+    assert other.outputs[0].token_ids == naive_greedy(model, short, 40)
+
+
+def test_logit_bias_steers_greedy_and_sampled_tokens():
+    engine = engine_for(serve_model(256))
+    (prompt,) = prompts([12])
+    for temperature in (0.0, 1.0):
+        forced = engine.generate([prompt], SamplingParams(
+            max_tokens=6, temperature=temperature, seed=0, logit_bias={42: 100.0}))[0]
+        assert forced.outputs[0].token_ids == [42] * 6
+    free = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))[0]
+    banned = free.outputs[0].token_ids[0]
+    avoided = engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0,
+                                                       logit_bias={banned: -100.0}))[0]
+    assert avoided.outputs[0].token_ids != [banned]
+    with pytest.raises(SamplingError, match=r"logit_bias=\{1: 101.0\} must be"):
+        SamplingParams(logit_bias={1: 101.0})
+    with pytest.raises(RequestError, match="logit_bias token ids \\[999\\]"):
+        engine.add_request(prompt, SamplingParams(logit_bias={999: 1.0}))
+
+
+@pytest.mark.parametrize("seed", [2**64, 18446744073709551615, -(2**63) - 1])
+def test_seeds_outside_64_bits_are_refused_and_the_edges_work(seed):
+    with pytest.raises(SamplingError, match="seed=.* must be a 64-bit signed integer"):
+        SamplingParams(seed=seed)
+    engine = engine_for(serve_model(256))
+    (prompt,) = prompts([5])
+    for edge in (2**63 - 1, -(2**63)):
+        params = SamplingParams(max_tokens=4, seed=edge, n=2)
+        first, again = (engine.generate([prompt], params)[0] for _ in range(2))
+        assert [o.token_ids for o in first.outputs] == [o.token_ids for o in again.outputs]
