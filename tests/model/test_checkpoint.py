@@ -144,3 +144,54 @@ def test_tokenizer_larger_than_the_vocab_is_refused(tmp_path):
                                               "vocab_size is 256"):
         save_checkpoint(tiny_model(), tmp_path / "ck", tokenizer=tokenizer)
     assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("text,named", [
+    ("[1, 2]", "must hold a JSON object, not a list"),
+    ("{nope", "not valid JSON"),
+    ('{"model_type": "llama", "hidden_size": "128"}', "hidden_size='128' must be an integer"),
+    ('{"model_type": "llama", "hidden_size": 128}', "the field 'num_attention_heads' is missing"),
+])
+def test_a_malformed_config_json_is_one_error_naming_it(tmp_path, text, named):
+    save_checkpoint(tiny_model(), tmp_path / "ck")
+    (tmp_path / "ck" / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match="config.json: ") as info:
+        load_checkpoint(tmp_path / "ck")
+    assert named in str(info.value)
+
+
+def test_a_truncated_or_non_float_weights_file_is_a_checkpoint_error(tmp_path):
+    save_checkpoint(tiny_model(), tmp_path / "ck")
+    weights = tmp_path / "ck" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) // 2])
+    with pytest.raises(CheckpointError, match="model.safetensors: not a readable safetensors "
+                                              "file .* truncated or corrupt"):
+        load_checkpoint(tmp_path / "ck")
+    weights.write_bytes(b"\xff" * 64)
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        load_checkpoint(tmp_path / "ck")
+    state = {k: v.to(torch.int32) if k.endswith("norm.weight") else v
+             for k, v in tiny_model().state_dict().items() if k != "lm_head.weight"}
+    save_file(state, weights)
+    with pytest.raises(CheckpointError, match="not floating point .*norm.weight"):
+        load_checkpoint(tmp_path / "ck")
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd.safetensors",
+                                   "sub/dir.safetensors", "model.bin"])
+def test_weight_map_names_cannot_leave_the_checkpoint_folder(tmp_path, shard):
+    model = tiny_model(tie_embeddings=False)
+    save_checkpoint(model, tmp_path / "ck", max_shard_size="300KB")
+    save_file({"x": torch.zeros(1)}, tmp_path / "outside.safetensors")
+    index_file = tmp_path / "ck" / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    index["weight_map"]["model.norm.weight"] = shard
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="must be the name of a .safetensors file in the "
+                                              "checkpoint folder"):
+        load_checkpoint(tmp_path / "ck")
+    index["weight_map"] = ["not", "a", "map"]
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="weight_map must map parameter names"):
+        load_checkpoint(tmp_path / "ck")

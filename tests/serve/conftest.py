@@ -80,7 +80,9 @@ def running(checkpoint) -> Iterator[Running]:
     engines: list[LLMEngine] = []
 
     def load() -> LLMEngine:
-        engines.append(LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=128)))
+        # a small token budget, so that long prompts prefill across several steps
+        engines.append(LLMEngine.from_checkpoint(checkpoint, EngineConfig(
+            num_blocks=128, max_num_batched_tokens=64)))
         return engines[0]
 
     server, thread, url = start_server(checkpoint, load, api_key=API_KEY, max_body_bytes=4096)
