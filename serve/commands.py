@@ -49,6 +49,8 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("LATHE_API_KEY"),
                         help="require 'Authorization: Bearer KEY' (default: $LATHE_API_KEY)")
+    parser.add_argument("--protect-metrics", action="store_true",
+                        help="/metrics needs the API key too (default: open, for scrapers)")
     parser.add_argument("--served-model-name", help="model id clients send (default: folder name)")
     parser.add_argument("--max-waiting", type=int, default=256,
                         help="queued requests before answering 429")
@@ -61,7 +63,8 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
 
     from lathe.serve.server import ServerConfig, build_app
     config = ServerConfig(checkpoint=args.checkpoint, host=args.host, port=args.port,
-                          api_key=args.api_key, served_model_name=args.served_model_name,
+                          api_key=args.api_key, protect_metrics=args.protect_metrics,
+                          served_model_name=args.served_model_name,
                           quantize=args.quantize, max_waiting=args.max_waiting,
                           max_body_bytes=args.max_body_bytes, engine=_engine_config(args))
     uvicorn.run(build_app(config), host=args.host, port=args.port, log_level=args.log_level)
