@@ -67,7 +67,10 @@ class RemoteChat:
             for line in response.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                for choice in json.loads(line[len("data: "):])["choices"]:
+                event = json.loads(line[len("data: "):])
+                if "error" in event:  # the request failed after the stream opened
+                    raise RuntimeError(f"server error: {event['error']['message']}")
+                for choice in event["choices"]:
                     yield choice["delta"].get("content") or ""
 
 
