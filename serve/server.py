@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lathe.model.checkpoint import CheckpointError
 from lathe.serve.async_engine import AsyncEngine, EngineDead, QueueFull
 from lathe.serve.chat_template import ChatTemplate, ChatTemplateError
 from lathe.serve.engine import CompletionOutput, EngineConfig, LLMEngine, RequestError
@@ -161,7 +162,10 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
                 log.warning("chat completions disabled: %s", error)
         except Exception as error:
             state.load_error = f"{type(error).__name__}: {error}"
-            log.exception("loading %s failed; shutting down", config.checkpoint)
+            if isinstance(error, CheckpointError):  # the message says it all
+                log.error("cannot serve %s: %s; shutting down", config.checkpoint, error)
+            else:
+                log.exception("loading %s failed; shutting down", config.checkpoint)
             os.kill(os.getpid(), signal.SIGTERM)
             return
         state.engine = AsyncEngine(engine, config.max_waiting)
