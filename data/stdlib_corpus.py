@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import io
 import pydoc
+import re
 import sys
 import sysconfig
 from collections.abc import Iterator
@@ -68,12 +69,37 @@ def read_python_files(paths: list[str], config: SourceConfig) -> Iterator[Record
                             metadata={"source": "stdlib", "path": relative})
 
 
+class _StableRepr(pydoc.HTMLRepr):
+    """pydoc's value reprs, minus the command line of this process (`sys.argv`)."""
+
+    def repr_list(self, value: list, level: int) -> str:
+        if value is sys.argv or value is getattr(sys, "orig_argv", None):
+            return "[...]"
+        return super().repr_list(value, level)
+
+
+class _StableHTMLDoc(pydoc.HTMLDoc):
+    _repr_instance = _StableRepr()
+    repr = _repr_instance.repr
+
+
+# object reprs hold memory addresses ("<object object at 0x7f3a...>", "<PyDLL 'None',
+# handle 7f64...>"), which differ between runs; the corpus must not
+_ADDRESS = re.compile(r"\b(0x|handle )[0-9a-fA-F]{6,}\b")
+# os.environ, as a module value or a default argument (cgi.FieldStorage), would put this
+# machine's environment, secrets included, into the corpus
+_ENVIRONMENT = re.compile(r"environ\(\{.*?\}\)", re.DOTALL)
+
+
 def render_pydoc(name: str) -> str:
-    """The HTML page `pydoc -w NAME` would write, rendered in memory."""
+    """The HTML page `pydoc -w NAME` would write, rendered in memory, the same in every
+    run: no process state (environment, argv) and no memory addresses."""
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         module = importlib.import_module(name)
-        html = pydoc.HTMLDoc()
-        return html.page(pydoc.describe(module), html.document(module, name))
+        html = _StableHTMLDoc()
+        page = html.page(pydoc.describe(module), html.document(module, name))
+    page = _ENVIRONMENT.sub("environ({...})", page)
+    return _ADDRESS.sub(lambda match: match.group(1) + "...", page)
 
 
 def read_pydoc_pages(names: list[str], config: SourceConfig) -> Iterator[Record]:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -119,3 +122,21 @@ def test_stdlib_corpus_lists_code_and_pydoc_shards():
     names = [s.name for s in list_shards("stdlib", SourceConfig(files_per_shard=400))]
     assert any(n.startswith("stdlib-py-") for n in names)
     assert any(n.startswith("stdlib-pydoc-") for n in names)
+
+
+def test_pydoc_pages_are_the_same_in_every_run_and_hold_no_environment():
+    """os documents os.environ and sys its argv; ctypes shows a handle address: none of
+    that may differ between runs or leak this machine's environment into the corpus."""
+    script = ("import hashlib, sys\n"
+              "from lathe.data.stdlib_corpus import render_pydoc\n"
+              "pages = [render_pydoc(m) for m in ('os', 'sys', 'ctypes')]\n"
+              "assert not any('LATHE_PROBE_SECRET' in p or 'sk-probe' in p for p in pages)\n"
+              "print([hashlib.sha256(p.encode()).hexdigest() for p in pages])\n")
+    outputs = []
+    for seed, secret in (("1", "sk-probe-1"), ("2", "sk-probe-2")):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "LATHE_PROBE_SECRET": secret}
+        done = subprocess.run([sys.executable, "-c", script, seed], env=env, text=True,
+                              capture_output=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        outputs.append(done.stdout)
+    assert outputs[0] == outputs[1]
