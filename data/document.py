@@ -31,10 +31,13 @@ class Document:
 
 @dataclass(frozen=True)
 class Rejected:
-    """An input record that never became a document, and why."""
+    """An input record that never became a document, and why. A file that could not be
+    read to its end is one `Rejected` too, with `where` naming the file and offset and
+    `detail` the error."""
 
     where: str
     reason: str
+    detail: str = ""
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from lathe.data.stages.gopher import (
 from lathe.data.stages.language import Language, LanguageConfig
 from lathe.data.stages.normalize import Normalize, NormalizeConfig
 from lathe.data.stages.pii import PII, PIIConfig
-from lathe.data.stats import RunStats, StageStats
+from lathe.data.stats import MAX_FAILURES, RunStats, StageStats
 from lathe.model.recipe import ConfigError
 
 READ = "read"  # the pseudo-stage counting input records and the bad ones among them
@@ -83,6 +83,9 @@ class Pipeline:
             read.docs_in += 1
             if isinstance(record, Rejected):
                 read.dropped[record.reason] += 1
+                if record.detail and len(read.failures) < MAX_FAILURES:
+                    read.failures.append({"where": record.where, "reason": record.reason,
+                                          "detail": record.detail})
                 continue
             read.kept += 1
             read.chars_in += record.chars

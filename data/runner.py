@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from lathe.data.dedup import MinHasher, exact_key, first_occurrences, near_duplicate_mask
 from lathe.data.pipeline import READ, CleanConfig, Pipeline
-from lathe.data.sources import InputShard, list_shards
+from lathe.data.sources import InputShard, list_shards, read_guarded
 from lathe.data.stats import RunStats, StageStats, docs_out, merge_run_stats
 from lathe.data.store import SUFFIX, read_documents, write_documents
 from lathe.model.atomic import write_json
@@ -51,7 +51,7 @@ def _init_worker(config: CleanConfig) -> None:
 def _clean_shard(job: tuple[int, InputShard, str, str]) -> tuple[int, int]:
     index, shard, work, fmt = job
     stats = _pipeline.new_stats()
-    docs = list(_pipeline.run(shard.read(), stats))
+    docs = list(_pipeline.run(read_guarded(shard), stats))
     write_documents(Path(work) / f"{index:05d}{SUFFIX[fmt]}", docs, fmt)
     write_json(Path(work) / f"{index:05d}.stats.json",
                 {name: s.to_dict() for name, s in stats.items()})

@@ -3,7 +3,10 @@ picklable recipe for reading one slice (a file, a group of files, a slice of a H
 Face dataset) so the runner can hand shards to worker processes and resume per shard.
 
 Readers yield `Document`s, and `Rejected` records for input that is not a document:
-invalid JSON, invalid UTF-8, a missing or empty text, a text over `max_doc_bytes`.
+invalid JSON, invalid UTF-8, a missing or empty text, a text over `max_doc_bytes`. A file
+that breaks off (a truncated gzip, a WARC record running past the end) ends its reader
+with one `Rejected` naming the file and offset; `read_guarded` turns whatever else a
+reader raises into one, so a bad file never stops a run.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import functools
 import gzip
 import json
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,7 +131,22 @@ def text_document(value: str, doc_id: str, where: str, config: SourceConfig, *,
                     kind=kind or config.kind, metadata=metadata or {})
 
 
+def read_guarded(shard: InputShard) -> Iterator[Record]:
+    """The shard's records; a reader that fails ends with a `Rejected("unreadable_file")`."""
+    try:
+        yield from shard.read()
+    except Exception as error:
+        yield Rejected(shard.name, "unreadable_file", f"{type(error).__name__}: {error}")
+
+
 def read_jsonl(path: str, config: SourceConfig) -> Iterator[Record]:
+    try:
+        yield from _jsonl_records(path, config)
+    except (EOFError, OSError, zlib.error) as error:  # truncated or corrupt gzip
+        yield Rejected(path, "truncated_file", f"{type(error).__name__}: {error}")
+
+
+def _jsonl_records(path: str, config: SourceConfig) -> Iterator[Record]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rb") as f:
         for number, raw in enumerate(f, 1):
@@ -182,26 +201,36 @@ def read_warc(path: str, config: SourceConfig) -> Iterator[Record]:
     from warcio.archiveiterator import ArchiveIterator
 
     with open(path, "rb") as f:
-        for record in ArchiveIterator(f):
-            if record.rec_type != "response":
-                continue
-            headers = record.http_headers
-            content_type = (headers.get_header("Content-Type") if headers else None) or ""
-            if "html" not in content_type.lower():
-                continue
-            record_id = record.rec_headers.get_header("WARC-Record-ID")
-            url = record.rec_headers.get_header("WARC-Target-URI")
-            charset = "utf-8"
-            if "charset=" in content_type:
-                charset = content_type.split("charset=")[-1].split(";")[0].strip() or charset
-            body = record.content_stream().read()
-            try:
-                html = body.decode(charset)
-            except (UnicodeDecodeError, LookupError):
-                yield Rejected(f"{path}:{record_id}", "invalid_encoding")
-                continue
-            yield text_document(html, record_id, f"{path}:{record_id}", config, is_html=True,
-                                metadata={"url": url})
+        records = ArchiveIterator(f)
+        try:
+            yield from _warc_documents(path, records, config)
+        except Exception as error:  # warcio raises assorted errors on a broken record
+            offset = records.offset  # where the broken record starts
+            yield Rejected(f"{path}@{offset}", "broken_warc_record",
+                           f"{type(error).__name__}: {error}")
+
+
+def _warc_documents(path: str, records: Any, config: SourceConfig) -> Iterator[Record]:
+    for record in records:
+        if record.rec_type != "response":
+            continue
+        headers = record.http_headers
+        content_type = (headers.get_header("Content-Type") if headers else None) or ""
+        if "html" not in content_type.lower():
+            continue
+        record_id = record.rec_headers.get_header("WARC-Record-ID")
+        url = record.rec_headers.get_header("WARC-Target-URI")
+        charset = "utf-8"
+        if "charset=" in content_type:
+            charset = content_type.split("charset=")[-1].split(";")[0].strip() or charset
+        body = record.content_stream().read()
+        try:
+            html = body.decode(charset)
+        except (UnicodeDecodeError, LookupError):
+            yield Rejected(f"{path}:{record_id}", "invalid_encoding")
+            continue
+        yield text_document(html, record_id, f"{path}:{record_id}", config, is_html=True,
+                            metadata={"url": url})
 
 
 def _hf_shards(name: str, config: SourceConfig, *, from_disk: bool) -> list[InputShard]:

@@ -132,3 +132,54 @@ def test_killed_run_resumes_to_the_same_output(tmp_path):
     for name, stage in full["stages"].items():
         for key in ("docs_in", "kept", "dropped", "edits", "chars_in", "chars_out"):
             assert resumed["stages"][name][key] == stage[key], (name, key)
+
+
+def write_broken_inputs(folder: Path) -> None:
+    """A truncated .jsonl.gz, a WARC cut off inside its second record (warcio raises an
+    AttributeError there), and a .parquet file that is not parquet."""
+    import gzip
+    import io
+
+    from warcio.statusandheaders import StatusAndHeaders
+    from warcio.warcwriter import WARCWriter
+
+    records = [json.dumps({"id": f"g{i}", "text": prose(200 + i)}) for i in range(40)]
+    packed = gzip.compress(("\n".join(records) + "\n").encode())
+    (folder / "cut.jsonl.gz").write_bytes(packed[:len(packed) * 2 // 3])
+    buffer = io.BytesIO()
+    writer = WARCWriter(buffer, gzip=False)
+    for url in ("http://a.example/", "http://b.example/"):
+        headers = StatusAndHeaders("200 OK", [("Content-Type", "text/html; charset=utf-8")],
+                                   protocol="HTTP/1.0")
+        writer.write_record(writer.create_warc_record(
+            url, "response", payload=io.BytesIO(html_page(prose(300)).encode()),
+            http_headers=headers))
+    data = buffer.getvalue()
+    second = data.index(b"WARC/1.", 10)
+    (folder / "crawl.warc").write_bytes(data[:second + 60])  # ends inside its headers
+    (folder / "table.parquet").write_bytes(b"PAR1 this is not a parquet file")
+
+
+def test_bad_files_are_counted_failures_and_the_run_goes_on(tmp_path):
+    make_input(tmp_path / "in", files=1)
+    write_broken_inputs(tmp_path / "in")
+    result = clean(str(tmp_path / "in"), tmp_path / "out", config(), progress=False)
+    read = result.stats[READ]
+    assert read.dropped["truncated_file"] == 1
+    assert read.dropped["broken_warc_record"] == 1
+    assert read.dropped["unreadable_file"] == 1
+    assert read.kept > 10 + 1  # the good file, the cut file's first lines and a WARC page
+    stats = result.stats
+    assert read.docs_in == docs_out(stats) + sum(s.docs_dropped for s in stats.values())
+    saved = json.loads((tmp_path / "out" / "stats.json").read_text())
+    failures = {f["reason"]: f for f in saved["stages"][READ]["failures"]}
+    assert failures["truncated_file"]["where"].endswith("cut.jsonl.gz")
+    assert failures["broken_warc_record"]["where"].split("@")[1].isdigit()
+    assert failures["broken_warc_record"]["where"].split("@")[1] != "0"
+    assert "table.parquet" in failures["unreadable_file"]["where"]
+    from lathe.data.stats import format_table
+    table = format_table(stats)
+    for stage in saved["stages"].values():
+        for reason in stage["dropped"]:
+            assert reason in table
+    assert "unreadable: " in table and "cut.jsonl.gz" in table
