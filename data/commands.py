@@ -10,6 +10,9 @@ from pathlib import Path
 
 from lathe.model.recipe import ConfigError
 
+INPUT_HELP = ("a `lathe clean` output folder, or a .jsonl[.gz]/.parquet file (or a folder of "
+              "them) whose records have a string `text`")
+
 
 def clean_main(argv: Sequence[str] | None = None) -> int:
     from lathe.data.pipeline import CleanConfig
@@ -43,7 +46,7 @@ def tokenizer_main(argv: Sequence[str] | None = None) -> int:
         prog="lathe tokenizer", description="Train a byte-level BPE tokenizer.")
     sub = parser.add_subparsers(dest="action", required=True)
     train = sub.add_parser("train", help="train on the output of `lathe clean`")
-    train.add_argument("--input", required=True, type=Path)
+    train.add_argument("--input", required=True, type=Path, help=INPUT_HELP)
     train.add_argument("--vocab-size", required=True, type=int)
     train.add_argument("--output", required=True, type=Path)
     train.add_argument("--max-digits", type=int, default=3,
@@ -65,7 +68,7 @@ def shards_main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="lathe shards", description="Tokenize cleaned documents into binary shards.")
-    parser.add_argument("--input", required=True, type=Path)
+    parser.add_argument("--input", required=True, type=Path, help=INPUT_HELP)
     parser.add_argument("--tokenizer", required=True, type=Path)
     parser.add_argument("--output", required=True, type=Path)
     parser.add_argument("--val-fraction", type=float, default=0.05)

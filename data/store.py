@@ -4,6 +4,7 @@ trainer, the shard writer and the dedup phase."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -35,9 +36,23 @@ def write_documents(path: str | Path, docs: Sequence[Document], fmt: Format) -> 
 
 
 def read_documents(path: str | Path) -> Iterator[Document]:
-    for row in _rows(Path(path)):
-        yield Document(row["id"], row["text"], kind=row["kind"],
-                       metadata=json.loads(row["metadata"]))
+    """The documents of one file: a `lathe clean` shard, or any JSONL (optionally .gz) or
+    Parquet file whose rows have a string `text` (`id`, `kind` and `metadata` optional)."""
+    path = Path(path)
+    for number, row in enumerate(_rows(path), 1):
+        where = f"{path}:{number}"
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            raise ConfigError(f"{where}: expected an object with a string `text` field ("
+                              f"{LAYOUT}); got {str(row)[:80]!r}")
+        metadata = row.get("metadata") or {}
+        if isinstance(metadata, str):
+            metadata = json.loads(metadata)
+        yield Document(str(row.get("id") or where), row["text"],
+                       kind=row.get("kind") or "prose", metadata=metadata)
+
+
+LAYOUT = ("one JSON object per line, or Parquet rows, with a string `text`; `id`, `kind` "
+          "(prose|code) and `metadata` are optional")
 
 
 def _rows(path: Path) -> Iterator[dict]:
@@ -46,19 +61,33 @@ def _rows(path: Path) -> Iterator[dict]:
 
         for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
             yield from batch.to_pylist()
-    else:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
+        return
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
                 yield json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ConfigError(f"{path}:{number}: not JSON ({error}); expected "
+                                  f"{LAYOUT}") from None
 
 
-def document_files(folder: str | Path) -> list[Path]:
-    """The cleaned shards of a `lathe clean` output folder, in order."""
-    folder = Path(folder)
-    files = sorted(p for p in folder.glob("part-*") if p.suffix in (".parquet", ".jsonl"))
+def document_files(source: str | Path) -> list[Path]:
+    """The files of a document input, in order: the `part-*` shards of a `lathe clean`
+    output folder, else a folder's .jsonl, .jsonl.gz and .parquet files, or one file."""
+    source = Path(source)
+    if source.is_file():
+        return [source]
+    files = sorted(p for p in source.glob("part-*") if p.suffix in (".parquet", ".jsonl"))
     if not files:
-        raise ConfigError(f"--input {str(folder)!r} has no part-*.parquet or part-*.jsonl "
-                          "files; point it at the output of `lathe clean`")
+        files = sorted(p for p in source.glob("*") if p.is_file() and p.name.endswith(
+            (".jsonl", ".jsonl.gz", ".parquet")))
+    if not files:
+        raise ConfigError(f"--input {str(source)!r} is not a `lathe clean` output folder "
+                          "nor a .jsonl/.jsonl.gz/.parquet file or a folder of them; give "
+                          f"one of those ({LAYOUT})")
     return files
 
 

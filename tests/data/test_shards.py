@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -113,3 +116,30 @@ def test_loader_rejects_too_little_data(shard_dir):
     root, _ = shard_dir
     with pytest.raises(ConfigError, match="fewer than one step"):
         PackedLoader(root / "out", "val", batch_size=512, seq_len=1024)
+
+
+def test_plain_jsonl_with_only_a_text_field_trains_and_shards(tmp_path):
+    from lathe.data.tokenizer import train_from_folder
+
+    texts = [prose(i, paragraphs=2) for i in range(60)]
+    lines = "".join(json.dumps({"text": t}) + "\n" for t in texts)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "a.jsonl").write_text(lines[:len(lines) // 2].rsplit("\n", 1)[0]
+                                                + "\n")
+    with gzip.open(tmp_path / "plain" / "b.jsonl.gz", "wt") as f:
+        f.write(lines)
+    train_from_folder(tmp_path / "plain", tmp_path / "tok", 400, 3, 0.1)
+    meta = build_shards(tmp_path / "plain" / "b.jsonl.gz", tmp_path / "tok", tmp_path / "out",
+                        val_fraction=0.1, num_proc=1, progress=False)
+    splits = meta["splits"]
+    assert splits["train"]["documents"] + splits["val"]["documents"] == 60
+
+    (tmp_path / "wrong.jsonl").write_text('{"body": "no text here"}\n')
+    with pytest.raises(ConfigError, match=r"wrong.jsonl:1: expected an object with a string "
+                                          r"`text` field \(one JSON object per line"):
+        build_shards(tmp_path / "wrong.jsonl", tmp_path / "tok", tmp_path / "out2",
+                     num_proc=1, progress=False)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="is not a `lathe clean` output folder nor a "
+                                          ".jsonl/.jsonl.gz/.parquet file"):
+        train_from_folder(tmp_path / "empty", tmp_path / "tok2", 400, 3, 0.1)
