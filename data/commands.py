@@ -31,9 +31,21 @@ def clean_main(argv: Sequence[str] | None = None) -> int:
                         help="`stdlib`, `hf:NAME`, a saved HF dataset, a file or a folder")
     parser.add_argument("--output", required=True, type=Path)
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--executor", choices=["local", "ray"], default="local",
+                        help="local: worker processes here; ray: Ray Data tasks on a Ray "
+                             "cluster (pip install -e '.[distributed]')")
+    parser.add_argument("--address", help="Ray cluster to join (e.g. auto or "
+                                          "ray://HEAD:10001); default: start Ray here")
     args, rest = parser.parse_known_args(argv)
     config = load_config(CleanConfig, args.recipe, rest)
-    result = clean(args.input, args.output, config, progress=not args.no_progress)
+    executor = None
+    if args.executor == "ray":
+        from lathe.data.ray_executor import RayExecutor
+        executor = RayExecutor(args.address, num_cpus=None if args.address else config.num_proc)
+    elif args.address:
+        raise ConfigError("--address joins a Ray cluster; it needs --executor ray")
+    result = clean(args.input, args.output, config, progress=not args.no_progress,
+                   executor=executor)
     print(format_table(result.stats))
     print(f"wrote {args.output} in {result.seconds:.1f}s (stats in {args.output}/stats.json)")
     return 0

@@ -107,14 +107,40 @@ class MinHasher:
 def first_occurrences(keys: np.ndarray) -> np.ndarray:
     """Boolean mask: True where a key appears for the first time."""
     keep = np.zeros(len(keys), bool)
-    keep[np.unique(keys, return_index=True)[1]] = True
+    keep[first_indices(keys, np.arange(len(keys)))] = True
     return keep
 
 
-def near_duplicate_mask(band_keys: np.ndarray) -> np.ndarray:
-    """Boolean mask: True for the first (lowest-index) document of each LSH cluster."""
-    n = len(band_keys)
-    parent = np.arange(n)
+def first_indices(keys: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """The lowest `index` (ascending) of each distinct key; a bucket of a distributed run
+    sees only some keys, with their documents' global indices."""
+    order = np.argsort(keys, kind="stable")
+    keys = keys[order]
+    return index[order][np.r_[True, keys[1:] != keys[:-1]]] if len(keys) else index[:0]
+
+
+def lsh_edges(band_keys: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """Edges (doc, lowest doc of its group), shape (E, 2), joining the documents (global
+    `index`, ascending) that share a key in some band: together they span every LSH
+    cluster."""
+    edges = []
+    for band in range(band_keys.shape[1]):
+        order = np.argsort(band_keys[:, band], kind="stable")
+        keys = band_keys[order, band]
+        starts = np.r_[True, keys[1:] != keys[:-1]]
+        if starts.all():
+            continue
+        group_first = np.maximum.accumulate(np.where(starts, np.arange(len(keys)), 0))
+        same = ~starts
+        edges.append(np.stack([index[order][same], index[order][group_first[same]]], axis=1))
+    return np.concatenate(edges) if edges else np.zeros((0, 2), np.int64)
+
+
+def cluster_roots(index: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """Boolean mask over `index` (ascending): True for the lowest index of each connected
+    component of `edges`."""
+    parent = np.arange(len(index))
+    links = np.searchsorted(index, edges)  # global indices -> positions in `index`
 
     def find(i: int) -> int:
         root = i
@@ -124,18 +150,14 @@ def near_duplicate_mask(band_keys: np.ndarray) -> np.ndarray:
             parent[i], i = root, parent[i]
         return root
 
-    for band in range(band_keys.shape[1]):
-        order = np.argsort(band_keys[:, band], kind="stable")
-        keys = band_keys[order, band]
-        same = np.flatnonzero(keys[1:] == keys[:-1]) + 1
-        if not len(same):
-            continue
-        group_start = np.zeros(n, np.int64)
-        starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
-        group_start[starts] = starts
-        group_start = np.maximum.accumulate(group_start)
-        for i, j in zip(order[same].tolist(), order[group_start[same]].tolist(), strict=True):
-            ri, rj = find(i), find(j)
-            if ri != rj:
-                parent[max(ri, rj)] = min(ri, rj)
-    return np.array([find(i) == i for i in range(n)], bool) if n else np.zeros(0, bool)
+    for i, j in links.tolist():
+        ri, rj = find(i), find(j)
+        if ri != rj:
+            parent[max(ri, rj)] = min(ri, rj)
+    return np.array([find(i) == i for i in range(len(index))], bool)
+
+
+def near_duplicate_mask(band_keys: np.ndarray) -> np.ndarray:
+    """Boolean mask: True for the first (lowest-index) document of each LSH cluster."""
+    index = np.arange(len(band_keys))
+    return cluster_roots(index, lsh_edges(band_keys, index))

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from lathe.data.dedup import MinHasher, exact_key, first_occurrences, near_duplicate_mask
+from lathe.data.dedup import MinHasher, cluster_roots, exact_key, first_indices, lsh_edges
 from lathe.data.pipeline import READ, CleanConfig, Pipeline
 from lathe.data.sources import InputShard, list_shards, read_guarded
 from lathe.data.stats import RunStats, StageStats, docs_out, merge_run_stats
@@ -63,7 +63,10 @@ def _read_stats(path: Path) -> RunStats:
 
 
 def clean(input_spec: str, output: str | Path, config: CleanConfig,
-          progress: bool = True) -> CleanResult:
+          progress: bool = True, executor: Executor | None = None) -> CleanResult:
+    """Clean `input_spec` into `output`; `executor` runs the shards and the dedup steps
+    (default: worker processes on this machine; `lathe.data.ray_executor` for Ray)."""
+    executor = executor or LocalExecutor()
     start = time.perf_counter()
     output, work = Path(output), Path(output) / WORK
     if (output / "stats.json").exists():
@@ -81,10 +84,10 @@ def clean(input_spec: str, output: str | Path, config: CleanConfig,
 
     pending = [(i, s, str(work), config.output_format) for i, s in enumerate(shards)
                if not (work / f"{i:05d}.stats.json").exists()]
-    _run_shards(pending, len(shards), config, progress)
+    executor.run_shards(pending, len(shards), config, progress)
     per_shard = [_read_stats(work / f"{i:05d}.stats.json") for i in range(len(shards))]
     stats = merge_run_stats(per_shard)
-    stats.update(_finalize(work, output, len(shards), config, progress))
+    stats.update(_finalize(work, output, len(shards), config, progress, executor))
 
     seconds = time.perf_counter() - start
     write_json(output / "stats.json", {
@@ -92,6 +95,72 @@ def clean(input_spec: str, output: str | Path, config: CleanConfig,
         "seconds": round(seconds, 2), "stages": {n: s.to_dict() for n, s in stats.items()}})
     shutil.rmtree(work)
     return CleanResult(stats, seconds, output)
+
+
+@dataclass
+class PartSignature:
+    """What dedup needs of one worker part: its document count and lengths, exact keys
+    and MinHash band keys (None when that dedup is off), and the seconds each took."""
+
+    count: int
+    chars: np.ndarray
+    keys: np.ndarray | None
+    bands: np.ndarray | None
+    exact_seconds: float
+    near_seconds: float
+
+
+def part_signature(part: str, config: CleanConfig) -> PartSignature:
+    docs = list(read_documents(part))
+    dedup = config.dedup
+    keys = bands = None
+    t = time.perf_counter()
+    if dedup and dedup.exact:
+        keys = np.array([exact_key(d.text) for d in docs], np.uint64)
+    exact_seconds, t = time.perf_counter() - t, time.perf_counter()
+    if dedup and dedup.near:
+        bands = MinHasher(dedup).band_keys(d.text for d in docs)
+    return PartSignature(len(docs), np.array([len(d.text) for d in docs], np.int64), keys,
+                         bands, exact_seconds, time.perf_counter() - t)
+
+
+class Executor:
+    """Where the work of a clean run happens: the per-shard pipeline, each part's dedup
+    signature, and the two dedup resolutions (`index`: global document indices, ascending;
+    each returns a mask over them)."""
+
+    def run_shards(self, pending: list, total: int, config: CleanConfig,
+                   progress: bool) -> None:
+        raise NotImplementedError
+
+    def signatures(self, parts: list[Path], config: CleanConfig,
+                   progress: bool) -> list[PartSignature]:
+        raise NotImplementedError
+
+    def first_occurrences(self, keys: np.ndarray, index: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def cluster_roots(self, bands: np.ndarray, index: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+
+class LocalExecutor(Executor):
+    """Worker processes on this machine (`num_proc`), dedup resolved in this process."""
+
+    def run_shards(self, pending: list, total: int, config: CleanConfig,
+                   progress: bool) -> None:
+        _run_shards(pending, total, config, progress)
+
+    def signatures(self, parts: list[Path], config: CleanConfig,
+                   progress: bool) -> list[PartSignature]:
+        return [part_signature(str(p), config) for p in tqdm(
+            parts, desc="dedup", unit="shard", disable=not progress or config.dedup is None)]
+
+    def first_occurrences(self, keys: np.ndarray, index: np.ndarray) -> np.ndarray:
+        return np.isin(index, first_indices(keys, index))
+
+    def cluster_roots(self, bands: np.ndarray, index: np.ndarray) -> np.ndarray:
+        return cluster_roots(index, lsh_edges(bands, index))
 
 
 def _run_shards(pending: list, total: int, config: CleanConfig, progress: bool) -> None:
@@ -119,42 +188,33 @@ def _run_shards(pending: list, total: int, config: CleanConfig, progress: bool) 
 
 
 def _finalize(work: Path, output: Path, n_shards: int, config: CleanConfig,
-              progress: bool) -> RunStats:
+              progress: bool, executor: Executor) -> RunStats:
     """Dedup across shards (if the recipe asks) and write the final parts."""
     suffix = SUFFIX[config.output_format]
     parts = [work / f"{i:05d}{suffix}" for i in range(n_shards)]
-    counts, chars, keys, bands = [], [], [], []
     dedup = config.dedup
-    timings = {"exact_dedup": 0.0, "near_dedup": 0.0}
-    hasher = MinHasher(dedup) if dedup and dedup.near else None
-    for part in tqdm(parts, desc="dedup", unit="shard", disable=not progress or dedup is None):
-        docs = list(read_documents(part))
-        counts.append(len(docs))
-        chars.append(np.array([len(d.text) for d in docs], np.int64))
-        if dedup and dedup.exact:
-            t = time.perf_counter()
-            keys.append(np.array([exact_key(d.text) for d in docs], np.uint64))
-            timings["exact_dedup"] += time.perf_counter() - t
-        if hasher is not None:
-            t = time.perf_counter()
-            bands.append(hasher.band_keys(d.text for d in docs))
-            timings["near_dedup"] += time.perf_counter() - t
-    all_chars = np.concatenate(chars) if chars else np.zeros(0, np.int64)
+    signatures = executor.signatures(parts, config, progress)
+    counts = [s.count for s in signatures]
+    all_chars = np.concatenate([s.chars for s in signatures]) if signatures else \
+        np.zeros(0, np.int64)
     keep = np.ones(len(all_chars), bool)
     stats: RunStats = {}
     if dedup and dedup.exact:
         t = time.perf_counter()
-        exact = first_occurrences(np.concatenate(keys))
-        stats["exact_dedup"] = _dedup_stats(keep, exact, all_chars, "exact_duplicate",
-                                            timings["exact_dedup"] + time.perf_counter() - t)
+        index = np.arange(len(keep))
+        exact = executor.first_occurrences(np.concatenate([s.keys for s in signatures]), index)
+        seconds = sum(s.exact_seconds for s in signatures) + time.perf_counter() - t
+        stats["exact_dedup"] = _dedup_stats(keep, exact, all_chars, "exact_duplicate", seconds)
         keep &= exact
-    if hasher is not None:
+    if dedup and dedup.near:
         t = time.perf_counter()
         survivors = np.flatnonzero(keep)
         near = np.zeros_like(keep)
-        near[survivors] = near_duplicate_mask(np.concatenate(bands)[survivors])
+        bands = np.concatenate([s.bands for s in signatures])
+        near[survivors] = executor.cluster_roots(bands[survivors], survivors)
+        seconds = sum(s.near_seconds for s in signatures) + time.perf_counter() - t
         stats["near_dedup"] = _dedup_stats(keep, near | ~keep, all_chars, "near_duplicate",
-                                           timings["near_dedup"] + time.perf_counter() - t)
+                                           seconds)
         keep &= near
     offsets = np.cumsum([0] + counts)
     for i, part in enumerate(parts):
