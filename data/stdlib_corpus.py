@@ -10,11 +10,13 @@ import contextlib
 import functools
 import importlib
 import importlib.util
+import inspect
 import io
 import pydoc
 import re
 import sys
 import sysconfig
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,36 +71,40 @@ def read_python_files(paths: list[str], config: SourceConfig) -> Iterator[Record
                             metadata={"source": "stdlib", "path": relative})
 
 
-class _StableRepr(pydoc.HTMLRepr):
-    """pydoc's value reprs, minus the command line of this process (`sys.argv`)."""
-
-    def repr_list(self, value: list, level: int) -> str:
-        if value is sys.argv or value is getattr(sys, "orig_argv", None):
-            return "[...]"
-        return super().repr_list(value, level)
-
-
-class _StableHTMLDoc(pydoc.HTMLDoc):
-    _repr_instance = _StableRepr()
-    repr = _repr_instance.repr
-
-
 # object reprs hold memory addresses ("<object object at 0x7f3a...>", "<PyDLL 'None',
 # handle 7f64...>"), which differ between runs; the corpus must not
 _ADDRESS = re.compile(r"\b(0x|handle )[0-9a-fA-F]{6,}\b")
 # os.environ, as a module value or a default argument (cgi.FieldStorage), would put this
 # machine's environment, secrets included, into the corpus
 _ENVIRONMENT = re.compile(r"environ\(\{.*?\}\)", re.DOTALL)
+# a module's warning registry counts the warnings filters this process has changed, and
+# `import __main__` names a spawned worker's main module __mp_main__
+_PROCESS_STATE = [(re.compile(r"(<br>\n)?<strong>__warningregistry__</strong> = \{[^}]*\}"), ""),
+                  (re.compile(r"\b__mp_main__\b"), "__main__")]
+
+
+def _routines_and_classes(module: types.ModuleType) -> types.ModuleType:
+    """A stand-in for `module` holding its docstring, functions and classes only."""
+    copy = types.ModuleType(module.__name__, module.__doc__)
+    for member, value in vars(module).items():
+        if inspect.isroutine(value) or inspect.isclass(value):
+            setattr(copy, member, value)
+    return copy
 
 
 def render_pydoc(name: str) -> str:
     """The HTML page `pydoc -w NAME` would write, rendered in memory, the same in every
-    run: no process state (environment, argv) and no memory addresses."""
+    run and worker: no process state (environment, argv, warning registries, the main
+    module's name) and no memory addresses."""
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         module = importlib.import_module(name)
-        html = _StableHTMLDoc()
+        if module is sys:  # its data (path, stdin, meta_path, flags, ...) is process state
+            module = _routines_and_classes(module)
+        html = pydoc.HTMLDoc()
         page = html.page(pydoc.describe(module), html.document(module, name))
     page = _ENVIRONMENT.sub("environ({...})", page)
+    for pattern, replacement in _PROCESS_STATE:
+        page = pattern.sub(replacement, page)
     return _ADDRESS.sub(lambda match: match.group(1) + "...", page)
 
 

@@ -124,18 +124,28 @@ def test_stdlib_corpus_lists_code_and_pydoc_shards():
     assert any(n.startswith("stdlib-pydoc-") for n in names)
 
 
-def test_pydoc_pages_are_the_same_in_every_run_and_hold_no_environment():
-    """os documents os.environ and sys its argv; ctypes shows a handle address: none of
-    that may differ between runs or leak this machine's environment into the corpus."""
-    script = ("import hashlib, sys\n"
+def test_pydoc_pages_are_the_same_in_every_run_and_hold_no_environment(tmp_path):
+    """os documents os.environ, sys its argv, ctypes a handle address, aifc its warning
+    registry and rlcompleter the main module: none of that may differ between runs or
+    worker processes, or leak this machine's environment into the corpus."""
+    script = ("import hashlib, multiprocessing, sys, warnings\n"
               "from lathe.data.stdlib_corpus import render_pydoc\n"
-              "pages = [render_pydoc(m) for m in ('os', 'sys', 'ctypes')]\n"
-              "assert not any('LATHE_PROBE_SECRET' in p or 'sk-probe' in p for p in pages)\n"
-              "print([hashlib.sha256(p.encode()).hexdigest() for p in pages])\n")
+              "modules = ('os', 'sys', 'ctypes', 'aifc', 'rlcompleter')\n"
+              "if __name__ == '__main__':\n"
+              "    if sys.argv[1] == '2':  # a spawned worker, after other warning filters\n"
+              "        warnings.filterwarnings('ignore', 'probe')\n"
+              "        with multiprocessing.get_context('spawn').Pool(1) as pool:\n"
+              "            pages = pool.map(render_pydoc, modules)\n"
+              "    else:\n"
+              "        pages = [render_pydoc(m) for m in modules]\n"
+              "    assert not any('LATHE_PROBE_SECRET' in p or 'sk-probe' in p for p in pages)\n"
+              "    print([hashlib.sha256(p.encode()).hexdigest() for p in pages])\n")
+    (tmp_path / "render.py").write_text(script)
     outputs = []
     for seed, secret in (("1", "sk-probe-1"), ("2", "sk-probe-2")):
         env = {**os.environ, "PYTHONHASHSEED": seed, "LATHE_PROBE_SECRET": secret}
-        done = subprocess.run([sys.executable, "-c", script, seed], env=env, text=True,
+        done = subprocess.run([sys.executable, str(tmp_path / "render.py"), seed], env=env,
+                              text=True,
                               capture_output=True, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
         outputs.append(done.stdout)
