@@ -139,8 +139,11 @@ def lsh_edges(band_keys: np.ndarray, index: np.ndarray) -> np.ndarray:
 def cluster_roots(index: np.ndarray, edges: np.ndarray) -> np.ndarray:
     """Boolean mask over `index` (ascending): True for the lowest index of each connected
     component of `edges`."""
-    parent = np.arange(len(index))
+    parent = list(range(len(index)))  # a list: scalar access is the hot loop
     links = np.searchsorted(index, edges)  # global indices -> positions in `index`
+    if len(links):  # a pair of near copies shares keys in many bands: union it once
+        links = np.unique(links[:, 0] * len(index) + links[:, 1])
+        links = np.stack([links // len(index), links % len(index)], axis=1)
 
     def find(i: int) -> int:
         root = i

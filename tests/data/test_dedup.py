@@ -10,8 +10,11 @@ import pytest
 from lathe.data.dedup import (
     DedupConfig,
     MinHasher,
+    cluster_roots,
     exact_key,
+    first_indices,
     first_occurrences,
+    lsh_edges,
     near_duplicate_mask,
 )
 from lathe.data.text import normalize_for_dedup
@@ -78,3 +81,25 @@ def test_band_keys_are_deterministic_and_short_texts_work():
 def test_invalid_config_is_rejected():
     with pytest.raises(ConfigError, match="dedup.bands"):
         DedupConfig(bands=0)
+
+
+def test_bucketed_resolution_keeps_what_the_whole_array_keeps():
+    """The Ray executor resolves dedup per bucket of keys: first indices per key bucket and
+    LSH edges per (band, key) bucket, unioned afterwards, must keep the same documents as
+    resolving the whole array at once."""
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        n, bands = int(rng.integers(1, 80)), int(rng.integers(1, 5))
+        band_keys = rng.integers(0, int(rng.integers(2, 30)), (n, bands)).astype(np.uint64)
+        index = np.sort(rng.choice(10 * n, n, replace=False))  # global indices of survivors
+        edges = []
+        for band in range(bands):
+            for bucket in range(3):
+                rows = np.flatnonzero(band_keys[:, band] % 3 == bucket)
+                edges.append(lsh_edges(band_keys[rows, band][:, None], index[rows]))
+        assert (cluster_roots(index, np.concatenate(edges)) ==
+                near_duplicate_mask(band_keys)).all()
+        keys = band_keys[:, 0]
+        firsts = np.concatenate([first_indices(keys[keys % 3 == b], index[keys % 3 == b])
+                                 for b in range(3)])
+        assert (np.isin(index, firsts) == first_occurrences(keys)).all()
