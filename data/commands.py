@@ -41,7 +41,7 @@ def clean_main(argv: Sequence[str] | None = None) -> int:
     executor = None
     if args.executor == "ray":
         from lathe.data.ray_executor import RayExecutor
-        executor = RayExecutor(args.address, num_cpus=None if args.address else config.num_proc)
+        executor = RayExecutor(args.address, num_cpus=config.num_proc)
     elif args.address:
         raise ConfigError("--address joins a Ray cluster; it needs --executor ray")
     result = clean(args.input, args.output, config, progress=not args.no_progress,

@@ -104,11 +104,11 @@ class MinHasher:
             return _mix(per_row.sum(axis=2, dtype=np.uint64))
 
 
-def first_occurrences(keys: np.ndarray) -> np.ndarray:
-    """Boolean mask: True where a key appears for the first time."""
-    keep = np.zeros(len(keys), bool)
-    keep[first_indices(keys, np.arange(len(keys)))] = True
-    return keep
+def first_occurrences(keys: np.ndarray, index: np.ndarray | None = None) -> np.ndarray:
+    """Boolean mask: True where a key appears for the first time (documents numbered by
+    `index`, ascending; by default 0..n-1)."""
+    index = np.arange(len(keys)) if index is None else index
+    return np.isin(index, first_indices(keys, index))
 
 
 def first_indices(keys: np.ndarray, index: np.ndarray) -> np.ndarray:
@@ -160,7 +160,8 @@ def cluster_roots(index: np.ndarray, edges: np.ndarray) -> np.ndarray:
     return np.array([find(i) == i for i in range(len(index))], bool)
 
 
-def near_duplicate_mask(band_keys: np.ndarray) -> np.ndarray:
-    """Boolean mask: True for the first (lowest-index) document of each LSH cluster."""
-    index = np.arange(len(band_keys))
+def near_duplicate_mask(band_keys: np.ndarray, index: np.ndarray | None = None) -> np.ndarray:
+    """Boolean mask: True for the first (lowest-index) document of each LSH cluster
+    (documents numbered by `index`, ascending; by default 0..n-1)."""
+    index = np.arange(len(band_keys)) if index is None else index
     return cluster_roots(index, lsh_edges(band_keys, index))

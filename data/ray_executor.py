@@ -24,8 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from lathe.data.dedup import cluster_roots as union_clusters
-from lathe.data.dedup import first_indices, lsh_edges
+from lathe.data.dedup import cluster_roots, first_indices, lsh_edges
 from lathe.data.pipeline import CleanConfig
 from lathe.data.runner import Executor, PartSignature, part_signature
 from lathe.model.recipe import ConfigError
@@ -45,8 +44,8 @@ class _CleanShards:
     def __init__(self, config: CleanConfig, pending: list) -> None:
         from lathe.data import runner
 
-        runner._init_worker(config)
-        self.clean, self.pending = runner._clean_shard, pending
+        runner.init_worker(config)
+        self.clean, self.pending = runner.clean_shard, pending
 
     def __call__(self, row: dict[str, Any]) -> dict[str, Any]:
         index, docs = self.clean(self.pending[row["job"]])
@@ -65,7 +64,7 @@ class RayExecutor(Executor):
                      include_dashboard=False, log_to_driver=False)
         self.ray, self.buckets = ray, buckets
 
-    def _quiet(self, progress: bool) -> None:
+    def _progress_bars(self, progress: bool) -> None:
         context = self.ray.data.DataContext.get_current()
         context.enable_progress_bars = progress
 
@@ -73,7 +72,7 @@ class RayExecutor(Executor):
                    progress: bool) -> None:
         if not pending:
             return
-        self._quiet(progress)
+        self._progress_bars(progress)
         jobs = self.ray.data.from_items([{"job": i} for i in range(len(pending))],
                                         override_num_blocks=len(pending))
         workers = max(1, min(config.num_proc, len(pending)))
@@ -92,14 +91,14 @@ class RayExecutor(Executor):
         (first,) = _gather(firsts, ("index",))
         return np.isin(index, first)
 
-    def cluster_roots(self, bands: np.ndarray, index: np.ndarray) -> np.ndarray:
+    def near_duplicate_mask(self, bands: np.ndarray, index: np.ndarray) -> np.ndarray:
         n, width = bands.shape
         table = np.stack([np.repeat(index, width), np.tile(np.arange(width), n),
                           bands.reshape(-1).view(np.int64)], axis=1)
         rows = self.ray.data.from_numpy(table).map_batches(_columns(("index", "band", "key")))
         edges = rows.groupby(["band", "key"], num_partitions=self.buckets).map_groups(
             _edges_in_group, batch_format="numpy")
-        return union_clusters(index, np.stack(_gather(edges, ("a", "b")), axis=1))
+        return cluster_roots(index, np.stack(_gather(edges, ("a", "b")), axis=1))
 
 
 def _columns(names: tuple[str, ...]) -> Any:

@@ -16,13 +16,14 @@ import multiprocessing
 import os
 import shutil
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from lathe.data.dedup import MinHasher, cluster_roots, exact_key, first_indices, lsh_edges
+from lathe.data.dedup import MinHasher, exact_key, first_occurrences, near_duplicate_mask
 from lathe.data.pipeline import READ, CleanConfig, Pipeline
 from lathe.data.sources import InputShard, list_shards, read_guarded
 from lathe.data.stats import RunStats, StageStats, docs_out, merge_run_stats
@@ -43,12 +44,12 @@ class CleanResult:
 _pipeline: Pipeline | None = None
 
 
-def _init_worker(config: CleanConfig) -> None:
+def init_worker(config: CleanConfig) -> None:
     global _pipeline
     _pipeline = Pipeline(config)
 
 
-def _clean_shard(job: tuple[int, InputShard, str, str]) -> tuple[int, int]:
+def clean_shard(job: tuple[int, InputShard, str, str]) -> tuple[int, int]:
     index, shard, work, fmt = job
     stats = _pipeline.new_stats()
     docs = list(_pipeline.run(read_guarded(shard), stats))
@@ -124,24 +125,24 @@ def part_signature(part: str, config: CleanConfig) -> PartSignature:
                          bands, exact_seconds, time.perf_counter() - t)
 
 
-class Executor:
+class Executor(ABC):
     """Where the work of a clean run happens: the per-shard pipeline, each part's dedup
     signature, and the two dedup resolutions (`index`: global document indices, ascending;
     each returns a mask over them)."""
 
+    @abstractmethod
     def run_shards(self, pending: list, total: int, config: CleanConfig,
-                   progress: bool) -> None:
-        raise NotImplementedError
+                   progress: bool) -> None: ...
 
+    @abstractmethod
     def signatures(self, parts: list[Path], config: CleanConfig,
-                   progress: bool) -> list[PartSignature]:
-        raise NotImplementedError
+                   progress: bool) -> list[PartSignature]: ...
 
-    def first_occurrences(self, keys: np.ndarray, index: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+    @abstractmethod
+    def first_occurrences(self, keys: np.ndarray, index: np.ndarray) -> np.ndarray: ...
 
-    def cluster_roots(self, bands: np.ndarray, index: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+    @abstractmethod
+    def near_duplicate_mask(self, bands: np.ndarray, index: np.ndarray) -> np.ndarray: ...
 
 
 class LocalExecutor(Executor):
@@ -149,7 +150,27 @@ class LocalExecutor(Executor):
 
     def run_shards(self, pending: list, total: int, config: CleanConfig,
                    progress: bool) -> None:
-        _run_shards(pending, total, config, progress)
+        bar = tqdm(total=total, initial=total - len(pending), unit="shard", desc="clean",
+                   disable=not progress)
+        docs, start = 0, time.perf_counter()
+        if config.num_proc <= 1:
+            init_worker(config)
+            results = map(clean_shard, pending)
+            pool = None
+        else:
+            # spawn: workers must not inherit a parent's torch/tokenizer threads or locks
+            pool = multiprocessing.get_context("spawn").Pool(
+                config.num_proc, initializer=init_worker, initargs=(config,))
+            results = pool.imap_unordered(clean_shard, pending)
+        try:
+            for _, n in results:
+                docs += n
+                bar.set_postfix(docs_per_s=f"{docs / (time.perf_counter() - start):,.0f}")
+                bar.update()
+        finally:
+            if pool is not None:
+                pool.terminate()
+            bar.close()
 
     def signatures(self, parts: list[Path], config: CleanConfig,
                    progress: bool) -> list[PartSignature]:
@@ -157,34 +178,10 @@ class LocalExecutor(Executor):
             parts, desc="dedup", unit="shard", disable=not progress or config.dedup is None)]
 
     def first_occurrences(self, keys: np.ndarray, index: np.ndarray) -> np.ndarray:
-        return np.isin(index, first_indices(keys, index))
+        return first_occurrences(keys, index)
 
-    def cluster_roots(self, bands: np.ndarray, index: np.ndarray) -> np.ndarray:
-        return cluster_roots(index, lsh_edges(bands, index))
-
-
-def _run_shards(pending: list, total: int, config: CleanConfig, progress: bool) -> None:
-    bar = tqdm(total=total, initial=total - len(pending), unit="shard", desc="clean",
-               disable=not progress)
-    docs, start = 0, time.perf_counter()
-    if config.num_proc <= 1:
-        _init_worker(config)
-        results = map(_clean_shard, pending)
-        pool = None
-    else:
-        # spawn: workers must not inherit a parent's torch/tokenizer threads or locks
-        pool = multiprocessing.get_context("spawn").Pool(
-            config.num_proc, initializer=_init_worker, initargs=(config,))
-        results = pool.imap_unordered(_clean_shard, pending)
-    try:
-        for _, n in results:
-            docs += n
-            bar.set_postfix(docs_per_s=f"{docs / (time.perf_counter() - start):,.0f}")
-            bar.update()
-    finally:
-        if pool is not None:
-            pool.terminate()
-        bar.close()
+    def near_duplicate_mask(self, bands: np.ndarray, index: np.ndarray) -> np.ndarray:
+        return near_duplicate_mask(bands, index)
 
 
 def _finalize(work: Path, output: Path, n_shards: int, config: CleanConfig,
@@ -211,7 +208,7 @@ def _finalize(work: Path, output: Path, n_shards: int, config: CleanConfig,
         survivors = np.flatnonzero(keep)
         near = np.zeros_like(keep)
         bands = np.concatenate([s.bands for s in signatures])
-        near[survivors] = executor.cluster_roots(bands[survivors], survivors)
+        near[survivors] = executor.near_duplicate_mask(bands[survivors], survivors)
         seconds = sum(s.near_seconds for s in signatures) + time.perf_counter() - t
         stats["near_dedup"] = _dedup_stats(keep, near | ~keep, all_chars, "near_duplicate",
                                            seconds)

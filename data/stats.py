@@ -21,7 +21,7 @@ class StageStats:
     chars_out: int = 0
     seconds: float = 0.0
     # files that could not be read to their end: {where, reason, detail}, the first few
-    failures: list = field(default_factory=list)
+    failures: list[dict] = field(default_factory=list)
 
     @property
     def docs_dropped(self) -> int:

@@ -258,16 +258,22 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _supported(body)
         engine = ready(body.model)
-        prompts = _prompt_ids(engine.engine, body.prompt)
+        given = _prompt_list(body.prompt)
+        prompts = _prompt_ids(engine.engine, given)
         window = engine.engine.max_model_len
         # echo with max_tokens=0 scores the prompt: one token is generated and dropped
         score_only = body.echo and body.max_tokens == 0
         logprobs = body.logprobs
-        params = [_params(body, 1 if score_only else body.max_tokens if body.max_tokens
-                          is not None else window - len(p), logprobs,
-                          logprobs if body.echo else None) for p in prompts]
-        echoes = [Echo(given if isinstance(given, str) else None, ids) for given, ids in zip(
-            _prompt_list(body.prompt), prompts, strict=True)] if body.echo else None
+        prompt_logprobs = logprobs if body.echo else None
+
+        def budget(prompt: list[int]) -> int:
+            if score_only:
+                return 1
+            return body.max_tokens if body.max_tokens is not None else window - len(prompt)
+
+        params = [_params(body, budget(p), logprobs, prompt_logprobs) for p in prompts]
+        echoes = [Echo(g if isinstance(g, str) else None, ids) for g, ids in zip(
+            given, prompts, strict=True)] if body.echo else None
         builder = ResponseBuilder("completion", name, engine.engine.tokenizer)
         return await _respond(request, engine, metrics, builder, body, prompts, params,
                               logprobs is not None, echoes, score_only)
@@ -310,8 +316,7 @@ def _prompt_list(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _prompt_ids(engine: LLMEngine, prompt: str | list) -> list[list[int]]:
-    prompts = _prompt_list(prompt)
+def _prompt_ids(engine: LLMEngine, prompts: list[str | list[int]]) -> list[list[int]]:
     if not prompts:
         raise APIError(400, "prompt is an empty list; give a string, strings or token ids",
                        param="prompt")
@@ -447,13 +452,11 @@ async def _unless_disconnected(request: Request, work: Any) -> bool:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
-        await asyncio.gather(watcher, return_exceptions=True)
-    if task.cancelled() or not task.done():
-        await asyncio.gather(task, return_exceptions=True)
+        task.cancel()  # a no-op once it has finished
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
         return False
-    task.result()
+    task.result()  # re-raises what the work raised
     return True
 
 
