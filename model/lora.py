@@ -12,6 +12,8 @@ adapter folder (`adapter_config.json`, `adapter_model.safetensors`) that
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,10 +21,11 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
+from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
-from torch import nn
+from torch import Tensor, nn
 
 from lathe.model.atomic import atomic_directory
 from lathe.model.recipe import ConfigError
@@ -57,7 +60,8 @@ class LoraSection:
 
     def peft_config(self) -> LoraConfig:
         return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
-                          target_modules=list(self.target_modules), bias="none")
+                          target_modules=list(self.target_modules), bias="none",
+                          task_type="CAUSAL_LM")
 
 
 def apply_lora(model: Transformer, section: LoraSection) -> Transformer:
@@ -70,7 +74,11 @@ def apply_lora(model: Transformer, section: LoraSection) -> Transformer:
 
 
 def quantize_base_4bit(model: Transformer, targets: list[str]) -> None:
-    """Swap the targeted linears for bitsandbytes NF4 layers on the GPU (QLoRA's base)."""
+    """Swap the targeted linears for bitsandbytes NF4 layers on the GPU (QLoRA's base).
+    The weights must be real (loaded), not on the meta device: NF4 quantizes values."""
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("quantize_base_4bit needs loaded weights, not meta tensors; a "
+                         "gathered full-precision copy takes plain LoRA (merge_lora)")
     if not torch.cuda.is_available():
         raise ConfigError("lora.qlora=true needs a CUDA GPU (bitsandbytes 4-bit kernels); "
                           "none is visible here, so train plain LoRA with lora.qlora=false")
@@ -111,12 +119,13 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
 
 
 def save_adapter(model: nn.Module, section: LoraSection, path: str | Path,
-                 base_model: str | None = None) -> Path:
-    """Write a peft adapter folder (atomically)."""
+                 base_model: str | Path) -> Path:
+    """Write a peft adapter folder (atomically) that names its base checkpoint (as an
+    absolute path), so `AutoPeftModelForCausalLM.from_pretrained(path)` loads it."""
     state = {PEFT_PREFIX + name: tensor.detach().contiguous().cpu()
              for name, tensor in get_peft_model_state_dict(model).items()}
     config = section.peft_config()
-    config.base_model_name_or_path = base_model
+    config.base_model_name_or_path = str(Path(base_model).resolve())
     with atomic_directory(path) as tmp:
         config.save_pretrained(str(tmp))
         save_file(state, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
@@ -141,6 +150,41 @@ def load_adapter(model: Transformer, path: str | Path) -> Transformer:
         raise ConfigError(f"{path}: adapter weights {result.unexpected_keys[:4]} match no "
                           "layer of this model; was it trained on a different base?")
     return model
+
+
+def adapter_weights(model: nn.Module) -> dict[str, Tensor]:
+    """A copy of the LoRA weights of a model with adapters, under its module names."""
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()
+            if ".lora_" in name}
+
+
+class AdapterMerger:
+    """Full-precision base weights plus a policy's current adapter weights -> the merged
+    full state dict a serving engine loads (peft's `get_delta_weight`; the base is never
+    modified, so repeated merges do not drift). Under QLoRA this is how the rollout engine
+    gets bf16/fp32 weights: the policy's own base is 4-bit."""
+
+    def __init__(self, base: Transformer, section: LoraSection) -> None:
+        self.model = apply_lora(copy.deepcopy(base), dataclasses.replace(section, qlora=False))
+        self.model.requires_grad_(False)
+
+    @torch.no_grad()
+    def __call__(self, adapters: dict[str, Tensor]) -> dict[str, Tensor]:
+        expected = set(adapter_weights(self.model))
+        if set(adapters) != expected:
+            raise ValueError(f"adapter weights do not match the base's LoRA layers: missing "
+                             f"{sorted(expected - set(adapters))[:4]}, unexpected "
+                             f"{sorted(set(adapters) - expected)[:4]}")
+        self.model.load_state_dict(adapters, strict=False)
+        merged = {f"{name}.weight": layer.get_base_layer().weight
+                  + layer.get_delta_weight(layer.active_adapters[0])
+                  for name, layer in self.model.named_modules() if isinstance(layer, LoraLayer)}
+        state = {}
+        for name, tensor in self.model.state_dict().items():
+            if ".lora_" not in name:
+                name = name.replace(".base_layer.", ".")
+                state[name] = merged.get(name, tensor)
+        return state
 
 
 @torch.no_grad()

@@ -1,6 +1,7 @@
 """What every post-training stage shares: loading the policy (optionally with LoRA),
-resumable shuffled batches of examples, per-token log-probabilities, held-out task
-accuracy by generation with the serve engine, and the final export."""
+fitting prompts into the context, resumable shuffled batches of examples, what each
+micro-batch computes (loss units, tokens, FLOPs), per-token log-probabilities, held-out
+task accuracy by generation with the serve engine, and the final export."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ import argparse
 import json
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
-from accelerate.utils import DistributedType
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
@@ -22,11 +23,11 @@ from lathe.data.tokenizer import load_tokenizer
 from lathe.model.atomic import write_json
 from lathe.model.checkpoint import GENERATION_CONFIG_FILE, load_checkpoint, save_checkpoint
 from lathe.model.lora import LoraSection, apply_lora, load_adapter, merge_lora, save_adapter
-from lathe.model.recipe import load_config, to_dict
-from lathe.model.transformer import Transformer
+from lathe.model.recipe import ConfigError, load_config, to_dict
+from lathe.model.transformer import IGNORE_INDEX, Transformer
 from lathe.posttrain.config import TaskEvalConfig
 from lathe.posttrain.rewards import verifier
-from lathe.pretrain.runtime import Runtime, plain_model
+from lathe.pretrain.runtime import Runtime, Work, plain_model
 from lathe.serve.chat_template import ChatTemplate
 from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.sampling import SamplingParams
@@ -34,9 +35,14 @@ from lathe.serve.sampling import SamplingParams
 T = TypeVar("T")
 
 
-def load_policy(checkpoint: str, lora: LoraSection) -> tuple[Transformer, Tokenizer]:
+def load_policy(runtime: Runtime, checkpoint: str,
+                lora: LoraSection) -> tuple[Transformer, Tokenizer]:
     """The starting weights in fp32 (the runtime applies mixed precision), with adapters
     injected when LoRA is enabled, and the checkpoint's tokenizer."""
+    if lora.qlora and runtime.sharded:
+        raise ConfigError(f"lora.qlora=true on a {runtime.setup['distributed_type']} launch: "
+                          "its 4-bit base cannot be sharded or gathered here; run QLoRA on a "
+                          "single-process or DDP launch (recipes/accelerate/gpu.yaml)")
     model = load_checkpoint(checkpoint, dtype=torch.float32)
     if lora.enabled:
         apply_lora(model, lora)
@@ -83,17 +89,60 @@ class ShuffledBatches(Generic[T]):
 
 def train_on_batches(runtime: Runtime, config: Any, batches: ShuffledBatches,
                      collate: Callable[[list], Any], loss_fn: Callable,
-                     tokens_of: Callable[[Any], int], evaluate: Callable[[], None]) -> None:
+                     work_of: Callable[[Any], Work], evaluate: Callable[[], None]) -> None:
     """The supervised loop SFT, DPO and distillation share: accumulate micro-batches, step,
     evaluate and save state on their cadences (the batch position is the resume state)."""
     while runtime.step < runtime.total_steps:
         micro = [collate(batches.next()) for _ in range(config.grad_accum_steps)]
-        tokens = sum(tokens_of(m) for m in micro) * runtime.world_size
-        runtime.log_step(runtime.train_step(micro, loss_fn, tokens))
+        runtime.log_step(runtime.train_step(micro, loss_fn, work_of))
         if runtime.should(config.eval.every):
-            evaluate()
+            with runtime.throughput.paused():
+                evaluate()
         if runtime.should(config.checkpoint.every):
             runtime.save({"batches": batches.state_dict()})
+
+
+def sequence_work(model_config: Any, lengths: Sequence[int], units: float,
+                  passes: float = 1.0) -> Work:
+    """A micro-batch of sequences with `lengths` real tokens whose loss is a mean over
+    `units`: its tokens, and `passes` forward + backward passes of FLOPs over them
+    (padding is not counted: MFU counts the model's useful work)."""
+    flops = sum(n * model_config.flops_per_token(n) for n in lengths)
+    return Work(units=float(units), tokens=sum(lengths), flops=passes * flops)
+
+
+def label_count(labels: Tensor) -> int:
+    """How many positions of an (N, T) label batch are scored (position t predicts t + 1)."""
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+@dataclass
+class PromptFit:
+    """How a dataset's prompts fit `max_prompt_length`: each longer one is cut from the
+    left (keeping the question and the assistant header) or dropped, per `overflow`."""
+
+    max_prompt_length: int
+    overflow: str  # "truncate_left" | "drop"
+    kept: int = 0
+    truncated: int = 0
+    dropped: int = 0
+
+    def __call__(self, ids: list[int]) -> list[int] | None:
+        if len(ids) <= self.max_prompt_length:
+            self.kept += 1
+            return ids
+        if self.overflow == "drop":
+            self.dropped += 1
+            return None
+        self.truncated += 1
+        return ids[len(ids) - self.max_prompt_length:]
+
+    def report(self) -> str:
+        return (f"prompts over max_prompt_length={self.max_prompt_length}: {self.truncated} "
+                f"truncated on the left, {self.dropped} dropped, {self.kept} fit")
+
+    def counts(self) -> dict[str, int]:
+        return {"kept": self.kept, "truncated": self.truncated, "dropped": self.dropped}
 
 
 def pad(rows: Sequence[Sequence[int]], value: int) -> Tensor:
@@ -118,9 +167,7 @@ def generation_model(runtime: Runtime, lora: LoraSection) -> Transformer | None:
     """The policy as a single-device module for the serve engine, on the main process
     (None elsewhere). Sharded launches gather the weights first (collective)."""
     accelerator = runtime.accelerator
-    sharded = accelerator.distributed_type in (DistributedType.FSDP,
-                                               DistributedType.DEEPSPEED)
-    if not sharded:
+    if not runtime.sharded:
         return accelerator.unwrap_model(runtime.model) if runtime.is_main else None
     state = accelerator.get_state_dict(runtime.model)
     if not runtime.is_main:
@@ -191,7 +238,7 @@ def export_policy(runtime: Runtime, config: Any, model_config: Any, checkpoint: 
     provenance = {"config": to_dict(config), "base": checkpoint, **extra}
     if not lora.qlora:
         runtime.export(model_config, final, Path(checkpoint), provenance,
-                       lora=lora if lora.enabled else None)
+                       lora=lora if lora.enabled else None, base=Path(checkpoint))
         return final
     adapter = final.with_name(final.name + "-adapter")
     if runtime.is_main:
@@ -204,15 +251,17 @@ def export_policy(runtime: Runtime, config: Any, model_config: Any, checkpoint: 
 
 
 def finish_stage(runtime: Runtime, config: Any, model_config: Any,
-                 history: dict[str, list[float]], exported: Sequence[str]) -> dict[str, Any]:
+                 history: dict[str, list[float]], exported: Sequence[str],
+                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Export out_dir/final (its provenance: the last value of each `exported` history
-    entry), close the run, and write and return the summary: steps, seconds, the final
-    checkpoint, the whole history and the parallel setup."""
+    entry), close the run, and write and return the summary: steps, seconds, tokens
+    trained on, the final checkpoint, the whole history, `extra` and the parallel setup."""
     final = export_policy(runtime, config, model_config, config.model, config.lora,
                           {key: history[key][-1:] for key in exported})
     seconds = runtime.finish()
-    summary = {"steps": runtime.step, "seconds": round(seconds, 1), "final": str(final),
-               **history, "parallel": runtime.setup}
+    summary = {"steps": runtime.step, "seconds": round(seconds, 1),
+               "tokens_seen": runtime.tokens_seen, "final": str(final), **history,
+               **(extra or {}), "parallel": runtime.setup}
     if runtime.is_main:
         write_json(Path(config.out_dir) / "summary.json", summary)
     return summary

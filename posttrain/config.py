@@ -39,12 +39,17 @@ class SFTConfig(TrainConfig):
     task_eval: TaskEvalConfig = field(default_factory=TaskEvalConfig)
 
 
+Overflow = Literal["drop", "truncate_left"]
+
+
 @dataclass
 class PreferenceDataConfig:
     train: str = "task:arithmetic"
     eval: str | None = None
     limit: int | None = None
-    max_len: int = 128
+    max_len: int = 128  # prompt + reply; replies are cut to fit
+    max_prompt_length: int | None = None  # default: max_len // 2
+    prompt_overflow: Overflow = "drop"  # or truncate_left (keeps the question's end)
 
 
 @dataclass
@@ -83,8 +88,13 @@ class GRPOConfig(TrainConfig):
     max_completion_tokens: int = 12
     temperature: float = 1.0
     top_p: float = 1.0
+    max_prompt_length: int | None = None  # default: the context minus max_completion_tokens
+    prompt_overflow: Overflow = "drop"  # or truncate_left (keeps the question's end)
     rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
-    advantage: Literal["grpo", "dr_grpo"] = "grpo"  # dr_grpo: no division by the group std
+    # dapo: the mean over every completion token of the step (all micro-batches and ranks);
+    # dr_grpo: the sum over tokens divided by a constant, completions × max_completion_tokens
+    loss_type: Literal["dapo", "dr_grpo"] = "dapo"
+    scale_rewards: bool = True  # divide advantages by the group std (Dr. GRPO: false)
     epsilon: float = 0.2
     epsilon_high: float | None = None  # DAPO's clip-higher, e.g. 0.28
     beta: float = 0.0  # KL to the reference (k3); 0 loads no reference model

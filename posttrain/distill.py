@@ -15,7 +15,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -40,9 +40,9 @@ from lathe.posttrain.common import (
     train_on_batches,
 )
 from lathe.posttrain.config import ChatDataConfig, SFTConfig, TaskEvalConfig
-from lathe.posttrain.sft import collate, sft, start_chat_run
+from lathe.posttrain.sft import chat_work, collate, sft, start_chat_run
 from lathe.pretrain.config import TrainConfig
-from lathe.pretrain.runtime import Runtime
+from lathe.pretrain.runtime import Runtime, Work
 from lathe.serve.chat_template import ChatTemplate
 from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.sampling import SamplingParams
@@ -107,18 +107,23 @@ def check_same_tokenizer(student: str, teacher: str) -> None:
 
 def distill_logits(config: DistillConfig, resume: str) -> dict[str, Any]:
     runtime = Runtime(config, stage="distill")
-    model, tokenizer = load_policy(config.model, config.lora)
-    teacher = load_checkpoint(config.teacher, dtype=torch.float32, device=runtime.device)
+    model, tokenizer = load_policy(runtime, config.model, config.lora)
+    teacher = load_checkpoint(config.teacher, dtype=torch.float32)
     if teacher.config.vocab_size != model.config.vocab_size:
         raise ConfigError(f"teacher vocab_size {teacher.config.vocab_size} != student "
                           f"{model.config.vocab_size}: logits must cover the same tokens")
-    teacher.requires_grad_(False)
     model_config = model.config
     run = start_chat_run(runtime, config, model, tokenizer, resume)
+    teacher = runtime.prepare_frozen(teacher)
     pad_token = pad_id(tokenizer)
+    student_work = chat_work(model_config)
 
-    def loss_fn(m: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-        ids, labels = batch
+    def work_of(batch: dict[str, Any]) -> Work:  # plus the teacher's forward (1/3 of a step)
+        work = student_work(batch)
+        return replace(work, flops=work.flops * 4 / 3)
+
+    def loss_fn(m: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
+        ids, labels = batch["ids"], batch["labels"]
         out = m(ids, labels=labels)
         with torch.no_grad(), runtime.autocast():
             teacher_logits = teacher(ids).logits
@@ -134,8 +139,9 @@ def distill_logits(config: DistillConfig, resume: str) -> dict[str, Any]:
         sums = torch.zeros(2, device=runtime.device)
         for start in range(runtime.rank * config.micro_batch_size, len(run.heldout),
                            config.micro_batch_size * runtime.world_size):
-            ids, labels = collate(run.heldout[start:start + config.micro_batch_size], pad_token,
-                                  runtime.device)
+            batch = collate(run.heldout[start:start + config.micro_batch_size], pad_token,
+                            runtime.device)
+            ids, labels = batch["ids"], batch["labels"]
             mask = labels[:, 1:] != IGNORE_INDEX
             with runtime.autocast():
                 teacher_logits = teacher(ids).logits
@@ -158,7 +164,7 @@ def distill_logits(config: DistillConfig, resume: str) -> dict[str, Any]:
 
     train_on_batches(runtime, config, run.batches,
                      lambda rows: collate(rows, pad_token, runtime.device), loss_fn,
-                     lambda batch: int(batch[0].numel()), evaluate)
+                     work_of, evaluate)
     evaluator = TaskEvaluator(config.task_eval, config.model, tokenizer)
     student_accuracy = evaluate_task(runtime, evaluator, config.lora)
     summary = finish_stage(runtime, config, model_config, {"kl_to_teacher": kls},

@@ -2,17 +2,19 @@
 raise the policy's log-likelihood ratio of chosen over rejected replies, relative to a
 frozen reference, without a reward model.
 
-Read top to bottom: config -> runtime -> policy (± LoRA) -> tokenized pairs -> reference
-log-probs, computed once before training and cached with each pair (under LoRA the
-reference is the same weights with the adapters disabled, so no second copy is ever
-loaded; otherwise `reference` or the starting checkpoint, freed afterwards) -> loop
+Read top to bottom: config -> runtime -> policy (± LoRA) -> tokenized pairs (prompts fitted
+to max_prompt_length) -> the runtime wraps the policy -> reference log-probs, computed once
+before any update and cached with each pair: by the wrapped policy itself (under LoRA with
+its adapters disabled), so they share its precision and sharding and no second copy is
+loaded, or by a `reference` checkpoint prepared the same way -> loop
 (sigmoid or IPO loss; chosen/rejected rewards, margins, accuracy) -> held-out preference
 accuracy and task accuracy -> export -> summary.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +27,10 @@ from lathe.data.chat import END_OF_TURN, format_chat
 from lathe.data.formats import PreferenceRow, load_preference_dataset
 from lathe.model.checkpoint import load_checkpoint
 from lathe.model.lora import adapters_disabled
+from lathe.model.recipe import ConfigError
 from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.common import (
+    PromptFit,
     ShuffledBatches,
     TaskEvaluator,
     evaluate_task,
@@ -34,6 +38,7 @@ from lathe.posttrain.common import (
     load_policy,
     pad,
     pad_id,
+    sequence_work,
     stage_main,
     token_logprobs,
     train_on_batches,
@@ -49,7 +54,10 @@ class Pair:
     reference: tuple[float, float] = (0.0, 0.0)  # reference log-probs of chosen, rejected
 
 
-def tokenize_pairs(tokenizer: Tokenizer, rows: list[PreferenceRow], max_len: int) -> list[Pair]:
+def tokenize_pairs(tokenizer: Tokenizer, rows: list[PreferenceRow], max_len: int,
+                   fit: PromptFit) -> list[Pair]:
+    """Each prompt fitted to `fit.max_prompt_length` (< max_len), each reply cut to what
+    is left of max_len."""
     def side(prompt: list[int], reply: str) -> tuple[list[int], list[int]]:
         completion = tokenizer.encode(reply + END_OF_TURN, add_special_tokens=False).ids
         ids = (prompt + completion)[:max_len]
@@ -57,17 +65,18 @@ def tokenize_pairs(tokenizer: Tokenizer, rows: list[PreferenceRow], max_len: int
 
     pairs = []
     for row in rows:
-        prompt = tokenizer.encode(format_chat(row.prompt, add_generation_prompt=True),
-                                  add_special_tokens=False).ids
-        if len(prompt) < max_len:
+        prompt = fit(tokenizer.encode(format_chat(row.prompt, add_generation_prompt=True),
+                                      add_special_tokens=False).ids)
+        if prompt is not None:
             pairs.append(Pair(side(prompt, row.chosen), side(prompt, row.rejected)))
     return pairs
 
 
-def collate(pairs: list[Pair], pad_token: int, device: torch.device) -> dict[str, Tensor]:
+def collate(pairs: list[Pair], pad_token: int, device: torch.device) -> dict[str, Any]:
     """Chosen rows then rejected rows, padded together for one forward pass."""
     sides = [p.chosen for p in pairs] + [p.rejected for p in pairs]
     return {"ids": pad([s[0] for s in sides], pad_token).to(device),
+            "lengths": [len(s[0]) for s in sides],
             "labels": pad([s[1] for s in sides], IGNORE_INDEX).to(device),
             "reference": torch.tensor([p.reference[0] for p in pairs]
                                       + [p.reference[1] for p in pairs], device=device)}
@@ -101,6 +110,9 @@ def dpo_loss(policy_logps: Tensor, reference_logps: Tensor, beta: float,
 @torch.no_grad()
 def attach_reference(model: nn.Module, pairs: list[Pair], mean: bool, micro_batch: int,
                      pad_token: int, device: torch.device) -> None:
+    """Cache the reference's log-probs with each pair. Every rank runs every batch, so a
+    sharded reference (whose forward is collective) sees the same calls on each rank."""
+    was_training = model.training
     model.eval()
     for start in range(0, len(pairs), micro_batch):
         chunk = pairs[start:start + micro_batch]
@@ -108,7 +120,25 @@ def attach_reference(model: nn.Module, pairs: list[Pair], mean: bool, micro_batc
         for pair, chosen, rejected in zip(chunk, logps[:len(chunk)], logps[len(chunk):],
                                           strict=True):
             pair.reference = (chosen, rejected)
-    model.train()
+    model.train(was_training)
+
+
+def reference_model(runtime: Runtime, config: DPOConfig) -> contextlib.AbstractContextManager:
+    """The reference, in the policy's precision and sharding: before any update the prepared
+    policy is it (under LoRA with its adapters off), so DPO's first loss is exactly log 2;
+    a `reference` checkpoint is loaded and prepared as the policy was."""
+    if config.reference is not None:
+        return contextlib.nullcontext(runtime.prepare_frozen(
+            load_checkpoint(config.reference, dtype=torch.float32)))
+    if config.lora.enabled:
+        return _adapters_off(runtime.model)
+    return contextlib.nullcontext(runtime.model)
+
+
+@contextlib.contextmanager
+def _adapters_off(model: nn.Module) -> Iterator[nn.Module]:
+    with adapters_disabled(model):
+        yield model
 
 
 @torch.no_grad()
@@ -134,27 +164,23 @@ def heldout_preference(runtime: Runtime, pairs: list[Pair], config: DPOConfig,
 
 def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
     runtime = Runtime(config, stage="dpo")
-    model, tokenizer = load_policy(config.model, config.lora)
+    model, tokenizer = load_policy(runtime, config.model, config.lora)
     model_config = model.config
     data, pad_token, mean = config.data, pad_id(tokenizer), config.loss == "ipo"
+    fit = PromptFit(data.max_prompt_length or data.max_len // 2, data.prompt_overflow)
+    if fit.max_prompt_length >= data.max_len or data.max_len > model_config.max_seq_len:
+        raise ConfigError(f"data.max_prompt_length={fit.max_prompt_length} must be below "
+                          f"data.max_len={data.max_len}, itself at most the model's "
+                          f"max_seq_len={model_config.max_seq_len}")
     train = tokenize_pairs(tokenizer, load_preference_dataset(data.train, "train", data.limit),
-                           data.max_len)
+                           data.max_len, fit)
+    if not train:
+        raise ConfigError(f"data.train={data.train!r}: every prompt is over "
+                          f"max_prompt_length={fit.max_prompt_length} and was dropped; raise "
+                          "data.max_prompt_length or set data.prompt_overflow=truncate_left")
     heldout = tokenize_pairs(tokenizer, load_preference_dataset(
         data.eval or data.train, "test", config.eval.batches * config.micro_batch_size),
-        data.max_len)
-
-    model.to(runtime.device)
-    if config.lora.enabled and config.reference is None:
-        with adapters_disabled(model), runtime.autocast():
-            attach_reference(model, train + heldout, mean, config.micro_batch_size, pad_token,
-                             runtime.device)
-    else:
-        reference = load_checkpoint(config.reference or config.model, dtype=torch.float32,
-                                    device=runtime.device)
-        with runtime.autocast():
-            attach_reference(reference, train + heldout, mean, config.micro_batch_size,
-                             pad_token, runtime.device)
-        del reference
+        data.max_len, PromptFit(fit.max_prompt_length, fit.overflow))
 
     batches = ShuffledBatches(train, config.micro_batch_size, config.seed, runtime.rank,
                               runtime.world_size)
@@ -162,14 +188,17 @@ def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
     tokens_per_step = int(config.micro_batch_size * config.grad_accum_steps
                           * runtime.world_size * mean_len)
     total_steps = config.total_steps(tokens_per_step, model_config.num_params())
-    runtime.prepare(model, total_steps, model_config.flops_per_token(int(mean_len / 2)))
+    runtime.prepare(model, total_steps)
+    with reference_model(runtime, config) as reference, runtime.autocast():
+        attach_reference(reference, train + heldout, mean, config.micro_batch_size, pad_token,
+                         runtime.device)
     restored = runtime.start(config, resume)
     if restored is not None:
         batches.load_state_dict(restored["batches"])
     evaluator = TaskEvaluator(config.task_eval, config.model, tokenizer)
     runtime.print(f"dpo: {len(train):,} pairs, {len(heldout)} held out, beta {config.beta}, "
                   f"{config.loss} loss, {total_steps} steps; reference log-probs cached"
-                  + (" (adapters disabled)" if config.lora.enabled else ""))
+                  + (" (adapters disabled)" if config.lora.enabled else "") + f"; {fit.report()}")
 
     def loss_fn(m: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         return dpo_loss(sequence_logprobs(m, batch, mean), batch["reference"], config.beta,
@@ -192,10 +221,11 @@ def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
         evaluate()
     train_on_batches(runtime, config, batches,
                      lambda rows: collate(rows, pad_token, runtime.device), loss_fn,
-                     lambda batch: int(batch["ids"].numel()), evaluate)
+                     lambda batch: sequence_work(model_config, batch["lengths"],
+                                                 len(batch["lengths"]) // 2), evaluate)
 
     summary = finish_stage(runtime, config, model_config, history,
-                           ["preference_accuracy", "accuracy"])
+                           ["preference_accuracy", "accuracy"], {"prompt_fit": fit.counts()})
     if runtime.is_main:
         print(f"done: dpo {runtime.step} steps in {summary['seconds']:.0f}s; held-out preference "
               f"accuracy {history['preference_accuracy'][0]:.1%} -> "

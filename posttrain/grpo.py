@@ -1,12 +1,15 @@
 """Group relative policy optimization with verifiable rewards (`lathe grpo` /
 `accelerate launch -m lathe.posttrain.grpo`).
 
-Read top to bottom: config -> runtime -> policy (± LoRA), optional reference (only when
-beta > 0) -> the serve engine on a copy of the policy -> loop: sample prompts, generate G
-completions each with the engine (batched, paged KV), score them with the reward
-functions, turn scores into group-relative advantages, take `updates_per_batch` optimizer
-steps of the clipped surrogate (token-level normalization, optional k3 KL), refresh the
-engine's weights from the policy -> held-out accuracy -> export -> summary.
+Read top to bottom: config -> runtime -> policy (± LoRA) -> prompts rendered and fitted to
+max_prompt_length (so prompt + completion always fits the context) -> optional reference
+(only when beta > 0; prepared like the policy, or under LoRA the policy with adapters off)
+-> the serve engine on a copy of the policy -> loop: sample prompts, generate G completions
+each with the engine (batched, paged KV), score them with the reward functions, turn
+scores into group-relative advantages, take `updates_per_batch` optimizer steps of the
+clipped surrogate on log-probs at the sampling temperature (normalized over the whole
+step's completion tokens, or by Dr. GRPO's constant; optional k3 KL), refresh the
+engine's weights from the policy's shards -> held-out accuracy -> export -> summary.
 
 Rollouts are generated on the main process and broadcast, so every launch (DDP, FSDP2,
 ZeRO) sees the same batch; each rank trains on its share.
@@ -14,6 +17,7 @@ ZeRO) sees the same batch; each rank trains on its share.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,27 +28,34 @@ from torch import Tensor, nn
 
 from lathe.data.formats import PromptRow, load_prompt_dataset
 from lathe.model.checkpoint import load_checkpoint
-from lathe.model.lora import adapters_disabled, merge_lora
+from lathe.model.lora import AdapterMerger, adapter_weights, adapters_disabled
 from lathe.model.recipe import ConfigError
 from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.common import (
+    PromptFit,
     ShuffledBatches,
     TaskEvaluator,
     eos_ids,
     evaluate_task,
     finish_stage,
-    generation_model,
     load_policy,
     pad,
     pad_id,
+    sequence_work,
     stage_main,
 )
 from lathe.posttrain.config import GRPOConfig
 from lathe.posttrain.rewards import load_reward, verifier
-from lathe.pretrain.runtime import Runtime, plain_model
+from lathe.pretrain.runtime import Runtime, Work
 from lathe.serve.chat_template import ChatTemplate
 from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.sampling import SamplingParams
+
+
+@dataclass
+class Prompt:
+    row: PromptRow
+    ids: list[int]  # the rendered chat, fitted to max_prompt_length
 
 
 @dataclass
@@ -53,23 +64,25 @@ class Rollout:
     completion_ids: list[int]
     reward: float
     correct: float
+    sampled_logps: list[float]  # the engine's, at the sampling temperature
     advantage: float = 0.0
 
 
-def group_advantages(rewards: Tensor, kind: str = "grpo", eps: float = 1e-4) -> Tensor:
-    """(P, G) rewards -> advantages: minus the group mean, divided by the group std for
-    GRPO (population std, as TRL) and not for Dr.GRPO."""
+def group_advantages(rewards: Tensor, scale: bool = True, eps: float = 1e-4) -> Tensor:
+    """(P, G) rewards -> advantages: minus the group mean, and divided by the group's
+    sample standard deviation (Bessel-corrected, as TRL's `std`) when `scale`."""
     centred = rewards - rewards.mean(dim=1, keepdim=True)
-    if kind == "dr_grpo":
+    if not scale:
         return centred
-    return centred / (rewards.std(dim=1, keepdim=True, unbiased=False) + eps)
+    return centred / (rewards.std(dim=1, keepdim=True) + eps)
 
 
 def clipped_surrogate(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor,
                       epsilon: float, epsilon_high: float | None = None,
-                      ref_logps: Tensor | None = None,
-                      beta: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO-style clipped objective per token, averaged over all completion tokens.
+                      ref_logps: Tensor | None = None, beta: float = 0.0,
+                      normalizer: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO-style clipped objective per token, summed over completion tokens and divided by
+    `normalizer` (default: their count; Dr. GRPO: a constant).
 
     logps/old_logps/ref_logps/mask: (N, T); advantages: (N,). The ratio is clipped to
     [1 − ε, 1 + ε_high] (ε_high = ε unless DAPO's clip-higher is set); with beta > 0 the
@@ -83,78 +96,115 @@ def clipped_surrogate(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + high) * advantages
     per_token = -torch.min(unclipped, clipped)
     tokens = mask.sum().clamp(min=1)
+    divisor = tokens if normalizer is None else normalizer
     metrics: dict[str, Tensor] = {
         "clip_fraction": (((ratio < 1 - epsilon) & (advantages < 0))
                           | ((ratio > 1 + high) & (advantages > 0))).float().mul(mask).sum()
-        / tokens}
+        / divisor}
     if ref_logps is not None and beta > 0:
         delta = ref_logps - logps
         kl = torch.exp(delta) - delta - 1
         per_token = per_token + beta * kl
-        metrics["kl"] = (kl * mask).sum() / tokens
-    loss = (per_token * mask).sum() / tokens
+        metrics["kl"] = (kl * mask).sum() / divisor
+    loss = (per_token * mask).sum() / divisor
     metrics["loss"] = loss
     return loss, metrics
 
 
-def per_token_logps(model: nn.Module, ids: Tensor, labels: Tensor) -> Tensor:
-    """log p(label_t | tokens < t) per position of the (N, T) batch (0 where unlabelled)."""
+def per_token_logps(model: nn.Module, ids: Tensor, labels: Tensor,
+                    temperature: float = 1.0) -> Tensor:
+    """log p(label_t | tokens < t) per position of the (N, T) batch (0 where unlabelled),
+    from logits / `temperature`: the distribution the rollouts were sampled from."""
     logits = model(ids).logits[:, :-1].float()
+    if temperature > 0:
+        logits = logits / temperature
     targets = labels[:, 1:]
     logps = torch.log_softmax(logits, dim=-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
     return logps * (targets != IGNORE_INDEX)
 
 
-def collate(rollouts: list[Rollout], pad_token: int, device: torch.device) -> dict[str, Tensor]:
+def collate(rollouts: list[Rollout], pad_token: int, device: torch.device) -> dict[str, Any]:
     ids = pad([r.prompt_ids + r.completion_ids for r in rollouts], pad_token).to(device)
     labels = pad([[IGNORE_INDEX] * len(r.prompt_ids) + r.completion_ids for r in rollouts],
                  IGNORE_INDEX).to(device)
+    sampled = pad([[0.0] * len(r.prompt_ids) + r.sampled_logps for r in rollouts], 0.0)
     return {"ids": ids, "labels": labels, "mask": labels[:, 1:] != IGNORE_INDEX,
+            "sampled": sampled[:, 1:].to(device),
+            "lengths": [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts],
             "advantages": torch.tensor([r.advantage for r in rollouts], device=device)}
 
 
-class RolloutGenerator:
-    """The serve engine on its own copy of the policy: G samples per prompt, scored."""
+def fit_prompts(tokenizer: Any, template: ChatTemplate, rows: list[PromptRow],
+                fit: PromptFit) -> list[Prompt]:
+    prompts = []
+    for row in rows:
+        ids = fit(tokenizer.encode(template.render(row.prompt), add_special_tokens=False).ids)
+        if ids is not None:
+            prompts.append(Prompt(row, ids))
+    return prompts
 
-    def __init__(self, config: GRPOConfig, tokenizer: Any, model: nn.Module,
+
+class RolloutGenerator:
+    """The serve engine on its own copy of the policy: G samples per prompt, scored.
+    Under LoRA the engine's weights are the full-precision base with the policy's current
+    adapters merged in (`refresh_adapters`), never a merge into a 4-bit QLoRA base."""
+
+    def __init__(self, config: GRPOConfig, tokenizer: Any, device: torch.device,
                  kv_dtype: torch.dtype) -> None:
         self.config = config
-        self.tokenizer = tokenizer
-        self.template = ChatTemplate.from_checkpoint(config.model)
         self.rewards = [(load_reward(r.name), r.weight) for r in config.rewards]
         self.correct = verifier(config.task_eval.task)
+        model = load_checkpoint(config.model, dtype=torch.float32, device=device)
+        self.merger = AdapterMerger(model, config.lora) if config.lora.enabled else None
         self.engine = LLMEngine(model.eval(), tokenizer, EngineConfig(num_blocks=1024),
                                 eos_ids(config.model), kv_dtype=kv_dtype)
 
-    def refresh(self, state: dict[str, Tensor]) -> None:
-        self.engine.load_weights(state)
+    def refresh(self, weights: dict[str, Tensor]) -> None:
+        """Load the policy's gathered weights (its adapters alone under LoRA)."""
+        self.engine.load_weights(self.merger(weights) if self.merger is not None else weights)
 
-    def __call__(self, rows: list[PromptRow], seed: int) -> list[Rollout]:
+    def __call__(self, prompts: list[Prompt], seed: int) -> list[Rollout]:
         c = self.config
-        prompts = [self.tokenizer.encode(self.template.render(row.prompt),
-                                         add_special_tokens=False).ids for row in rows]
         params = [SamplingParams(max_tokens=c.max_completion_tokens, temperature=c.temperature,
-                                 top_p=c.top_p, n=c.num_generations, seed=seed + i * 1000)
-                  for i in range(len(rows))]
+                                 top_p=c.top_p, n=c.num_generations, seed=seed + i * 1000,
+                                 logprobs=0, logprobs_at_temperature=True)
+                  for i in range(len(prompts))]
         rollouts = []
-        for row, prompt, done in zip(rows, prompts, self.engine.generate(prompts, params),
-                                     strict=True):
+        for prompt, done in zip(prompts, self.engine.generate([p.ids for p in prompts], params),
+                                strict=True):
+            row = prompt.row
             for out in done.outputs:
                 reward = sum(w * fn(out.text, row.reference) for fn, w in self.rewards)
-                rollouts.append(Rollout(prompt, out.token_ids, reward,
-                                        self.correct(out.text, row.reference)))
+                rollouts.append(Rollout(prompt.ids, out.token_ids, reward,
+                                        self.correct(out.text, row.reference),
+                                        [lp.logprob for lp in out.logprobs]))
         return rollouts
 
 
-def engine_state(runtime: Runtime, config: GRPOConfig) -> dict[str, Tensor] | None:
-    """The policy's full weights, adapters merged, on the main process (collective)."""
-    model = generation_model(runtime, config.lora)
-    if model is None:
+def engine_weights(runtime: Runtime, config: GRPOConfig) -> dict[str, Tensor] | None:
+    """What the rollout engine needs from the policy, gathered from its shards onto the
+    main process (collective; None elsewhere): the full weights, or under LoRA the adapter
+    weights only."""
+    model = runtime.accelerator.unwrap_model(runtime.model)
+    if config.lora.enabled and not runtime.sharded:
+        return adapter_weights(model) if runtime.is_main else None
+    state = runtime.accelerator.get_state_dict(runtime.model)
+    if not runtime.is_main:
         return None
     if config.lora.enabled:
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        model = merge_lora(plain_model(model.config, state, lora=config.lora))
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return {k: v for k, v in state.items() if ".lora_" in k}
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def check_lengths(config: GRPOConfig, context: int) -> PromptFit:
+    """max_prompt_length + max_completion_tokens must fit the model's context, once, here."""
+    budget = context - config.max_completion_tokens
+    limit = config.max_prompt_length if config.max_prompt_length is not None else budget
+    if limit < 1 or limit > budget:
+        raise ConfigError(f"max_prompt_length={limit} + max_completion_tokens="
+                          f"{config.max_completion_tokens} must fit the model's context of "
+                          f"{context} tokens; lower either (max_prompt_length <= {budget})")
+    return PromptFit(limit, config.prompt_overflow)
 
 
 def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
@@ -166,80 +216,101 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
     if rollouts_per_rank % config.grad_accum_steps:
         raise ConfigError(f"each rank's {rollouts_per_rank} rollouts must split evenly into "
                           f"grad_accum_steps={config.grad_accum_steps} micro-batches")
-    model, tokenizer = load_policy(config.model, config.lora)
+    model, tokenizer = load_policy(runtime, config.model, config.lora)
     model_config = model.config
+    fit = check_lengths(config, model_config.max_seq_len)
+    prompts = fit_prompts(tokenizer, ChatTemplate.from_checkpoint(config.model),
+                          load_prompt_dataset(config.prompts, "train", config.limit), fit)
+    if len(prompts) < config.prompts_per_step:
+        raise ConfigError(f"{config.prompts}: {len(prompts)} prompts left after fitting "
+                          f"({fit.report()}), fewer than prompts_per_step="
+                          f"{config.prompts_per_step}")
+    sampler = ShuffledBatches(prompts, config.prompts_per_step, config.seed)
+    total_steps = config.total_steps(1, model_config.num_params())
+    runtime.prepare(model, total_steps)
     reference = None
     if config.beta > 0 and not config.lora.enabled:
-        reference = load_checkpoint(config.model, dtype=torch.float32, device=runtime.device)
-    prompts = load_prompt_dataset(config.prompts, "train", config.limit)
-    sampler = ShuffledBatches(prompts, config.prompts_per_step, config.seed)
-    iterations = config.total_steps(1, model_config.num_params())
-    total_steps = iterations
-    runtime.prepare(model, total_steps, model_config.flops_per_token(64))
+        reference = runtime.prepare_frozen(load_checkpoint(config.model, dtype=torch.float32))
     restored = runtime.start(config, resume)
     if restored is not None:
         sampler.load_state_dict(restored["prompts"])
-    generator = None
-    if runtime.is_main:
-        generator = RolloutGenerator(config, tokenizer, load_checkpoint(
-            config.model, dtype=torch.float32, device=runtime.device), runtime.compute_dtype)
-    state = engine_state(runtime, config)
+    generator = (RolloutGenerator(config, tokenizer, runtime.device, runtime.compute_dtype)
+                 if runtime.is_main else None)
+    weights = engine_weights(runtime, config)
     if generator is not None:
-        generator.refresh(state)
+        generator.refresh(weights)
     evaluator = TaskEvaluator(config.task_eval, config.model, tokenizer)
     pad_token = pad_id(tokenizer)
-    runtime.print(f"grpo: {len(prompts):,} prompts, {config.prompts_per_step} × "
-                  f"{config.num_generations} rollouts per batch, {config.updates_per_batch} "
-                  f"update(s) each, {total_steps} optimizer steps, advantages "
-                  f"{config.advantage}, beta {config.beta}")
+    runtime.print(f"grpo: {len(prompts):,} prompts ({fit.report()}), "
+                  f"{config.prompts_per_step} × {config.num_generations} rollouts per batch, "
+                  f"{config.updates_per_batch} update(s) each, {total_steps} optimizer steps, "
+                  f"loss {config.loss_type}, scale_rewards {config.scale_rewards}, "
+                  f"beta {config.beta}")
+    constant = config.max_completion_tokens if config.loss_type == "dr_grpo" else None
+
+    def work_of(batch: dict[str, Any]) -> Work:
+        rows = len(batch["lengths"])
+        units = rows * constant if constant else float(batch["mask"].sum())
+        return sequence_work(model_config, batch["lengths"], units)
 
     def loss_fn(m: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-        logps = per_token_logps(m, batch["ids"], batch["labels"])
+        logps = per_token_logps(m, batch["ids"], batch["labels"], config.temperature)
         return clipped_surrogate(logps, batch["old"], batch["advantages"], batch["mask"],
                                  config.epsilon, config.epsilon_high, batch.get("ref"),
-                                 config.beta)
+                                 config.beta, len(batch["lengths"]) * constant if constant
+                                 else None)
 
     history: dict[str, list[float]] = {"reward": [], "accuracy": [], "heldout_accuracy": []}
     if restored is None:
         history["heldout_accuracy"].append(evaluate_task(runtime, evaluator, config.lora))
     while runtime.step < total_steps:
-        rows = sampler.next()
-        with runtime.autocast():
-            batch = [generator(rows, seed=config.seed * 7919 + runtime.step * 104729)
-                     if generator is not None else None]
-        broadcast_object_list(batch)
+        batch_prompts = sampler.next()
+        with runtime.throughput.paused():
+            started = time.perf_counter()
+            with runtime.autocast():
+                batch = [generator(batch_prompts,
+                                   seed=config.seed * 7919 + runtime.step * 104729)
+                         if generator is not None else None]
+            broadcast_object_list(batch)
+            rollout_seconds = time.perf_counter() - started
         rollouts: list[Rollout] = batch[0]
-        rewards = torch.tensor([r.reward for r in rollouts]).view(len(rows), -1)
+        rewards = torch.tensor([r.reward for r in rollouts]).view(len(batch_prompts), -1)
         for rollout, advantage in zip(rollouts, group_advantages(
-                rewards, config.advantage).flatten().tolist(), strict=True):
+                rewards, config.scale_rewards).flatten().tolist(), strict=True):
             rollout.advantage = advantage
         mine = rollouts[runtime.rank * rollouts_per_rank:(runtime.rank + 1) * rollouts_per_rank]
         size = rollouts_per_rank // config.grad_accum_steps
         micro = [collate(mine[i:i + size], pad_token, runtime.device)
                  for i in range(0, rollouts_per_rank, size)]
         with runtime.autocast():
-            attach_old_and_reference(runtime.model, reference, micro, config.lora.enabled
-                                     and config.beta > 0)
-        tokens = sum(int(m["mask"].sum()) for m in micro) * runtime.world_size
+            gap = attach_old_and_reference(runtime.model, reference, micro,
+                                           config.lora.enabled and config.beta > 0,
+                                           config.temperature)
+        forwards = 1 + (config.beta > 0)  # old log-probs, and the reference's
+        runtime.throughput.add(0, forwards / 3 * runtime.world_size * sum(
+            sequence_work(model_config, m["lengths"], 0).flops for m in micro))
+        generated = sum(len(r.completion_ids) for r in rollouts)
         rollout_metrics = {
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
             "train/accuracy": sum(r.correct for r in rollouts) / len(rollouts),
-            "completion/mean_length": sum(len(r.completion_ids) for r in rollouts)
-            / len(rollouts),
+            "completion/mean_length": generated / len(rollouts),
+            "rollout/tokens_per_s": generated / max(rollout_seconds, 1e-9),
+            "rollout/logprob_gap": gap,
         }
         for _ in range(config.updates_per_batch):
             if runtime.step >= total_steps:
                 break
-            result = runtime.train_step(micro, loss_fn, tokens)
+            result = runtime.train_step(micro, loss_fn, work_of)
             result.metrics.update({k: torch.tensor(v) for k, v in rollout_metrics.items()})
             runtime.log_step(result)
         history["reward"].append(rollout_metrics["reward/mean"])
         history["accuracy"].append(rollout_metrics["train/accuracy"])
-        state = engine_state(runtime, config)
+        weights = engine_weights(runtime, config)
         if generator is not None:
-            generator.refresh(state)
+            generator.refresh(weights)
         if runtime.should(config.eval.every):
-            accuracy = evaluate_task(runtime, evaluator, config.lora)
+            with runtime.throughput.paused():
+                accuracy = evaluate_task(runtime, evaluator, config.lora)
             history["heldout_accuracy"].append(accuracy)
             runtime.print(f"step {runtime.step}: reward {rollout_metrics['reward/mean']:.3f}, "
                           f"rollout accuracy {rollout_metrics['train/accuracy']:.1%}, "
@@ -247,7 +318,8 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
         if runtime.should(config.checkpoint.every):
             runtime.save({"prompts": sampler.state_dict()})
 
-    summary = finish_stage(runtime, config, model_config, history, ["reward", "heldout_accuracy"])
+    summary = finish_stage(runtime, config, model_config, history, ["reward", "heldout_accuracy"],
+                           {"prompt_fit": fit.counts()})
     if runtime.is_main:
         first, last = history["reward"][:5], history["reward"][-5:]
         print(f"done: grpo {runtime.step} steps in {summary['seconds']:.0f}s; mean reward "
@@ -259,17 +331,25 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
 
 @torch.no_grad()
 def attach_old_and_reference(model: nn.Module, reference: nn.Module | None,
-                             micro: list[dict[str, Tensor]], lora_reference: bool) -> None:
-    """Log-probs of the rollout policy (before this batch's updates) and of the reference."""
+                             micro: list[dict[str, Any]], lora_reference: bool,
+                             temperature: float) -> float:
+    """Log-probs of the rollout policy (before this batch's updates) and of the reference,
+    at the sampling temperature; returns the mean |trainer − engine| log-prob over the
+    completion tokens, which only numerics (precision, kernels) should separate."""
     model.eval()
+    gap, tokens = 0.0, 0
     for batch in micro:
-        batch["old"] = per_token_logps(model, batch["ids"], batch["labels"])
+        ids, labels, mask = batch["ids"], batch["labels"], batch["mask"]
+        batch["old"] = per_token_logps(model, ids, labels, temperature)
+        gap += float(((batch["old"] - batch["sampled"]).abs() * mask).sum())
+        tokens += int(mask.sum())
         if reference is not None:
-            batch["ref"] = per_token_logps(reference, batch["ids"], batch["labels"])
+            batch["ref"] = per_token_logps(reference, ids, labels, temperature)
         elif lora_reference:
             with adapters_disabled(model):
-                batch["ref"] = per_token_logps(model, batch["ids"], batch["labels"])
+                batch["ref"] = per_token_logps(model, ids, labels, temperature)
     model.train()
+    return gap / max(tokens, 1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,8 +8,8 @@ task accuracy by generation) -> export (LoRA merged) -> summary.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -25,41 +25,69 @@ from lathe.posttrain.common import (
     TaskEvaluator,
     evaluate_task,
     finish_stage,
+    label_count,
     load_policy,
     pad,
     pad_id,
+    sequence_work,
     stage_main,
     train_on_batches,
 )
 from lathe.posttrain.config import SFTConfig
-from lathe.pretrain.runtime import Runtime
+from lathe.pretrain.runtime import Runtime, Work
 
 Example = tuple[list[int], list[int]]  # input ids, labels (-100 outside assistant spans)
 
 
-def tokenize(tokenizer: Tokenizer, chats: list[list[Message]], max_len: int) -> list[Example]:
+@dataclass
+class ChatFit:
+    """How a chat dataset fits `max_len`: chats kept whole, cut at max_len (their tail loses
+    supervision), and dropped because nothing assistant-written was left after the cut."""
+
+    whole: int = 0
+    cut: int = 0
+    dropped: int = 0
+
+    def report(self) -> str:
+        return (f"chats over max_len: {self.cut} cut, {self.dropped} dropped (no assistant "
+                f"token left), {self.whole} whole")
+
+
+def tokenize(tokenizer: Tokenizer, chats: list[list[Message]], max_len: int,
+             fit: ChatFit | None = None) -> list[Example]:
+    fit = fit if fit is not None else ChatFit()
     examples = []
     for messages in chats:
         ids, mask = tokenize_chat(tokenizer, messages)
-        ids, mask = ids[:max_len], mask[:max_len]
+        if len(ids) > max_len:
+            ids, mask = ids[:max_len], mask[:max_len]
+            fit.cut += 1
+        else:
+            fit.whole += 1
         if any(mask[1:]):  # something left to learn after truncation
             examples.append((ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask,
                                                                             strict=True)]))
+        else:
+            fit.dropped += 1
     return examples
 
 
-def collate(examples: list[Example], pad_token: int, device: torch.device) -> tuple[Tensor,
-                                                                                     Tensor]:
-    ids = pad([e[0] for e in examples], pad_token).to(device)
-    labels = pad([e[1] for e in examples], IGNORE_INDEX).to(device)
-    return ids, labels
+def collate(examples: list[Example], pad_token: int, device: torch.device) -> dict[str, Any]:
+    return {"ids": pad([e[0] for e in examples], pad_token).to(device),
+            "labels": pad([e[1] for e in examples], IGNORE_INDEX).to(device),
+            "lengths": [len(e[0]) for e in examples]}
 
 
-def sft_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+def sft_loss(model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
     """Mean cross-entropy over the micro-batch's assistant tokens."""
-    ids, labels = batch
-    loss = model(ids, labels=labels, return_logits=False).loss  # fused head + loss on CUDA
+    loss = model(batch["ids"], labels=batch["labels"], return_logits=False).loss  # fused on CUDA
     return loss, {"loss": loss}
+
+
+def chat_work(model_config: Any) -> Callable[[dict[str, Any]], Work]:
+    """SFT and distillation losses are means over assistant tokens."""
+    return lambda batch: sequence_work(model_config, batch["lengths"],
+                                       label_count(batch["labels"]))
 
 
 @torch.no_grad()
@@ -71,9 +99,10 @@ def heldout_loss(runtime: Runtime, examples: list[Example], micro_batch: int,
     total = torch.zeros(2, device=runtime.device)
     mine = examples[runtime.rank::runtime.world_size]
     for start in range(0, len(mine), micro_batch):
-        ids, labels = collate(mine[start:start + micro_batch], pad_token, runtime.device)
-        tokens = (labels[:, 1:] != IGNORE_INDEX).sum()
-        total += torch.stack([model(ids, labels=labels).loss.float() * tokens, tokens.float()])
+        batch = collate(mine[start:start + micro_batch], pad_token, runtime.device)
+        tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+        loss = model(batch["ids"], labels=batch["labels"]).loss
+        total += torch.stack([loss.float() * tokens, tokens.float()])
     model.train()
     total = runtime.accelerator.reduce(total, reduction="sum")
     return float(total[0] / total[1])
@@ -88,6 +117,7 @@ class ChatRun:
     heldout: list[Example]
     batches: ShuffledBatches
     mean_len: float
+    fit: ChatFit
     restored: dict[str, Any] | None
 
 
@@ -99,7 +129,12 @@ def start_chat_run(runtime: Runtime, config: Any, model: nn.Module, tokenizer: T
     if data.max_len > model_config.max_seq_len:
         raise ConfigError(f"data.max_len={data.max_len} exceeds the model's max_seq_len="
                           f"{model_config.max_seq_len}; lower data.max_len")
-    train = tokenize(tokenizer, load_chat_dataset(data.train, "train", data.limit), data.max_len)
+    fit = ChatFit()
+    train = tokenize(tokenizer, load_chat_dataset(data.train, "train", data.limit), data.max_len,
+                     fit)
+    if not train:
+        raise ConfigError(f"data.train={data.train!r}: no chat has an assistant token within "
+                          f"data.max_len={data.max_len}; raise data.max_len")
     heldout = tokenize(tokenizer, load_chat_dataset(data.eval or data.train, "test",
                                                     config.eval.batches * config.micro_batch_size),
                        data.max_len)
@@ -109,16 +144,17 @@ def start_chat_run(runtime: Runtime, config: Any, model: nn.Module, tokenizer: T
     tokens_per_step = int(config.micro_batch_size * config.grad_accum_steps
                           * runtime.world_size * mean_len)
     total_steps = config.total_steps(tokens_per_step, model_config.num_params())
-    runtime.prepare(model, total_steps, model_config.flops_per_token(int(mean_len)))
+    runtime.prepare(model, total_steps)
     restored = runtime.start(config, resume)
     if restored is not None:
         batches.load_state_dict(restored["batches"])
-    return ChatRun(train, heldout, batches, mean_len, restored)
+    runtime.print(fit.report())
+    return ChatRun(train, heldout, batches, mean_len, fit, restored)
 
 
 def sft(config: SFTConfig, resume: str = "never") -> dict[str, Any]:
     runtime = Runtime(config, stage="sft")
-    model, tokenizer = load_policy(config.model, config.lora)
+    model, tokenizer = load_policy(runtime, config.model, config.lora)
     model_config = model.config
     run = start_chat_run(runtime, config, model, tokenizer, resume)
     evaluator = TaskEvaluator(config.task_eval, config.model, tokenizer)
@@ -143,9 +179,10 @@ def sft(config: SFTConfig, resume: str = "never") -> dict[str, Any]:
         evaluate()
     train_on_batches(runtime, config, run.batches,
                      lambda rows: collate(rows, pad_token, runtime.device), sft_loss,
-                     lambda batch: int(batch[0].numel()), evaluate)
+                     chat_work(model_config), evaluate)
 
-    summary = finish_stage(runtime, config, model_config, history, ["heldout_loss", "accuracy"])
+    summary = finish_stage(runtime, config, model_config, history, ["heldout_loss", "accuracy"],
+                           {"data_fit": asdict(run.fit)})
     if runtime.is_main:
         print(f"done: sft {runtime.step} steps in {summary['seconds']:.0f}s; held-out assistant "
               f"loss {history['heldout_loss'][0]:.4f} -> {history['heldout_loss'][-1]:.4f}, "

@@ -1,15 +1,18 @@
 """What a run reports: metrics to W&B (through accelerate's tracker) and to a local
 `metrics.jsonl`, throughput as tokens/s and MFU, and memory.
 
-MFU = achieved FLOP/s ÷ peak FLOP/s of all devices. Training FLOPs per token come from
-`ModelConfig.flops_per_token`; peak FLOP/s from a table of dense bf16 tensor-core peaks
-per GPU (FP8 doubles them), or, on CPU, from a short fp32 matmul measured at start-up.
+MFU = achieved FLOP/s ÷ peak FLOP/s of all devices. Each step's FLOPs come from its stage
+(`ModelConfig.flops_per_token` for each token it really computes); peak FLOP/s from a
+table of dense bf16 tensor-core peaks per GPU (FP8 doubles them), or, on CPU, from a short
+fp32 matmul measured at start-up.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,25 +80,33 @@ def memory_stats(device: torch.device) -> dict[str, float]:
 
 
 class Throughput:
-    """Tokens/s and MFU over the steps since the last `measure`."""
+    """Tokens/s and MFU over the training time since the last `measure`; work outside
+    training (rollout generation, evaluation) runs `paused()` and does not count."""
 
-    def __init__(self, flops_per_token: int, peak_flops_total: float) -> None:
-        self.flops_per_token = flops_per_token
+    def __init__(self, peak_flops_total: float) -> None:
         self.peak = peak_flops_total
         self.reset()
 
     def reset(self) -> None:
-        self.start, self.tokens = time.perf_counter(), 0
+        self.start, self.tokens, self.flops, self.excluded = time.perf_counter(), 0, 0.0, 0.0
 
-    def add(self, tokens: int) -> None:
+    def add(self, tokens: int, flops: float) -> None:
         self.tokens += tokens
+        self.flops += flops
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.excluded += time.perf_counter() - start
 
     def measure(self) -> dict[str, float]:
-        seconds = max(time.perf_counter() - self.start, 1e-9)
-        tokens_per_s = self.tokens / seconds
+        seconds = max(time.perf_counter() - self.start - self.excluded, 1e-9)
+        tokens_per_s, flops_per_s = self.tokens / seconds, self.flops / seconds
         self.reset()
-        return {"tokens_per_s": tokens_per_s,
-                "mfu": tokens_per_s * self.flops_per_token / self.peak}
+        return {"tokens_per_s": tokens_per_s, "mfu": flops_per_s / self.peak}
 
 
 def _step_of(line: str) -> float:

@@ -12,6 +12,8 @@ its model, its batches and its loss function.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import math
 import os
 import time
@@ -41,8 +43,21 @@ from lathe.pretrain.optim import build_optimizers
 from lathe.pretrain.precision import compute_dtype, default_mixed_precision
 from lathe.pretrain.schedule import lr_factor
 
-# loss_fn(model, batch) -> (loss to backpropagate, metrics to average and log)
+# loss_fn(model, batch) -> (the batch's loss as a mean over its Work.units, metrics that are
+# means over the same units)
 LossFn = Callable[[nn.Module, Any], tuple[Tensor, dict[str, Tensor]]]
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one micro-batch holds, known before its forward: `units` are what its loss is a
+    mean over (label tokens, sequences, pairs, or Dr. GRPO's constant per sequence),
+    `tokens` the real (unpadded) tokens it trains on, `flops` the model FLOPs its forward
+    and backward take (`ModelConfig.flops_per_token` per token)."""
+
+    units: float
+    tokens: int
+    flops: float
 
 
 @dataclass
@@ -92,7 +107,7 @@ class Runtime:
     def rank(self) -> int:
         return self.accelerator.process_index
 
-    def prepare(self, model: Transformer, total_steps: int, flops_per_token: int) -> None:
+    def prepare(self, model: Transformer, total_steps: int) -> None:
         """Convert, build optimizers, wrap for the launch's parallelism, start throughput."""
         self.total_steps = total_steps
         self.converters = apply_converters(model, self.config.precision, self.device)
@@ -108,7 +123,41 @@ class Runtime:
         prepared = self.accelerator.prepare(model, *optimizers)
         self.model, self.optimizers = prepared[0], list(prepared[1:])
         peak, self.peak_source = peak_flops(self.device, fp8=self.config.precision.fp8)
-        self.throughput = Throughput(flops_per_token, peak * self.world_size)
+        self.throughput = Throughput(peak * self.world_size)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the prepared model's weights live in FSDP2 or DeepSpeed's keeping, so a
+        full copy of them must be gathered (`accelerator.get_state_dict`, collective)."""
+        return self.accelerator.distributed_type in (DistributedType.FSDP,
+                                                     DistributedType.DEEPSPEED)
+
+    def prepare_frozen(self, model: nn.Module) -> nn.Module:
+        """A frozen model (a DPO/GRPO reference, a distillation teacher) placed, sharded and
+        cast as the policy was, so it costs 1/N of its weights per rank and computes in the
+        policy's numerics: FSDP2 shards it with the policy's wrap and mixed-precision
+        policies; DeepSpeed runs it as an engine without optimizer (ZeRO-3 partitions it;
+        other stages only cast it, as TRL does); otherwise it is moved to the device.
+        Call its forward under `autocast()`; on sharded launches on every rank."""
+        model.requires_grad_(False).eval()
+        kind = self.accelerator.distributed_type
+        if kind is DistributedType.FSDP:
+            from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+            return fsdp2_prepare_model(self.accelerator, model.to(self.device)).eval()
+        if kind is DistributedType.DEEPSPEED:
+            import deepspeed  # noqa: PLC0415  (slow to import; only DeepSpeed launches need it)
+
+            config = copy.deepcopy(self.accelerator.state.deepspeed_plugin.deepspeed_config)
+            for key in ("optimizer", "scheduler"):
+                config.pop(key, None)
+            zero = config.setdefault("zero_optimization", {})
+            if zero.get("stage", 0) != 3:
+                zero["stage"] = 0
+            zero.pop("offload_optimizer", None)
+            engine, *_ = deepspeed.initialize(model=model, config=config)
+            return engine.eval()
+        return model.to(self.device)
 
     def _configure_deepspeed(self) -> None:
         """Batch geometry and clipping are the runtime's; DeepSpeed must agree with them."""
@@ -159,16 +208,24 @@ class Runtime:
     # -- one optimizer step --------------------------------------------------------------
 
     def train_step(self, micro_batches: Sequence[Any], loss_fn: LossFn,
-                   tokens: int) -> StepResult:
+                   work_of: Callable[[Any], Work]) -> StepResult:
         """One optimizer step over `grad_accum_steps` micro-batches of this rank.
 
-        `tokens` is the number of tokens the step trains on across all ranks (for
-        throughput and the tokens-seen count). Metrics are averaged over micro-batches
-        here; `log_step` averages them over ranks.
+        The step's gradient is that of the mean loss over every unit of every micro-batch
+        on every rank, however the units fall into micro-batches: each micro-batch's mean
+        is weighted by its share of the global unit count (one all-reduce before the first
+        forward), the fix transformers 4.46 made for gradient accumulation. Metrics are
+        weighted the same way, so their mean over ranks in `log_step` is the global mean.
         """
         if len(micro_batches) != self.config.grad_accum_steps:
             raise ValueError(f"train_step got {len(micro_batches)} micro-batches, expected "
                              f"grad_accum_steps={self.config.grad_accum_steps}")
+        works = [work_of(batch) for batch in micro_batches]
+        local = torch.tensor([[w.units, w.tokens, w.flops] for w in works],
+                             dtype=torch.float64).sum(0)
+        units, tokens, flops = self.accelerator.reduce(local.to(self.device),
+                                                       reduction="sum").tolist()
+        units = max(units, 1e-12)  # a step with nothing to learn from has zero gradient
         lr = self.config.optim.lr * lr_factor(self.step, self.total_steps, self.config.schedule)
         for optimizer in self.optimizers:
             for group in optimizer.param_groups:
@@ -176,24 +233,26 @@ class Runtime:
         self.model.train()
         sums: dict[str, Tensor] = {}
         grad_norm = None
-        for index, batch in enumerate(micro_batches):
+        for index, (batch, work) in enumerate(zip(micro_batches, works, strict=True)):
+            share = work.units * self.world_size / units
             with self.accelerator.accumulate(self.model):
                 loss, metrics = loss_fn(self.model, batch)
-                self.accelerator.backward(loss)
+                # backward() divides by grad_accum_steps and the gradient all-reduce by the
+                # world size; the share undoes both and weights this micro-batch's mean
+                self.accelerator.backward(loss * (share * len(micro_batches)))
                 if index == 0:
                     failpoint("step", self.step + 1, self.rank)
                 for name, value in metrics.items():
-                    sums[name] = sums.get(name, 0) + value.detach().float()
+                    sums[name] = sums.get(name, 0) + value.detach().float() * share
                 if self.accelerator.sync_gradients:
                     grad_norm = self._clip_gradients()
                 for optimizer in self.optimizers:
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        self.tokens_seen += tokens
-        self.throughput.add(tokens)
-        means = {name: total / len(micro_batches) for name, total in sums.items()}
-        return StepResult(lr, grad_norm, means)
+        self.tokens_seen += int(tokens)
+        self.throughput.add(int(tokens), flops)
+        return StepResult(lr, grad_norm, sums)
 
     def _clip_gradients(self) -> float | None:
         max_norm = self.config.optim.grad_clip
@@ -255,18 +314,21 @@ class Runtime:
         return self.step % every == 0 or self.step == self.total_steps
 
     def export(self, model_config: ModelConfig, path: Path, tokenizer: Path | None,
-               provenance: dict[str, Any], lora: LoraSection | None = None) -> Path:
+               provenance: dict[str, Any], lora: LoraSection | None = None,
+               base: Path | None = None) -> Path:
         """Write the HF-layout checkpoint from the full (gathered) weights (collective).
 
         With `lora`, the adapters are also saved as a peft folder beside it
-        (`<path>-adapter`) and merged into the exported weights.
+        (`<path>-adapter`, naming the `base` checkpoint) and merged into the exported weights.
         """
         state = self.accelerator.get_state_dict(self.model)
         if self.is_main:
             dtype = torch.bfloat16 if self.accelerator.mixed_precision == "bf16" else None
             model = plain_model(model_config, state, dtype, lora)
             if lora is not None:
-                save_adapter(model, lora, path.with_name(path.name + "-adapter"))
+                if base is None:
+                    raise ValueError("export with lora needs the base checkpoint it adapts")
+                save_adapter(model, lora, path.with_name(path.name + "-adapter"), base)
                 merge_lora(model)
             save_checkpoint(model, path, tokenizer=tokenizer, provenance={
                 "stage": self.stage, "steps": self.step, "tokens_seen": self.tokens_seen,
@@ -289,8 +351,8 @@ def plain_model(config: ModelConfig, state: dict[str, Tensor],
     checked for completeness."""
     with torch.device("meta"):
         model = Transformer(config)
-        if lora is not None:
-            apply_lora(model, lora)
+        if lora is not None:  # a gathered copy is full precision: QLoRA's 4-bit base is not
+            apply_lora(model, dataclasses.replace(lora, qlora=False))
     expected = set(model.state_dict())
     missing = expected - set(state) - ({"lm_head.weight", "lm_head.base_layer.weight"}
                                        if config.tie_embeddings else set())

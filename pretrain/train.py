@@ -27,7 +27,7 @@ from lathe.model.transformer import Transformer
 from lathe.pretrain.config import PretrainConfig
 from lathe.pretrain.evaluate import sample_continuations, validation_metrics
 from lathe.pretrain.failpoints import failpoint
-from lathe.pretrain.runtime import Runtime
+from lathe.pretrain.runtime import Runtime, Work
 
 
 def lm_loss(model: nn.Module, batch: Tensor, z_loss: float) -> tuple[Tensor, dict[str, Tensor]]:
@@ -69,7 +69,7 @@ def pretrain(config: PretrainConfig, resume: str = "never") -> dict[str, Any]:
 
     torch.manual_seed(config.seed)
     model = Transformer(model_config)
-    runtime.prepare(model, total_steps, model_config.flops_per_token(seq_len))
+    runtime.prepare(model, total_steps)
     restored = runtime.start(config, resume)
     last_eval: dict[str, float] = {}
     if restored is not None:
@@ -79,11 +79,17 @@ def pretrain(config: PretrainConfig, resume: str = "never") -> dict[str, Any]:
     runtime.print(_banner(runtime, model_config, total_steps, tokens_per_step, train_loader))
 
     byte_lengths = token_byte_lengths(tokenizer)
+    flops_per_token = model_config.flops_per_token(seq_len)
+
+    def window_work(batch: Tensor) -> Work:  # (B, T + 1) windows: B·T predicted tokens
+        tokens = batch.shape[0] * (batch.shape[1] - 1)
+        return Work(units=tokens, tokens=tokens, flops=tokens * flops_per_token)
+
     while runtime.step < total_steps:
         batches = [train_loader.next_batch().to(runtime.device)
                    for _ in range(config.grad_accum_steps)]
         result = runtime.train_step(
-            batches, lambda m, b: lm_loss(m, b, config.precision.z_loss), tokens_per_step)
+            batches, lambda m, b: lm_loss(m, b, config.precision.z_loss), window_work)
         runtime.log_step(result)
         if runtime.should(config.eval.every):
             last_eval = validation_metrics(runtime.model, loader("val", seed=0),

@@ -305,7 +305,10 @@ class LLMEngine:
                 logits[i], params, seq.prompt_ids, seq.output_ids, seq.generator)
             logprob = None
             if params.logprobs is not None:
-                (logprob,) = _token_logprobs(logits[i:i + 1], [token], params.logprobs)
+                row = logits[i:i + 1]
+                if params.logprobs_at_temperature and params.temperature > 0:
+                    row = row.float() / params.temperature
+                (logprob,) = _token_logprobs(row, [token], params.logprobs)
             picked.append((token, logprob))
         return picked
 

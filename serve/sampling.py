@@ -41,6 +41,9 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # top-N log-probabilities per generated token
+    # log-probs of softmax(logits / temperature), the distribution top-k/p then cut and a
+    # trainer recomputes (GRPO), rather than the model's own (OpenAI's and vLLM's default)
+    logprobs_at_temperature: bool = False
     prompt_logprobs: int | None = None  # top-N log-probabilities per prompt token
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to logits
 

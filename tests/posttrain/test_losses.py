@@ -30,10 +30,11 @@ def test_dpo_sigmoid_loss_matches_the_closed_form_and_is_log2_at_the_reference()
 def test_group_advantages_standard_and_dr_grpo():
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
     adv = group_advantages(rewards)
-    assert adv[0].tolist() == pytest.approx([0.5 / (0.5 + 1e-4), -0.5 / (0.5 + 1e-4)] * 1
-                                            + [-0.5 / (0.5 + 1e-4), 0.5 / (0.5 + 1e-4)])
+    std = math.sqrt((4 * 0.25) / 3)  # the sample (Bessel) std, as torch.std and TRL
+    assert adv[0].tolist() == pytest.approx([0.5 / (std + 1e-4), -0.5 / (std + 1e-4),
+                                             -0.5 / (std + 1e-4), 0.5 / (std + 1e-4)])
     assert adv[1].tolist() == [0.0] * 4  # a group that all agrees teaches nothing
-    assert group_advantages(rewards, "dr_grpo")[0].tolist() == [0.5, -0.5, -0.5, 0.5]
+    assert group_advantages(rewards, scale=False)[0].tolist() == [0.5, -0.5, -0.5, 0.5]
 
 
 def test_clipped_surrogate_matches_a_hand_computation():
@@ -56,6 +57,18 @@ def test_clipped_surrogate_matches_a_hand_computation():
     assert m["kl"].item() == pytest.approx(kl.item(), rel=1e-6)
     assert with_kl.item() == pytest.approx(expected + 0.5 * kl.item(), rel=1e-5)
 
+
+def test_dr_grpo_divides_by_a_constant_not_the_token_count():
+    """Dr. GRPO (Liu et al. 2025): the token sum over a fixed normalizer (completions ×
+    max_completion_tokens), so a long completion's tokens weigh what a short one's do."""
+    old = torch.zeros(2, 4)
+    logps = torch.zeros(2, 4)  # ratio 1: the surrogate is −A per token
+    mask = torch.tensor([[True, False, False, False], [True, True, True, True]])
+    advantages = torch.tensor([1.0, 1.0])
+    dapo, _ = clipped_surrogate(logps, old, advantages, mask, 0.2)
+    dr, _ = clipped_surrogate(logps, old, advantages, mask, 0.2, normalizer=2 * 8)
+    assert dapo.item() == pytest.approx(-5 / 5)
+    assert dr.item() == pytest.approx(-5 / 16)
 
 def test_reward_registry_and_user_functions():
     assert exact_number("so it is 42", "42") == 1.0 and exact_number("41", "42") == 0.0
