@@ -156,7 +156,8 @@ class Runtime:
                 zero["stage"] = 0
             zero.pop("offload_optimizer", None)
             engine, *_ = deepspeed.initialize(model=model, config=config)
-            return engine.eval()
+            engine.eval()  # DeepSpeedEngine.eval returns None
+            return engine
         return model.to(self.device)
 
     def _configure_deepspeed(self) -> None:

@@ -1,0 +1,52 @@
+"""Run by `test_sharding` under `accelerate launch` (2 CPU processes): prepare a policy
+and a frozen reference the way the post-training stages do, and write, per rank, what
+fraction of a weight each holds locally and how far the (sharded) reference's logits are
+from the unsharded model's."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lathe.pretrain.config import LoggingConfig, TrainConfig
+from lathe.pretrain.runtime import Runtime
+from tests.builders import tiny_model
+
+WEIGHT = "model.layers.0.mlp.gate_proj.weight"
+
+
+def local_fraction(module: nn.Module) -> float:
+    """This rank's share of WEIGHT: a ZeRO-3 partition, an FSDP2 DTensor shard, or all."""
+    param = next(p for name, p in module.named_parameters() if name.endswith(WEIGHT))
+    if hasattr(param, "ds_tensor"):
+        return param.ds_tensor.numel() / param.ds_numel
+    if hasattr(param, "to_local"):
+        return param.to_local().numel() / param.numel()
+    return 1.0
+
+
+def main(out: Path) -> None:
+    config = TrainConfig(out_dir=str(out), max_steps=1,
+                         logging=LoggingConfig(report_to="none", progress=False))
+    runtime = Runtime(config, stage="probe")
+    policy, reference = tiny_model(n_layers=2).train(), tiny_model(n_layers=2)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(ids).logits
+    runtime.prepare(policy, total_steps=1)
+    frozen = runtime.prepare_frozen(reference)
+    with torch.no_grad(), runtime.autocast():
+        got = frozen(ids.to(runtime.device)).logits.float().cpu()
+    report = {"setup": runtime.setup, "policy": local_fraction(runtime.model),
+              "reference": local_fraction(frozen),
+              "reference_trainable": sum(p.requires_grad for p in frozen.parameters()),
+              "reference_logits_error": (got - expected).abs().max().item()}
+    (out / f"rank{runtime.rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,86 @@
+"""What a post-training step optimizes, checked on one process: the gradient of a step is
+the mean over all its loss units however they fall into micro-batches, and GRPO's
+log-probs are those of the distribution the engine sampled from."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lathe.model.checkpoint import load_checkpoint
+from lathe.model.transformer import IGNORE_INDEX
+from lathe.posttrain.grpo import per_token_logps
+from lathe.posttrain.sft import chat_work, collate, sft_loss
+from lathe.pretrain.config import LoggingConfig, OptimConfig, TrainConfig
+from lathe.pretrain.runtime import Runtime
+from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.sampling import SamplingParams
+from tests.builders import reset_accelerate, tiny_model
+
+
+def examples(count: int = 8) -> list[tuple[list[int], list[int]]]:
+    """Chats of very different lengths and supervised spans, as real SFT data has."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(count):
+        length = 6 + 9 * i % 41
+        ids = torch.randint(3, 256, (length,), generator=g).tolist()
+        start = length // (2 + i % 3)
+        rows.append((ids, [IGNORE_INDEX] * start + ids[start:]))
+    return rows
+
+
+def one_step(tmp_path, micro_batches: list[list], accum: int) -> tuple[dict, float]:
+    """The gradient one optimizer step applies (captured before AdamW sees it) and its loss."""
+    reset_accelerate()
+    config = TrainConfig(out_dir=str(tmp_path), grad_accum_steps=accum, max_steps=1,
+                         optim=OptimConfig(grad_clip=None),
+                         logging=LoggingConfig(report_to="none", progress=False))
+    runtime = Runtime(config, stage="test")
+    model = tiny_model(n_layers=2).train()
+    runtime.prepare(model, total_steps=1)
+    grads: dict[str, torch.Tensor] = {}
+
+    def capture(optimizer, args, kwargs) -> None:
+        grads.update({n: p.grad.clone() for n, p in runtime.model.named_parameters()})
+
+    runtime.optimizers[0].optimizer.register_step_pre_hook(capture)
+    batches = [collate(rows, 0, runtime.device) for rows in micro_batches]
+    result = runtime.train_step(batches, sft_loss, chat_work(model.config))
+    return grads, float(result.metrics["loss"])
+
+
+def test_accumulated_step_equals_the_step_on_the_concatenated_batch(tmp_path):
+    rows = examples()
+    whole_grads, whole_loss = one_step(tmp_path / "whole", [rows], accum=1)
+    split_grads, split_loss = one_step(tmp_path / "split", [rows[i:i + 2] for i in (0, 2, 4, 6)],
+                                       accum=4)
+    assert split_loss == pytest.approx(whole_loss, abs=1e-6)
+    assert whole_grads.keys() == split_grads.keys()
+    worst = max((whole_grads[n] - split_grads[n]).abs().max().item() for n in whole_grads)
+    assert worst < 1e-6
+    # the mean of micro-batch means (what accumulation did before) is another gradient
+    parts = [one_step(tmp_path / f"m{i}", [rows[i:i + 2]], accum=1)[0] for i in (0, 2, 4, 6)]
+    naive = {n: sum(p[n] for p in parts) / 4 for n in whole_grads}
+    scale = max(g.abs().max().item() for g in whole_grads.values())
+    assert max((naive[n] - whole_grads[n]).abs().max().item() for n in naive) > 0.05 * scale
+
+
+def test_grpo_log_probs_are_the_engines_at_the_sampling_temperature(base):
+    """The trainer's log-probs of a sampled completion equal the engine's at temperature T
+    (the distribution it sampled), as TRL divides logits by T; at T = 1 they would not."""
+    model = load_checkpoint(base, dtype=torch.float32).eval()
+    engine = LLMEngine.from_checkpoint(base, EngineConfig(num_blocks=64))
+    prompt = engine.encode("Question: what is 2 + 3?")
+    temperature = 0.6
+    out = engine.generate([prompt], SamplingParams(
+        max_tokens=12, temperature=temperature, seed=7, ignore_eos=True, logprobs=0,
+        logprobs_at_temperature=True))[0].outputs[0]
+    ids = torch.tensor([prompt + out.token_ids])
+    labels = torch.tensor([[IGNORE_INDEX] * len(prompt) + out.token_ids])
+    with torch.no_grad():
+        trainer = per_token_logps(model, ids, labels, temperature)[0, len(prompt) - 1:]
+        plain = per_token_logps(model, ids, labels)[0, len(prompt) - 1:]
+    sampled = torch.tensor([lp.logprob for lp in out.logprobs])
+    assert (trainer - sampled).abs().max().item() < 1e-4
+    assert (plain - sampled).abs().max().item() > 1e-2

@@ -1,0 +1,99 @@
+"""Post-training on 2 CPU processes, shown rather than assumed: under FSDP2 and ZeRO-3 each
+rank holds half of a policy weight and half of the reference's; an SFT step with
+accumulation on 2 ranks is the one-process step on the same 8 chats; GRPO with a sharded
+reference and its rollout engine synced from the shards reproduces the one-process run."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from lathe.model.recipe import load_config
+from lathe.posttrain.config import GRPOConfig, SFTConfig
+from lathe.posttrain.grpo import grpo
+from lathe.posttrain.sft import sft
+from tests import processes
+from tests.builders import reset_accelerate
+from tests.posttrain.conftest import quick
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).parents[2]
+SHARDED = ["cpu-fsdp2", "cpu-zero3"]
+
+
+def launch(recipe: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            str(ROOT / "recipes" / "accelerate" / f"{recipe}.yaml"), *args]
+
+
+def step_metrics(out: Path, key: str) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r[key] for r in rows if key in r}
+
+
+@pytest.mark.parametrize("recipe", SHARDED)
+def test_each_rank_holds_half_of_the_policy_and_of_the_reference(recipe, tmp_path):
+    processes.run(launch(recipe, "-m", "tests.posttrain.shard_probe", str(tmp_path)),
+                  timeout=300, cwd=ROOT)
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report["setup"]["num_processes"] == 2
+        assert report["policy"] == 0.5 and report["reference"] == 0.5, report
+        assert report["reference_trainable"] == 0
+        assert report["reference_logits_error"] < 1e-5, report
+
+
+SFT = {"max_steps": 3, "micro_batch_size": 8, "optim.lr": 2e-3, "eval.every": 100,
+       "data.limit": 64}
+
+
+@pytest.fixture(scope="module")
+def sft_one_process(base, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("sft") / "one"
+    reset_accelerate()
+    sft(load_config(SFTConfig, None, quick(out, base, **SFT)))
+    return out
+
+
+@pytest.mark.parametrize("recipe", ["cpu-ddp", *SHARDED])
+def test_sft_on_two_ranks_with_accumulation_is_the_one_process_step(recipe, base, tmp_path,
+                                                                    sft_one_process):
+    """2 ranks × 2 micro-batches of 2 chats = one process's 8: the same loss and gradient
+    norm each step, though the chats' assistant-token counts differ per micro-batch."""
+    out = tmp_path / recipe
+    settings = {**SFT, "micro_batch_size": 2, "grad_accum_steps": 2}
+    processes.run(launch(recipe, "-m", "lathe.posttrain.sft", *quick(out, base, **settings)),
+                  timeout=300, cwd=ROOT)
+    for key in ("loss", "grad_norm"):
+        one, two = step_metrics(sft_one_process, key), step_metrics(out, key)
+        assert sorted(two) == [1, 2, 3]
+        # fp32 reduction order differs across ranks: ~1e-6 relative
+        assert max(abs(one[s] - two[s]) / max(1.0, abs(one[s])) for s in one) < 1e-5, (
+            key, one, two)
+
+
+GRPO = {"max_steps": 3, "prompts_per_step": 4, "num_generations": 4,
+        "max_completion_tokens": 6, "beta": 0.04, "optim.lr": 5e-3, "eval.every": 100,
+        "task_eval.examples": 4, "rewards": '[{name: "tests.posttrain.test_stages:digit_share"}]'}
+
+
+@pytest.mark.parametrize("recipe", SHARDED)
+def test_grpo_with_a_sharded_reference_matches_one_process(recipe, base, tmp_path):
+    """Rollouts after each update come from engine weights gathered from the shards, so the
+    rewards of later steps (and the KL to the sharded reference) are the one-process run's."""
+    one = tmp_path / "one"
+    reset_accelerate()
+    grpo(load_config(GRPOConfig, None, quick(one, base, **GRPO, grad_accum_steps=2)))
+    two = tmp_path / recipe
+    processes.run(launch(recipe, "-m", "lathe.posttrain.grpo", *quick(two, base, **GRPO)),
+                  timeout=300, cwd=ROOT)
+    for key in ("reward/mean", "loss", "kl", "grad_norm"):
+        a, b = step_metrics(one, key), step_metrics(two, key)
+        assert sorted(b) == [1, 2, 3]
+        assert max(abs(a[s] - b[s]) / max(1.0, abs(a[s])) for s in a) < 1e-5, (key, a, b)
+    assert step_metrics(one, "kl")[3] > 0  # the policy moved away from the reference
+    assert len(set(step_metrics(one, "reward/mean").values())) == 3
