@@ -31,7 +31,8 @@ def examples(count: int = 8) -> list[tuple[list[int], list[int]]]:
 
 
 def one_step(tmp_path, micro_batches: list[list], accum: int) -> tuple[dict, float]:
-    """The gradient one optimizer step applies (captured before AdamW sees it) and its loss."""
+    """The gradient one optimizer step applies (captured before AdamW sees it) and its loss;
+    the step counts the real tokens and their FLOPs, never the padding."""
     reset_accelerate()
     config = TrainConfig(out_dir=str(tmp_path), grad_accum_steps=accum, max_steps=1,
                          optim=OptimConfig(grad_clip=None),
@@ -47,6 +48,9 @@ def one_step(tmp_path, micro_batches: list[list], accum: int) -> tuple[dict, flo
     runtime.optimizers[0].optimizer.register_step_pre_hook(capture)
     batches = [collate(rows, 0, runtime.device) for rows in micro_batches]
     result = runtime.train_step(batches, sft_loss, chat_work(model.config))
+    lengths = [len(ids) for rows in micro_batches for ids, _ in rows]
+    assert runtime.tokens_seen == runtime.throughput.tokens == sum(lengths)
+    assert runtime.throughput.flops == sum(n * model.config.flops_per_token(n) for n in lengths)
     return grads, float(result.metrics["loss"])
 
 

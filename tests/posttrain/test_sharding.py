@@ -6,6 +6,7 @@ reference and its rollout engine synced from the shards reproduces the one-proce
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -97,3 +98,17 @@ def test_grpo_with_a_sharded_reference_matches_one_process(recipe, base, tmp_pat
         assert max(abs(a[s] - b[s]) / max(1.0, abs(a[s])) for s in a) < 1e-5, (key, a, b)
     assert step_metrics(one, "kl")[3] > 0  # the policy moved away from the reference
     assert len(set(step_metrics(one, "reward/mean").values())) == 3
+
+
+def test_dpo_under_zero3_bf16_starts_at_log_2(base, tmp_path):
+    """DeepSpeed runs the policy with bf16 weights (no autocast); a reference computed any
+    other way (fp32, before wrapping) makes the first loss drift off log 2."""
+    out = tmp_path / "dpo"
+    processes.run(launch("cpu-zero3", "-m", "lathe.posttrain.dpo", *quick(
+        out, base, max_steps=1, micro_batch_size=4, **{"precision.mixed_precision": "bf16",
+                                                       "task_eval.examples": 4})),
+        timeout=300, cwd=ROOT)
+    first = json.loads((out / "summary.json").read_text())["parallel"]
+    assert first["mixed_precision"] == "bf16" and first["zero_stage"] == 3
+    assert step_metrics(out, "loss")[1] == pytest.approx(math.log(2), abs=1e-6)
+    assert step_metrics(out, "rewards/margins")[1] == 0.0

@@ -11,10 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from lathe.data.chat import format_chat
+from lathe.data.formats import PreferenceRow, load_prompt_dataset
 from lathe.data.tasks import task_examples
+from lathe.data.tokenizer import load_tokenizer
 from lathe.model import load_checkpoint
 from lathe.model.cli import main
 from lathe.model.lora import load_adapter
+from lathe.model.transformer import IGNORE_INDEX
+from lathe.posttrain.common import PromptFit
+from lathe.posttrain.dpo import tokenize_pairs
 from tests import processes
 from tests.posttrain.conftest import quick
 
@@ -133,3 +139,54 @@ def test_sft_resumes_exactly_from_saved_state(base, tmp_path):
     assert sorted(got) == [4, 5, 6]
     for step in (4, 5, 6):
         assert got[step] == pytest.approx(expected[step], abs=1e-6)
+
+
+def long_prompt_file(folder: Path, count: int = 16) -> Path:
+    """Arithmetic prompts where every other one carries ~300 tokens of preamble: with 12
+    completion tokens they overflow the 128-token context."""
+    rows = []
+    for i, row in enumerate(load_prompt_dataset("task:arithmetic", "train", count)):
+        question = row.prompt[-1]["content"]
+        padding = "Think about numbers with care. " * 40 if i % 2 else ""
+        rows.append({"prompt": padding + question, "reference": row.reference})
+    path = folder / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("overflow", ["drop", "truncate_left"])
+def test_grpo_fits_long_prompts_to_max_prompt_length(base, tmp_path, overflow):
+    """Prompts past max_prompt_length are dropped or cut on the left, counted in the
+    summary; before, the first prompt + completion past the context crashed the run."""
+    out = tmp_path / "grpo"
+    assert main(["grpo", *quick(out, base, max_steps=2, prompts=long_prompt_file(tmp_path),
+                                prompt_overflow=overflow, **{
+                                    "prompts_per_step": 4, "num_generations": 2,
+                                    "max_completion_tokens": 12})]) == 0
+    fit = summary(out)["prompt_fit"]
+    assert fit == ({"kept": 8, "truncated": 0, "dropped": 8} if overflow == "drop"
+                   else {"kept": 8, "truncated": 8, "dropped": 0})
+
+
+def test_grpo_refuses_a_prompt_budget_past_the_context(base, tmp_path, capsys):
+    assert main(["grpo", *quick(tmp_path / "grpo", base, max_prompt_length=120,
+                                max_completion_tokens=12)]) != 0
+    assert ("max_prompt_length=120 + max_completion_tokens=12 must fit the model's context of "
+            "128 tokens") in capsys.readouterr().err
+
+
+def test_dpo_fits_prompts_and_counts_what_it_dropped(base):
+    tokenizer = load_tokenizer(base)
+    rows = [PreferenceRow([{"role": "user", "content": "x " * n}], "yes", "no")
+            for n in (2, 200)]
+    fit = PromptFit(40, "drop")
+    pairs = tokenize_pairs(tokenizer, rows, 64, fit)
+    assert len(pairs) == 1 and fit.counts() == {"kept": 1, "truncated": 0, "dropped": 1}
+    fit = PromptFit(40, "truncate_left")
+    pairs = tokenize_pairs(tokenizer, rows, 64, fit)
+    assert fit.counts() == {"kept": 1, "truncated": 1, "dropped": 0}
+    full = tokenizer.encode(format_chat(rows[1].prompt, add_generation_prompt=True),
+                            add_special_tokens=False).ids
+    chosen_ids, chosen_labels = pairs[1].chosen
+    assert chosen_ids[:40] == full[-40:]  # the question's end and the assistant header
+    assert chosen_labels[:40] == [IGNORE_INDEX] * 40 and chosen_labels[40] != IGNORE_INDEX
