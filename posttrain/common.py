@@ -145,6 +145,20 @@ class PromptFit:
         return {"kept": self.kept, "truncated": self.truncated, "dropped": self.dropped}
 
 
+def rank_batches(items: Sequence[T], micro_batch: int, rank: int,
+                 world_size: int) -> list[tuple[list[T], bool]]:
+    """This rank's share of `items` in micro-batches, as many batches on every rank (a
+    sharded model's forward is collective, so a rank with one batch fewer would hang the
+    others): (batch, counts); a rank with nothing left runs a stand-in that does not count."""
+    per_rank = -(-len(items) // world_size)
+    mine = list(items[rank * per_rank:(rank + 1) * per_rank])
+    batches = []
+    for start in range(0, per_rank, micro_batch):
+        chunk = mine[start:start + micro_batch]
+        batches.append((chunk, True) if chunk else (list(items[:1]), False))
+    return batches
+
+
 def pad(rows: Sequence[Sequence[int]], value: int) -> Tensor:
     """Right-pad token rows into one (B, T) tensor."""
     width = max(len(r) for r in rows)

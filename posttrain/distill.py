@@ -36,6 +36,7 @@ from lathe.posttrain.common import (
     finish_stage,
     load_policy,
     pad_id,
+    rank_batches,
     stage_main,
     train_on_batches,
 )
@@ -137,12 +138,11 @@ def distill_logits(config: DistillConfig, resume: str) -> dict[str, Any]:
     def heldout_kl() -> float:
         runtime.model.eval()
         sums = torch.zeros(2, device=runtime.device)
-        for start in range(runtime.rank * config.micro_batch_size, len(run.heldout),
-                           config.micro_batch_size * runtime.world_size):
-            batch = collate(run.heldout[start:start + config.micro_batch_size], pad_token,
-                            runtime.device)
+        for rows, counts in rank_batches(run.heldout, config.micro_batch_size, runtime.rank,
+                                         runtime.world_size):
+            batch = collate(rows, pad_token, runtime.device)
             ids, labels = batch["ids"], batch["labels"]
-            mask = labels[:, 1:] != IGNORE_INDEX
+            mask = (labels[:, 1:] != IGNORE_INDEX) & counts
             with runtime.autocast():
                 teacher_logits = teacher(ids).logits
             kl = kd_loss(runtime.model(ids).logits[:, :-1], teacher_logits[:, :-1], mask)

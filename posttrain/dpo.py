@@ -38,6 +38,7 @@ from lathe.posttrain.common import (
     load_policy,
     pad,
     pad_id,
+    rank_batches,
     sequence_work,
     stage_main,
     token_logprobs,
@@ -148,12 +149,12 @@ def heldout_preference(runtime: Runtime, pairs: list[Pair], config: DPOConfig,
     model = runtime.model
     model.eval()
     sums = torch.zeros(3, device=runtime.device)
-    mine = pairs[runtime.rank::runtime.world_size]
-    for start in range(0, len(mine), config.micro_batch_size):
-        batch = collate(mine[start:start + config.micro_batch_size], pad_token, runtime.device)
+    for rows, counts in rank_batches(pairs, config.micro_batch_size, runtime.rank,
+                                     runtime.world_size):
+        batch = collate(rows, pad_token, runtime.device)
         logps = sequence_logprobs(model, batch, config.loss == "ipo")
         loss, metrics = dpo_loss(logps, batch["reference"], config.beta, config.loss)
-        n = len(batch["ids"]) // 2
+        n = len(rows) * counts
         sums += torch.stack([loss * n, metrics["rewards/accuracy"] * n,
                              torch.tensor(float(n), device=runtime.device)])
     model.train()

@@ -29,6 +29,7 @@ from lathe.posttrain.common import (
     load_policy,
     pad,
     pad_id,
+    rank_batches,
     sequence_work,
     stage_main,
     train_on_batches,
@@ -97,10 +98,9 @@ def heldout_loss(runtime: Runtime, examples: list[Example], micro_batch: int,
     model = runtime.model
     model.eval()
     total = torch.zeros(2, device=runtime.device)
-    mine = examples[runtime.rank::runtime.world_size]
-    for start in range(0, len(mine), micro_batch):
-        batch = collate(mine[start:start + micro_batch], pad_token, runtime.device)
-        tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+    for rows, counts in rank_batches(examples, micro_batch, runtime.rank, runtime.world_size):
+        batch = collate(rows, pad_token, runtime.device)
+        tokens = (batch["labels"][:, 1:] != IGNORE_INDEX).sum() * counts
         loss = model(batch["ids"], labels=batch["labels"]).loss
         total += torch.stack([loss.float() * tokens, tokens.float()])
     model.train()

@@ -9,6 +9,7 @@ import torch
 
 from lathe.model.checkpoint import load_checkpoint
 from lathe.model.transformer import IGNORE_INDEX
+from lathe.posttrain.common import rank_batches
 from lathe.posttrain.grpo import per_token_logps
 from lathe.posttrain.sft import chat_work, collate, sft_loss
 from lathe.pretrain.config import LoggingConfig, OptimConfig, TrainConfig
@@ -88,3 +89,13 @@ def test_grpo_log_probs_are_the_engines_at_the_sampling_temperature(base):
     sampled = torch.tensor([lp.logprob for lp in out.logprobs])
     assert (trainer - sampled).abs().max().item() < 1e-4
     assert (plain - sampled).abs().max().item() > 1e-2
+
+
+def test_every_rank_runs_as_many_heldout_batches_and_counts_each_item_once():
+    """A sharded forward is collective: 5 items on 2 ranks in batches of 2 must give both
+    ranks 2 batches, the stand-in one not counted, and every item counted exactly once."""
+    shares = [rank_batches(list(range(5)), 2, rank, 2) for rank in (0, 1)]
+    assert [len(s) for s in shares] == [2, 2]
+    counted = [item for share in shares for rows, counts in share if counts for item in rows]
+    assert sorted(counted) == [0, 1, 2, 3, 4]
+    assert shares[1][1][1] is False
