@@ -26,10 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from lathe.core.config import load_config
 from lathe.data.document import Document
 from lathe.data.pipeline import CleanConfig, Pipeline
 from lathe.data.sources import SourceConfig, list_shards
-from lathe.model.recipe import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ["extract", "normalize", "gopher_repetition", "gopher_quality", "c4", "fineweb",

@@ -16,7 +16,7 @@ from typing import TypedDict
 
 from tokenizers import Tokenizer
 
-from lathe.model.recipe import ConfigError
+from lathe.core.errors import ConfigError
 
 BOS = "<|begin_of_text|>"
 END_OF_TURN = "<|end_of_turn|>"

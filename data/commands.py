@@ -8,17 +8,17 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from lathe.model.recipe import ConfigError
+from lathe.core.errors import ConfigError
 
 INPUT_HELP = ("a `lathe clean` output folder, or a .jsonl[.gz]/.parquet file (or a folder of "
               "them) whose records have a string `text`")
 
 
 def clean_main(argv: Sequence[str] | None = None) -> int:
+    from lathe.core.config import load_config
     from lathe.data.pipeline import CleanConfig
     from lathe.data.runner import clean
     from lathe.data.stats import format_table
-    from lathe.model.recipe import load_config
 
     parser = argparse.ArgumentParser(
         prog="lathe clean",

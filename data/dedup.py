@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lathe.core.errors import ConfigError
 from lathe.data.text import normalize_for_dedup
-from lathe.model.recipe import ConfigError
 
 
 @dataclass

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lathe.core.errors import ConfigError
 from lathe.data.chat import ROLES, Message
 from lathe.data.tasks import task_examples
-from lathe.model.recipe import ConfigError
 
 
 @dataclass(frozen=True)

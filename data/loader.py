@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from lathe.core.errors import ConfigError
 from lathe.data.shards import load_meta, read_shard
-from lathe.model.recipe import ConfigError
 
 
 class PackedLoader:

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
+from lathe.core.errors import ConfigError
 from lathe.data.dedup import DedupConfig
 from lathe.data.document import Document, Rejected
 from lathe.data.sources import SourceConfig
@@ -28,7 +29,6 @@ from lathe.data.stages.language import Language, LanguageConfig
 from lathe.data.stages.normalize import Normalize, NormalizeConfig
 from lathe.data.stages.pii import PII, PIIConfig
 from lathe.data.stats import MAX_FAILURES, RunStats, StageStats
-from lathe.model.recipe import ConfigError
 
 READ = "read"  # the pseudo-stage counting input records and the bad ones among them
 

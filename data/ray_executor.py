@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
+from lathe.core.errors import ConfigError
 from lathe.data.dedup import cluster_roots, first_indices, lsh_edges
 from lathe.data.pipeline import CleanConfig
 from lathe.data.runner import Executor, PartSignature, part_signature
-from lathe.model.recipe import ConfigError
 
 
 def _ray() -> Any:

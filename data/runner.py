@@ -21,15 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm.auto import tqdm
 
+from lathe.core.atomic import write_json
+from lathe.core.config import to_dict
+from lathe.core.errors import ConfigError
+from lathe.core.reporting import progress_bar
 from lathe.data.dedup import MinHasher, exact_key, first_occurrences, near_duplicate_mask
 from lathe.data.pipeline import READ, CleanConfig, Pipeline
 from lathe.data.sources import InputShard, list_shards, read_guarded
 from lathe.data.stats import RunStats, StageStats, docs_out, merge_run_stats
 from lathe.data.store import SUFFIX, read_documents, write_documents
-from lathe.model.atomic import write_json
-from lathe.model.recipe import ConfigError, to_dict
 
 WORK = ".work"
 
@@ -150,8 +151,8 @@ class LocalExecutor(Executor):
 
     def run_shards(self, pending: list, total: int, config: CleanConfig,
                    progress: bool) -> None:
-        bar = tqdm(total=total, initial=total - len(pending), unit="shard", desc="clean",
-                   disable=not progress)
+        bar = progress_bar(total=total, initial=total - len(pending), unit="shard",
+                           desc="clean", enabled=progress)
         docs, start = 0, time.perf_counter()
         if config.num_proc <= 1:
             init_worker(config)
@@ -174,8 +175,8 @@ class LocalExecutor(Executor):
 
     def signatures(self, parts: list[Path], config: CleanConfig,
                    progress: bool) -> list[PartSignature]:
-        return [part_signature(str(p), config) for p in tqdm(
-            parts, desc="dedup", unit="shard", disable=not progress or config.dedup is None)]
+        return [part_signature(str(p), config) for p in progress_bar(
+            parts, desc="dedup", unit="shard", enabled=progress and config.dedup is not None)]
 
     def first_occurrences(self, keys: np.ndarray, index: np.ndarray) -> np.ndarray:
         return first_occurrences(keys, index)

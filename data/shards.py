@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
 
+from lathe.core.atomic import atomic_file, write_json
+from lathe.core.errors import ConfigError
+from lathe.core.reporting import progress_bar
 from lathe.data.chat import BOS
 from lathe.data.store import document_files, read_documents
 from lathe.data.tokenizer import is_heldout
-from lathe.model.atomic import atomic_file, write_json
-from lathe.model.recipe import ConfigError
 
 MAGIC = b"LATHETOK"
 VERSION = 1
@@ -118,7 +118,7 @@ def build_shards(input_dir: str | Path, tokenizer_dir: str | Path, output: str |
     output.mkdir(parents=True, exist_ok=True)
     results = []
     with multiprocessing.get_context("spawn").Pool(max(1, num_proc)) as pool, \
-            tqdm(total=len(jobs), unit="part", desc="shards", disable=not progress) as bar:
+            progress_bar(total=len(jobs), unit="part", desc="shards", enabled=progress) as bar:
         for result in pool.imap(_tokenize_part, jobs):
             results.append(result)
             bar.update()

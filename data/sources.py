@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lathe.core.errors import ConfigError
 from lathe.data.document import Document, Kind, Rejected
-from lathe.model.recipe import ConfigError
 
 Record = Document | Rejected
 

@@ -10,9 +10,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
+from lathe.core.atomic import atomic_file
+from lathe.core.errors import ConfigError
 from lathe.data.document import Document
-from lathe.model.atomic import atomic_file
-from lathe.model.recipe import ConfigError
 
 Format = Literal["parquet", "jsonl"]
 SUFFIX = {"parquet": ".parquet", "jsonl": ".jsonl"}

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from lathe.core.atomic import atomic_directory
+from lathe.core.errors import ConfigError
 from lathe.data.chat import BOS, CHAT_TEMPLATE, END_OF_TURN, PAD, SPECIAL_TOKENS
-from lathe.model.atomic import atomic_directory
-from lathe.model.recipe import ConfigError
 
 REPORT_FILE = "tokenizer_report.json"
 

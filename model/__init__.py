@@ -1,9 +1,9 @@
 """lathe.model: the one transformer every stage uses, its config presets, and checkpoint I/O.
 
 Owns the Llama-architecture `Transformer` (HF parameter names, rotate-half RoPE, GQA),
-`ModelConfig` and its presets, the KV-cache interface, reference generation, the
-checkpoint contract (HF Llama layout), atomic folder writes, and the typed-config
-loader every stage's recipe goes through.
+`ModelConfig` and its presets, the KV-cache interface, reference generation, LoRA
+adapters as peft folders, and the checkpoint contract (HF Llama layout). It knows nothing
+of training: parallelism, precision and losses over sharded heads are the runtime's.
 """
 
 from lathe.model.checkpoint import (
@@ -15,7 +15,6 @@ from lathe.model.checkpoint import (
 from lathe.model.config import PRESETS, ModelConfig, RopeScaling
 from lathe.model.generate import generate
 from lathe.model.kv_cache import ContiguousKVCache, KVCache
-from lathe.model.recipe import ConfigError, load_config
 from lathe.model.transformer import IGNORE_INDEX, CausalLMOutput, Transformer
 
 __all__ = [
@@ -23,7 +22,6 @@ __all__ = [
     "PRESETS",
     "CausalLMOutput",
     "CheckpointError",
-    "ConfigError",
     "ContiguousKVCache",
     "KVCache",
     "ModelConfig",
@@ -31,7 +29,6 @@ __all__ = [
     "Transformer",
     "generate",
     "load_checkpoint",
-    "load_config",
     "read_model_config",
     "save_checkpoint",
 ]

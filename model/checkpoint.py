@@ -23,7 +23,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from lathe.model.atomic import atomic_directory
+from lathe.core.atomic import atomic_directory
+from lathe.core.errors import LatheError
 from lathe.model.config import ModelConfig
 from lathe.model.transformer import Transformer
 
@@ -37,7 +38,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 DEFAULT_SAMPLING = {"do_sample": True, "temperature": 0.7, "top_p": 0.9}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(LatheError):
     """A checkpoint folder that is missing, malformed, or does not match its config."""
 
 
@@ -135,6 +136,21 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
     model.tie_weights()
     model.model.rotary_emb.reset_parameters(device)
     return model.eval()
+
+
+def read_eos_ids(path: str | Path, vocab_size: int) -> list[int]:
+    """The end-of-sequence ids in a checkpoint's generation_config.json (an id or a list of
+    them; none when the file or the field is absent), each checked against the vocabulary."""
+    file = Path(path) / GENERATION_CONFIG_FILE
+    eos = read_json_object(file).get("eos_token_id") if file.is_file() else None
+    if eos is None:
+        return []
+    ids = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+    if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+                          for t in ids):
+        raise CheckpointError(f"{file}: eos_token_id={eos!r} must be a token id in "
+                              f"[0, {vocab_size}) or a non-empty list of them")
+    return ids
 
 
 def read_model_config(path: str | Path) -> ModelConfig:

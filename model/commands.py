@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,15 +10,16 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from lathe.core.config import parse_overrides
+from lathe.core.errors import ConfigError
 from lathe.model.checkpoint import (
-    GENERATION_CONFIG_FILE,
     CheckpointError,
     load_checkpoint,
+    read_eos_ids,
     save_checkpoint,
 )
 from lathe.model.config import PRESETS, ModelConfig
 from lathe.model.generate import generate
-from lathe.model.recipe import ConfigError, parse_overrides
 from lathe.model.transformer import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -79,13 +79,13 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
     load_seconds = time.perf_counter() - start
     tokenizer = _checkpoint_tokenizer(args.checkpoint)
     prompt_ids = _prompt_ids(args, tokenizer, model.config)
-    eos = _generation_config(args.checkpoint).get("eos_token_id")
+    eos = read_eos_ids(args.checkpoint, model.config.vocab_size)
     generator = torch.Generator(args.device).manual_seed(args.seed)
     start = time.perf_counter()
     new_ids = generate(
         model, torch.tensor([prompt_ids], device=args.device), args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k,
-        eos_token_id=eos if isinstance(eos, int) else None, generator=generator,
+        eos_token_id=eos[0] if len(eos) == 1 else None, generator=generator,
     )[0].tolist()
     seconds = time.perf_counter() - start
     print("continuation ids:", ",".join(map(str, new_ids)))
@@ -125,6 +125,3 @@ def _checkpoint_tokenizer(path: Path) -> Tokenizer | None:
     return Tokenizer.from_file(str(file)) if file.is_file() else None
 
 
-def _generation_config(path: Path) -> dict:
-    file = path / GENERATION_CONFIG_FILE
-    return json.loads(file.read_text()) if file.is_file() else {}

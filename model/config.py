@@ -10,7 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from lathe.model.recipe import ConfigError, from_dict
+from lathe.core.config import from_dict
+from lathe.core.errors import ConfigError
 
 
 @dataclass

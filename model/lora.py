@@ -27,8 +27,8 @@ from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from lathe.model.atomic import atomic_directory
-from lathe.model.recipe import ConfigError
+from lathe.core.atomic import atomic_directory
+from lathe.core.errors import ConfigError
 from lathe.model.transformer import Transformer
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -70,6 +70,8 @@ def apply_lora(model: Transformer, section: LoraSection) -> Transformer:
     if section.qlora:
         quantize_base_4bit(model, section.target_modules)
     inject_adapter_in_model(section.peft_config(), model)
+    if "lm_head" in section.target_modules:
+        model.fused_loss = False  # the fused kernel would read the base weight alone
     return model
 
 
@@ -197,4 +199,5 @@ def merge_lora(model: Transformer) -> Transformer:
                 setattr(parent, name, child.get_base_layer())
     for parameter in model.parameters():
         parameter.requires_grad_(True)
+    model.fused_loss = True
     return model

@@ -176,6 +176,10 @@ class Transformer(nn.Module):
         self.config = config
         self.model = Decoder(config)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        # Compute the head and the loss together when only the loss is asked for. Whoever
+        # shards the head's weight or wraps the head (the runtime, LoRA) turns this off:
+        # the fused kernel needs the whole, plain weight.
+        self.fused_loss = True
         self.tie_weights()
         if self.lm_head.weight.device.type != "meta":
             self.init_weights()
@@ -224,11 +228,9 @@ class Transformer(nn.Module):
         if logits_to_keep is not None:
             x = x[:, logits_to_keep]
         x = self.model.norm(x)
-        head = self.lm_head.weight if type(self.lm_head) is nn.Linear else None
-        sharded = hasattr(head, "device_mesh") or hasattr(head, "ds_id")  # FSDP2 / ZeRO-3
-        if labels is not None and not return_logits and head is not None and not sharded:
-            loss = linear_cross_entropy(x[:, :-1].flatten(0, 1), head, labels[:, 1:].flatten(),
-                                        IGNORE_INDEX)
+        if labels is not None and not return_logits and self.fused_loss:
+            loss = linear_cross_entropy(x[:, :-1].flatten(0, 1), self.lm_head.weight,
+                                        labels[:, 1:].flatten(), IGNORE_INDEX)
             return CausalLMOutput(None, loss)
         logits = self.lm_head(x)
         loss = None

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from lathe.core.errors import ConfigError
 from lathe.model.lora import LoraSection
-from lathe.model.recipe import ConfigError
 from lathe.pretrain.config import TrainConfig
 
 

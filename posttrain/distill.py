@@ -23,13 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lathe.core.atomic import write_json
+from lathe.core.errors import ConfigError
 from lathe.data.formats import load_prompt_dataset
 from lathe.data.tokenizer import load_tokenizer
-from lathe.model.atomic import write_json
 from lathe.model.checkpoint import load_checkpoint
 from lathe.model.lora import LoraSection
-from lathe.model.recipe import ConfigError
 from lathe.model.transformer import IGNORE_INDEX
+from lathe.posttrain.chats import chat_work, collate, start_chat_run
 from lathe.posttrain.common import (
     TaskEvaluator,
     evaluate_task,
@@ -41,7 +42,7 @@ from lathe.posttrain.common import (
     train_on_batches,
 )
 from lathe.posttrain.config import ChatDataConfig, SFTConfig, TaskEvalConfig
-from lathe.posttrain.sft import chat_work, collate, sft, start_chat_run
+from lathe.posttrain.sft import sft
 from lathe.pretrain.config import TrainConfig
 from lathe.pretrain.runtime import Runtime, Work
 from lathe.serve.chat_template import ChatTemplate
@@ -225,5 +226,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     import sys
 
-    from lathe.model.cli import run_command
+    from lathe.core.cli import run_command
     sys.exit(run_command("distill", sys.argv[1:]))

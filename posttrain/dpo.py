@@ -23,11 +23,11 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
+from lathe.core.errors import ConfigError
 from lathe.data.chat import END_OF_TURN, format_chat
 from lathe.data.formats import PreferenceRow, load_preference_dataset
 from lathe.model.checkpoint import load_checkpoint
 from lathe.model.lora import adapters_disabled
-from lathe.model.recipe import ConfigError
 from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.common import (
     PromptFit,
@@ -244,5 +244,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     import sys
 
-    from lathe.model.cli import run_command
+    from lathe.core.cli import run_command
     sys.exit(run_command("dpo", sys.argv[1:]))

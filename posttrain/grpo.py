@@ -26,16 +26,15 @@ import torch
 from accelerate.utils import broadcast_object_list
 from torch import Tensor, nn
 
+from lathe.core.errors import ConfigError
 from lathe.data.formats import PromptRow, load_prompt_dataset
-from lathe.model.checkpoint import load_checkpoint
+from lathe.model.checkpoint import load_checkpoint, read_eos_ids
 from lathe.model.lora import AdapterMerger, adapter_weights, adapters_disabled
-from lathe.model.recipe import ConfigError
 from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.common import (
     PromptFit,
     ShuffledBatches,
     TaskEvaluator,
-    eos_ids,
     evaluate_task,
     finish_stage,
     load_policy,
@@ -157,7 +156,8 @@ class RolloutGenerator:
         model = load_checkpoint(config.model, dtype=torch.float32, device=device)
         self.merger = AdapterMerger(model, config.lora) if config.lora.enabled else None
         self.engine = LLMEngine(model.eval(), tokenizer, EngineConfig(num_blocks=1024),
-                                eos_ids(config.model), kv_dtype=kv_dtype)
+                                read_eos_ids(config.model, model.config.vocab_size),
+                                kv_dtype=kv_dtype)
 
     def refresh(self, weights: dict[str, Tensor]) -> None:
         """Load the policy's gathered weights (its adapters alone under LoRA)."""
@@ -360,5 +360,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     import sys
 
-    from lathe.model.cli import run_command
+    from lathe.core.cli import run_command
     sys.exit(run_command("grpo", sys.argv[1:]))

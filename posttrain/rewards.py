@@ -7,8 +7,8 @@ import importlib
 import re
 from collections.abc import Callable
 
+from lathe.core.errors import ConfigError
 from lathe.data.tasks.arithmetic import extract_number
-from lathe.model.recipe import ConfigError
 
 Reward = Callable[[str, str], float]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from lathe.core.errors import ConfigError
 from lathe.model.config import ModelConfig
-from lathe.model.recipe import ConfigError
 
 
 @dataclass

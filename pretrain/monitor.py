@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lathe.model.atomic import atomic_file
+from lathe.core.atomic import atomic_file
 
 # Dense (no sparsity) bf16 peak FLOP/s per device, by a substring of its CUDA name.
 GPU_PEAK_BF16: dict[str, float] = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lathe.model.recipe import ConfigError
+from lathe.core.errors import ConfigError
 from lathe.pretrain.config import OptimConfig
 
 

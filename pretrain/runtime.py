@@ -15,7 +15,6 @@ import contextlib
 import copy
 import dataclasses
 import math
-import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -26,12 +25,13 @@ from typing import Any
 import torch
 from accelerate.utils import DistributedType, set_seed
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
+from lathe.core.config import to_dict
+from lathe.core.errors import ConfigError
+from lathe.core.reporting import default_wandb_offline, progress_bar
 from lathe.model.checkpoint import save_checkpoint
 from lathe.model.config import ModelConfig
 from lathe.model.lora import LoraSection, apply_lora, merge_lora, save_adapter
-from lathe.model.recipe import ConfigError, to_dict
 from lathe.model.transformer import Transformer
 from lathe.pretrain import state as training_state
 from lathe.pretrain.config import TrainConfig
@@ -94,7 +94,7 @@ class Runtime:
         self.total_steps = 0
         self.step = 0
         self.tokens_seen = 0
-        self._progress: tqdm | None = None
+        self._progress: Any = None  # the rank-0 progress bar
         set_seed(config.seed)
 
     # -- setup ---------------------------------------------------------------------------
@@ -120,6 +120,8 @@ class Runtime:
                 "or optim.name=adamw")
         if kind is DistributedType.DEEPSPEED:
             self._configure_deepspeed()
+        if self.shards_weights:
+            model.fused_loss = False  # each rank holds a slice of the head, not the matrix
         prepared = self.accelerator.prepare(model, *optimizers)
         self.model, self.optimizers = prepared[0], list(prepared[1:])
         peak, self.peak_source = peak_flops(self.device, fp8=self.config.precision.fp8)
@@ -131,6 +133,14 @@ class Runtime:
         full copy of them must be gathered (`accelerator.get_state_dict`, collective)."""
         return self.accelerator.distributed_type in (DistributedType.FSDP,
                                                      DistributedType.DEEPSPEED)
+
+    @property
+    def shards_weights(self) -> bool:
+        """Whether each rank holds only a slice of each weight (FSDP2, ZeRO-3)."""
+        kind = self.accelerator.distributed_type
+        if kind is DistributedType.DEEPSPEED:
+            return self.setup.get("zero_stage") == 3
+        return kind is DistributedType.FSDP
 
     def prepare_frozen(self, model: nn.Module) -> nn.Module:
         """A frozen model (a DPO/GRPO reference, a distillation teacher) placed, sharded and
@@ -187,8 +197,8 @@ class Runtime:
                                        "tags": list(logging.tags), "dir": str(self.out_dir),
                                        "id": self._wandb_run_id(), "resume": "allow"}})
         if self.is_main and self.config.logging.progress:
-            self._progress = tqdm(total=self.total_steps, initial=self.step, unit="step",
-                                  desc=self.stage, dynamic_ncols=True)
+            self._progress = progress_bar(total=self.total_steps, initial=self.step,
+                                          unit="step", desc=self.stage)
         self.throughput.reset()
         self.started = time.perf_counter()
         return restored
@@ -366,13 +376,3 @@ def plain_model(config: ModelConfig, state: dict[str, Tensor],
     model.tie_weights()
     model.model.rotary_emb.reset_parameters("cpu")
     return model
-
-
-def default_wandb_offline() -> None:
-    """Log offline (to out_dir/wandb) unless an API key or an explicit mode is set."""
-    if "WANDB_MODE" in os.environ or os.environ.get("WANDB_API_KEY"):
-        return
-    netrc = Path.home() / ".netrc"
-    if netrc.is_file() and "api.wandb.ai" in netrc.read_text():
-        return
-    os.environ["WANDB_MODE"] = "offline"

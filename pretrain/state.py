@@ -30,8 +30,8 @@ from typing import Any
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
-from lathe.model.atomic import publish_directory, write_json
-from lathe.model.recipe import ConfigError
+from lathe.core.atomic import publish_directory, write_json
+from lathe.core.errors import ConfigError
 from lathe.pretrain.failpoints import failpoint
 
 STATE_DIR = "state"

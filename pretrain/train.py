@@ -18,11 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lathe.core.atomic import write_json
+from lathe.core.config import load_config, to_dict
+from lathe.core.errors import ConfigError
 from lathe.data.loader import PackedLoader
 from lathe.data.tokenizer import load_tokenizer, token_byte_lengths
-from lathe.model.atomic import write_json
 from lathe.model.config import ModelConfig
-from lathe.model.recipe import ConfigError, load_config, to_dict
 from lathe.model.transformer import Transformer
 from lathe.pretrain.config import PretrainConfig
 from lathe.pretrain.evaluate import sample_continuations, validation_metrics

@@ -30,7 +30,7 @@ step() {  # step NAME COMMAND... : run it, log it, print PASS/FAIL with its time
     fi
 }
 
-lathe() { "$PY" -m lathe.model "$@"; }
+lathe() { "$PY" -m lathe.core "$@"; }
 launch() { "$PY" -m accelerate.commands.launch --config_file recipes/accelerate/gpu.yaml "$@"; }
 quiet=(--logging.report_to=none --logging.progress=false)
 post=("${quiet[@]}" --task_eval.examples=32 --eval.batches=2)

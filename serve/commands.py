@@ -8,8 +8,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from lathe.core.errors import ConfigError
 from lathe.model.checkpoint import read_model_config
-from lathe.model.recipe import ConfigError
 from lathe.serve.engine import EngineConfig
 
 

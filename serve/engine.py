@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 from torch import Tensor
-from tqdm import tqdm
 
-from lathe.model.checkpoint import GENERATION_CONFIG_FILE, CheckpointError, read_json_object
+from lathe.core.reporting import progress_bar
+from lathe.model.checkpoint import CheckpointError, read_eos_ids
 from lathe.model.transformer import Transformer
 from lathe.serve.block_manager import BlockManager
 from lathe.serve.detokenize import IncrementalDetokenizer
@@ -137,14 +137,7 @@ class LLMEngine:
         model = load_serving_model(path, quantize=quantize, dtype=dtype, device=device)
         vocab = model.config.vocab_size
         tokenizer = _load_tokenizer(path / "tokenizer.json", vocab)
-        generation = path / GENERATION_CONFIG_FILE
-        eos = read_json_object(generation).get("eos_token_id") if generation.is_file() else None
-        eos_ids = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
-        if eos is not None and (not eos_ids or not all(
-                isinstance(t, int) and 0 <= t < vocab for t in eos_ids)):
-            raise CheckpointError(f"{generation}: eos_token_id={eos!r} must be a token id in "
-                                  f"[0, {vocab}) or a non-empty list of them")
-        return cls(model, tokenizer, config, eos_ids)
+        return cls(model, tokenizer, config, read_eos_ids(path, vocab))
 
     @property
     def max_model_len(self) -> int:
@@ -361,7 +354,7 @@ class LLMEngine:
             completions[request_id] = Completion(request_id, prompt_ids,
                                                  [CompletionOutput(i) for i in range(p.n)])
         total = sum(p.n for p in params_list)
-        with tqdm(total=total, desc="generate", unit="seq", disable=not progress) as bar:
+        with progress_bar(total=total, desc="generate", unit="seq", enabled=progress) as bar:
             while self.has_unfinished():
                 for delta in self.step():
                     if delta.request_id in completions:

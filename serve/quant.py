@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from lathe.core.atomic import atomic_directory
 from lathe.kernels.quant_matmul import (
     int4_matmul,
     int8_matmul,
 )
-from lathe.model.atomic import atomic_directory
 from lathe.model.checkpoint import (
     CONFIG_FILE,
     GENERATION_CONFIG_FILE,

@@ -26,4 +26,4 @@ def test_wheel_maps_each_folder_under_the_lathe_namespace(tmp_path):
             assert f"lathe/{init.relative_to(ROOT).as_posix()}" in names
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names
                                                     if n.endswith("entry_points.txt")))
-    assert b"lathe = lathe.model.cli:main" in entry_points
+    assert b"lathe = lathe.core.cli:main" in entry_points

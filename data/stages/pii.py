@@ -8,9 +8,9 @@ import ipaddress
 import re
 from dataclasses import dataclass, field
 
+from lathe.core.errors import ConfigError
 from lathe.data.document import Document, Verdict, keep
 from lathe.data.stages.base import AppliesTo, Stage, StageConfig
-from lathe.model.recipe import ConfigError
 
 PLACEHOLDERS = {
     "private_key": "<PRIVATE_KEY>",

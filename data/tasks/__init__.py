@@ -10,7 +10,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lathe.model.recipe import ConfigError
+from lathe.core.errors import ConfigError
 
 SPLITS = ("train", "test")
 HELDOUT_PER_MILLE = 100  # 10 % of questions are held out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from lathe.model.cli import main
+from lathe.core.cli import main
 from tests.data.corpus import prose, write_jsonl
 from tests.data.test_runner import WEB
 

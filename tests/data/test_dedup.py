@@ -7,6 +7,7 @@ import random
 import numpy as np
 import pytest
 
+from lathe.core.errors import ConfigError
 from lathe.data.dedup import (
     DedupConfig,
     MinHasher,
@@ -18,7 +19,6 @@ from lathe.data.dedup import (
     near_duplicate_mask,
 )
 from lathe.data.text import normalize_for_dedup
-from lathe.model.recipe import ConfigError
 
 VOCAB = [f"word{i}" for i in range(3000)]
 

@@ -48,7 +48,7 @@ def test_kinds_can_be_selected_and_unknown_kinds_are_rejected():
     doc = Document("d", "mail jane@example.com from 8.8.8.8")
     assert PII(PIIConfig(kinds=["email"]))(doc).edits == {"email": 1}
     assert "8.8.8.8" in doc.text
-    from lathe.model.recipe import ConfigError
+    from lathe.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="pii.kinds"):
         PII(PIIConfig(kinds=["ssn"]))

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from lathe.core.config import load_config
+from lathe.core.errors import ConfigError
 from lathe.data.pipeline import READ, CleanConfig
 from lathe.data.runner import clean
 from lathe.data.stats import docs_out
 from lathe.data.store import document_files, read_documents
-from lathe.model.recipe import ConfigError, load_config
 from tests import processes
 from tests.data.corpus import html_page, prose, write_jsonl
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from lathe.core.errors import ConfigError
 from lathe.data.document import Document
 from lathe.data.loader import PackedLoader
 from lathe.data.shards import (
@@ -21,7 +22,6 @@ from lathe.data.shards import (
 )
 from lathe.data.store import write_documents
 from lathe.data.tokenizer import save_tokenizer, train_tokenizer
-from lathe.model.recipe import ConfigError
 from tests.data.corpus import prose
 
 

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
+from lathe.core.errors import ConfigError
 from lathe.data.document import Document, Rejected
 from lathe.data.sources import SourceConfig, list_shards
-from lathe.model.recipe import ConfigError
 from tests.data.corpus import html_page, prose, write_jsonl
 
 

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
+from lathe.core.errors import ConfigError
 from lathe.data.chat import END_OF_TURN, tokenize_chat
 from lathe.data.formats import load_chat_dataset, load_preference_dataset, load_prompt_dataset
 from lathe.data.tasks import task_examples
 from lathe.data.tasks.arithmetic import arithmetic_preferences, extract_number
 from lathe.data.tokenizer import train_tokenizer
-from lathe.model.recipe import ConfigError
 from tests.data.corpus import prose
 
 

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from lathe.core.errors import ConfigError
 from lathe.data.chat import BOS, END_OF_TURN, SPECIAL_TOKENS, format_chat
 from lathe.data.tokenizer import (
     REPORT_FILE,
@@ -15,7 +16,6 @@ from lathe.data.tokenizer import (
     save_tokenizer,
     train_tokenizer,
 )
-from lathe.model.recipe import ConfigError
 from tests.data.corpus import prose
 
 CODE = 'def f(x):\n\tif x > 10:\n\t\treturn {"k": [1, 2, 3]}  # ok\n    pass\r\n'

@@ -6,7 +6,9 @@ from typing import Literal
 import pytest
 import torch
 
-from lathe.model import PRESETS, ConfigError, ModelConfig, Transformer, load_config
+from lathe.core.config import load_config
+from lathe.core.errors import ConfigError
+from lathe.model import PRESETS, ModelConfig, Transformer
 
 
 @pytest.mark.parametrize("name, low, high", [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lathe.core.errors import ConfigError
 from lathe.model.lora import (
     AdapterMerger,
     LoraSection,
@@ -15,7 +16,6 @@ from lathe.model.lora import (
     merge_lora,
     save_adapter,
 )
-from lathe.model.recipe import ConfigError
 from tests.builders import tiny_model
 
 

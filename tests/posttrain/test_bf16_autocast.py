@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from lathe.core.cli import main
 from lathe.model import ModelConfig, Transformer, load_checkpoint, save_checkpoint
-from lathe.model.cli import main
 from tests.posttrain.conftest import quick
 
 pytestmark = pytest.mark.slow

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lathe.core.cli import main
+from lathe.core.errors import ConfigError
 from lathe.data.tokenizer import save_tokenizer, train_tokenizer
 from lathe.model import ModelConfig, Transformer, load_checkpoint, save_checkpoint
-from lathe.model.cli import main
-from lathe.model.recipe import ConfigError
 from lathe.posttrain.distill import check_same_tokenizer, kd_loss
 from tests.posttrain.conftest import quick
 

@@ -9,9 +9,10 @@ import torch
 
 from lathe.model.checkpoint import load_checkpoint
 from lathe.model.transformer import IGNORE_INDEX
+from lathe.posttrain.chats import chat_work, collate
 from lathe.posttrain.common import rank_batches
 from lathe.posttrain.grpo import per_token_logps
-from lathe.posttrain.sft import chat_work, collate, sft_loss
+from lathe.posttrain.sft import sft_loss
 from lathe.pretrain.config import LoggingConfig, OptimConfig, TrainConfig
 from lathe.pretrain.runtime import Runtime
 from lathe.serve.engine import EngineConfig, LLMEngine

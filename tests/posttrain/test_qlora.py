@@ -10,8 +10,8 @@ import importlib.util
 import pytest
 import torch
 
+from lathe.core.cli import main
 from lathe.model import load_checkpoint
-from lathe.model.cli import main
 from lathe.model.lora import load_adapter, merge_lora
 from tests.posttrain.conftest import quick
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lathe.model.recipe import load_config
+from lathe.core.config import load_config
 from lathe.posttrain.config import GRPOConfig, SFTConfig
 from lathe.posttrain.grpo import grpo
 from lathe.posttrain.sft import sft

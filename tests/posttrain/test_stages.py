@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from lathe.core.cli import main
 from lathe.data.chat import format_chat
 from lathe.data.formats import PreferenceRow, load_prompt_dataset
 from lathe.data.tasks import task_examples
 from lathe.data.tokenizer import load_tokenizer
 from lathe.model import load_checkpoint
-from lathe.model.cli import main
 from lathe.model.lora import load_adapter
 from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.common import PromptFit

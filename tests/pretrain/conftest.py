@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from lathe.core.config import from_dict
 from lathe.data.document import Document
 from lathe.data.shards import build_shards
 from lathe.data.store import write_documents
 from lathe.data.tokenizer import save_tokenizer, train_tokenizer
-from lathe.model.recipe import from_dict
 from lathe.pretrain.config import PretrainConfig
 from tests.data.corpus import prose
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lathe.model.recipe import ConfigError
+from lathe.core.errors import ConfigError
 from lathe.pretrain.config import OptimConfig, ScheduleConfig, TrainConfig
 from lathe.pretrain.optim import build_optimizers, param_groups
 from lathe.pretrain.schedule import lr_factor

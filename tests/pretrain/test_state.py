@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lathe.model.recipe import ConfigError
+from lathe.core.errors import ConfigError
 from lathe.pretrain import failpoints
 from lathe.pretrain.monitor import MetricsLog
 from lathe.pretrain.state import (

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
+from lathe.core.errors import ConfigError
 from lathe.model.checkpoint import load_checkpoint
-from lathe.model.recipe import ConfigError
 from lathe.pretrain.runtime import Runtime
 from lathe.pretrain.train import pretrain
 from tests import processes
@@ -178,7 +178,7 @@ def test_both_entry_points_report_config_errors_in_one_line(corpus, tmp_path):
 
     import yaml
 
-    from lathe.model.cli import main
+    from lathe.core.cli import main
 
     recipe = tmp_path / "run.yaml"
     recipe.write_text(yaml.safe_dump(run_config(corpus, tmp_path / "out")))

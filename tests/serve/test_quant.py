@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lathe.core.cli import main
 from lathe.kernels.quant_matmul import dequantize_int4, dequantize_int8
 from lathe.model import load_checkpoint
 from lathe.model.checkpoint import CheckpointError
-from lathe.model.cli import main
 from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.quant import (
     Int4Linear,

@@ -122,7 +122,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(running):
 
 
 def test_chat_cli_one_shot_against_the_server(client, running, capsys):
-    from lathe.model.cli import main
+    from lathe.core.cli import main
     messages = [{"role": "user", "content": "Hi"}]
     expected = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5,
                                               temperature=0).choices[0].message.content

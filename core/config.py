@@ -17,11 +17,9 @@ from typing import Any, TypeVar, Union
 
 import yaml
 
+from lathe.core.errors import ConfigError
+
 T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A config, recipe or command-line value that cannot be used as given."""
 
 
 def load_config(cls: type[T], path: str | Path | None = None,
