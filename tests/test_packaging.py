@@ -1,5 +1,7 @@
-"""The wheel installs everything under `lathe.` and nothing generic at the top level."""
+"""The wheel installs everything under `lathe.` and nothing generic at the top level, and
+the packages import each other only along DESIGN.md's arrows."""
 
+import ast
 import sys
 import zipfile
 from pathlib import Path
@@ -9,7 +11,35 @@ import pytest
 from tests import processes
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("model", "data", "pretrain", "posttrain", "serve", "kernels")
+PACKAGES = ("core", "model", "data", "pretrain", "posttrain", "serve", "kernels")
+# package -> the lathe packages its modules may import (besides itself); every one may
+# import core, core imports none
+MAY_IMPORT = {
+    "core": set(),
+    "kernels": {"core"},
+    "model": {"core", "kernels"},
+    "data": {"core"},
+    "serve": {"core", "model", "kernels", "data"},
+    "pretrain": {"core", "model", "data", "kernels"},
+    "posttrain": {"core", "model", "data", "kernels", "pretrain", "serve"},
+}
+
+
+def lathe_imports(file: Path) -> set[str]:
+    """The lathe packages a module imports, at any depth of its code."""
+    found = set()
+    for node in ast.walk(ast.parse(file.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        found |= {n.split(".")[1] for n in names if n.startswith("lathe.")}
+    return found
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_packages_import_each_other_only_along_the_arrows(package):
+    for file in (ROOT / package).rglob("*.py"):
+        wrong = lathe_imports(file) - MAY_IMPORT[package] - {package}
+        assert not wrong, f"{file.relative_to(ROOT)} imports lathe.{', lathe.'.join(wrong)}"
 
 
 @pytest.mark.slow
