@@ -1,6 +1,7 @@
 """A checkpoint as one GGUF file for llama.cpp (and Ollama, LM Studio), written with the
 `gguf` package: llama hyper-parameters, the byte-level BPE vocabulary, merges, special
-tokens and chat template, and every tensor under llama.cpp's name in f16 or q8_0.
+tokens and chat template, and every tensor under llama.cpp's name in f32 (the exact
+weights, to compare runtimes on the same numbers), f16 or q8_0.
 
 Two layout facts matter. llama.cpp's llama RoPE rotates adjacent pairs (2i, 2i + 1)
 while HF checkpoints rotate halves (i, i + d/2), so q_proj and k_proj rows are permuted
@@ -24,7 +25,8 @@ from lathe.model.checkpoint import CheckpointError, load_checkpoint
 from lathe.model.config import ModelConfig
 from lathe.model.transformer import rope_inv_freq
 
-FILE_TYPES = {"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+              "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
 LAYER_NAMES = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -147,7 +149,7 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f16") -> 
         if quantize:
             q8_0 = gguf.GGMLQuantizationType.Q8_0
             writer.add_tensor(name, gguf.quants.quantize(array, q8_0), raw_dtype=q8_0)
-        elif array.ndim == 1:
+        elif array.ndim == 1 or dtype == "f32":
             writer.add_tensor(name, array.astype(np.float32))  # norms stay f32, as llama.cpp
         else:
             writer.add_tensor(name, array.astype(np.float16))

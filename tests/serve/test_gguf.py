@@ -110,7 +110,7 @@ def unpermute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.reshape(n_heads, out // n_heads // 2, 2, inp).transpose(1, 2).reshape(out, inp)
 
 
-@pytest.mark.parametrize("dtype", ["f16", "q8_0"])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0"])
 def test_gguf_logits_match_lathe_on_many_tokens(sharpened, tmp_path, dtype):
     """The reference forward over the file equals lathe's forward on the same weights
     (for q8_0: lathe given the file's dequantized weights, which stay within 1% of the
@@ -126,7 +126,10 @@ def test_gguf_logits_match_lathe_on_many_tokens(sharpened, tmp_path, dtype):
         expected = model(ids[None]).logits[0]
         got = gguf_forward(fields, tensors, ids.tolist())
     scale = expected.abs().max()
-    assert (got - expected).abs().max() / scale < 2e-4
+    assert (got - expected).abs().max() / scale < (1e-5 if dtype == "f32" else 2e-4)
+    if dtype == "f32":
+        assert {t.tensor_type for t in gguf.GGUFReader(str(out)).tensors} == {
+            gguf.GGMLQuantizationType.F32}
     if dtype == "f16":
         # the same forward on un-permuted q/k (HF layout read as llama.cpp's) is far off
         wrong = dict(tensors)
