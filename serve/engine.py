@@ -29,7 +29,7 @@ from lathe.serve.block_manager import BlockManager
 from lathe.serve.detokenize import IncrementalDetokenizer
 from lathe.serve.paged_cache import KVSlabs, PagedBatch, SequenceSpan
 from lathe.serve.quant import QuantMode, is_quantized, load_serving_model
-from lathe.serve.sampling import SamplingParams, sample_token
+from lathe.serve.sampling import SamplingBatch, SamplingParams, SamplingRow, sample
 from lathe.serve.scheduler import Scheduler
 from lathe.serve.sequence import Sequence, Status
 from lathe.serve.stop import StopMatcher
@@ -290,20 +290,26 @@ class LLMEngine:
 
     def _sample(self, seqs: list[Sequence],
                 logits: Tensor) -> list[tuple[int, TokenLogprob | None]]:
-        greedy = logits.argmax(dim=-1).tolist()
-        picked = []
-        for i, seq in enumerate(seqs):
-            params = seq.params
-            token = greedy[i] if params.plain_greedy else sample_token(
-                logits[i], params, seq.prompt_ids, seq.output_ids, seq.generator)
-            logprob = None
-            if params.logprobs is not None:
-                row = logits[i:i + 1]
-                if params.logprobs_at_temperature and params.temperature > 0:
-                    row = row.float() / params.temperature
-                (logprob,) = _token_logprobs(row, [token], params.logprobs)
-            picked.append((token, logprob))
-        return picked
+        """Every sampled row of the step in one batched draw, and the log-probs of the rows
+        that asked for them in one more pass."""
+        batch = SamplingBatch([SamplingRow(seq.params, seq.prompt_ids, seq.output_ids,
+                                           seq.generator) for seq in seqs], self.device)
+        tokens = sample(logits, batch).tolist()
+        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+        wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        if wanted:
+            rows = logits[wanted].float()
+            divisors = [seq.params.temperature if seq.params.logprobs_at_temperature
+                        and seq.params.temperature > 0 else 1.0 for seq in
+                        (seqs[i] for i in wanted)]
+            if any(d != 1.0 for d in divisors):
+                rows = rows / torch.tensor(divisors, device=rows.device)[:, None]
+            tops = [seqs[i].params.logprobs or 0 for i in wanted]
+            computed = _token_logprobs(rows, [tokens[i] for i in wanted], max(tops))
+            for i, top, logprob in zip(wanted, tops, computed, strict=True):
+                logprob.top = logprob.top[:top]
+                logprobs[i] = logprob
+        return list(zip(tokens, logprobs, strict=True))
 
     def _append(self, seq: Sequence, picked: tuple[int, TokenLogprob | None]) -> SequenceDelta:
         token, logprob = picked

@@ -1,11 +1,11 @@
-"""Per-request sampling: the parameters (OpenAI names and vLLM extras) and the logits
-transforms applied to one row of logits before a token is drawn.
+"""Sampling: the per-request parameters (OpenAI names and vLLM extras) and the batched
+transforms and draw that pick one token for every row of a step at once.
 
 Order, as in vLLM and HF: penalties on the raw logits (repetition divides positive logits
 and multiplies negative ones for every token seen in prompt or output; presence and
 frequency subtract per output token), then the request's `logit_bias`, then temperature,
-then top-k, top-p and min-p masks (-inf), then a draw from the request's own seeded
-generator — or the argmax when the temperature is 0.
+then top-k, top-p and min-p masks (-inf), then a draw — from the request's own seeded
+generator when it has a seed — or the argmax when the temperature is 0.
 """
 
 from __future__ import annotations
@@ -92,11 +92,55 @@ class SamplingParams:
         return torch.Generator(device).manual_seed((self.seed + index) % 2**64)
 
 
-def apply_penalties(logits: Tensor, params: SamplingParams, prompt_ids: Sequence[int],
-                    output_ids: Sequence[int]) -> Tensor:
+@dataclass
+class SamplingRow:
+    """One sequence's share of a step's sampling: its parameters, what it has seen, and its
+    seeded generator (None: the step's shared randomness)."""
+
+    params: SamplingParams
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    generator: torch.Generator | None = None
+
+
+class SamplingBatch:
+    """A step's rows as tensors, so every row is transformed and drawn in one batched pass
+    (vLLM's sampler): per-row temperature, top-k, top-p and min-p; penalties and logit
+    bias only on the rows that ask for them."""
+
+    def __init__(self, rows: list[SamplingRow], device: torch.device | str) -> None:
+        self.rows = rows
+        params = [row.params for row in rows]
+
+        def column(values: list, dtype: torch.dtype) -> Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        self.temperature = column([p.temperature for p in params], torch.float32)
+        self.top_k = column([max(p.top_k, 0) for p in params], torch.long)
+        self.top_p = column([p.top_p for p in params], torch.float32)
+        self.min_p = column([p.min_p for p in params], torch.float32)
+        self.all_plain_greedy = all(p.plain_greedy for p in params)
+        self.all_greedy = all(p.greedy for p in params)
+        self.penalized = [i for i, p in enumerate(params) if not _unpenalized(p)]
+
+
+def _unpenalized(params: SamplingParams) -> bool:
+    return (params.repetition_penalty == 1.0 and not params.presence_penalty
+            and not params.frequency_penalty and not params.logit_bias)
+
+
+def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """Repetition (prompt + output), presence and frequency (output only) penalties, then
-    the logit bias."""
+    the logit bias, on the (B, vocab) rows that ask for them."""
     logits = logits.clone()
+    for i in batch.penalized:
+        row = batch.rows[i]
+        logits[i] = _penalize_row(logits[i], row.params, row.prompt_ids, row.output_ids)
+    return logits
+
+
+def _penalize_row(logits: Tensor, params: SamplingParams, prompt_ids: Sequence[int],
+                  output_ids: Sequence[int]) -> Tensor:
     if params.repetition_penalty != 1.0 and (prompt_ids or output_ids):
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), device=logits.device)
         values = logits[seen]
@@ -113,30 +157,51 @@ def apply_penalties(logits: Tensor, params: SamplingParams, prompt_ids: Sequence
     return logits
 
 
-def mask_logits(logits: Tensor, top_k: int, top_p: float, min_p: float) -> Tensor:
-    """Set to -inf every token outside top-k, outside the smallest set whose probability
-    reaches top_p (the most likely token always stays), or below min_p × the top probability."""
-    logits = logits.clone()
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits[logits < kth] = float("-inf")
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p  # mass before it
-        logits[order[drop]] = float("-inf")
-    if min_p > 0.0:
+def mask_logits(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> Tensor:
+    """Per row of (B, vocab) logits, set to -inf every token outside its top-k (0: off; ties
+    at the k-th value stay), outside the smallest set whose probability reaches its top_p
+    (the most likely token always stays), or below its min_p × the top probability."""
+    vocab = logits.shape[-1]
+    cut_k = (top_k > 0) & (top_k < vocab)
+    if bool(cut_k.any()):
+        ordered = logits.sort(dim=-1, descending=True).values
+        kth = ordered.gather(1, (top_k.clamp(1, vocab) - 1)[:, None])
+        logits = logits.masked_fill(cut_k[:, None] & (logits < kth), float("-inf"))
+    cut_p = top_p < 1.0
+    if bool(cut_p.any()):
+        ordered, order = logits.sort(dim=-1, descending=True)
+        probs = torch.softmax(ordered, dim=-1)
+        drop = (probs.cumsum(-1) - probs >= top_p[:, None]) & cut_p[:, None]  # mass before it
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop),
+                                    float("-inf"))
+    if bool((min_p > 0).any()):
         probs = torch.softmax(logits, dim=-1)
-        logits[probs < min_p * probs.max()] = float("-inf")
+        floor = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
 
 
-def sample_token(logits: Tensor, params: SamplingParams, prompt_ids: Sequence[int],
-                 output_ids: Sequence[int], generator: torch.Generator | None) -> int:
-    """One token id from a (vocab,) row of logits under `params`."""
-    logits = apply_penalties(logits.float(), params, prompt_ids, output_ids)
-    if params.greedy:
-        return int(logits.argmax())
-    logits = mask_logits(logits / params.temperature, params.top_k, params.top_p, params.min_p)
-    probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+def sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """One token id per row of (B, vocab) logits under each row's parameters: the argmax
+    for temperature 0, else a draw by the exponential race argmax(p / q), q ~ Exp(1) —
+    a sample from p that lets each seeded row draw its q from its own generator, so a
+    seeded sequence gets the same tokens whatever else shares its step."""
+    if batch.all_plain_greedy:
+        return logits.argmax(dim=-1)
+    logits = logits.float()
+    if batch.penalized:
+        logits = apply_penalties(logits, batch)
+    tokens = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return tokens
+    rows = (batch.temperature > 0).nonzero()[:, 0]
+    scaled = logits[rows] / batch.temperature[rows, None]
+    masked = mask_logits(scaled, batch.top_k[rows], batch.top_p[rows], batch.min_p[rows])
+    probs = torch.softmax(masked, dim=-1)
+    noise = torch.empty_like(probs).exponential_()
+    for j, i in enumerate(rows.tolist()):
+        generator = batch.rows[i].generator
+        if generator is not None:
+            noise[j].exponential_(generator=generator)
+    tokens[rows] = (probs / noise).argmax(dim=-1)
+    return tokens
