@@ -40,6 +40,7 @@ class BlockTable:
 
     blocks: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
+    num_committed: int = 0  # leading blocks whose hash chain is settled (`commit`)
 
 
 class OutOfBlocks(RuntimeError):
@@ -111,6 +112,7 @@ class BlockManager:
             else:
                 self.prefix_hits += len(chunk)
                 table.num_cached_tokens += len(chunk)
+                table.num_committed += 1
                 self._share(block)
             table.blocks.append(block.block_id)
             parent = block.hash
@@ -129,15 +131,23 @@ class BlockManager:
         while len(table.blocks) < self.blocks_needed(num_tokens):
             table.blocks.append(self._take_fresh().block_id)
 
+    def has_uncommitted(self, table: BlockTable, num_computed: int) -> bool:
+        """Whether `num_computed` tokens fill a block `commit` has not seen yet."""
+        return num_computed // self.block_size > table.num_committed
+
     def commit(self, table: BlockTable, token_ids: Sequence[int], num_computed: int) -> None:
-        """Offer to the prefix cache every full block whose KV is now computed."""
-        parent = NO_HASH
-        for index in range(num_computed // self.block_size):
+        """Offer to the prefix cache every full block whose KV is now computed (each block
+        once: the table remembers how far its chain is settled)."""
+        full = num_computed // self.block_size
+        start = table.num_committed
+        parent = self.blocks[table.blocks[start - 1]].hash if start else NO_HASH
+        for index in range(start, full):
             block = self.blocks[table.blocks[index]]
             if block.hash == NO_HASH:
-                start = index * self.block_size
-                self._complete(block, parent, tuple(token_ids[start:start + self.block_size]))
+                first = index * self.block_size
+                self._complete(block, parent, tuple(token_ids[first:first + self.block_size]))
             parent = block.hash
+        table.num_committed = max(start, full)
 
     def free_table(self, table: BlockTable) -> None:
         """Release a finished, aborted or preempted sequence's blocks (last first, so that a
@@ -148,7 +158,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free[block_id] = None
         table.blocks.clear()
-        table.num_cached_tokens = 0
+        table.num_cached_tokens = table.num_committed = 0
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (after new weights, the stored KV is stale). Only

@@ -27,7 +27,8 @@ from lathe.model.checkpoint import CheckpointError, read_eos_ids
 from lathe.model.transformer import Transformer
 from lathe.serve.block_manager import BlockManager
 from lathe.serve.detokenize import IncrementalDetokenizer
-from lathe.serve.paged_cache import KVSlabs, PagedBatch, SequenceSpan
+from lathe.serve.model_runner import ModelRunner
+from lathe.serve.paged_cache import KVSlabs
 from lathe.serve.quant import QuantMode, is_quantized, load_serving_model
 from lathe.serve.sampling import SamplingBatch, SamplingParams, SamplingRow, sample
 from lathe.serve.scheduler import Scheduler
@@ -121,6 +122,7 @@ class LLMEngine:
         self.slabs = KVSlabs(model.config, num_blocks, self.config.block_size, self.device, dtype)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.slabs, self.device, self.config.max_num_seqs)
         self.requests: dict[str, list[Sequence]] = {}
         self._text: dict[Sequence, _TextState] = {}
         self._ids = itertools.count()
@@ -220,6 +222,7 @@ class LLMEngine:
             if seq.status is not Status.FINISHED:
                 self.scheduler.finish(seq, "abort")
             self._text.pop(seq, None)
+            self.runner.release(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -241,25 +244,13 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.items:
             return []
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        spans: list[SequenceSpan] = []
+        ids, view, starts = self.runner.prepare(batch.items)
         keep: list[int] = []  # rows whose logits the LM head computes
         sample_rows: list[int] = []  # of which sampled (one per sequence)
         scored: list[tuple[Sequence, int, int, int]] = []  # prompt log-probs: seq, at, from, to
         sampled: list[Sequence] = []
-        block_size = self.config.block_size
-        offsets = torch.arange(block_size)
-        for seq, count in batch.items:
+        for (seq, count), row in zip(batch.items, starts, strict=True):
             start, end = seq.num_computed, seq.num_computed + count
-            row = len(ids)
-            ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            context = (torch.tensor(seq.table.blocks)[:, None] * block_size + offsets).flatten()
-            context = context[:end]
-            slots += context[start:end].tolist()
-            spans.append(SequenceSpan(row, count, context.to(self.device)))
             seq.num_computed = end
             if seq.prompt_logprobs is not None:
                 # position p's logits score prompt token p + 1; a recompute after
@@ -273,14 +264,10 @@ class LLMEngine:
                 sample_rows.append(len(keep))
                 keep.append(row + count - 1)
                 sampled.append(seq)
-        device = self.device
-        view = PagedBatch(self.slabs, spans, torch.tensor(positions, device=device),
-                          torch.tensor(slots, device=device))
-        logits = self.model(torch.tensor([ids], device=device), kv_cache=view,
-                            logits_to_keep=torch.tensor(keep, device=device,
-                                                        dtype=torch.long)).logits[0]
+        logits = self.runner.run(ids, view, keep)
         for seq, _ in batch.items:
-            self.block_manager.commit(seq.table, seq.token_ids, seq.num_computed)
+            if self.block_manager.has_uncommitted(seq.table, seq.num_computed):
+                self.block_manager.commit(seq.table, seq.token_ids, seq.num_computed)
         for seq, at, first, last in scored:
             seq.prompt_logprobs += _token_logprobs(logits[at:at + last - first],
                                                    seq.prompt_ids[first + 1:last + 1],
@@ -335,6 +322,7 @@ class LLMEngine:
             text += state.stop.flush()
             self.scheduler.finish(seq, reason)
             self._text.pop(seq, None)
+            self.runner.release(seq)
             if all(s.status is Status.FINISHED for s in self.requests.get(seq.request_id, [])):
                 self.requests.pop(seq.request_id, None)
         first = len(seq.output_ids) == 1

@@ -6,7 +6,8 @@ blocks a sequence owns is the `BlockManager`'s business; this module only reads 
 writes rows.
 
 `PagedBatch` is one engine step: the new tokens of every scheduled sequence flattened
-into a single row (prefill chunks and single decode tokens side by side). It implements
+into a single row (single decode tokens first, then prefill chunks), as the engine's
+`ModelRunner` builds it. It implements
 `lathe.model.kv_cache.KVCache`, so the unmodified `Transformer` runs on it: `attend`
 writes the step's K/V into the slabs, then attends each sequence's queries over its own
 context only — decode rows together through `lathe.kernels.paged_decode` (the Triton
@@ -57,25 +58,18 @@ class SequenceSpan:
 
 
 class PagedBatch:
-    def __init__(self, slabs: KVSlabs, spans: list[SequenceSpan], positions: Tensor,
-                 slot_mapping: Tensor) -> None:
+    """One step: the first `num_decodes` tokens of the row are single-token decodes (their
+    block tables and context lengths given as tensors), then prefill chunks (`spans`)."""
+
+    def __init__(self, slabs: KVSlabs, positions: Tensor, slot_mapping: Tensor,
+                 num_decodes: int, decode_tables: Tensor | None, decode_lens: Tensor | None,
+                 prefills: list[SequenceSpan]) -> None:
         self.slabs = slabs
         self.positions = positions
         self.slot_mapping = slot_mapping
-        self.prefills = [s for s in spans if s.length > 1]
-        decodes = [s for s in spans if s.length == 1]
-        device = positions.device
-        self.decode_rows = torch.tensor([s.start for s in decodes], device=device,
-                                        dtype=torch.long)
-        if decodes:
-            size = slabs.block_size  # each block's slots are contiguous: its first names it
-            width = max(len(s.context) for s in decodes)
-            self.decode_tables = torch.zeros(len(decodes), (width + size - 1) // size,
-                                             dtype=torch.long, device=device)
-            for i, span in enumerate(decodes):
-                self.decode_tables[i, :(len(span.context) + size - 1) // size] = (
-                    span.context[::size] // size)
-            self.decode_lens = torch.tensor([len(s.context) for s in decodes], device=device)
+        self.num_decodes = num_decodes
+        self.decode_tables, self.decode_lens = decode_tables, decode_lens
+        self.prefills = prefills
 
     def prepare(self, input_ids: Tensor, positions: Tensor | None) -> Tensor:
         if input_ids.shape != (1, len(self.slot_mapping)):
@@ -91,11 +85,12 @@ class PagedBatch:
         v_slab[self.slot_mapping] = v[0].transpose(0, 1).to(v_slab.dtype)
         result_dtype, q = q.dtype, q.to(k_slab.dtype)
         out = torch.empty_like(q)
-        if len(self.decode_rows):
-            queries = q[0, :, self.decode_rows].transpose(0, 1)  # (B, H, D)
+        if self.num_decodes:
+            rows = slice(0, self.num_decodes)
+            queries = q[0, :, rows].transpose(0, 1)  # (B, H, D)
             attended = paged_decode(queries, k_slab, v_slab, self.decode_tables,
                                     self.decode_lens, self.slabs.block_size)
-            out[0, :, self.decode_rows] = attended.transpose(0, 1)
+            out[0, :, rows] = attended.transpose(0, 1)
         for span in self.prefills:
             rows = slice(span.start, span.start + span.length)
             keys = k_slab[span.context].transpose(0, 1)[None]

@@ -80,6 +80,23 @@ def test_tiny_cache_preempts_and_every_request_still_completes_exactly():
     assert engine.block_manager.num_free == 12
 
 
+def test_runner_rows_are_reused_grown_and_rewritten_after_preemption():
+    """The model runner's persistent block-table rows: more live sequences than rows grow
+    the table, preempted sequences' reallocated blocks are rewritten, finished ones give
+    their rows back — and every completion, n > 1 included, is still naive greedy."""
+    model = serve_model(256)
+    batch = prompts([10, 14, 6, 12, 9, 11], seed=2)
+    engine = engine_for(model, num_blocks=20, max_num_seqs=6)
+    engine.runner = type(engine.runner)(model, engine.slabs, engine.device, rows=2)
+    params = SamplingParams(max_tokens=14, temperature=0, n=2)
+    results = engine.generate(batch, params)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.runner.tables.shape[0] >= 8 and engine.runner.rows == {}
+    for prompt, result in zip(batch, results, strict=True):
+        expected = naive_greedy(model, prompt, 14)
+        assert [o.token_ids for o in result.outputs] == [expected, expected]
+
+
 def test_same_seed_same_sample_and_n_shares_the_prompt_blocks():
     engine = engine_for(serve_model(256))
     (prompt,) = prompts([26])

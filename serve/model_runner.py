@@ -1,0 +1,110 @@
+"""The engine's hot path: a scheduled batch in, the model's logits out (nano-vllm's
+ModelRunner).
+
+Every sequence the engine runs owns a row of two persistent device tensors: its block
+table and how many of those blocks are written there. A row changes only when its
+sequence's blocks do (a new block every `block_size` tokens, a reallocation after a
+preemption), so a decode step's inputs — tokens, positions, slot mapping, block tables,
+context lengths — are a few batched tensor ops over the rows, not per-sequence lists of
+tensors. Prefill chunks gather their context through the same rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+from torch import Tensor
+
+from lathe.model.transformer import Transformer
+from lathe.serve.paged_cache import KVSlabs, PagedBatch, SequenceSpan
+from lathe.serve.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, slabs: KVSlabs, device: torch.device,
+                 rows: int = 64) -> None:
+        self.model, self.slabs, self.device = model, slabs, device
+        self.block_size = slabs.block_size
+        self.max_blocks = -(-model.config.max_seq_len // self.block_size)
+        self.tables = torch.zeros(rows, self.max_blocks, dtype=torch.long, device=device)
+        self.rows: dict[Sequence, int] = {}
+        self.written: list[list[int]] = [[] for _ in range(rows)]  # host copy of each row
+        self.free_rows = list(range(rows - 1, -1, -1))
+        self.offsets = torch.arange(self.block_size, device=device)
+
+    def release(self, seq: Sequence) -> None:
+        """Give a finished or aborted sequence's row back."""
+        row = self.rows.pop(seq, None)
+        if row is not None:
+            self.written[row] = []
+            self.free_rows.append(row)
+
+    def _row(self, seq: Sequence) -> int:
+        """`seq`'s row, its block table brought up to date (only what changed is written)."""
+        row = self.rows.get(seq)
+        if row is None:
+            if not self.free_rows:
+                self._grow()
+            row = self.rows[seq] = self.free_rows.pop()
+        blocks, known = seq.table.blocks, self.written[row]
+        if blocks != known:
+            start = len(known) if blocks[:len(known)] == known else 0
+            self.tables[row, start:len(blocks)] = torch.tensor(blocks[start:],
+                                                               device=self.device)
+            self.written[row] = list(blocks)
+        return row
+
+    def _grow(self) -> None:
+        old = self.tables.shape[0]
+        self.tables = torch.cat([self.tables, torch.zeros_like(self.tables)])
+        self.written += [[] for _ in range(old)]
+        self.free_rows += list(range(2 * old - 1, old - 1, -1))
+
+    def prepare(self, items: Seq[tuple[Sequence, int]]) -> tuple[Tensor, PagedBatch, list[int]]:
+        """The step's token row, its paged-attention view, and where each item's tokens
+        start in the row. Single-token items (decodes) are laid out first."""
+        ids: list[int] = []
+        starts = [0] * len(items)
+        decode_rows: list[int] = []
+        decode_positions: list[int] = []
+        prefills: list[tuple[int, int, int, int]] = []  # table row, start, count, step row
+        order = sorted(range(len(items)), key=lambda i: items[i][1] != 1)
+        for i in order:
+            seq, count = items[i]
+            row = self._row(seq)
+            start = seq.num_computed
+            starts[i] = len(ids)
+            if count == 1:
+                decode_rows.append(row)
+                decode_positions.append(start)
+            else:
+                prefills.append((row, start, count, len(ids)))
+            ids += seq.tokens(start, start + count)
+        size, device = self.block_size, self.device
+        positions = torch.empty(len(ids), dtype=torch.long, device=device)
+        slots = torch.empty(len(ids), dtype=torch.long, device=device)
+        decode = len(decode_rows)
+        tables = lens = None
+        if decode:
+            at = torch.tensor(decode_positions, device=device)
+            rows = torch.tensor(decode_rows, device=device)
+            positions[:decode] = at
+            slots[:decode] = self.tables[rows, at // size] * size + at % size
+            lens = at + 1
+            tables = self.tables[rows, :(max(decode_positions) // size) + 1]
+        spans = []
+        for row, start, count, offset in prefills:
+            end = start + count
+            context = (self.tables[row, :(end - 1) // size + 1, None] * size
+                       + self.offsets).flatten()[:end]
+            positions[offset:offset + count] = torch.arange(start, end, device=device)
+            slots[offset:offset + count] = context[start:end]
+            spans.append(SequenceSpan(offset, count, context))
+        view = PagedBatch(self.slabs, positions, slots, decode, tables, lens, spans)
+        return torch.tensor([ids], device=device), view, starts
+
+    def run(self, ids: Tensor, view: PagedBatch, keep: list[int]) -> Tensor:
+        """Logits of the step's rows `keep` (position indices into the token row)."""
+        return self.model(ids, kv_cache=view, logits_to_keep=torch.tensor(
+            keep, device=self.device, dtype=torch.long)).logits[0]
