@@ -1,5 +1,6 @@
 """Which implementation an op runs: the Triton kernel when its tensors are on CUDA and the
-kernel is enabled, the PyTorch reference otherwise — so nothing changes without a GPU.
+kernel is enabled, the PyTorch reference otherwise — so nothing changes without a GPU —
+except the quantized matmuls, which on CPU take torch's vectorized int8/int4 GEMMs.
 
 `LATHE_KERNELS=0` turns every kernel off; `LATHE_KERNELS_DISABLE=rms_norm,swiglu` turns off
 the ones named; `LATHE_KERNELS=force` runs them on CPU tensors too, which only works under
@@ -38,6 +39,13 @@ def kernel_enabled(name: str) -> bool:
 def use_triton(name: str, tensor: torch.Tensor) -> bool:
     on_device = tensor.is_cuda or os.environ.get("LATHE_KERNELS") == "force"
     return HAVE_TRITON and on_device and kernel_enabled(name)
+
+
+def use_cpu_kernel(name: str, tensor: torch.Tensor) -> bool:
+    """Whether a CPU tensor takes torch's own optimized CPU op for `name` (the quantized
+    matmuls), rather than the reference; `LATHE_KERNELS=force` keeps CPU on Triton."""
+    return (tensor.device.type == "cpu" and os.environ.get("LATHE_KERNELS") != "force"
+            and kernel_enabled(name))
 
 
 def check_same_dtype(op: str, **tensors: torch.Tensor) -> None:

@@ -4,7 +4,8 @@ int8: symmetric, one fp scale per output channel: w ≈ q · scale, q in [-127, 
 int4: asymmetric, one (scale, minimum) pair per group of `group_size` input columns:
 w ≈ q · scale + minimum, q in [0, 15], two values packed per byte (low nibble = even
 column). Activations stay in the model's dtype; the matmuls are `lathe.kernels`' (a Triton
-dequantize-in-tile matmul on CUDA; dequantize, then `F.linear` elsewhere).
+dequantize-in-tile matmul on CUDA; torch's int8/int4 CPU GEMMs on CPU, int4 repacked once
+into their layout on first use).
 
 A quantized checkpoint is an ordinary checkpoint folder whose config.json carries a
 `quantization_config` ({"quant_method": "lathe", "mode", "group_size"}) and whose
@@ -26,8 +27,11 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from lathe.core.atomic import atomic_directory
+from lathe.kernels.dispatch import use_cpu_kernel
 from lathe.kernels.quant_matmul import (
     int4_matmul,
+    int4_matmul_cpu,
+    int4_pack_for_cpu,
     int8_matmul,
 )
 from lathe.model.checkpoint import (
@@ -91,8 +95,18 @@ class Int4Linear(nn.Module):
         self.register_buffer("minimum", low.to(linear.weight.dtype))
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.group_size = group_size
+        self.cpu_pack: tuple[Tensor, Tensor] | None = None
+        self.register_load_state_dict_post_hook(Int4Linear._forget_cpu_pack)
+
+    @staticmethod
+    def _forget_cpu_pack(module: Int4Linear, _: object) -> None:
+        module.cpu_pack = None
 
     def forward(self, x: Tensor) -> Tensor:
+        if use_cpu_kernel("int4_matmul", x):
+            if self.cpu_pack is None:  # repacked once, for torch's CPU int4 GEMM
+                self.cpu_pack = int4_pack_for_cpu(self.weight, self.scale, self.minimum)
+            return int4_matmul_cpu(x, *self.cpu_pack)
         return int4_matmul(x, self.weight, self.scale, self.minimum)
 
 
@@ -178,6 +192,9 @@ def load_serving_model(path: str | Path, quantize: QuantMode | None = None,
         model = Transformer(read_model_config(path))
     quantize_linears(model, quant["mode"], quant["group_size"])
     state = load_safetensors(Path(path) / WEIGHTS_FILE, device)
+    # packed weights get allocations of their own: a tensor viewed out of the file may be
+    # misaligned for torch's CPU int8/int4 GEMMs
+    state = {k: v if v.is_floating_point() else v.clone() for k, v in state.items()}
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     expected = model.state_dict()

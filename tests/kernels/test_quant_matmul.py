@@ -9,8 +9,11 @@ import torch
 
 from lathe.kernels.dispatch import kernels_off
 from lathe.kernels.quant_matmul import (
+    int4_matmul_cpu,
     int4_matmul_reference,
     int4_matmul_triton,
+    int4_pack_for_cpu,
+    int8_matmul_cpu,
     int8_matmul_reference,
     int8_matmul_triton,
 )
@@ -46,6 +49,41 @@ def test_int4_matmul_matches_reference(m, n, k, group, dtype):
           int4_matmul_reference(x, packed, scale, minimum), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m, n, k, group", [(1, 64, 128, 128), (7, 96, 256, 32),
+                                            (40, 64, 192, 64)])
+def test_torchs_cpu_int8_and_int4_gemms_match_the_references(m, n, k, group, dtype):
+    """The CPU path rounds activations to bf16: within 1e-2 of the output scale."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(n, k, generator=g)
+    x = torch.randn(2, m, k, generator=g).to(dtype)
+    q, scale = quantize_int8(weight)
+    got = int8_matmul_cpu(x, q, scale)
+    assert got.dtype == dtype and got.shape == (2, m, n)
+    close(got, int8_matmul_reference(x, q, scale), torch.float16)
+    packed, scale, minimum = quantize_int4(weight, group)
+    got = int4_matmul_cpu(x, *int4_pack_for_cpu(packed, scale, minimum))
+    assert got.dtype == dtype and got.shape == (2, m, n)
+    close(got, int4_matmul_reference(x, packed, scale, minimum), torch.float16)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_model_on_cpu_takes_torchs_gemms_and_stays_close(mode):
+    """Kernels on (the default), a CPU model runs torch's int8/int4 GEMMs; LATHE_KERNELS=0
+    gives the dequantize-then-linear reference; the logits agree to 2e-2 of their scale."""
+    from lathe.serve.quant import quantize_linears
+    from tests.builders import tiny_model
+    model = tiny_model(n_layers=1)
+    quantize_linears(model, mode, group_size=32)
+    ids = torch.randint(0, 256, (2, 9))
+    with torch.no_grad():
+        with kernels_off():
+            off = model(ids).logits
+        on = model(ids).logits
+    assert not torch.equal(on, off)
+    close(on, off, torch.bfloat16)
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_model_matches_with_kernels_on(mode, monkeypatch):
     from lathe.serve.quant import quantize_linears
@@ -60,3 +98,17 @@ def test_quantized_model_matches_with_kernels_on(mode, monkeypatch):
         enable_kernels(monkeypatch)
         on = model(ids).logits
     close(on, off, torch.float32)
+
+
+def test_cpu_gemm_takes_a_misaligned_weight_without_crashing():
+    """A packed weight viewed at an odd offset (as safetensors can hand one out) used to
+    SIGSEGV torch's CPU int8 GEMM; it is copied to aligned memory first."""
+    g = torch.Generator().manual_seed(0)
+    q, scale = quantize_int8(torch.randn(64, 128, generator=g))
+    buffer = torch.empty(q.numel() + 40, dtype=torch.int8)
+    misaligned = buffer[40:].view(64, 128)
+    misaligned.copy_(q)
+    assert misaligned.data_ptr() % 64
+    x = torch.randn(3, 128, generator=g)
+    close(int8_matmul_cpu(x, misaligned, scale), int8_matmul_reference(x, q, scale),
+          torch.float16)
