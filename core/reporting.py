@@ -1,10 +1,13 @@
 """How long jobs report to a person: one progress-bar style (rate and ETA, resized with the
-terminal, off when not wanted) and W&B that logs offline unless a key or mode is set."""
+terminal, off when not wanted), W&B that logs offline unless a key or mode is set, and
+quiet imports of libraries whose import-time log lines mean nothing to the run."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,3 +29,18 @@ def default_wandb_offline() -> None:
     if netrc.is_file() and "api.wandb.ai" in netrc.read_text():
         return
     os.environ["WANDB_MODE"] = "offline"
+
+
+@contextlib.contextmanager
+def quiet_loggers(*names: str) -> Iterator[None]:
+    """Only errors from the named loggers inside the block (e.g. around an import whose
+    warnings concern features the run does not use)."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)

@@ -15,21 +15,34 @@ import contextlib
 import copy
 import dataclasses
 import json
+import sys
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
-from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
-from peft.tuners.lora import LoraLayer
-from peft.tuners.tuners_utils import BaseTunerLayer
-from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from lathe.core.atomic import atomic_directory
 from lathe.core.errors import ConfigError
+from lathe.core.reporting import quiet_loggers
 from lathe.model.transformer import Transformer
+
+
+def _peft() -> types.ModuleType:
+    """peft, imported on first use (a run without LoRA never loads it) and quietly: it
+    imports torchao, whose missing-CUDA-extension and pytree-deprecation lines concern
+    FP8 kernels a LoRA run does not use."""
+    with quiet_loggers("torchao", "torch.utils._pytree"):
+        import peft
+        import peft.tuners.lora
+        import peft.tuners.tuners_utils
+        import peft.utils
+    return peft
+
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -58,8 +71,9 @@ class LoraSection:
             raise ConfigError(f"lora.target_modules={self.target_modules}: choose from "
                               f"{', '.join(ALL_LINEARS)} (and lm_head)")
 
-    def peft_config(self) -> LoraConfig:
-        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
+    def peft_config(self) -> Any:
+        """The `peft.LoraConfig` of this section."""
+        return _peft().LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
                           target_modules=list(self.target_modules), bias="none",
                           task_type="CAUSAL_LM")
 
@@ -69,7 +83,7 @@ def apply_lora(model: Transformer, section: LoraSection) -> Transformer:
     targeted base linears in 4-bit NF4)."""
     if section.qlora:
         quantize_base_4bit(model, section.target_modules)
-    inject_adapter_in_model(section.peft_config(), model)
+    _peft().inject_adapter_in_model(section.peft_config(), model)
     if "lm_head" in section.target_modules:
         model.fused_loss = False  # the fused kernel would read the base weight alone
     return model
@@ -99,8 +113,12 @@ def quantize_base_4bit(model: Transformer, targets: list[str]) -> None:
     model.cuda()  # bitsandbytes quantizes on the move to the GPU
 
 
-def lora_layers(model: nn.Module) -> list[BaseTunerLayer]:
-    return [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+def lora_layers(model: nn.Module) -> list[nn.Module]:
+    """The adapter-wrapped layers (peft `BaseTunerLayer`s) of `model`."""
+    if "peft" not in sys.modules:  # nothing can carry adapters before peft is imported
+        return []
+    base = _peft().tuners.tuners_utils.BaseTunerLayer
+    return [m for m in model.modules() if isinstance(m, base)]
 
 
 def has_lora(model: nn.Module) -> bool:
@@ -125,7 +143,7 @@ def save_adapter(model: nn.Module, section: LoraSection, path: str | Path,
     """Write a peft adapter folder (atomically) that names its base checkpoint (as an
     absolute path), so `AutoPeftModelForCausalLM.from_pretrained(path)` loads it."""
     state = {PEFT_PREFIX + name: tensor.detach().contiguous().cpu()
-             for name, tensor in get_peft_model_state_dict(model).items()}
+             for name, tensor in _peft().utils.get_peft_model_state_dict(model).items()}
     config = section.peft_config()
     config.base_model_name_or_path = str(Path(base_model).resolve())
     with atomic_directory(path) as tmp:
@@ -147,7 +165,7 @@ def load_adapter(model: Transformer, path: str | Path) -> Transformer:
     apply_lora(model, section)
     state = {name.removeprefix(PEFT_PREFIX): tensor
              for name, tensor in load_file(path / ADAPTER_WEIGHTS).items()}
-    result = set_peft_model_state_dict(model, state)
+    result = _peft().utils.set_peft_model_state_dict(model, state)
     if result.unexpected_keys:
         raise ConfigError(f"{path}: adapter weights {result.unexpected_keys[:4]} match no "
                           "layer of this model; was it trained on a different base?")
@@ -180,7 +198,8 @@ class AdapterMerger:
         self.model.load_state_dict(adapters, strict=False)
         merged = {f"{name}.weight": layer.get_base_layer().weight
                   + layer.get_delta_weight(layer.active_adapters[0])
-                  for name, layer in self.model.named_modules() if isinstance(layer, LoraLayer)}
+                  for name, layer in self.model.named_modules()
+                  if isinstance(layer, _peft().tuners.lora.LoraLayer)}
         state = {}
         for name, tensor in self.model.state_dict().items():
             if ".lora_" not in name:
@@ -192,9 +211,10 @@ class AdapterMerger:
 @torch.no_grad()
 def merge_lora(model: Transformer) -> Transformer:
     """Fold every adapter into its base weight and put the plain linear back."""
+    layers = {id(layer) for layer in lora_layers(model)}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, BaseTunerLayer):
+            if id(child) in layers:
                 child.merge()
                 setattr(parent, name, child.get_base_layer())
     for parameter in model.parameters():

@@ -57,3 +57,18 @@ def test_wheel_maps_each_folder_under_the_lathe_namespace(tmp_path):
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names
                                                     if n.endswith("entry_points.txt")))
     assert b"lathe = lathe.core.cli:main" in entry_points
+
+
+def test_training_imports_no_torchao_and_lora_imports_it_quietly():
+    """torchao (and the torch warnings its import sets off) loads only for FP8; a LoRA
+    run imports it through peft, with its import-time log lines silenced."""
+    code = ("import sys\n"
+            "import lathe.posttrain.grpo, lathe.posttrain.distill, lathe.pretrain.train\n"
+            "assert 'torchao' not in sys.modules and 'peft' not in sys.modules\n"
+            "from lathe.model.lora import LoraSection, apply_lora\n"
+            "from tests.builders import tiny_model\n"
+            "apply_lora(tiny_model(n_layers=1), LoraSection(enabled=True))\n"
+            "assert 'peft' in sys.modules\n")
+    result = processes.run([sys.executable, "-c", code], timeout=120, cwd=ROOT)
+    for noise in ("Failed to load", "_pytree", "register_constant"):
+        assert noise not in result.stderr, result.stderr
