@@ -34,16 +34,8 @@ lathe dpo --config recipes/dpo/e2e.yaml --out_dir "$OUT/dpo" --model "$OUT/sft/f
 echo "== grpo: exact-answer reward on 8 sampled completions per prompt -> $OUT/grpo"
 lathe grpo --config recipes/grpo/e2e.yaml --out_dir "$OUT/grpo" --model "$OUT/dpo/final"
 
-python - "$OUT" <<'PY'
-import json, sys
-out = sys.argv[1]
-s = {stage: json.load(open(f"{out}/{stage}/summary.json")) for stage in ("sft", "dpo", "grpo")}
-rows = [("base", s["sft"]["accuracy"][0]), ("sft", s["sft"]["accuracy"][-1]),
-        ("dpo", s["dpo"]["accuracy"][-1]), ("grpo", s["grpo"]["heldout_accuracy"][-1])]
-print("held-out arithmetic accuracy (200 problems, greedy):")
-for stage, accuracy in rows:
-    print(f"  {stage:<5} {accuracy:6.1%}")
-PY
+echo "== report: each stage's metric, curves and samples -> $OUT/report.md"
+lathe report "$OUT"
 
 echo "== serve: the chat model behind the OpenAI-compatible API, one chat request, then stop"
 PORT=${PORT:-8765}

@@ -1,0 +1,261 @@
+"""`lathe report RUN_DIR`: a run's report card, `RUN_DIR/report.md` with PNG plots in
+`RUN_DIR/report/`, built only from what each stage wrote (`metrics.jsonl`, `summary.json`
+in `RUN_DIR/<stage>/`), so any finished or half-finished run can have one.
+
+At the top: the environment (lathe commit, torch, device). Then the table a person reads
+first — each stage's own metric at its start and end (pretraining val bits-per-byte,
+held-out task accuracy after SFT, DPO and GRPO, DPO's held-out preference accuracy, GRPO's
+mean reward, the distilled student against its teacher) — then the curves: losses and
+val bpb, learning rate, tokens/s, task accuracy, GRPO reward and accuracy, DPO margins,
+and samples from the first and last evaluation of each stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lathe.core.atomic import atomic_file
+from lathe.core.errors import ConfigError
+
+STAGES = ("pretrain", "sft", "dpo", "grpo", "distill")
+Curve = tuple[str, list[int], list[float]]  # label, steps, values
+
+
+@dataclass
+class Stage:
+    name: str
+    records: list[dict[str, Any]]
+    summary: dict[str, Any]
+    skipped_lines: int = 0
+
+    def curve(self, key: str, label: str | None = None) -> Curve:
+        points = [(r["step"], r[key]) for r in self.records
+                  if isinstance(r.get(key), (int, float)) and isinstance(r.get("step"), int)]
+        return (label or f"{self.name} {key}", [s for s, _ in points], [v for _, v in points])
+
+    def values(self, key: str) -> list[float]:
+        return self.curve(key)[2]
+
+    def texts(self, key: str) -> list[list]:
+        return [r[key] for r in self.records if isinstance(r.get(key), list)]
+
+
+def read_stage(folder: Path) -> Stage | None:
+    """A stage's records and summary; None when it never ran. A line that is not a JSON
+    object (a run killed mid-write) is skipped and counted."""
+    metrics, summary = folder / "metrics.jsonl", folder / "summary.json"
+    if not metrics.is_file() and not summary.is_file():
+        return None
+    records, skipped = [], 0
+    if metrics.is_file():
+        for line in metrics.read_text(errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = None
+            if isinstance(record, dict):
+                records.append(record)
+            elif line.strip():
+                skipped += 1
+    try:
+        loaded = json.loads(summary.read_text()) if summary.is_file() else {}
+    except json.JSONDecodeError:
+        loaded = {}
+    return Stage(folder.name, records, loaded if isinstance(loaded, dict) else {}, skipped)
+
+
+def environment() -> dict[str, str]:
+    source = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "-C", str(source), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    device = (torch.cuda.get_device_name() if torch.cuda.is_available()
+              else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)")
+    return {"lathe commit": commit or "unknown (not a git checkout)",
+            "torch": torch.__version__, "device": device, "python": platform.python_version(),
+            "report written": datetime.datetime.now(datetime.timezone.utc)
+            .strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def _first_last(values: list[float]) -> tuple[float, float] | None:
+    return (values[0], values[-1]) if values else None
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def stage_table(stages: dict[str, Stage]) -> list[tuple[str, str, str, str]]:
+    """(stage, metric, start, end) rows, for the stages that ran."""
+    rows: list[tuple[str, str, str, str]] = []
+
+    def add(stage: str, metric: str, pair: tuple[float, float] | None, percent: bool) -> None:
+        if pair is not None:
+            shown = [f"{v:.1%}" if percent else f"{v:.4f}" for v in pair]
+            rows.append((stage, metric, shown[0], shown[1]))
+
+    if (s := stages.get("pretrain")) is not None:
+        add("pretrain", "val bits per byte", _first_last(s.values("val/bpb")), False)
+        add("pretrain", "val loss", _first_last(s.values("val/loss")), False)
+    if (s := stages.get("sft")) is not None:
+        add("sft", "held-out accuracy", _first_last(s.values("eval/accuracy")), True)
+        add("sft", "held-out assistant loss", _first_last(s.values("eval/heldout_loss")), False)
+    if (s := stages.get("dpo")) is not None:
+        add("dpo", "held-out accuracy", _first_last(s.values("eval/accuracy")), True)
+        add("dpo", "held-out preference accuracy",
+            _first_last(s.values("eval/preference_accuracy")), True)
+    if (s := stages.get("grpo")) is not None:
+        add("grpo", "held-out accuracy", _first_last(s.values("eval/accuracy")), True)
+        rewards = s.values("reward/mean")
+        if rewards:
+            add("grpo", "mean reward (first / last 5 batches)",
+                (_mean(rewards[:5]), _mean(rewards[-5:])), False)
+    if (s := stages.get("distill")) is not None:
+        student, teacher = s.summary.get("student_accuracy"), s.summary.get("teacher_accuracy")
+        if isinstance(student, (int, float)) and isinstance(teacher, (int, float)):
+            rows.append(("distill", "student / teacher accuracy", f"{student:.1%}",
+                         f"{teacher:.1%}"))
+        add("distill", "held-out KL to teacher", _first_last(s.values("eval/kl_to_teacher")),
+            False)
+    return rows
+
+
+def plot(path: Path, title: str, curves: list[Curve], ylabel: str,
+         log_y: bool = False) -> bool:
+    """One PNG of `curves` against their steps; False (and no file) when all are empty."""
+    curves = [c for c in curves if c[1]]
+    if not curves:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display is needed or assumed
+    from matplotlib import pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    for label, steps, values in curves:
+        axes.plot(steps, values, label=label, marker="o" if len(steps) < 20 else None)
+    axes.set(title=title, xlabel="step", ylabel=ylabel)
+    if log_y:
+        axes.set_yscale("log")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    with atomic_file(path) as tmp:
+        figure.savefig(tmp, format="png", dpi=100)
+    plt.close(figure)
+    return True
+
+
+def plots(stages: dict[str, Stage], folder: Path) -> list[tuple[str, str]]:
+    """Every plot this run has data for: (file name, caption)."""
+    def of(name: str, key: str, label: str | None = None) -> Curve:
+        stage = stages.get(name)
+        return stage.curve(key, label) if stage is not None else ("", [], [])
+
+    present = [name for name in STAGES if name in stages]
+    specs = [
+        ("pretrain-loss.png", "Pretraining loss", [of("pretrain", "loss", "train loss"),
+                                                  of("pretrain", "val/loss", "val loss")],
+         "cross-entropy (nats)", False),
+        ("pretrain-bpb.png", "Pretraining val bits per byte",
+         [of("pretrain", "val/bpb", "val bpb")], "bits per byte", False),
+        ("learning-rate.png", "Learning rate", [of(n, "lr", n) for n in present], "lr", False),
+        ("tokens-per-second.png", "Training tokens/s",
+         [of(n, "tokens_per_s", n) for n in present], "tokens/s", True),
+        ("accuracy.png", "Held-out task accuracy (greedy)",
+         [of(n, "eval/accuracy", n) for n in present], "accuracy", False),
+        ("grpo.png", "GRPO rollouts", [of("grpo", "reward/mean", "mean reward"),
+                                       of("grpo", "train/accuracy", "rollout accuracy"),
+                                       of("grpo", "eval/accuracy", "held-out accuracy")],
+         "reward / accuracy", False),
+        ("dpo.png", "DPO", [of("dpo", "rewards/margins", "reward margin"),
+                            of("dpo", "eval/preference_accuracy", "held-out preference acc.")],
+         "margin / accuracy", False),
+    ]
+    made = []
+    for name, title, curves, ylabel, log_y in specs:
+        if plot(folder / name, title, curves, ylabel, log_y):
+            made.append((name, title))
+    return made
+
+
+def samples_section(stages: dict[str, Stage]) -> list[str]:
+    lines = []
+    for name, key in (("pretrain", "samples"), ("sft", "eval/samples"), ("dpo", "eval/samples"),
+                      ("grpo", "eval/samples")):
+        stage = stages.get(name)
+        texts = stage.texts(key) if stage is not None else []
+        if not texts:
+            continue
+        lines.append(f"### {name}\n")
+        for when, rows in (("first evaluation", texts[0]), ("last evaluation", texts[-1])):
+            lines.append(f"{when}:\n")
+            for row in rows[:3]:
+                prompt, completion = (row + ["", ""])[:2] if isinstance(row, list) else (row, "")
+                lines.append(f"- `{prompt!r}` → `{completion!r}`")
+            lines.append("")
+    return lines
+
+
+def build_report(run_dir: str | Path) -> tuple[Path, list[tuple[str, str, str, str]]]:
+    """Write RUN_DIR/report.md and its plots; returns the report's path and its table."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"RUN_DIR {str(run_dir)!r} is not a folder; pass the folder a run "
+                          "wrote its stages into, e.g. runs/e2e")
+    stages = {name: stage for name in STAGES
+              if (stage := read_stage(run_dir / name)) is not None}
+    if not stages:
+        raise ConfigError(f"{run_dir} holds none of {', '.join(STAGES)} (each a folder with "
+                          "metrics.jsonl or summary.json); is this a lathe run folder?")
+    folder = run_dir / "report"
+    folder.mkdir(exist_ok=True)
+    table = stage_table(stages)
+    lines = [f"# Report: {run_dir.resolve().name}", ""]
+    lines += [f"- {key}: {value}" for key, value in environment().items()]
+    lines += ["", "## Each stage's own metric", "", "| stage | metric | start | end |",
+              "|---|---|---:|---:|"]
+    lines += [f"| {' | '.join(row)} |" for row in table]
+    missing = [name for name in STAGES if name not in stages]
+    skipped = {name: s.skipped_lines for name, s in stages.items() if s.skipped_lines}
+    if missing:
+        lines += ["", f"Not in this run: {', '.join(missing)}."]
+    if skipped:
+        lines += ["", "Unreadable metrics lines skipped: "
+                  + ", ".join(f"{name} {n}" for name, n in skipped.items()) + "."]
+    lines += ["", "## Curves", ""]
+    lines += [f"![{title}](report/{name})\n" for name, title in plots(stages, folder)]
+    samples = samples_section(stages)
+    if samples:
+        lines += ["## Samples", "", *samples]
+    path = run_dir / "report.md"
+    with atomic_file(path) as tmp:
+        tmp.write_text("\n".join(lines).rstrip() + "\n")
+    return path, table
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="lathe report",
+        description="Write RUN_DIR/report.md with plots from the stages' metrics.jsonl and "
+                    "summary.json files, and print its table.")
+    parser.add_argument("run_dir", type=Path, help="the run folder, e.g. runs/e2e")
+    args = parser.parse_args(argv)
+    path, table = build_report(args.run_dir)
+    width = max((len(f"{stage} {metric}") for stage, metric, _, _ in table), default=0)
+    for stage, metric, start, end in table:
+        print(f"  {f'{stage} {metric}':<{width}}  {start:>8} -> {end}")
+    print(f"report: {path}")
+    return 0

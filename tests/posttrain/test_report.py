@@ -1,0 +1,51 @@
+"""`lathe report` on a real (short) run: the stage table from its own metrics, the plots
+as PNG files, samples, and runs that are half-written or not runs at all."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lathe.core.cli import main
+from lathe.core.errors import ConfigError
+from lathe.pretrain.report import build_report
+from tests.posttrain.conftest import quick
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def run(base, tmp_path_factory):
+    root = tmp_path_factory.mktemp("run")
+    assert main(["sft", *quick(root / "sft", base, max_steps=4, **{"eval.every": 2})]) == 0
+    with (root / "sft" / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 5, "loss": 1.')  # a run killed mid-write leaves half a line
+    return root
+
+
+def test_report_tables_each_stage_from_its_own_records(run, capsys):
+    assert main(["report", str(run)]) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((run / "sft" / "summary.json").read_text())
+    start, end = summary["accuracy"][0], summary["accuracy"][-1]
+    report = (run / "report.md").read_text()
+    assert f"| sft | held-out accuracy | {start:.1%} | {end:.1%} |" in report
+    loss = summary["heldout_loss"]
+    assert f"| sft | held-out assistant loss | {loss[0]:.4f} | {loss[-1]:.4f} |" in report
+    assert "sft held-out accuracy" in printed and "report.md" in printed
+    assert "Not in this run: pretrain, dpo, grpo, distill." in report
+    assert "Unreadable metrics lines skipped: sft 1." in report
+    assert "- torch: " in report and "- lathe commit: " in report
+    for name in ("learning-rate.png", "tokens-per-second.png", "accuracy.png"):
+        assert f"(report/{name})" in report
+        assert (run / "report" / name).read_bytes()[:8] == PNG
+    assert not (run / "report" / "grpo.png").exists()  # no GRPO data, no empty plot
+    assert "### sft" in report and "first evaluation" in report
+
+
+def test_report_refuses_a_folder_that_is_not_a_run(tmp_path):
+    with pytest.raises(ConfigError, match="holds none of pretrain, sft"):
+        build_report(tmp_path)
+    with pytest.raises(ConfigError, match="is not a folder"):
+        build_report(tmp_path / "missing")
