@@ -105,7 +105,7 @@ def test_refuses_finished_or_mismatched_output(tmp_path):
 @pytest.mark.slow
 def test_killed_run_resumes_to_the_same_output(tmp_path):
     make_input(tmp_path / "in", files=16, per_file=12)
-    args = [sys.executable, "-m", "lathe.model", "clean", "--recipe", str(WEB),
+    args = [sys.executable, "-m", "lathe.core", "clean", "--recipe", str(WEB),
             "--input", str(tmp_path / "in"), "--num_proc=1", "--no-progress",
             "--source.html_field=html"]
     processes.run([*args, "--output", str(tmp_path / "full")], timeout=300)
