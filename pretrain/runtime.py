@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import DistributedType, set_seed
+from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 from torch import Tensor, nn
 
 from lathe.core.config import to_dict
@@ -152,11 +153,9 @@ class Runtime:
         model.requires_grad_(False).eval()
         kind = self.accelerator.distributed_type
         if kind is DistributedType.FSDP:
-            from accelerate.utils.fsdp_utils import fsdp2_prepare_model
-
             return fsdp2_prepare_model(self.accelerator, model.to(self.device)).eval()
         if kind is DistributedType.DEEPSPEED:
-            import deepspeed  # noqa: PLC0415  (slow to import; only DeepSpeed launches need it)
+            import deepspeed  # slow to import, and only DeepSpeed launches need it
 
             config = copy.deepcopy(self.accelerator.state.deepspeed_plugin.deepspeed_config)
             for key in ("optimizer", "scheduler"):
