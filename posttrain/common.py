@@ -102,13 +102,12 @@ def train_on_batches(runtime: Runtime, config: Any, batches: ShuffledBatches,
             runtime.save({"batches": batches.state_dict()})
 
 
-def sequence_work(model_config: Any, lengths: Sequence[int], units: float,
-                  passes: float = 1.0) -> Work:
+def sequence_work(model_config: Any, lengths: Sequence[int], units: float) -> Work:
     """A micro-batch of sequences with `lengths` real tokens whose loss is a mean over
-    `units`: its tokens, and `passes` forward + backward passes of FLOPs over them
-    (padding is not counted: MFU counts the model's useful work)."""
+    `units`: its tokens, and the FLOPs of a forward + backward pass over them (padding is
+    not counted: MFU counts the model's useful work)."""
     flops = sum(n * model_config.flops_per_token(n) for n in lengths)
-    return Work(units=float(units), tokens=sum(lengths), flops=passes * flops)
+    return Work(units=float(units), tokens=sum(lengths), flops=flops)
 
 
 def label_count(labels: Tensor) -> int:

@@ -1,12 +1,12 @@
 """The engine's hot path: a scheduled batch in, the model's logits out (nano-vllm's
 ModelRunner).
 
-Every sequence the engine runs owns a row of two persistent device tensors: its block
-table and how many of those blocks are written there. A row changes only when its
-sequence's blocks do (a new block every `block_size` tokens, a reallocation after a
-preemption), so a decode step's inputs — tokens, positions, slot mapping, block tables,
-context lengths — are a few batched tensor ops over the rows, not per-sequence lists of
-tensors. Prefill chunks gather their context through the same rows.
+Every sequence the engine runs owns a row of one persistent device tensor, its block
+table, mirrored on the host so that a row is written only when its sequence's blocks
+change (a new block every `block_size` tokens, a reallocation after a preemption). A
+decode step's inputs — tokens, positions, slot mapping, block tables, context lengths —
+are then a few batched tensor ops over the rows, not per-sequence lists of tensors.
+Prefill chunks gather their context through the same rows.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ generator when it has a seed — or the argmax when the temperature is 0.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -80,10 +81,15 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def penalized(self) -> bool:
+        """Whether penalties or a logit bias change the logits before sampling."""
+        return bool(self.repetition_penalty != 1.0 or self.presence_penalty
+                    or self.frequency_penalty or self.logit_bias)
+
+    @property
     def plain_greedy(self) -> bool:
         """Greedy on the raw logits: the argmax of the whole batch can stand in for it."""
-        return (self.greedy and self.repetition_penalty == 1.0 and not self.presence_penalty
-                and not self.frequency_penalty and not self.logit_bias)
+        return self.greedy and not self.penalized
 
     def generator(self, device: torch.device | str, index: int) -> torch.Generator | None:
         """The seeded generator of the request's `index`-th sequence (None without a seed)."""
@@ -109,24 +115,31 @@ class SamplingBatch:
     bias only on the rows that ask for them."""
 
     def __init__(self, rows: list[SamplingRow], device: torch.device | str) -> None:
-        self.rows = rows
+        self.rows, self.device = rows, device
         params = [row.params for row in rows]
-
-        def column(values: list, dtype: torch.dtype) -> Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        self.temperature = column([p.temperature for p in params], torch.float32)
-        self.top_k = column([max(p.top_k, 0) for p in params], torch.long)
-        self.top_p = column([p.top_p for p in params], torch.float32)
-        self.min_p = column([p.min_p for p in params], torch.float32)
         self.all_plain_greedy = all(p.plain_greedy for p in params)
         self.all_greedy = all(p.greedy for p in params)
-        self.penalized = [i for i, p in enumerate(params) if not _unpenalized(p)]
+        self.penalized = [i for i, p in enumerate(params) if p.penalized]
 
+    # the per-row columns are built only for a step that samples (greedy steps never need them)
+    def _column(self, values: list, dtype: torch.dtype) -> Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
 
-def _unpenalized(params: SamplingParams) -> bool:
-    return (params.repetition_penalty == 1.0 and not params.presence_penalty
-            and not params.frequency_penalty and not params.logit_bias)
+    @functools.cached_property
+    def temperature(self) -> Tensor:
+        return self._column([row.params.temperature for row in self.rows], torch.float32)
+
+    @functools.cached_property
+    def top_k(self) -> Tensor:
+        return self._column([max(row.params.top_k, 0) for row in self.rows], torch.long)
+
+    @functools.cached_property
+    def top_p(self) -> Tensor:
+        return self._column([row.params.top_p for row in self.rows], torch.float32)
+
+    @functools.cached_property
+    def min_p(self) -> Tensor:
+        return self._column([row.params.min_p for row in self.rows], torch.float32)
 
 
 def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
