@@ -59,6 +59,7 @@ class DPOConfig(TrainConfig):
     reference: str | None = None  # default: the starting policy (or the base under LoRA)
     beta: float = 0.1
     loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    rpo_alpha: float = 0.0  # weight of the chosen replies' NLL added to the loss (TRL's RPO)
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
     lora: LoraSection = field(default_factory=LoraSection)
     task_eval: TaskEvalConfig = field(default_factory=TaskEvalConfig)
@@ -67,6 +68,9 @@ class DPOConfig(TrainConfig):
         super().__post_init__()
         if self.beta <= 0:
             raise ConfigError(f"beta={self.beta} must be positive (TRL's default is 0.1)")
+        if self.rpo_alpha < 0:
+            raise ConfigError(f"rpo_alpha={self.rpo_alpha} must be >= 0 (0: plain DPO; TRL "
+                              "suggests 1.0)")
 
 
 @dataclass

@@ -7,7 +7,8 @@ to max_prompt_length) -> the runtime wraps the policy -> reference log-probs, co
 before any update and cached with each pair: by the wrapped policy itself (under LoRA with
 its adapters disabled), so they share its precision and sharding and no second copy is
 loaded, or by a `reference` checkpoint prepared the same way -> loop
-(sigmoid or IPO loss; chosen/rejected rewards, margins, accuracy) -> held-out preference
+(sigmoid or IPO loss, plus `rpo_alpha` × the chosen replies' NLL; chosen/rejected rewards,
+margins, accuracy) -> held-out preference
 accuracy and task accuracy -> export -> summary.
 """
 
@@ -86,6 +87,22 @@ def collate(pairs: list[Pair], pad_token: int, device: torch.device) -> dict[str
 def sequence_logprobs(model: nn.Module, batch: dict[str, Tensor], mean: bool) -> Tensor:
     total, count = token_logprobs(model, batch["ids"], batch["labels"])
     return total / count.clamp(min=1) if mean else total
+
+
+def rpo_loss(model: nn.Module, batch: dict[str, Tensor], mean: bool, beta: float, kind: str,
+             rpo_alpha: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """DPO's loss plus `rpo_alpha` × the per-token NLL of the chosen replies (TRL's
+    rpo_alpha, Pang et al. 2024): DPO alone lowers the chosen replies' likelihood too
+    (only the margin must grow), which on exact-answer tasks costs accuracy."""
+    total, count = token_logprobs(model, batch["ids"], batch["labels"])
+    logps = total / count.clamp(min=1) if mean else total
+    loss, metrics = dpo_loss(logps, batch["reference"], beta, kind)
+    if rpo_alpha:
+        chosen_total, chosen_count = total.chunk(2)[0], count.chunk(2)[0]
+        nll = -chosen_total.sum() / chosen_count.sum().clamp(min=1)
+        loss = loss + rpo_alpha * nll
+        metrics |= {"loss": loss, "nll_loss": nll.detach()}
+    return loss, metrics
 
 
 def dpo_loss(policy_logps: Tensor, reference_logps: Tensor, beta: float,
@@ -198,12 +215,13 @@ def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
         batches.load_state_dict(restored["batches"])
     evaluator = TaskEvaluator(config.task_eval, config.model, tokenizer)
     runtime.print(f"dpo: {len(train):,} pairs, {len(heldout)} held out, beta {config.beta}, "
-                  f"{config.loss} loss, {total_steps} steps; reference log-probs cached"
+                  f"{config.loss} loss"
+                  + (f" + {config.rpo_alpha} × chosen NLL" if config.rpo_alpha else "")
+                  + f", {total_steps} steps; reference log-probs cached"
                   + (" (adapters disabled)" if config.lora.enabled else "") + f"; {fit.report()}")
 
     def loss_fn(m: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-        return dpo_loss(sequence_logprobs(m, batch, mean), batch["reference"], config.beta,
-                        config.loss)
+        return rpo_loss(m, batch, mean, config.beta, config.loss, config.rpo_alpha)
 
     history: dict[str, list[float]] = {"preference_accuracy": [], "accuracy": []}
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from lathe.core.errors import ConfigError
 from lathe.model.checkpoint import read_model_config
 from lathe.serve.engine import EngineConfig
+from lathe.serve.speculative import SpeculativeConfig
 
 
 def _engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -25,6 +26,41 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                        default=EngineConfig.kv_cache_memory_mb, help="KV budget off-GPU")
     group.add_argument("--gpu-memory-utilization", type=float,
                        default=EngineConfig.gpu_memory_utilization)
+    group = parser.add_argument_group("speculative decoding")
+    group.add_argument("--draft", type=Path, metavar="CKPT",
+                       help="draft model checkpoint sharing this model's tokenizer (e.g. the "
+                            "student of `lathe distill`)")
+    group.add_argument("--speculative", choices=["draft", "ngram"],
+                       help="draft: --draft's model proposes; ngram: prompt lookup "
+                            "(default: draft when --draft is given)")
+    group.add_argument("--num-speculative-tokens", type=int,
+                       default=SpeculativeConfig.num_speculative_tokens,
+                       help="draft tokens verified per step")
+    group.add_argument("--prompt-lookup-max", type=int,
+                       default=SpeculativeConfig.prompt_lookup_max,
+                       help="ngram: longest suffix looked up")
+    group.add_argument("--prompt-lookup-min", type=int,
+                       default=SpeculativeConfig.prompt_lookup_min,
+                       help="ngram: shortest suffix looked up")
+
+
+def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    method = args.speculative or ("draft" if args.draft is not None else None)
+    if method is None:
+        return None
+    if method == "draft" and args.draft is None:
+        raise ConfigError("--speculative draft needs --draft CKPT (a draft model sharing this "
+                          "model's tokenizer)")
+    if method == "ngram" and args.draft is not None:
+        raise ConfigError("--draft is for --speculative draft; prompt lookup (ngram) needs no "
+                          "draft model — drop one of them")
+    if args.draft is not None:
+        read_model_config(args.draft)
+    try:
+        return SpeculativeConfig(method, args.num_speculative_tokens, args.draft,
+                                 args.prompt_lookup_min, args.prompt_lookup_max)
+    except ConfigError as error:
+        raise ConfigError("--" + str(error).replace("_", "-")) from None
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -37,7 +73,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(block_size=args.block_size, kv_cache_memory_mb=args.kv_cache_memory_mb,
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens)
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        speculative=_speculative_config(args))
 
 
 def serve_main(argv: Sequence[str] | None = None) -> int:

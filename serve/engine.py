@@ -6,7 +6,10 @@ scheduled sequence's new tokens into one row, run the model once through a `Page
 (logits only for sequences whose context is now fully computed, plus every prompt row of
 a request that asked for prompt log-probabilities), sample one token for each of those,
 detokenize, match stop conditions, offer newly completed blocks to the prefix cache, and
-return what each sequence gained as `SequenceDelta`s. `generate()` is the offline API on
+return what each sequence gained as `SequenceDelta`s. With speculative decoding
+(`EngineConfig.speculative`) a decoding sequence first gets draft tokens
+(`lathe.serve.speculative`), the same forward scores them all, and it gains every accepted
+draft plus one token in the step. `generate()` is the offline API on
 top of it; `lathe.serve.async_engine` streams the same deltas.
 """
 
@@ -33,6 +36,13 @@ from lathe.serve.quant import QuantMode, is_quantized, load_serving_model
 from lathe.serve.sampling import SamplingBatch, SamplingParams, SamplingRow, sample
 from lathe.serve.scheduler import Scheduler
 from lathe.serve.sequence import Sequence, Status
+from lathe.serve.speculative import (
+    Draft,
+    DraftModelProposer,
+    NgramProposer,
+    SpeculativeConfig,
+    verify,
+)
 from lathe.serve.stop import StopMatcher
 
 
@@ -48,6 +58,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # on CUDA: fraction of device memory to fill
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    speculative: SpeculativeConfig | None = None
 
 
 @dataclass
@@ -108,21 +119,33 @@ class _TextState:
 class LLMEngine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None,
                  config: EngineConfig | None = None,
-                 eos_token_ids: Iterable[int] = (), kv_dtype: torch.dtype | None = None) -> None:
+                 eos_token_ids: Iterable[int] = (), kv_dtype: torch.dtype | None = None,
+                 draft_model: Transformer | None = None) -> None:
         """`kv_dtype`: the KV cache's dtype, by default the weights'; a training stage
-        passes its autocast dtype (see `lathe.pretrain.precision`)."""
+        passes its autocast dtype (see `lathe.pretrain.precision`). `draft_model`: the
+        proposer of `config.speculative` with method "draft"."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.eos_token_ids = set(eos_token_ids)
         weight = model.model.embed_tokens.weight
         self.device, dtype = weight.device, kv_dtype or weight.dtype
-        num_blocks = self.config.num_blocks or self._blocks_in_budget(dtype)
-        self.block_manager = BlockManager(num_blocks, self.config.block_size)
-        self.slabs = KVSlabs(model.config, num_blocks, self.config.block_size, self.device, dtype)
+        speculative = self.config.speculative
+        _check_draft(model, draft_model, speculative)
+        num_blocks = self.config.num_blocks or self._blocks_in_budget(dtype, draft_model)
+        block_size = self.config.block_size
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.slabs = KVSlabs(model.config, num_blocks, block_size, self.device, dtype)
+        lookahead = speculative.num_speculative_tokens if speculative else 0
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
-                                   self.config.max_num_batched_tokens)
+                                   self.config.max_num_batched_tokens, lookahead)
         self.runner = ModelRunner(model, self.slabs, self.device, self.config.max_num_seqs)
+        self.ngram = NgramProposer(speculative) if speculative and \
+            speculative.method == "ngram" else None
+        self.drafter = None if draft_model is None else DraftModelProposer(
+            draft_model, self.runner,
+            KVSlabs(draft_model.config, num_blocks, block_size, self.device, dtype))
+        self.spec_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0
         self.requests: dict[str, list[Sequence]] = {}
         self._text: dict[Sequence, _TextState] = {}
         self._ids = itertools.count()
@@ -139,14 +162,27 @@ class LLMEngine:
         model = load_serving_model(path, quantize=quantize, dtype=dtype, device=device)
         vocab = model.config.vocab_size
         tokenizer = _load_tokenizer(path / "tokenizer.json", vocab)
-        return cls(model, tokenizer, config, read_eos_ids(path, vocab))
+        draft = None
+        speculative = config.speculative if config is not None else None
+        if speculative is not None and speculative.method == "draft":
+            if speculative.draft is None:
+                raise CheckpointError("speculative method 'draft' needs the draft checkpoint "
+                                      "(--draft PATH)")
+            draft_path = Path(speculative.draft)
+            draft = load_serving_model(draft_path, quantize=quantize, dtype=dtype, device=device)
+            _check_same_tokenizer(path, draft_path, tokenizer,
+                                  _load_tokenizer(draft_path / "tokenizer.json",
+                                                  draft.config.vocab_size))
+        return cls(model, tokenizer, config, read_eos_ids(path, vocab), draft_model=draft)
 
     @property
     def max_model_len(self) -> int:
         return self.model.config.max_seq_len
 
-    def _blocks_in_budget(self, dtype: torch.dtype) -> int:
-        per_block = KVSlabs.bytes_per_block(self.model.config, self.config.block_size, dtype)
+    def _blocks_in_budget(self, dtype: torch.dtype, draft: Transformer | None) -> int:
+        """Blocks that fit the KV budget (a draft model's KV takes its share per block)."""
+        per_block = sum(KVSlabs.bytes_per_block(m.config, self.config.block_size, dtype)
+                        for m in (self.model, draft) if m is not None)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - (1 - self.config.gpu_memory_utilization) * total
@@ -222,7 +258,12 @@ class LLMEngine:
             if seq.status is not Status.FINISHED:
                 self.scheduler.finish(seq, "abort")
             self._text.pop(seq, None)
-            self.runner.release(seq)
+            self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.runner.release(seq)
+        if self.drafter is not None:
+            self.drafter.release(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -244,11 +285,18 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.items:
             return []
-        ids, view, starts = self.runner.prepare(batch.items)
+        drafts = self._propose(batch.items, batch.lookahead)
+        work = []
+        for seq, count in batch.items:
+            start = seq.num_computed
+            draft = drafts[seq].tokens if seq in drafts else []
+            work.append((seq, start, seq.tokens(start, start + count) + draft))
+        ids, view, starts = self.runner.prepare(work)
         keep: list[int] = []  # rows whose logits the LM head computes
         sample_rows: list[int] = []  # of which sampled (one per sequence)
         scored: list[tuple[Sequence, int, int, int]] = []  # prompt log-probs: seq, at, from, to
         sampled: list[Sequence] = []
+        verified: list[tuple[Sequence, int]] = []  # sequences with drafts, their first kept row
         for (seq, count), row in zip(batch.items, starts, strict=True):
             start, end = seq.num_computed, seq.num_computed + count
             seq.num_computed = end
@@ -260,20 +308,71 @@ class LLMEngine:
                 if first < last:
                     scored.append((seq, len(keep), first, last))
                     keep += range(row + first - start, row + last - start)
-            if end == seq.num_tokens:
+            if seq in drafts:
+                verified.append((seq, len(keep)))
+                keep += range(row, row + 1 + len(drafts[seq].tokens))
+            elif end == seq.num_tokens:
                 sample_rows.append(len(keep))
                 keep.append(row + count - 1)
                 sampled.append(seq)
         logits = self.runner.run(ids, view, keep)
-        for seq, _ in batch.items:
-            if self.block_manager.has_uncommitted(seq.table, seq.num_computed):
-                self.block_manager.commit(seq.table, seq.token_ids, seq.num_computed)
         for seq, at, first, last in scored:
             seq.prompt_logprobs += _token_logprobs(logits[at:at + last - first],
                                                    seq.prompt_ids[first + 1:last + 1],
                                                    seq.params.prompt_logprobs or 0)
-        picked = self._sample(sampled, logits[sample_rows])
-        return [self._append(seq, pick) for seq, pick in zip(sampled, picked, strict=True)]
+        picks = dict(zip(sampled, ([pick] for pick in self._sample(
+            sampled, logits[sample_rows])), strict=True))
+        picks.update(self._verify(verified, drafts, logits))
+        for seq, _ in batch.items:
+            new = [token for token, _ in picks.get(seq, [])]
+            computed = seq.num_computed + max(len(new) - 1, 0)  # the accepted drafts
+            seq.num_computed = computed
+            if self.drafter is not None:  # cache only blocks the draft's KV covers too
+                computed = min(computed, self.drafter.extent(seq))
+            if self.block_manager.has_uncommitted(seq.table, computed):
+                self.block_manager.commit(seq.table, seq.token_ids + new, computed)
+        return [self._append(seq, picks[seq]) for seq, _ in batch.items if seq in picks]
+
+    def _propose(self, items: list[tuple[Sequence, int]],
+                 lookahead: dict[Sequence, int]) -> dict[Sequence, Draft]:
+        """Draft tokens for the step's decoding sequences, as many as each has room for
+        (its lookahead slots, its max_tokens, the context) — none without speculation."""
+        limits = {}
+        for seq, room in lookahead.items():
+            limit = min(room, seq.params.max_tokens - len(seq.output_ids) - 1,
+                        self.max_model_len - seq.num_tokens - 1)
+            if limit > 0:
+                limits[seq] = limit
+        if self.drafter is not None:
+            drafts = self.drafter.propose(items, limits)
+        elif self.ngram is not None:
+            found = ((seq, self.ngram.propose(seq, limit)) for seq, limit in limits.items())
+            drafts = {seq: draft for seq, draft in found if draft is not None}
+        else:
+            return {}
+        self.spec_steps += len(drafts)
+        self.spec_draft_tokens += sum(len(draft.tokens) for draft in drafts.values())
+        return drafts
+
+    def _verify(self, verified: list[tuple[Sequence, int]], drafts: dict[Sequence, Draft],
+                logits: Tensor) -> dict[Sequence, list[tuple[int, TokenLogprob | None]]]:
+        """What each drafted sequence emits (accepted drafts, then one target token), with
+        the log-probs of the rows that scored them when the request asked for them."""
+        if not verified:
+            return {}
+        seqs = [seq for seq, _ in verified]
+        rows = [[at + j for j in range(len(drafts[seq].tokens) + 1)] for seq, at in verified]
+        emitted = verify(logits[[row for group in rows for row in group]], seqs,
+                         [drafts[seq] for seq in seqs])
+        picks = {}
+        for seq, group, tokens in zip(seqs, rows, emitted, strict=True):
+            self.spec_accepted_tokens += len(tokens) - 1
+            logprobs: list[TokenLogprob | None] = [None] * len(tokens)
+            if seq.params.logprobs is not None:
+                logprobs = list(_sampled_logprobs(logits[group[:len(tokens)]], tokens,
+                                                  [seq.params] * len(tokens)))
+            picks[seq] = list(zip(tokens, logprobs, strict=True))
+        return picks
 
     def _sample(self, seqs: list[Sequence],
                 logits: Tensor) -> list[tuple[int, TokenLogprob | None]]:
@@ -285,49 +384,49 @@ class LLMEngine:
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
         if wanted:
-            rows = logits[wanted].float()
-            divisors = [seq.params.temperature if seq.params.logprobs_at_temperature
-                        and seq.params.temperature > 0 else 1.0 for seq in
-                        (seqs[i] for i in wanted)]
-            if any(d != 1.0 for d in divisors):
-                rows = rows / torch.tensor(divisors, device=rows.device)[:, None]
-            tops = [seqs[i].params.logprobs or 0 for i in wanted]
-            computed = _token_logprobs(rows, [tokens[i] for i in wanted], max(tops))
-            for i, top, logprob in zip(wanted, tops, computed, strict=True):
-                logprob.top = logprob.top[:top]
+            computed = _sampled_logprobs(logits[wanted], [tokens[i] for i in wanted],
+                                         [seqs[i].params for i in wanted])
+            for i, logprob in zip(wanted, computed, strict=True):
                 logprobs[i] = logprob
         return list(zip(tokens, logprobs, strict=True))
 
-    def _append(self, seq: Sequence, picked: tuple[int, TokenLogprob | None]) -> SequenceDelta:
-        token, logprob = picked
-        seq.output_ids.append(token)
-        self.generation_tokens_total += 1
+    def _append(self, seq: Sequence,
+                picks: list[tuple[int, TokenLogprob | None]]) -> SequenceDelta:
+        """Give `seq` the step's tokens, one at a time, until one of them finishes it."""
+        params, state = seq.params, self._text[seq]
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
-        params, state = seq.params, self._text[seq]
-        reason = None
-        special = token in self.eos_token_ids or token in params.stop_token_ids
-        if token in params.stop_token_ids or (token in self.eos_token_ids
-                                              and not params.ignore_eos):
-            reason = "stop"
-        text = ""
-        if state.detokenizer is not None and not special:
-            text = state.stop.feed(state.detokenizer.step(token))
-            if state.stop.stopped:
+        tokens: list[int] = []
+        logprobs: list[TokenLogprob] = []
+        text, reason = "", None
+        for token, logprob in picks:
+            seq.output_ids.append(token)
+            tokens.append(token)
+            if logprob is not None:
+                logprobs.append(logprob)
+            self.generation_tokens_total += 1
+            special = token in self.eos_token_ids or token in params.stop_token_ids
+            if token in params.stop_token_ids or (token in self.eos_token_ids
+                                                  and not params.ignore_eos):
                 reason = "stop"
-        if reason is None and (len(seq.output_ids) >= params.max_tokens
-                               or seq.num_tokens >= self.max_model_len):
-            reason = "length"
+            if state.detokenizer is not None and not special:
+                text += state.stop.feed(state.detokenizer.step(token))
+                if state.stop.stopped:
+                    reason = "stop"
+            if reason is None and (len(seq.output_ids) >= params.max_tokens
+                                   or seq.num_tokens >= self.max_model_len):
+                reason = "length"
+            if reason is not None:
+                break
         if reason is not None:
             text += state.stop.flush()
             self.scheduler.finish(seq, reason)
             self._text.pop(seq, None)
-            self.runner.release(seq)
+            self._release(seq)
             if all(s.status is Status.FINISHED for s in self.requests.get(seq.request_id, [])):
                 self.requests.pop(seq.request_id, None)
-        first = len(seq.output_ids) == 1
-        return SequenceDelta(seq.request_id, seq.index, [token], text,
-                             [logprob] if logprob is not None else [], reason,
+        first = len(seq.output_ids) == len(tokens)
+        return SequenceDelta(seq.request_id, seq.index, tokens, text, logprobs, reason,
                              len(seq.prompt_ids), seq.table.num_cached_tokens,
                              seq.prompt_logprobs if first else None)
 
@@ -387,7 +486,21 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens": self.prompt_tokens_total,
             "generation_tokens": self.generation_tokens_total,
+            **self.speculation_stats(),
         }
+
+    def speculation_stats(self) -> dict[str, float]:
+        """Drafting steps, draft tokens proposed and accepted, the acceptance rate and the
+        mean tokens a drafting step emits (vLLM's mean acceptance length); empty without
+        speculation."""
+        if self.config.speculative is None:
+            return {}
+        steps, drafted, accepted = (self.spec_steps, self.spec_draft_tokens,
+                                    self.spec_accepted_tokens)
+        return {"spec_decode_num_drafts": steps, "spec_decode_num_draft_tokens": drafted,
+                "spec_decode_num_accepted_tokens": accepted,
+                "spec_decode_acceptance_rate": accepted / drafted if drafted else 0.0,
+                "spec_decode_mean_acceptance_length": 1 + accepted / steps if steps else 0.0}
 
 
 def _load_tokenizer(file: Path, vocab_size: int) -> Tokenizer | None:
@@ -404,6 +517,51 @@ def _load_tokenizer(file: Path, vocab_size: int) -> Tokenizer | None:
         raise CheckpointError(f"{file}: {size} tokens, but the model's vocab_size is "
                               f"{vocab_size}; this tokenizer belongs to another model")
     return tokenizer
+
+
+def _check_draft(model: Transformer, draft: Transformer | None,
+                 speculative: SpeculativeConfig | None) -> None:
+    wants_draft = speculative is not None and speculative.method == "draft"
+    if wants_draft and draft is None:
+        raise RequestError("speculative method 'draft' needs a draft model; pass draft_model "
+                           "(or --draft PATH)")
+    if draft is None:
+        return
+    if not wants_draft:
+        raise RequestError("a draft model was given but speculative decoding is not set to "
+                           "method 'draft'; set EngineConfig.speculative")
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise RequestError(f"the draft model's vocab_size {draft.config.vocab_size} differs "
+                           f"from the target's {model.config.vocab_size}; a draft must share "
+                           "the target's tokenizer (distill it from the target)")
+
+
+def _check_same_tokenizer(path: Path, draft_path: Path, tokenizer: Tokenizer | None,
+                          draft: Tokenizer | None) -> None:
+    """A draft's token ids mean something to the target only under the same tokenizer."""
+    same = (tokenizer is None and draft is None) or (
+        tokenizer is not None and draft is not None and tokenizer.get_vocab(True)
+        == draft.get_vocab(True))
+    if not same:
+        raise CheckpointError(f"{draft_path}/tokenizer.json is not {path}/tokenizer.json; a "
+                              "draft must share the target's tokenizer (distill it from the "
+                              "target, or copy the tokenizer folder)")
+
+
+def _sampled_logprobs(logits: Tensor, tokens: list[int],
+                      params: list[SamplingParams]) -> list[TokenLogprob]:
+    """Log-probs of sampled tokens and each row's top-N, of the model's distribution or of
+    softmax(logits / temperature) for rows that ask for it."""
+    rows = logits.float()
+    divisors = [p.temperature if p.logprobs_at_temperature and p.temperature > 0 else 1.0
+                for p in params]
+    if any(d != 1.0 for d in divisors):
+        rows = rows / torch.tensor(divisors, device=rows.device)[:, None]
+    tops = [p.logprobs or 0 for p in params]
+    computed = _token_logprobs(rows, tokens, max(tops))
+    for top, logprob in zip(tops, computed, strict=True):
+        logprob.top = logprob.top[:top]
+    return computed
 
 
 def _token_logprobs(logits: Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:

@@ -1,7 +1,8 @@
 """Prometheus metrics of a running server (vLLM's names, under the `lathe:` prefix).
 
 Engine state — requests running and waiting, KV-cache usage, prefix-cache queries and
-hits, preemptions, prompt and generation tokens — is read from the engine at scrape
+hits, preemptions, prompt and generation tokens, and under speculative decoding the draft
+tokens proposed and accepted — is read from the engine at scrape
 time; latency histograms (time to first token, inter-token latency, end-to-end) are
 observed by the server as each request streams.
 """
@@ -46,6 +47,25 @@ class _EngineCollector(Collector):
             counter = CounterMetricFamily(f"lathe:{name}", help_, labels=["model_name"])
             counter.add_metric([self.model], stats[key])
             yield counter
+        if "spec_decode_num_drafts" in stats:
+            yield from self._speculation(stats)
+
+    def _speculation(self, stats: dict[str, float],
+                     ) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        for name, help_ in (
+                ("spec_decode_num_drafts", "Decode steps of a sequence that verified drafts."),
+                ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted.")):
+            counter = CounterMetricFamily(f"lathe:{name}", help_, labels=["model_name"])
+            counter.add_metric([self.model], stats[name])
+            yield counter
+        for name, help_ in (
+                ("spec_decode_acceptance_rate", "Accepted / proposed draft tokens."),
+                ("spec_decode_mean_acceptance_length",
+                 "Tokens a drafting step emits on average (accepted drafts + 1).")):
+            gauge = GaugeMetricFamily(f"lathe:{name}", help_, labels=["model_name"])
+            gauge.add_metric([self.model], stats[name])
+            yield gauge
 
 
 class ServerMetrics:

@@ -6,7 +6,9 @@ table, mirrored on the host so that a row is written only when its sequence's bl
 change (a new block every `block_size` tokens, a reallocation after a preemption). A
 decode step's inputs — tokens, positions, slot mapping, block tables, context lengths —
 are then a few batched tensor ops over the rows, not per-sequence lists of tensors.
-Prefill chunks gather their context through the same rows.
+Prefill chunks — and a speculative step's verified drafts, which are a short chunk — gather
+their context through the same rows. A draft model runs through the same rows on its own
+slabs: its KV lives in the target's block ids, so it is paged, shared and freed with them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from torch import Tensor
 from lathe.model.transformer import Transformer
 from lathe.serve.paged_cache import KVSlabs, PagedBatch, SequenceSpan
 from lathe.serve.sequence import Sequence
+
+# a sequence, the position of its first new token, the new tokens
+StepItem = tuple[Sequence, int, list[int]]
 
 
 class ModelRunner:
@@ -61,26 +66,28 @@ class ModelRunner:
         self.written += [[] for _ in range(old)]
         self.free_rows += list(range(2 * old - 1, old - 1, -1))
 
-    def prepare(self, items: Seq[tuple[Sequence, int]]) -> tuple[Tensor, PagedBatch, list[int]]:
-        """The step's token row, its paged-attention view, and where each item's tokens
-        start in the row. Single-token items (decodes) are laid out first."""
+    def prepare(self, items: Seq[StepItem], slabs: KVSlabs | None = None,
+                ) -> tuple[Tensor, PagedBatch, list[int]]:
+        """The step's token row, its paged-attention view (on `slabs`, by default the
+        target's), and where each item's tokens start in the row. Single-token items
+        (decodes) are laid out first."""
         ids: list[int] = []
         starts = [0] * len(items)
         decode_rows: list[int] = []
         decode_positions: list[int] = []
         prefills: list[tuple[int, int, int, int]] = []  # table row, start, count, step row
-        order = sorted(range(len(items)), key=lambda i: items[i][1] != 1)
+        order = sorted(range(len(items)), key=lambda i: len(items[i][2]) != 1)
         for i in order:
-            seq, count = items[i]
+            seq, start, tokens = items[i]
+            count = len(tokens)
             row = self._row(seq)
-            start = seq.num_computed
             starts[i] = len(ids)
             if count == 1:
                 decode_rows.append(row)
                 decode_positions.append(start)
             else:
                 prefills.append((row, start, count, len(ids)))
-            ids += seq.tokens(start, start + count)
+            ids += tokens
         size, device = self.block_size, self.device
         positions = torch.empty(len(ids), dtype=torch.long, device=device)
         slots = torch.empty(len(ids), dtype=torch.long, device=device)
@@ -101,10 +108,12 @@ class ModelRunner:
             positions[offset:offset + count] = torch.arange(start, end, device=device)
             slots[offset:offset + count] = context[start:end]
             spans.append(SequenceSpan(offset, count, context))
-        view = PagedBatch(self.slabs, positions, slots, decode, tables, lens, spans)
+        view = PagedBatch(slabs or self.slabs, positions, slots, decode, tables, lens, spans)
         return torch.tensor([ids], device=device), view, starts
 
-    def run(self, ids: Tensor, view: PagedBatch, keep: list[int]) -> Tensor:
-        """Logits of the step's rows `keep` (position indices into the token row)."""
-        return self.model(ids, kv_cache=view, logits_to_keep=torch.tensor(
+    def run(self, ids: Tensor, view: PagedBatch, keep: list[int],
+            model: Transformer | None = None) -> Tensor:
+        """Logits of the step's rows `keep` (position indices into the token row), from
+        `model` (by default the target)."""
+        return (model or self.model)(ids, kv_cache=view, logits_to_keep=torch.tensor(
             keep, device=self.device, dtype=torch.long)).logits[0]

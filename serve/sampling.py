@@ -194,27 +194,42 @@ def mask_logits(logits: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor) -> 
     return logits
 
 
+def processed_logits(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """fp32 logits after each row's penalties and logit bias: greedy rows take their argmax."""
+    logits = logits.float()
+    return apply_penalties(logits, batch) if batch.penalized else logits
+
+
+def sampling_probs(logits: Tensor, batch: SamplingBatch, rows: Tensor) -> Tensor:
+    """The distribution each of `rows` (temperature > 0) draws from, given processed
+    logits: temperature, then the top-k, top-p and min-p masks, then softmax."""
+    scaled = logits[rows] / batch.temperature[rows, None]
+    masked = mask_logits(scaled, batch.top_k[rows], batch.top_p[rows], batch.min_p[rows])
+    return torch.softmax(masked, dim=-1)
+
+
+def exponential_race(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
+    """One draw per row of (R, vocab) probabilities (unnormalized is fine): argmax(p / q),
+    q ~ Exp(1), each row's q from its own generator when it has one."""
+    noise = torch.empty_like(probs).exponential_()
+    for j, generator in enumerate(generators):
+        if generator is not None:
+            noise[j].exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)
+
+
 def sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """One token id per row of (B, vocab) logits under each row's parameters: the argmax
-    for temperature 0, else a draw by the exponential race argmax(p / q), q ~ Exp(1) —
-    a sample from p that lets each seeded row draw its q from its own generator, so a
-    seeded sequence gets the same tokens whatever else shares its step."""
+    for temperature 0, else a draw by the exponential race — a sample from p that lets
+    each seeded row draw from its own generator, so a seeded sequence gets the same tokens
+    whatever else shares its step."""
     if batch.all_plain_greedy:
         return logits.argmax(dim=-1)
-    logits = logits.float()
-    if batch.penalized:
-        logits = apply_penalties(logits, batch)
+    logits = processed_logits(logits, batch)
     tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
         return tokens
     rows = (batch.temperature > 0).nonzero()[:, 0]
-    scaled = logits[rows] / batch.temperature[rows, None]
-    masked = mask_logits(scaled, batch.top_k[rows], batch.top_p[rows], batch.min_p[rows])
-    probs = torch.softmax(masked, dim=-1)
-    noise = torch.empty_like(probs).exponential_()
-    for j, i in enumerate(rows.tolist()):
-        generator = batch.rows[i].generator
-        if generator is not None:
-            noise[j].exponential_(generator=generator)
-    tokens[rows] = (probs / noise).argmax(dim=-1)
+    probs = sampling_probs(logits, batch, rows)
+    tokens[rows] = exponential_race(probs, [batch.rows[i].generator for i in rows.tolist()])
     return tokens

@@ -6,12 +6,16 @@ compute (chunked prefill), then new ones from the waiting queue in arrival order
 a decode cannot get a block, the most recently admitted running sequence is preempted
 by recompute — its blocks are freed and it goes back to the head of the waiting queue,
 keeping the tokens it generated — so the oldest requests always make progress.
+
+With speculative decoding a decode may also get lookahead slots — blocks and token budget
+for up to `num_lookahead_slots` draft tokens — when they are free; lookahead never
+preempts anyone, so a full cache only makes speculation shorter.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lathe.serve.block_manager import BlockManager
 from lathe.serve.sequence import Sequence, Status
@@ -22,6 +26,7 @@ class ScheduledBatch:
     """(sequence, number of its tokens to compute this step), decodes first."""
 
     items: list[tuple[Sequence, int]]
+    lookahead: dict[Sequence, int] = field(default_factory=dict)  # draft tokens room, per decode
 
     @property
     def num_tokens(self) -> int:
@@ -30,8 +35,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, num_lookahead_slots: int = 0) -> None:
         self.block_manager = block_manager
+        self.num_lookahead_slots = num_lookahead_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -46,6 +52,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         items: list[tuple[Sequence, int]] = []
+        lookahead: dict[Sequence, int] = {}
         budget = self.max_num_batched_tokens
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or seq.num_uncomputed != 1 or budget == 0:
@@ -53,6 +60,9 @@ class Scheduler:
             if self._make_room(seq):
                 items.append((seq, 1))
                 budget -= 1
+                if self.num_lookahead_slots and budget:
+                    lookahead[seq] = self._lookahead(seq, min(self.num_lookahead_slots, budget))
+                    budget -= lookahead[seq]
         for seq in self.running:
             if seq.num_uncomputed > 1 and budget > 0:
                 count = min(seq.num_uncomputed, budget)
@@ -71,7 +81,7 @@ class Scheduler:
             count = min(seq.num_uncomputed, budget)
             items.append((seq, count))
             budget -= count
-        return ScheduledBatch(items)
+        return ScheduledBatch(items, lookahead)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence (EOS, stop, length or abort) and release its blocks."""
@@ -92,6 +102,15 @@ class Scheduler:
                 return False
         self.block_manager.grow(seq.table, seq.num_tokens)
         return True
+
+    def _lookahead(self, seq: Sequence, wanted: int) -> int:
+        """Grow `seq` by up to `wanted` draft slots that free blocks allow; how many it got."""
+        manager = self.block_manager
+        room = len(seq.table.blocks) * manager.block_size - seq.num_tokens
+        extra = max(0, min(manager.num_free * manager.block_size + room, wanted) - room)
+        if extra:
+            manager.grow(seq.table, seq.num_tokens + room + extra)
+        return min(room + extra, wanted)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

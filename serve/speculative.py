@@ -1,0 +1,226 @@
+"""Speculative decoding: cheap guesses of a sequence's next tokens, checked by one target
+forward over all of them (decode is memory-bound, so verifying k tokens costs about one
+step).
+
+Two proposers: `NgramProposer` (prompt lookup: the tokens that followed the latest earlier
+occurrence of the sequence's last n tokens) and `DraftModelProposer` (a small model that
+shares the target's tokenizer, e.g. the student `lathe distill` writes; its KV lives in
+the target's block ids, see `lathe.serve.model_runner`). `verify` keeps the longest
+acceptable prefix of a draft: for greedy rows the drafts the target's own argmax agrees
+with; for sampled rows the rejection sampler of Leviathan et al. (2023) and Chen et al.
+(2023) — accept draft x with probability min(1, p(x) / q(x)), on rejection draw from
+norm(max(p - q, 0)) — so the output distribution is the target's exactly. Then one more
+token comes from the target for free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from lathe.core.errors import ConfigError
+from lathe.model.transformer import Transformer
+from lathe.serve.model_runner import ModelRunner, StepItem
+from lathe.serve.paged_cache import KVSlabs
+from lathe.serve.sampling import (
+    SamplingBatch,
+    SamplingRow,
+    exponential_race,
+    processed_logits,
+    sample,
+    sampling_probs,
+)
+from lathe.serve.sequence import Sequence
+
+METHODS = ("draft", "ngram")
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str = "draft"  # draft: a draft model checkpoint | ngram: prompt lookup
+    num_speculative_tokens: int = 4
+    draft: Path | None = None  # the draft checkpoint (method draft, from a checkpoint)
+    prompt_lookup_min: int = 1  # ngram: the shortest suffix looked up
+    prompt_lookup_max: int = 4  # ngram: the longest suffix looked up (tried first)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"speculative method={self.method!r} is not one of {METHODS}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError(f"num_speculative_tokens={self.num_speculative_tokens} must be "
+                              "in [1, 16]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(f"prompt_lookup_min={self.prompt_lookup_min} and "
+                              f"prompt_lookup_max={self.prompt_lookup_max} need "
+                              "1 <= min <= max")
+
+
+@dataclass
+class Draft:
+    """A sequence's proposed next tokens and, for a draft model, the distribution each was
+    drawn from ((len(tokens), vocab); None: each token is certain, as prompt lookup's)."""
+
+    tokens: list[int]
+    probs: Tensor | None = None
+
+
+def history_rows(seq: Sequence, drafts: list[int]) -> list[SamplingRow]:
+    """Sampling rows for the positions after each prefix of `drafts` (what penalties see)."""
+    return [SamplingRow(seq.params, seq.prompt_ids, seq.output_ids + drafts[:j], seq.generator)
+            for j in range(len(drafts) + 1)]
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, seq: Sequence, limit: int) -> Draft | None:
+        """Up to `limit` tokens that followed the latest earlier occurrence of the longest
+        matching suffix (`max_n` down to `min_n` tokens); None without a match."""
+        tokens = seq.token_ids
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            pattern = tokens[-n:]
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start:start + n] == pattern:
+                    return Draft(tokens[start + n:start + n + limit])
+        return None
+
+
+class DraftModelProposer:
+    """A draft model decoding k tokens ahead over its own KV slabs in the target's blocks.
+
+    The draft's KV of a sequence is valid up to `extent(seq)` tokens: what it has written,
+    cut back to what the target keeps (rejected drafts roll both back). Each step it first
+    catches up on every scheduled sequence's new tokens (prefill chunks included, so a
+    block the prefix cache hands out holds the draft's KV too), then decodes k - 1 more.
+    """
+
+    def __init__(self, model: Transformer, runner: ModelRunner, slabs: KVSlabs) -> None:
+        self.model, self.runner, self.slabs = model.eval(), runner, slabs
+        self.max_len = model.config.max_seq_len
+        self.written: dict[Sequence, tuple[int, int]] = {}  # seq -> (tokens, preemptions)
+
+    def release(self, seq: Sequence) -> None:
+        self.written.pop(seq, None)
+
+    def extent(self, seq: Sequence) -> int:
+        """Leading tokens of `seq` whose draft KV is valid."""
+        written, preemptions = self.written.get(seq, (seq.num_computed, seq.num_preemptions))
+        if preemptions != seq.num_preemptions:  # re-admitted: only its cached prefix holds
+            written = seq.num_computed
+        return min(written, seq.num_computed)
+
+    def propose(self, items: list[tuple[Sequence, int]],
+                limits: dict[Sequence, int]) -> dict[Sequence, Draft]:
+        """Drafts for the decoding sequences in `limits` (at most that many tokens each),
+        after catching the draft's KV up with every item of the step."""
+        first: list[StepItem] = []
+        for seq, count in items:
+            start, end = self.extent(seq), seq.num_computed + count
+            if end > self.max_len:  # past the draft's context: the target decodes alone
+                limits.pop(seq, None)
+                continue
+            if seq in limits:
+                limits[seq] = min(limits[seq], self.max_len - end + 1)
+            first.append((seq, start, seq.tokens(start, end)))
+            self.written[seq] = (end, seq.num_preemptions)
+        drafts = {seq: Draft([]) for seq in limits}
+        probs: dict[Sequence, list[Tensor | None]] = {seq: [] for seq in limits}
+        step = first
+        while step:
+            active = [seq for seq, _, _ in step if seq in drafts]
+            ids, view, starts = self.runner.prepare(step, self.slabs)
+            at = {seq: row + len(tokens) - 1
+                  for (seq, _, tokens), row in zip(step, starts, strict=True)}
+            logits = self.runner.run(ids, view, [at[seq] for seq in active], self.model)
+            if not active:
+                break
+            batch = SamplingBatch([history_rows(seq, drafts[seq].tokens)[-1]
+                                   for seq in active], logits.device)
+            tokens, row_probs = self._draw(logits, batch)
+            step = []
+            for i, seq in enumerate(active):
+                drafts[seq].tokens.append(tokens[i])
+                probs[seq].append(row_probs[i])
+                if len(drafts[seq].tokens) < limits[seq]:
+                    position = seq.num_tokens + len(drafts[seq].tokens) - 1
+                    step.append((seq, position, [tokens[i]]))
+                    self.written[seq] = (position + 1, seq.num_preemptions)
+        for seq, draft in drafts.items():
+            if not seq.params.greedy:
+                draft.probs = torch.stack([p for p in probs[seq] if p is not None])
+        return drafts
+
+    @staticmethod
+    def _draw(logits: Tensor, batch: SamplingBatch) -> tuple[list[int], list[Tensor | None]]:
+        """Each row's draft token and the distribution it came from (None for greedy rows,
+        whose verification needs none)."""
+        if batch.all_greedy:
+            return sample(logits, batch).tolist(), [None] * len(batch.rows)
+        processed = processed_logits(logits, batch)
+        tokens = processed.argmax(dim=-1)
+        rows = (batch.temperature > 0).nonzero()[:, 0]
+        dist = sampling_probs(processed, batch, rows)
+        tokens[rows] = exponential_race(dist, [batch.rows[i].generator for i in rows.tolist()])
+        out: list[Tensor | None] = [None] * len(batch.rows)
+        for j, i in enumerate(rows.tolist()):
+            out[i] = dist[j]
+        return tokens.tolist(), out
+
+
+def verify(logits: Tensor, seqs: list[Sequence], drafts: list[Draft]) -> list[list[int]]:
+    """The tokens each sequence emits: the accepted prefix of its draft, then one token from
+    the target. `logits` holds, per sequence in order, len(draft) + 1 target rows: the
+    positions of its last token and of each draft token."""
+    rows: list[SamplingRow] = []
+    for seq, draft in zip(seqs, drafts, strict=True):
+        rows += history_rows(seq, draft.tokens)
+    batch = SamplingBatch(rows, logits.device)
+    processed = processed_logits(logits, batch)
+    argmax = processed.argmax(dim=-1).tolist()
+    sampled = (batch.temperature > 0).nonzero()[:, 0] if not batch.all_greedy else None
+    probs = sampling_probs(processed, batch, sampled) if sampled is not None else None
+    emitted: list[list[int]] = []
+    offset = prob_offset = 0
+    for seq, draft in zip(seqs, drafts, strict=True):
+        k = len(draft.tokens)
+        if seq.params.greedy:
+            accepted = 0
+            while accepted < k and draft.tokens[accepted] == argmax[offset + accepted]:
+                accepted += 1
+            emitted.append(draft.tokens[:accepted] + [argmax[offset + accepted]])
+        else:
+            assert probs is not None
+            target = probs[prob_offset:prob_offset + k + 1]
+            emitted.append(_rejection_sample(target, draft, seq.generator))
+            prob_offset += k + 1
+        offset += k + 1
+    return emitted
+
+
+def _rejection_sample(target: Tensor, draft: Draft,
+                      generator: torch.Generator | None) -> list[int]:
+    """Accept draft token x_j while u_j · q(x_j) < p(x_j); at the first rejection draw from
+    max(p - q, 0), else the bonus token from the last row of p."""
+    k = len(draft.tokens)
+    drafted = torch.tensor(draft.tokens, device=target.device, dtype=torch.long)
+    picked = target[torch.arange(k, device=target.device), drafted]
+    if draft.probs is None:
+        chance = torch.ones_like(picked)
+    else:
+        chance = draft.probs[torch.arange(k, device=target.device), drafted]
+    uniform = torch.rand(k, device=target.device, generator=generator)
+    accepted_mask = (uniform * chance < picked).tolist()
+    accepted = next((j for j, ok in enumerate(accepted_mask) if not ok), k)
+    if accepted == k:
+        last = target[k]
+    elif draft.probs is None:
+        last = target[accepted].clone()
+        last[draft.tokens[accepted]] = 0.0
+    else:
+        last = (target[accepted] - draft.probs[accepted]).clamp_min(0.0)
+    token = int(exponential_race(last[None], [generator])[0])
+    return draft.tokens[:accepted] + [token]
