@@ -7,7 +7,10 @@ import math
 import pytest
 import torch
 
-from lathe.posttrain.dpo import dpo_loss
+from lathe.core.errors import ConfigError
+from lathe.model import ModelConfig, Transformer
+from lathe.posttrain.config import DPOConfig
+from lathe.posttrain.dpo import dpo_loss, rpo_loss
 from lathe.posttrain.grpo import clipped_surrogate, group_advantages
 from lathe.posttrain.rewards import exact_number, length_penalty, load_reward
 
@@ -25,6 +28,25 @@ def test_dpo_sigmoid_loss_matches_the_closed_form_and_is_log2_at_the_reference()
     assert same.item() == pytest.approx(math.log(2), rel=1e-6)
     ipo, _ = dpo_loss(reference, reference, beta=0.1, kind="ipo")
     assert ipo.item() == pytest.approx((1 / 0.2) ** 2)
+
+
+def test_rpo_adds_the_chosen_replies_per_token_nll_to_dpo():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_preset("tiny", vocab_size=64, n_layers=1))
+    ids = torch.randint(0, 64, (4, 7))  # 2 chosen rows, then 2 rejected
+    labels = ids.clone()
+    labels[:, :3] = -100
+    labels[0, 6] = -100  # chosen replies of 3 and 4 labelled tokens
+    batch = {"ids": ids, "labels": labels, "reference": torch.zeros(4)}
+    plain, _ = rpo_loss(model, batch, False, 0.1, "sigmoid", 0.0)
+    mixed, metrics = rpo_loss(model, batch, False, 0.1, "sigmoid", 0.5)
+    logits = model(ids).logits[:2, :-1]
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), labels[:2, 1:].reshape(-1),
+                                            ignore_index=-100)  # the mean over all 7 tokens
+    assert metrics["nll_loss"].item() == pytest.approx(nll.item(), rel=1e-5)
+    assert mixed.item() == pytest.approx(plain.item() + 0.5 * nll.item(), rel=1e-5)
+    with pytest.raises(ConfigError, match="rpo_alpha=-1"):
+        DPOConfig(rpo_alpha=-1)
 
 
 def test_group_advantages_standard_and_dr_grpo():

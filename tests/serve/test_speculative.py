@@ -3,16 +3,21 @@ preemption or prefix cache; sampled output distributed exactly as the target's."
 
 from __future__ import annotations
 
+import httpx
+import openai
 import pytest
 import torch
 
 from lathe.core.errors import ConfigError
+from lathe.data.tokenizer import save_tokenizer, train_tokenizer
+from lathe.model import save_checkpoint
+from lathe.model.checkpoint import CheckpointError
 from lathe.serve import speculative
 from lathe.serve.engine import EngineConfig, LLMEngine, RequestError
 from lathe.serve.sampling import SamplingParams
 from lathe.serve.sequence import Sequence
 from lathe.serve.speculative import Draft, NgramProposer, SpeculativeConfig
-from tests.serve.conftest import serve_model
+from tests.serve.conftest import serve_model, start_server, wait_healthy
 from tests.serve.test_engine import prompts
 
 REPEATING = [[5, 6, 7, 8] * 6, [9, 10, 11] * 8, [3, 1, 4, 1, 5, 9, 2, 6] * 3]
@@ -240,3 +245,49 @@ def test_draws_are_counted_once_per_verified_step():
     # plain decode: drafting must leave room for the step's own token under max_tokens)
     assert stats["spec_decode_num_drafts"] == 2
     assert stats["spec_decode_num_accepted_tokens"] == 6
+
+
+def test_server_with_a_draft_checkpoint_streams_the_plain_answer_and_reports_acceptance(
+        checkpoint, client):
+    spec_config = EngineConfig(num_blocks=128, speculative=SpeculativeConfig(
+        "draft", 3, draft=checkpoint))
+    server, thread, url = start_server(checkpoint, engine=spec_config)
+    try:
+        wait_healthy(url)
+        spec_client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        request = {"model": "tiny", "prompt": "The river", "max_tokens": 12, "temperature": 0}
+        streamed = "".join(chunk.choices[0].text for chunk in spec_client.completions.create(
+            stream=True, **request))
+        assert streamed == client.completions.create(**request).choices[0].text
+        text = httpx.get(f"{url}/metrics").text
+        assert 'lathe:spec_decode_acceptance_rate{model_name="tiny"} 1.0' in text
+        for name in ("lathe:spec_decode_num_drafts_total",
+                     "lathe:spec_decode_num_draft_tokens_total",
+                     "lathe:spec_decode_num_accepted_tokens_total",
+                     "lathe:spec_decode_mean_acceptance_length"):
+            assert name in text, name
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_a_draft_with_another_tokenizer_is_refused(checkpoint, tmp_path):
+    tokenizer = train_tokenizer([f"{i} other words entirely {i * 7}" for i in range(300)],
+                                vocab_size=512, show_progress=False)
+    save_tokenizer(tokenizer, tmp_path / "tokenizer")
+    vocab = LLMEngine.from_checkpoint(checkpoint).model.config.vocab_size
+    other = save_checkpoint(serve_model(vocab), tmp_path / "draft",
+                            tokenizer=tmp_path / "tokenizer")
+    config = EngineConfig(num_blocks=16, speculative=SpeculativeConfig("draft", 2, draft=other))
+    with pytest.raises(CheckpointError, match="must share the target's tokenizer"):
+        LLMEngine.from_checkpoint(checkpoint, config)
+
+
+def test_serve_flags_for_speculation_are_checked_before_loading(checkpoint):
+    from lathe.serve.commands import serve_main
+    with pytest.raises(ConfigError, match="--speculative draft needs --draft"):
+        serve_main([str(checkpoint), "--speculative", "draft"])
+    with pytest.raises(ConfigError, match="drop one of them"):
+        serve_main([str(checkpoint), "--speculative", "ngram", "--draft", str(checkpoint)])
+    with pytest.raises(ConfigError, match="--num-speculative-tokens=0"):
+        serve_main([str(checkpoint), "--speculative", "ngram", "--num-speculative-tokens", "0"])
