@@ -81,6 +81,14 @@ def load_tokenizer(folder: str | Path) -> Tokenizer:
     return Tokenizer.from_file(str(file))
 
 
+def vocabulary_difference(a: Tokenizer, b: Tokenizer) -> list[tuple[str, int]]:
+    """Up to three (token, id) entries in one vocabulary and not the other; [] when the two
+    tokenizers map every token to the same id (a teacher and student, or a target and its
+    draft, need that)."""
+    first, second = a.get_vocab(with_added_tokens=True), b.get_vocab(with_added_tokens=True)
+    return sorted(set(first.items()) ^ set(second.items()))[:3]
+
+
 def token_byte_lengths(tokenizer: Tokenizer) -> np.ndarray:
     """UTF-8 bytes each token id stands for (0 for special tokens), for bits per byte.
 

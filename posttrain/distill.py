@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from lathe.core.atomic import write_json
 from lathe.core.errors import ConfigError
 from lathe.data.formats import load_prompt_dataset
-from lathe.data.tokenizer import load_tokenizer
+from lathe.data.tokenizer import load_tokenizer, vocabulary_difference
 from lathe.model.checkpoint import load_checkpoint
 from lathe.model.lora import LoraSection
 from lathe.model.transformer import IGNORE_INDEX
@@ -98,10 +98,8 @@ def kd_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor,
 
 
 def check_same_tokenizer(student: str, teacher: str) -> None:
-    a = load_tokenizer(student).get_vocab(with_added_tokens=True)
-    b = load_tokenizer(teacher).get_vocab(with_added_tokens=True)
-    if a != b:
-        differ = sorted(set(a.items()) ^ set(b.items()))[:3]
+    differ = vocabulary_difference(load_tokenizer(student), load_tokenizer(teacher))
+    if differ:
         raise ConfigError(f"teacher {teacher} and student {student} must share a tokenizer "
                           f"(their vocabularies differ, e.g. {differ}); distill between "
                           "models trained with the same tokenizer.json")

@@ -75,6 +75,10 @@ class EvalConfig:
     batches: int = 8
     sample_prompts: list[str] = field(default_factory=lambda: ["def ", "The "])
     sample_tokens: int = 32
+    # samples are drawn as nanoGPT's are (greedy decoding of a small model loops on one
+    # token long before its text stops looking like the corpus); 0 means greedy
+    sample_temperature: float = 0.8
+    sample_top_k: int = 50
 
 
 @dataclass
@@ -135,6 +139,10 @@ class TrainConfig:
                 f"schedule.decay_fraction={self.schedule.decay_fraction} must be in (0, 1]")
         if self.optim.lr <= 0:
             raise ConfigError(f"optim.lr={self.optim.lr} must be positive")
+        if not 0 <= self.eval.sample_temperature <= 2 or self.eval.sample_top_k < 0:
+            raise ConfigError(f"eval.sample_temperature={self.eval.sample_temperature} must be "
+                              f"in [0, 2] (0: greedy) and eval.sample_top_k="
+                              f"{self.eval.sample_top_k} >= 0 (0: no cut)")
 
     def total_steps(self, tokens_per_step: int, num_params: int) -> int:
         """The run length in optimizer steps, whichever way it was given."""

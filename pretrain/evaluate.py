@@ -48,16 +48,21 @@ def validation_metrics(model: nn.Module, loader: PackedLoader, batches: int,
 
 def sample_continuations(model: nn.Module, tokenizer: Tokenizer, prompts: list[str],
                          max_new_tokens: int, max_seq_len: int,
-                         kv_dtype: torch.dtype | None = None) -> list[tuple[str, str]]:
-    """Greedy continuation of each prompt, as a document start (every rank runs it in
-    lockstep, which sharded models need for their all-gathers)."""
+                         kv_dtype: torch.dtype | None = None, temperature: float = 0.0,
+                         top_k: int | None = None, seed: int = 0) -> list[tuple[str, str]]:
+    """A continuation of each prompt as a document start: greedy, or sampled at
+    `temperature` from the `top_k` most likely tokens with a generator seeded the same at
+    every evaluation (and on every rank, which run it in lockstep, as sharded models need
+    for their all-gathers)."""
     model.eval()
     rows = []
     device = next(model.parameters()).device
     bos = tokenizer.token_to_id(BOS)
+    generator = torch.Generator(device).manual_seed(seed)
     for prompt in prompts:
         ids = ([bos] + tokenizer.encode(prompt).ids)[-(max_seq_len - max_new_tokens):]
         new = generate(model, torch.tensor([ids], device=device), max_new_tokens,
+                       temperature=temperature, top_k=top_k or None, generator=generator,
                        kv_dtype=kv_dtype)
         rows.append((prompt, tokenizer.decode(new[0].tolist())))
     model.train()

@@ -101,7 +101,8 @@ def pretrain(config: PretrainConfig, resume: str = "never") -> dict[str, Any]:
             samples = sample_continuations(
                 runtime.accelerator.unwrap_model(runtime.model), tokenizer,
                 config.eval.sample_prompts, config.eval.sample_tokens, seq_len,
-                kv_dtype=runtime.compute_dtype)
+                kv_dtype=runtime.compute_dtype, temperature=config.eval.sample_temperature,
+                top_k=config.eval.sample_top_k, seed=config.seed)
             runtime.metrics.log_texts("samples", samples, runtime.step)
             runtime.print(f"step {runtime.step}: val loss {last_eval['val/loss']:.4f}, "
                           f"bpb {last_eval['val/bpb']:.4f}; "

@@ -10,7 +10,13 @@
     measured copy bandwidth; with `--eval-shards`, perplexity on the validation tokens;
 (d) on a GPU, batched decode tok/s with the Triton paged-attention kernel against the
     gather + SDPA path it replaces (`LATHE_KERNELS_DISABLE=paged_decode`), at several batch
-    sizes over long prompts.
+    sizes over long prompts;
+(e) with `--draft STUDENT`, speculative decoding: greedy output tok/s at batch 1 and 8
+    without speculation, with the draft model and with prompt lookup (n-gram), on prompts
+    cut from `--eval-shards` validation text, with each one's acceptance rate and mean
+    acceptance length.
+
+`--sections` picks which run (default: all that apply).
 
 Without `--checkpoint` it benchmarks a randomly initialized `nano` model (token-id prompts).
 Tables are printed and appended to docs/benchmarks.md.
@@ -41,6 +47,7 @@ from lathe.model.transformer import Transformer
 from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.quant import load_serving_model, perplexity
 from lathe.serve.sampling import SamplingParams
+from lathe.serve.speculative import SpeculativeConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -205,6 +212,55 @@ def batched_decode_speed(checkpoint: Path, batch: int, prompt_tokens: int,
     return batch * (new_tokens - 1) / (seconds(new_tokens, seed=2 * batch + 1) - prefill)
 
 
+def speculative_speed(checkpoint: Path, speculative: SpeculativeConfig | None,
+                      prompts: list[list[int]], new_tokens: int,
+                      device: torch.device) -> tuple[float, dict[str, float]]:
+    """Greedy output tok/s of `prompts` (prefill included) and the speculation counters of
+    that run alone (warm-up excluded)."""
+    engine = LLMEngine.from_checkpoint(checkpoint, EngineConfig(speculative=speculative),
+                                       device=device)
+    engine.generate([prompts[0][:8]], SamplingParams(max_tokens=8, temperature=0))
+    before = engine.speculation_stats()
+    start = time.perf_counter()
+    engine.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0,
+                                            ignore_eos=True))
+    seconds = time.perf_counter() - start
+    after = engine.speculation_stats()
+    counts = {key: after[key] - before[key] for key in after if "num_" in key}
+    return len(prompts) * new_tokens / seconds, counts
+
+
+def speculative_rows(checkpoint: Path, draft: Path, k: int, prompts: list[list[int]],
+                     batches: list[int], new_tokens: int, device: torch.device) -> list[str]:
+    rows = []
+    for batch in batches:
+        group = prompts[:batch]
+        plain, _ = speculative_speed(checkpoint, None, group, new_tokens, device)
+        rows.append(f"| {batch} | none | {plain:,.1f} | 1.00× | — | — |")
+        print(rows[-1], flush=True)
+        for name, config in ((f"draft `{draft.name}`", SpeculativeConfig("draft", k, draft)),
+                             ("ngram (prompt lookup)", SpeculativeConfig("ngram", k))):
+            tok_s, counts = speculative_speed(checkpoint, config, group, new_tokens, device)
+            drafted = counts["spec_decode_num_draft_tokens"]
+            accepted = counts["spec_decode_num_accepted_tokens"]
+            steps = counts["spec_decode_num_drafts"]
+            rows.append(f"| {batch} | {name}, k={k} | {tok_s:,.1f} | {tok_s / plain:.2f}× | "
+                        f"{accepted / drafted if drafted else 0:.1%} | "
+                        f"{1 + accepted / steps if steps else 1:.2f} |")
+            print(rows[-1], flush=True)
+    return rows
+
+
+def text_prompts(shards: Path | None, count: int, length: int, vocab: int) -> list[list[int]]:
+    """`count` prompts of `length` tokens from distinct places of the validation text (random
+    token ids without shards)."""
+    if shards is None:
+        return random_prompts(count, length, length, vocab, seed=7)
+    tokens = val_tokens(shards, 10**7)
+    stride = max(length, (len(tokens) - length) // count)
+    return [tokens[i * stride:i * stride + length] for i in range(count)]
+
+
 def val_tokens(shards: Path, limit: int) -> list[int]:
     from lathe.data.shards import read_shard
     files = sorted(shards.glob("val-*.bin"))
@@ -226,62 +282,27 @@ def run(args: argparse.Namespace) -> str:
     prompts = random_prompts(args.prompts, 32, 128, vocab)
     sections = []
 
-    rows = offline(checkpoint, prompts, args.new_tokens, device)
-    print(*rows, sep="\n", flush=True)
-    sections += [f"### (a) Offline: {args.prompts} prompts of 32–128 tokens × {args.new_tokens} "
-                 "new tokens, greedy", "", "| engine | output tok/s | seconds |",
-                 "|---|---:|---:|", *rows, ""]
-
-    server, url = start_server(checkpoint, EngineConfig())
-    rows = []
-    for concurrency in args.concurrency:
-        load = random_prompts(max(2 * concurrency, 8), 32, 128, vocab, seed=concurrency)
-        r = asyncio.run(load_test(url, load, args.server_tokens, concurrency))
-        rows.append(f"| {concurrency} | {r['requests']} | {r['tok_s']:,.0f} | "
-                    f"{r['ttft50']:,.0f} / {r['ttft99']:,.0f} | "
-                    f"{r['itl50']:,.1f} / {r['itl99']:,.1f} |")
-        print(rows[-1], flush=True)
-    server.should_exit = True
-    sections += [f"### (b) `lathe serve` under load: streaming /v1/completions, prompts of "
-                 f"32–128 tokens, {args.server_tokens} output tokens each", "",
-                 "| concurrency | requests | output tok/s | TTFT p50 / p99 (ms) | "
-                 "ITL p50 / p99 (ms) |", "|---:|---:|---:|---:|---:|", *rows, ""]
-
-    bandwidth = copy_bandwidth(device)
-    eval_ids = val_tokens(args.eval_shards, args.eval_tokens) if args.eval_shards else None
-    rows = []
-    for quantize in (None, "int8", "int4"):
-        tok_s, nbytes = decode_speed(checkpoint, quantize, prompts[0], args.decode_tokens,
-                                     device)
-        implied = tok_s * nbytes
-        ppl = ""
-        if eval_ids is not None:
-            ppl = f"{perplexity(load_serving_model(checkpoint, quantize=quantize), eval_ids):.3f}"
-        rows.append(f"| {quantize or 'fp32'} | {nbytes / 2**20:.1f} | {tok_s:,.1f} | "
-                    f"{implied / 1e9:.2f} | {implied / bandwidth:.1%} | {ppl or '—'} |")
-        print(rows[-1], flush=True)
-    sections += [f"### (c) Single-stream decode ({args.decode_tokens} tokens); copy bandwidth "
-                 f"{bandwidth / 1e9:.1f} GB/s" + (f"; perplexity on {len(eval_ids):,} validation "
-                                                  "tokens" if eval_ids else ""), "",
-                 "| weights | MiB streamed / token | tok/s | implied GB/s | of copy BW | "
-                 "perplexity |", "|---|---:|---:|---:|---:|---:|", *rows, ""]
-    if device.type == "cuda":
-        rows = []
-        max_seq_len = load_checkpoint(checkpoint).config.max_seq_len
-        context = min(args.decode_context, max_seq_len - args.decode_tokens)
-        for batch in args.decode_batches:
-            with_kernel = batched_decode_speed(checkpoint, batch, context, args.decode_tokens,
-                                               device)
-            with kernels_off("paged_decode"):
-                gathered = batched_decode_speed(checkpoint, batch, context, args.decode_tokens,
-                                                device)
-            rows.append(f"| {batch} | {with_kernel:,.0f} | {gathered:,.0f} | "
-                        f"{with_kernel / gathered:.2f}× |")
-            print(rows[-1], flush=True)
-        sections += [f"### (d) Batched decode after {context}-token prompts "
-                     f"({args.decode_tokens} tokens each): Triton paged attention vs gather + "
-                     "SDPA", "", "| batch | paged kernel tok/s | gather + SDPA tok/s | speed-up |",
-                     "|---:|---:|---:|---:|", *rows, ""]
+    if "a" in args.sections:
+        rows = offline(checkpoint, prompts, args.new_tokens, device)
+        print(*rows, sep="\n", flush=True)
+        sections += [f"### (a) Offline: {args.prompts} prompts of 32–128 tokens × "
+                     f"{args.new_tokens} new tokens, greedy", "",
+                     "| engine | output tok/s | seconds |", "|---|---:|---:|", *rows, ""]
+    if "b" in args.sections:
+        sections += server_section(checkpoint, vocab, args)
+    if "c" in args.sections:
+        sections += decode_section(checkpoint, prompts[0], device, args)
+    if "d" in args.sections and device.type == "cuda":
+        sections += batched_decode_section(checkpoint, device, args)
+    if "e" in args.sections and args.draft is not None:
+        spec_prompts = text_prompts(args.eval_shards, max(args.spec_batches), 64, vocab)
+        rows = speculative_rows(checkpoint, args.draft, args.num_speculative_tokens,
+                                spec_prompts, args.spec_batches, args.spec_tokens, device)
+        source = "validation text" if args.eval_shards else "random token ids"
+        sections += [f"### (e) Speculative decoding: greedy, 64-token prompts from {source}, "
+                     f"{args.spec_tokens} new tokens each (prefill included)", "",
+                     "| batch | speculation | output tok/s | vs none | acceptance rate | "
+                     "mean acceptance length |", "|---:|---|---:|---:|---:|---:|", *rows, ""]
     tmp.cleanup()
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (
@@ -294,6 +315,64 @@ def run(args: argparse.Namespace) -> str:
         with (ROOT / "docs" / "benchmarks.md").open("a") as f:
             f.write("\n" + table)
     return table
+
+
+def server_section(checkpoint: Path, vocab: int, args: argparse.Namespace) -> list[str]:
+    server, url = start_server(checkpoint, EngineConfig())
+    rows = []
+    for concurrency in args.concurrency:
+        load = random_prompts(max(2 * concurrency, 8), 32, 128, vocab, seed=concurrency)
+        r = asyncio.run(load_test(url, load, args.server_tokens, concurrency))
+        rows.append(f"| {concurrency} | {r['requests']} | {r['tok_s']:,.0f} | "
+                    f"{r['ttft50']:,.0f} / {r['ttft99']:,.0f} | "
+                    f"{r['itl50']:,.1f} / {r['itl99']:,.1f} |")
+        print(rows[-1], flush=True)
+    server.should_exit = True
+    return [f"### (b) `lathe serve` under load: streaming /v1/completions, prompts of "
+            f"32–128 tokens, {args.server_tokens} output tokens each", "",
+            "| concurrency | requests | output tok/s | TTFT p50 / p99 (ms) | "
+            "ITL p50 / p99 (ms) |", "|---:|---:|---:|---:|---:|", *rows, ""]
+
+
+def decode_section(checkpoint: Path, prompt: list[int], device: torch.device,
+                   args: argparse.Namespace) -> list[str]:
+    bandwidth = copy_bandwidth(device)
+    eval_ids = val_tokens(args.eval_shards, args.eval_tokens) if args.eval_shards else None
+    rows = []
+    for quantize in (None, "int8", "int4"):
+        tok_s, nbytes = decode_speed(checkpoint, quantize, prompt, args.decode_tokens, device)
+        implied = tok_s * nbytes
+        ppl = ""
+        if eval_ids is not None:
+            ppl = f"{perplexity(load_serving_model(checkpoint, quantize=quantize), eval_ids):.3f}"
+        rows.append(f"| {quantize or 'fp32'} | {nbytes / 2**20:.1f} | {tok_s:,.1f} | "
+                    f"{implied / 1e9:.2f} | {implied / bandwidth:.1%} | {ppl or '—'} |")
+        print(rows[-1], flush=True)
+    return [f"### (c) Single-stream decode ({args.decode_tokens} tokens); copy bandwidth "
+            f"{bandwidth / 1e9:.1f} GB/s" + (f"; perplexity on {len(eval_ids):,} validation "
+                                             "tokens" if eval_ids else ""), "",
+            "| weights | MiB streamed / token | tok/s | implied GB/s | of copy BW | "
+            "perplexity |", "|---|---:|---:|---:|---:|---:|", *rows, ""]
+
+
+def batched_decode_section(checkpoint: Path, device: torch.device,
+                           args: argparse.Namespace) -> list[str]:
+    rows = []
+    max_seq_len = load_checkpoint(checkpoint).config.max_seq_len
+    context = min(args.decode_context, max_seq_len - args.decode_tokens)
+    for batch in args.decode_batches:
+        with_kernel = batched_decode_speed(checkpoint, batch, context, args.decode_tokens,
+                                           device)
+        with kernels_off("paged_decode"):
+            gathered = batched_decode_speed(checkpoint, batch, context, args.decode_tokens,
+                                            device)
+        rows.append(f"| {batch} | {with_kernel:,.0f} | {gathered:,.0f} | "
+                    f"{with_kernel / gathered:.2f}× |")
+        print(rows[-1], flush=True)
+    return [f"### (d) Batched decode after {context}-token prompts ({args.decode_tokens} "
+            "tokens each): Triton paged attention vs gather + SDPA", "",
+            "| batch | paged kernel tok/s | gather + SDPA tok/s | speed-up |",
+            "|---:|---:|---:|---:|", *rows, ""]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,6 +389,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="(d), GPU only: prompt tokens before decoding")
     parser.add_argument("--eval-shards", type=Path, help="token shards with a val split")
     parser.add_argument("--eval-tokens", type=int, default=16384)
+    parser.add_argument("--draft", type=Path,
+                        help="(e): a draft checkpoint sharing the tokenizer (e.g. the student)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4, help="(e)")
+    parser.add_argument("--spec-batches", type=int, nargs="+", default=[1, 8], help="(e)")
+    parser.add_argument("--spec-tokens", type=int, default=64, help="(e): new tokens each")
+    parser.add_argument("--sections", default="abcde",
+                        help="which sections run, e.g. 'ce' (d needs CUDA, e needs --draft)")
     parser.add_argument("--no-write", dest="write", action="store_false",
                         help="do not append to docs/benchmarks.md")
     print(run(parser.parse_args(argv)))

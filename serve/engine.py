@@ -26,6 +26,7 @@ from tokenizers import Tokenizer
 from torch import Tensor
 
 from lathe.core.reporting import progress_bar
+from lathe.data.tokenizer import vocabulary_difference
 from lathe.model.checkpoint import CheckpointError, read_eos_ids
 from lathe.model.transformer import Transformer
 from lathe.serve.block_manager import BlockManager
@@ -539,13 +540,14 @@ def _check_draft(model: Transformer, draft: Transformer | None,
 def _check_same_tokenizer(path: Path, draft_path: Path, tokenizer: Tokenizer | None,
                           draft: Tokenizer | None) -> None:
     """A draft's token ids mean something to the target only under the same tokenizer."""
-    same = (tokenizer is None and draft is None) or (
-        tokenizer is not None and draft is not None and tokenizer.get_vocab(True)
-        == draft.get_vocab(True))
-    if not same:
-        raise CheckpointError(f"{draft_path}/tokenizer.json is not {path}/tokenizer.json; a "
-                              "draft must share the target's tokenizer (distill it from the "
-                              "target, or copy the tokenizer folder)")
+    if tokenizer is None and draft is None:
+        return
+    differ = ["one checkpoint has no tokenizer.json"] if tokenizer is None or draft is None \
+        else vocabulary_difference(tokenizer, draft)
+    if differ:
+        raise CheckpointError(f"{draft_path}/tokenizer.json is not {path}/tokenizer.json "
+                              f"({differ}); a draft must share the target's tokenizer "
+                              "(distill it from the target, or copy the tokenizer folder)")
 
 
 def _sampled_logprobs(logits: Tensor, tokens: list[int],
