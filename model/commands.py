@@ -1,4 +1,5 @@
-"""`lathe init` (a randomly initialized checkpoint) and `lathe generate` (continue a prompt)."""
+"""`lathe init` (a randomly initialized checkpoint, or a distillation student cut from a
+teacher's layers) and `lathe generate` (continue a prompt)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from lathe.model.checkpoint import (
 )
 from lathe.model.config import PRESETS, ModelConfig
 from lathe.model.generate import generate
+from lathe.model.student import student_from_teacher
 from lathe.model.transformer import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -28,16 +30,26 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def init_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="lathe init",
-        description="Write a randomly initialized model as an HF-layout checkpoint. Any "
-                    "ModelConfig field can be overridden, e.g. --n_layers=2.",
+        description="Write a randomly initialized model as an HF-layout checkpoint (any "
+                    "ModelConfig field can be overridden, e.g. --n_layers=2), or with "
+                    "--from-teacher a student made of some of a checkpoint's layers.",
     )
-    parser.add_argument("--preset", required=True, choices=list(PRESETS))
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--preset", choices=list(PRESETS))
+    source.add_argument("--from-teacher", type=Path, metavar="CKPT",
+                        help="start from this checkpoint's embeddings, head and --keep-layers "
+                             "(its tokenizer is copied)")
+    parser.add_argument("--keep-layers", default="0,-1",
+                        help="--from-teacher: comma-separated decoder layers to keep "
+                             "(negative counts from the end)")
     parser.add_argument("--out", required=True, type=Path, help="checkpoint folder to write")
     parser.add_argument("--tokenizer", type=Path,
                         help="tokenizer folder: sets vocab_size and is copied into the checkpoint")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     args, rest = parser.parse_known_args(argv)
+    if args.from_teacher is not None:
+        return _init_student(args, rest)
     overrides = dict(parse_overrides(rest))
     if args.tokenizer is not None:
         tokenizer_file = args.tokenizer / "tokenizer.json"
@@ -53,6 +65,27 @@ def init_main(argv: Sequence[str] | None = None) -> int:
     save_checkpoint(model, args.out, tokenizer=args.tokenizer, provenance=provenance)
     print(f"wrote {args.preset} checkpoint ({config.num_params() / 1e6:.2f}M parameters, "
           f"{args.dtype}) to {args.out}")
+    return 0
+
+
+def _init_student(args: argparse.Namespace, rest: list[str]) -> int:
+    if rest:
+        raise ConfigError(f"--from-teacher takes its shape from the teacher; drop {rest}")
+    teacher = load_checkpoint(args.from_teacher)
+    count = teacher.config.n_layers
+    try:
+        layers = [int(i) % count if -count <= int(i) < count else int(i)
+                  for i in args.keep_layers.split(",")]
+    except ValueError:
+        raise ConfigError(f"--keep-layers={args.keep_layers!r} must be comma-separated layer "
+                          "indices, e.g. 0,-1") from None
+    student = student_from_teacher(teacher, layers).to(DTYPES[args.dtype])
+    tokenizer = args.from_teacher if (args.from_teacher / "tokenizer.json").is_file() else None
+    save_checkpoint(student, args.out, tokenizer=tokenizer,
+                    provenance={"stage": "init", "teacher": str(args.from_teacher),
+                                "layers": layers})
+    print(f"wrote a {len(layers)}-layer student of {args.from_teacher} (layers {layers}, "
+          f"{student.config.num_params() / 1e6:.2f}M parameters) to {args.out}")
     return 0
 
 

@@ -18,8 +18,8 @@ lathe tokenizer train --input "$OUT/clean" --vocab-size 4096 --max-digits 1 \
 echo "== shards: tokenize into train/val token shards -> $OUT/shards"
 lathe shards --input "$OUT/clean" --tokenizer "$OUT/tokenizer" --output "$OUT/shards"
 
-echo "== pretrain: the nano preset on the shards (about 10 minutes on 2 cores) -> $OUT/pretrain"
-lathe pretrain --config recipes/pretrain/nano.yaml --out_dir "$OUT/pretrain" \
+echo "== pretrain: the tiny preset on the shards (about 8 minutes on 2 cores) -> $OUT/pretrain"
+lathe pretrain --config recipes/pretrain/e2e.yaml --out_dir "$OUT/pretrain" \
     --data.shards "$OUT/shards" --data.tokenizer "$OUT/tokenizer"
 
 echo "== generate: reload the exported base checkpoint and continue a prompt"
@@ -34,12 +34,20 @@ lathe dpo --config recipes/dpo/e2e.yaml --out_dir "$OUT/dpo" --model "$OUT/sft/f
 echo "== grpo: exact-answer reward on 8 sampled completions per prompt -> $OUT/grpo"
 lathe grpo --config recipes/grpo/e2e.yaml --out_dir "$OUT/grpo" --model "$OUT/dpo/final"
 
+echo "== distill: a student of the chat model's first and last layers learns its"
+echo "   distributions -> $OUT/distill"
+lathe init --from-teacher "$OUT/grpo/final" --keep-layers 0,-1 --out "$OUT/student"
+lathe distill --config recipes/distill/e2e.yaml --out_dir "$OUT/distill" \
+    --model "$OUT/student" --teacher "$OUT/grpo/final"
+
 echo "== report: each stage's metric, curves and samples -> $OUT/report.md"
 lathe report "$OUT"
 
-echo "== serve: the chat model behind the OpenAI-compatible API, one chat request, then stop"
+echo "== serve: the chat model behind the OpenAI-compatible API, its student drafting"
+echo "   speculative tokens, one chat request, then stop"
 PORT=${PORT:-8765}
-lathe serve "$OUT/grpo/final" --port "$PORT" --log-level warning > "$OUT/serve.log" 2>&1 &
+lathe serve "$OUT/grpo/final" --draft "$OUT/distill/final" --num-speculative-tokens 3 \
+    --port "$PORT" --log-level warning > "$OUT/serve.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true' EXIT
 python - "$PORT" <<'PY'
@@ -55,5 +63,10 @@ else:
     sys.exit("lathe serve did not become healthy; see its log")
 PY
 lathe chat "http://127.0.0.1:$PORT" --prompt "What is 38 + 47?" --max-tokens 8 --temperature 0
+python - "$PORT" <<'PY'
+import sys, urllib.request
+text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics").read().decode()
+print(*(line for line in text.splitlines() if line.startswith("lathe:spec_decode_")), sep="\n")
+PY
 kill "$SERVER" && wait "$SERVER" 2>/dev/null || true
 echo "== done: $OUT/grpo/final served; server log in $OUT/serve.log"

@@ -1,0 +1,45 @@
+"""A student cut from a teacher's layers computes what the teacher's kept layers compute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lathe.core.errors import ConfigError
+from lathe.model import ModelConfig, Transformer, load_checkpoint, save_checkpoint
+from lathe.model.commands import init_main
+from lathe.model.student import student_from_teacher
+
+
+def teacher() -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(ModelConfig.from_preset("tiny", vocab_size=96)).eval()
+
+
+def test_keeping_every_layer_is_the_teacher_and_a_subset_skips_the_rest():
+    model, ids = teacher(), torch.randint(0, 96, (2, 9))
+    assert torch.equal(student_from_teacher(model, [0, 1, 2, 3])(ids).logits, model(ids).logits)
+    student = student_from_teacher(model, [0, 3])
+    assert student.config.n_layers == 2
+    skipped = Transformer(model.config).eval()
+    skipped.load_state_dict(model.state_dict())
+    skipped.model.layers = torch.nn.ModuleList([skipped.model.layers[0],
+                                                skipped.model.layers[3]])
+    torch.testing.assert_close(student(ids).logits, skipped(ids).logits)
+
+
+@pytest.mark.parametrize("layers", [[], [4], [2, 1], [1, 1]])
+def test_bad_layer_lists_name_the_fix(layers):
+    with pytest.raises(ConfigError, match="keep_layers"):
+        student_from_teacher(teacher(), layers)
+
+
+def test_init_from_teacher_writes_a_loadable_student(tmp_path, capsys):
+    save_checkpoint(teacher(), tmp_path / "teacher")
+    assert init_main(["--from-teacher", str(tmp_path / "teacher"), "--keep-layers", "0,-1",
+                      "--out", str(tmp_path / "student")]) == 0
+    assert "layers [0, 3]" in capsys.readouterr().out
+    assert load_checkpoint(tmp_path / "student").config.n_layers == 2
+    with pytest.raises(ConfigError, match="drop"):
+        init_main(["--from-teacher", str(tmp_path / "teacher"), "--out",
+                   str(tmp_path / "x"), "--n_layers=2"])
