@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -80,12 +81,14 @@ class NgramProposer:
     def propose(self, seq: Sequence, limit: int) -> Draft | None:
         """Up to `limit` tokens that followed the latest earlier occurrence of the longest
         matching suffix (`max_n` down to `min_n` tokens); None without a match."""
-        tokens = seq.token_ids
+        tokens = np.asarray(seq.token_ids)
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            pattern = tokens[-n:]
-            for start in range(len(tokens) - n - 1, -1, -1):
-                if tokens[start:start + n] == pattern:
-                    return Draft(tokens[start + n:start + n + limit])
+            # every window that ends before the last token, against the last n tokens
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return Draft(tokens[start:start + limit].tolist())
         return None
 
 
