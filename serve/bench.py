@@ -7,7 +7,9 @@
     `vllm bench serve` defines them);
 (c) single-stream decode tok/s for fp32, int8 and int4 weights, and the memory bandwidth it
     implies (weight bytes streamed per token × tok/s) as a fraction of this machine's
-    measured copy bandwidth; with `--eval-shards`, perplexity on the validation tokens;
+    measured copy bandwidth; with `--eval-shards`, perplexity on the validation tokens; on
+    CPU, when llama-cpp-python is installed (`pip install -e .[bench]`; it builds from
+    source), llama.cpp on the f32 GGUF of the same weights;
 (d) on a GPU, batched decode tok/s with the Triton paged-attention kernel against the
     gather + SDPA path it replaces (`LATHE_KERNELS_DISABLE=paged_decode`), at several batch
     sizes over long prompts;
@@ -339,6 +341,7 @@ def decode_section(checkpoint: Path, prompt: list[int], device: torch.device,
     bandwidth = copy_bandwidth(device)
     eval_ids = val_tokens(args.eval_shards, args.eval_tokens) if args.eval_shards else None
     rows = []
+    fp32_bytes = 0
     for quantize in (None, "int8", "int4"):
         tok_s, nbytes = decode_speed(checkpoint, quantize, prompt, args.decode_tokens, device)
         implied = tok_s * nbytes
@@ -348,11 +351,52 @@ def decode_section(checkpoint: Path, prompt: list[int], device: torch.device,
         rows.append(f"| {quantize or 'fp32'} | {nbytes / 2**20:.1f} | {tok_s:,.1f} | "
                     f"{implied / 1e9:.2f} | {implied / bandwidth:.1%} | {ppl or '—'} |")
         print(rows[-1], flush=True)
+        if quantize is None:
+            fp32_bytes = nbytes
+    if device.type == "cpu" and (checkpoint / "tokenizer.json").is_file():
+        row = llama_cpp_row(checkpoint, prompt, args.decode_tokens, fp32_bytes, bandwidth)
+        if row is not None:
+            rows.append(row)
+            print(row, flush=True)
     return [f"### (c) Single-stream decode ({args.decode_tokens} tokens); copy bandwidth "
             f"{bandwidth / 1e9:.1f} GB/s" + (f"; perplexity on {len(eval_ids):,} validation "
                                              "tokens" if eval_ids else ""), "",
             "| weights | MiB streamed / token | tok/s | implied GB/s | of copy BW | "
             "perplexity |", "|---|---:|---:|---:|---:|---:|", *rows, ""]
+
+
+def llama_cpp_row(checkpoint: Path, prompt: list[int], new_tokens: int, nbytes: int,
+                  bandwidth: float) -> str | None:
+    """llama.cpp (llama-cpp-python, when installed) decoding the f32 GGUF of the same
+    weights from the same prompt on the same threads, and how many of its greedy tokens
+    match lathe's."""
+    try:
+        import llama_cpp
+    except ImportError:
+        print("(c) llama.cpp row skipped: pip install llama-cpp-python (builds from source)")
+        return None
+    from lathe.serve.gguf_export import export_gguf
+    with tempfile.TemporaryDirectory() as folder:
+        gguf = export_gguf(checkpoint, Path(folder) / "model.gguf", "f32")
+        llm = llama_cpp.Llama(str(gguf), n_ctx=len(prompt) + new_tokens + 8,
+                              n_threads=torch.get_num_threads(), n_batch=512, verbose=False)
+        tokens, start = [], 0.0
+        for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, reset=True):
+            if not tokens:
+                start = time.perf_counter()  # after the prefill and first token, as (c) times
+            tokens.append(token)
+            if len(tokens) == new_tokens:
+                break
+        tok_s = (len(tokens) - 1) / (time.perf_counter() - start)
+    engine = LLMEngine.from_checkpoint(checkpoint)
+    ours = engine.generate([prompt], SamplingParams(max_tokens=new_tokens, temperature=0,
+                                                    ignore_eos=True))[0].outputs[0].token_ids
+    same = next((i for i, (a, b) in enumerate(zip(ours, tokens, strict=False)) if a != b),
+                min(len(ours), len(tokens)))
+    implied = tok_s * nbytes
+    return (f"| llama.cpp {llama_cpp.__version__}, f32 GGUF (first {same}/{new_tokens} greedy "
+            f"tokens as lathe's) | {nbytes / 2**20:.1f} | {tok_s:,.1f} | {implied / 1e9:.2f} | "
+            f"{implied / bandwidth:.1%} | — |")
 
 
 def batched_decode_section(checkpoint: Path, device: torch.device,

@@ -291,3 +291,17 @@ def test_serve_flags_for_speculation_are_checked_before_loading(checkpoint):
         serve_main([str(checkpoint), "--speculative", "ngram", "--draft", str(checkpoint)])
     with pytest.raises(ConfigError, match="--num-speculative-tokens=0"):
         serve_main([str(checkpoint), "--speculative", "ngram", "--num-speculative-tokens", "0"])
+
+
+def test_serve_bench_speculative_section_reports_each_mode(checkpoint, capsys):
+    from lathe.serve.bench import main
+    assert main(["--checkpoint", str(checkpoint), "--draft", str(checkpoint), "--sections", "e",
+                 "--spec-batches", "1", "2", "--spec-tokens", "8", "--no-write"]) == 0
+    table = capsys.readouterr().out.split("### (e) Speculative decoding")[1].splitlines()
+    # none, the draft and prompt lookup at each batch size
+    assert [line.split(" | ")[1] for line in table if line.startswith("| 1 | ")] == [
+        "none", "draft `ckpt`, k=4", "ngram (prompt lookup), k=4"]
+    assert sum(line.startswith("| 2 | ") for line in table) == 3
+    # the target drafting for itself accepts every draft; 8 tokens = 1 (prefill) + 5 + 2
+    self_draft = next(line for line in table if line.startswith("| 1 | draft"))
+    assert self_draft.endswith("| 100.0% | 3.50 |")
