@@ -73,7 +73,8 @@ class EvalConfig:
 
     every: int = 100
     batches: int = 8
-    sample_prompts: list[str] = field(default_factory=lambda: ["def ", "The "])
+    # no trailing space: a BPE whose words carry their leading space rarely sees a lone " "
+    sample_prompts: list[str] = field(default_factory=lambda: ["def", "The"])
     sample_tokens: int = 32
     # samples are drawn as nanoGPT's are (greedy decoding of a small model loops on one
     # token long before its text stops looking like the corpus); 0 means greedy

@@ -15,6 +15,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -72,6 +73,10 @@ class Runtime:
     def __init__(self, config: TrainConfig, stage: str) -> None:
         self.config, self.stage = config, stage
         check_env()
+        if not torch.cuda.is_available():
+            # accelerate imports DeepSpeed when it unwraps a model; left to detect the device
+            # itself, DeepSpeed warns on every CPU run that it "was unable to detect" a GPU
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         self.out_dir = Path(config.out_dir)
         use_wandb = config.logging.report_to == "wandb"
         if use_wandb:
