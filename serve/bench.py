@@ -72,6 +72,9 @@ def offline(checkpoint: Path, prompts: list[list[int]], new_tokens: int,
     from transformers import LlamaForCausalLM
     dtype = engine.model.model.embed_tokens.weight.dtype  # both in the checkpoint's dtype
     model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
+    # as lathe's ignore_eos (and vLLM's): EOS neither stops a row nor is masked out
+    # (min_new_tokens would mask it, so a trained model's greedy tokens would differ)
+    model.generation_config.eos_token_id = None
     width = max(map(len, prompts))
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -84,7 +87,7 @@ def offline(checkpoint: Path, prompts: list[list[int]], new_tokens: int,
                        do_sample=False, pad_token_id=0)
         start = time.perf_counter()
         theirs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+                                do_sample=False, pad_token_id=0)
         hf_s = time.perf_counter() - start
     same = sum(o.outputs[0].token_ids == t[width:].tolist() for o, t in zip(ours, theirs,
                                                                            strict=True))

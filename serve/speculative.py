@@ -79,8 +79,9 @@ class NgramProposer:
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
     def propose(self, seq: Sequence, limit: int) -> Draft | None:
-        """Up to `limit` tokens that followed the latest earlier occurrence of the longest
-        matching suffix (`max_n` down to `min_n` tokens); None without a match."""
+        """`limit` tokens that followed the latest earlier occurrence of the longest
+        matching suffix (`max_n` down to `min_n` tokens), the copy continued periodically
+        where it reaches the end; None without a match."""
         tokens = np.asarray(seq.token_ids)
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             # every window that ends before the last token, against the last n tokens
@@ -88,7 +89,11 @@ class NgramProposer:
             hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n
-                return Draft(tokens[start:start + limit].tolist())
+                draft = tokens[start:start + limit].tolist()
+                period = len(tokens) - start
+                while len(draft) < limit:  # the copy runs past the end: it repeats (LZ77)
+                    draft.append(draft[len(draft) - period])
+                return Draft(draft)
         return None
 
 

@@ -129,9 +129,12 @@ def test_ngram_proposer_takes_the_latest_longest_match():
 
     # the suffix [1, 2] occurs twice; the later occurrence (followed by 7, 8) wins
     assert proposer.propose(seq([1, 2, 3, 4, 1, 2, 7, 8, 1, 2]), 3).tokens == [7, 8, 1]
-    # only the 1-token suffix [9] matches; drafts stop at the sequence's end
+    # only the 1-token suffix [9] matches
     assert proposer.propose(seq([5, 9, 6, 3, 9]), 3).tokens == [6, 3, 9]
     assert proposer.propose(seq([1, 2, 3]), 3) is None
+    # a match near the end continues its period: a repeated token, a repeated phrase
+    assert proposer.propose(seq([4, 7, 7, 7, 7]), 3).tokens == [7, 7, 7]
+    assert proposer.propose(seq([1, 2, 3, 1, 2, 3, 1, 2]), 4).tokens == [3, 1, 2, 3]
 
 
 # the sampled-distribution test: a 16-token vocabulary, so the exact distribution of the
