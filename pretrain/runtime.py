@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 import math
-import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -69,14 +69,20 @@ class StepResult:
     metrics: dict[str, float]
 
 
+def _no_gpu_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Setting accelerator to CPU")
+
+
 class Runtime:
     def __init__(self, config: TrainConfig, stage: str) -> None:
         self.config, self.stage = config, stage
         check_env()
         if not torch.cuda.is_available():
-            # accelerate imports DeepSpeed when it unwraps a model; left to detect the device
-            # itself, DeepSpeed warns on every CPU run that it "was unable to detect" a GPU
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+            # accelerate imports DeepSpeed when it unwraps a model, and DeepSpeed then says it
+            # "was unable to detect" a GPU. Naming the CPU (DS_ACCELERATOR=cpu) would silence
+            # it but switches DeepSpeed to a shared-memory all-reduce that aborts its process
+            # at exit, so the notice is filtered instead (DeepSpeed reuses this logger).
+            logging.getLogger("DeepSpeed").addFilter(_no_gpu_notice)
         self.out_dir = Path(config.out_dir)
         use_wandb = config.logging.report_to == "wandb"
         if use_wandb:
