@@ -225,11 +225,19 @@ def sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
     whatever else shares its step."""
     if batch.all_plain_greedy:
         return logits.argmax(dim=-1)
+    return sample_with_probs(logits, batch)[0]
+
+
+def sample_with_probs(logits: Tensor, batch: SamplingBatch) -> tuple[Tensor, list[Tensor | None]]:
+    """`sample`, and the distribution each row was drawn from (None for greedy rows)."""
     logits = processed_logits(logits, batch)
     tokens = logits.argmax(dim=-1)
+    dists: list[Tensor | None] = [None] * len(batch.rows)
     if batch.all_greedy:
-        return tokens
+        return tokens, dists
     rows = (batch.temperature > 0).nonzero()[:, 0]
     probs = sampling_probs(logits, batch, rows)
     tokens[rows] = exponential_race(probs, [batch.rows[i].generator for i in rows.tolist()])
-    return tokens
+    for j, i in enumerate(rows.tolist()):
+        dists[i] = probs[j]
+    return tokens, dists

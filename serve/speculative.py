@@ -31,7 +31,7 @@ from lathe.serve.sampling import (
     SamplingRow,
     exponential_race,
     processed_logits,
-    sample,
+    sample_with_probs,
     sampling_probs,
 )
 from lathe.serve.sequence import Sequence
@@ -148,7 +148,8 @@ class DraftModelProposer:
                 break
             batch = SamplingBatch([history_rows(seq, drafts[seq].tokens)[-1]
                                    for seq in active], logits.device)
-            tokens, row_probs = self._draw(logits, batch)
+            picked, row_probs = sample_with_probs(logits, batch)
+            tokens = picked.tolist()
             step = []
             for i, seq in enumerate(active):
                 drafts[seq].tokens.append(tokens[i])
@@ -161,22 +162,6 @@ class DraftModelProposer:
             if not seq.params.greedy:
                 draft.probs = torch.stack([p for p in probs[seq] if p is not None])
         return drafts
-
-    @staticmethod
-    def _draw(logits: Tensor, batch: SamplingBatch) -> tuple[list[int], list[Tensor | None]]:
-        """Each row's draft token and the distribution it came from (None for greedy rows,
-        whose verification needs none)."""
-        if batch.all_greedy:
-            return sample(logits, batch).tolist(), [None] * len(batch.rows)
-        processed = processed_logits(logits, batch)
-        tokens = processed.argmax(dim=-1)
-        rows = (batch.temperature > 0).nonzero()[:, 0]
-        dist = sampling_probs(processed, batch, rows)
-        tokens[rows] = exponential_race(dist, [batch.rows[i].generator for i in rows.tolist()])
-        out: list[Tensor | None] = [None] * len(batch.rows)
-        for j, i in enumerate(rows.tolist()):
-            out[i] = dist[j]
-        return tokens.tolist(), out
 
 
 def verify(logits: Tensor, seqs: list[Sequence], drafts: list[Draft]) -> list[list[int]]:
