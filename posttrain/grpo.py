@@ -301,7 +301,7 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
             if runtime.step >= total_steps:
                 break
             result = runtime.train_step(micro, loss_fn, work_of)
-            result.metrics.update({k: torch.tensor(v) for k, v in rollout_metrics.items()})
+            result.metrics.update(rollout_metrics)
             runtime.log_step(result)
         history["reward"].append(rollout_metrics["reward/mean"])
         history["accuracy"].append(rollout_metrics["train/accuracy"])

@@ -61,9 +61,10 @@ def sample_continuations(model: nn.Module, tokenizer: Tokenizer, prompts: list[s
     generator = torch.Generator(device).manual_seed(seed)
     for prompt in prompts:
         ids = ([bos] + tokenizer.encode(prompt).ids)[-(max_seq_len - max_new_tokens):]
-        new = generate(model, torch.tensor([ids], device=device), max_new_tokens,
-                       temperature=temperature, top_k=top_k or None, generator=generator,
-                       kv_dtype=kv_dtype)
+        with torch.compiler.set_stance("force_eager"):
+            new = generate(model, torch.tensor([ids], device=device), max_new_tokens,
+                           temperature=temperature, top_k=top_k or None, generator=generator,
+                           kv_dtype=kv_dtype)
         rows.append((prompt, tokenizer.decode(new[0].tolist())))
     model.train()
     return rows

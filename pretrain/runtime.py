@@ -66,7 +66,7 @@ class Work:
 class StepResult:
     lr: float
     grad_norm: float | None
-    metrics: dict[str, float]
+    metrics: dict[str, Tensor | float]  # tensors on any device, or plain numbers
 
 
 def _no_gpu_notice(record: logging.LogRecord) -> bool:
@@ -294,8 +294,9 @@ class Runtime:
             self._advance_progress(None)
             return None
         names = sorted(result.metrics)
-        reduced = self.accelerator.reduce(torch.stack([result.metrics[n] for n in names]),
-                                          reduction="mean")
+        values = [torch.as_tensor(result.metrics[n], dtype=torch.float32, device=self.device)
+                  for n in names]
+        reduced = self.accelerator.reduce(torch.stack(values), reduction="mean")
         record = {name: float(value) for name, value in zip(names, reduced.tolist(), strict=True)}
         record.update(lr=result.lr, tokens_seen=self.tokens_seen,
                       **self.throughput.measure(), **memory_stats(self.device))

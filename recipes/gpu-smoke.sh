@@ -87,7 +87,9 @@ step distill lathe distill --config recipes/distill/e2e.yaml --out_dir "$OUT/dis
     --model "$BASE" --teacher "$OUT/sft/final" --max_steps=30 --eval.every=30 "${post[@]}"
 
 serve_burst() {
-    lathe serve "$OUT/sft/final" --port "$PORT" --log-level warning &
+    # The interpreter itself, not the `lathe` function's subshell, so that `kill` reaches
+    # the server and its KV cache's GPU memory is free for the steps after this one.
+    "$PY" -m lathe.core serve "$OUT/sft/final" --port "$PORT" --log-level warning &
     local server=$!
     "$PY" - "$PORT" <<'PY'
 import asyncio, sys, time

@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from lathe.core.errors import ConfigError
+from lathe.data.tokenizer import load_tokenizer
+from lathe.model import ModelConfig, Transformer
 from lathe.model.checkpoint import load_checkpoint
+from lathe.pretrain.evaluate import sample_continuations
 from lathe.pretrain.runtime import Runtime
 from lathe.pretrain.train import pretrain
 from tests import processes
@@ -159,6 +162,29 @@ def test_compiled_blocks_match_eager(corpus, tmp_path):
     assert summary["converters"] == {"compile": True}
     a, b = step_losses(tmp_path / "eager"), step_losses(tmp_path / "compiled")
     assert max(abs(a[s] - b[s]) for s in a) < 1e-4
+
+
+def test_sampling_runs_the_compiled_blocks_eager(corpus):
+    """Evaluation samples with a KV cache whose length grows each token: through compiled
+    blocks that recompiled with symbolic shapes, which dynamo cannot trace through the
+    Triton launchers (it crashed the first compiled run on an H100). It must not compile."""
+    graphs = []
+
+    def counting_backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=512, dim=32, n_layers=2, n_heads=2,
+                                    n_kv_heads=1, ffn_hidden_dim=64, max_seq_len=64))
+    for layer in model.model.layers:
+        layer.compile(backend=counting_backend)
+    tokenizer = load_tokenizer(corpus / "tok")
+    eager = sample_continuations(model, tokenizer, ["The"], 6, 64)
+    assert graphs == []
+    model(torch.ones(1, 8, dtype=torch.long))  # the blocks do compile outside sampling
+    assert graphs
+    assert eager[0][0] == "The" and eager[0][1]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
