@@ -64,7 +64,9 @@ def offline(checkpoint: Path, prompts: list[list[int]], new_tokens: int,
             device: torch.device) -> list[str]:
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     engine = LLMEngine.from_checkpoint(checkpoint, device=device)
-    engine.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0))  # warm up
+    # warm up on the whole workload: Triton compiles (and autotunes) per shape class and
+    # length bucket, which two short prompts would not reach
+    engine.generate(prompts, params)
     start = time.perf_counter()
     ours = engine.generate(prompts, params)
     lathe_s = time.perf_counter() - start
@@ -83,7 +85,7 @@ def offline(checkpoint: Path, prompts: list[list[int]], new_tokens: int,
         mask[i, width - len(p):] = 1
     ids, mask = ids.to(device), mask.to(device)
     with torch.inference_mode():
-        model.generate(input_ids=ids[:2], attention_mask=mask[:2], max_new_tokens=2,
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
                        do_sample=False, pad_token_id=0)
         start = time.perf_counter()
         theirs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,

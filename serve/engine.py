@@ -186,6 +186,10 @@ class LLMEngine:
                         for m in (self.model, draft) if m is not None)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
+            # what torch's caching allocator holds unused (an earlier engine's freed cache,
+            # say) is free to this process too, though the driver counts it as taken
+            free += (torch.cuda.memory_reserved(self.device)
+                     - torch.cuda.memory_allocated(self.device))
             budget = free - (1 - self.config.gpu_memory_utilization) * total
         else:
             budget = self.config.kv_cache_memory_mb * 2**20

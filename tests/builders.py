@@ -26,6 +26,14 @@ def tiny_model(**overrides) -> Transformer:
     return Transformer(config).eval()
 
 
+def serve_model(vocab_size: int = 512, **overrides) -> Transformer:
+    """Two tiny layers with a larger init so that greedy argmaxes are not near-ties."""
+    config = ModelConfig.from_preset("tiny", **{"vocab_size": vocab_size, "n_layers": 2,
+                                                "init_std": 0.08, **overrides})
+    torch.manual_seed(0)
+    return Transformer(config).eval()
+
+
 def build_tokenizer(folder: Path, vocab_size: int = 300) -> Path:
     """A small byte-level BPE with chat special tokens, written as an HF tokenizer folder."""
     specials = ["<|begin_of_text|>", "<|end_of_turn|>", "<|pad|>"]

@@ -13,22 +13,14 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 import uvicorn
 
 from lathe.data.tokenizer import save_tokenizer, train_tokenizer
-from lathe.model import ModelConfig, Transformer, save_checkpoint
+from lathe.model import save_checkpoint
 from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.server import ServerConfig, build_app
+from tests.builders import serve_model
 from tests.data.corpus import prose
-
-
-def serve_model(vocab_size: int = 512, **overrides) -> Transformer:
-    """Two tiny layers with a larger init so that greedy argmaxes are not near-ties."""
-    config = ModelConfig.from_preset("tiny", **{"vocab_size": vocab_size, "n_layers": 2,
-                                                "init_std": 0.08, **overrides})
-    torch.manual_seed(0)
-    return Transformer(config).eval()
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import torch
 
 from lathe.serve.engine import EngineConfig, LLMEngine, RequestError
 from lathe.serve.sampling import SamplingError, SamplingParams
-from tests.serve.conftest import serve_model
+from tests.builders import serve_model
 
 
 @torch.inference_mode()

@@ -17,7 +17,8 @@ from lathe.serve.engine import EngineConfig, LLMEngine, RequestError
 from lathe.serve.sampling import SamplingParams
 from lathe.serve.sequence import Sequence
 from lathe.serve.speculative import Draft, NgramProposer, SpeculativeConfig
-from tests.serve.conftest import serve_model, start_server, wait_healthy
+from tests.builders import serve_model
+from tests.serve.conftest import start_server, wait_healthy
 from tests.serve.test_engine import prompts
 
 REPEATING = [[5, 6, 7, 8] * 6, [9, 10, 11] * 8, [3, 1, 4, 1, 5, 9, 2, 6] * 3]
