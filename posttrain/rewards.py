@@ -36,7 +36,8 @@ def length_penalty(completion: str, reference: str) -> float:
 REWARDS: dict[str, Reward] = {"exact_number": exact_number, "exact_text": exact_text,
                               "number_only_format": number_only_format,
                               "length_penalty": length_penalty}
-VERIFIERS: dict[str, Reward] = {"arithmetic": exact_number, "stdlib_qa": exact_text}
+VERIFIERS: dict[str, Reward] = {"arithmetic": exact_number, "arithmetic3": exact_number,
+                                "stdlib_qa": exact_text}
 
 
 def load_reward(name: str) -> Reward:

@@ -6,6 +6,7 @@ and a held-out `test` split, decided by a hash of the question."""
 
 from __future__ import annotations
 
+import random
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,12 +41,21 @@ def check_split(split: str) -> None:
 
 
 def task_examples(name: str, split: str, limit: int | None = None) -> list[TaskExample]:
-    """Rows of an embedded task (`arithmetic` or `stdlib_qa`)."""
-    from lathe.data.tasks.arithmetic import arithmetic_examples
+    """Rows of an embedded task (`arithmetic`, `arithmetic3` or `stdlib_qa`), or of a
+    mixture `A+B`: every row of each, interleaved in a seeded order, then cut to `limit`."""
+    from lathe.data.tasks.arithmetic import arithmetic3_examples, arithmetic_examples
     from lathe.data.tasks.stdlib_qa import stdlib_qa_examples
     tasks: dict[str, Callable[[str, int | None], list[TaskExample]]] = {
-        "arithmetic": arithmetic_examples, "stdlib_qa": stdlib_qa_examples}
-    if name not in tasks:
-        raise ConfigError(f"unknown task {name!r}; choose one of {', '.join(tasks)}")
+        "arithmetic": arithmetic_examples, "arithmetic3": arithmetic3_examples,
+        "stdlib_qa": stdlib_qa_examples}
+    names = name.split("+")
+    unknown = [n for n in names if n not in tasks]
+    if unknown:
+        raise ConfigError(f"unknown task {unknown[0]!r} in {name!r}; choose one of "
+                          f"{', '.join(tasks)}, or several joined by '+'")
     check_split(split)
-    return tasks[name](split, limit)
+    if len(names) == 1:
+        return tasks[name](split, limit)
+    rows = [row for n in names for row in tasks[n](split, None)]
+    random.Random(0).shuffle(rows)
+    return rows[:limit]

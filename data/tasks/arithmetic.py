@@ -1,7 +1,10 @@
-"""Addition and subtraction of numbers up to two digits, e.g. "What is 47 + 85?" -> "132".
+"""Addition and subtraction with verifiable answers: `arithmetic`, numbers up to two digits
+("What is 47 + 85?" -> "132"), and `arithmetic3`, up to three digits ("What is 604 - 387?"
+-> "217"), the harder task GRPO has room to improve on once two digits saturate.
 
-All 15,050 problems exist in a fixed shuffled order; about 10 % are held out by a hash
-of the question. The answer is verifiable by `extract_number`.
+All 15,050 two-digit problems exist in a fixed shuffled order; the three-digit task is a
+fixed seeded sample of 60,000 of its ~1.5 million. About 10 % of each are held out by a
+hash of the question. The answer is verifiable by `extract_number`.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import re
 from lathe.data.tasks import PreferencePair, TaskExample, split_of
 
 MAX_OPERAND = 99  # two-digit operands: 10,000 sums and 5,050 non-negative differences
+THREE_DIGIT_PROBLEMS = 60_000
 NUMBER = re.compile(r"-?\d+")
 
 
@@ -25,10 +29,34 @@ def all_problems() -> list[tuple[str, int]]:
     return problems
 
 
-def arithmetic_examples(split: str, limit: int | None = None) -> list[TaskExample]:
+def three_digit_problems() -> list[tuple[str, int]]:
+    """A fixed seeded sample of sums and non-negative differences of operands up to 999,
+    half of each."""
+    rng = random.Random(4321)
+    problems: dict[str, int] = {}
+    while len(problems) < THREE_DIGIT_PROBLEMS:
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        if rng.random() < 0.5:
+            problems.setdefault(f"What is {a} + {b}?", a + b)
+        else:
+            a, b = max(a, b), min(a, b)
+            problems.setdefault(f"What is {a} - {b}?", a - b)
+    return list(problems.items())
+
+
+def _examples(problems: list[tuple[str, int]], split: str,
+              limit: int | None) -> list[TaskExample]:
     rows = [TaskExample(question, str(result), str(result))
-            for question, result in all_problems() if split_of(question) == split]
+            for question, result in problems if split_of(question) == split]
     return rows[:limit]
+
+
+def arithmetic_examples(split: str, limit: int | None = None) -> list[TaskExample]:
+    return _examples(all_problems(), split, limit)
+
+
+def arithmetic3_examples(split: str, limit: int | None = None) -> list[TaskExample]:
+    return _examples(three_digit_problems(), split, limit)
 
 
 def extract_number(text: str) -> int | None:

@@ -32,6 +32,25 @@ def test_tasks_are_deterministic_disjoint_and_verifiable():
         task_examples("poetry", "train")
 
 
+def test_three_digit_task_and_mixtures():
+    train, test = task_examples("arithmetic3", "train"), task_examples("arithmetic3", "test")
+    assert len(train) + len(test) == 60_000 and 0.08 < len(test) / 60_000 < 0.12
+    assert not {r.prompt for r in train} & {r.prompt for r in test}
+    operands = [r.prompt.removeprefix("What is ").removesuffix("?").split() for r in test]
+    assert all(int(r.reference) == (int(a) + int(b) if op == "+" else int(a) - int(b)) >= 0
+               for r, (a, op, b) in zip(test, operands, strict=True))
+    assert sum(len(a) == 3 for a, _, _ in operands) > 0.85 * len(test)
+    assert {op for _, op, _ in operands} == {"+", "-"}
+    mixed = task_examples("arithmetic+arithmetic3", "test")
+    assert sorted(mixed, key=str) == sorted(task_examples("arithmetic", "test") + test, key=str)
+    assert mixed == task_examples("arithmetic+arithmetic3", "test")  # one seeded order
+    digits = [len(r.prompt.split()[2]) for r in mixed[:200]]
+    assert 2 in digits and 3 in digits  # interleaved, not one task after the other
+    assert task_examples("arithmetic+arithmetic3", "test", 10) == mixed[:10]
+    with pytest.raises(ConfigError, match="unknown task 'poetry' in 'arithmetic\\+poetry'"):
+        task_examples("arithmetic+poetry", "train")
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return train_tokenizer([prose(i, paragraphs=2) for i in range(40)], vocab_size=400,
