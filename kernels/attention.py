@@ -245,8 +245,14 @@ def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Causal attention of the last Sq positions over Sk keys (Triton on CUDA, SDPA elsewhere)."""
+    """Causal attention of the last Sq positions over Sk keys.
+
+    A chunk after cached context (Sq < Sk: chunked prefill, verification of drafts) takes
+    the Triton kernel on CUDA, where SDPA would need an explicit mask. Square causal
+    attention (training, a first prefill) takes SDPA everywhere: its FlashAttention backend
+    beat the kernel on an H100 (852 vs 1,376 µs forward+backward in bf16, and 45.2k vs
+    43.0k training tok/s on a 1B model; docs/benchmarks.md, NOTES-gpu.md)."""
     check_same_dtype("causal_attention", q=q, k=k, v=v)
-    if use_triton("causal_attention", q):
+    if q.shape[2] < k.shape[2] and use_triton("causal_attention", q):
         return causal_attention_triton(q, k, v)
     return causal_attention_reference(q, k, v)
