@@ -18,6 +18,18 @@ def exact_number(completion: str, reference: str) -> float:
     return float(extract_number(completion) == int(reference))
 
 
+def digit_match(completion: str, reference: str) -> float:
+    """Partial credit for arithmetic: the share of place values (units, tens, ...) where the
+    completion's last integer has the reference's digit, over the longer of the two
+    numbers; 0 without a number or with the wrong sign. Beside `exact_number` it gives a
+    rollout group that is all wrong an advantage signal: nearer misses score higher."""
+    found, want = extract_number(completion), int(reference)
+    if found is None or (found < 0) != (want < 0):
+        return 0.0
+    got, ref = str(abs(found))[::-1], str(abs(want))[::-1]
+    return sum(a == b for a, b in zip(got, ref, strict=False))  # unequal lengths: missing places score 0 / max(len(got), len(ref))
+
+
 def exact_text(completion: str, reference: str) -> float:
     """1 when the completion equals the reference up to surrounding whitespace."""
     return float(" ".join(completion.split()) == " ".join(reference.split()))
@@ -33,7 +45,8 @@ def length_penalty(completion: str, reference: str) -> float:
     return -max(len(completion) - len(reference), 0) / 100
 
 
-REWARDS: dict[str, Reward] = {"exact_number": exact_number, "exact_text": exact_text,
+REWARDS: dict[str, Reward] = {"exact_number": exact_number, "digit_match": digit_match,
+                              "exact_text": exact_text,
                               "number_only_format": number_only_format,
                               "length_penalty": length_penalty}
 VERIFIERS: dict[str, Reward] = {"arithmetic": exact_number, "arithmetic3": exact_number,

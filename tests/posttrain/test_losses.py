@@ -95,6 +95,13 @@ def test_dr_grpo_divides_by_a_constant_not_the_token_count():
 def test_reward_registry_and_user_functions():
     assert exact_number("so it is 42", "42") == 1.0 and exact_number("41", "42") == 0.0
     assert length_penalty("x" * 150, "x" * 50) == pytest.approx(-1.0)
+    digit_match = load_reward("digit_match")
+    assert digit_match("1209", "1209") == 1.0
+    assert digit_match("so 1219", "1209") == 0.75  # the tens digit is wrong
+    assert digit_match("209", "1209") == 0.75  # a dropped leading digit: 3 of 4 places
+    assert digit_match("11209", "1209") == 0.8  # an extra digit costs a place too
+    assert digit_match("-17", "17") == digit_match("no number", "17") == 0.0
+    assert digit_match("-18", "-17") == 0.5
     assert load_reward("tests.posttrain.test_losses:my_reward")("ab", "") == 2.0
     with pytest.raises(Exception, match="cannot be imported"):
         load_reward("tests.nope:missing")
