@@ -27,7 +27,8 @@ def digit_match(completion: str, reference: str) -> float:
     if found is None or (found < 0) != (want < 0):
         return 0.0
     got, ref = str(abs(found))[::-1], str(abs(want))[::-1]
-    return sum(a == b for a, b in zip(got, ref, strict=False))  # unequal lengths: missing places score 0 / max(len(got), len(ref))
+    matched = sum(a == b for a, b in zip(got, ref, strict=False))  # missing places score 0
+    return matched / max(len(got), len(ref))
 
 
 def exact_text(completion: str, reference: str) -> float:
