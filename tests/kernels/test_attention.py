@@ -64,6 +64,22 @@ def test_reference_is_bottom_right_causal():
     torch.testing.assert_close(causal_attention(q[:, :, 18:], k, v), whole[:, :, 18:])
 
 
+def test_square_attention_takes_sdpa_and_chunks_after_context_take_the_kernel(monkeypatch):
+    """SDPA's flash backend beat the kernel on square causal attention on an H100, so the
+    dispatch sends only Sq < Sk (a chunk after cached context) to Triton."""
+    import lathe.kernels.attention as attention
+    enable_kernels(monkeypatch)
+    calls = []
+    kernel = attention.causal_attention_triton
+    monkeypatch.setattr(attention, "causal_attention_triton",
+                        lambda q, k, v: calls.append(q.shape[2]) or kernel(q, k, v))
+    q, k, v = qkv(1, 4, 2, 12, 12, 16, torch.float32)
+    attention.causal_attention(q, k, v)
+    assert calls == []
+    attention.causal_attention(q[:, :, 8:], k, v)
+    assert calls == [4]
+
+
 def test_mismatched_shapes_are_refused_with_the_rule():
     q, k, v = qkv(1, 4, 3, 8, 8, 16, torch.float32)
     with pytest.raises(ValueError, match="H divisible by Hkv"):
