@@ -101,9 +101,10 @@ def load_chat_dataset(source: str, split: str = "train",
 def load_preference_dataset(source: str, split: str = "train",
                             limit: int | None = None) -> list[PreferenceRow]:
     if (task := _task(source, split)) is not None:
-        from lathe.data.tasks.arithmetic import arithmetic_preferences
+        from lathe.data.tasks.arithmetic import arithmetic3_preferences, arithmetic_preferences
         from lathe.data.tasks.stdlib_qa import stdlib_qa_preferences
-        builders = {"arithmetic": arithmetic_preferences, "stdlib_qa": stdlib_qa_preferences}
+        builders = {"arithmetic": arithmetic_preferences, "arithmetic3": arithmetic3_preferences,
+                    "stdlib_qa": stdlib_qa_preferences}
         if task not in builders:
             raise ConfigError(f"no preference pairs for task {task!r}; choose "
                               f"{', '.join(builders)}")

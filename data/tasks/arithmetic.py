@@ -65,12 +65,20 @@ def extract_number(text: str) -> int | None:
     return int(found[-1]) if found else None
 
 
-def arithmetic_preferences(split: str, limit: int | None = None) -> list[PreferencePair]:
+def _preferences(rows: list[TaskExample]) -> list[PreferencePair]:
     """The right result chosen over a near miss (off by 1-10, or a carry error of 10/100)."""
     rng = random.Random(99)
     pairs = []
-    for row in arithmetic_examples(split, limit):
+    for row in rows:
         right = int(row.reference)
         wrong = right + rng.choice([-100, -10, -1, 1, 10, 100, rng.randint(2, 9)])
         pairs.append(PreferencePair(row.prompt, row.answer, str(wrong)))
     return pairs
+
+
+def arithmetic_preferences(split: str, limit: int | None = None) -> list[PreferencePair]:
+    return _preferences(arithmetic_examples(split, limit))
+
+
+def arithmetic3_preferences(split: str, limit: int | None = None) -> list[PreferencePair]:
+    return _preferences(arithmetic3_examples(split, limit))

@@ -51,6 +51,20 @@ def test_three_digit_task_and_mixtures():
         task_examples("arithmetic+poetry", "train")
 
 
+def test_three_digit_preference_pairs_prefer_the_verified_answer():
+    pairs = load_preference_dataset("task:arithmetic3", "test", 300)
+    assert len(pairs) == 300
+    prompts = {r.prompt for r in task_examples("arithmetic3", "test")}
+    misses = set()
+    for row in pairs:
+        assert row.prompt[0]["content"] in prompts
+        assert extract_number(row.chosen) != extract_number(row.rejected)
+        misses.add(abs(extract_number(row.chosen) - extract_number(row.rejected)))
+    assert {1, 10, 100} <= misses  # near misses of every place value, carry errors included
+    with pytest.raises(ConfigError, match="no preference pairs for task 'poetry'"):
+        load_preference_dataset("task:poetry")
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return train_tokenizer([prose(i, paragraphs=2) for i in range(40)], vocab_size=400,
