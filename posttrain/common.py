@@ -61,8 +61,9 @@ class ShuffledBatches(Generic[T]):
     def __init__(self, examples: Sequence[T], micro_batch: int, seed: int, rank: int = 0,
                  world_size: int = 1) -> None:
         if len(examples) < micro_batch * world_size:
-            raise ValueError(f"{len(examples)} examples cannot fill one step of "
-                             f"{micro_batch} × {world_size} ranks")
+            raise ConfigError(f"{len(examples)} examples cannot fill one step of "
+                              f"micro_batch_size={micro_batch} × {world_size} ranks: add "
+                              "examples or lower micro_batch_size")
         self.examples, self.micro_batch, self.seed = examples, micro_batch, seed
         self.rank, self.world_size = rank, world_size
         self.epoch, self.index = 0, 0
@@ -89,15 +90,17 @@ class ShuffledBatches(Generic[T]):
 
 def train_on_batches(runtime: Runtime, config: Any, batches: ShuffledBatches,
                      collate: Callable[[list], Any], loss_fn: Callable,
-                     work_of: Callable[[Any], Work], evaluate: Callable[[], None]) -> None:
+                     work_of: Callable[[Any], Work], evaluate: Callable[[], bool]) -> None:
     """The supervised loop SFT, DPO and distillation share: accumulate micro-batches, step,
-    evaluate and save state on their cadences (the batch position is the resume state)."""
+    evaluate and save state on their cadences (the batch position is the resume state).
+    The loop ends early when `evaluate` says so (`stop_reached`)."""
     while runtime.step < runtime.total_steps:
         micro = [collate(batches.next()) for _ in range(config.grad_accum_steps)]
         runtime.log_step(runtime.train_step(micro, loss_fn, work_of))
         if runtime.should(config.eval.every):
             with runtime.throughput.paused():
-                evaluate()
+                if evaluate():
+                    return
         if runtime.should(config.checkpoint.every):
             runtime.save({"batches": batches.state_dict()})
 
@@ -237,6 +240,17 @@ def evaluate_task(runtime: Runtime, evaluator: TaskEvaluator, lora: LoraSection)
     return accuracy
 
 
+def stop_reached(runtime: Runtime, task_eval: TaskEvalConfig, accuracy: float) -> bool:
+    """Whether held-out accuracy has reached `task_eval.stop_at` (said once, on rank 0).
+    Every rank decides alike: `evaluate_task` reduces the accuracy over ranks."""
+    if task_eval.stop_at is None or not accuracy >= task_eval.stop_at:
+        return False
+    runtime.print(f"step {runtime.step}: held-out {task_eval.task} accuracy {accuracy:.1%} "
+                  f"reached task_eval.stop_at={task_eval.stop_at:g}; stopping before "
+                  f"max_steps={runtime.total_steps}")
+    return True
+
+
 def export_policy(runtime: Runtime, config: Any, model_config: Any, checkpoint: str,
                   lora: LoraSection, extra: dict[str, Any]) -> Path:
     """The HF checkpoint at out_dir/final (LoRA: merged, adapter beside it). A QLoRA
@@ -266,8 +280,10 @@ def finish_stage(runtime: Runtime, config: Any, model_config: Any,
     final = export_policy(runtime, config, model_config, config.model, config.lora,
                           {key: history[key][-1:] for key in exported})
     seconds = runtime.finish()
+    task = getattr(getattr(config, "task_eval", None), "task", None)
     summary = {"steps": runtime.step, "seconds": round(seconds, 1),
-               "tokens_seen": runtime.tokens_seen, "final": str(final), **history,
+               "tokens_seen": runtime.tokens_seen, "final": str(final),
+               **({"task": task} if task else {}), **history,
                **(extra or {}), "parallel": runtime.setup}
     if runtime.is_main:
         write_json(Path(config.out_dir) / "summary.json", summary)

@@ -20,6 +20,14 @@ class TaskEvalConfig:
     task: str = "arithmetic"  # the verifier: arithmetic | arithmetic3 | stdlib_qa
     examples: int = 64
     max_tokens: int = 12
+    # stop training once held-out accuracy reaches this (Lightning's stopping_threshold),
+    # e.g. to hand a partly-trained SFT model to RL; checked at every evaluation
+    stop_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.stop_at is not None and not 0 < self.stop_at <= 1:
+            raise ConfigError(f"task_eval.stop_at={self.stop_at}: an accuracy in (0, 1], "
+                              "or null to train for max_steps")
 
 
 @dataclass

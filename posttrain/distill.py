@@ -156,10 +156,11 @@ def distill_logits(config: DistillConfig, resume: str) -> dict[str, Any]:
         runtime.print(f"distill ({config.loss}, T={config.temperature}): held-out KL(teacher ‖ "
                       f"student) {kls[-1]:.4f}")
 
-    def evaluate() -> None:
+    def evaluate() -> bool:
         kls.append(heldout_kl())
         runtime.log({"eval/kl_to_teacher": kls[-1]})
         runtime.print(f"step {runtime.step}: held-out KL to teacher {kls[-1]:.4f}")
+        return False  # task accuracy is measured once, after training
 
     train_on_batches(runtime, config, run.batches,
                      lambda rows: collate(rows, pad_token, runtime.device), loss_fn,

@@ -42,6 +42,7 @@ from lathe.posttrain.common import (
     rank_batches,
     sequence_work,
     stage_main,
+    stop_reached,
     token_logprobs,
     train_on_batches,
 )
@@ -225,7 +226,7 @@ def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
 
     history: dict[str, list[float]] = {"preference_accuracy": [], "accuracy": []}
 
-    def evaluate() -> None:
+    def evaluate() -> bool:
         metrics = heldout_preference(runtime, heldout, config, pad_token)
         accuracy = evaluate_task(runtime, evaluator, config.lora)
         runtime.log(metrics)
@@ -235,6 +236,7 @@ def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
                       f"{metrics['eval/preference_accuracy']:.1%} (loss "
                       f"{metrics['eval/dpo_loss']:.4f}), {config.task_eval.task} accuracy "
                       f"{accuracy:.1%}")
+        return stop_reached(runtime, config.task_eval, accuracy)
 
     if restored is None:
         evaluate()

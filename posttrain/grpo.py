@@ -42,6 +42,7 @@ from lathe.posttrain.common import (
     pad_id,
     sequence_work,
     stage_main,
+    stop_reached,
 )
 from lathe.posttrain.config import GRPOConfig
 from lathe.posttrain.rewards import load_reward, verifier
@@ -315,6 +316,8 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
             runtime.print(f"step {runtime.step}: reward {rollout_metrics['reward/mean']:.3f}, "
                           f"rollout accuracy {rollout_metrics['train/accuracy']:.1%}, "
                           f"held-out accuracy {accuracy:.1%}")
+            if stop_reached(runtime, config.task_eval, accuracy):
+                break
         if runtime.should(config.checkpoint.every):
             runtime.save({"prompts": sampler.state_dict()})
 

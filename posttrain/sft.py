@@ -25,6 +25,7 @@ from lathe.posttrain.common import (
     pad_id,
     rank_batches,
     stage_main,
+    stop_reached,
     train_on_batches,
 )
 from lathe.posttrain.config import SFTConfig
@@ -68,7 +69,7 @@ def sft(config: SFTConfig, resume: str = "never") -> dict[str, Any]:
     pad_token = pad_id(tokenizer)
     history: dict[str, list[float]] = {"heldout_loss": [], "accuracy": []}
 
-    def evaluate() -> None:
+    def evaluate() -> bool:
         loss = heldout_loss(runtime, run.heldout, config.micro_batch_size, pad_token)
         accuracy = evaluate_task(runtime, evaluator, config.lora)
         runtime.log({"eval/heldout_loss": loss})
@@ -76,6 +77,7 @@ def sft(config: SFTConfig, resume: str = "never") -> dict[str, Any]:
         history["accuracy"].append(accuracy)
         runtime.print(f"step {runtime.step}: held-out assistant loss {loss:.4f}, "
                       f"{config.task_eval.task} accuracy {accuracy:.1%}")
+        return stop_reached(runtime, config.task_eval, accuracy)
 
     if run.restored is None:
         evaluate()

@@ -109,15 +109,19 @@ def stage_table(stages: dict[str, Stage]) -> list[tuple[str, str, str, str]]:
     if (s := stages.get("pretrain")) is not None:
         add("pretrain", "val bits per byte", _first_last(s.values("val/bpb")), False)
         add("pretrain", "val loss", _first_last(s.values("val/loss")), False)
+    def accuracy(s: Stage) -> str:
+        task = s.summary.get("task")
+        return f"held-out {task} accuracy" if isinstance(task, str) else "held-out accuracy"
+
     if (s := stages.get("sft")) is not None:
-        add("sft", "held-out accuracy", _first_last(s.values("eval/accuracy")), True)
+        add("sft", accuracy(s), _first_last(s.values("eval/accuracy")), True)
         add("sft", "held-out assistant loss", _first_last(s.values("eval/heldout_loss")), False)
     if (s := stages.get("dpo")) is not None:
-        add("dpo", "held-out accuracy", _first_last(s.values("eval/accuracy")), True)
+        add("dpo", accuracy(s), _first_last(s.values("eval/accuracy")), True)
         add("dpo", "held-out preference accuracy",
             _first_last(s.values("eval/preference_accuracy")), True)
     if (s := stages.get("grpo")) is not None:
-        add("grpo", "held-out accuracy", _first_last(s.values("eval/accuracy")), True)
+        add("grpo", accuracy(s), _first_last(s.values("eval/accuracy")), True)
         rewards = s.values("reward/mean")
         if rewards:
             add("grpo", "mean reward (first / last 5 batches)",

@@ -30,10 +30,11 @@ def test_report_tables_each_stage_from_its_own_records(run, capsys):
     summary = json.loads((run / "sft" / "summary.json").read_text())
     start, end = summary["accuracy"][0], summary["accuracy"][-1]
     report = (run / "report.md").read_text()
-    assert f"| sft | held-out accuracy | {start:.1%} | {end:.1%} |" in report
+    task = summary["task"]  # the stage's evaluation task names its accuracy row
+    assert f"| sft | held-out {task} accuracy | {start:.1%} | {end:.1%} |" in report
     loss = summary["heldout_loss"]
     assert f"| sft | held-out assistant loss | {loss[0]:.4f} | {loss[-1]:.4f} |" in report
-    assert "sft held-out accuracy" in printed and "report.md" in printed
+    assert f"sft held-out {task} accuracy" in printed and "report.md" in printed
     assert "Not in this run: pretrain, dpo, grpo, distill." in report
     assert "Unreadable metrics lines skipped: sft 1." in report
     assert "- torch: " in report and "- lathe commit: " in report

@@ -48,6 +48,27 @@ def test_sft_lowers_heldout_assistant_loss_and_lora_export_merges(base, tmp_path
     assert json.loads((out / "final" / "lathe.json").read_text())["stage"] == "sft"
 
 
+def test_sft_stops_once_heldout_accuracy_reaches_stop_at(base, tmp_path, capsys):
+    """One question to learn: the answer is memorised within a few evaluations, and the run
+    ends there rather than at max_steps, with its final checkpoint exported."""
+    chats, prompts = tmp_path / "chats.jsonl", tmp_path / "prompts.jsonl"
+    chat = {"messages": [{"role": "user", "content": "What is 2 + 2?"},
+                         {"role": "assistant", "content": "4"}]}
+    chats.write_text((json.dumps(chat) + "\n") * 4)
+    prompts.write_text(json.dumps({"prompt": "What is 2 + 2?", "reference": "4"}) + "\n")
+    out = tmp_path / "sft"
+    assert main(["sft", *quick(out, base, max_steps=400, micro_batch_size=4, **{
+        "optim.lr": 3e-3, "eval.every": 5, "data.train": chats, "data.eval": chats,
+        "task_eval.prompts": prompts, "task_eval.stop_at": 1.0})]) == 0
+    result = summary(out)
+    assert result["accuracy"][0] == 0.0 and result["accuracy"][-1] == 1.0
+    assert result["accuracy"][:-1] == [0.0] * (len(result["accuracy"]) - 1)  # stopped at once
+    assert result["steps"] == 5 * (len(result["accuracy"]) - 1) < 400
+    assert (out / "final" / "model.safetensors").is_file()
+    assert main(["sft", *quick(tmp_path / "bad", base, **{"task_eval.stop_at": 1.5})]) == 2
+    assert "task_eval.stop_at=1.5: an accuracy in (0, 1]" in capsys.readouterr().err
+
+
 def preference_files(folder: Path) -> dict[str, Path]:
     """Arithmetic prompts where the chosen reply answers and the rejected one refuses: a
     preference a tiny model can learn from some pairs and apply to held-out ones."""
