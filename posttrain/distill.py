@@ -153,6 +153,7 @@ def distill_logits(config: DistillConfig, resume: str) -> dict[str, Any]:
     kls = []
     if run.restored is None:
         kls.append(heldout_kl())
+        runtime.log({"eval/kl_to_teacher": kls[-1]})  # the report's start value
         runtime.print(f"distill ({config.loss}, T={config.temperature}): held-out KL(teacher ‖ "
                       f"student) {kls[-1]:.4f}")
 

@@ -56,6 +56,9 @@ def test_students_kl_to_its_teacher_falls(base, teacher, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["kl_to_teacher"][-1] < 0.7 * summary["kl_to_teacher"][0]
     assert {"student_accuracy", "teacher_accuracy"} <= set(summary)
+    logged = [(r["step"], r["eval/kl_to_teacher"]) for r in map(
+        json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval/kl_to_teacher" in r]
+    assert logged == list(zip([0, 20], summary["kl_to_teacher"], strict=True))  # report's start
 
 
 def test_teacher_data_mode_writes_answers_and_fine_tunes(base, teacher, tmp_path):
