@@ -23,10 +23,17 @@ from torch import Tensor
 from lathe.kernels.dispatch import check_same_dtype, dot_precision, tuning_configs, use_triton
 
 
+def grouped(q: Tensor, k: Tensor) -> bool:
+    """Whether (B, H, ...) queries share (B, Hkv, ...) KV heads (SDPA's `enable_gqa`), as a
+    plain bool: under torch.compile's dynamic shapes the comparison is a SymBool, which
+    SDPA refuses; branching on it makes dynamo guard on the head counts instead."""
+    return True if q.shape[1] != k.shape[1] else False  # noqa: SIM210
+
+
 def causal_attention_reference(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """(B, H, Sq, D) queries over (B, Hkv, Sk, D) keys and values, Sk ≥ Sq -> (B, H, Sq, D)."""
     seq_q, seq_k = q.shape[2], k.shape[2]
-    gqa = q.shape[1] != k.shape[1]
+    gqa = grouped(q, k)
     if seq_q == seq_k:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     query_pos = torch.arange(seq_q, device=q.device)[:, None] + (seq_k - seq_q)

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lathe.kernels.attention import grouped
 from lathe.kernels.dispatch import check_same_dtype, dot_precision, use_triton
 
 
@@ -35,7 +36,7 @@ def paged_decode_reference(q: Tensor, k_slab: Tensor, v_slab: Tensor, block_tabl
     keys, values = k_slab[slots].transpose(1, 2), v_slab[slots].transpose(1, 2)
     return F.scaled_dot_product_attention(
         q[:, :, None], keys, values, attn_mask=visible[:, None, None],
-        enable_gqa=q.shape[1] != k_slab.shape[1])[:, :, 0]
+        enable_gqa=grouped(q, keys))[:, :, 0]
 
 
 @triton.jit

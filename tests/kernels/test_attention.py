@@ -115,3 +115,16 @@ def test_mixed_dtypes_are_refused_on_every_device(kernels, monkeypatch):
     with pytest.raises(TypeError, match="causal_attention needs one dtype for q, k, v; got "
                                         "q bfloat16, k float32, v float32"):
         causal_attention(q, k, v)
+
+
+def test_gqa_references_trace_whole_under_dynamic_shapes():
+    """torch.compile(dynamic=True) sees the head counts as symbols; SDPA's enable_gqa must
+    still get a plain bool, or the graph breaks (a compiled forward then falls back)."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
+    traced = torch.compile(causal_attention_reference, backend="eager", fullgraph=True,
+                           dynamic=True)
+    torch.testing.assert_close(traced(q, k, v), causal_attention_reference(q, k, v))
+    square = torch.randn(1, 2, 6, 8)
+    torch.testing.assert_close(traced(q, square, square),
+                               causal_attention_reference(q, square, square))

@@ -77,3 +77,12 @@ def test_engine_greedy_output_is_the_same_with_the_paged_kernel(monkeypatch):
         expected = run()
     enable_kernels(monkeypatch)
     assert run() == expected
+
+
+def test_gqa_paged_reference_traces_whole_under_dynamic_shapes():
+    torch.manual_seed(0)
+    q, k_slab, v_slab = torch.randn(2, 4, 8), torch.randn(32, 2, 8), torch.randn(32, 2, 8)
+    tables, lens = torch.tensor([[0, 1], [2, 3]]), torch.tensor([5, 12])
+    traced = torch.compile(paged_decode_reference, backend="eager", fullgraph=True, dynamic=True)
+    torch.testing.assert_close(traced(q, k_slab, v_slab, tables, lens, 8),
+                               paged_decode_reference(q, k_slab, v_slab, tables, lens, 8))
