@@ -280,10 +280,9 @@ def finish_stage(runtime: Runtime, config: Any, model_config: Any,
     final = export_policy(runtime, config, model_config, config.model, config.lora,
                           {key: history[key][-1:] for key in exported})
     seconds = runtime.finish()
-    task = getattr(getattr(config, "task_eval", None), "task", None)
     summary = {"steps": runtime.step, "seconds": round(seconds, 1),
                "tokens_seen": runtime.tokens_seen, "final": str(final),
-               **({"task": task} if task else {}), **history,
+               "task": config.task_eval.task, **history,
                **(extra or {}), "parallel": runtime.setup}
     if runtime.is_main:
         write_json(Path(config.out_dir) / "summary.json", summary)
