@@ -83,6 +83,19 @@ _PROCESS_STATE = [(re.compile(r"(<br>\n)?<strong>__warningregistry__</strong> = 
                   (re.compile(r"\b__mp_main__\b"), "__main__")]
 
 
+def _machine_paths() -> list[tuple[str, str]]:
+    """Where this Python, its virtual environment and the user's home lie, each with the
+    path that stands for it in the corpus, longest first so a nested path goes first.
+    `site` shows the venv's prefix, `platform` the interpreter, every page the stdlib's
+    file: without this, a clone in another folder trains on another corpus (and a
+    different model), so two README runs of one commit do not match."""
+    paths = {sys.executable: "/venv/bin/python", sys.prefix: "/venv", sys.exec_prefix: "/venv",
+             sys.base_prefix: "/usr/local", sys.base_exec_prefix: "/usr/local",
+             str(Path.home()): "/home/user"}
+    return sorted(((path, stand_in) for path, stand_in in paths.items() if len(path) > 1),
+                  key=lambda item: -len(item[0]))
+
+
 def _routines_and_classes(module: types.ModuleType) -> types.ModuleType:
     """A stand-in for `module` holding its docstring, functions and classes only."""
     copy = types.ModuleType(module.__name__, module.__doc__)
@@ -94,8 +107,8 @@ def _routines_and_classes(module: types.ModuleType) -> types.ModuleType:
 
 def render_pydoc(name: str) -> str:
     """The HTML page `pydoc -w NAME` would write, rendered in memory, the same in every
-    run and worker: no process state (environment, argv, warning registries, the main
-    module's name) and no memory addresses."""
+    run, worker and checkout: no process state (environment, argv, warning registries,
+    the main module's name), no memory addresses and no machine paths."""
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         module = importlib.import_module(name)
         if module is sys:  # its data (path, stdin, meta_path, flags, ...) is process state
@@ -105,6 +118,8 @@ def render_pydoc(name: str) -> str:
     page = _ENVIRONMENT.sub("environ({...})", page)
     for pattern, replacement in _PROCESS_STATE:
         page = pattern.sub(replacement, page)
+    for path, stand_in in _machine_paths():
+        page = re.sub(re.escape(path) + r"(?![\w.-])", stand_in, page)
     return _ADDRESS.sub(lambda match: match.group(1) + "...", page)
 
 

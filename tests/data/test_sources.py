@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -150,3 +151,18 @@ def test_pydoc_pages_are_the_same_in_every_run_and_hold_no_environment(tmp_path)
         assert done.returncode == 0, done.stderr[-2000:]
         outputs.append(done.stdout)
     assert outputs[0] == outputs[1]
+
+
+def test_pydoc_pages_do_not_depend_on_where_python_and_the_checkout_lie():
+    """`site` shows the venv's prefix, `platform` the interpreter's path and every page the
+    stdlib's location: two clones in different folders must still get one corpus."""
+    from lathe.data.stdlib_corpus import render_pydoc
+
+    pages = {name: render_pydoc(name) for name in ("site", "platform", "json")}
+    for name, page in pages.items():
+        for path in {sys.prefix, sys.base_prefix, sys.executable, str(Path.home())}:
+            assert path not in page, (name, path)
+    prefix = "/venv" if sys.prefix != sys.base_prefix else "/usr/local"
+    assert f"PREFIXES</strong> = ['{prefix}']" in pages["site"]
+    assert f"executable='{prefix}/bin/python" in pages["platform"]
+    assert "file:/usr/local/lib/python" in pages["json"]
