@@ -25,13 +25,15 @@ lathe pretrain --config recipes/pretrain/e2e.yaml --out_dir "$OUT/pretrain" \
 echo "== generate: reload the exported base checkpoint and continue a prompt"
 lathe generate "$OUT/pretrain/final" --prompt "def main(" --max-new-tokens 32
 
-echo "== sft: the chat format on arithmetic chats, assistant tokens only -> $OUT/sft"
+echo "== sft: the chat format on two- and three-digit arithmetic chats, assistant tokens"
+echo "   only, until three-digit accuracy passes 35% -> $OUT/sft"
 lathe sft --config recipes/sft/e2e.yaml --out_dir "$OUT/sft" --model "$OUT/pretrain/final"
 
-echo "== dpo: right sums preferred over near misses -> $OUT/dpo"
+echo "== dpo: right three-digit results preferred over near misses -> $OUT/dpo"
 lathe dpo --config recipes/dpo/e2e.yaml --out_dir "$OUT/dpo" --model "$OUT/sft/final"
 
-echo "== grpo: exact-answer reward on 8 sampled completions per prompt -> $OUT/grpo"
+echo "== grpo: exact-answer reward on 8 sampled completions per three-digit prompt"
+echo "   -> $OUT/grpo"
 lathe grpo --config recipes/grpo/e2e.yaml --out_dir "$OUT/grpo" --model "$OUT/dpo/final"
 
 echo "== distill: a student of the chat model's first and last layers learns its"
@@ -62,7 +64,7 @@ for _ in range(300):
 else:
     sys.exit("lathe serve did not become healthy; see its log")
 PY
-lathe chat "http://127.0.0.1:$PORT" --prompt "What is 38 + 47?" --max-tokens 8 --temperature 0
+lathe chat "http://127.0.0.1:$PORT" --prompt "What is 382 + 247?" --max-tokens 8 --temperature 0
 python - "$PORT" <<'PY'
 import sys, urllib.request
 text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics").read().decode()
