@@ -26,7 +26,7 @@ echo "== generate: reload the exported base checkpoint and continue a prompt"
 lathe generate "$OUT/pretrain/final" --prompt "def main(" --max-new-tokens 32
 
 echo "== sft: the chat format on two- and three-digit arithmetic chats, assistant tokens"
-echo "   only, until three-digit accuracy passes 35% -> $OUT/sft"
+echo "   only, until three-digit accuracy passes 60% -> $OUT/sft"
 lathe sft --config recipes/sft/e2e.yaml --out_dir "$OUT/sft" --model "$OUT/pretrain/final"
 
 echo "== dpo: right three-digit results preferred over near misses -> $OUT/dpo"
