@@ -1,11 +1,13 @@
 """`python -m lathe.serve.bench`: serving speed and quantization quality, in one process.
 
-(a) offline throughput: N prompts × M new tokens through `LLMEngine.generate` and through
+(a) offline throughput: N prompts × M new tokens through `LLMEngine.generate` (eager, and
+    with decode steps compiled) and through
     `transformers`' `generate()` with left-padded batches, on the same checkpoint;
 (b) the running server under load: a streaming client at concurrency 1, 4, 16 and 64,
     reporting output tok/s, time to first token and inter-token latency (p50 / p99, as
     `vllm bench serve` defines them);
-(c) single-stream decode tok/s for fp32, int8 and int4 weights, and the memory bandwidth it
+(c) single-stream decode tok/s for fp32, int8 and int4 weights, eager and with decode steps
+    compiled (`EngineConfig.compile_decode`: CUDA graphs on a GPU), and the memory bandwidth it
     implies (weight bytes streamed per token × tok/s) as a fraction of this machine's
     measured copy bandwidth; with `--eval-shards`, perplexity on the validation tokens; on
     CPU, when llama-cpp-python is installed (`pip install -e .[bench]`; it builds from
@@ -60,19 +62,30 @@ def random_prompts(n: int, low: int, high: int, vocab: int, seed: int = 0) -> li
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for length in lengths]
 
 
+def timed_generate(checkpoint: Path, prompts: list[list[int]], params: SamplingParams,
+                   device: torch.device, compile_decode: bool,
+                   ) -> tuple[list, float, torch.dtype]:
+    """The engine's completions, seconds and weight dtype for one pass over `prompts`,
+    after a warm-up pass over the same workload: Triton compiles (and autotunes) per shape
+    class and length bucket, and a compiled decode step per batch bucket, which two short
+    prompts would not reach."""
+    engine = LLMEngine.from_checkpoint(checkpoint, EngineConfig(compile_decode=compile_decode),
+                                       device=device)
+    engine.generate(prompts, params)
+    start = time.perf_counter()
+    completions = engine.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    return completions, seconds, engine.model.model.embed_tokens.weight.dtype
+
+
 def offline(checkpoint: Path, prompts: list[list[int]], new_tokens: int,
             device: torch.device) -> list[str]:
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    engine = LLMEngine.from_checkpoint(checkpoint, device=device)
-    # warm up on the whole workload: Triton compiles (and autotunes) per shape class and
-    # length bucket, which two short prompts would not reach
-    engine.generate(prompts, params)
-    start = time.perf_counter()
-    ours = engine.generate(prompts, params)
-    lathe_s = time.perf_counter() - start
+    ours, lathe_s, dtype = timed_generate(checkpoint, prompts, params, device, False)
+    compiled, compiled_s, _ = timed_generate(checkpoint, prompts, params, device, True)
 
     from transformers import LlamaForCausalLM
-    dtype = engine.model.model.embed_tokens.weight.dtype  # both in the checkpoint's dtype
+    # both in the checkpoint's dtype
     model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
     # as lathe's ignore_eos (and vLLM's): EOS neither stops a row nor is masked out
     # (min_new_tokens would mask it, so a trained model's greedy tokens would differ)
@@ -93,12 +106,17 @@ def offline(checkpoint: Path, prompts: list[list[int]], new_tokens: int,
         hf_s = time.perf_counter() - start
     same = sum(o.outputs[0].token_ids == t[width:].tolist() for o, t in zip(ours, theirs,
                                                                            strict=True))
+    same_compiled = sum(a.outputs[0].token_ids == b.outputs[0].token_ids
+                        for a, b in zip(ours, compiled, strict=True))
     total = len(prompts) * new_tokens
     return [
         f"| lathe `LLMEngine.generate` (paged KV, continuous batching) | {total / lathe_s:,.0f} "
         f"| {lathe_s:.2f} |",
+        f"| lathe, decode steps compiled (`compile_decode`) | {total / compiled_s:,.0f} "
+        f"| {compiled_s:.2f} |",
         f"| transformers `generate()` (padded batch, SDPA) | {total / hf_s:,.0f} | {hf_s:.2f} |",
-        f"| greedy outputs identical | {same}/{len(prompts)} | |",
+        f"| greedy outputs identical: lathe / transformers, eager / compiled | {same}/"
+        f"{len(prompts)}, {same_compiled}/{len(prompts)} | |",
     ]
 
 
@@ -183,8 +201,10 @@ def streamed_bytes(model: torch.nn.Module) -> int:
 
 
 def decode_speed(checkpoint: Path, quantize: str | None, prompt: list[int],
-                 new_tokens: int, device: torch.device) -> tuple[float, int]:
-    engine = LLMEngine.from_checkpoint(checkpoint, quantize=quantize, device=device)
+                 new_tokens: int, device: torch.device,
+                 compile_decode: bool = False) -> tuple[float, int]:
+    engine = LLMEngine.from_checkpoint(checkpoint, EngineConfig(compile_decode=compile_decode),
+                                       quantize=quantize, device=device)
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0))  # warm up
     engine.add_request(prompt, params)
@@ -348,16 +368,20 @@ def decode_section(checkpoint: Path, prompt: list[int], device: torch.device,
     rows = []
     fp32_bytes = 0
     for quantize in (None, "int8", "int4"):
-        tok_s, nbytes = decode_speed(checkpoint, quantize, prompt, args.decode_tokens, device)
-        implied = tok_s * nbytes
         ppl = ""
         if eval_ids is not None:
             ppl = f"{perplexity(load_serving_model(checkpoint, quantize=quantize), eval_ids):.3f}"
-        rows.append(f"| {quantize or 'fp32'} | {nbytes / 2**20:.1f} | {tok_s:,.1f} | "
-                    f"{implied / 1e9:.2f} | {implied / bandwidth:.1%} | {ppl or '—'} |")
-        print(rows[-1], flush=True)
-        if quantize is None:
-            fp32_bytes = nbytes
+        for compiled in (False, True):
+            tok_s, nbytes = decode_speed(checkpoint, quantize, prompt, args.decode_tokens,
+                                         device, compiled)
+            implied = tok_s * nbytes
+            name = (quantize or "fp32") + (", compiled" if compiled else "")
+            rows.append(f"| {name} | {nbytes / 2**20:.1f} | {tok_s:,.1f} | "
+                        f"{implied / 1e9:.2f} | {implied / bandwidth:.1%} | "
+                        f"{'—' if compiled or not ppl else ppl} |")
+            print(rows[-1], flush=True)
+            if quantize is None:
+                fp32_bytes = nbytes
     if device.type == "cpu" and (checkpoint / "tokenizer.json").is_file():
         row = llama_cpp_row(checkpoint, prompt, args.decode_tokens, fp32_bytes, bandwidth)
         if row is not None:

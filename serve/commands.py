@@ -26,6 +26,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                        default=EngineConfig.kv_cache_memory_mb, help="KV budget off-GPU")
     group.add_argument("--gpu-memory-utilization", type=float,
                        default=EngineConfig.gpu_memory_utilization)
+    group.add_argument("--compile-decode", action="store_true",
+                       help="compile decode-only steps once per batch size (CUDA graphs on "
+                            "CUDA); each size's first step pays the compile")
     group = parser.add_argument_group("speculative decoding")
     group.add_argument("--draft", type=Path, metavar="CKPT",
                        help="draft model checkpoint sharing this model's tokenizer (e.g. the "
@@ -74,7 +77,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
-                        speculative=_speculative_config(args))
+                        speculative=_speculative_config(args),
+                        compile_decode=args.compile_decode)
 
 
 def serve_main(argv: Sequence[str] | None = None) -> int:

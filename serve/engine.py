@@ -60,6 +60,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     speculative: SpeculativeConfig | None = None
+    # decode-only steps through `lathe.serve.decode_graph`: compiled once per batch bucket
+    # (CUDA graphs on CUDA); costs a compile per bucket on first use
+    compile_decode: bool = False
 
 
 @dataclass
@@ -140,7 +143,8 @@ class LLMEngine:
         lookahead = speculative.num_speculative_tokens if speculative else 0
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, lookahead)
-        self.runner = ModelRunner(model, self.slabs, self.device, self.config.max_num_seqs)
+        self.runner = ModelRunner(model, self.slabs, self.device, self.config.max_num_seqs,
+                                  compile_decode=self.config.compile_decode)
         self.ngram = NgramProposer(speculative) if speculative and \
             speculative.method == "ngram" else None
         self.drafter = None if draft_model is None else DraftModelProposer(
@@ -193,7 +197,7 @@ class LLMEngine:
             budget = free - (1 - self.config.gpu_memory_utilization) * total
         else:
             budget = self.config.kv_cache_memory_mb * 2**20
-        blocks = int(budget // per_block)
+        blocks = int(budget // per_block) - 1  # the slabs add a scratch block
         if blocks < 1:
             raise RequestError(f"the KV-cache budget ({budget / 2**20:.0f} MiB) holds no block "
                                f"of {per_block / 2**20:.2f} MiB; raise kv_cache_memory_mb or "

@@ -9,6 +9,8 @@ are then a few batched tensor ops over the rows, not per-sequence lists of tenso
 Prefill chunks — and a speculative step's verified drafts, which are a short chunk — gather
 their context through the same rows. A draft model runs through the same rows on its own
 slabs: its KV lives in the target's block ids, so it is paged, shared and freed with them.
+With `compile_decode`, a decode-only step of the target runs through
+`lathe.serve.decode_graph` instead: the same rows, full width, at a compiled static shape.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from torch import Tensor
 
 from lathe.model.transformer import Transformer
+from lathe.serve.decode_graph import DecodeGraphs, StaticDecodeBatch
 from lathe.serve.paged_cache import KVSlabs, PagedBatch, SequenceSpan
 from lathe.serve.sequence import Sequence
 
@@ -28,8 +31,9 @@ StepItem = tuple[Sequence, int, list[int]]
 
 class ModelRunner:
     def __init__(self, model: Transformer, slabs: KVSlabs, device: torch.device,
-                 rows: int = 64) -> None:
+                 rows: int = 64, compile_decode: bool = False) -> None:
         self.model, self.slabs, self.device = model, slabs, device
+        self.graphs = DecodeGraphs(model, slabs, rows) if compile_decode else None
         self.block_size = slabs.block_size
         self.max_blocks = -(-model.config.max_seq_len // self.block_size)
         self.tables = torch.zeros(rows, self.max_blocks, dtype=torch.long, device=device)
@@ -67,10 +71,12 @@ class ModelRunner:
         self.free_rows += list(range(2 * old - 1, old - 1, -1))
 
     def prepare(self, items: Seq[StepItem], slabs: KVSlabs | None = None,
-                ) -> tuple[Tensor, PagedBatch, list[int]]:
+                ) -> tuple[Tensor, PagedBatch | StaticDecodeBatch, list[int]]:
         """The step's token row, its paged-attention view (on `slabs`, by default the
         target's), and where each item's tokens start in the row. Single-token items
         (decodes) are laid out first."""
+        if self._static(items, slabs):
+            return self._prepare_static(items)
         ids: list[int] = []
         starts = [0] * len(items)
         decode_rows: list[int] = []
@@ -111,9 +117,33 @@ class ModelRunner:
         view = PagedBatch(slabs or self.slabs, positions, slots, decode, tables, lens, spans)
         return torch.tensor([ids], device=device), view, starts
 
-    def run(self, ids: Tensor, view: PagedBatch, keep: list[int],
+    def _static(self, items: Seq[StepItem], slabs: KVSlabs | None) -> bool:
+        """Whether a step takes the compiled decode path: the target's, decodes only, and
+        no more of them than the largest bucket."""
+        return (self.graphs is not None and slabs is None
+                and all(len(tokens) == 1 for _, _, tokens in items)
+                and self.graphs.bucket(len(items)) is not None)
+
+    def _prepare_static(self, items: Seq[StepItem]) -> tuple[Tensor, StaticDecodeBatch,
+                                                             list[int]]:
+        size = self.block_size
+        rows = torch.tensor([self._row(seq) for seq, _, _ in items], device=self.device)
+        at = torch.tensor([start for _, start, _ in items], device=self.device)
+        tables = self.tables[rows]
+        slots = tables[torch.arange(len(items), device=self.device), at // size] * size \
+            + at % size
+        view = StaticDecodeBatch(self.slabs, at, slots, tables, at + 1)
+        ids = torch.tensor([tokens for _, _, tokens in items], device=self.device).T
+        return ids, view, list(range(len(items)))
+
+    def run(self, ids: Tensor, view: PagedBatch | StaticDecodeBatch, keep: list[int],
             model: Transformer | None = None) -> Tensor:
         """Logits of the step's rows `keep` (position indices into the token row), from
         `model` (by default the target)."""
+        if isinstance(view, StaticDecodeBatch):
+            assert self.graphs is not None and model is None
+            logits = self.graphs.run(ids[0], view.positions, view.slots, view.tables,
+                                     view.lens)
+            return logits[torch.tensor(keep, device=self.device, dtype=torch.long)]
         return (model or self.model)(ids, kv_cache=view, logits_to_keep=torch.tensor(
             keep, device=self.device, dtype=torch.long)).logits[0]

@@ -1,9 +1,11 @@
 """The paged KV cache's storage, and the per-step view the shared model attends through.
 
-`KVSlabs` holds one K and one V slab per layer, shaped (num_blocks * block_size,
-n_kv_heads, head_dim): block b's token slot i lives at row b * block_size + i. Which
-blocks a sequence owns is the `BlockManager`'s business; this module only reads and
-writes rows.
+`KVSlabs` holds one K and one V slab per layer, each its own tensor (a compiled step that
+writes a slice of one stacked tensor would copy all of it), shaped ((num_blocks + 1) *
+block_size, n_kv_heads, head_dim): block b's token slot i lives at row b * block_size + i, and the
+extra block, which the `BlockManager` never hands out, is scratch for the padding rows of
+a compiled decode step (`lathe.serve.decode_graph`). Which blocks a sequence owns is the
+`BlockManager`'s business; this module only reads and writes rows.
 
 `PagedBatch` is one engine step: the new tokens of every scheduled sequence flattened
 into a single row (single decode tokens first, then prefill chunks), as the engine's
@@ -31,10 +33,14 @@ from lathe.model.config import ModelConfig
 class KVSlabs:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device | str, dtype: torch.dtype) -> None:
-        shape = (config.n_layers, num_blocks * block_size, config.n_kv_heads, config.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        rows = (num_blocks + 1) * block_size
+        shape = (rows, config.n_kv_heads, config.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype)
+                  for _ in range(config.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype)
+                  for _ in range(config.n_layers)]
         self.block_size = block_size
+        self.scratch_slot = num_blocks * block_size  # first row of the extra block
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -1,0 +1,100 @@
+"""Decode steps at static shapes, compiled once per batch size (vLLM's CUDA-graph capture,
+gpt-fast's compiled decode).
+
+A decode-only step is padded to the smallest bucket that holds it (1, 2, 4, 8, 16, then
+multiples of 16 up to the engine's `max_num_seqs`); its block tables are the runner's
+full-width rows and its attention masks each row by context length, so a bucket's step has
+one set of shapes for the life of the engine. Each bucket's step is `torch.compile`d whole
+(`fullgraph`, static shapes): on CUDA in mode "reduce-overhead", which captures it as a CUDA
+graph and replays it; elsewhere inductor fuses the norms, RoPE, SwiGLU and residual adds
+around the GEMMs, so a step is a few dozen kernel calls instead of ~150 ATen ops.
+
+Padding rows write their K/V to the slabs' scratch slot (past the last block, owned by no
+sequence) and attend over it alone; their logits are dropped. Prefill, mixed and
+speculative steps stay eager: their shapes change every step. Weights are read, not
+frozen into the graph, so `LLMEngine.load_weights` (GRPO's refresh) needs no recompile.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+from torch import Tensor
+
+from lathe.kernels import paged_decode
+from lathe.model.transformer import Transformer
+from lathe.serve.paged_cache import KVSlabs
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """The batch sizes a compiled decode step exists for."""
+    small = [size for size in (1, 2, 4, 8) if size < max_num_seqs]
+    return small + list(range(16, max_num_seqs, 16)) + [max_num_seqs]
+
+
+class StaticDecodeBatch:
+    """One padded decode step as a `KVCache`: a token per row at `positions`, written to
+    `slots`, attending over the first `lens` slots of its block table row."""
+
+    def __init__(self, slabs: KVSlabs, positions: Tensor, slots: Tensor, tables: Tensor,
+                 lens: Tensor) -> None:
+        self.slabs, self.positions, self.slots = slabs, positions, slots
+        self.tables, self.lens = tables, lens
+
+    def prepare(self, input_ids: Tensor, positions: Tensor | None) -> Tensor:
+        return self.positions[None]
+
+    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        k_slab, v_slab = self.slabs.k[layer_idx], self.slabs.v[layer_idx]
+        k_slab.index_copy_(0, self.slots, k[0].transpose(0, 1).to(k_slab.dtype))
+        v_slab.index_copy_(0, self.slots, v[0].transpose(0, 1).to(v_slab.dtype))
+        queries = q[0].transpose(0, 1).to(k_slab.dtype)  # (B, H, D)
+        out = paged_decode(queries, k_slab, v_slab, self.tables, self.lens,
+                           self.slabs.block_size)
+        return out.transpose(0, 1)[None].to(q.dtype)
+
+
+class DecodeGraphs:
+    def __init__(self, model: Transformer, slabs: KVSlabs, max_num_seqs: int) -> None:
+        self.model, self.slabs = model, slabs
+        self.buckets = batch_buckets(max_num_seqs)
+        self.steps = 0  # decode steps run compiled
+        cuda = slabs.k[0].device.type == "cuda"
+        # one graph per bucket: the default limit of 8 recompiles would send the rest eager
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
+                                                    2 * len(self.buckets))
+        self._step = torch.compile(self._forward, fullgraph=True, dynamic=False,
+                                   mode="reduce-overhead" if cuda else None)
+
+    def bucket(self, batch: int) -> int | None:
+        """The padded size of a `batch`-row decode step, None past the largest bucket."""
+        at = bisect.bisect_left(self.buckets, batch)
+        return self.buckets[at] if at < len(self.buckets) else None
+
+    def _forward(self, ids: Tensor, positions: Tensor, slots: Tensor, tables: Tensor,
+                 lens: Tensor) -> Tensor:
+        view = StaticDecodeBatch(self.slabs, positions, slots, tables, lens)
+        return self.model(ids[None], kv_cache=view).logits[0]
+
+    def run(self, ids: Tensor, positions: Tensor, slots: Tensor, tables: Tensor,
+            lens: Tensor) -> Tensor:
+        """Logits (B, vocab) of a B-row decode step (all arguments (B,) but `tables`,
+        (B, max_blocks)), computed at the bucket's padded size."""
+        batch = ids.shape[0]
+        size = self.bucket(batch)
+        if size is None:
+            raise ValueError(f"a decode step of {batch} rows exceeds the largest compiled "
+                             f"bucket ({self.buckets[-1]}); run it eager")
+        pad = size - batch
+        if pad:
+            scratch = self.slabs.scratch_slot
+            ids = torch.cat([ids, ids.new_zeros(pad)])
+            positions = torch.cat([positions, positions.new_zeros(pad)])
+            slots = torch.cat([slots, slots.new_full((pad,), scratch)])
+            # a padding row's table points at the scratch slot's block: its one visible slot
+            tables = torch.cat([tables, tables.new_full((pad, tables.shape[1]),
+                                                        scratch // self.slabs.block_size)])
+            lens = torch.cat([lens, lens.new_ones(pad)])
+        self.steps += 1
+        return self._step(ids, positions, slots, tables, lens)[:batch]
