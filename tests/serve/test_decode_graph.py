@@ -9,6 +9,7 @@ import torch
 
 from lathe.serve.decode_graph import batch_buckets
 from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.quant import quantize_linears
 from lathe.serve.sampling import SamplingParams
 from tests.builders import serve_model
 from tests.serve.test_engine import prompts
@@ -73,6 +74,20 @@ def test_compiled_decode_reads_weights_loaded_after_it_compiled():
     reference, _ = engine_pair(other)
     assert after == [r.outputs[0].token_ids for r in reference.generate(batch, greedy)]
     assert after != before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_linears_compile_into_the_decode_step(mode):
+    """On CPU the int8/int4 GEMMs are custom ops a compiled step calls whole."""
+    model = serve_model(256)
+    quantize_linears(model, mode)
+    eager, compiled = engine_pair(model)
+    batch = prompts([6, 13, 4])
+    greedy = SamplingParams(max_tokens=10, temperature=0)
+    want = [r.outputs[0].token_ids for r in eager.generate(batch, greedy)]
+    assert [r.outputs[0].token_ids for r in compiled.generate(batch, greedy)] == want
+    assert compiled.runner.graphs.steps > 0
 
 
 @pytest.mark.slow
