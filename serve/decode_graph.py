@@ -66,15 +66,11 @@ class DecodeGraphs:
             # fixed buffers (as parameters are), or cudagraph trees skip a mutating graph
             for slab in (*slabs.k, *slabs.v):
                 torch._dynamo.mark_static_address(slab)
-        # one graph per bucket: the default limit of 8 recompiles would send the rest eager
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
-                                                    2 * len(self.buckets))
-        # guards on the model's modules cost ~90 µs a call on CPU, a tenth of a small
-        # model's step; this engine's model is fixed, and new weights are copied in place
-        self._step = torch.compile(
-            self._forward, fullgraph=True, dynamic=False,
-            mode="reduce-overhead" if cuda else None,
-            options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        # every engine's buckets are entries of one code object's cache (`_forward`'s); past
+        # dynamo's limit of 8 the rest would silently run eager
+        torch._dynamo.config.recompile_limit += len(self.buckets)
+        self._step = torch.compile(self._forward, fullgraph=True, dynamic=False,
+                                   mode="reduce-overhead" if cuda else None)
 
     def bucket(self, batch: int) -> int | None:
         """The padded size of a `batch`-row decode step, None past the largest bucket."""
