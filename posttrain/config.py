@@ -17,7 +17,7 @@ class TaskEvalConfig:
     """Accuracy by generation (greedy, the serve engine) on a held-out prompt set."""
 
     prompts: str = "task:arithmetic"  # task:NAME (its test split) or a prompt .jsonl
-    task: str = "arithmetic"  # the verifier: arithmetic | arithmetic3 | stdlib_qa
+    task: str = "arithmetic"  # the verifier: arithmetic | arithmetic3 | arithmetic3x3 | stdlib_qa
     examples: int = 64
     max_tokens: int = 12
     # stop training once held-out accuracy reaches this (Lightning's stopping_threshold),

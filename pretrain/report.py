@@ -129,7 +129,7 @@ def stage_table(stages: dict[str, Stage]) -> list[tuple[str, str, str, str]]:
     if (s := stages.get("distill")) is not None:
         student, teacher = s.summary.get("student_accuracy"), s.summary.get("teacher_accuracy")
         if isinstance(student, (int, float)) and isinstance(teacher, (int, float)):
-            rows.append(("distill", "student / teacher accuracy", f"{student:.1%}",
+            rows.append(("distill", f"student / teacher {accuracy(s)}", f"{student:.1%}",
                          f"{teacher:.1%}"))
         add("distill", "held-out KL to teacher", _first_last(s.values("eval/kl_to_teacher")),
             False)
@@ -169,6 +169,11 @@ def plots(stages: dict[str, Stage], folder: Path) -> list[tuple[str, str]]:
         return stage.curve(key, label) if stage is not None else ("", [], [])
 
     present = [name for name in STAGES if name in stages]
+
+    def task_label(name: str) -> str:
+        task = stages[name].summary.get("task")
+        return f"{name} ({task})" if isinstance(task, str) else name
+
     specs = [
         ("pretrain-loss.png", "Pretraining loss", [of("pretrain", "loss", "train loss"),
                                                   of("pretrain", "val/loss", "val loss")],
@@ -179,7 +184,7 @@ def plots(stages: dict[str, Stage], folder: Path) -> list[tuple[str, str]]:
         ("tokens-per-second.png", "Training tokens/s",
          [of(n, "tokens_per_s", n) for n in present], "tokens/s", True),
         ("accuracy.png", "Held-out task accuracy (greedy)",
-         [of(n, "eval/accuracy", n) for n in present], "accuracy", False),
+         [of(n, "eval/accuracy", task_label(n)) for n in present], "accuracy", False),
         ("grpo.png", "GRPO rollouts", [of("grpo", "reward/mean", "mean reward"),
                                        of("grpo", "train/accuracy", "rollout accuracy"),
                                        of("grpo", "eval/accuracy", "held-out accuracy")],

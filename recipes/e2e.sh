@@ -32,8 +32,8 @@ lathe sft --config recipes/sft/e2e.yaml --out_dir "$OUT/sft" --model "$OUT/pretr
 echo "== dpo: right three-digit results preferred over near misses -> $OUT/dpo"
 lathe dpo --config recipes/dpo/e2e.yaml --out_dir "$OUT/dpo" --model "$OUT/sft/final"
 
-echo "== grpo: exact-answer reward on 8 sampled completions per three-digit prompt"
-echo "   -> $OUT/grpo"
+echo "== grpo: exact-answer reward on 8 sampled completions per three-digit prompt,"
+echo "   measured on three digits by three -> $OUT/grpo"
 lathe grpo --config recipes/grpo/e2e.yaml --out_dir "$OUT/grpo" --model "$OUT/dpo/final"
 
 echo "== distill: a student of the chat model's first and last layers learns its"

@@ -41,13 +41,18 @@ def check_split(split: str) -> None:
 
 
 def task_examples(name: str, split: str, limit: int | None = None) -> list[TaskExample]:
-    """Rows of an embedded task (`arithmetic`, `arithmetic3` or `stdlib_qa`), or of a
-    mixture `A+B`: every row of each, interleaved in a seeded order, then cut to `limit`."""
-    from lathe.data.tasks.arithmetic import arithmetic3_examples, arithmetic_examples
+    """Rows of an embedded task (`arithmetic`, `arithmetic3`, `arithmetic3x3` or
+    `stdlib_qa`), or of a mixture `A+B`: every row of each, interleaved in a seeded order,
+    then cut to `limit`."""
+    from lathe.data.tasks.arithmetic import (
+        arithmetic3_examples,
+        arithmetic3x3_examples,
+        arithmetic_examples,
+    )
     from lathe.data.tasks.stdlib_qa import stdlib_qa_examples
     tasks: dict[str, Callable[[str, int | None], list[TaskExample]]] = {
         "arithmetic": arithmetic_examples, "arithmetic3": arithmetic3_examples,
-        "stdlib_qa": stdlib_qa_examples}
+        "arithmetic3x3": arithmetic3x3_examples, "stdlib_qa": stdlib_qa_examples}
     names = name.split("+")
     unknown = [n for n in names if n not in tasks]
     if unknown:

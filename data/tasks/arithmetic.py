@@ -1,6 +1,8 @@
 """Addition and subtraction with verifiable answers: `arithmetic`, numbers up to two digits
-("What is 47 + 85?" -> "132"), and `arithmetic3`, up to three digits ("What is 604 - 387?"
--> "217"), the harder task GRPO has room to improve on once two digits saturate.
+("What is 47 + 85?" -> "132"); `arithmetic3`, up to three digits ("What is 604 - 87?" ->
+"517"); and `arithmetic3x3`, the slice of `arithmetic3` whose operands both have three digits
+("What is 604 - 387?" -> "217"), its hardest problems, which GRPO has room to improve on once
+the rest saturate.
 
 All 15,050 two-digit problems exist in a fixed shuffled order; the three-digit task is a
 fixed seeded sample of 60,000 of its ~1.5 million. About 10 % of each are held out by a
@@ -31,11 +33,19 @@ def all_problems() -> list[tuple[str, int]]:
 
 def three_digit_problems() -> list[tuple[str, int]]:
     """A fixed seeded sample of sums and non-negative differences of operands up to 999,
-    half of each."""
+    half of each. Each operand's digit count (1-3) is drawn uniformly before its value, so
+    every alignment of digits (347 + 5, 62 - 48, 9 + 610) is common; a uniform draw from
+    0-999 makes 81 % of problems three digits by three, and a model trained on it fails
+    most of the rest (docs/readme-run-quality.md, seventh round)."""
     rng = random.Random(4321)
+
+    def operand() -> int:
+        digits = rng.randint(1, 3)
+        return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10 ** digits - 1)
+
     problems: dict[str, int] = {}
     while len(problems) < THREE_DIGIT_PROBLEMS:
-        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        a, b = operand(), operand()
         if rng.random() < 0.5:
             problems.setdefault(f"What is {a} + {b}?", a + b)
         else:
@@ -57,6 +67,14 @@ def arithmetic_examples(split: str, limit: int | None = None) -> list[TaskExampl
 
 def arithmetic3_examples(split: str, limit: int | None = None) -> list[TaskExample]:
     return _examples(three_digit_problems(), split, limit)
+
+
+def arithmetic3x3_examples(split: str, limit: int | None = None) -> list[TaskExample]:
+    """The three-digit-by-three-digit problems of `arithmetic3`, in the same split (a
+    question is held out in both tasks or in neither)."""
+    problems = [(question, result) for question, result in three_digit_problems()
+                if all(len(operand) == 3 for operand in NUMBER.findall(question))]
+    return _examples(problems, split, limit)
 
 
 def extract_number(text: str) -> int | None:

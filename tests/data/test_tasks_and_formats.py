@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 
@@ -39,8 +40,19 @@ def test_three_digit_task_and_mixtures():
     operands = [r.prompt.removeprefix("What is ").removesuffix("?").split() for r in test]
     assert all(int(r.reference) == (int(a) + int(b) if op == "+" else int(a) - int(b)) >= 0
                for r, (a, op, b) in zip(test, operands, strict=True))
-    assert sum(len(a) == 3 for a, _, _ in operands) > 0.85 * len(test)
+    # digit counts drawn before values: every alignment is common, 3-by-3 no longer 81 %
+    shapes = Counter((len(a), len(b)) for a, _, b in operands)
+    assert len(shapes) == 9  # (1, 1) has only 155 problems in all, (1, 2) and (2, 1) ~900
+    assert all(shapes[shape] > 0.05 * len(test) for shape in shapes if 3 in shape or
+               shape == (2, 2))
+    assert 0.15 < shapes[(3, 3)] / len(test) < 0.25
     assert {op for _, op, _ in operands} == {"+", "-"}
+    hardest = task_examples("arithmetic3x3", "test")
+    assert {r.prompt for r in hardest} == {r.prompt for r, (a, _, b) in
+                                           zip(test, operands, strict=True)
+                                           if len(a) == len(b) == 3}
+    assert not {r.prompt for r in hardest} & {r.prompt for r in
+                                              task_examples("arithmetic3x3", "train")}
     mixed = task_examples("arithmetic+arithmetic3", "test")
     assert sorted(mixed, key=str) == sorted(task_examples("arithmetic", "test") + test, key=str)
     assert mixed == task_examples("arithmetic+arithmetic3", "test")  # one seeded order
