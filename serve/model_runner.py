@@ -126,15 +126,20 @@ class ModelRunner:
 
     def _prepare_static(self, items: Seq[StepItem]) -> tuple[Tensor, StaticDecodeBatch,
                                                              list[int]]:
+        """A decode-only step's inputs, computed on the host and sent as one tensor (a
+        handful of small device ops per step would cost as much as a small model's layer)."""
         size = self.block_size
-        rows = torch.tensor([self._row(seq) for seq, _, _ in items], device=self.device)
-        at = torch.tensor([start for _, start, _ in items], device=self.device)
-        tables = self.tables[rows]
-        slots = tables[torch.arange(len(items), device=self.device), at // size] * size \
-            + at % size
-        view = StaticDecodeBatch(self.slabs, at, slots, tables, at + 1)
-        ids = torch.tensor([tokens for _, _, tokens in items], device=self.device).T
-        return ids, view, list(range(len(items)))
+        rows, ids, positions, slots = [], [], [], []
+        for seq, start, tokens in items:
+            rows.append(self._row(seq))
+            ids.append(tokens[0])
+            positions.append(start)
+            slots.append(seq.table.blocks[start // size] * size + start % size)
+        inputs = torch.tensor([ids, positions, slots], device=self.device)  # contiguous rows
+        tables = self.tables[rows[0]:rows[0] + 1] if len(rows) == 1 else \
+            self.tables[torch.tensor(rows, device=self.device)]
+        view = StaticDecodeBatch(self.slabs, inputs[1], inputs[2], tables, inputs[1] + 1)
+        return inputs[:1], view, list(range(len(items)))
 
     def run(self, ids: Tensor, view: PagedBatch | StaticDecodeBatch, keep: list[int],
             model: Transformer | None = None) -> Tensor:
@@ -144,6 +149,8 @@ class ModelRunner:
             assert self.graphs is not None and model is None
             logits = self.graphs.run(ids[0], view.positions, view.slots, view.tables,
                                      view.lens)
+            if keep == list(range(len(logits))):  # always, for an engine step
+                return logits
             return logits[torch.tensor(keep, device=self.device, dtype=torch.long)]
         return (model or self.model)(ids, kv_cache=view, logits_to_keep=torch.tensor(
             keep, device=self.device, dtype=torch.long)).logits[0]
