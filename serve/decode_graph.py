@@ -60,7 +60,7 @@ class DecodeGraphs:
         self.model, self.slabs = model, slabs
         self.buckets = batch_buckets(max_num_seqs)
         self.steps = 0  # decode steps run compiled
-        cuda = slabs.k[0].device.type == "cuda"
+        self.cuda = cuda = slabs.k[0].device.type == "cuda"
         if cuda:
             # the slabs are written in place by every replay: CUDA graphs must see them as
             # fixed buffers (as parameters are), or cudagraph trees skip a mutating graph
@@ -102,4 +102,6 @@ class DecodeGraphs:
                                                         scratch // self.slabs.block_size)])
             lens = torch.cat([lens, lens.new_ones(pad)])
         self.steps += 1
+        if self.cuda:  # a new step: the last replay's outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         return self._step(ids, positions, slots, tables, lens)[:batch]
