@@ -9,6 +9,10 @@ one set of shapes for the life of the engine. Each bucket's step is `torch.compi
 graph and replays it; elsewhere inductor fuses the norms, RoPE, SwiGLU and residual adds
 around the GEMMs, so a step is a few dozen kernel calls instead of ~150 ATen ops.
 
+The price of one shape is the full table: the Triton kernel on CUDA still reads only each
+sequence's blocks, but the gather + SDPA path elsewhere reads `max_seq_len` positions a row,
+so on CPU a long-context model's short sequences are better served eager.
+
 Padding rows write their K/V to the slabs' scratch slot (past the last block, owned by no
 sequence) and attend over it alone; their logits are dropped. Prefill, mixed and
 speculative steps stay eager: their shapes change every step. Weights are read, not
