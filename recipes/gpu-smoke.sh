@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU path in a few minutes on one CUDA GPU: data, pretraining in bf16 (eval,
 # export), with compile and FP8, killed mid-save and resumed, SFT (full and LoRA), DPO,
-# GRPO, distillation, `lathe serve` under a burst of concurrent requests, and the Triton
-# kernel tests compiled. One line per step, PASS or FAIL, each step's log under $OUT;
+# GRPO, distillation, `lathe serve` under a burst of concurrent requests, the Triton
+# kernel tests compiled, and decode steps captured as CUDA graphs. One line per step, PASS or FAIL, each step's log under $OUT;
 # exits non-zero if any step failed. W&B is off (--logging.report_to=none), so wandb,
 # deepspeed and datasets need not be installed.
 #
@@ -133,6 +133,8 @@ kernels() {
     fi
 }
 step kernel-tests kernels
+# decode steps captured as CUDA graphs against eager, token for token
+step decode-graphs "$PY" -m pytest -q tests/serve/test_decode_graph.py
 
 if [ $failed -eq 0 ]; then echo "gpu-smoke: all steps passed"; else echo "gpu-smoke: FAILED"; fi
 exit $failed
