@@ -121,19 +121,10 @@ def _aligned(t: Tensor) -> Tensor:
     return t if t.data_ptr() % 64 == 0 else t.clone()
 
 
-# The CPU GEMMs are custom ops so that a compiled graph (`lathe.serve.decode_graph`) calls
-# them whole: inside, the tensors are real, so `_aligned` can test their addresses, and
-# inductor's own lowering of `_weight_int8pack_mm` fails on a fused dtype cast as input.
-@torch.library.custom_op("lathe::int8_matmul_cpu", mutates_args=())
-def int8_matmul_cpu(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+def _int8_gemm_cpu(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     x2 = _aligned(x.reshape(-1, x.shape[-1]).to(torch.bfloat16))
     y = torch.ops.aten._weight_int8pack_mm(x2, _aligned(q), scale.to(torch.bfloat16))
     return y.to(x.dtype).view(*x.shape[:-1], q.shape[0])
-
-
-@int8_matmul_cpu.register_fake
-def _(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
-    return x.new_empty(*x.shape[:-1], q.shape[0])
 
 
 def int4_pack_for_cpu(packed: Tensor, scale: Tensor, minimum: Tensor) -> tuple[Tensor, Tensor]:
@@ -147,18 +138,45 @@ def int4_pack_for_cpu(packed: Tensor, scale: Tensor, minimum: Tensor) -> tuple[T
     return weight, scales_zeros.to(torch.bfloat16)
 
 
-@torch.library.custom_op("lathe::int4_matmul_cpu", mutates_args=())
-def int4_matmul_cpu(x: Tensor, weight: Tensor, scales_zeros: Tensor) -> Tensor:
-    """x @ w.T from `int4_pack_for_cpu`'s (weight, scales_zeros)."""
+def _int4_gemm_cpu(x: Tensor, weight: Tensor, scales_zeros: Tensor) -> Tensor:
     x2 = _aligned(x.reshape(-1, x.shape[-1]).to(torch.bfloat16))
     group = x.shape[-1] // scales_zeros.shape[0]
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, weight, group, scales_zeros)
     return y.to(x.dtype).view(*x.shape[:-1], scales_zeros.shape[1])
 
 
-@int4_matmul_cpu.register_fake
+# The same GEMMs as custom ops, which a compiled graph (`lathe.serve.decode_graph`) calls
+# whole: inside, the tensors are real, so `_aligned` can test their addresses, and
+# inductor's own lowering of `_weight_int8pack_mm` fails on a fused dtype cast as input.
+# Eager code calls the plain functions: an op's dispatch cost 10-20% of the README model's
+# int8 decode step.
+_int8_gemm_op = torch.library.custom_op("lathe::int8_matmul_cpu", _int8_gemm_cpu,
+                                        mutates_args=())
+_int4_gemm_op = torch.library.custom_op("lathe::int4_matmul_cpu", _int4_gemm_cpu,
+                                        mutates_args=())
+
+
+@_int8_gemm_op.register_fake
+def _(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    return x.new_empty(*x.shape[:-1], q.shape[0])
+
+
+@_int4_gemm_op.register_fake
 def _(x: Tensor, weight: Tensor, scales_zeros: Tensor) -> Tensor:
     return x.new_empty(*x.shape[:-1], scales_zeros.shape[1])
+
+
+def int8_matmul_cpu(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    """x @ dequantize(q, scale).T through torch's CPU int8 GEMM."""
+    gemm = _int8_gemm_op if torch.compiler.is_compiling() else _int8_gemm_cpu
+    return gemm(x, q, scale)
+
+
+def int4_matmul_cpu(x: Tensor, weight: Tensor, scales_zeros: Tensor) -> Tensor:
+    """x @ w.T from `int4_pack_for_cpu`'s (weight, scales_zeros), through torch's CPU int4
+    GEMM."""
+    gemm = _int4_gemm_op if torch.compiler.is_compiling() else _int4_gemm_cpu
+    return gemm(x, weight, scales_zeros)
 
 
 def int8_matmul(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
