@@ -2,8 +2,8 @@
 # The whole GPU path in a few minutes on one CUDA GPU: data, pretraining in bf16 (eval,
 # export), with compile and FP8, killed mid-save and resumed, SFT (full and LoRA), DPO,
 # GRPO, distillation, `lathe serve` under a burst of concurrent requests, the Triton
-# kernel tests compiled, and decode steps captured as CUDA graphs. One line per step, PASS or FAIL, each step's log under $OUT;
-# exits non-zero if any step failed. W&B is off (--logging.report_to=none), so wandb,
+# kernel tests compiled, and decode steps captured as CUDA graphs. One line per step, PASS
+# or FAIL, each step's log under $OUT; exits non-zero if any step failed. W&B is off (--logging.report_to=none), so wandb,
 # deepspeed and datasets need not be installed.
 #
 #   bash recipes/gpu-smoke.sh            # OUT=runs/gpu-smoke, PYTHON=python

@@ -86,11 +86,11 @@ def timed_generate(checkpoint: Path, prompts: list[list[int]], params: SamplingP
 def offline(checkpoint: Path, prompts: list[list[int]], new_tokens: int,
             device: torch.device) -> list[str]:
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    # transformers loads the checkpoint in the dtype lathe's engine runs it in
     ours, lathe_s, dtype = timed_generate(checkpoint, prompts, params, device, False)
     compiled, compiled_s, _ = timed_generate(checkpoint, prompts, params, device, True)
 
     from transformers import LlamaForCausalLM
-    # both in the checkpoint's dtype
     model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
     # as lathe's ignore_eos (and vLLM's): EOS neither stops a row nor is masked out
     # (min_new_tokens would mask it, so a trained model's greedy tokens would differ)

@@ -91,6 +91,19 @@ def test_quantized_linears_compile_into_the_decode_step(mode):
 
 
 @pytest.mark.slow
+def test_compiled_decode_runs_bf16_weights_as_eager_does():
+    """bf16 is the GPU default: the compiled step must take bf16 weights and a bf16 KV
+    cache (no fp32 operand reaching a bf16 one) and pick eager's tokens."""
+    model = serve_model(256).to(torch.bfloat16)
+    eager, compiled = engine_pair(model)
+    batch = prompts([5, 12, 8])
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    want = [r.outputs[0].token_ids for r in eager.generate(batch, greedy)]
+    assert [r.outputs[0].token_ids for r in compiled.generate(batch, greedy)] == want
+    assert compiled.slabs.k[0].dtype == torch.bfloat16 and compiled.runner.graphs.steps > 0
+
+
+@pytest.mark.slow
 def test_seeded_sampling_through_compiled_steps_repeats():
     model = serve_model(256)
     _, compiled = engine_pair(model)
