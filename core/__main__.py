@@ -1,7 +1,5 @@
 """`python -m lathe.core COMMAND ...` runs the `lathe` console script."""
 
-import sys
+from lathe.core.cli import exit_process, main
 
-from lathe.core.cli import main
-
-sys.exit(main())
+exit_process(main())

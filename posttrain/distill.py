@@ -226,5 +226,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     import sys
 
-    from lathe.core.cli import run_command
-    sys.exit(run_command("distill", sys.argv[1:]))
+    from lathe.core.cli import exit_process, run_command
+    exit_process(run_command("distill", sys.argv[1:]))

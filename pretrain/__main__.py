@@ -2,7 +2,7 @@
 
 import sys
 
-from lathe.core.cli import run_command
+from lathe.core.cli import exit_process, run_command
 
 if __name__ == "__main__":
-    sys.exit(run_command("pretrain", sys.argv[1:]))
+    exit_process(run_command("pretrain", sys.argv[1:]))

@@ -1,7 +1,9 @@
 """The `lathe` console script: the subcommand table, init and generate, and their errors."""
 
 import json
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -86,3 +88,19 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, (argv, err)
+
+
+def test_a_launched_worker_exits_with_its_code_and_its_output_flushed():
+    script = ("import atexit, sys\n"
+              "from lathe.core.cli import exit_process\n"
+              "atexit.register(lambda: print('teardown ran'))\n"
+              "print('summary', end='')\n"
+              "sys.stderr.write('warning')\n"
+              "exit_process(3)\n")
+    for world_size, teardown in (("2", False), ("1", True)):
+        env = {**os.environ, "WORLD_SIZE": world_size}
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 3
+        assert done.stdout.startswith("summary") and done.stderr == "warning"
+        assert ("teardown ran" in done.stdout) is teardown, world_size

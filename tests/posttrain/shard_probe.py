@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lathe.core.cli import exit_process
 from lathe.pretrain.config import LoggingConfig, TrainConfig
 from lathe.pretrain.runtime import Runtime
 from tests.builders import tiny_model
@@ -46,7 +47,9 @@ def main(out: Path) -> None:
               "reference_trainable": sum(p.requires_grad for p in frozen.parameters()),
               "reference_logits_error": (got - expected).abs().max().item()}
     (out / f"rank{runtime.rank}.json").write_text(json.dumps(report))
+    runtime.accelerator.end_training()
 
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    exit_process(0)
