@@ -29,14 +29,22 @@ def paged_decode_reference(q: Tensor, k_slab: Tensor, v_slab: Tensor, block_tabl
 
     Gathers every sequence's blocks into a padded (B, n_kv_heads, max_blocks · block_size,
     D) copy and runs one masked SDPA: the engine's path off-GPU and the kernel's baseline.
+    The copy is whole blocks (`index_select` over the slab viewed as blocks): on CPU that
+    is 4.5x faster than indexing it slot by slot, which cost a 16-row decode step 40%.
     """
-    offsets = torch.arange(block_size, device=q.device)
-    slots = (block_tables.long()[:, :, None] * block_size + offsets).flatten(1)
-    visible = torch.arange(slots.shape[1], device=q.device) < context_lens[:, None]
-    keys, values = k_slab[slots].transpose(1, 2), v_slab[slots].transpose(1, 2)
+    visible = (torch.arange(block_tables.shape[1] * block_size, device=q.device)
+               < context_lens[:, None])
+    keys = gather_blocks(k_slab, block_tables, block_size).transpose(1, 2)
+    values = gather_blocks(v_slab, block_tables, block_size).transpose(1, 2)
     return F.scaled_dot_product_attention(
         q[:, :, None], keys, values, attn_mask=visible[:, None, None],
         enable_gqa=grouped(q, keys))[:, :, 0]
+
+
+def gather_blocks(slab: Tensor, block_tables: Tensor, block_size: int) -> Tensor:
+    """The rows of every block in `block_tables` (B, W): (B, W · block_size, *row shape)."""
+    blocks = slab.unflatten(0, (-1, block_size)).index_select(0, block_tables.flatten())
+    return blocks.view(block_tables.shape[0], -1, *slab.shape[1:])
 
 
 @triton.jit
@@ -157,4 +165,19 @@ def paged_decode(q: Tensor, k_slab: Tensor, v_slab: Tensor, block_tables: Tensor
     tileable = block_size >= 16 and block_size & (block_size - 1) == 0
     if tileable and use_triton("paged_decode", q):
         return paged_decode_triton(q, k_slab, v_slab, block_tables, context_lens, block_size)
-    return paged_decode_reference(q, k_slab, v_slab, block_tables, context_lens, block_size)
+    attend = _paged_decode_op if torch.compiler.is_compiling() else paged_decode_reference
+    return attend(q, k_slab, v_slab, block_tables, context_lens, block_size)
+
+
+# The gather + SDPA path as one custom op, which a compiled graph
+# (`lathe.serve.decode_graph`) calls whole: inductor's own loops for the gather and the
+# mask cost the README model's 16-row decode step ~400 µs a layer, against ~100 µs for
+# `index_select`'s block copies and SDPA. Eager code calls the function itself.
+_paged_decode_op = torch.library.custom_op("lathe::paged_decode_reference",
+                                           paged_decode_reference, mutates_args=())
+
+
+@_paged_decode_op.register_fake
+def _(q: Tensor, k_slab: Tensor, v_slab: Tensor, block_tables: Tensor, context_lens: Tensor,
+      block_size: int) -> Tensor:
+    return torch.empty_like(q)

@@ -28,9 +28,8 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                        default=EngineConfig.gpu_memory_utilization)
     group.add_argument("--compile-decode", action="store_true",
                        help="compile decode-only steps once per batch size (CUDA graphs on "
-                            "CUDA); each size's first step pays the compile, and every step "
-                            "attends over the whole context window (off CUDA it gathers "
-                            "max_seq_len positions a sequence)")
+                            "CUDA), and off CUDA per power-of-two context width in blocks; "
+                            "each shape's first step pays the compile")
     group = parser.add_argument_group("speculative decoding")
     group.add_argument("--draft", type=Path, metavar="CKPT",
                        help="draft model checkpoint sharing this model's tokenizer (e.g. the "

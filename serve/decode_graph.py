@@ -1,17 +1,19 @@
 """Decode steps at static shapes, compiled once per batch size (vLLM's CUDA-graph capture,
 gpt-fast's compiled decode).
 
-A decode-only step is padded to the smallest bucket that holds it (1, 2, 4, 8, 16, then
-multiples of 16 up to the engine's `max_num_seqs`); its block tables are the runner's
-full-width rows and its attention masks each row by context length, so a bucket's step has
-one set of shapes for the life of the engine. Each bucket's step is `torch.compile`d whole
-(`fullgraph`, static shapes): on CUDA in mode "reduce-overhead", which captures it as a CUDA
-graph and replays it; elsewhere inductor fuses the norms, RoPE, SwiGLU and residual adds
-around the GEMMs, so a step is a few dozen kernel calls instead of ~150 ATen ops.
+A decode-only step is padded to the smallest batch bucket that holds it (1, 2, 4, 8, 16,
+then multiples of 16 up to the engine's `max_num_seqs`); its attention masks each row by
+context length, so a bucket's step has one set of shapes. Each bucket's step is
+`torch.compile`d whole (`fullgraph`, static shapes): on CUDA in mode "reduce-overhead",
+which captures it as a CUDA graph and replays it; elsewhere inductor fuses the norms, RoPE,
+SwiGLU and residual adds around the GEMMs, so a step is a few dozen kernel calls instead of
+~150 ATen ops.
 
-The price of one shape is the full table: the Triton kernel on CUDA still reads only each
-sequence's blocks, but the gather + SDPA path elsewhere reads `max_seq_len` positions a row,
-so on CPU a long-context model's short sequences are better served eager.
+How much of the block table a step passes is a second bucket. On CUDA it is always the full
+width (one graph per batch size): the Triton kernel reads only each sequence's own blocks
+whatever the width. Elsewhere attention gathers every block the table holds, so the table
+is cut to the power of two of blocks that holds the step's longest context: at batch 16 a
+full 512-position table cost the README model more than the whole eager step.
 
 Padding rows write their K/V to the slabs' scratch slot (past the last block, owned by no
 sequence) and attend over it alone; their logits are dropped. Prefill, mixed and
@@ -37,6 +39,11 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return small + list(range(16, max_num_seqs, 16)) + [max_num_seqs]
 
 
+def width_buckets(max_blocks: int) -> list[int]:
+    """The block-table widths a compiled decode step exists for off CUDA: powers of two."""
+    return [1 << i for i in range(max_blocks.bit_length()) if 1 << i < max_blocks] + [max_blocks]
+
+
 class StaticDecodeBatch:
     """One padded decode step as a `KVCache`: a token per row at `positions`, written to
     `slots`, attending over the first `lens` slots of its block table row."""
@@ -60,7 +67,8 @@ class StaticDecodeBatch:
 
 
 class DecodeGraphs:
-    def __init__(self, model: Transformer, slabs: KVSlabs, max_num_seqs: int) -> None:
+    def __init__(self, model: Transformer, slabs: KVSlabs, max_num_seqs: int,
+                 max_blocks: int) -> None:
         self.model, self.slabs = model, slabs
         self.buckets = batch_buckets(max_num_seqs)
         self.steps = 0  # decode steps run compiled
@@ -70,9 +78,10 @@ class DecodeGraphs:
             # fixed buffers (as parameters are), or cudagraph trees skip a mutating graph
             for slab in (*slabs.k, *slabs.v):
                 torch._dynamo.mark_static_address(slab)
+        self.widths = [max_blocks] if cuda else width_buckets(max_blocks)
         # every engine's buckets are entries of one code object's cache (`_forward`'s); past
         # dynamo's limit of 8 the rest would silently run eager
-        torch._dynamo.config.recompile_limit += len(self.buckets)
+        torch._dynamo.config.recompile_limit += len(self.buckets) * len(self.widths)
         self._step = torch.compile(self._forward, fullgraph=True, dynamic=False,
                                    mode="reduce-overhead" if cuda else None)
 
@@ -80,6 +89,10 @@ class DecodeGraphs:
         """The padded size of a `batch`-row decode step, None past the largest bucket."""
         at = bisect.bisect_left(self.buckets, batch)
         return self.buckets[at] if at < len(self.buckets) else None
+
+    def width(self, blocks: int) -> int:
+        """The table width a step whose longest context spans `blocks` blocks runs at."""
+        return self.widths[bisect.bisect_left(self.widths, blocks)]
 
     def _forward(self, ids: Tensor, positions: Tensor, slots: Tensor, tables: Tensor,
                  lens: Tensor) -> Tensor:
@@ -89,7 +102,7 @@ class DecodeGraphs:
     def run(self, ids: Tensor, positions: Tensor, slots: Tensor, tables: Tensor,
             lens: Tensor) -> Tensor:
         """Logits (B, vocab) of a B-row decode step (all arguments (B,) but `tables`,
-        (B, max_blocks)), computed at the bucket's padded size."""
+        (B, a `width` bucket)), computed at the bucket's padded size."""
         batch = ids.shape[0]
         size = self.bucket(batch)
         if size is None:

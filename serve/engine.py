@@ -61,7 +61,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     speculative: SpeculativeConfig | None = None
     # decode-only steps through `lathe.serve.decode_graph`: compiled once per batch bucket
-    # (CUDA graphs on CUDA); costs a compile per bucket on first use
+    # (CUDA graphs on CUDA; off CUDA also per context-width bucket); costs a compile per
+    # bucket on first use
     compile_decode: bool = False
 
 

@@ -10,7 +10,7 @@ Prefill chunks — and a speculative step's verified drafts, which are a short c
 their context through the same rows. A draft model runs through the same rows on its own
 slabs: its KV lives in the target's block ids, so it is paged, shared and freed with them.
 With `compile_decode`, a decode-only step of the target runs through
-`lathe.serve.decode_graph` instead: the same rows, full width, at a compiled static shape.
+`lathe.serve.decode_graph` instead: the same rows, at a compiled static shape.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ class ModelRunner:
     def __init__(self, model: Transformer, slabs: KVSlabs, device: torch.device,
                  rows: int = 64, compile_decode: bool = False) -> None:
         self.model, self.slabs, self.device = model, slabs, device
-        self.graphs = DecodeGraphs(model, slabs, rows) if compile_decode else None
         self.block_size = slabs.block_size
         self.max_blocks = -(-model.config.max_seq_len // self.block_size)
+        self.graphs = DecodeGraphs(model, slabs, rows, self.max_blocks) \
+            if compile_decode else None
         self.tables = torch.zeros(rows, self.max_blocks, dtype=torch.long, device=device)
         self.rows: dict[Sequence, int] = {}
         self.written: list[list[int]] = [[] for _ in range(rows)]  # host copy of each row
@@ -136,8 +137,10 @@ class ModelRunner:
             positions.append(start)
             slots.append(seq.table.blocks[start // size] * size + start % size)
         inputs = torch.tensor([ids, positions, slots], device=self.device)  # contiguous rows
-        tables = self.tables[rows[0]:rows[0] + 1] if len(rows) == 1 else \
-            self.tables[torch.tensor(rows, device=self.device)]
+        assert self.graphs is not None
+        width = self.graphs.width(max(positions) // size + 1)
+        tables = self.tables[rows[0]:rows[0] + 1, :width] if len(rows) == 1 else \
+            self.tables[torch.tensor(rows, device=self.device), :width]
         view = StaticDecodeBatch(self.slabs, inputs[1], inputs[2], tables, inputs[1] + 1)
         return inputs[:1], view, list(range(len(items)))
 

@@ -99,7 +99,7 @@ class PagedBatch:
             out[0, :, rows] = attended.transpose(0, 1)
         for span in self.prefills:
             rows = slice(span.start, span.start + span.length)
-            keys = k_slab[span.context].transpose(0, 1)[None]
-            values = v_slab[span.context].transpose(0, 1)[None]
+            keys = k_slab.index_select(0, span.context).transpose(0, 1)[None]
+            values = v_slab.index_select(0, span.context).transpose(0, 1)[None]
             out[:, :, rows] = causal_attention(q[:, :, rows], keys, values)
         return out.to(result_dtype)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lathe.serve.decode_graph import batch_buckets
+from lathe.serve.decode_graph import batch_buckets, width_buckets
 from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.quant import quantize_linears
 from lathe.serve.sampling import SamplingParams
@@ -26,6 +26,12 @@ def test_buckets_cover_every_batch_up_to_max_num_seqs():
     assert batch_buckets(6) == [1, 2, 4, 6]
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert batch_buckets(70) == [1, 2, 4, 8, 16, 32, 48, 64, 70]
+
+
+def test_width_buckets_are_powers_of_two_up_to_the_full_table():
+    assert width_buckets(1) == [1]
+    assert width_buckets(12) == [1, 2, 4, 8, 12]
+    assert width_buckets(32) == [1, 2, 4, 8, 16, 32]
 
 
 @pytest.mark.slow
