@@ -20,7 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from lathe.kernels.attention import grouped
-from lathe.kernels.dispatch import check_same_dtype, dot_precision, use_triton
+from lathe.kernels.dispatch import check_same_dtype, dot_precision, opaque_op, use_triton
 
 
 def paged_decode_reference(q: Tensor, k_slab: Tensor, v_slab: Tensor, block_tables: Tensor,
@@ -165,19 +165,18 @@ def paged_decode(q: Tensor, k_slab: Tensor, v_slab: Tensor, block_tables: Tensor
     tileable = block_size >= 16 and block_size & (block_size - 1) == 0
     if tileable and use_triton("paged_decode", q):
         return paged_decode_triton(q, k_slab, v_slab, block_tables, context_lens, block_size)
-    attend = _paged_decode_op if torch.compiler.is_compiling() else paged_decode_reference
-    return attend(q, k_slab, v_slab, block_tables, context_lens, block_size)
+    if torch.compiler.is_compiling() and q.shape[0] >= OPAQUE_FROM_ROWS:
+        return _paged_decode_op(q, k_slab, v_slab, block_tables, context_lens, block_size)
+    return paged_decode_reference(q, k_slab, v_slab, block_tables, context_lens, block_size)
 
 
-# The gather + SDPA path as one custom op, which a compiled graph
-# (`lathe.serve.decode_graph`) calls whole: inductor's own loops for the gather and the
-# mask cost the README model's 16-row decode step ~400 µs a layer, against ~100 µs for
-# `index_select`'s block copies and SDPA. Eager code calls the function itself.
-_paged_decode_op = torch.library.custom_op("lathe::paged_decode_reference",
-                                           paged_decode_reference, mutates_args=())
-
-
-@_paged_decode_op.register_fake
-def _(q: Tensor, k_slab: Tensor, v_slab: Tensor, block_tables: Tensor, context_lens: Tensor,
-      block_size: int) -> Tensor:
-    return torch.empty_like(q)
+# From this many rows a compiled graph (`lathe.serve.decode_graph`) calls the gather + SDPA
+# path as one op instead of tracing it. On the README model inductor's own loops for the
+# gather and the mask decode 1.2-1.3x faster up to 8 rows, but cost a 16-row step ~400 µs a
+# layer against ~100 µs for `index_select`'s block copies and SDPA.
+OPAQUE_FROM_ROWS = 16
+_paged_decode_op = opaque_op(
+    "paged_decode_reference",
+    "(Tensor q, Tensor k_slab, Tensor v_slab, Tensor block_tables, Tensor context_lens, "
+    "int block_size) -> Tensor",
+    paged_decode_reference, lambda q, *_: torch.empty_like(q))

@@ -12,13 +12,15 @@ minimum per (n, k // group); a K tile never crosses a group.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from lathe.kernels.dispatch import dot_precision, use_cpu_kernel, use_triton
+from lathe.kernels.dispatch import dot_precision, opaque_op, use_cpu_kernel, use_triton
 
 
 def dequantize_int8(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -121,12 +123,6 @@ def _aligned(t: Tensor) -> Tensor:
     return t if t.data_ptr() % 64 == 0 else t.clone()
 
 
-def _int8_gemm_cpu(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
-    x2 = _aligned(x.reshape(-1, x.shape[-1]).to(torch.bfloat16))
-    y = torch.ops.aten._weight_int8pack_mm(x2, _aligned(q), scale.to(torch.bfloat16))
-    return y.to(x.dtype).view(*x.shape[:-1], q.shape[0])
-
-
 def int4_pack_for_cpu(packed: Tensor, scale: Tensor, minimum: Tensor) -> tuple[Tensor, Tensor]:
     """Our int4 layout as torch's CPU int4 GEMM takes it: its packed weight, and per group
     (scale, zero) with w = (q − 8) · scale + zero, i.e. zero = minimum + 8 · scale."""
@@ -138,45 +134,48 @@ def int4_pack_for_cpu(packed: Tensor, scale: Tensor, minimum: Tensor) -> tuple[T
     return weight, scales_zeros.to(torch.bfloat16)
 
 
-def _int4_gemm_cpu(x: Tensor, weight: Tensor, scales_zeros: Tensor) -> Tensor:
-    x2 = _aligned(x.reshape(-1, x.shape[-1]).to(torch.bfloat16))
-    group = x.shape[-1] // scales_zeros.shape[0]
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, weight, group, scales_zeros)
-    return y.to(x.dtype).view(*x.shape[:-1], scales_zeros.shape[1])
+def _int8_gemm_bf16(x2: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    return torch.ops.aten._weight_int8pack_mm(_aligned(x2), _aligned(q), scale)
 
 
-# The same GEMMs as custom ops, which a compiled graph (`lathe.serve.decode_graph`) calls
-# whole: inside, the tensors are real, so `_aligned` can test their addresses, and
+def _int4_gemm_bf16(x2: Tensor, weight: Tensor, scales_zeros: Tensor) -> Tensor:
+    group = x2.shape[-1] // scales_zeros.shape[0]
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(_aligned(x2), weight, group, scales_zeros)
+
+
+# The same GEMMs as ops on bf16 rows, which a compiled graph (`lathe.serve.decode_graph`)
+# calls whole: inside, the tensors are real, so `_aligned` can test their addresses, and
 # inductor's own lowering of `_weight_int8pack_mm` fails on a fused dtype cast as input.
-# Eager code calls the plain functions: an op's dispatch cost 10-20% of the README model's
-# int8 decode step.
-_int8_gemm_op = torch.library.custom_op("lathe::int8_matmul_cpu", _int8_gemm_cpu,
-                                        mutates_args=())
-_int4_gemm_op = torch.library.custom_op("lathe::int4_matmul_cpu", _int4_gemm_cpu,
-                                        mutates_args=())
+# The casts stay outside, where inductor fuses them into the ops around the GEMM. Eager
+# code calls the plain functions: even a cheap op's dispatch is paid 29 times a step.
+_int8_gemm_op = opaque_op("int8_matmul_cpu", "(Tensor x2, Tensor q, Tensor scale) -> Tensor",
+                          _int8_gemm_bf16,
+                          lambda x2, q, scale: x2.new_empty(x2.shape[0], q.shape[0]))
+_int4_gemm_op = opaque_op(
+    "int4_matmul_cpu", "(Tensor x2, Tensor weight, Tensor scales_zeros) -> Tensor",
+    _int4_gemm_bf16,
+    lambda x2, weight, scales_zeros: x2.new_empty(x2.shape[0], scales_zeros.shape[1]))
 
 
-@_int8_gemm_op.register_fake
-def _(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
-    return x.new_empty(*x.shape[:-1], q.shape[0])
-
-
-@_int4_gemm_op.register_fake
-def _(x: Tensor, weight: Tensor, scales_zeros: Tensor) -> Tensor:
-    return x.new_empty(*x.shape[:-1], scales_zeros.shape[1])
+def _on_bf16_rows(gemm: Callable[[Tensor, Tensor, Tensor], Tensor], x: Tensor, weight: Tensor,
+                  scale: Tensor, out_features: int) -> Tensor:
+    """`gemm` (a torch CPU weight-only GEMM, which takes bf16 activations) on `x` of any
+    leading shape and dtype."""
+    y = gemm(x.reshape(-1, x.shape[-1]).to(torch.bfloat16), weight, scale.to(torch.bfloat16))
+    return y.to(x.dtype).view(*x.shape[:-1], out_features)
 
 
 def int8_matmul_cpu(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     """x @ dequantize(q, scale).T through torch's CPU int8 GEMM."""
-    gemm = _int8_gemm_op if torch.compiler.is_compiling() else _int8_gemm_cpu
-    return gemm(x, q, scale)
+    gemm = _int8_gemm_op if torch.compiler.is_compiling() else _int8_gemm_bf16
+    return _on_bf16_rows(gemm, x, q, scale, q.shape[0])
 
 
 def int4_matmul_cpu(x: Tensor, weight: Tensor, scales_zeros: Tensor) -> Tensor:
     """x @ w.T from `int4_pack_for_cpu`'s (weight, scales_zeros), through torch's CPU int4
     GEMM."""
-    gemm = _int4_gemm_op if torch.compiler.is_compiling() else _int4_gemm_cpu
-    return gemm(x, weight, scales_zeros)
+    gemm = _int4_gemm_op if torch.compiler.is_compiling() else _int4_gemm_bf16
+    return _on_bf16_rows(gemm, x, weight, scales_zeros, scales_zeros.shape[1])
 
 
 def int8_matmul(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
