@@ -11,7 +11,9 @@ import torch
 
 from lathe.kernels.dispatch import kernels_off
 from lathe.kernels.paged_attention import (
+    OPAQUE_FROM_ROWS,
     num_partitions,
+    paged_decode,
     paged_decode_reference,
     paged_decode_triton,
 )
@@ -86,3 +88,28 @@ def test_gqa_paged_reference_traces_whole_under_dynamic_shapes():
     traced = torch.compile(paged_decode_reference, backend="eager", fullgraph=True, dynamic=True)
     torch.testing.assert_close(traced(q, k_slab, v_slab, tables, lens, 8),
                                paged_decode_reference(q, k_slab, v_slab, tables, lens, 8))
+
+
+def test_a_compiled_step_calls_the_gather_path_whole_from_sixteen_rows():
+    """Below OPAQUE_FROM_ROWS rows inductor traces the gather + SDPA; from it the graph
+    holds one `lathe::paged_decode_reference` op, whose result is the reference's."""
+    g = torch.Generator().manual_seed(0)
+    k_slab, v_slab = torch.randn(64, 2, 8, generator=g), torch.randn(64, 2, 8, generator=g)
+    for rows in (OPAQUE_FROM_ROWS // 2, OPAQUE_FROM_ROWS):
+        q = torch.randn(rows, 4, 8, generator=g)
+        tables = torch.randint(0, 8, (rows, 3), generator=g)
+        lens = torch.randint(1, 25, (rows,), generator=g)
+        graphs = []
+
+        def record(gm, example_inputs, graphs=graphs):
+            graphs.append(gm)
+            return gm.forward
+
+        with kernels_off("paged_decode"):
+            compiled = torch.compile(paged_decode, backend=record, fullgraph=True)
+            got = compiled(q, k_slab, v_slab, tables, lens, 8)
+        torch.testing.assert_close(got, paged_decode_reference(q, k_slab, v_slab, tables,
+                                                               lens, 8))
+        called = {str(node.target) for node in graphs[0].graph.nodes
+                  if node.op == "call_function"}
+        assert ("lathe.paged_decode_reference.default" in called) == (rows >= OPAQUE_FROM_ROWS)
