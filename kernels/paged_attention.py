@@ -179,4 +179,4 @@ _paged_decode_op = opaque_op(
     "paged_decode_reference",
     "(Tensor q, Tensor k_slab, Tensor v_slab, Tensor block_tables, Tensor context_lens, "
     "int block_size) -> Tensor",
-    paged_decode_reference, lambda q, *_: torch.empty_like(q))
+    lambda *args: paged_decode_reference(*args).contiguous(), lambda q, *_: q.new_empty(q.shape))

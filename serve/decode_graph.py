@@ -82,8 +82,11 @@ class DecodeGraphs:
         # every engine's buckets are entries of one code object's cache (`_forward`'s); past
         # dynamo's limit of 8 the rest would silently run eager
         torch._dynamo.config.recompile_limit += len(self.buckets) * len(self.widths)
+        # "triton.cudagraphs" is mode "reduce-overhead"; size_asserts re-check every extern
+        # op's output layout on each call: ~56 checks a step, 5-20% of the README model's
+        # (the equality tests against eager cover the layouts)
         self._step = torch.compile(self._forward, fullgraph=True, dynamic=False,
-                                   mode="reduce-overhead" if cuda else None)
+                                   options={"triton.cudagraphs": cuda, "size_asserts": False})
 
     def bucket(self, batch: int) -> int | None:
         """The padded size of a `batch`-row decode step, None past the largest bucket."""

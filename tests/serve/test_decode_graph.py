@@ -63,6 +63,19 @@ def test_compiled_decode_matches_eager_token_for_token():
 
 
 @pytest.mark.slow
+def test_sixteen_row_steps_call_the_attention_op_and_match_eager():
+    """From 16 rows a compiled step calls the gather + SDPA as one op (below, inductor
+    traces it): the same tokens, over contexts that cross table-width buckets."""
+    model = serve_model(256)
+    eager, compiled = engine_pair(model, max_num_seqs=16, num_blocks=512)
+    batch = prompts([3 + 2 * i for i in range(16)], seed=2)
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    want = [r.outputs[0].token_ids for r in eager.generate(batch, greedy)]
+    assert [r.outputs[0].token_ids for r in compiled.generate(batch, greedy)] == want
+    assert compiled.runner.graphs.steps >= 7
+
+
+@pytest.mark.slow
 def test_compiled_decode_reads_weights_loaded_after_it_compiled():
     """GRPO refreshes its engine's weights in place: the compiled step must not have baked
     the old ones in."""
@@ -85,7 +98,7 @@ def test_compiled_decode_reads_weights_loaded_after_it_compiled():
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_linears_compile_into_the_decode_step(mode):
-    """On CPU the int8/int4 GEMMs are custom ops a compiled step calls whole."""
+    """On CPU the int8/int4 GEMMs are ops a compiled step calls whole, on bf16 rows."""
     model = serve_model(256)
     quantize_linears(model, mode)
     eager, compiled = engine_pair(model)
