@@ -6,8 +6,8 @@ then multiples of 16 up to the engine's `max_num_seqs`); its attention masks eac
 context length, so a bucket's step has one set of shapes. Each bucket's step is
 `torch.compile`d whole (`fullgraph`, static shapes): on CUDA in mode "reduce-overhead",
 which captures it as a CUDA graph and replays it; elsewhere inductor fuses the norms, RoPE,
-SwiGLU and residual adds around the GEMMs, so a step is a few dozen kernel calls instead of
-~150 ATen ops.
+SwiGLU and residual adds around the GEMMs, so a step is a few dozen kernel calls, made from
+a C++ wrapper, instead of ~150 ATen ops.
 
 How much of the block table a step passes is a second bucket. On CUDA it is always the full
 width (one graph per batch size): the Triton kernel reads only each sequence's own blocks
@@ -82,11 +82,13 @@ class DecodeGraphs:
         # every engine's buckets are entries of one code object's cache (`_forward`'s); past
         # dynamo's limit of 8 the rest would silently run eager
         torch._dynamo.config.recompile_limit += len(self.buckets) * len(self.widths)
-        # "triton.cudagraphs" is mode "reduce-overhead"; size_asserts re-check every extern
-        # op's output layout on each call: ~56 checks a step, 5-20% of the README model's
-        # (the equality tests against eager cover the layouts)
+        # "triton.cudagraphs" is mode "reduce-overhead". Off CUDA the graph's wrapper is C++
+        # (the Python one's ~100 tensor views and checks a step were 20-35% of the README
+        # model's batch-1 step), and size_asserts, which re-check every extern op's output
+        # layout on each call, are off (the equality tests against eager cover the layouts)
         self._step = torch.compile(self._forward, fullgraph=True, dynamic=False,
-                                   options={"triton.cudagraphs": cuda, "size_asserts": False})
+                                   options={"triton.cudagraphs": cuda, "cpp_wrapper": not cuda,
+                                            "size_asserts": False})
 
     def bucket(self, batch: int) -> int | None:
         """The padded size of a `batch`-row decode step, None past the largest bucket."""
