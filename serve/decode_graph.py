@@ -24,6 +24,7 @@ frozen into the graph, so `LLMEngine.load_weights` (GRPO's refresh) needs no rec
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -79,16 +80,26 @@ class DecodeGraphs:
             for slab in (*slabs.k, *slabs.v):
                 torch._dynamo.mark_static_address(slab)
         self.widths = [max_blocks] if cuda else width_buckets(max_blocks)
-        # every engine's buckets are entries of one code object's cache (`_forward`'s); past
-        # dynamo's limit of 8 the rest would silently run eager
-        torch._dynamo.config.recompile_limit += len(self.buckets) * len(self.widths)
-        # "triton.cudagraphs" is mode "reduce-overhead". Off CUDA the graph's wrapper is C++
-        # (the Python one's ~100 tensor views and checks a step were 20-35% of the README
-        # model's batch-1 step), and size_asserts, which re-check every extern op's output
-        # layout on each call, are off (the equality tests against eager cover the layouts)
-        self._step = torch.compile(self._forward, fullgraph=True, dynamic=False,
-                                   options={"triton.cudagraphs": cuda, "cpp_wrapper": not cuda,
-                                            "size_asserts": False})
+        if cuda:
+            # every engine's buckets are entries of one code object's cache (`_forward`'s);
+            # past dynamo's limit of 8 the rest would silently run eager. "triton.cudagraphs"
+            # is mode "reduce-overhead"; size_asserts re-check every extern op's output
+            # layout on each call (the equality tests against eager cover the layouts)
+            torch._dynamo.config.recompile_limit += len(self.buckets)
+            self._step = torch.compile(self._forward, fullgraph=True, dynamic=False,
+                                       options={"triton.cudagraphs": True,
+                                                "size_asserts": False})
+        else:
+            # Off CUDA each shape is compiled ahead of its first step into a graph of its
+            # own, called without dynamo's guards (vLLM's way): the guard check, ~700
+            # guards on the model's modules and tensors, and the Python wrapper's ~100
+            # tensor views a step had been half of the README model's batch-1 step. This
+            # object picks the graph by shape; nothing else about its inputs changes.
+            self._compiler = torch.compile(
+                self._forward, fullgraph=True, dynamic=False,
+                options={"cpp_wrapper": True, "size_asserts": False,
+                         "guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
+            self._graphs: dict[tuple[int, int], Callable[..., Tensor]] = {}
 
     def bucket(self, batch: int) -> int | None:
         """The padded size of a `batch`-row decode step, None past the largest bucket."""
@@ -126,4 +137,11 @@ class DecodeGraphs:
         self.steps += 1
         if self.cuda:  # a new step: the last replay's outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
-        return self._step(ids, positions, slots, tables, lens)[:batch]
+            return self._step(ids, positions, slots, tables, lens)[:batch]
+        inputs = (ids, positions, slots, tables, lens)
+        graph = self._graphs.get((size, tables.shape[1]))
+        if graph is None:
+            graph = self._graphs[size, tables.shape[1]] = self._compiler.aot_compile(
+                (inputs, {}))
+            graph.disable_guard_check()
+        return graph(self, *inputs)[:batch]
