@@ -4,10 +4,14 @@ gpt-fast's compiled decode).
 A decode-only step is padded to the smallest batch bucket that holds it (1, 2, 4, 8, 16,
 then multiples of 16 up to the engine's `max_num_seqs`); its attention masks each row by
 context length, so a bucket's step has one set of shapes. Each bucket's step is
-`torch.compile`d whole (`fullgraph`, static shapes): on CUDA in mode "reduce-overhead",
-which captures it as a CUDA graph and replays it; elsewhere inductor fuses the norms, RoPE,
-SwiGLU and residual adds around the GEMMs, so a step is a few dozen kernel calls, made from
-a C++ wrapper, instead of ~150 ATen ops.
+`torch.compile`d whole (`fullgraph`, static shapes). On CUDA in mode "reduce-overhead",
+which captures it as a CUDA graph and replays it. Elsewhere each shape is compiled ahead of
+its first step (`aot_compile`) into a graph of its own, which inductor's C++ wrapper runs
+and which is called without dynamo's guard check: this module picks the graph by shape,
+and nothing else a guard would check (module structure, dtypes, grad mode, the
+`LATHE_KERNELS` switches) changes in an engine's life. Inductor fuses the norms, RoPE,
+SwiGLU and residual adds around the GEMMs, so a step is a few dozen kernel calls instead
+of ~150 ATen ops.
 
 How much of the block table a step passes is a second bucket. On CUDA it is always the full
 width (one graph per batch size): the Triton kernel reads only each sequence's own blocks
@@ -74,27 +78,25 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_num_seqs)
         self.steps = 0  # decode steps run compiled
         self.cuda = cuda = slabs.k[0].device.type == "cuda"
+        self.widths = [max_blocks] if cuda else width_buckets(max_blocks)
+        # size_asserts re-check every extern op's output layout on each call (5-20% of the
+        # README model's step; the equality tests against eager cover the layouts)
         if cuda:
             # the slabs are written in place by every replay: CUDA graphs must see them as
             # fixed buffers (as parameters are), or cudagraph trees skip a mutating graph
             for slab in (*slabs.k, *slabs.v):
                 torch._dynamo.mark_static_address(slab)
-        self.widths = [max_blocks] if cuda else width_buckets(max_blocks)
-        if cuda:
             # every engine's buckets are entries of one code object's cache (`_forward`'s);
             # past dynamo's limit of 8 the rest would silently run eager. "triton.cudagraphs"
-            # is mode "reduce-overhead"; size_asserts re-check every extern op's output
-            # layout on each call (the equality tests against eager cover the layouts)
+            # is mode "reduce-overhead"
             torch._dynamo.config.recompile_limit += len(self.buckets)
             self._step = torch.compile(self._forward, fullgraph=True, dynamic=False,
                                        options={"triton.cudagraphs": True,
                                                 "size_asserts": False})
         else:
-            # Off CUDA each shape is compiled ahead of its first step into a graph of its
-            # own, called without dynamo's guards (vLLM's way): the guard check, ~700
-            # guards on the model's modules and tensors, and the Python wrapper's ~100
-            # tensor views a step had been half of the README model's batch-1 step. This
-            # object picks the graph by shape; nothing else about its inputs changes.
+            # vLLM's way: the check of ~700 guards on the model's modules and tensors, and
+            # the Python wrapper's ~100 tensor views, had been half of the README model's
+            # batch-1 step
             self._compiler = torch.compile(
                 self._forward, fullgraph=True, dynamic=False,
                 options={"cpp_wrapper": True, "size_asserts": False,
