@@ -1,4 +1,4 @@
-"""Decode steps at static shapes, compiled once per batch size (vLLM's CUDA-graph capture,
+"""Decode steps at static shapes, compiled once per shape (vLLM's CUDA-graph capture,
 gpt-fast's compiled decode).
 
 A decode-only step is padded to the smallest batch bucket that holds it (1, 2, 4, 8, 16,
