@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import logging
 import math
+import re
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -73,6 +74,19 @@ def _no_gpu_notice(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("Setting accelerator to CPU")
 
 
+_SHARED_TENSOR_NOTICE = re.compile(r"Removed shared tensor \{(.*)\} while saving")
+
+
+def _no_tied_head_notice(record: logging.LogRecord) -> bool:
+    """False for accelerate's notice, at every `save_state`, that it dropped the LM head
+    tied to the embedding: the tie is the model's (`tie_word_embeddings`) and loading the
+    embedding restores it. A notice naming any other shared tensor still shows."""
+    found = _SHARED_TENSOR_NOTICE.search(record.getMessage())
+    return found is None or not all(
+        name.strip().strip("'\"").endswith("lm_head.weight")
+        for name in found.group(1).split(","))
+
+
 class Runtime:
     def __init__(self, config: TrainConfig, stage: str) -> None:
         self.config, self.stage = config, stage
@@ -83,6 +97,7 @@ class Runtime:
             # it but switches DeepSpeed to a shared-memory all-reduce that aborts its process
             # at exit, so the notice is filtered instead (DeepSpeed reuses this logger).
             logging.getLogger("DeepSpeed").addFilter(_no_gpu_notice)
+        logging.getLogger("accelerate.utils.other").addFilter(_no_tied_head_notice)
         self.out_dir = Path(config.out_dir)
         use_wandb = config.logging.report_to == "wandb"
         if use_wandb:

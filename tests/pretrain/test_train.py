@@ -4,6 +4,7 @@ activation checkpointing, run length, export and monitoring."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import pytest
@@ -21,9 +22,11 @@ from tests.builders import reset_accelerate
 from tests.pretrain.conftest import build, run_config, step_losses
 
 
-def test_loss_falls_and_run_writes_everything(corpus, tmp_path):
+def test_loss_falls_and_run_writes_everything(corpus, tmp_path, caplog):
     out = tmp_path / "run"
     summary = pretrain(build(run_config(corpus, out, max_steps=24)))
+    # accelerate's notice that it dropped the tied LM head is not shown at every save
+    assert not [r for r in caplog.records if "shared tensor" in r.getMessage()]
     losses = step_losses(out)
     assert sorted(losses) == list(range(1, 25))
     assert losses[24] < losses[1] - 1.5, losses
@@ -289,3 +292,17 @@ def test_pretraining_in_bf16(corpus, tmp_path, monkeypatch, kernels, fp8):
     assert summary["converters"].get("fp8_layers", 0) == (7 if fp8 else 0)
     assert all(map(math.isfinite, step_losses(out).values()))
     assert load_checkpoint(out / "final").model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_only_the_tied_lm_head_notice_is_filtered():
+    from lathe.pretrain.runtime import _no_tied_head_notice
+
+    def notice(names: str) -> logging.LogRecord:
+        return logging.LogRecord("accelerate.utils.other", logging.WARNING, __file__, 1,
+                                 f"[RANK 0] Removed shared tensor {names} while saving. "
+                                 "This should be OK, but check ...", None, None)
+
+    assert not _no_tied_head_notice(notice("{'lm_head.weight'}"))
+    assert not _no_tied_head_notice(notice("{'module.lm_head.weight'}"))
+    assert _no_tied_head_notice(notice("{'lm_head.weight', 'layers.0.mlp.up.weight'}"))
+    assert _no_tied_head_notice(notice("{'layers.0.mlp.up.weight'}"))
