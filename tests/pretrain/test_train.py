@@ -15,7 +15,7 @@ from lathe.data.tokenizer import load_tokenizer
 from lathe.model import ModelConfig, Transformer
 from lathe.model.checkpoint import load_checkpoint
 from lathe.pretrain.evaluate import sample_continuations
-from lathe.pretrain.runtime import Runtime
+from lathe.pretrain.runtime import Runtime, _no_tied_head_notice
 from lathe.pretrain.train import pretrain
 from tests import processes
 from tests.builders import reset_accelerate
@@ -295,8 +295,6 @@ def test_pretraining_in_bf16(corpus, tmp_path, monkeypatch, kernels, fp8):
 
 
 def test_only_the_tied_lm_head_notice_is_filtered():
-    from lathe.pretrain.runtime import _no_tied_head_notice
-
     def notice(names: str) -> logging.LogRecord:
         return logging.LogRecord("accelerate.utils.other", logging.WARNING, __file__, 1,
                                  f"[RANK 0] Removed shared tensor {names} while saving. "
