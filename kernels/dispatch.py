@@ -94,13 +94,16 @@ def kernels_off(*names: str) -> Iterator[None]:
 _LIBRARY = torch.library.Library("lathe", "FRAGMENT")
 
 
-def opaque_op(name: str, schema: str, impl: Callable[..., torch.Tensor],
+def opaque_op(name: str, schema: str, impl: Callable[..., torch.Tensor] | None,
               fake: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """`impl` as the inference op `lathe::name`, which a compiled graph calls whole instead
     of tracing into it (`fake` gives its output's shape). Registered through
     `torch.library.Library` itself: `torch.library.custom_op`'s Python wrapper costs
-    ~28 µs a call against ~7 here, which a decode step of a small model pays per layer."""
+    ~28 µs a call against ~7 here, which a decode step of a small model pays per layer.
+    With `impl` None the op's implementation is native code that registers itself when
+    loaded (`lathe.kernels.cpu_native`)."""
     _LIBRARY.define(f"{name}{schema}")
-    _LIBRARY.impl(name, impl, "CompositeExplicitAutograd")
+    if impl is not None:
+        _LIBRARY.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"lathe::{name}", fake, lib=_LIBRARY)
     return getattr(torch.ops.lathe, name).default

@@ -20,7 +20,14 @@ import triton.language as tl
 from torch import Tensor
 
 from lathe.kernels.attention import grouped
-from lathe.kernels.dispatch import check_same_dtype, dot_precision, opaque_op, use_triton
+from lathe.kernels.cpu_native import cpu_kernels_loaded
+from lathe.kernels.dispatch import (
+    check_same_dtype,
+    dot_precision,
+    opaque_op,
+    use_cpu_kernel,
+    use_triton,
+)
 
 
 def paged_decode_reference(q: Tensor, k_slab: Tensor, v_slab: Tensor, block_tables: Tensor,
@@ -158,13 +165,17 @@ def paged_decode_triton(q: Tensor, k_slab: Tensor, v_slab: Tensor, block_tables:
 
 def paged_decode(q: Tensor, k_slab: Tensor, v_slab: Tensor, block_tables: Tensor,
                  context_lens: Tensor, block_size: int) -> Tensor:
-    """Decode attention through block tables (Triton on CUDA, gather + SDPA elsewhere).
-    The kernel tiles one block per step, so it takes blocks of 16 tokens or more (a power of
-    two, the smallest `tl.dot` tile); smaller blocks take the gather path."""
+    """Decode attention through block tables: Triton on CUDA, the native CPU kernel on CPU
+    once `lathe.kernels.cpu_native` has loaded it (inference only: it has no backward),
+    gather + SDPA otherwise. The Triton kernel tiles one block per step, so it takes blocks
+    of 16 tokens or more (a power of two, the smallest `tl.dot` tile); smaller blocks take
+    the gather path."""
     check_same_dtype("paged_decode", q=q, k_slab=k_slab, v_slab=v_slab)
     tileable = block_size >= 16 and block_size & (block_size - 1) == 0
     if tileable and use_triton("paged_decode", q):
         return paged_decode_triton(q, k_slab, v_slab, block_tables, context_lens, block_size)
+    if cpu_kernels_loaded() and use_cpu_kernel("paged_decode", q) and not q.requires_grad:
+        return paged_decode_cpu(q, k_slab, v_slab, block_tables, context_lens, block_size)
     if torch.compiler.is_compiling() and q.shape[0] >= OPAQUE_FROM_ROWS:
         return _paged_decode_op(q, k_slab, v_slab, block_tables, context_lens, block_size)
     return paged_decode_reference(q, k_slab, v_slab, block_tables, context_lens, block_size)
@@ -180,3 +191,11 @@ _paged_decode_op = opaque_op(
     "(Tensor q, Tensor k_slab, Tensor v_slab, Tensor block_tables, Tensor context_lens, "
     "int block_size) -> Tensor",
     lambda *args: paged_decode_reference(*args).contiguous(), lambda q, *_: q.new_empty(q.shape))
+
+# `lathe::paged_decode_cpu`, implemented in csrc/paged_decode_cpu.cpp: each block read in
+# place through the table, where the reference copies every table's blocks out first
+paged_decode_cpu = opaque_op(
+    "paged_decode_cpu",
+    "(Tensor q, Tensor k_slab, Tensor v_slab, Tensor block_tables, Tensor context_lens, "
+    "int block_size) -> Tensor",
+    None, lambda q, *_: q.new_empty(q.shape))

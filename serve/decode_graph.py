@@ -13,11 +13,12 @@ and nothing else a guard would check (module structure, dtypes, grad mode, the
 SwiGLU and residual adds around the GEMMs, so a step is a few dozen kernel calls instead
 of ~150 ATen ops.
 
-How much of the block table a step passes is a second bucket. On CUDA it is always the full
-width (one graph per batch size): the Triton kernel reads only each sequence's own blocks
-whatever the width. Elsewhere attention gathers every block the table holds, so the table
-is cut to the power of two of blocks that holds the step's longest context: at batch 16 a
-full 512-position table cost the README model more than the whole eager step.
+How much of the block table a step passes is a second bucket. Where a paged kernel runs
+(Triton on CUDA, the native one on CPU) it is always the full width, one graph per batch
+size: the kernel reads only each sequence's own blocks whatever the width. Otherwise
+attention gathers every block the table holds, so the table is cut to the power of two of
+blocks that holds the step's longest context: at batch 16 a full 512-position table cost
+the README model more than the whole eager step.
 
 Padding rows write their K/V to the slabs' scratch slot (past the last block, owned by no
 sequence) and attend over it alone; their logits are dropped. Prefill, mixed and
@@ -33,7 +34,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from lathe.kernels import paged_decode
+from lathe.kernels import kernel_enabled, paged_decode
+from lathe.kernels.cpu_native import cpu_kernels_loaded
 from lathe.model.transformer import Transformer
 from lathe.serve.paged_cache import KVSlabs
 
@@ -78,7 +80,8 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_num_seqs)
         self.steps = 0  # decode steps run compiled
         self.cuda = cuda = slabs.k[0].device.type == "cuda"
-        self.widths = [max_blocks] if cuda else width_buckets(max_blocks)
+        paged_kernel = cuda or (cpu_kernels_loaded() and kernel_enabled("paged_decode"))
+        self.widths = [max_blocks] if paged_kernel else width_buckets(max_blocks)
         # size_asserts re-check every extern op's output layout on each call (5-20% of the
         # README model's step; the equality tests against eager cover the layouts)
         if cuda:

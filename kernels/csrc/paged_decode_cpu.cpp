@@ -1,0 +1,177 @@
+// Decode attention over the serve engine's paged KV slabs, on CPU: the implementation of
+// `lathe::paged_decode_cpu` (schema and fake defined in lathe/kernels/cpu_native.py).
+//
+// One task per (sequence, KV head) reads the sequence's blocks in place through its block
+// table — no gathered copy of the context — scores every query head of the KV group
+// against each key row while it is in cache, takes an exact two-pass softmax over the
+// scores, and sums the value rows. Built with -ffast-math so that the dot products and
+// axpys vectorize and `expf` over a score row becomes glibc's vector exp (libmvec); no
+// infinities are used (rows past a context's length are never read).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+template <int D>
+struct Dim {
+  static constexpr int64_t get(int64_t) { return D; }
+};
+template <>
+struct Dim<0> {  // the head size known only at run time
+  static int64_t get(int64_t d) { return d; }
+};
+
+template <int D, typename T>
+void attend_group(const float* q, const T* k, const T* v, const int64_t* table,
+                  int64_t length, int64_t block_size, int64_t row_stride, int64_t group,
+                  int64_t head_dim, float* scores, float* acc, float* out) {
+  const int64_t dim = Dim<D>::get(head_dim);
+  // pass 1: scores[g][t] = q_g . k_t (q already scaled); one key row serves the group
+  for (int64_t t = 0; t < length; ++t) {
+    const T* key = k + (table[t / block_size] * block_size + t % block_size) * row_stride;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * dim;
+      float dot = 0.f;
+      for (int64_t d = 0; d < dim; ++d) dot += qg[d] * static_cast<float>(key[d]);
+      scores[g * length + t] = dot;
+    }
+  }
+  std::vector<float> totals(group);
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores + g * length;
+    float top = -FLT_MAX;
+    for (int64_t t = 0; t < length; ++t) top = std::max(top, row[t]);
+    float total = 0.f;
+    for (int64_t t = 0; t < length; ++t) {
+      row[t] = expf(row[t] - top);
+      total += row[t];
+    }
+    totals[g] = total;
+  }
+  // pass 2: acc[g] = sum_t p[g][t] v_t
+  std::fill(acc, acc + group * dim, 0.f);
+  for (int64_t t = 0; t < length; ++t) {
+    const T* value = v + (table[t / block_size] * block_size + t % block_size) * row_stride;
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * length + t];
+      float* ag = acc + g * dim;
+      for (int64_t d = 0; d < dim; ++d) ag[d] += p * static_cast<float>(value[d]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = acc[g * dim + d] / totals[g];
+}
+
+template <int D, typename T>
+void run(const at::Tensor& q, const at::Tensor& k_slab, const at::Tensor& v_slab,
+         const at::Tensor& tables, const at::Tensor& lens, int64_t block_size,
+         at::Tensor& out) {
+  const int64_t batch = q.size(0), n_heads = q.size(1), head_dim = q.size(2);
+  const int64_t n_kv_heads = k_slab.size(1), group = n_heads / n_kv_heads;
+  const int64_t width = tables.size(1), row_stride = n_kv_heads * head_dim;
+  const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
+  const T* q_data = q.data_ptr<T>();
+  const T* k_data = k_slab.data_ptr<T>();
+  const T* v_data = v_slab.data_ptr<T>();
+  const int64_t* table_data = tables.data_ptr<int64_t>();
+  const int64_t* len_data = lens.data_ptr<int64_t>();
+  T* out_data = out.data_ptr<T>();
+  const int64_t longest = *std::max_element(len_data, len_data + batch);
+  // a task is ~longest * group * head_dim * 4 flops: small steps stay on one thread,
+  // where waking the pool would cost more than the work
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, longest * group * head_dim));
+  at::parallel_for(0, batch * n_kv_heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> query(group * head_dim), scores(group * longest),
+        acc(group * head_dim), result(group * head_dim);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = task / n_kv_heads, kv_head = task % n_kv_heads;
+      const int64_t length = len_data[seq];
+      const T* q_group = q_data + (seq * n_heads + kv_head * group) * head_dim;
+      for (int64_t i = 0; i < group * head_dim; ++i)
+        query[i] = static_cast<float>(q_group[i]) * scale;
+      attend_group<D, T>(query.data(), k_data + kv_head * head_dim,
+                         v_data + kv_head * head_dim, table_data + seq * width, length,
+                         block_size, row_stride, group, head_dim, scores.data(), acc.data(),
+                         result.data());
+      T* o = out_data + (seq * n_heads + kv_head * group) * head_dim;
+      for (int64_t i = 0; i < group * head_dim; ++i) o[i] = static_cast<T>(result[i]);
+    }
+  });
+}
+
+template <typename T>
+void run_for_dim(const at::Tensor& q, const at::Tensor& k_slab, const at::Tensor& v_slab,
+                 const at::Tensor& tables, const at::Tensor& lens, int64_t block_size,
+                 at::Tensor& out) {
+  switch (q.size(2)) {
+    case 32: return run<32, T>(q, k_slab, v_slab, tables, lens, block_size, out);
+    case 64: return run<64, T>(q, k_slab, v_slab, tables, lens, block_size, out);
+    case 128: return run<128, T>(q, k_slab, v_slab, tables, lens, block_size, out);
+    default: return run<0, T>(q, k_slab, v_slab, tables, lens, block_size, out);
+  }
+}
+
+at::Tensor paged_decode_cpu(const at::Tensor& q_in, const at::Tensor& k_slab,
+                            const at::Tensor& v_slab, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, int64_t block_size) {
+  TORCH_CHECK(q_in.dim() == 3, "paged_decode_cpu: q must be (batch, heads, head_dim), got ",
+              q_in.sizes());
+  TORCH_CHECK(k_slab.dim() == 3 && k_slab.sizes() == v_slab.sizes(),
+              "paged_decode_cpu: k_slab and v_slab must both be (rows, kv_heads, head_dim), got ",
+              k_slab.sizes(), " and ", v_slab.sizes());
+  TORCH_CHECK(k_slab.is_contiguous() && v_slab.is_contiguous(),
+              "paged_decode_cpu: the slabs must be contiguous");
+  TORCH_CHECK(q_in.scalar_type() == k_slab.scalar_type() &&
+                  k_slab.scalar_type() == v_slab.scalar_type(),
+              "paged_decode_cpu: q, k_slab and v_slab need one dtype");
+  const int64_t batch = q_in.size(0), n_heads = q_in.size(1), head_dim = q_in.size(2);
+  const int64_t n_kv_heads = k_slab.size(1);
+  TORCH_CHECK(k_slab.size(2) == head_dim, "paged_decode_cpu: q's head_dim ", head_dim,
+              " != the slabs' ", k_slab.size(2));
+  TORCH_CHECK(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "paged_decode_cpu: ", n_heads,
+              " query heads are not a multiple of ", n_kv_heads, " KV heads");
+  TORCH_CHECK(block_size > 0 && k_slab.size(0) % block_size == 0,
+              "paged_decode_cpu: the slabs' ", k_slab.size(0),
+              " rows are not whole blocks of ", block_size);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch &&
+                  context_lens.dim() == 1 && context_lens.size(0) == batch,
+              "paged_decode_cpu: block_tables must be (batch, width) and context_lens "
+              "(batch,) for batch ", batch);
+  at::Tensor q = q_in.contiguous();
+  at::Tensor tables = block_tables.to(at::kLong).contiguous();
+  at::Tensor lens = context_lens.to(at::kLong).contiguous();
+  at::Tensor out = at::empty_like(q);
+  if (batch == 0) return out;
+  const int64_t num_blocks = k_slab.size(0) / block_size, width = tables.size(1);
+  const int64_t* table_data = tables.data_ptr<int64_t>();
+  const int64_t* len_data = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {  // reads outside the slabs would be silent
+    TORCH_CHECK(len_data[b] > 0 && len_data[b] <= width * block_size,
+                "paged_decode_cpu: context length ", len_data[b], " of row ", b,
+                " is not within its table's ", width * block_size, " slots");
+    for (int64_t j = 0; j < (len_data[b] + block_size - 1) / block_size; ++j) {
+      const int64_t block = table_data[b * width + j];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode_cpu: block ", block,
+                  " of row ", b, " is outside the slabs' ", num_blocks, " blocks");
+    }
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(),
+                                  "paged_decode_cpu", [&] {
+    run_for_dim<scalar_t>(q, k_slab, v_slab, tables, lens, block_size, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(lathe, CPU, m) {
+  m.impl("paged_decode_cpu", &paged_decode_cpu);
+}
