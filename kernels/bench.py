@@ -2,14 +2,15 @@
 `torch.compile` of that reference, and Liger's kernel where Liger has one (when
 `liger-kernel` is installed) — forward and forward+backward time, the forward's achieved
 GB/s (memory-bound kernels) or TFLOP/s (matmul-bound ones), and peak memory above the
-inputs. Needs a CUDA GPU: without one it says so and exits cleanly. The table is printed
-and appended to docs/benchmarks.md.
+inputs. Without a CUDA GPU it times the native CPU kernels against their references
+instead. The table is printed and appended to docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import platform
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +20,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lathe.kernels.attention import causal_attention_reference, causal_attention_triton
+from lathe.kernels.cpu_native import load_cpu_kernels
 from lathe.kernels.fused_ce import linear_cross_entropy_reference, linear_cross_entropy_triton
-from lathe.kernels.paged_attention import paged_decode_reference, paged_decode_triton
+from lathe.kernels.paged_attention import (
+    paged_decode_cpu,
+    paged_decode_reference,
+    paged_decode_triton,
+)
 from lathe.kernels.quant_matmul import (
     dequantize_int4,
     dequantize_int8,
@@ -60,6 +66,28 @@ class Sizes:
     long_context: int = 32768
     block_size: int = 16
     int4_group: int = 128
+
+
+@dataclass(frozen=True)
+class PagedShape:
+    """One decode-attention step: `batch` sequences of `context` tokens."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    context: int
+
+    def __str__(self) -> str:
+        return (f"{self.batch} × {self.context} tokens, {self.heads} / {self.kv_heads} heads "
+                f"of {self.head_dim}")
+
+
+# Off CUDA: the README model's attention (4 query / 2 KV heads of 32) at the decode batch
+# sizes its engine compiles, and a Llama-3-1B layer's (32 / 8 of 64) at a longer context
+CPU_PAGED_SHAPES = [PagedShape(1, 4, 2, 32, 128), PagedShape(16, 4, 2, 32, 128),
+                    PagedShape(64, 4, 2, 32, 128), PagedShape(1, 32, 8, 64, 1024),
+                    PagedShape(16, 32, 8, 64, 1024)]
 
 
 @dataclass
@@ -177,23 +205,32 @@ def _quant_cases(s: Sizes, device: str, dtype: torch.dtype, compile: bool) -> li
     return [int8, int4]
 
 
-def _paged_case(name: str, batch: int, context: int, s: Sizes, device: str,
-                dtype: torch.dtype, compile: bool) -> Case:
-    """`batch` sequences of `context` tokens whose blocks are scattered over the pool."""
-    blocks = (context + s.block_size - 1) // s.block_size
+def _paged_inputs(shape: PagedShape, block_size: int, device: str,
+                  dtype: torch.dtype) -> tuple[tuple, int]:
+    """Decode-attention arguments for `shape`, each sequence's blocks scattered over the
+    pool, and the K/V bytes a step must read."""
+    batch, context = shape.batch, shape.context
+    blocks = (context + block_size - 1) // block_size
     pool = batch * blocks + 1
-    k_slab = torch.randn(pool * s.block_size, s.kv_heads, s.head_dim, device=device,
+    k_slab = torch.randn(pool * block_size, shape.kv_heads, shape.head_dim, device=device,
                          dtype=dtype)
     v_slab = torch.randn_like(k_slab)
     tables = torch.randperm(pool, device=device)[:batch * blocks].view(batch, blocks)
     lens = torch.full((batch,), context, device=device)
-    q = torch.randn(batch, s.heads, s.head_dim, device=device, dtype=dtype)
-    args = (q, k_slab, v_slab, tables, lens, s.block_size)
-    kv_bytes = 2 * batch * context * s.kv_heads * s.head_dim * k_slab.element_size()
+    q = torch.randn(batch, shape.heads, shape.head_dim, device=device, dtype=dtype)
+    kv_bytes = 2 * batch * context * shape.kv_heads * shape.head_dim * k_slab.element_size()
+    return (q, k_slab, v_slab, tables, lens, block_size), kv_bytes
+
+
+def _paged_case(name: str, batch: int, context: int, s: Sizes, device: str,
+                dtype: torch.dtype, compile: bool) -> Case:
+    """`batch` sequences of `context` tokens whose blocks are scattered over the pool."""
+    args, kv_bytes = _paged_inputs(PagedShape(batch, s.heads, s.kv_heads, s.head_dim, context),
+                                   s.block_size, device, dtype)
+    whole = args[3].shape[1] * s.block_size
     case = Case(name, "GB/s", kv_bytes, {
         "triton": lambda: paged_decode_triton(*args),
-        "triton, no split-KV": lambda: paged_decode_triton(
-            *args, partition_size=blocks * s.block_size),
+        "triton, no split-KV": lambda: paged_decode_triton(*args, partition_size=whole),
         "torch (gather + SDPA)": lambda: paged_decode_reference(*args)}, backward=False)
     if compile:
         compiled = torch.compile(paged_decode_reference)
@@ -293,6 +330,51 @@ def run(sizes: Sizes, write: bool) -> str:
     return table
 
 
+def cpu_cases(shapes: list[PagedShape], compile: bool = True,
+              block_size: int = 16) -> list[Case]:
+    """The native CPU paged-decode kernel against its reference (and `torch.compile` of it)
+    at each of `shapes`, fp32."""
+    result = []
+    for shape in shapes:
+        args, kv_bytes = _paged_inputs(shape, block_size, "cpu", torch.float32)
+        case = Case(f"paged_decode, {shape}", "GB/s", kv_bytes, {
+            "native C++": lambda args=args: paged_decode_cpu(*args),
+            "torch (gather + SDPA)": lambda args=args: paged_decode_reference(*args)},
+            backward=False)
+        if compile:
+            compiled = torch.compile(paged_decode_reference, dynamic=False)
+            case.impls["torch.compile"] = lambda args=args, fn=compiled: fn(*args)
+        result.append(case)
+    return result
+
+
+def run_cpu(cases: list[Case], write: bool) -> str:
+    """Median µs of each implementation (`torch.utils.benchmark`, which warms up and
+    repeats), at this process's thread count."""
+    from torch.utils import benchmark
+
+    lines = []
+    for case in cases:
+        for impl, fn in case.impls.items():
+            fn()  # a compiled implementation compiles here, outside the timing
+            timer = benchmark.Timer("fn()", globals={"fn": fn},
+                                    num_threads=torch.get_num_threads())
+            seconds = timer.blocked_autorange(min_run_time=0.2).median
+            lines.append(f"| {case.name} | {impl} | {seconds * 1e6:,.1f} | "
+                         f"{case.work / seconds / 1e9:,.1f} |")
+            print(lines[-1], flush=True)
+    table = "\n".join([
+        f"## Kernels on CPU — {datetime.date.today()} — {platform.machine()}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}", "",
+        "Command: `python -m lathe.kernels.bench` without a GPU — fp32, 16-token blocks "
+        "scattered over the pool; rate: the K/V bytes a step must read per second.", "",
+        "| case | implementation | µs | K/V GB/s |", "|---|---|---:|---:|", *lines, ""])
+    if write:
+        with (ROOT / "docs" / "benchmarks.md").open("a") as f:
+            f.write("\n" + table)
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lathe.kernels.bench")
     defaults = Sizes()
@@ -302,8 +384,12 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(parser.parse_args(argv))
     write = args.pop("write")
     if not torch.cuda.is_available():
-        print("lathe.kernels.bench measures Triton kernels on a CUDA GPU; none is visible "
-              "here, so there is nothing to time (CPU runs the PyTorch references).")
+        if not load_cpu_kernels():
+            print("lathe.kernels.bench measures Triton kernels on a CUDA GPU, none is "
+                  "visible here, and the native CPU kernels did not build: nothing to time.")
+            return 0
+        print("No CUDA GPU here: timing the native CPU kernels instead of Triton's.")
+        print(run_cpu(cpu_cases(CPU_PAGED_SHAPES), write))
         return 0
     print(run(Sizes(**args), write))
     return 0
