@@ -29,14 +29,31 @@ struct Dim<0> {  // the head size known only at run time
   static int64_t get(int64_t d) { return d; }
 };
 
+// A task reads a D-element slice of each slab row, and rows are n_kv_heads · D apart: two
+// reads per page at most, too few for the hardware prefetcher to follow, so a context that
+// is not in cache would be read at memory latency, not bandwidth. Rows this far ahead are
+// prefetched instead.
+constexpr int64_t kPrefetchRows = 8;
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t dim) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t offset = 0; offset < dim * static_cast<int64_t>(sizeof(T)); offset += 64)
+    __builtin_prefetch(bytes + offset);
+}
+
 template <int D, typename T>
 void attend_group(const float* q, const T* k, const T* v, const int64_t* table,
                   int64_t length, int64_t block_size, int64_t row_stride, int64_t group,
                   int64_t head_dim, float* scores, float* acc, float* out) {
   const int64_t dim = Dim<D>::get(head_dim);
+  auto row = [&](const T* slab, int64_t t) {
+    return slab + (table[t / block_size] * block_size + t % block_size) * row_stride;
+  };
   // pass 1: scores[g][t] = q_g . k_t (q already scaled); one key row serves the group
   for (int64_t t = 0; t < length; ++t) {
-    const T* key = k + (table[t / block_size] * block_size + t % block_size) * row_stride;
+    if (t + kPrefetchRows < length) prefetch_row(row(k, t + kPrefetchRows), dim);
+    const T* key = row(k, t);
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = q + g * dim;
       float dot = 0.f;
@@ -59,7 +76,8 @@ void attend_group(const float* q, const T* k, const T* v, const int64_t* table,
   // pass 2: acc[g] = sum_t p[g][t] v_t
   std::fill(acc, acc + group * dim, 0.f);
   for (int64_t t = 0; t < length; ++t) {
-    const T* value = v + (table[t / block_size] * block_size + t % block_size) * row_stride;
+    if (t + kPrefetchRows < length) prefetch_row(row(v, t + kPrefetchRows), dim);
+    const T* value = row(v, t);
     for (int64_t g = 0; g < group; ++g) {
       const float p = scores[g * length + t];
       float* ag = acc + g * dim;
