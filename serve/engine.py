@@ -31,7 +31,7 @@ from lathe.model.checkpoint import CheckpointError, read_eos_ids
 from lathe.model.transformer import Transformer
 from lathe.serve.block_manager import BlockManager
 from lathe.serve.detokenize import IncrementalDetokenizer
-from lathe.serve.model_runner import ModelRunner
+from lathe.serve.model_runner import ModelRunner, select_rows
 from lathe.serve.paged_cache import KVSlabs
 from lathe.serve.quant import QuantMode, is_quantized, load_serving_model
 from lathe.serve.sampling import SamplingBatch, SamplingParams, SamplingRow, sample
@@ -331,7 +331,7 @@ class LLMEngine:
                                                    seq.prompt_ids[first + 1:last + 1],
                                                    seq.params.prompt_logprobs or 0)
         picks = dict(zip(sampled, ([pick] for pick in self._sample(
-            sampled, logits[sample_rows])), strict=True))
+            sampled, select_rows(logits, sample_rows))), strict=True))
         picks.update(self._verify(verified, drafts, logits))
         for seq, _ in batch.items:
             new = [token for token, _ in picks.get(seq, [])]

@@ -32,6 +32,16 @@ from lathe.serve.sequence import Sequence
 StepItem = tuple[Sequence, int, list[int]]
 
 
+def select_rows(tensor: Tensor, rows: list[int]) -> Tensor:
+    """`tensor[rows]`: a view when the rows are one ascending run (a decode step's logits,
+    a fresh engine's table rows), else one `index_select`. Indexing with the list itself
+    goes through advanced indexing, 12-30 µs a step on CPU."""
+    if rows and rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0],
+                                                                           rows[-1] + 1)):
+        return tensor[rows[0]:rows[-1] + 1]
+    return tensor.index_select(0, torch.tensor(rows, dtype=torch.long, device=tensor.device))
+
+
 class ModelRunner:
     def __init__(self, model: Transformer, slabs: KVSlabs, device: torch.device,
                  rows: int = 64, compile_decode: bool = False) -> None:
@@ -141,12 +151,12 @@ class ModelRunner:
             ids.append(tokens[0])
             positions.append(start)
             slots.append(seq.table.blocks[start // size] * size + start % size)
-        inputs = torch.tensor([ids, positions, slots], device=self.device)  # contiguous rows
+        lens = [position + 1 for position in positions]
+        inputs = torch.tensor([ids, positions, slots, lens], device=self.device)
         assert self.graphs is not None
         width = self.graphs.width(max(positions) // size + 1)
-        tables = self.tables[rows[0]:rows[0] + 1, :width] if len(rows) == 1 else \
-            self.tables[torch.tensor(rows, device=self.device), :width]
-        view = StaticDecodeBatch(self.slabs, inputs[1], inputs[2], tables, inputs[1] + 1)
+        tables = select_rows(self.tables, rows)[:, :width]
+        view = StaticDecodeBatch(self.slabs, inputs[1], inputs[2], tables, inputs[3])
         return inputs[:1], view, list(range(len(items)))
 
     def run(self, ids: Tensor, view: PagedBatch | StaticDecodeBatch, keep: list[int],
@@ -155,10 +165,7 @@ class ModelRunner:
         `model` (by default the target)."""
         if isinstance(view, StaticDecodeBatch):
             assert self.graphs is not None and model is None
-            logits = self.graphs.run(ids[0], view.positions, view.slots, view.tables,
-                                     view.lens)
-            if keep == list(range(len(logits))):  # always, for an engine step
-                return logits
-            return logits[torch.tensor(keep, device=self.device, dtype=torch.long)]
+            return select_rows(self.graphs.run(ids[0], view.positions, view.slots,
+                                               view.tables, view.lens), keep)
         return (model or self.model)(ids, kv_cache=view, logits_to_keep=torch.tensor(
             keep, device=self.device, dtype=torch.long)).logits[0]

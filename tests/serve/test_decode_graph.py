@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lathe.kernels.dispatch import kernels_off
 from lathe.serve.decode_graph import batch_buckets, width_buckets
 from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.quant import quantize_linears
@@ -19,6 +20,20 @@ def engine_pair(model, **config) -> tuple[LLMEngine, LLMEngine]:
     base = {"block_size": 4, "num_blocks": 256, "max_num_seqs": 4, **config}
     return (LLMEngine(model, config=EngineConfig(**base)),
             LLMEngine(model, config=EngineConfig(**base, compile_decode=True)))
+
+
+def test_a_paged_kernel_needs_one_graph_per_batch_size_whatever_the_context():
+    """The native CPU kernel reads only each row's own blocks, so off CUDA the table is
+    passed whole; the gather path would gather it all, so it gets width buckets."""
+    from lathe.kernels.cpu_native import load_cpu_kernels
+    with_kernel = LLMEngine(serve_model(256), config=EngineConfig(
+        block_size=4, num_blocks=64, compile_decode=True)).runner
+    with kernels_off("paged_decode"):
+        gathering = LLMEngine(serve_model(256), config=EngineConfig(
+            block_size=4, num_blocks=64, compile_decode=True)).runner
+    assert gathering.graphs.widths == width_buckets(gathering.max_blocks)
+    if load_cpu_kernels():
+        assert with_kernel.graphs.widths == [with_kernel.max_blocks]
 
 
 def test_buckets_cover_every_batch_up_to_max_num_seqs():
