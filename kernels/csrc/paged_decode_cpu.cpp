@@ -43,17 +43,14 @@ inline void prefetch_row(const T* row, int64_t dim) {
 }
 
 template <int D, typename T>
-void attend_group(const float* q, const T* k, const T* v, const int64_t* table,
-                  int64_t length, int64_t block_size, int64_t row_stride, int64_t group,
-                  int64_t head_dim, float* scores, float* acc, float* out) {
+void attend_group(const float* q, const T* k, const T* v, const int64_t* offsets,
+                  int64_t length, int64_t group, int64_t head_dim, float* scores,
+                  float* totals, float* acc, float* out) {
   const int64_t dim = Dim<D>::get(head_dim);
-  auto row = [&](const T* slab, int64_t t) {
-    return slab + (table[t / block_size] * block_size + t % block_size) * row_stride;
-  };
   // pass 1: scores[g][t] = q_g . k_t (q already scaled); one key row serves the group
   for (int64_t t = 0; t < length; ++t) {
-    if (t + kPrefetchRows < length) prefetch_row(row(k, t + kPrefetchRows), dim);
-    const T* key = row(k, t);
+    if (t + kPrefetchRows < length) prefetch_row(k + offsets[t + kPrefetchRows], dim);
+    const T* key = k + offsets[t];
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = q + g * dim;
       float dot = 0.f;
@@ -61,7 +58,6 @@ void attend_group(const float* q, const T* k, const T* v, const int64_t* table,
       scores[g * length + t] = dot;
     }
   }
-  std::vector<float> totals(group);
   for (int64_t g = 0; g < group; ++g) {
     float* row = scores + g * length;
     float top = -FLT_MAX;
@@ -76,8 +72,8 @@ void attend_group(const float* q, const T* k, const T* v, const int64_t* table,
   // pass 2: acc[g] = sum_t p[g][t] v_t
   std::fill(acc, acc + group * dim, 0.f);
   for (int64_t t = 0; t < length; ++t) {
-    if (t + kPrefetchRows < length) prefetch_row(row(v, t + kPrefetchRows), dim);
-    const T* value = row(v, t);
+    if (t + kPrefetchRows < length) prefetch_row(v + offsets[t + kPrefetchRows], dim);
+    const T* value = v + offsets[t];
     for (int64_t g = 0; g < group; ++g) {
       const float p = scores[g * length + t];
       float* ag = acc + g * dim;
@@ -107,18 +103,26 @@ void run(const at::Tensor& q, const at::Tensor& k_slab, const at::Tensor& v_slab
   // where waking the pool would cost more than the work
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, longest * group * head_dim));
   at::parallel_for(0, batch * n_kv_heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * head_dim), scores(group * longest),
+    std::vector<float> query(group * head_dim), scores(group * longest), totals(group),
         acc(group * head_dim), result(group * head_dim);
+    std::vector<int64_t> offsets(longest);
+    int64_t offsets_of = -1;  // the sequence whose row offsets `offsets` holds
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / n_kv_heads, kv_head = task % n_kv_heads;
       const int64_t length = len_data[seq];
+      if (offsets_of != seq) {  // each context position's slab row, walked block by block
+        const int64_t* table = table_data + seq * width;
+        for (int64_t t = 0, j = 0; t < length; ++j)
+          for (int64_t i = 0; i < block_size && t < length; ++i, ++t)
+            offsets[t] = (table[j] * block_size + i) * row_stride;
+        offsets_of = seq;
+      }
       const T* q_group = q_data + (seq * n_heads + kv_head * group) * head_dim;
       for (int64_t i = 0; i < group * head_dim; ++i)
         query[i] = static_cast<float>(q_group[i]) * scale;
       attend_group<D, T>(query.data(), k_data + kv_head * head_dim,
-                         v_data + kv_head * head_dim, table_data + seq * width, length,
-                         block_size, row_stride, group, head_dim, scores.data(), acc.data(),
-                         result.data());
+                         v_data + kv_head * head_dim, offsets.data(), length, group,
+                         head_dim, scores.data(), totals.data(), acc.data(), result.data());
       T* o = out_data + (seq * n_heads + kv_head * group) * head_dim;
       for (int64_t i = 0; i < group * head_dim; ++i) o[i] = static_cast<T>(result[i]);
     }
