@@ -1,6 +1,7 @@
 """lathe's native CPU kernels: the C++ sources in `csrc/`, built on first use with
 `torch.utils.cpp_extension` and loaded into the process, where they register CPU
-implementations of ops defined in Python (`lathe::paged_decode_cpu`).
+implementations of ops defined in Python (`lathe::paged_decode_cpu`, and the weight-only
+GEMMs a compiled step calls, `lathe::int8_matmul_cpu_native` and `int4_matmul_cpu_native`).
 
 The build needs what inductor's CPU backend already needs, a C++ compiler (plus ninja), and
 takes ~30 s once: torch caches it per machine (`TORCH_EXTENSIONS_DIR`, by default
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = [Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"]
+_SOURCES = [Path(__file__).parent / "csrc" / name
+            for name in ("paged_decode_cpu.cpp", "quant_matmul_cpu.cpp")]
 
 # the vector ISA torch's own CPU kernels were dispatched to on this machine, as compiler
 # flags; -ffast-math lets the loops vectorize and `expf` become libmvec's vector exp
@@ -46,7 +48,8 @@ def load_cpu_kernels() -> bool:
         except (RuntimeError, OSError, ImportError) as error:
             warnings.warn(f"lathe's native CPU kernels did not build or load ({error}); "
                           "CPU decode attention runs on its PyTorch reference (gather + "
-                          "SDPA) instead", stacklevel=2)
+                          "SDPA) and compiled steps call the quantized GEMMs through Python "
+                          "instead", stacklevel=2)
             _loaded = False
     return _loaded
 

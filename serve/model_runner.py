@@ -11,7 +11,8 @@ their context through the same rows. A draft model runs through the same rows on
 slabs: its KV lives in the target's block ids, so it is paged, shared and freed with them.
 With `compile_decode`, a decode-only step of the target runs through
 `lathe.serve.decode_graph` instead: the same rows, at a compiled static shape. On CPU the
-runner loads lathe's native kernels, whose paged decode attention reads the slabs in place.
+runner loads lathe's native kernels: paged decode attention that reads the slabs in
+place, and the quantized GEMMs as ops a compiled step calls without Python.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from collections.abc import Sequence as Seq
 import torch
 from torch import Tensor
 
-from lathe.kernels import kernel_enabled
 from lathe.kernels.cpu_native import load_cpu_kernels
 from lathe.model.transformer import Transformer
 from lathe.serve.decode_graph import DecodeGraphs, StaticDecodeBatch
@@ -46,8 +46,8 @@ class ModelRunner:
     def __init__(self, model: Transformer, slabs: KVSlabs, device: torch.device,
                  rows: int = 64, compile_decode: bool = False) -> None:
         self.model, self.slabs, self.device = model, slabs, device
-        if device.type == "cpu" and kernel_enabled("paged_decode"):
-            load_cpu_kernels()  # decode attention in place of gather + SDPA
+        if device.type == "cpu":  # paged decode attention, and the GEMMs' graph ops
+            load_cpu_kernels()
         self.block_size = slabs.block_size
         self.max_blocks = -(-model.config.max_seq_len // self.block_size)
         self.graphs = DecodeGraphs(model, slabs, rows, self.max_blocks) \

@@ -4,6 +4,8 @@ output scale (different summation order over K); fp16 and bf16 inputs 1e-2 and 2
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -112,3 +114,39 @@ def test_cpu_gemm_takes_a_misaligned_weight_without_crashing():
     x = torch.randn(3, 128, generator=g)
     close(int8_matmul_cpu(x, misaligned, scale), int8_matmul_reference(x, q, scale),
           torch.float16)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="the native ops need a C++ compiler")
+def test_native_cpu_gemm_ops_equal_the_python_ones_and_a_compiled_graph_calls_them():
+    """With lathe's native CPU kernels loaded, a compiled graph calls the GEMMs as C++ ops
+    (no interpreter per call): the same results as the Python ops, misaligned weight
+    included."""
+    from lathe.kernels import quant_matmul
+    from lathe.kernels.cpu_native import load_cpu_kernels
+    assert load_cpu_kernels()
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 128, generator=g)
+    q, scale = quantize_int8(weight)
+    buffer = torch.empty(q.numel() + 40, dtype=torch.int8)
+    misaligned = buffer[40:].view(64, 128)
+    misaligned.copy_(q)
+    x2 = torch.randn(3, 128, generator=g).bfloat16()
+    assert torch.equal(quant_matmul._int8_gemm_native(x2, misaligned, scale.bfloat16()),
+                       quant_matmul._int8_gemm_op(x2, q, scale.bfloat16()))
+    pack = int4_pack_for_cpu(*quantize_int4(weight, 32))
+    assert torch.equal(quant_matmul._int4_gemm_native(x2, *pack),
+                       quant_matmul._int4_gemm_op(x2, *pack))
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    x = torch.randn(2, 3, 128, generator=g)
+    compiled = torch.compile(lambda x: int8_matmul_cpu(x, q, scale) + int4_matmul_cpu(x, *pack),
+                             backend=record, fullgraph=True)
+    torch.testing.assert_close(compiled(x), int8_matmul_cpu(x, q, scale)
+                               + int4_matmul_cpu(x, *pack))
+    called = {str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"}
+    assert {"lathe.int8_matmul_cpu_native.default",
+            "lathe.int4_matmul_cpu_native.default"} <= called
