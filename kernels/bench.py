@@ -2,8 +2,9 @@
 `torch.compile` of that reference, and Liger's kernel where Liger has one (when
 `liger-kernel` is installed) — forward and forward+backward time, the forward's achieved
 GB/s (memory-bound kernels) or TFLOP/s (matmul-bound ones), and peak memory above the
-inputs. Without a CUDA GPU it times the native CPU kernels against their references
-instead. The table is printed and appended to docs/benchmarks.md.
+inputs. Without a CUDA GPU it times the native CPU kernels (paged decode attention, the
+few-row linear) against their references instead. The table is printed and appended to
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import Tensor
 
 from lathe.kernels.attention import causal_attention_reference, causal_attention_triton
 from lathe.kernels.cpu_native import load_cpu_kernels
+from lathe.kernels.decode_linear import decode_linear_cpu, decode_linear_reference
 from lathe.kernels.fused_ce import linear_cross_entropy_reference, linear_cross_entropy_triton
 from lathe.kernels.paged_attention import (
     paged_decode_cpu,
@@ -348,6 +350,27 @@ def cpu_cases(shapes: list[PagedShape], compile: bool = True,
     return result
 
 
+# (rows, in_features, out_features): the README model's layers and LM head at the decode
+# buckets the native linear serves, and a Llama-3-1B MLP projection
+CPU_LINEAR_SHAPES = [(1, 128, 128), (1, 128, 352), (1, 352, 128), (1, 128, 4096),
+                     (4, 128, 4096), (8, 128, 4096), (1, 2048, 8192)]
+
+
+def cpu_linear_cases(shapes: list[tuple[int, int, int]]) -> list[Case]:
+    """The native few-row linear against `F.linear` (BLAS), fp32: GB/s of weight read."""
+    result = []
+    for rows, in_features, out_features in shapes:
+        x = torch.randn(rows, in_features)
+        weight = torch.randn(out_features, in_features)
+        result.append(Case(
+            f"decode_linear, {rows} × {in_features} → {out_features}", "GB/s",
+            weight.numel() * weight.element_size(), {
+                "native C++": lambda x=x, w=weight: decode_linear_cpu(x, w),
+                "torch (F.linear, BLAS)": lambda x=x, w=weight: decode_linear_reference(x, w)},
+            backward=False))
+    return result
+
+
 def run_cpu(cases: list[Case], write: bool) -> str:
     """Median µs of each implementation (`torch.utils.benchmark`, which warms up and
     repeats), at this process's thread count."""
@@ -366,9 +389,10 @@ def run_cpu(cases: list[Case], write: bool) -> str:
     table = "\n".join([
         f"## Kernels on CPU — {datetime.date.today()} — {platform.machine()}, "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}", "",
-        "Command: `python -m lathe.kernels.bench` without a GPU — fp32, 16-token blocks "
-        "scattered over the pool; rate: the K/V bytes a step must read per second.", "",
-        "| case | implementation | µs | K/V GB/s |", "|---|---|---:|---:|", *lines, ""])
+        "Command: `python -m lathe.kernels.bench` without a GPU — fp32; paged decode over "
+        "16-token blocks scattered over the pool; rate: the K/V (paged decode) or weight "
+        "(linear) bytes a call must read, per second.", "",
+        "| case | implementation | µs | GB/s |", "|---|---|---:|---:|", *lines, ""])
     if write:
         with (ROOT / "docs" / "benchmarks.md").open("a") as f:
             f.write("\n" + table)
@@ -389,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
                   "visible here, and the native CPU kernels did not build: nothing to time.")
             return 0
         print("No CUDA GPU here: timing the native CPU kernels instead of Triton's.")
-        print(run_cpu(cpu_cases(CPU_PAGED_SHAPES), write))
+        print(run_cpu(cpu_cases(CPU_PAGED_SHAPES) + cpu_linear_cases(CPU_LINEAR_SHAPES),
+                      write))
         return 0
     print(run(Sizes(**args), write))
     return 0

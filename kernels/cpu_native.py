@@ -1,7 +1,8 @@
 """lathe's native CPU kernels: the C++ sources in `csrc/`, built on first use with
 `torch.utils.cpp_extension` and loaded into the process, where they register CPU
-implementations of ops defined in Python (`lathe::paged_decode_cpu`, and the weight-only
-GEMMs a compiled step calls, `lathe::int8_matmul_cpu_native` and `int4_matmul_cpu_native`).
+implementations of ops defined in Python: `lathe::paged_decode_cpu`, the weight-only
+GEMMs a compiled step calls (`lathe::int8_matmul_cpu_native`, `int4_matmul_cpu_native`)
+and its few-row linears (`lathe::decode_linear_cpu`).
 
 The build needs what inductor's CPU backend already needs, a C++ compiler (plus ninja), and
 takes ~30 s once: torch caches it per machine (`TORCH_EXTENSIONS_DIR`, by default
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("paged_decode_cpu.cpp", "quant_matmul_cpu.cpp")]
+            for name in ("paged_decode_cpu.cpp", "quant_matmul_cpu.cpp", "decode_linear_cpu.cpp")]
 
 # the vector ISA torch's own CPU kernels were dispatched to on this machine, as compiler
 # flags; -ffast-math lets the loops vectorize and `expf` become libmvec's vector exp

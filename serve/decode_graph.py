@@ -11,7 +11,8 @@ and which is called without dynamo's guard check: this module picks the graph by
 and nothing else a guard would check (module structure, dtypes, grad mode, the
 `LATHE_KERNELS` switches) changes in an engine's life. Inductor fuses the norms, RoPE,
 SwiGLU and residual adds around the GEMMs, so a step is a few dozen kernel calls instead
-of ~150 ATen ops.
+of ~150 ATen ops; with lathe's native CPU kernels loaded, a graph pass
+(`lathe.kernels.decode_linear`) also moves the linears of buckets up to 8 rows off BLAS.
 
 How much of the block table a step passes is a second bucket. Where a paged kernel runs
 (Triton on CUDA, the native one on CPU) it is always the full width, one graph per batch
@@ -36,6 +37,7 @@ from torch import Tensor
 
 from lathe.kernels import kernel_enabled, paged_decode
 from lathe.kernels.cpu_native import cpu_kernels_loaded
+from lathe.kernels.decode_linear import DecodeLinearPass
 from lathe.model.transformer import Transformer
 from lathe.serve.paged_cache import KVSlabs
 
@@ -100,10 +102,12 @@ class DecodeGraphs:
             # vLLM's way: the check of ~700 guards on the model's modules and tensors, and
             # the Python wrapper's ~100 tensor views, had been half of the README model's
             # batch-1 step
-            self._compiler = torch.compile(
-                self._forward, fullgraph=True, dynamic=False,
-                options={"cpp_wrapper": True, "size_asserts": False,
-                         "guard_filter_fn": torch.compiler.skip_all_guards_unsafe})
+            options = {"cpp_wrapper": True, "size_asserts": False,
+                       "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+            if cpu_kernels_loaded() and kernel_enabled("decode_linear"):
+                options["post_grad_custom_post_pass"] = DecodeLinearPass()
+            self._compiler = torch.compile(self._forward, fullgraph=True, dynamic=False,
+                                           options=options)
             self._graphs: dict[tuple[int, int], Callable[..., Tensor]] = {}
 
     def bucket(self, batch: int) -> int | None:

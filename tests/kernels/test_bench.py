@@ -43,7 +43,12 @@ def test_on_cpu_the_native_kernels_are_timed_against_their_references():
         results = {name: fn() for name, fn in case.impls.items()}
         torch.testing.assert_close(results["native C++"], results["torch (gather + SDPA)"],
                                    atol=1e-5, rtol=1e-5)
-    table = bench.run_cpu(cases, write=False)
-    rows = [line for line in table.splitlines() if line.startswith("| paged_decode")]
-    assert len(rows) == 4 and all(float(row.split("|")[3].replace(",", "")) > 0
+    linears = bench.cpu_linear_cases([(2, 64, 40)])
+    results = {name: fn() for name, fn in linears[0].impls.items()}
+    torch.testing.assert_close(results["native C++"], results["torch (F.linear, BLAS)"],
+                               atol=1e-4, rtol=1e-5)
+    table = bench.run_cpu(cases + linears, write=False)
+    rows = [line for line in table.splitlines()
+            if line.startswith(("| paged_decode", "| decode_linear"))]
+    assert len(rows) == 6 and all(float(row.split("|")[3].replace(",", "")) > 0
                                   for row in rows)

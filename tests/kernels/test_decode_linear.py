@@ -1,0 +1,82 @@
+"""The few-row CPU linear (csrc/decode_linear_cpu.cpp) against `F.linear`, and the graph
+pass that routes a compiled graph's linears to it: only float32 ones of at most MAX_ROWS
+rows, the rest stay on BLAS. Tolerance 1e-5 relative (the sums are reordered)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from lathe.kernels.cpu_native import load_cpu_kernels
+from lathe.kernels.decode_linear import (
+    MAX_ROWS,
+    DecodeLinearPass,
+    decode_linear_cpu,
+    decode_linear_reference,
+)
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None,
+                                reason="the native kernels need a C++ compiler")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native():
+    assert load_cpu_kernels(), "the native CPU kernels did not build"
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 17])
+@pytest.mark.parametrize("out_features, in_features", [(64, 128), (4099, 128), (130, 256),
+                                                       (7, 352), (33, 24)])
+def test_matches_f_linear(rows, out_features, in_features):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=g)
+    weight = torch.randn(out_features, in_features, generator=g)
+    torch.testing.assert_close(decode_linear_cpu(x, weight), decode_linear_reference(x, weight),
+                               atol=1e-4, rtol=1e-5)
+
+
+def test_strided_inputs_are_read_as_their_values():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 3, generator=g).t()  # (3, 128), column-major
+    weight = torch.randn(128, 96, generator=g).t()  # (96, 128), a transposed view
+    torch.testing.assert_close(decode_linear_cpu(x, weight), decode_linear_reference(x, weight),
+                               atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("x, weight, message", [
+    (torch.zeros(2, 8), torch.zeros(4, 9), "must be"),
+    (torch.zeros(2, 8, dtype=torch.float64), torch.zeros(4, 8), "float32"),
+])
+def test_wrong_shapes_and_dtypes_are_refused(x, weight, message):
+    with pytest.raises(RuntimeError, match=message):
+        decode_linear_cpu(x, weight)
+
+
+def called_ops(fn, *args) -> set[str]:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn(*args)
+    return {event.key for event in prof.key_averages()}
+
+
+@pytest.mark.parametrize("rows, dtype, rewritten", [
+    (1, torch.float32, True), (MAX_ROWS, torch.float32, True),
+    (MAX_ROWS + 1, torch.float32, False), (1, torch.bfloat16, False)])
+def test_the_pass_moves_only_few_row_float32_linears(rows, dtype, rewritten):
+    """A compiled two-layer MLP with the pass: its linears call the native op exactly when
+    x has at most MAX_ROWS float32 rows, and the result is `F.linear`'s either way."""
+    g = torch.Generator().manual_seed(0)
+    up = torch.randn(96, 64, generator=g).to(dtype)
+    down = torch.randn(64, 96, generator=g).to(dtype)
+
+    def mlp(x):
+        return torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, up)), down)
+
+    x = torch.randn(1, rows, 64, generator=g).to(dtype)
+    compiled = torch.compile(mlp, fullgraph=True, dynamic=False,
+                             options={"post_grad_custom_post_pass": DecodeLinearPass()})
+    atol = 1e-4 if dtype == torch.float32 else 1e-1
+    torch.testing.assert_close(compiled(x), mlp(x), atol=atol, rtol=1e-2)
+    assert ("lathe::decode_linear_cpu" in called_ops(compiled, x)) == rewritten
