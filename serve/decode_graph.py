@@ -37,7 +37,6 @@ from torch import Tensor
 
 from lathe.kernels import kernel_enabled, paged_decode
 from lathe.kernels.cpu_native import cpu_kernels_loaded
-from lathe.kernels.decode_linear import DecodeLinearPass
 from lathe.model.transformer import Transformer
 from lathe.serve.paged_cache import KVSlabs
 
@@ -105,6 +104,8 @@ class DecodeGraphs:
             options = {"cpp_wrapper": True, "size_asserts": False,
                        "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
             if cpu_kernels_loaded() and kernel_enabled("decode_linear"):
+                # imported here: it imports inductor (~1.2 s), which an eager engine never needs
+                from lathe.kernels.decode_linear import DecodeLinearPass
                 options["post_grad_custom_post_pass"] = DecodeLinearPass()
             self._compiler = torch.compile(self._forward, fullgraph=True, dynamic=False,
                                            options=options)
