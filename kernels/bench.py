@@ -327,12 +327,11 @@ def run(sizes: Sizes, write: bool) -> str:
         "| peak MiB |",
         "|---|---|---:|---:|---:|---:|", *lines, ""])
     if write:
-        with (ROOT / "docs" / "benchmarks.md").open("a") as f:
-            f.write("\n" + table)
+        _append_to_benchmarks(table)
     return table
 
 
-def cpu_cases(shapes: list[PagedShape], compile: bool = True,
+def cpu_paged_cases(shapes: list[PagedShape], compile: bool = True,
               block_size: int = 16) -> list[Case]:
     """The native CPU paged-decode kernel against its reference (and `torch.compile` of it)
     at each of `shapes`, fp32."""
@@ -394,9 +393,13 @@ def run_cpu(cases: list[Case], write: bool) -> str:
         "(linear) bytes a call must read, per second.", "",
         "| case | implementation | µs | GB/s |", "|---|---|---:|---:|", *lines, ""])
     if write:
-        with (ROOT / "docs" / "benchmarks.md").open("a") as f:
-            f.write("\n" + table)
+        _append_to_benchmarks(table)
     return table
+
+
+def _append_to_benchmarks(table: str) -> None:
+    with (ROOT / "docs" / "benchmarks.md").open("a") as f:
+        f.write("\n" + table)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -413,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
                   "visible here, and the native CPU kernels did not build: nothing to time.")
             return 0
         print("No CUDA GPU here: timing the native CPU kernels instead of Triton's.")
-        print(run_cpu(cpu_cases(CPU_PAGED_SHAPES) + cpu_linear_cases(CPU_LINEAR_SHAPES),
+        print(run_cpu(cpu_paged_cases(CPU_PAGED_SHAPES) + cpu_linear_cases(CPU_LINEAR_SHAPES),
                       write))
         return 0
     print(run(Sizes(**args), write))

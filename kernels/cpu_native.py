@@ -5,7 +5,7 @@ GEMMs a compiled step calls (`lathe::int8_matmul_cpu_native`, `int4_matmul_cpu_n
 and its few-row linears (`lathe::decode_linear_cpu`).
 
 The build needs what inductor's CPU backend already needs, a C++ compiler (plus ninja), and
-takes ~30 s once: torch caches it per machine (`TORCH_EXTENSIONS_DIR`, by default
+takes ~20 s once (2 cores): torch caches it per machine (`TORCH_EXTENSIONS_DIR`, by default
 ~/.cache/torch_extensions), under a name carrying the CPU capability it was compiled for,
 so a cache shared by machines of different ISAs never loads code a CPU cannot run. When
 the build fails the caller is warned once and keeps the PyTorch reference paths.

@@ -163,6 +163,12 @@ def paged_decode_triton(q: Tensor, k_slab: Tensor, v_slab: Tensor, block_tables:
     return out
 
 
+def native_paged_decode(tensor: Tensor) -> bool:
+    """Whether `paged_decode` on tensors like `tensor` takes the native CPU kernel, which,
+    like the Triton one, reads only each sequence's own blocks."""
+    return cpu_kernels_loaded() and use_cpu_kernel("paged_decode", tensor)
+
+
 def paged_decode(q: Tensor, k_slab: Tensor, v_slab: Tensor, block_tables: Tensor,
                  context_lens: Tensor, block_size: int) -> Tensor:
     """Decode attention through block tables: Triton on CUDA, the native CPU kernel on CPU
@@ -174,7 +180,7 @@ def paged_decode(q: Tensor, k_slab: Tensor, v_slab: Tensor, block_tables: Tensor
     tileable = block_size >= 16 and block_size & (block_size - 1) == 0
     if tileable and use_triton("paged_decode", q):
         return paged_decode_triton(q, k_slab, v_slab, block_tables, context_lens, block_size)
-    if cpu_kernels_loaded() and use_cpu_kernel("paged_decode", q) and not q.requires_grad:
+    if native_paged_decode(q) and not q.requires_grad:
         return paged_decode_cpu(q, k_slab, v_slab, block_tables, context_lens, block_size)
     if torch.compiler.is_compiling() and q.shape[0] >= OPAQUE_FROM_ROWS:
         return _paged_decode_op(q, k_slab, v_slab, block_tables, context_lens, block_size)

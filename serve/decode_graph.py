@@ -35,8 +35,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from lathe.kernels import kernel_enabled, paged_decode
+from lathe.kernels import paged_decode
 from lathe.kernels.cpu_native import cpu_kernels_loaded
+from lathe.kernels.dispatch import use_cpu_kernel
+from lathe.kernels.paged_attention import native_paged_decode
 from lathe.model.transformer import Transformer
 from lathe.serve.paged_cache import KVSlabs
 
@@ -81,7 +83,7 @@ class DecodeGraphs:
         self.buckets = batch_buckets(max_num_seqs)
         self.steps = 0  # decode steps run compiled
         self.cuda = cuda = slabs.k[0].device.type == "cuda"
-        paged_kernel = cuda or (cpu_kernels_loaded() and kernel_enabled("paged_decode"))
+        paged_kernel = cuda or native_paged_decode(slabs.k[0])
         self.widths = [max_blocks] if paged_kernel else width_buckets(max_blocks)
         # size_asserts re-check every extern op's output layout on each call (5-20% of the
         # README model's step; the equality tests against eager cover the layouts)
@@ -103,7 +105,7 @@ class DecodeGraphs:
             # batch-1 step
             options = {"cpp_wrapper": True, "size_asserts": False,
                        "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
-            if cpu_kernels_loaded() and kernel_enabled("decode_linear"):
+            if cpu_kernels_loaded() and use_cpu_kernel("decode_linear", slabs.k[0]):
                 # imported here: it imports inductor (~1.2 s), which an eager engine never needs
                 from lathe.kernels.decode_linear import DecodeLinearPass
                 options["post_grad_custom_post_pass"] = DecodeLinearPass()

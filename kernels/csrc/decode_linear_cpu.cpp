@@ -1,6 +1,6 @@
 // y = x · wᵀ for the few rows of a decode step on CPU: the implementation of
 // `lathe::decode_linear_cpu` (schema, fake and the graph pass that calls it in
-// lathe/kernels/decode_linear.py). At M = 1-4, BLAS's GEMM pays a fixed cost per call that
+// lathe/kernels/decode_linear.py). At M = 1-8, BLAS's GEMM pays a fixed cost per call that
 // is most of the time for a small model's layers, and streams a large weight (the LM head)
 // at about half the rate two cores can read it. Here each task takes a range of output
 // features, four weight rows at a time (so the x rows are reused from registers and each

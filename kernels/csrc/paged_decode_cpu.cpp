@@ -1,5 +1,5 @@
 // Decode attention over the serve engine's paged KV slabs, on CPU: the implementation of
-// `lathe::paged_decode_cpu` (schema and fake defined in lathe/kernels/cpu_native.py).
+// `lathe::paged_decode_cpu` (schema and fake defined in lathe/kernels/paged_attention.py).
 //
 // One task per (sequence, KV head) reads the sequence's blocks in place through its block
 // table — no gathered copy of the context — scores every query head of the KV group

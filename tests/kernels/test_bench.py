@@ -38,7 +38,7 @@ def test_on_cpu_the_native_kernels_are_timed_against_their_references():
         pytest.skip("the native CPU kernels need a C++ compiler")
     torch.manual_seed(0)
     shapes = [bench.PagedShape(2, 4, 2, 16, 40), bench.PagedShape(1, 8, 2, 32, 70)]
-    cases = bench.cpu_cases(shapes, compile=False)
+    cases = bench.cpu_paged_cases(shapes, compile=False)
     for case in cases:
         results = {name: fn() for name, fn in case.impls.items()}
         torch.testing.assert_close(results["native C++"], results["torch (gather + SDPA)"],
