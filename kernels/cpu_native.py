@@ -22,10 +22,12 @@ _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_decode_cpu.cpp", "quant_matmul_cpu.cpp", "decode_linear_cpu.cpp")]
 
 # the vector ISA torch's own CPU kernels were dispatched to on this machine, as compiler
-# flags; -ffast-math lets the loops vectorize and `expf` become libmvec's vector exp
+# flags and the macros that pick ATen's `Vectorized` for it (as inductor's C++ kernels are
+# built); -ffast-math lets the loops vectorize and `expf` become libmvec's vector exp
 _ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
-    "AVX2": ["-mavx2", "-mfma"],
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma",
+               "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
 }
 
 _loaded: bool | None = None  # None: not tried yet

@@ -4,18 +4,22 @@
 // One task per (sequence, KV head) reads the sequence's blocks in place through its block
 // table — no gathered copy of the context — scores every query head of the KV group
 // against each key row while it is in cache, takes an exact two-pass softmax over the
-// scores, and sums the value rows. Built with -ffast-math so that the dot products and
-// axpys vectorize and `expf` over a score row becomes glibc's vector exp (libmvec); no
-// infinities are used (rows past a context's length are never read).
+// scores, and sums the value rows into registers. The dot products and sums are written
+// with ATen's `Vectorized<float>` (the vector ISA the library is built for); -ffast-math
+// turns `expf` over a score row into glibc's vector exp (libmvec). No infinities are used
+// (rows past a context's length are never read).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -42,20 +46,45 @@ inline void prefetch_row(const T* row, int64_t dim) {
     __builtin_prefetch(bytes + offset);
 }
 
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = Vec::size();
+// pass 2 sums a head's output this many vectors at a time, in registers
+constexpr int64_t kChunkVecs = 4;
+
+// `count` (<= kLanes) floats from `data`, zero-filled past them
+inline Vec load(const float* data, int64_t count) {
+  return count == kLanes ? Vec::loadu(data) : Vec::loadu(data, count);
+}
+
+// a slab row as float: the row itself for float slabs, else converted into `buffer`
+template <typename T>
+inline const float* as_float(const T* row, int64_t dim, float* buffer) {
+  if constexpr (std::is_same_v<T, float>) {
+    return row;
+  } else {
+    for (int64_t d = 0; d < dim; ++d) buffer[d] = static_cast<float>(row[d]);
+    return buffer;
+  }
+}
+
 template <int D, typename T>
 void attend_group(const float* q, const T* k, const T* v, const int64_t* offsets,
                   int64_t length, int64_t group, int64_t head_dim, float* scores,
-                  float* totals, float* acc, float* out) {
+                  float* totals, float* row_buffer, float* out) {
   const int64_t dim = Dim<D>::get(head_dim);
   // pass 1: scores[g][t] = q_g . k_t (q already scaled); one key row serves the group
   for (int64_t t = 0; t < length; ++t) {
     if (t + kPrefetchRows < length) prefetch_row(k + offsets[t + kPrefetchRows], dim);
-    const T* key = k + offsets[t];
+    const float* key = as_float(k + offsets[t], dim, row_buffer);
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = q + g * dim;
-      float dot = 0.f;
-      for (int64_t d = 0; d < dim; ++d) dot += qg[d] * static_cast<float>(key[d]);
-      scores[g * length + t] = dot;
+      Vec dot(0.f);
+      for (int64_t d = 0; d < dim; d += kLanes) {
+        const int64_t count = std::min(kLanes, dim - d);
+        dot = at::vec::fmadd(load(qg + d, count), load(key + d, count), dot);
+      }
+      scores[g * length + t] = at::vec::vec_reduce_all<float>(
+          [](Vec& a, Vec& b) { return a + b; }, dot);
     }
   }
   for (int64_t g = 0; g < group; ++g) {
@@ -69,19 +98,34 @@ void attend_group(const float* q, const T* k, const T* v, const int64_t* offsets
     }
     totals[g] = total;
   }
-  // pass 2: acc[g] = sum_t p[g][t] v_t
-  std::fill(acc, acc + group * dim, 0.f);
-  for (int64_t t = 0; t < length; ++t) {
-    if (t + kPrefetchRows < length) prefetch_row(v + offsets[t + kPrefetchRows], dim);
-    const T* value = v + offsets[t];
-    for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * length + t];
-      float* ag = acc + g * dim;
-      for (int64_t d = 0; d < dim; ++d) ag[d] += p * static_cast<float>(value[d]);
+  // pass 2: out[g] = sum_t p[g][t] v_t / total[g], kChunkVecs vectors of it at a time with
+  // the sums in registers (the value rows come from cache after the first head and chunk)
+  for (int64_t g = 0; g < group; ++g) {
+    const float* p = scores + g * length;
+    for (int64_t c = 0; c < dim; c += kChunkVecs * kLanes) {
+      const int64_t width = std::min(kChunkVecs * kLanes, dim - c);
+      Vec acc[kChunkVecs];
+#pragma GCC unroll 4
+      for (int64_t j = 0; j < kChunkVecs; ++j) acc[j] = Vec(0.f);
+      for (int64_t t = 0; t < length; ++t) {
+        if (g == 0 && c == 0 && t + kPrefetchRows < length)
+          prefetch_row(v + offsets[t + kPrefetchRows], dim);
+        const float* value = as_float(v + offsets[t], dim, row_buffer) + c;
+        const Vec weight(p[t]);
+#pragma GCC unroll 4
+        for (int64_t j = 0; j < kChunkVecs; ++j)
+          if (j * kLanes < width)
+            acc[j] = at::vec::fmadd(weight, load(value + j * kLanes,
+                                                 std::min(kLanes, width - j * kLanes)), acc[j]);
+      }
+      const Vec inverse(1.f / totals[g]);
+#pragma GCC unroll 4
+      for (int64_t j = 0; j < kChunkVecs; ++j)
+        if (j * kLanes < width)
+          (acc[j] * inverse).store(out + g * dim + c + j * kLanes,
+                                   std::min(kLanes, width - j * kLanes));
     }
   }
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = acc[g * dim + d] / totals[g];
 }
 
 template <int D, typename T>
@@ -104,7 +148,7 @@ void run(const at::Tensor& q, const at::Tensor& k_slab, const at::Tensor& v_slab
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, longest * group * head_dim));
   at::parallel_for(0, batch * n_kv_heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> query(group * head_dim), scores(group * longest), totals(group),
-        acc(group * head_dim), result(group * head_dim);
+        row_buffer(head_dim), result(group * head_dim);
     std::vector<int64_t> offsets(longest);
     int64_t offsets_of = -1;  // the sequence whose row offsets `offsets` holds
     for (int64_t task = begin; task < end; ++task) {
@@ -122,7 +166,7 @@ void run(const at::Tensor& q, const at::Tensor& k_slab, const at::Tensor& v_slab
         query[i] = static_cast<float>(q_group[i]) * scale;
       attend_group<D, T>(query.data(), k_data + kv_head * head_dim,
                          v_data + kv_head * head_dim, offsets.data(), length, group,
-                         head_dim, scores.data(), totals.data(), acc.data(), result.data());
+                         head_dim, scores.data(), totals.data(), row_buffer.data(), result.data());
       T* o = out_data + (seq * n_heads + kv_head * group) * head_dim;
       for (int64_t i = 0; i < group * head_dim; ++i) o[i] = static_cast<T>(result[i]);
     }
