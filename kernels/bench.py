@@ -352,7 +352,8 @@ def cpu_paged_cases(shapes: list[PagedShape], compile: bool = True,
 # (rows, in_features, out_features): the README model's layers and LM head at the decode
 # buckets the native linear serves, and a Llama-3-1B MLP projection
 CPU_LINEAR_SHAPES = [(1, 128, 128), (1, 128, 352), (1, 352, 128), (1, 128, 4096),
-                     (4, 128, 4096), (8, 128, 4096), (1, 2048, 8192)]
+                     (4, 128, 4096), (8, 128, 4096), (16, 128, 352), (16, 128, 4096),
+                     (32, 128, 352), (32, 128, 4096), (64, 128, 4096), (1, 2048, 8192)]
 
 
 def cpu_linear_cases(shapes: list[tuple[int, int, int]]) -> list[Case]:

@@ -2,7 +2,8 @@
 `torch.utils.cpp_extension` and loaded into the process, where they register CPU
 implementations of ops defined in Python: `lathe::paged_decode_cpu`, the weight-only
 GEMMs a compiled step calls (`lathe::int8_matmul_cpu_native`, `int4_matmul_cpu_native`)
-and its few-row linears (`lathe::decode_linear_cpu`).
+and its few-row linears (`lathe::decode_linear_cpu`). Their loops run on torch's intra-op
+threads (OpenMP); a build whose loops come out serial is warned about.
 
 The build needs what inductor's CPU backend already needs, a C++ compiler (plus ninja), and
 takes ~20 s once (2 cores): torch caches it per machine (`TORCH_EXTENSIONS_DIR`, by default
@@ -18,8 +19,15 @@ from pathlib import Path
 
 import torch
 
+from lathe.kernels.dispatch import opaque_op
+
 _SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("paged_decode_cpu.cpp", "quant_matmul_cpu.cpp", "decode_linear_cpu.cpp")]
+            for name in ("paged_decode_cpu.cpp", "quant_matmul_cpu.cpp", "decode_linear_cpu.cpp",
+                         "parallel_probe_cpu.cpp")]
+
+# the intra-op thread that ran each item of a parallel loop over `items`, one item a task
+parallel_probe_cpu = opaque_op("parallel_probe_cpu", "(Tensor items) -> Tensor", None,
+                               lambda items: items.new_empty(items.numel(), dtype=torch.long))
 
 # the vector ISA torch's own CPU kernels were dispatched to on this machine, as compiler
 # flags and the macros that pick ATen's `Vectorized` for it (as inductor's C++ kernels are
@@ -45,9 +53,13 @@ def load_cpu_kernels() -> bool:
             cpp_extension.load(
                 name=f"lathe_cpu_kernels_{isa.lower().replace(' ', '_')}",
                 sources=[str(path) for path in _SOURCES],
-                extra_cflags=["-O3", "-ffast-math", *_ISA_FLAGS.get(isa, [])],
-                is_python_module=False, verbose=False)
+                # -fopenmp: `at::parallel_for` is an OpenMP loop in the headers, serial in
+                # code compiled without it; the library then binds to the libgomp torch
+                # has loaded, so it shares torch's threads (and `torch.set_num_threads`)
+                extra_cflags=["-O3", "-ffast-math", "-fopenmp", *_ISA_FLAGS.get(isa, [])],
+                extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
             _loaded = True
+            _check_threads()
         except (RuntimeError, OSError, ImportError) as error:
             warnings.warn(f"lathe's native CPU kernels did not build or load ({error}); "
                           "CPU decode attention runs on its PyTorch reference (gather + "
@@ -60,3 +72,17 @@ def load_cpu_kernels() -> bool:
 def cpu_kernels_loaded() -> bool:
     """Whether `load_cpu_kernels` has loaded them in this process."""
     return bool(_loaded)
+
+
+def native_threads() -> int:
+    """How many of torch's intra-op threads a parallel loop of the loaded library runs on."""
+    threads = torch.get_num_threads()
+    return int(parallel_probe_cpu(torch.empty(4 * threads)).unique().numel())
+
+
+def _check_threads() -> None:
+    if torch.get_num_threads() > 1 and native_threads() == 1:
+        warnings.warn("lathe's native CPU kernels were built without OpenMP (the compiler "
+                      "did not take -fopenmp), so they run on one thread; build with a "
+                      "compiler that supports OpenMP (GCC, or clang with libomp)",
+                      stacklevel=3)

@@ -2,13 +2,14 @@
 (csrc/decode_linear_cpu.cpp) in place of BLAS's GEMM, beside its reference `F.linear`, and
 the inductor graph pass that puts it there.
 
-At M = 1-8 rows BLAS's GEMM costs a fixed ~2 µs a call, most of a small layer's time, and
-streams a large weight (the LM head) at about half of what two cores read; the native op
-takes 40-60% of that. The pass (`DecodeLinearPass`, inductor's `post_grad_custom_post_pass`,
-as vLLM installs its own fusions) rewrites each `mm(x, permute(w, [1, 0]))` of a float32
-graph whose x has at most `MAX_ROWS` rows — what `F.linear` lowers to — into the op, which
-the graph then calls without Python. `lathe.serve.decode_graph` installs it on CPU when the
-native kernels are loaded and `decode_linear` is enabled.
+At a few rows BLAS's GEMM costs a fixed ~2 µs a call, most of a small layer's time, and
+streams a large weight (the LM head) at a fraction of what two cores read; the native op
+takes 20-85% of its time, the less the fewer the rows. The pass (`DecodeLinearPass`,
+inductor's `post_grad_custom_post_pass`, as vLLM installs its own fusions) rewrites each
+`mm(x, permute(w, [1, 0]))` of a float32 graph whose x has at most `MAX_ROWS` rows — what
+`F.linear` lowers to — into the op, which the graph then calls without Python.
+`lathe.serve.decode_graph` installs it on CPU when the native kernels are loaded and
+`decode_linear` is enabled.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from lathe.kernels.dispatch import opaque_op
 
-# Up to here the native op beats or ties BLAS on every layer of the README model (decode
-# buckets 1, 2, 4 and 8; at 2 rows BLAS takes 8-12 µs for a 128-wide layer against 2-4);
-# at 16 rows BLAS is faster on the LM head
-MAX_ROWS = 8
+# Up to here the native op beats BLAS (MKL) on every layer of the README model on this
+# project's 2-core AMD machine: 20-60% of MKL's time at 1-8 rows, 70% at 16 and 80-85% at
+# 32 (`python -m lathe.kernels.bench`); at 64 rows they are level
+MAX_ROWS = 32
 
 
 def decode_linear_reference(x: Tensor, weight: Tensor) -> Tensor:

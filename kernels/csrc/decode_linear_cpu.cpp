@@ -1,8 +1,8 @@
 // y = x · wᵀ for the few rows of a decode step on CPU: the implementation of
 // `lathe::decode_linear_cpu` (schema, fake and the graph pass that calls it in
-// lathe/kernels/decode_linear.py). At M = 1-8, BLAS's GEMM pays a fixed cost per call that
-// is most of the time for a small model's layers, and streams a large weight (the LM head)
-// at about half the rate two cores can read it. Here each task takes a range of output
+// lathe/kernels/decode_linear.py). At a few rows, BLAS's GEMM pays a fixed cost per call
+// that is most of the time for a small model's layers, and streams a large weight (the LM
+// head) at a fraction of the rate two cores can read it. Here each task takes a range of output
 // features, four weight rows at a time (so the x rows are reused from registers and each
 // weight row is read once for all M rows), with the dot products vectorized by the compiler
 // (-ffast-math lets it reorder the sums).

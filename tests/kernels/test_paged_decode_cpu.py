@@ -154,3 +154,23 @@ def test_engine_greedy_tokens_match_the_gather_path():
     native = run()
     with kernels_off("paged_decode"):
         assert run() == native
+
+
+def test_the_library_runs_its_loops_on_torchs_threads():
+    """Built without OpenMP, `at::parallel_for` in the library would be a serial loop (it
+    was, unnoticed, until the build passed -fopenmp)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert cpu_native.native_threads() == 2
+        torch.set_num_threads(1)
+        assert cpu_native.native_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_serial_build_is_warned_about(monkeypatch):
+    monkeypatch.setattr(cpu_native, "native_threads", lambda: 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    with pytest.warns(UserWarning, match="without OpenMP"):
+        cpu_native._check_threads()
