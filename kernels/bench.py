@@ -365,8 +365,8 @@ def cpu_linear_cases(shapes: list[tuple[int, int, int]]) -> list[Case]:
         result.append(Case(
             f"decode_linear, {rows} × {in_features} → {out_features}", "GB/s",
             weight.numel() * weight.element_size(), {
-                "native C++": lambda x=x, w=weight: decode_linear_cpu(x, w),
-                "torch (F.linear, BLAS)": lambda x=x, w=weight: decode_linear_reference(x, w)},
+                "native C++": lambda x=x, w=weight: decode_linear_cpu(x, [w]),
+                "torch (F.linear, BLAS)": lambda x=x, w=weight: decode_linear_reference(x, [w])},
             backward=False))
     return result
 

@@ -1,11 +1,11 @@
-// y = x · wᵀ for the few rows of a decode step on CPU: the implementation of
-// `lathe::decode_linear_cpu` (schema, fake and the graph pass that calls it in
-// lathe/kernels/decode_linear.py). At a few rows, BLAS's GEMM pays a fixed cost per call
-// that is most of the time for a small model's layers, and streams a large weight (the LM
-// head) at a fraction of the rate two cores can read it. Here each task takes a range of output
-// features, four weight rows at a time (so the x rows are reused from registers and each
-// weight row is read once for all M rows), with the dot products vectorized by the compiler
-// (-ffast-math lets it reorder the sums).
+// y_i = x · w_iᵀ, for the few rows of a decode step on CPU and one or more weights that read
+// the same x: the implementation of `lathe::decode_linear_cpu` (schema, fake and the graph
+// pass that calls it in lathe/kernels/decode_linear.py). At a few rows, BLAS's GEMM pays a
+// fixed cost per call that is most of the time for a small model's layers, and streams a
+// large weight (the LM head) at a fraction of the rate two cores can read it. Here each task
+// takes a range of output features, four weight rows at a time (so the x rows are reused
+// from registers and each weight row is read once for all M rows), with the dot products
+// vectorized by the compiler (-ffast-math lets it reorder the sums).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -13,6 +13,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <tuple>
+#include <vector>
 
 namespace {
 
@@ -62,33 +64,70 @@ void features(const float* x, int64_t rows, const float* w, float* out, int64_t 
   }
 }
 
-at::Tensor decode_linear_cpu(const at::Tensor& x_in, const at::Tensor& weight_in) {
-  TORCH_CHECK(x_in.dim() == 2 && weight_in.dim() == 2 && x_in.size(1) == weight_in.size(1),
-              "decode_linear_cpu: x must be (rows, in_features) and weight (out_features, "
-              "in_features), got ", x_in.sizes(), " and ", weight_in.sizes());
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && weight_in.scalar_type() == at::kFloat,
-              "decode_linear_cpu: takes float32 x and weight");
+// y_i = x · w_iᵀ for every weight of `weights` (the linears of one decode step that read the
+// same x: q, k and v; gate and up) in one parallel loop over all their output features: a
+// compiled graph pays the dispatcher and the thread pool once for the group.
+std::vector<at::Tensor> linears(const at::Tensor& x_in, at::TensorList weights_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat,
+              "decode_linear_cpu: x must be float32 (rows, in_features), got ",
+              x_in.scalar_type(), " ", x_in.sizes());
   const at::Tensor x = x_in.contiguous();
-  const at::Tensor weight = weight_in.contiguous();
-  const int64_t rows = x.size(0), out_features = weight.size(0), in_features = weight.size(1);
-  at::Tensor out = at::empty({rows, out_features}, x.options());
+  const int64_t rows = x.size(0), in_features = x.size(1);
+  std::vector<at::Tensor> weights, outs;
+  std::vector<int64_t> starts{0};  // where each weight's features begin in the joint range
+  for (const at::Tensor& weight : weights_in) {
+    TORCH_CHECK(weight.dim() == 2 && weight.size(1) == in_features,
+                "decode_linear_cpu: each weight must be (out_features, ", in_features,
+                "), got ", weight.sizes());
+    TORCH_CHECK(weight.scalar_type() == at::kFloat,
+                "decode_linear_cpu: takes float32 weights, got ", weight.scalar_type());
+    weights.push_back(weight.contiguous());
+    outs.push_back(at::empty({rows, weight.size(0)}, x.options()));
+    starts.push_back(starts.back() + weight.size(0));
+  }
   const float* x_data = x.data_ptr<float>();
-  const float* w_data = weight.data_ptr<float>();
-  float* out_data = out.data_ptr<float>();
   // ~32K multiply-adds a task at least: a small layer stays on one thread
   const int64_t grain = std::max<int64_t>(64, 32768 / std::max<int64_t>(1, in_features * rows));
-  at::parallel_for(0, out_features, grain, [&](int64_t begin, int64_t end) {
-    switch (in_features) {
-      case 128: return features<128>(x_data, rows, w_data, out_data, out_features, in_features, begin, end);
-      case 256: return features<256>(x_data, rows, w_data, out_data, out_features, in_features, begin, end);
-      default: return features<0>(x_data, rows, w_data, out_data, out_features, in_features, begin, end);
+  at::parallel_for(0, starts.back(), grain, [&](int64_t begin, int64_t end) {
+    for (size_t i = 0; i < weights.size(); ++i) {
+      const int64_t lo = std::max(begin, starts[i]) - starts[i];
+      const int64_t hi = std::min(end, starts[i + 1]) - starts[i];
+      if (lo >= hi) continue;
+      const float* w = weights[i].data_ptr<float>();
+      float* out = outs[i].data_ptr<float>();
+      const int64_t out_features = weights[i].size(0);
+      switch (in_features) {
+        case 128: features<128>(x_data, rows, w, out, out_features, in_features, lo, hi); break;
+        case 256: features<256>(x_data, rows, w, out, out_features, in_features, lo, hi); break;
+        default: features<0>(x_data, rows, w, out, out_features, in_features, lo, hi);
+      }
     }
   });
-  return out;
+  return outs;
+}
+
+// one op per group size: inductor's C++ wrapper calls an op with a Tensor[] argument back
+// through Python, and one of fixed tensor arguments directly
+at::Tensor decode_linear_cpu(const at::Tensor& x, const at::Tensor& w) {
+  return linears(x, {w})[0];
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_linear2_cpu(const at::Tensor& x, const at::Tensor& w0,
+                                                      const at::Tensor& w1) {
+  std::vector<at::Tensor> y = linears(x, {w0, w1});
+  return {y[0], y[1]};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> decode_linear3_cpu(
+    const at::Tensor& x, const at::Tensor& w0, const at::Tensor& w1, const at::Tensor& w2) {
+  std::vector<at::Tensor> y = linears(x, {w0, w1, w2});
+  return {y[0], y[1], y[2]};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(lathe, CPU, m) {
   m.impl("decode_linear_cpu", &decode_linear_cpu);
+  m.impl("decode_linear2_cpu", &decode_linear2_cpu);
+  m.impl("decode_linear3_cpu", &decode_linear3_cpu);
 }

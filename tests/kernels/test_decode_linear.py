@@ -1,6 +1,7 @@
-"""The few-row CPU linear (csrc/decode_linear_cpu.cpp) against `F.linear`, and the graph
-pass that routes a compiled graph's linears to it: only float32 ones of at most MAX_ROWS
-rows, the rest stay on BLAS. Tolerance 1e-5 relative (the sums are reordered)."""
+"""The few-row CPU linear (csrc/decode_linear_cpu.cpp) against `F.linear`, one weight or
+several at once, and the graph pass that routes a compiled graph's linears to it: only
+float32 ones of at most MAX_ROWS rows (the rest stay on BLAS), one call for the linears that
+read the same x. Tolerance 1e-5 relative (the sums are reordered)."""
 
 from __future__ import annotations
 
@@ -34,25 +35,47 @@ def test_matches_f_linear(rows, out_features, in_features):
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_features, generator=g)
     weight = torch.randn(out_features, in_features, generator=g)
-    torch.testing.assert_close(decode_linear_cpu(x, weight), decode_linear_reference(x, weight),
-                               atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(decode_linear_cpu(x, [weight]),
+                               decode_linear_reference(x, [weight]), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_a_group_of_weights_is_each_weights_linear(rows):
+    """q/k/v-like and gate/up-like groups, and sizes whose features split across the threads
+    inside a weight, on a boundary between two, and not at all."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 128, generator=g)
+    for sizes in ([128, 64, 64], [352, 352], [3, 4099, 70]):
+        weights = [torch.randn(size, 128, generator=g) for size in sizes]
+        out = decode_linear_cpu(x, weights)
+        assert [tuple(y.shape) for y in out] == [(rows, size) for size in sizes]
+        torch.testing.assert_close(out, decode_linear_reference(x, weights), atol=1e-4,
+                                   rtol=1e-5)
 
 
 def test_strided_inputs_are_read_as_their_values():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(128, 3, generator=g).t()  # (3, 128), column-major
-    weight = torch.randn(128, 96, generator=g).t()  # (96, 128), a transposed view
-    torch.testing.assert_close(decode_linear_cpu(x, weight), decode_linear_reference(x, weight),
-                               atol=1e-4, rtol=1e-5)
+    weights = [torch.randn(128, 96, generator=g).t(), torch.randn(10, 128, generator=g)]
+    torch.testing.assert_close(decode_linear_cpu(x, weights),
+                               decode_linear_reference(x, weights), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("x, weight, message", [
-    (torch.zeros(2, 8), torch.zeros(4, 9), "must be"),
-    (torch.zeros(2, 8, dtype=torch.float64), torch.zeros(4, 8), "float32"),
+@pytest.mark.parametrize("x, weights, message", [
+    (torch.zeros(2, 8), [torch.zeros(4, 9)], "must be"),
+    (torch.zeros(2, 8), [torch.zeros(4, 8), torch.zeros(3, 7)], "must be"),
+    (torch.zeros(2, 8, dtype=torch.float64), [torch.zeros(4, 8)], "float32"),
+    (torch.zeros(2, 8), [torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.float64)], "float32"),
 ])
-def test_wrong_shapes_and_dtypes_are_refused(x, weight, message):
+def test_wrong_shapes_and_dtypes_are_refused(x, weights, message):
     with pytest.raises(RuntimeError, match=message):
-        decode_linear_cpu(x, weight)
+        decode_linear_cpu(x, weights)
+
+
+@pytest.mark.parametrize("count", [0, 4])
+def test_a_group_takes_one_to_three_weights(count):
+    with pytest.raises(ValueError, match="1 to 3 weights"):
+        decode_linear_cpu(torch.zeros(2, 8), [torch.zeros(4, 8)] * count)
 
 
 def called_ops(fn, *args) -> set[str]:
@@ -80,3 +103,27 @@ def test_the_pass_moves_only_few_row_float32_linears(rows, dtype, rewritten):
     atol = 1e-4 if dtype == torch.float32 else 1e-1
     torch.testing.assert_close(compiled(x), mlp(x), atol=atol, rtol=1e-2)
     assert ("lathe::decode_linear_cpu" in called_ops(compiled, x)) == rewritten
+
+
+def test_the_pass_makes_one_call_for_linears_that_share_their_input():
+    """q, k and v read the same x: one call (C++ from the C++ wrapper, not through Python);
+    the output projection reads their concatenation: a second."""
+    g = torch.Generator().manual_seed(0)
+    wq, wk, wv = (torch.randn(size, 64, generator=g) for size in (64, 32, 32))
+    wo = torch.randn(64, 96, generator=g)
+    F = torch.nn.functional
+
+    def block(x):
+        q, k, v = F.linear(x, wq), F.linear(x, wk), F.linear(x, wv)
+        return F.linear(torch.cat([q, k + v], dim=-1), wo)
+
+    x = torch.randn(1, 3, 64, generator=g)
+    compiled = torch.compile(block, fullgraph=True, dynamic=False,
+                             options={"post_grad_custom_post_pass": DecodeLinearPass(),
+                                      "cpp_wrapper": True})
+    torch.testing.assert_close(compiled(x), block(x), atol=1e-4, rtol=1e-5)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        compiled(x)
+    calls = {event.key: event.count for event in prof.key_averages()
+             if event.key.startswith("lathe::decode_linear")}
+    assert calls == {"lathe::decode_linear3_cpu": 1, "lathe::decode_linear_cpu": 1}
