@@ -1,9 +1,10 @@
 """lathe's native CPU kernels: the C++ sources in `csrc/`, built on first use with
 `torch.utils.cpp_extension` and loaded into the process, where they register CPU
 implementations of ops defined in Python: `lathe::paged_decode_cpu`, the weight-only
-GEMMs a compiled step calls (`lathe::int8_matmul_cpu_native`, `int4_matmul_cpu_native`)
-and its few-row linears (`lathe::decode_linear_cpu`). Their loops run on torch's intra-op
-threads (OpenMP); a build whose loops come out serial is warned about.
+GEMMs a compiled step calls (`lathe::int8_matmul_cpu_native`, `int4_matmul_cpu_native`),
+its few-row linears (`lathe::decode_linear_cpu`) and the greedy pick (`lathe::argmax_cpu`).
+Their loops run on torch's intra-op threads (OpenMP); a build whose loops come out serial
+is warned about.
 
 The build needs what inductor's CPU backend already needs, a C++ compiler (plus ninja), and
 takes ~20 s once (2 cores): torch caches it per machine (`TORCH_EXTENSIONS_DIR`, by default
@@ -23,7 +24,7 @@ from lathe.kernels.dispatch import opaque_op
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_decode_cpu.cpp", "quant_matmul_cpu.cpp", "decode_linear_cpu.cpp",
-                         "parallel_probe_cpu.cpp")]
+                         "argmax_cpu.cpp", "parallel_probe_cpu.cpp")]
 
 # the intra-op thread that ran each item of a parallel loop over `items`, one item a task
 parallel_probe_cpu = opaque_op("parallel_probe_cpu", "(Tensor items) -> Tensor", None,

@@ -24,7 +24,8 @@ except ImportError:  # e.g. macOS: the references still run
     HAVE_TRITON = False
 
 KERNELS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "int8_matmul", "int4_matmul",
-           "linear_cross_entropy", "paged_decode", "causal_attention", "decode_linear")
+           "linear_cross_entropy", "paged_decode", "causal_attention", "decode_linear",
+           "argmax")
 
 
 def kernel_enabled(name: str) -> bool:

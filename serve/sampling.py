@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from lathe.kernels.argmax import greedy_argmax
+
 
 class SamplingError(ValueError):
     """A sampling parameter outside its allowed range (the message names field and range)."""
@@ -224,14 +226,14 @@ def sample(logits: Tensor, batch: SamplingBatch) -> Tensor:
     each seeded row draw from its own generator, so a seeded sequence gets the same tokens
     whatever else shares its step."""
     if batch.all_plain_greedy:
-        return logits.argmax(dim=-1)
+        return greedy_argmax(logits)
     return sample_with_probs(logits, batch)[0]
 
 
 def sample_with_probs(logits: Tensor, batch: SamplingBatch) -> tuple[Tensor, list[Tensor | None]]:
     """`sample`, and the distribution each row was drawn from (None for greedy rows)."""
     logits = processed_logits(logits, batch)
-    tokens = logits.argmax(dim=-1)
+    tokens = greedy_argmax(logits)
     dists: list[Tensor | None] = [None] * len(batch.rows)
     if batch.all_greedy:
         return tokens, dists
