@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lathe.kernels.argmax import argmax_cpu
 from lathe.kernels.attention import causal_attention_reference, causal_attention_triton
 from lathe.kernels.cpu_native import load_cpu_kernels
 from lathe.kernels.decode_linear import decode_linear_cpu, decode_linear_reference
@@ -371,6 +372,23 @@ def cpu_linear_cases(shapes: list[tuple[int, int, int]]) -> list[Case]:
     return result
 
 
+# (rows, vocab): greedy picks of the README model's decode buckets, and Llama 3's vocabulary
+CPU_ARGMAX_SHAPES = [(1, 4096), (16, 4096), (64, 4096), (16, 128256)]
+
+
+def cpu_argmax_cases(shapes: list[tuple[int, int]]) -> list[Case]:
+    """The native greedy pick against `torch.argmax`, fp32: GB/s of logits read."""
+    result = []
+    for rows, vocab in shapes:
+        logits = torch.randn(rows, vocab)
+        result.append(Case(f"argmax, {rows} × {vocab}", "GB/s",
+                           logits.numel() * logits.element_size(), {
+                               "native C++": lambda x=logits: argmax_cpu(x),
+                               "torch.argmax": lambda x=logits: x.argmax(dim=-1)},
+                           backward=False))
+    return result
+
+
 def run_cpu(cases: list[Case], write: bool) -> str:
     """Median µs of each implementation (`torch.utils.benchmark`, which warms up and
     repeats), at this process's thread count."""
@@ -390,8 +408,8 @@ def run_cpu(cases: list[Case], write: bool) -> str:
         f"## Kernels on CPU — {datetime.date.today()} — {platform.machine()}, "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}", "",
         "Command: `python -m lathe.kernels.bench` without a GPU — fp32; paged decode over "
-        "16-token blocks scattered over the pool; rate: the K/V (paged decode) or weight "
-        "(linear) bytes a call must read, per second.", "",
+        "16-token blocks scattered over the pool; rate: the K/V (paged decode), weight "
+        "(linear) or logit (argmax) bytes a call must read, per second.", "",
         "| case | implementation | µs | GB/s |", "|---|---|---:|---:|", *lines, ""])
     if write:
         _append_to_benchmarks(table)
@@ -417,8 +435,8 @@ def main(argv: list[str] | None = None) -> int:
                   "visible here, and the native CPU kernels did not build: nothing to time.")
             return 0
         print("No CUDA GPU here: timing the native CPU kernels instead of Triton's.")
-        print(run_cpu(cpu_paged_cases(CPU_PAGED_SHAPES) + cpu_linear_cases(CPU_LINEAR_SHAPES),
-                      write))
+        print(run_cpu(cpu_paged_cases(CPU_PAGED_SHAPES) + cpu_linear_cases(CPU_LINEAR_SHAPES)
+                      + cpu_argmax_cases(CPU_ARGMAX_SHAPES), write))
         return 0
     print(run(Sizes(**args), write))
     return 0

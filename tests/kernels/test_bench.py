@@ -47,8 +47,11 @@ def test_on_cpu_the_native_kernels_are_timed_against_their_references():
     results = {name: fn() for name, fn in linears[0].impls.items()}
     torch.testing.assert_close(results["native C++"], results["torch (F.linear, BLAS)"],
                                atol=1e-4, rtol=1e-5)
-    table = bench.run_cpu(cases + linears, write=False)
+    picks = bench.cpu_argmax_cases([(3, 100)])
+    results = {name: fn() for name, fn in picks[0].impls.items()}
+    assert torch.equal(results["native C++"], results["torch.argmax"])
+    table = bench.run_cpu(cases + linears + picks, write=False)
     rows = [line for line in table.splitlines()
-            if line.startswith(("| paged_decode", "| decode_linear"))]
-    assert len(rows) == 6 and all(float(row.split("|")[3].replace(",", "")) > 0
+            if line.startswith(("| paged_decode", "| decode_linear", "| argmax"))]
+    assert len(rows) == 8 and all(float(row.split("|")[3].replace(",", "")) > 0
                                   for row in rows)
