@@ -1,6 +1,6 @@
 """lathe.kernels: Triton kernels, each beside its PyTorch reference, and the dispatch
 between them (see DESIGN.md); native C++ kernels for CPU decoding, which Triton cannot
-serve off-GPU (`cpu_native`, `decode_linear`). Imports only torch and triton."""
+serve off-GPU (`cpu_native`, `decode_linear`, `argmax`). Imports only torch and triton."""
 
 from lathe.kernels.attention import causal_attention
 from lathe.kernels.dispatch import kernel_enabled, kernels_off, use_triton
