@@ -3,8 +3,8 @@
 `liger-kernel` is installed) — forward and forward+backward time, the forward's achieved
 GB/s (memory-bound kernels) or TFLOP/s (matmul-bound ones), and peak memory above the
 inputs. Without a CUDA GPU it times the native CPU kernels (paged decode attention, the
-few-row linear) against their references instead. The table is printed and appended to
-docs/benchmarks.md.
+few-row linear, the greedy pick) against their references instead. The table is printed
+and appended to docs/benchmarks.md (`--no-write` only prints it).
 """
 
 from __future__ import annotations

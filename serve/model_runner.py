@@ -12,7 +12,8 @@ slabs: its KV lives in the target's block ids, so it is paged, shared and freed 
 With `compile_decode`, a decode-only step of the target runs through
 `lathe.serve.decode_graph` instead: the same rows, at a compiled static shape. On CPU the
 runner loads lathe's native kernels: paged decode attention that reads the slabs in
-place, and the quantized GEMMs as ops a compiled step calls without Python.
+place, few-row linears, the greedy pick, and the quantized GEMMs as ops a compiled step
+calls without Python.
 """
 
 from __future__ import annotations

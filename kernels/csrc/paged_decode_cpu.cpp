@@ -56,13 +56,14 @@ inline Vec load(const float* data, int64_t count) {
   return count == kLanes ? Vec::loadu(data) : Vec::loadu(data, count);
 }
 
-// a slab row as float: the row itself for float slabs, else converted into `buffer`
+// `count` slab elements as float: the slab's own for float slabs, else converted into
+// `buffer`
 template <typename T>
-inline const float* as_float(const T* row, int64_t dim, float* buffer) {
+inline const float* as_float(const T* row, int64_t count, float* buffer) {
   if constexpr (std::is_same_v<T, float>) {
     return row;
   } else {
-    for (int64_t d = 0; d < dim; ++d) buffer[d] = static_cast<float>(row[d]);
+    for (int64_t d = 0; d < count; ++d) buffer[d] = static_cast<float>(row[d]);
     return buffer;
   }
 }
@@ -110,7 +111,7 @@ void attend_group(const float* q, const T* k, const T* v, const int64_t* offsets
       for (int64_t t = 0; t < length; ++t) {
         if (g == 0 && c == 0 && t + kPrefetchRows < length)
           prefetch_row(v + offsets[t + kPrefetchRows], dim);
-        const float* value = as_float(v + offsets[t], dim, row_buffer) + c;
+        const float* value = as_float(v + offsets[t] + c, width, row_buffer);
         const Vec weight(p[t]);
 #pragma GCC unroll 4
         for (int64_t j = 0; j < kChunkVecs; ++j)

@@ -60,8 +60,9 @@ def test_native_kernel_matches_gather_and_sdpa(n_heads, n_kv_heads, head_dim, bl
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_native_kernel_in_half_dtypes_accumulates_in_fp32(dtype):
-    q, k, v, tables, lens = paged_inputs(3, 8, 2, 64, 16, [9, 40, 130], seed=1)
+@pytest.mark.parametrize("head_dim", [64, 128, 40])  # one chunk of sums, two, a partial one
+def test_native_kernel_in_half_dtypes_accumulates_in_fp32(dtype, head_dim):
+    q, k, v, tables, lens = paged_inputs(3, 8, 2, head_dim, 16, [9, 40, 130], seed=1)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     out = paged_decode_cpu(q, k, v, tables, lens, 16)
     assert out.dtype == dtype
