@@ -30,6 +30,10 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="compile decode-only steps once per batch size (CUDA graphs on "
                             "CUDA), and off CUDA per power-of-two context width in blocks; "
                             "each shape's first step pays the compile")
+    group.add_argument("--decode-steps", type=int, default=EngineConfig.decode_steps,
+                       help="multi-step decoding: forward passes a decode-only step runs "
+                            "before scheduling and streaming again (output streams in runs "
+                            "of this many tokens; not with speculative decoding)")
     group = parser.add_argument_group("speculative decoding")
     group.add_argument("--draft", type=Path, metavar="CKPT",
                        help="draft model checkpoint sharing this model's tokenizer (e.g. the "
@@ -68,18 +72,24 @@ def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    for flag in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "block_size", "decode_steps"):
         if getattr(args, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise ConfigError(f"--gpu-memory-utilization={args.gpu_memory_utilization} must be "
                           "in (0, 1]")
-    return EngineConfig(block_size=args.block_size, kv_cache_memory_mb=args.kv_cache_memory_mb,
-                        gpu_memory_utilization=args.gpu_memory_utilization,
-                        max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens,
-                        speculative=_speculative_config(args),
-                        compile_decode=args.compile_decode)
+    speculative = _speculative_config(args)
+    try:
+        return EngineConfig(block_size=args.block_size,
+                            kv_cache_memory_mb=args.kv_cache_memory_mb,
+                            gpu_memory_utilization=args.gpu_memory_utilization,
+                            max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=args.max_num_batched_tokens,
+                            speculative=speculative, compile_decode=args.compile_decode,
+                            decode_steps=args.decode_steps)
+    except ConfigError as error:  # in the flags' spelling
+        raise ConfigError(str(error).replace("decode_steps=", "--decode-steps=").replace(
+            "drop speculative", "drop --speculative/--draft")) from None
 
 
 def serve_main(argv: Sequence[str] | None = None) -> int:

@@ -25,6 +25,7 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
+from lathe.core.errors import ConfigError
 from lathe.core.reporting import progress_bar
 from lathe.data.tokenizer import vocabulary_difference
 from lathe.model.checkpoint import CheckpointError, read_eos_ids
@@ -35,7 +36,7 @@ from lathe.serve.model_runner import ModelRunner, select_rows
 from lathe.serve.paged_cache import KVSlabs
 from lathe.serve.quant import QuantMode, is_quantized, load_serving_model
 from lathe.serve.sampling import SamplingBatch, SamplingParams, SamplingRow, sample
-from lathe.serve.scheduler import Scheduler
+from lathe.serve.scheduler import ScheduledBatch, Scheduler
 from lathe.serve.sequence import Sequence, Status
 from lathe.serve.speculative import (
     Draft,
@@ -64,6 +65,22 @@ class EngineConfig:
     # (CUDA graphs on CUDA; off CUDA also per context-width bucket); costs a compile per
     # bucket on first use
     compile_decode: bool = False
+    # multi-step decoding (vLLM's num_scheduler_steps): a decode-only step runs up to this
+    # many forward passes, each fed the last one's tokens, before the engine schedules,
+    # detokenizes and streams again; what CPython spends per step is paid once per run of
+    # them. Tokens are the same as one step at a time; a sequence's stream comes in runs,
+    # and a request arriving meanwhile waits for the run's end (at most decode_steps - 1
+    # passes)
+    decode_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if self.decode_steps < 1:
+            raise ConfigError(f"decode_steps={self.decode_steps} must be >= 1 (1: one "
+                              "forward pass per step)")
+        if self.decode_steps > 1 and self.speculative is not None:
+            raise ConfigError(f"decode_steps={self.decode_steps} cannot be combined with "
+                              "speculative decoding, which already emits several tokens a "
+                              "step; set decode_steps to 1 or drop speculative")
 
 
 @dataclass
@@ -295,6 +312,22 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.items:
             return []
+        steps = self._decode_steps(batch)
+        picks = self._run_decodes([seq for seq, _ in batch.items], steps) if steps > 1 \
+            else self._run(batch)
+        for seq, _ in batch.items:
+            new = [token for token, _ in picks.get(seq, [])]
+            computed = seq.num_computed + max(len(new) - 1, 0)  # accepted drafts, later steps
+            seq.num_computed = computed
+            if self.drafter is not None:  # cache only blocks the draft's KV covers too
+                computed = min(computed, self.drafter.extent(seq))
+            if self.block_manager.has_uncommitted(seq.table, computed):
+                self.block_manager.commit(seq.table, seq.token_ids + new, computed)
+        return [self._append(seq, picks[seq]) for seq, _ in batch.items if seq in picks]
+
+    def _run(self, batch: ScheduledBatch) -> dict[Sequence, list[tuple[int, TokenLogprob | None]]]:
+        """One forward pass over the scheduled tokens (and any drafts): what each sequence
+        that reached its end emits."""
         drafts = self._propose(batch.items, batch.lookahead)
         work = []
         for seq, count in batch.items:
@@ -333,15 +366,52 @@ class LLMEngine:
         picks = dict(zip(sampled, ([pick] for pick in self._sample(
             sampled, select_rows(logits, sample_rows))), strict=True))
         picks.update(self._verify(verified, drafts, logits))
+        return picks
+
+    def _decode_steps(self, batch: ScheduledBatch) -> int:
+        """How many forward passes a step runs: up to `decode_steps` when every scheduled
+        sequence decodes one token and samples without penalties (which read the tokens
+        the run has not handed over yet), no sequence runs past its max_tokens, and free
+        blocks hold the later passes' KV; else 1."""
+        steps = self.config.decode_steps
+        if steps == 1 or batch.lookahead or any(
+                count != 1 or seq.num_uncomputed != 1 or seq.params.penalized
+                for seq, count in batch.items):
+            return 1
         for seq, _ in batch.items:
-            new = [token for token, _ in picks.get(seq, [])]
-            computed = seq.num_computed + max(len(new) - 1, 0)  # the accepted drafts
-            seq.num_computed = computed
-            if self.drafter is not None:  # cache only blocks the draft's KV covers too
-                computed = min(computed, self.drafter.extent(seq))
-            if self.block_manager.has_uncommitted(seq.table, computed):
-                self.block_manager.commit(seq.table, seq.token_ids + new, computed)
-        return [self._append(seq, picks[seq]) for seq, _ in batch.items if seq in picks]
+            steps = min(steps, seq.params.max_tokens - len(seq.output_ids))
+        for seq, _ in batch.items:
+            if steps > 1:
+                steps = min(steps, 1 + self.scheduler.reserve(seq, steps - 1))
+        return steps
+
+    def _run_decodes(self, seqs: list[Sequence], steps: int,
+                     ) -> dict[Sequence, list[tuple[int, TokenLogprob | None]]]:
+        """`steps` decode passes over `seqs`, each fed the tokens the last one sampled
+        without a trip through Python lists, and no scheduling, detokenizing or stop checks
+        between them: what each sequence emits (`_append` drops whatever follows a token
+        that ends it)."""
+        sampling = self._sampling_batch(seqs)
+        starts = [seq.num_computed for seq in seqs]
+        ids, views = self.runner.prepare_decodes(
+            [(seq, at, seq.tokens(at, at + 1)) for seq, at in zip(seqs, starts, strict=True)],
+            steps)
+        rows = list(range(len(seqs)))
+        wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        drawn: list[Tensor] = []
+        logprobs: list[list[TokenLogprob | None]] = []
+        for view in views:
+            logits = self.runner.run(ids, view, rows)
+            tokens = sample(logits, sampling)
+            drawn.append(tokens)
+            logprobs.append(self._logprobs(seqs, logits, tokens.tolist(), wanted) if wanted
+                            else [None] * len(seqs))
+            ids = tokens[None]
+        for seq, at in zip(seqs, starts, strict=True):
+            seq.num_computed = at + 1  # `step` counts the later passes with the tokens
+        by_step = torch.stack(drawn).tolist()
+        return {seq: [(by_step[k][i], logprobs[k][i]) for k in range(steps)]
+                for i, seq in enumerate(seqs)}
 
     def _propose(self, items: list[tuple[Sequence, int]],
                  lookahead: dict[Sequence, int]) -> dict[Sequence, Draft]:
@@ -384,21 +454,32 @@ class LLMEngine:
             picks[seq] = list(zip(tokens, logprobs, strict=True))
         return picks
 
+    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        return SamplingBatch([SamplingRow(seq.params, seq.prompt_ids, seq.output_ids,
+                                          seq.generator) for seq in seqs], self.device)
+
     def _sample(self, seqs: list[Sequence],
                 logits: Tensor) -> list[tuple[int, TokenLogprob | None]]:
         """Every sampled row of the step in one batched draw, and the log-probs of the rows
         that asked for them in one more pass."""
-        batch = SamplingBatch([SamplingRow(seq.params, seq.prompt_ids, seq.output_ids,
-                                           seq.generator) for seq in seqs], self.device)
-        tokens = sample(logits, batch).tolist()
-        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+        tokens = sample(logits, self._sampling_batch(seqs)).tolist()
         wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        return list(zip(tokens, self._logprobs(seqs, logits, tokens, wanted), strict=True))
+
+    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        return SamplingBatch([SamplingRow(seq.params, seq.prompt_ids, seq.output_ids,
+                                          seq.generator) for seq in seqs], self.device)
+
+    def _logprobs(self, seqs: list[Sequence], logits: Tensor, tokens: list[int],
+                  wanted: list[int]) -> list[TokenLogprob | None]:
+        """The log-probs of the sampled `tokens` of rows `wanted` (None for the others)."""
+        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         if wanted:
             computed = _sampled_logprobs(logits[wanted], [tokens[i] for i in wanted],
                                          [seqs[i].params for i in wanted])
             for i, logprob in zip(wanted, computed, strict=True):
                 logprobs[i] = logprob
-        return list(zip(tokens, logprobs, strict=True))
+        return logprobs
 
     def _append(self, seq: Sequence,
                 picks: list[tuple[int, TokenLogprob | None]]) -> SequenceDelta:

@@ -160,6 +160,30 @@ class ModelRunner:
         view = StaticDecodeBatch(self.slabs, inputs[1], inputs[2], tables, inputs[3])
         return inputs[:1], view, list(range(len(items)))
 
+    def prepare_decodes(self, items: Seq[StepItem], steps: int,
+                        ) -> tuple[Tensor, list[PagedBatch | StaticDecodeBatch]]:
+        """The first token row and the paged-attention views of `steps` decode passes over
+        `items` (one token each), the k-th pass at each item's start + k: all computed on
+        the host and sent as one tensor, the block tables read once, so a later pass costs
+        a few tensor views. Each sequence's blocks must already hold its last pass."""
+        size = self.block_size
+        rows = [self._row(seq) for seq, _, _ in items]
+        positions = [[start + k for _, start, _ in items] for k in range(steps)]
+        slots = [[seq.table.blocks[at // size] * size + at % size
+                  for (seq, _, _), at in zip(items, step, strict=True)] for step in positions]
+        lens = [[at + 1 for at in step] for step in positions]
+        inputs = torch.tensor([positions, slots, lens], device=self.device)
+        ids = torch.tensor([[tokens[0] for _, _, tokens in items]], device=self.device)
+        blocks = max(positions[-1]) // size + 1
+        if self._static(items, None):
+            assert self.graphs is not None
+            tables = select_rows(self.tables, rows)[:, :self.graphs.width(blocks)]
+            return ids, [StaticDecodeBatch(self.slabs, inputs[0, k], inputs[1, k], tables,
+                                           inputs[2, k]) for k in range(steps)]
+        tables = select_rows(self.tables, rows)[:, :blocks]
+        return ids, [PagedBatch(self.slabs, inputs[0, k], inputs[1, k], len(items), tables,
+                                inputs[2, k], []) for k in range(steps)]
+
     def run(self, ids: Tensor, view: PagedBatch | StaticDecodeBatch, keep: list[int],
             model: Transformer | None = None) -> Tensor:
         """Logits of the step's rows `keep` (position indices into the token row), from

@@ -9,7 +9,8 @@ keeping the tokens it generated — so the oldest requests always make progress.
 
 With speculative decoding a decode may also get lookahead slots — blocks and token budget
 for up to `num_lookahead_slots` draft tokens — when they are free; lookahead never
-preempts anyone, so a full cache only makes speculation shorter.
+preempts anyone, so a full cache only makes speculation shorter. Multi-step decoding
+reserves its later steps' slots the same way (`reserve`), after the step is scheduled.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class Scheduler:
                 items.append((seq, 1))
                 budget -= 1
                 if self.num_lookahead_slots and budget:
-                    lookahead[seq] = self._lookahead(seq, min(self.num_lookahead_slots, budget))
+                    lookahead[seq] = self.reserve(seq, min(self.num_lookahead_slots, budget))
                     budget -= lookahead[seq]
         for seq in self.running:
             if seq.num_uncomputed > 1 and budget > 0:
@@ -103,8 +104,9 @@ class Scheduler:
         self.block_manager.grow(seq.table, seq.num_tokens)
         return True
 
-    def _lookahead(self, seq: Sequence, wanted: int) -> int:
-        """Grow `seq` by up to `wanted` draft slots that free blocks allow; how many it got."""
+    def reserve(self, seq: Sequence, wanted: int) -> int:
+        """Grow `seq` by up to `wanted` slots past its next token that free blocks allow,
+        preempting no one; how many it got."""
         manager = self.block_manager
         room = len(seq.table.blocks) * manager.block_size - seq.num_tokens
         extra = max(0, min(manager.num_free * manager.block_size + room, wanted) - room)
