@@ -1,13 +1,15 @@
 """`python -m lathe.serve.bench`: serving speed and quantization quality, in one process.
 
-(a) offline throughput: N prompts × M new tokens through `LLMEngine.generate` (eager, and
-    with decode steps compiled) and through
-    `transformers`' `generate()` with left-padded batches, on the same checkpoint;
+(a) offline throughput: N prompts × M new tokens through `LLMEngine.generate` (eager, with
+    decode steps compiled, and compiled with multi-step decoding: `--decode-steps` forward
+    passes per engine step) and through `transformers`' `generate()` with left-padded
+    batches, on the same checkpoint;
 (b) the running server under load: a streaming client at concurrency 1, 4, 16 and 64,
     reporting output tok/s, time to first token and inter-token latency (p50 / p99, as
     `vllm bench serve` defines them);
-(c) single-stream decode tok/s for fp32, int8 and int4 weights, eager and with decode steps
-    compiled (`EngineConfig.compile_decode`: CUDA graphs on a GPU), and the memory bandwidth it
+(c) single-stream decode tok/s for fp32, int8 and int4 weights, eager, with decode steps
+    compiled (`EngineConfig.compile_decode`: CUDA graphs on a GPU) and compiled with
+    multi-step decoding (`EngineConfig.decode_steps`), and the memory bandwidth it
     implies (weight bytes streamed per token × tok/s) as a fraction of this machine's
     measured copy bandwidth; with `--eval-shards`, perplexity on the validation tokens; on
     CPU, when llama-cpp-python is installed (`pip install -e .[bench]`; it builds from
@@ -66,14 +68,13 @@ def random_prompts(n: int, low: int, high: int, vocab: int, seed: int = 0) -> li
 
 
 def timed_generate(checkpoint: Path, prompts: list[list[int]], params: SamplingParams,
-                   device: torch.device, compile_decode: bool,
+                   device: torch.device, config: EngineConfig,
                    ) -> tuple[list, float, torch.dtype]:
     """The engine's completions, best seconds of `REPEATS` passes over `prompts` and weight
     dtype, after a warm-up pass over the same workload: Triton compiles (and autotunes) per
     shape class and length bucket, and a compiled decode step per batch bucket, which two
     short prompts would not reach."""
-    engine = LLMEngine.from_checkpoint(checkpoint, EngineConfig(compile_decode=compile_decode),
-                                       device=device)
+    engine = LLMEngine.from_checkpoint(checkpoint, config, device=device)
     engine.generate(prompts, params)
     best = math.inf
     for _ in range(REPEATS):
@@ -87,11 +88,14 @@ def timed_generate(checkpoint: Path, prompts: list[list[int]], params: SamplingP
 
 
 def offline(checkpoint: Path, prompts: list[list[int]], new_tokens: int,
-            device: torch.device) -> list[str]:
+            device: torch.device, decode_steps: int) -> list[str]:
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     # transformers loads the checkpoint in the dtype lathe's engine runs it in
-    ours, lathe_s, dtype = timed_generate(checkpoint, prompts, params, device, False)
-    compiled, compiled_s, _ = timed_generate(checkpoint, prompts, params, device, True)
+    ours, lathe_s, dtype = timed_generate(checkpoint, prompts, params, device, EngineConfig())
+    compiled, compiled_s, _ = timed_generate(checkpoint, prompts, params, device,
+                                             EngineConfig(compile_decode=True))
+    multi, multi_s, _ = timed_generate(checkpoint, prompts, params, device, EngineConfig(
+        compile_decode=True, decode_steps=decode_steps))
 
     from transformers import LlamaForCausalLM
     model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
@@ -116,16 +120,19 @@ def offline(checkpoint: Path, prompts: list[list[int]], new_tokens: int,
             hf_s = min(hf_s, time.perf_counter() - start)
     same = sum(o.outputs[0].token_ids == t[width:].tolist() for o, t in zip(ours, theirs,
                                                                            strict=True))
-    same_compiled = sum(a.outputs[0].token_ids == b.outputs[0].token_ids
-                        for a, b in zip(ours, compiled, strict=True))
+    same_compiled = sum(a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+                        for a, b, c in zip(ours, compiled, multi, strict=True))
     total = len(prompts) * new_tokens
     return [
         f"| lathe `LLMEngine.generate` (paged KV, continuous batching) | {total / lathe_s:,.0f} "
         f"| {lathe_s:.2f} |",
         f"| lathe, decode steps compiled (`compile_decode`) | {total / compiled_s:,.0f} "
         f"| {compiled_s:.2f} |",
+        f"| lathe, compiled, {decode_steps} passes a step (`decode_steps`) | "
+        f"{total / multi_s:,.0f} | {multi_s:.2f} |",
         f"| transformers `generate()` (padded batch, SDPA) | {total / hf_s:,.0f} | {hf_s:.2f} |",
-        f"| greedy outputs identical: lathe / transformers, eager / compiled | {same}/"
+        f"| greedy outputs identical: lathe / transformers, eager / compiled / multi-step | "
+        f"{same}/"
         f"{len(prompts)}, {same_compiled}/{len(prompts)} | |",
     ]
 
@@ -212,9 +219,8 @@ def streamed_bytes(model: torch.nn.Module) -> int:
 
 def decode_speed(checkpoint: Path, quantize: str | None, prompt: list[int],
                  new_tokens: int, device: torch.device,
-                 compile_decode: bool = False) -> tuple[float, int]:
-    engine = LLMEngine.from_checkpoint(checkpoint, EngineConfig(compile_decode=compile_decode),
-                                       quantize=quantize, device=device)
+                 config: EngineConfig | None = None) -> tuple[float, int]:
+    engine = LLMEngine.from_checkpoint(checkpoint, config, quantize=quantize, device=device)
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     # warm up over the whole workload: a compiled engine compiles per table width, which
     # the context reaches only as it grows
@@ -224,11 +230,10 @@ def decode_speed(checkpoint: Path, quantize: str | None, prompt: list[int],
         engine.add_request(prompt, params)
         engine.step()  # prefill and first token
         start = time.perf_counter()
-        steps = 0
+        tokens = 0  # a multi-step engine step emits several
         while engine.has_unfinished():
-            engine.step()
-            steps += 1
-        best = max(best, steps / (time.perf_counter() - start))
+            tokens += sum(len(delta.token_ids) for delta in engine.step())
+        best = max(best, tokens / (time.perf_counter() - start))
     return best, streamed_bytes(engine.model)
 
 
@@ -325,7 +330,7 @@ def run(args: argparse.Namespace) -> str:
     sections = []
 
     if "a" in args.sections:
-        rows = offline(checkpoint, prompts, args.new_tokens, device)
+        rows = offline(checkpoint, prompts, args.new_tokens, device, args.decode_steps)
         print(*rows, sep="\n", flush=True)
         sections += [f"### (a) Offline: {args.prompts} prompts of 32–128 tokens × "
                      f"{args.new_tokens} new tokens, greedy", "",
@@ -386,11 +391,15 @@ def decode_section(checkpoint: Path, prompt: list[int], device: torch.device,
         ppl = ""
         if eval_ids is not None:
             ppl = f"{perplexity(load_serving_model(checkpoint, quantize=quantize), eval_ids):.3f}"
-        for compiled in (False, True):
+        configs = {"": EngineConfig(), ", compiled": EngineConfig(compile_decode=True),
+                   f", compiled, {args.decode_steps} passes a step": EngineConfig(
+                       compile_decode=True, decode_steps=args.decode_steps)}
+        for variant, config in configs.items():
+            compiled = config.compile_decode
             tok_s, nbytes = decode_speed(checkpoint, quantize, prompt, args.decode_tokens,
-                                         device, compiled)
+                                         device, config)
             implied = tok_s * nbytes
-            name = (quantize or "fp32") + (", compiled" if compiled else "")
+            name = (quantize or "fp32") + variant
             rows.append(f"| {name} | {nbytes / 2**20:.1f} | {tok_s:,.1f} | "
                         f"{implied / 1e9:.2f} | {implied / bandwidth:.1%} | "
                         f"{'—' if compiled or not ppl else ppl} |")
@@ -473,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--server-tokens", type=int, default=32)
     parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--decode-steps", type=int, default=8,
+                        help="(a), (c): forward passes per step of the multi-step rows")
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 16, 64],
                         help="(d), GPU only: concurrent sequences")
     parser.add_argument("--decode-context", type=int, default=1024,
