@@ -1,9 +1,10 @@
 """`python -m lathe.serve.bench`: serving speed and quantization quality, in one process.
 
 (a) offline throughput: N prompts × M new tokens through `LLMEngine.generate` (eager, with
-    decode steps compiled, and compiled with multi-step decoding: `--decode-steps` forward
-    passes per engine step) and through `transformers`' `generate()` with left-padded
-    batches, on the same checkpoint;
+    decode steps compiled, and with offline settings: compiled, `--decode-steps` forward
+    passes per engine step, and a `--offline-batched-tokens` budget that prefills the whole
+    batch in one or two steps, as transformers does) and through `transformers`'
+    `generate()` with left-padded batches, on the same checkpoint;
 (b) the running server under load: a streaming client at concurrency 1, 4, 16 and 64,
     reporting output tok/s, time to first token and inter-token latency (p50 / p99, as
     `vllm bench serve` defines them);
@@ -88,14 +89,14 @@ def timed_generate(checkpoint: Path, prompts: list[list[int]], params: SamplingP
 
 
 def offline(checkpoint: Path, prompts: list[list[int]], new_tokens: int,
-            device: torch.device, decode_steps: int) -> list[str]:
+            device: torch.device, decode_steps: int, batched_tokens: int) -> list[str]:
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     # transformers loads the checkpoint in the dtype lathe's engine runs it in
     ours, lathe_s, dtype = timed_generate(checkpoint, prompts, params, device, EngineConfig())
     compiled, compiled_s, _ = timed_generate(checkpoint, prompts, params, device,
                                              EngineConfig(compile_decode=True))
     multi, multi_s, _ = timed_generate(checkpoint, prompts, params, device, EngineConfig(
-        compile_decode=True, decode_steps=decode_steps))
+        compile_decode=True, decode_steps=decode_steps, max_num_batched_tokens=batched_tokens))
 
     from transformers import LlamaForCausalLM
     model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
@@ -128,8 +129,8 @@ def offline(checkpoint: Path, prompts: list[list[int]], new_tokens: int,
         f"| {lathe_s:.2f} |",
         f"| lathe, decode steps compiled (`compile_decode`) | {total / compiled_s:,.0f} "
         f"| {compiled_s:.2f} |",
-        f"| lathe, compiled, {decode_steps} passes a step (`decode_steps`) | "
-        f"{total / multi_s:,.0f} | {multi_s:.2f} |",
+        f"| lathe, compiled, {decode_steps} passes a step (`decode_steps`), {batched_tokens}-"
+        f"token budget (`max_num_batched_tokens`) | {total / multi_s:,.0f} | {multi_s:.2f} |",
         f"| transformers `generate()` (padded batch, SDPA) | {total / hf_s:,.0f} | {hf_s:.2f} |",
         f"| greedy outputs identical: lathe / transformers, eager / compiled / multi-step | "
         f"{same}/"
@@ -330,7 +331,8 @@ def run(args: argparse.Namespace) -> str:
     sections = []
 
     if "a" in args.sections:
-        rows = offline(checkpoint, prompts, args.new_tokens, device, args.decode_steps)
+        rows = offline(checkpoint, prompts, args.new_tokens, device, args.decode_steps,
+                       args.offline_batched_tokens)
         print(*rows, sep="\n", flush=True)
         sections += [f"### (a) Offline: {args.prompts} prompts of 32–128 tokens × "
                      f"{args.new_tokens} new tokens, greedy", "",
@@ -484,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--decode-steps", type=int, default=8,
                         help="(a), (c): forward passes per step of the multi-step rows")
+    parser.add_argument("--offline-batched-tokens", type=int, default=2048,
+                        help="(a): the token budget of the offline-settings row")
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 16, 64],
                         help="(d), GPU only: concurrent sequences")
     parser.add_argument("--decode-context", type=int, default=1024,
