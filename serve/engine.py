@@ -9,8 +9,11 @@ detokenize, match stop conditions, offer newly completed blocks to the prefix ca
 return what each sequence gained as `SequenceDelta`s. With speculative decoding
 (`EngineConfig.speculative`) a decoding sequence first gets draft tokens
 (`lathe.serve.speculative`), the same forward scores them all, and it gains every accepted
-draft plus one token in the step. `generate()` is the offline API on
-top of it; `lathe.serve.async_engine` streams the same deltas.
+draft plus one token in the step. With multi-step decoding (`EngineConfig.decode_steps`) a
+decode-only step runs several forward passes, each fed the tokens the last one sampled,
+before it detokenizes and returns: the per-step Python is paid once for the run.
+`generate()` is the offline API on top of it; `lathe.serve.async_engine` streams the same
+deltas.
 """
 
 from __future__ import annotations
