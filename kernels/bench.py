@@ -3,8 +3,8 @@
 `liger-kernel` is installed) — forward and forward+backward time, the forward's achieved
 GB/s (memory-bound kernels) or TFLOP/s (matmul-bound ones), and peak memory above the
 inputs. Without a CUDA GPU it times the native CPU kernels (paged decode attention, the
-few-row linear, the greedy pick) against their references instead. The table is printed
-and appended to docs/benchmarks.md (`--no-write` only prints it).
+few-row float32 and int8 linears, the greedy pick) against their references instead. The
+table is printed and appended to docs/benchmarks.md (`--no-write` only prints it).
 """
 
 from __future__ import annotations
@@ -23,7 +23,12 @@ from torch import Tensor
 from lathe.kernels.argmax import argmax_cpu
 from lathe.kernels.attention import causal_attention_reference, causal_attention_triton
 from lathe.kernels.cpu_native import load_cpu_kernels
-from lathe.kernels.decode_linear import decode_linear_cpu, decode_linear_reference
+from lathe.kernels.decode_linear import (
+    MAX_ROWS,
+    decode_linear_cpu,
+    decode_linear_int8_cpu,
+    decode_linear_reference,
+)
 from lathe.kernels.fused_ce import linear_cross_entropy_reference, linear_cross_entropy_triton
 from lathe.kernels.paged_attention import (
     paged_decode_cpu,
@@ -372,6 +377,26 @@ def cpu_linear_cases(shapes: list[tuple[int, int, int]]) -> list[Case]:
     return result
 
 
+def cpu_int8_linear_cases(shapes: list[tuple[int, int, int]]) -> list[Case]:
+    """The native few-row int8 linear against torch's int8 GEMM (`_weight_int8pack_mm`,
+    which takes bf16 rows: the casts are timed with it, as a float32 model pays them):
+    GB/s of int8 weight read."""
+    from lathe.kernels.quant_matmul import _int8_gemm_bf16
+    from lathe.serve.quant import quantize_int8
+
+    result = []
+    for rows, in_features, out_features in shapes:
+        x = torch.randn(rows, in_features)
+        q, scale = quantize_int8(torch.randn(out_features, in_features))
+        result.append(Case(
+            f"decode_linear_int8, {rows} × {in_features} → {out_features}", "GB/s", q.numel(), {
+                "native C++": lambda x=x, q=q, s=scale: decode_linear_int8_cpu(x, [(q, s)]),
+                "torch (_weight_int8pack_mm, bf16 rows)": lambda x=x, q=q, s=scale:
+                    _int8_gemm_bf16(x.bfloat16(), q, s.bfloat16()).float()},
+            backward=False))
+    return result
+
+
 # (rows, vocab): greedy picks of the README model's decode buckets, and Llama 3's vocabulary
 CPU_ARGMAX_SHAPES = [(1, 4096), (16, 4096), (64, 4096), (16, 128256)]
 
@@ -409,7 +434,8 @@ def run_cpu(cases: list[Case], write: bool) -> str:
         f"{torch.get_num_threads()} threads, torch {torch.__version__}", "",
         "Command: `python -m lathe.kernels.bench` without a GPU — fp32; paged decode over "
         "16-token blocks scattered over the pool; rate: the K/V (paged decode), weight "
-        "(linear) or logit (argmax) bytes a call must read, per second.", "",
+        "(linear; int8 bytes for int8 weights) or logit (argmax) bytes a call must read, per "
+        "second.", "",
         "| case | implementation | µs | GB/s |", "|---|---|---:|---:|", *lines, ""])
     if write:
         _append_to_benchmarks(table)
@@ -435,7 +461,9 @@ def main(argv: list[str] | None = None) -> int:
                   "visible here, and the native CPU kernels did not build: nothing to time.")
             return 0
         print("No CUDA GPU here: timing the native CPU kernels instead of Triton's.")
+        int8_shapes = [shape for shape in CPU_LINEAR_SHAPES if shape[0] <= MAX_ROWS]
         print(run_cpu(cpu_paged_cases(CPU_PAGED_SHAPES) + cpu_linear_cases(CPU_LINEAR_SHAPES)
+                      + cpu_int8_linear_cases(int8_shapes)
                       + cpu_argmax_cases(CPU_ARGMAX_SHAPES), write))
         return 0
     print(run(Sizes(**args), write))

@@ -2,7 +2,8 @@
 `torch.utils.cpp_extension` and loaded into the process, where they register CPU
 implementations of ops defined in Python: `lathe::paged_decode_cpu`, the weight-only
 GEMMs a compiled step calls (`lathe::int8_matmul_cpu_native`, `int4_matmul_cpu_native`),
-its few-row linears (`lathe::decode_linear_cpu`) and the greedy pick (`lathe::argmax_cpu`).
+its few-row float32 and int8 linears (`lathe::decode_linear_cpu`,
+`lathe::decode_linear_int8_cpu`) and the greedy pick (`lathe::argmax_cpu`).
 Their loops run on torch's intra-op threads (OpenMP); a build whose loops come out serial
 is warned about.
 

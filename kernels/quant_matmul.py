@@ -4,6 +4,9 @@ PyTorch references that dequantize first. On CPU they run torch's own int8/int4 
 (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, gpt-fast's CPU path), which read
 the packed weight directly and are vectorized for bf16 activations: inputs are rounded to
 bf16 on the way in (~0.5% of the output scale, the size of the int8 weight error itself).
+A decode step's float32 rows (at most `decode_linear.MAX_ROWS`) take lathe's native int8
+op instead (`lathe.kernels.decode_linear`), which reads them unrounded, costs less per
+call, and joins the linears that read the same x in a compiled graph.
 
 int8: w[n, k] = q[n, k] · scale[n]; the scale is applied once per output column after
 the K loop. int4: two values per byte (low nibble = even column), w[n, k] = q · scale +
@@ -21,6 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from lathe.kernels.cpu_native import cpu_kernels_loaded
+from lathe.kernels.decode_linear import MAX_ROWS, decode_linear_int8_cpu
 from lathe.kernels.dispatch import dot_precision, opaque_op, use_cpu_kernel, use_triton
 
 
@@ -183,7 +187,12 @@ def _on_bf16_rows(gemm: Callable[[Tensor, Tensor, Tensor], Tensor], x: Tensor, w
 
 
 def int8_matmul_cpu(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
-    """x @ dequantize(q, scale).T through torch's CPU int8 GEMM."""
+    """x @ dequantize(q, scale).T: a decode step's float32 rows through lathe's native int8
+    op, anything else through torch's CPU int8 GEMM."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if (x.dtype == torch.float32 and scale.dtype == torch.float32 and x2.shape[0] <= MAX_ROWS
+            and cpu_kernels_loaded() and use_cpu_kernel("decode_linear", x)):
+        return decode_linear_int8_cpu(x2, [(q, scale)])[0].view(*x.shape[:-1], q.shape[0])
     gemm = _graph_gemm(_int8_gemm_op, _int8_gemm_native) if torch.compiler.is_compiling() \
         else _int8_gemm_bf16
     return _on_bf16_rows(gemm, x, q, scale, q.shape[0])

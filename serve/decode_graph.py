@@ -108,7 +108,7 @@ class DecodeGraphs:
                        "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
             if cpu_kernels_loaded() and use_cpu_kernel("decode_linear", slabs.k[0]):
                 # imported here: it imports inductor (~1.2 s), which an eager engine never needs
-                from lathe.kernels.decode_linear import DecodeLinearPass
+                from lathe.kernels.decode_linear_pass import DecodeLinearPass
                 options["post_grad_custom_post_pass"] = DecodeLinearPass()
             self._compiler = torch.compile(self._forward, fullgraph=True, dynamic=False,
                                            options=options)

@@ -5,7 +5,9 @@ Every sequence the engine runs owns a row of one persistent device tensor, its b
 table, mirrored on the host so that a row is written only when its sequence's blocks
 change (a new block every `block_size` tokens, a reallocation after a preemption). A
 decode step's inputs — tokens, positions, slot mapping, block tables, context lengths —
-are then a few batched tensor ops over the rows, not per-sequence lists of tensors.
+are then a few batched tensor ops over the rows, not per-sequence lists of tensors; a
+multi-step run's passes (`prepare_decodes`) get all their inputs in one host-to-device
+copy, each pass fed the tokens the last one sampled.
 Prefill chunks — and a speculative step's verified drafts, which are a short chunk — gather
 their context through the same rows. A draft model runs through the same rows on its own
 slabs: its KV lives in the target's block ids, so it is paged, shared and freed with them.

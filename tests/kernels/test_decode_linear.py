@@ -1,7 +1,8 @@
-"""The few-row CPU linear (csrc/decode_linear_cpu.cpp) against `F.linear`, one weight or
-several at once, and the graph pass that routes a compiled graph's linears to it: only
-float32 ones of at most MAX_ROWS rows (the rest stay on BLAS), one call for the linears that
-read the same x. Tolerance 1e-5 relative (the sums are reordered)."""
+"""The few-row CPU linears (csrc/decode_linear_cpu.cpp) against their references, float32
+and int8 weights, one weight or several at once, and the graph pass that routes a compiled
+graph's linears to them: only float32 ones of at most MAX_ROWS rows (the rest stay on
+BLAS), one call for the linears of a kind that read the same x. Tolerance 1e-5 relative
+(the sums are reordered)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ from torch.profiler import ProfilerActivity, profile
 from lathe.kernels.cpu_native import load_cpu_kernels
 from lathe.kernels.decode_linear import (
     MAX_ROWS,
-    DecodeLinearPass,
     decode_linear_cpu,
+    decode_linear_int8_cpu,
     decode_linear_reference,
 )
+from lathe.kernels.decode_linear_pass import DecodeLinearPass
+from lathe.kernels.quant_matmul import int8_matmul_cpu, int8_matmul_reference
+from lathe.serve.quant import quantize_int8
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None,
                                 reason="the native kernels need a C++ compiler")
@@ -59,6 +63,39 @@ def test_strided_inputs_are_read_as_their_values():
     weights = [torch.randn(128, 96, generator=g).t(), torch.randn(10, 128, generator=g)]
     torch.testing.assert_close(decode_linear_cpu(x, weights),
                                decode_linear_reference(x, weights), atol=1e-4, rtol=1e-5)
+
+
+def int8_weights(sizes, in_features, g):
+    return [quantize_int8(torch.randn(size, in_features, generator=g)) for size in sizes]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 32])
+@pytest.mark.parametrize("sizes, in_features", [([64], 128), ([4099], 128), ([130, 7], 256),
+                                                ([128, 64, 64], 128), ([352, 352], 128),
+                                                ([7], 352), ([33, 5, 2], 24)])
+def test_int8_weights_match_the_dequantized_reference(rows, sizes, in_features):
+    """Row counts in whole tiles of four and every remainder, feature counts that are not
+    multiples of four, in_features that are not whole vectors."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=g)
+    weights = int8_weights(sizes, in_features, g)
+    out = decode_linear_int8_cpu(x, weights)
+    assert [tuple(y.shape) for y in out] == [(rows, size) for size in sizes]
+    torch.testing.assert_close(out, [int8_matmul_reference(x, q, s) for q, s in weights],
+                               atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("weights, message", [
+    ([(torch.zeros(4, 8), torch.ones(4))], "int8 weights"),
+    ([(torch.zeros(4, 8, dtype=torch.int8), torch.ones(5))], r"scale must be float32 \(out"),
+    ([(torch.zeros(4, 8, dtype=torch.int8), torch.ones(4, dtype=torch.float64))], "float32"),
+    ([(torch.zeros(4, 9, dtype=torch.int8), torch.ones(4))], "must be"),
+])
+def test_int8_operands_of_the_wrong_kind_are_refused(weights, message):
+    with pytest.raises(RuntimeError, match=message):
+        decode_linear_int8_cpu(torch.zeros(2, 8), weights)
+    with pytest.raises(ValueError, match="1 to 3 weights"):
+        decode_linear_int8_cpu(torch.zeros(2, 8), weights * 4)
 
 
 @pytest.mark.parametrize("x, weights, message", [
@@ -127,3 +164,30 @@ def test_the_pass_makes_one_call_for_linears_that_share_their_input():
     calls = {event.key: event.count for event in prof.key_averages()
              if event.key.startswith("lathe::decode_linear")}
     assert calls == {"lathe::decode_linear3_cpu": 1, "lathe::decode_linear_cpu": 1}
+
+
+def test_the_pass_makes_one_call_for_int8_linears_that_share_their_input():
+    """A quantized model's few-row float32 linears trace to the native int8 op; q, k and v
+    become one call, and gate and up another, under the C++ wrapper."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = int8_weights((64, 32, 32), 64, g)
+    (o,) = int8_weights((64,), 96, g)
+    gate, up = int8_weights((96, 96), 64, g)
+
+    def block(x):
+        attn = torch.cat([int8_matmul_cpu(x, *q), int8_matmul_cpu(x, *k)
+                          + int8_matmul_cpu(x, *v)], dim=-1)
+        h = int8_matmul_cpu(attn, *o)
+        return int8_matmul_cpu(h, *gate) * int8_matmul_cpu(h, *up)
+
+    x = torch.randn(1, 3, 64, generator=g)
+    compiled = torch.compile(block, fullgraph=True, dynamic=False,
+                             options={"post_grad_custom_post_pass": DecodeLinearPass(),
+                                      "cpp_wrapper": True})
+    torch.testing.assert_close(compiled(x), block(x), atol=1e-4, rtol=1e-5)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        compiled(x)
+    calls = {event.key: event.count for event in prof.key_averages()
+             if event.key.startswith("lathe::")}
+    assert calls == {"lathe::decode_linear_int8_3_cpu": 1, "lathe::decode_linear_int8_cpu": 1,
+                     "lathe::decode_linear_int8_2_cpu": 1}

@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from lathe.kernels.decode_linear import MAX_ROWS
 from lathe.kernels.dispatch import kernels_off
 from lathe.kernels.quant_matmul import (
     int4_matmul_cpu,
@@ -71,8 +72,9 @@ def test_torchs_cpu_int8_and_int4_gemms_match_the_references(m, n, k, group, dty
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_model_on_cpu_takes_torchs_gemms_and_stays_close(mode):
-    """Kernels on (the default), a CPU model runs torch's int8/int4 GEMMs; LATHE_KERNELS=0
-    gives the dequantize-then-linear reference; the logits agree to 2e-2 of their scale."""
+    """Kernels on (the default), a CPU model runs the int8/int4 GEMMs (at 18 float32 rows
+    lathe's native int8 op); LATHE_KERNELS=0 gives the dequantize-then-linear reference; the
+    logits agree to 2e-2 of their scale."""
     from lathe.serve.quant import quantize_linears
     from tests.builders import tiny_model
     model = tiny_model(n_layers=1)
@@ -104,23 +106,25 @@ def test_quantized_model_matches_with_kernels_on(mode, monkeypatch):
 
 def test_cpu_gemm_takes_a_misaligned_weight_without_crashing():
     """A packed weight viewed at an odd offset (as safetensors can hand one out) used to
-    SIGSEGV torch's CPU int8 GEMM; it is copied to aligned memory first."""
+    SIGSEGV torch's CPU int8 GEMM; it is copied to aligned memory first. At 3 rows lathe's
+    native op reads it, at 40 torch's GEMM."""
     g = torch.Generator().manual_seed(0)
     q, scale = quantize_int8(torch.randn(64, 128, generator=g))
     buffer = torch.empty(q.numel() + 40, dtype=torch.int8)
     misaligned = buffer[40:].view(64, 128)
     misaligned.copy_(q)
     assert misaligned.data_ptr() % 64
-    x = torch.randn(3, 128, generator=g)
-    close(int8_matmul_cpu(x, misaligned, scale), int8_matmul_reference(x, q, scale),
-          torch.float16)
+    for rows in (3, 40):
+        x = torch.randn(rows, 128, generator=g)
+        close(int8_matmul_cpu(x, misaligned, scale), int8_matmul_reference(x, q, scale),
+              torch.float16)
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="the native ops need a C++ compiler")
 def test_native_cpu_gemm_ops_equal_the_python_ones_and_a_compiled_graph_calls_them():
     """With lathe's native CPU kernels loaded, a compiled graph calls the GEMMs as C++ ops
     (no interpreter per call): the same results as the Python ops, misaligned weight
-    included."""
+    included; float32 rows of a decode step (at most MAX_ROWS) take the native int8 op."""
     from lathe.kernels import quant_matmul
     from lathe.kernels.cpu_native import load_cpu_kernels
     assert load_cpu_kernels()
@@ -142,11 +146,12 @@ def test_native_cpu_gemm_ops_equal_the_python_ones_and_a_compiled_graph_calls_th
         graphs.append(gm)
         return gm.forward
 
-    x = torch.randn(2, 3, 128, generator=g)
-    compiled = torch.compile(lambda x: int8_matmul_cpu(x, q, scale) + int4_matmul_cpu(x, *pack),
-                             backend=record, fullgraph=True)
-    torch.testing.assert_close(compiled(x), int8_matmul_cpu(x, q, scale)
-                               + int4_matmul_cpu(x, *pack))
-    called = {str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"}
-    assert {"lathe.int8_matmul_cpu_native.default",
-            "lathe.int4_matmul_cpu_native.default"} <= called
+    for rows, int8_op in ((3, "decode_linear_int8_cpu"), (MAX_ROWS + 1, "int8_matmul_cpu_native")):
+        x = torch.randn(2, rows, 128, generator=g)
+        compiled = torch.compile(lambda x: int8_matmul_cpu(x, q, scale)
+                                 + int4_matmul_cpu(x, *pack), backend=record, fullgraph=True)
+        torch.testing.assert_close(compiled(x), int8_matmul_cpu(x, q, scale)
+                                   + int4_matmul_cpu(x, *pack))
+        called = {str(node.target) for node in graphs[-1].graph.nodes
+                  if node.op == "call_function"}
+        assert {f"lathe.{int8_op}.default", "lathe.int4_matmul_cpu_native.default"} <= called
