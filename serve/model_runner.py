@@ -15,7 +15,9 @@ With `compile_decode`, a decode-only step of the target runs through
 `lathe.serve.decode_graph` instead: the same rows, at a compiled static shape. On CPU the
 runner loads lathe's native kernels: paged decode attention that reads the slabs in
 place, few-row linears, the greedy pick, and the quantized GEMMs as ops a compiled step
-calls without Python.
+calls without Python; and it has glibc keep freed memory mapped
+(`lathe.serve.host_memory`), so that a step's temporaries do not fault their pages in
+again.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch import Tensor
 from lathe.kernels.cpu_native import load_cpu_kernels
 from lathe.model.transformer import Transformer
 from lathe.serve.decode_graph import DecodeGraphs, StaticDecodeBatch
+from lathe.serve.host_memory import retain_freed_memory
 from lathe.serve.paged_cache import KVSlabs, PagedBatch, SequenceSpan
 from lathe.serve.sequence import Sequence
 
@@ -51,6 +54,7 @@ class ModelRunner:
         self.model, self.slabs, self.device = model, slabs, device
         if device.type == "cpu":  # paged decode attention, and the GEMMs' graph ops
             load_cpu_kernels()
+            retain_freed_memory()  # a step's temporaries reuse the last step's pages
         self.block_size = slabs.block_size
         self.max_blocks = -(-model.config.max_seq_len // self.block_size)
         self.graphs = DecodeGraphs(model, slabs, rows, self.max_blocks) \
