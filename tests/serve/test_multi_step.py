@@ -1,12 +1,14 @@
 """Multi-step decoding (`EngineConfig.decode_steps`): several forward passes per engine
 step give the tokens, log-probs and stops of one pass per step — across mixed steps, n > 1,
-prefix-cache hits, a cache too small to reserve every pass, and compiled decode — while
-penalized rows and steps with prefills run one pass; the setting is refused where it
-cannot apply."""
+prefix-cache hits, a cache too small to reserve every pass, bf16 weights, compiled decode
+and the streaming server — while penalized rows and steps with prefills run one pass; the
+setting is refused where it cannot apply."""
 
 from __future__ import annotations
 
+import openai
 import pytest
+import torch
 
 from lathe.core.errors import ConfigError
 from lathe.serve.commands import serve_main
@@ -14,6 +16,7 @@ from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.sampling import SamplingParams
 from lathe.serve.speculative import SpeculativeConfig
 from tests.builders import serve_model
+from tests.serve.conftest import start_server, wait_healthy
 from tests.serve.test_engine import engine_for, naive_greedy, prompts
 
 
@@ -131,6 +134,45 @@ def test_runs_shrink_to_the_blocks_free_and_never_preempt():
     assert multi.scheduler.num_preemptions <= single.scheduler.num_preemptions
     assert 1 < max(passes) <= 8
     assert multi.block_manager.num_free == 12
+
+
+def test_bf16_weights_decode_in_runs_as_one_pass_a_step():
+    """bf16 is the GPU default: the sampled tokens fed back are the ids a bf16 model takes,
+    and a run picks one pass a step's tokens."""
+    model = serve_model(256).to(torch.bfloat16)
+    batch = prompts([5, 12, 8], seed=6)
+    greedy = SamplingParams(max_tokens=9, temperature=0)
+    want = outputs(engine_for(model), batch, greedy)
+    multi = engine_for(model, decode_steps=4)
+    passes = count_passes(multi)
+    assert outputs(multi, batch, greedy) == want
+    assert max(passes) == 4 and multi.slabs.k[0].dtype == torch.bfloat16
+
+
+def test_the_server_streams_runs_as_one_pass_a_step_does(checkpoint):
+    """Through the OpenAI API, with a stop string that a run of passes meets midway: the
+    streamed text and finish reason of an engine that runs one pass a step."""
+    single = LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=128))
+    ids = single.encode("The river")
+    free = single.generate([ids], SamplingParams(max_tokens=24, temperature=0,
+                                                 ignore_eos=True))[0].outputs[0].text
+    stop = free[len(free) // 2:len(free) // 2 + 2]
+    want = single.generate([ids], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                 stop=[stop]))[0].outputs[0]
+    assert want.finish_reason == "stop" and len(want.text) < len(free)
+    server, thread, url = start_server(checkpoint, lambda: LLMEngine.from_checkpoint(
+        checkpoint, EngineConfig(num_blocks=128, decode_steps=4)))
+    try:
+        wait_healthy(url)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        chunks = list(client.completions.create(
+            model="tiny", prompt="The river", max_tokens=24, temperature=0, stop=[stop],
+            stream=True, extra_body={"ignore_eos": True}))
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    assert "".join(c.choices[0].text for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 @pytest.mark.slow
