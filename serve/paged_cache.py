@@ -8,14 +8,15 @@ a compiled decode step (`lathe.serve.decode_graph`). Which blocks a sequence own
 `BlockManager`'s business; this module only reads and writes rows.
 
 `PagedBatch` is one engine step: the new tokens of every scheduled sequence flattened
-into a single row (single decode tokens first, then prefill chunks), as the engine's
-`ModelRunner` builds it. It implements
+into a single row (first the tokens that attend through their block table, then prefill
+chunks), as the engine's `ModelRunner` builds it. It implements
 `lathe.model.kv_cache.KVCache`, so the unmodified `Transformer` runs on it: `attend`
 writes the step's K/V into the slabs, then attends each sequence's queries over its own
-context only — decode rows together through `lathe.kernels.paged_decode` (the Triton
-paged kernel on CUDA, one padded gather + SDPA elsewhere), each prefill chunk through
-`lathe.kernels.causal_attention` over its gathered context — so a mixed step computes
-exactly what separate steps would.
+context only — the paged rows together through `lathe.kernels.paged_decode` (the Triton
+paged kernel on CUDA, the native one on CPU, one padded gather + SDPA elsewhere), each
+token over its own context up to its position, so decodes and, on CPU, the tokens of
+short prefill chunks; each other prefill chunk through `lathe.kernels.causal_attention`
+over its gathered context — so a mixed step computes exactly what separate steps would.
 """
 
 from __future__ import annotations
@@ -64,17 +65,19 @@ class SequenceSpan:
 
 
 class PagedBatch:
-    """One step: the first `num_decodes` tokens of the row are single-token decodes (their
-    block tables and context lengths given as tensors), then prefill chunks (`spans`)."""
+    """One step: each of the first `num_paged` tokens of the row attends through its
+    sequence's block table row (`paged_tables`) over its first `paged_lens` slots — the
+    decodes, and on CPU the tokens of short prefills too — then prefill chunks (`prefills`)
+    attend as a whole."""
 
     def __init__(self, slabs: KVSlabs, positions: Tensor, slot_mapping: Tensor,
-                 num_decodes: int, decode_tables: Tensor | None, decode_lens: Tensor | None,
+                 num_paged: int, paged_tables: Tensor | None, paged_lens: Tensor | None,
                  prefills: list[SequenceSpan]) -> None:
         self.slabs = slabs
         self.positions = positions
         self.slot_mapping = slot_mapping
-        self.num_decodes = num_decodes
-        self.decode_tables, self.decode_lens = decode_tables, decode_lens
+        self.num_paged = num_paged
+        self.paged_tables, self.paged_lens = paged_tables, paged_lens
         self.prefills = prefills
 
     def prepare(self, input_ids: Tensor, positions: Tensor | None) -> Tensor:
@@ -91,11 +94,11 @@ class PagedBatch:
         v_slab[self.slot_mapping] = v[0].transpose(0, 1).to(v_slab.dtype)
         result_dtype, q = q.dtype, q.to(k_slab.dtype)
         out = torch.empty_like(q)
-        if self.num_decodes:
-            rows = slice(0, self.num_decodes)
+        if self.num_paged:
+            rows = slice(0, self.num_paged)
             queries = q[0, :, rows].transpose(0, 1)  # (B, H, D)
-            attended = paged_decode(queries, k_slab, v_slab, self.decode_tables,
-                                    self.decode_lens, self.slabs.block_size)
+            attended = paged_decode(queries, k_slab, v_slab, self.paged_tables,
+                                    self.paged_lens, self.slabs.block_size)
             out[0, :, rows] = attended.transpose(0, 1)
         for span in self.prefills:
             rows = slice(span.start, span.start + span.length)
