@@ -382,12 +382,12 @@ def cpu_int8_linear_cases(shapes: list[tuple[int, int, int]]) -> list[Case]:
     which takes bf16 rows: the casts are timed with it, as a float32 model pays them):
     GB/s of int8 weight read."""
     from lathe.kernels.quant_matmul import _int8_gemm_bf16
-    from lathe.serve.quant import quantize_int8
 
     result = []
     for rows, in_features, out_features in shapes:
         x = torch.randn(rows, in_features)
-        q, scale = quantize_int8(torch.randn(out_features, in_features))
+        q = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8)
+        scale = torch.rand(out_features) / 127
         result.append(Case(
             f"decode_linear_int8, {rows} × {in_features} → {out_features}", "GB/s", q.numel(), {
                 "native C++": lambda x=x, q=q, s=scale: decode_linear_int8_cpu(x, [(q, s)]),
