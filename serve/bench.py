@@ -4,7 +4,7 @@
     decode steps compiled, and with offline settings: compiled, `--decode-steps` forward
     passes per engine step, and a `--offline-batched-tokens` budget that prefills the whole
     batch in one or two steps, as transformers does) and through `transformers`'
-    `generate()` with left-padded batches, on the same checkpoint;
+    `generate()` with left-padded batches, on the same checkpoint, in interleaved rounds;
 (b) the running server under load: a streaming client at concurrency 1, 4, 16 and 64,
     reporting output tok/s, time to first token and inter-token latency (p50 / p99, as
     `vllm bench serve` defines them);
@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import functools
 import json
 import math
 import platform
@@ -47,6 +48,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import torch
+from torch import Tensor
 
 from lathe.kernels import kernels_off
 from lathe.model.checkpoint import load_checkpoint, save_checkpoint
@@ -68,37 +70,32 @@ def random_prompts(n: int, low: int, high: int, vocab: int, seed: int = 0) -> li
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for length in lengths]
 
 
-def timed_generate(checkpoint: Path, prompts: list[list[int]], params: SamplingParams,
-                   device: torch.device, config: EngineConfig,
-                   ) -> tuple[list, float, torch.dtype]:
-    """The engine's completions, best seconds of `REPEATS` passes over `prompts` and weight
-    dtype, after a warm-up pass over the same workload: Triton compiles (and autotunes) per
-    shape class and length bucket, and a compiled decode step per batch bucket, which two
-    short prompts would not reach."""
-    engine = LLMEngine.from_checkpoint(checkpoint, config, device=device)
-    engine.generate(prompts, params)
-    best = math.inf
-    for _ in range(REPEATS):
-        # every pass prefills its prompts: the last pass's cached blocks would make the
-        # prompts nearly free, which `generate` on the other side does not get
-        engine.block_manager.reset_prefix_cache()
-        start = time.perf_counter()
-        completions = engine.generate(prompts, params)
-        best = min(best, time.perf_counter() - start)
-    return completions, best, engine.model.model.embed_tokens.weight.dtype
-
-
 def offline(checkpoint: Path, prompts: list[list[int]], new_tokens: int,
             device: torch.device, decode_steps: int, batched_tokens: int) -> list[str]:
+    """Each engine and transformers' `generate` on the same prompts, in `REPEATS` rounds of
+    one pass each, best pass reported: a shared machine's drift then hits every row alike.
+    Each warms up on the whole workload first (Triton compiles and autotunes per shape
+    class and length bucket, a compiled decode step per batch bucket); every lathe pass
+    prefills its prompts, as `generate` on the other side does."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    # transformers loads the checkpoint in the dtype lathe's engine runs it in
-    ours, lathe_s, dtype = timed_generate(checkpoint, prompts, params, device, EngineConfig())
-    compiled, compiled_s, _ = timed_generate(checkpoint, prompts, params, device,
-                                             EngineConfig(compile_decode=True))
-    multi, multi_s, _ = timed_generate(checkpoint, prompts, params, device, EngineConfig(
-        compile_decode=True, decode_steps=decode_steps, max_num_batched_tokens=batched_tokens))
+    # all engines live at once: a KV cache the workload's size each, not a memory budget
+    blocks = 2 * sum(-(-(len(p) + new_tokens) // EngineConfig.block_size) for p in prompts)
+    configs = {
+        "lathe `LLMEngine.generate` (paged KV, continuous batching)":
+            EngineConfig(num_blocks=blocks),
+        "lathe, decode steps compiled (`compile_decode`)":
+            EngineConfig(num_blocks=blocks, compile_decode=True),
+        f"lathe, compiled, {decode_steps} passes a step (`decode_steps`), {batched_tokens}-"
+        "token budget (`max_num_batched_tokens`)":
+            EngineConfig(num_blocks=blocks, compile_decode=True, decode_steps=decode_steps,
+                         max_num_batched_tokens=batched_tokens)}
+    engines = {name: LLMEngine.from_checkpoint(checkpoint, config, device=device)
+               for name, config in configs.items()}
+    outputs = {name: engine.generate(prompts, params) for name, engine in engines.items()}
 
     from transformers import LlamaForCausalLM
+    # transformers loads the checkpoint in the dtype lathe's engine runs it in
+    dtype = next(iter(engines.values())).model.model.embed_tokens.weight.dtype
     model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
     # as lathe's ignore_eos (and vLLM's): EOS neither stops a row nor is masked out
     # (min_new_tokens would mask it, so a trained model's greedy tokens would differ)
@@ -110,32 +107,36 @@ def offline(checkpoint: Path, prompts: list[list[int]], new_tokens: int,
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
     ids, mask = ids.to(device), mask.to(device)
-    with torch.inference_mode():
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                       do_sample=False, pad_token_id=0)
-        hf_s = math.inf
-        for _ in range(REPEATS):
+
+    def hf_generate() -> Tensor:
+        with torch.inference_mode():
+            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                  do_sample=False, pad_token_id=0)
+
+    def lathe_generate(engine: LLMEngine) -> None:
+        engine.block_manager.reset_prefix_cache()
+        engine.generate(prompts, params)
+
+    theirs = hf_generate()
+    runs = {**{name: functools.partial(lathe_generate, engine)
+               for name, engine in engines.items()},
+            "transformers `generate()` (padded batch, SDPA)": hf_generate}
+    best = dict.fromkeys(runs, math.inf)
+    for _ in range(REPEATS):
+        for name, run in runs.items():
             start = time.perf_counter()
-            theirs = model.generate(input_ids=ids, attention_mask=mask,
-                                    max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-            hf_s = min(hf_s, time.perf_counter() - start)
+            run()
+            best[name] = min(best[name], time.perf_counter() - start)
+    ours, compiled, multi = outputs.values()
     same = sum(o.outputs[0].token_ids == t[width:].tolist() for o, t in zip(ours, theirs,
                                                                            strict=True))
     same_compiled = sum(a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
                         for a, b, c in zip(ours, compiled, multi, strict=True))
     total = len(prompts) * new_tokens
-    return [
-        f"| lathe `LLMEngine.generate` (paged KV, continuous batching) | {total / lathe_s:,.0f} "
-        f"| {lathe_s:.2f} |",
-        f"| lathe, decode steps compiled (`compile_decode`) | {total / compiled_s:,.0f} "
-        f"| {compiled_s:.2f} |",
-        f"| lathe, compiled, {decode_steps} passes a step (`decode_steps`), {batched_tokens}-"
-        f"token budget (`max_num_batched_tokens`) | {total / multi_s:,.0f} | {multi_s:.2f} |",
-        f"| transformers `generate()` (padded batch, SDPA) | {total / hf_s:,.0f} | {hf_s:.2f} |",
-        f"| greedy outputs identical: lathe / transformers, eager / compiled / multi-step | "
-        f"{same}/"
-        f"{len(prompts)}, {same_compiled}/{len(prompts)} | |",
-    ]
+    return [*(f"| {name} | {total / seconds:,.0f} | {seconds:.2f} |"
+              for name, seconds in best.items()),
+            f"| greedy outputs identical: lathe / transformers, eager / compiled / multi-step | "
+            f"{same}/{len(prompts)}, {same_compiled}/{len(prompts)} | |"]
 
 
 def start_server(checkpoint: Path, engine_config: EngineConfig) -> tuple[object, str]:
