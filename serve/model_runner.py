@@ -40,13 +40,14 @@ from lathe.serve.sequence import Sequence
 # a sequence, the position of its first new token, the new tokens
 StepItem = tuple[Sequence, int, list[int]]
 
-# On CPU, with the native paged kernel, a prefill chunk whose context ends within this many
-# tokens attends token by token through its block table, in the same call as the step's
-# decodes: each token re-reads its context, which at these lengths stays in cache, and the
-# step makes one kernel call a layer instead of a gather and an SDPA call per sequence
-# (16 prompts of 32-128 tokens: a prefill step of ~23 ms against ~30). Longer contexts
-# would be re-read from memory, where SDPA reads them once.
-PAGED_PREFILL_CONTEXT = 512
+# On CPU, with the native paged kernel, a prefill chunk whose context's K and V (a layer's)
+# fit in this many bytes attends token by token through its block table, in the same call
+# as the step's decodes: each token re-reads its context, which at this size stays in a
+# core's L2 cache, and the step makes one kernel call a layer instead of a gather and an
+# SDPA call per sequence (the README model, whose 512-token context is 256 KiB: a prefill
+# step of 16 prompts of 32-128 tokens in ~23 ms against ~30). Larger contexts would be
+# re-read from memory, where SDPA reads them once.
+PAGED_PREFILL_BYTES = 256 << 10
 
 
 def select_rows(tensor: Tensor, rows: list[int]) -> Tensor:
@@ -113,9 +114,12 @@ class ModelRunner:
         if self._static(items, slabs):
             return self._prepare_static(items)
         slabs = slabs or self.slabs
-        paged_prefill = native_paged_decode(slabs.k[0])
-        paged = [len(tokens) == 1 or (paged_prefill and start + len(tokens)
-                                      <= PAGED_PREFILL_CONTEXT) for _, start, tokens in items]
+        k_slab = slabs.k[0]
+        # the longest context a prefill chunk attends token by token over (none off CPU)
+        paged_context = PAGED_PREFILL_BYTES // (2 * k_slab[0].nbytes) \
+            if native_paged_decode(k_slab) else 0
+        paged = [len(tokens) == 1 or start + len(tokens) <= paged_context
+                 for _, start, tokens in items]
         ids: list[int] = []
         starts = [0] * len(items)
         paged_rows: list[int] = []  # the table row of each token that attends through it

@@ -238,15 +238,16 @@ def test_seeds_outside_64_bits_are_refused_and_the_edges_work(seed):
 
 @pytest.mark.parametrize("paged_up_to", [0, 24, 512])
 def test_prefills_attend_alike_by_span_or_token_by_token(paged_up_to, monkeypatch):
-    """On CPU a prefill chunk whose context ends within PAGED_PREFILL_CONTEXT attends token
-    by token through the paged kernel, the rest as a span through SDPA: with none, some and
-    all chunks under the limit (a 24-token budget mixes them in one step), the same greedy
-    tokens as full recompute."""
+    """On CPU a prefill chunk whose context's K/V fit PAGED_PREFILL_BYTES attends token by
+    token through the paged kernel, the rest as a span through SDPA: with contexts of up to
+    none, 24 and 512 tokens under the limit (a 24-token budget mixes both kinds in one
+    step), the same greedy tokens as full recompute."""
     from lathe.serve import model_runner
-    monkeypatch.setattr(model_runner, "PAGED_PREFILL_CONTEXT", paged_up_to)
     model = serve_model(256)
-    batch = prompts([3, 17, 40, 70, 1], seed=7)
     engine = engine_for(model, max_num_batched_tokens=24)
+    per_token = 2 * engine.slabs.k[0][0].nbytes
+    monkeypatch.setattr(model_runner, "PAGED_PREFILL_BYTES", paged_up_to * per_token)
+    batch = prompts([3, 17, 40, 70, 1], seed=7)
     results = engine.generate(batch, SamplingParams(max_tokens=6, temperature=0))
     for prompt, result in zip(batch, results, strict=True):
         assert result.outputs[0].token_ids == naive_greedy(model, prompt, 6)
