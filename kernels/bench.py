@@ -381,8 +381,6 @@ def cpu_int8_linear_cases(shapes: list[tuple[int, int, int]]) -> list[Case]:
     """The native few-row int8 linear against torch's int8 GEMM (`_weight_int8pack_mm`,
     which takes bf16 rows: the casts are timed with it, as a float32 model pays them):
     GB/s of int8 weight read."""
-    from lathe.kernels.quant_matmul import _int8_gemm_bf16
-
     result = []
     for rows, in_features, out_features in shapes:
         x = torch.randn(rows, in_features)
@@ -392,7 +390,7 @@ def cpu_int8_linear_cases(shapes: list[tuple[int, int, int]]) -> list[Case]:
             f"decode_linear_int8, {rows} × {in_features} → {out_features}", "GB/s", q.numel(), {
                 "native C++": lambda x=x, q=q, s=scale: decode_linear_int8_cpu(x, [(q, s)]),
                 "torch (_weight_int8pack_mm, bf16 rows)": lambda x=x, q=q, s=scale:
-                    _int8_gemm_bf16(x.bfloat16(), q, s.bfloat16()).float()},
+                    torch.ops.aten._weight_int8pack_mm(x.bfloat16(), q, s.bfloat16()).float()},
             backward=False))
     return result
 

@@ -63,20 +63,21 @@ INT8_GROUP_OPS = [
 ]
 
 
+def _grouped(name: str, ops: list, x: Tensor, weights: list, operands: list[Tensor],
+             ) -> list[Tensor]:
+    if not 1 <= len(weights) <= MAX_GROUP:
+        raise ValueError(f"{name} takes 1 to {MAX_GROUP} weights, got {len(weights)}")
+    out = ops[len(weights) - 1](x, *operands)
+    return [out] if len(weights) == 1 else list(out)
+
+
 def decode_linear_cpu(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
     """The native op for 1 to MAX_GROUP weights that read the same x: [(M, out_i)]."""
-    if not 1 <= len(weights) <= MAX_GROUP:
-        raise ValueError(f"decode_linear_cpu takes 1 to {MAX_GROUP} weights, got "
-                         f"{len(weights)}")
-    out = GROUP_OPS[len(weights) - 1](x, *weights)
-    return [out] if len(weights) == 1 else list(out)
+    return _grouped("decode_linear_cpu", GROUP_OPS, x, weights, weights)
 
 
 def decode_linear_int8_cpu(x: Tensor, weights: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
     """The native op for 1 to MAX_GROUP int8 weights, each with its float32 per-output
     scale, that read the same float32 x: [(M, out_i)] = x · (q_i · s_i)ᵀ."""
-    if not 1 <= len(weights) <= MAX_GROUP:
-        raise ValueError(f"decode_linear_int8_cpu takes 1 to {MAX_GROUP} weights, got "
-                         f"{len(weights)}")
-    out = INT8_GROUP_OPS[len(weights) - 1](x, *[t for pair in weights for t in pair])
-    return [out] if len(weights) == 1 else list(out)
+    return _grouped("decode_linear_int8_cpu", INT8_GROUP_OPS, x, weights,
+                    [t for pair in weights for t in pair])

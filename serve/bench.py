@@ -390,22 +390,21 @@ def decode_section(checkpoint: Path, prompt: list[int], device: torch.device,
     eval_ids = val_tokens(args.eval_shards, args.eval_tokens) if args.eval_shards else None
     rows = []
     fp32_bytes = 0
+    configs = {"": EngineConfig(), ", compiled": EngineConfig(compile_decode=True),
+               f", compiled, {args.decode_steps} passes a step": EngineConfig(
+                   compile_decode=True, decode_steps=args.decode_steps)}
     for quantize in (None, "int8", "int4"):
         ppl = ""
         if eval_ids is not None:
             ppl = f"{perplexity(load_serving_model(checkpoint, quantize=quantize), eval_ids):.3f}"
-        configs = {"": EngineConfig(), ", compiled": EngineConfig(compile_decode=True),
-                   f", compiled, {args.decode_steps} passes a step": EngineConfig(
-                       compile_decode=True, decode_steps=args.decode_steps)}
         for variant, config in configs.items():
-            compiled = config.compile_decode
             tok_s, nbytes = decode_speed(checkpoint, quantize, prompt, args.decode_tokens,
                                          device, config)
             implied = tok_s * nbytes
             name = (quantize or "fp32") + variant
             rows.append(f"| {name} | {nbytes / 2**20:.1f} | {tok_s:,.1f} | "
                         f"{implied / 1e9:.2f} | {implied / bandwidth:.1%} | "
-                        f"{'—' if compiled or not ppl else ppl} |")
+                        f"{'—' if config.compile_decode or not ppl else ppl} |")
             print(rows[-1], flush=True)
             if quantize is None:
                 fp32_bytes = nbytes

@@ -12,7 +12,7 @@ and nothing else a guard would check (module structure, dtypes, grad mode, the
 `LATHE_KERNELS` switches) changes in an engine's life. Inductor fuses the norms, RoPE,
 SwiGLU and residual adds around the GEMMs, so a step is a few dozen kernel calls instead
 of ~150 ATen ops; with lathe's native CPU kernels loaded, a graph pass
-(`lathe.kernels.decode_linear`) also moves the linears of buckets up to 32 rows off BLAS,
+(`lathe.kernels.decode_linear_pass`) also moves the linears of buckets up to 32 rows off BLAS,
 one call for the linears that read the same input.
 
 How much of the block table a step passes is a second bucket. Where a paged kernel runs

@@ -142,6 +142,19 @@ def test_the_pass_moves_only_few_row_float32_linears(rows, dtype, rewritten):
     assert ("lathe::decode_linear_cpu" in called_ops(compiled, x)) == rewritten
 
 
+def lathe_calls_of_compiled(fn, x: torch.Tensor) -> dict[str, int]:
+    """`fn` compiled with the pass under the C++ wrapper: checked against eager on `x`,
+    then how many times one call ran each lathe op."""
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False,
+                             options={"post_grad_custom_post_pass": DecodeLinearPass(),
+                                      "cpp_wrapper": True})
+    torch.testing.assert_close(compiled(x), fn(x), atol=1e-4, rtol=1e-5)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        compiled(x)
+    return {event.key: event.count for event in prof.key_averages()
+            if event.key.startswith("lathe::")}
+
+
 def test_the_pass_makes_one_call_for_linears_that_share_their_input():
     """q, k and v read the same x: one call (C++ from the C++ wrapper, not through Python);
     the output projection reads their concatenation: a second."""
@@ -154,15 +167,7 @@ def test_the_pass_makes_one_call_for_linears_that_share_their_input():
         q, k, v = F.linear(x, wq), F.linear(x, wk), F.linear(x, wv)
         return F.linear(torch.cat([q, k + v], dim=-1), wo)
 
-    x = torch.randn(1, 3, 64, generator=g)
-    compiled = torch.compile(block, fullgraph=True, dynamic=False,
-                             options={"post_grad_custom_post_pass": DecodeLinearPass(),
-                                      "cpp_wrapper": True})
-    torch.testing.assert_close(compiled(x), block(x), atol=1e-4, rtol=1e-5)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        compiled(x)
-    calls = {event.key: event.count for event in prof.key_averages()
-             if event.key.startswith("lathe::decode_linear")}
+    calls = lathe_calls_of_compiled(block, torch.randn(1, 3, 64, generator=g))
     assert calls == {"lathe::decode_linear3_cpu": 1, "lathe::decode_linear_cpu": 1}
 
 
@@ -180,14 +185,6 @@ def test_the_pass_makes_one_call_for_int8_linears_that_share_their_input():
         h = int8_matmul_cpu(attn, *o)
         return int8_matmul_cpu(h, *gate) * int8_matmul_cpu(h, *up)
 
-    x = torch.randn(1, 3, 64, generator=g)
-    compiled = torch.compile(block, fullgraph=True, dynamic=False,
-                             options={"post_grad_custom_post_pass": DecodeLinearPass(),
-                                      "cpp_wrapper": True})
-    torch.testing.assert_close(compiled(x), block(x), atol=1e-4, rtol=1e-5)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        compiled(x)
-    calls = {event.key: event.count for event in prof.key_averages()
-             if event.key.startswith("lathe::")}
+    calls = lathe_calls_of_compiled(block, torch.randn(1, 3, 64, generator=g))
     assert calls == {"lathe::decode_linear_int8_3_cpu": 1, "lathe::decode_linear_int8_cpu": 1,
                      "lathe::decode_linear_int8_2_cpu": 1}

@@ -44,6 +44,17 @@ def count_passes(engine: LLMEngine) -> list[int]:
     return passes
 
 
+def multi_step_matches(model, batch, params, decode_steps: int,
+                       **config) -> tuple[LLMEngine, list[int], list]:
+    """An engine of `decode_steps` passes a step, asserted to give what one pass a step
+    gives on `batch`: the engine, its passes per step, and the outputs."""
+    want = outputs(engine_for(model, **config), batch, params)
+    multi = engine_for(model, decode_steps=decode_steps, **config)
+    passes = count_passes(multi)
+    assert outputs(multi, batch, params) == want
+    return multi, passes, want
+
+
 def test_greedy_tokens_match_one_pass_per_step_across_mixed_steps_and_n():
     """A 24-token budget puts chunked prefills beside decodes; max_tokens that are not
     multiples of the step count; n = 2 shares a prompt through the prefix cache."""
@@ -51,10 +62,8 @@ def test_greedy_tokens_match_one_pass_per_step_across_mixed_steps_and_n():
     batch = prompts([3, 17, 40, 9])
     params = [SamplingParams(max_tokens=m, temperature=0, n=n, logprobs=2 if n == 2 else None)
               for m, n in ((11, 1), (20, 2), (6, 1), (13, 1))]
-    want = outputs(engine_for(model, max_num_batched_tokens=24), batch, params)
-    multi = engine_for(model, max_num_batched_tokens=24, decode_steps=4)
-    passes = count_passes(multi)
-    assert outputs(multi, batch, params) == want
+    multi, passes, want = multi_step_matches(model, batch, params, 4,
+                                             max_num_batched_tokens=24)
     assert max(passes) == 4
     for prompt, result, m in zip(batch, want, (11, 20, 6, 13), strict=True):
         assert result[0][0] == naive_greedy(model, prompt, m)
@@ -98,10 +107,7 @@ def test_seeded_sampling_and_logprobs_match_one_pass_per_step():
     batch = prompts([7, 11, 5], seed=4)
     params = [SamplingParams(max_tokens=12, temperature=0.9, top_k=30, top_p=0.95, min_p=0.01,
                              seed=s, logprobs=3) for s in (1, 2, 3)]
-    want = outputs(engine_for(model), batch, params)
-    multi = engine_for(model, decode_steps=5)
-    passes = count_passes(multi)
-    assert outputs(multi, batch, params) == want
+    _, passes, _ = multi_step_matches(model, batch, params, 5)
     assert max(passes) == 5
 
 
@@ -111,10 +117,7 @@ def test_penalized_rows_run_one_pass_per_step():
     batch = prompts([6, 9], seed=5)
     params = [SamplingParams(max_tokens=10, temperature=0, repetition_penalty=1.3),
               SamplingParams(max_tokens=10, temperature=0)]
-    want = outputs(engine_for(model), batch, params)
-    multi = engine_for(model, decode_steps=4)
-    passes = count_passes(multi)
-    assert outputs(multi, batch, params) == want
+    _, passes, _ = multi_step_matches(model, batch, params, 4)
     assert max(passes) == 1
 
 
@@ -142,10 +145,7 @@ def test_bf16_weights_decode_in_runs_as_one_pass_a_step():
     model = serve_model(256).to(torch.bfloat16)
     batch = prompts([5, 12, 8], seed=6)
     greedy = SamplingParams(max_tokens=9, temperature=0)
-    want = outputs(engine_for(model), batch, greedy)
-    multi = engine_for(model, decode_steps=4)
-    passes = count_passes(multi)
-    assert outputs(multi, batch, greedy) == want
+    multi, passes, _ = multi_step_matches(model, batch, greedy, 4)
     assert max(passes) == 4 and multi.slabs.k[0].dtype == torch.bfloat16
 
 
