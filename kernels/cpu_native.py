@@ -3,7 +3,9 @@
 implementations of ops defined in Python: `lathe::paged_decode_cpu`, the weight-only
 GEMMs a compiled step calls (`lathe::int8_matmul_cpu_native`, `int4_matmul_cpu_native`),
 its few-row float32 and int8 linears (`lathe::decode_linear_cpu`,
-`lathe::decode_linear_int8_cpu`) and the greedy pick (`lathe::argmax_cpu`).
+`lathe::decode_linear_int8_cpu`), the greedy pick (`lathe::argmax_cpu`), and the fused
+element-wise layers of an eager float32 forward (`lathe::rms_norm_cpu`,
+`add_rms_norm_cpu`, `swiglu_cpu`, `rope_cpu`), which `use_native_cpu` gates.
 Their loops run on torch's intra-op threads (OpenMP); a build whose loops come out serial
 is warned about.
 
@@ -21,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from lathe.kernels.dispatch import opaque_op
+from lathe.kernels.dispatch import opaque_op, use_cpu_kernel
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_decode_cpu.cpp", "quant_matmul_cpu.cpp", "decode_linear_cpu.cpp",
-                         "argmax_cpu.cpp", "parallel_probe_cpu.cpp")]
+                         "argmax_cpu.cpp", "parallel_probe_cpu.cpp", "elementwise_cpu.cpp")]
 
 # the intra-op thread that ran each item of a parallel loop over `items`, one item a task
 parallel_probe_cpu = opaque_op("parallel_probe_cpu", "(Tensor items) -> Tensor", None,
@@ -74,6 +76,16 @@ def load_cpu_kernels() -> bool:
 def cpu_kernels_loaded() -> bool:
     """Whether `load_cpu_kernels` has loaded them in this process."""
     return bool(_loaded)
+
+
+def use_native_cpu(name: str, *tensors: torch.Tensor) -> bool:
+    """Whether an eager float32 CPU call of kernel `name` on `tensors` takes its native op:
+    loaded and enabled, not traced by torch.compile (inductor fuses the references into
+    its own loops) and with no gradient to record (the native ops have no backward)."""
+    return (cpu_kernels_loaded() and use_cpu_kernel(name, tensors[0])
+            and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+            and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
 
 
 def native_threads() -> int:

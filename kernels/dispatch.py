@@ -1,6 +1,7 @@
 """Which implementation an op runs: the Triton kernel when its tensors are on CUDA and the
-kernel is enabled, the PyTorch reference otherwise — so nothing changes without a GPU —
-except the quantized matmuls, which on CPU take torch's vectorized int8/int4 GEMMs.
+kernel is enabled, the PyTorch reference otherwise — except on CPU, where the quantized
+matmuls take torch's vectorized int8/int4 GEMMs and, once lathe's native CPU kernels are
+loaded (`lathe.kernels.cpu_native`, by the serve engine), inference takes them.
 
 `LATHE_KERNELS=0` turns every kernel off; `LATHE_KERNELS_DISABLE=rms_norm,swiglu` turns off
 the ones named; `LATHE_KERNELS=force` runs them on CPU tensors too, which only works under
@@ -43,8 +44,9 @@ def use_triton(name: str, tensor: torch.Tensor) -> bool:
 
 
 def use_cpu_kernel(name: str, tensor: torch.Tensor) -> bool:
-    """Whether a CPU tensor takes torch's own optimized CPU op for `name` (the quantized
-    matmuls), rather than the reference; `LATHE_KERNELS=force` keeps CPU on Triton."""
+    """Whether a CPU tensor may take an optimized CPU op for `name` (torch's quantized GEMMs,
+    lathe's native kernels) rather than the reference; `LATHE_KERNELS=force` keeps CPU on
+    Triton."""
     return (tensor.device.type == "cpu" and os.environ.get("LATHE_KERNELS") != "force"
             and kernel_enabled(name))
 

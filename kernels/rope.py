@@ -1,6 +1,7 @@
 """Rotary position embeddings applied to q and k (HF's rotate-half layout: dimension i
 pairs with i + D/2): Triton forward and backward beside the PyTorch reference. The
-backward is the inverse rotation, so nothing but cos/sin is saved."""
+backward is the inverse rotation, so nothing but cos/sin is saved. On CPU, float32
+inference takes the native op of csrc/elementwise_cpu.cpp."""
 
 from __future__ import annotations
 
@@ -9,7 +10,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lathe.kernels.dispatch import use_triton
+from lathe.kernels.cpu_native import use_native_cpu
+from lathe.kernels.dispatch import opaque_op, use_triton
+
+rope_cpu = opaque_op("rope_cpu", "(Tensor x, Tensor cos, Tensor sin) -> Tensor", None,
+                     lambda x, cos, sin: x.new_empty(x.shape))
 
 
 def rotate_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -74,7 +79,10 @@ def rope_triton(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor,
 
 
 def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """Rotate (B, H, T, D) q and (B, H_kv, T, D) k by (B, T, D) cos/sin (Triton on CUDA)."""
+    """Rotate (B, H, T, D) q and (B, H_kv, T, D) k by (B, T, D) cos/sin (Triton on CUDA,
+    native float32 inference on CPU, the reference elsewhere)."""
     if use_triton("rope", q):
         return rope_triton(q, k, cos, sin)
+    if use_native_cpu("rope", q, k, cos, sin):
+        return rope_cpu(q, cos, sin), rope_cpu(k, cos, sin)
     return rope_reference(q, k, cos, sin)

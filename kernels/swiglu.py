@@ -1,5 +1,6 @@
 """SwiGLU's elementwise core, silu(gate) · up: Triton forward and backward beside the
-PyTorch reference. The backward recomputes the sigmoid instead of storing it."""
+PyTorch reference, and on CPU the native op of csrc/elementwise_cpu.cpp for float32
+inference. The backward recomputes the sigmoid instead of storing it."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lathe.kernels.dispatch import use_triton
+from lathe.kernels.cpu_native import use_native_cpu
+from lathe.kernels.dispatch import opaque_op, use_triton
 
 BLOCK = 1024
+
+swiglu_cpu = opaque_op("swiglu_cpu", "(Tensor gate, Tensor up) -> Tensor", None,
+                       lambda gate, up: torch.empty_like(gate))
 
 
 def swiglu_reference(gate: Tensor, up: Tensor) -> Tensor:
@@ -67,7 +72,10 @@ def swiglu_triton(gate: Tensor, up: Tensor) -> Tensor:
 
 
 def swiglu(gate: Tensor, up: Tensor) -> Tensor:
-    """silu(gate) · up (Triton on CUDA, the reference elsewhere)."""
+    """silu(gate) · up (Triton on CUDA, native float32 inference on CPU, the reference
+    elsewhere)."""
     if use_triton("swiglu", gate):
         return swiglu_triton(gate, up)
+    if use_native_cpu("swiglu", gate, up) and gate.shape == up.shape:
+        return swiglu_cpu(gate, up)
     return swiglu_reference(gate, up)
