@@ -186,9 +186,9 @@ def _cross_entropy_case(s: Sizes, device: str, dtype: torch.dtype, compile: bool
 
 
 def _quant_cases(s: Sizes, device: str, dtype: torch.dtype, compile: bool) -> list[Case]:
-    """Decode-sized GEMMs (decode_batch rows) against the engine's packed weights, and the
-    same weights dense in `dtype`: the bandwidth weight-only quantization is meant to save."""
-    x = torch.randn(s.decode_batch, s.dim, device=device, dtype=dtype)
+    """Decode-sized GEMMs (1 and decode_batch rows) against the engine's packed weights, and
+    the same weights dense in `dtype`: the bandwidth weight-only quantization is meant to
+    save."""
     q8 = torch.randint(-127, 128, (s.hidden, s.dim), device=device, dtype=torch.int8)
     scale8 = torch.rand(s.hidden, device=device) / 127
     packed = torch.randint(0, 256, (s.hidden, s.dim // 2), device=device, dtype=torch.uint8)
@@ -198,19 +198,26 @@ def _quant_cases(s: Sizes, device: str, dtype: torch.dtype, compile: bool) -> li
     dense8, dense4 = dequantize_int8(q8, scale8, dtype), dequantize_int4(packed, scale4,
                                                                           minimum, dtype)
     dense = f"dense {str(dtype).removeprefix('torch.')}"
-    int8 = Case("int8_matmul", "GB/s", q8.numel() + 4 * scale8.numel(), {
-        "triton": lambda: int8_matmul_triton(x, q8, scale8),
-        "torch": lambda: int8_matmul_reference(x, q8, scale8),
-        dense: lambda: F.linear(x, dense8)}, backward=False)
-    int4 = Case("int4_matmul", "GB/s", packed.numel() + 8 * scale4.numel(), {
-        "triton": lambda: int4_matmul_triton(x, packed, scale4, minimum),
-        "torch": lambda: int4_matmul_reference(x, packed, scale4, minimum),
-        dense: lambda: F.linear(x, dense4)}, backward=False)
     if compile:
         c8, c4 = torch.compile(int8_matmul_reference), torch.compile(int4_matmul_reference)
-        int8.impls["torch.compile"] = lambda: c8(x, q8, scale8)
-        int4.impls["torch.compile"] = lambda: c4(x, packed, scale4, minimum)
-    return [int8, int4]
+    result = []
+    for rows in (1, s.decode_batch):
+        x = torch.randn(rows, s.dim, device=device, dtype=dtype)
+        int8 = Case(f"int8_matmul, {rows} × {s.dim} → {s.hidden}", "GB/s",
+                    q8.numel() + 4 * scale8.numel(), {
+                        "triton": lambda x=x: int8_matmul_triton(x, q8, scale8),
+                        "torch": lambda x=x: int8_matmul_reference(x, q8, scale8),
+                        dense: lambda x=x: F.linear(x, dense8)}, backward=False)
+        int4 = Case(f"int4_matmul, {rows} × {s.dim} → {s.hidden}", "GB/s",
+                    packed.numel() + 8 * scale4.numel(), {
+                        "triton": lambda x=x: int4_matmul_triton(x, packed, scale4, minimum),
+                        "torch": lambda x=x: int4_matmul_reference(x, packed, scale4, minimum),
+                        dense: lambda x=x: F.linear(x, dense4)}, backward=False)
+        if compile:
+            int8.impls["torch.compile"] = lambda x=x: c8(x, q8, scale8)
+            int4.impls["torch.compile"] = lambda x=x: c4(x, packed, scale4, minimum)
+        result += [int8, int4]
+    return result
 
 
 def _paged_inputs(shape: PagedShape, block_size: int, device: str,
@@ -327,7 +334,7 @@ def run(sizes: Sizes, write: bool) -> str:
         f"SwiGLU {sizes.rows} × {sizes.hidden}; RoPE and attention {sizes.batch} × "
         f"{sizes.seq} tokens, {sizes.heads} heads / {sizes.kv_heads} KV heads of "
         f"{sizes.head_dim}; fused CE {sizes.ce_rows} × {sizes.dim} → {sizes.vocab}; "
-        f"quantized GEMMs {sizes.decode_batch} × {sizes.dim} → {sizes.hidden}; paged decode "
+        f"quantized GEMMs 1 and {sizes.decode_batch} rows; paged decode "
         f"{sizes.decode_batch} × {sizes.context} and 1 × {sizes.long_context} tokens.", "",
         "| kernel | implementation | forward µs | forward rate | forward+backward µs "
         "| peak MiB |",

@@ -11,6 +11,12 @@ call, and joins the linears that read the same x in a compiled graph.
 int8: w[n, k] = q[n, k] · scale[n]; the scale is applied once per output column after
 the K loop. int4: two values per byte (low nibble = even column), w[n, k] = q · scale +
 minimum per (n, k // group); a K tile never crosses a group.
+
+The Triton tiles are autotuned per (row bucket, N, K). A decode step's few rows (≤ 32)
+make the GEMM a stream over the weight, which beats dense only at memory bandwidth: that
+takes enough programs to fill the GPU (narrow N tiles on a ~1B model's 2,048-wide layers),
+wide K slices (128–256 bytes of a weight row a load, where 32 had used a sector each) and
+deep pipelines; which of them wins depends on the GPU and the shape, so it is measured.
 """
 
 from __future__ import annotations
@@ -25,7 +31,13 @@ from torch import Tensor
 
 from lathe.kernels.cpu_native import cpu_kernels_loaded
 from lathe.kernels.decode_linear import MAX_ROWS, decode_linear_int8_cpu
-from lathe.kernels.dispatch import dot_precision, opaque_op, use_cpu_kernel, use_triton
+from lathe.kernels.dispatch import (
+    dot_precision,
+    opaque_op,
+    tuning_configs,
+    use_cpu_kernel,
+    use_triton,
+)
 
 
 def dequantize_int8(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -49,9 +61,51 @@ def int4_matmul_reference(x: Tensor, packed: Tensor, scale: Tensor, minimum: Ten
     return F.linear(x, dequantize_int4(packed, scale, minimum, x.dtype))
 
 
+# a decode step's rows, at most this many, tune apart from prefill's
+FEW_ROWS = 32
+# (BN, BK, warps, stages) for few rows, each at BM 16 and 32; (BM, BN, BK, warps, stages)
+# for many. The first is the interpreter's (`tuning_configs`): it serves every shape and
+# every int4 group that is a multiple of 32.
+_FEW_ROW_TILES = ((32, 128, 4, 4), (64, 128, 4, 4), (16, 256, 4, 4), (32, 256, 4, 3),
+                  (64, 256, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4))
+_MANY_ROW_TILES = ((64, 64, 32, 4, 3), (64, 128, 64, 4, 3), (128, 128, 32, 8, 3),
+                   (128, 64, 64, 4, 4))
+
+
+def all_configs() -> list[triton.Config]:
+    """Every tile the autotuner may pick, the interpreter's first."""
+    tiles = [(16, 32, 32, 4, 2)]
+    tiles += [(bm, *tile) for bm in (16, FEW_ROWS) for tile in _FEW_ROW_TILES]
+    tiles += list(_MANY_ROW_TILES)
+    return [triton.Config({"BM": bm, "BN": bn, "BK": bk}, num_warps=w, num_stages=stages)
+            for bm, bn, bk, w, stages in tiles]
+
+
+def row_bucket(m: int) -> int:
+    """The tuning key's rows: 16, 32, or 64 for anything larger."""
+    return 16 if m <= 16 else FEW_ROWS if m <= FEW_ROWS else 64
+
+
+def prune_configs(configs: list[triton.Config], named_args: dict,
+                  **_: object) -> list[triton.Config]:
+    """The tiles a call's rows fit (BM of the row bucket, 64+ for many rows) whose K tile
+    stays inside an int4 group."""
+    bucket, group = named_args["ROWS"], named_args.get("GROUP")
+    fits = [c for c in configs
+            if (c.kwargs["BM"] == bucket if bucket <= FEW_ROWS else c.kwargs["BM"] >= 64)
+            and (group is None or group % c.kwargs["BK"] == 0)]
+    return fits or configs[:1]
+
+
+def _grid(m: int, n: int) -> Callable[[dict], tuple[int, int]]:
+    return lambda meta: (triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"]))
+
+
+@triton.autotune(configs=tuning_configs(all_configs()), key=["ROWS", "N", "K"],
+                 prune_configs_by={"early_config_prune": prune_configs})
 @triton.jit
-def _int8_matmul(X, Q, S, Y, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 PRECISION: tl.constexpr):
+def _int8_matmul(X, Q, S, Y, M, N, K, ROWS, PRECISION: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -60,17 +114,20 @@ def _int8_matmul(X, Q, S, Y, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl
         kk = k0 + rk
         x = tl.load(X + rm[:, None] * K + kk[None, :],
                     mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        w = tl.load(Q + rn[None, :] * K + kk[:, None],
-                    mask=(rn[None, :] < N) & (kk[:, None] < K), other=0)
-        acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION)  # in the activation dtype
+        w = tl.load(Q + rn[:, None] * K + kk[None, :],
+                    mask=(rn[:, None] < N) & (kk[None, :] < K), other=0)
+        # in the activation dtype
+        acc += tl.dot(x, tl.trans(w).to(x.dtype), input_precision=PRECISION)
     scale = tl.load(S + rn, mask=rn < N, other=0.0).to(tl.float32)
     tl.store(Y + rm[:, None] * N + rn[None, :], (acc * scale[None, :]).to(Y.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+@triton.autotune(configs=tuning_configs(all_configs()), key=["ROWS", "N", "K", "GROUP"],
+                 prune_configs_by={"early_config_prune": prune_configs})
 @triton.jit
-def _int4_matmul(X, P, S, MIN, Y, M, N, K, GROUP, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, PRECISION: tl.constexpr):
+def _int4_matmul(X, P, S, MIN, Y, M, N, K, GROUP, ROWS, PRECISION: tl.constexpr,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     half = tl.arange(0, BK // 2)
@@ -92,18 +149,12 @@ def _int4_matmul(X, P, S, MIN, Y, M, N, K, GROUP, BM: tl.constexpr, BN: tl.const
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def _tiles(m: int) -> tuple[int, int, int]:
-    return (16 if m <= 16 else 64), 64, 32
-
-
 def int8_matmul_triton(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     (m, k), n = x2.shape, q.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    bm, bn, bk = _tiles(m)
-    _int8_matmul[(triton.cdiv(m, bm), triton.cdiv(n, bn))](x2, q.contiguous(), scale, y, m, n,
-                                                           k, BM=bm, BN=bn, BK=bk,
-                                                           PRECISION=dot_precision(x.dtype))
+    _int8_matmul[_grid(m, n)](x2, q.contiguous(), scale, y, m, n, k, row_bucket(m),
+                              PRECISION=dot_precision(x.dtype))
     return y.view(*x.shape[:-1], n)
 
 
@@ -111,13 +162,12 @@ def int4_matmul_triton(x: Tensor, packed: Tensor, scale: Tensor, minimum: Tensor
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     (m, k), n = x2.shape, packed.shape[0]
     group = k // scale.shape[1]
-    bm, bn, bk = _tiles(m)
-    if group % bk:
-        raise ValueError(f"int4 matmul needs groups that are multiples of {bk}, got {group}")
+    if group % 32:
+        raise ValueError(f"int4 matmul needs groups that are multiples of 32, got {group}")
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    _int4_matmul[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        x2, packed.contiguous(), scale.contiguous(), minimum.contiguous(), y, m, n, k, group,
-        BM=bm, BN=bn, BK=bk, PRECISION=dot_precision(x.dtype))
+    _int4_matmul[_grid(m, n)](x2, packed.contiguous(), scale.contiguous(),
+                              minimum.contiguous(), y, m, n, k, group, row_bucket(m),
+                              PRECISION=dot_precision(x.dtype))
     return y.view(*x.shape[:-1], n)
 
 

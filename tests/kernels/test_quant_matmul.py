@@ -8,10 +8,14 @@ import shutil
 
 import pytest
 import torch
+import triton
 
 from lathe.kernels.decode_linear import MAX_ROWS
 from lathe.kernels.dispatch import kernels_off
 from lathe.kernels.quant_matmul import (
+    _int4_matmul,
+    _int8_matmul,
+    all_configs,
     int4_matmul_cpu,
     int4_matmul_reference,
     int4_matmul_triton,
@@ -19,6 +23,8 @@ from lathe.kernels.quant_matmul import (
     int8_matmul_cpu,
     int8_matmul_reference,
     int8_matmul_triton,
+    prune_configs,
+    row_bucket,
 )
 from lathe.serve.quant import quantize_int4, quantize_int8
 from tests.kernels.target import DEVICE, DTYPES, enable_kernels
@@ -50,6 +56,45 @@ def test_int4_matmul_matches_reference(m, n, k, group, dtype):
     x = torch.randn(2, m, k, generator=g).to(DEVICE, dtype)
     close(int4_matmul_triton(x, packed, scale, minimum),
           int4_matmul_reference(x, packed, scale, minimum), dtype)
+
+
+def test_every_tile_the_autotuner_may_pick_computes_the_reference():
+    """On a GPU the autotuner picks among all tiles; the interpreter runs only the first, so
+    each is launched here directly, at rows that are and are not whole tiles and (int8) a K
+    that is not a whole tile."""
+    g = torch.Generator().manual_seed(3)
+    n, group = 40, 128
+    for k in (256, 200):
+        q, scale = (t.to(DEVICE) for t in quantize_int8(torch.randn(n, k, generator=g)))
+        packed, scale4, minimum = (t.to(DEVICE) for t in quantize_int4(
+            torch.randn(n, k, generator=g), group)) if k % group == 0 else (None,) * 3
+        for config in all_configs():
+            meta = dict(config.kwargs, num_warps=config.num_warps,
+                        num_stages=config.num_stages)
+            for m in (1, 20):
+                x = torch.randn(m, k, generator=g).to(DEVICE)
+                grid = (triton.cdiv(m, meta["BM"]), triton.cdiv(n, meta["BN"]))
+                y = torch.empty(m, n, device=DEVICE)
+                _int8_matmul.fn[grid](x, q, scale, y, m, n, k, row_bucket(m), PRECISION="ieee",
+                                      **meta)
+                close(y, int8_matmul_reference(x, q, scale), torch.float32)
+                if packed is not None and group % meta["BK"] == 0:
+                    _int4_matmul.fn[grid](x, packed, scale4, minimum, y, m, n, k, group,
+                                          row_bucket(m), PRECISION="ieee", **meta)
+                    close(y, int4_matmul_reference(x, packed, scale4, minimum), torch.float32)
+
+
+def test_tiles_are_pruned_to_the_row_bucket_and_the_int4_group():
+    configs = all_configs()
+    assert [row_bucket(m) for m in (1, 16, 17, 32, 33, 4096)] == [16, 16, 32, 32, 64, 64]
+    for rows, group in ((16, None), (32, None), (64, None), (16, 64), (64, 32)):
+        kept = prune_configs(configs, {"ROWS": rows, "GROUP": group})
+        assert kept, (rows, group)
+        assert all(c.kwargs["BM"] == rows if rows <= 32 else c.kwargs["BM"] >= 64
+                   for c in kept)
+        assert group is None or all(group % c.kwargs["BK"] == 0 for c in kept)
+    # the few-row buckets tune narrow and wide K slices alike
+    assert {c.kwargs["BK"] for c in prune_configs(configs, {"ROWS": 16})} >= {128, 256}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
