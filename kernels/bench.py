@@ -3,7 +3,8 @@
 `liger-kernel` is installed) — forward and forward+backward time, the forward's achieved
 GB/s (memory-bound kernels) or TFLOP/s (matmul-bound ones), and peak memory above the
 inputs. Without a CUDA GPU it times the native CPU kernels (paged decode attention, the
-few-row float32 and int8 linears, the greedy pick) against their references instead. The
+few-row float32 and int8 linears, the greedy pick, the element-wise layers of a prefill)
+against their references instead. The
 table is printed and appended to docs/benchmarks.md (`--no-write` only prints it).
 """
 
@@ -44,13 +45,15 @@ from lathe.kernels.quant_matmul import (
     int8_matmul_triton,
 )
 from lathe.kernels.rmsnorm import (
+    add_rms_norm_cpu,
     add_rms_norm_reference,
     add_rms_norm_triton,
+    rms_norm_cpu,
     rms_norm_reference,
     rms_norm_triton,
 )
-from lathe.kernels.rope import rope_reference, rope_triton
-from lathe.kernels.swiglu import swiglu_reference, swiglu_triton
+from lathe.kernels.rope import rope_cpu, rope_reference, rope_triton
+from lathe.kernels.swiglu import swiglu_cpu, swiglu_reference, swiglu_triton
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -419,6 +422,65 @@ def cpu_argmax_cases(shapes: list[tuple[int, int]]) -> list[Case]:
     return result
 
 
+@dataclass(frozen=True)
+class PrefillShape:
+    """The element-wise layers of one prefill chunk: `tokens` rows of a model's widths."""
+
+    tokens: int
+    dim: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    def __str__(self) -> str:
+        return f"{self.tokens} tokens of {self.dim}"
+
+
+# the README bench's offline prefill (16 prompts in one step) and a Llama-3-1B chunk
+CPU_PREFILL_SHAPES = [PrefillShape(1440, 128, 352, 4, 2, 32),
+                      PrefillShape(512, 2048, 8192, 32, 8, 64)]
+
+
+def _elementwise_cases(s: PrefillShape) -> list[Case]:
+    x, residual, weight = (torch.randn(s.tokens, s.dim), torch.randn(s.tokens, s.dim),
+                           torch.randn(s.dim))
+    gate, up = torch.randn(s.tokens, s.hidden), torch.randn(s.tokens, s.hidden)
+    q = torch.randn(1, s.tokens, s.heads, s.head_dim).transpose(1, 2)
+    k = torch.randn(1, s.tokens, s.kv_heads, s.head_dim).transpose(1, 2)
+    angles = torch.arange(s.tokens, dtype=torch.float32)[None, :, None] * torch.rand(s.head_dim)
+    cos, sin = angles.cos(), angles.sin()
+    row = 4 * s.tokens  # bytes a token's float32 row takes per element
+    return [
+        Case(f"rms_norm, {s}", "GB/s", 2 * row * s.dim, {
+            "native C++": lambda: rms_norm_cpu(x, weight, 1e-5),
+            "torch (eager)": lambda: rms_norm_reference(x, weight, 1e-5)}, backward=False),
+        Case(f"add_rms_norm, {s}", "GB/s", 4 * row * s.dim, {
+            "native C++": lambda: add_rms_norm_cpu(x, residual, weight, 1e-5),
+            "torch (eager)": lambda: add_rms_norm_reference(x, residual, weight, 1e-5)},
+            backward=False),
+        Case(f"swiglu, {s.tokens} × {s.hidden}", "GB/s", 3 * row * s.hidden, {
+            "native C++": lambda: swiglu_cpu(gate, up),
+            "torch (eager)": lambda: swiglu_reference(gate, up)}, backward=False),
+        Case(f"rope, {s}, {s.heads} / {s.kv_heads} heads of {s.head_dim}", "GB/s",
+             2 * row * ((s.heads + s.kv_heads) * s.head_dim + s.head_dim), {
+                 "native C++": lambda: (rope_cpu(q, cos, sin), rope_cpu(k, cos, sin)),
+                 "torch (eager)": lambda: rope_reference(q, k, cos, sin)}, backward=False),
+    ]
+
+
+def cpu_elementwise_cases(shapes: list[PrefillShape], compile: bool = True) -> list[Case]:
+    """The native RMSNorm, add+RMSNorm, SwiGLU and RoPE against their eager references and
+    inductor's fusion of them (`torch.compile`), fp32: GB/s of activations read and
+    written."""
+    result = [case for shape in shapes for case in _elementwise_cases(shape)]
+    if compile:
+        for case in result:
+            case.impls["torch.compile"] = torch.compile(case.impls["torch (eager)"],
+                                                        dynamic=False)
+    return result
+
+
 def run_cpu(cases: list[Case], write: bool) -> str:
     """Median µs of each implementation (`torch.utils.benchmark`, which warms up and
     repeats), at this process's thread count."""
@@ -439,8 +501,8 @@ def run_cpu(cases: list[Case], write: bool) -> str:
         f"{torch.get_num_threads()} threads, torch {torch.__version__}", "",
         "Command: `python -m lathe.kernels.bench` without a GPU — fp32; paged decode over "
         "16-token blocks scattered over the pool; rate: the K/V (paged decode), weight "
-        "(linear; int8 bytes for int8 weights) or logit (argmax) bytes a call must read, per "
-        "second.", "",
+        "(linear; int8 bytes for int8 weights) or logit (argmax) bytes a call must read, or "
+        "the activations an element-wise layer must read and write, per second.", "",
         "| case | implementation | µs | GB/s |", "|---|---|---:|---:|", *lines, ""])
     if write:
         _append_to_benchmarks(table)
@@ -469,7 +531,8 @@ def main(argv: list[str] | None = None) -> int:
         int8_shapes = [shape for shape in CPU_LINEAR_SHAPES if shape[0] <= MAX_ROWS]
         print(run_cpu(cpu_paged_cases(CPU_PAGED_SHAPES) + cpu_linear_cases(CPU_LINEAR_SHAPES)
                       + cpu_int8_linear_cases(int8_shapes)
-                      + cpu_argmax_cases(CPU_ARGMAX_SHAPES), write))
+                      + cpu_argmax_cases(CPU_ARGMAX_SHAPES)
+                      + cpu_elementwise_cases(CPU_PREFILL_SHAPES), write))
         return 0
     print(run(Sizes(**args), write))
     return 0

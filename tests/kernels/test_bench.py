@@ -50,8 +50,15 @@ def test_on_cpu_the_native_kernels_are_timed_against_their_references():
     picks = bench.cpu_argmax_cases([(3, 100)])
     results = {name: fn() for name, fn in picks[0].impls.items()}
     assert torch.equal(results["native C++"], results["torch.argmax"])
-    table = bench.run_cpu(cases + linears + picks, write=False)
+    layers = bench.cpu_elementwise_cases([bench.PrefillShape(5, 16, 24, 4, 2, 8)],
+                                         compile=False)
+    for case in layers:
+        results = {name: bench._outputs(fn()) for name, fn in case.impls.items()}
+        for got, expected in zip(results["native C++"], results["torch (eager)"], strict=True):
+            torch.testing.assert_close(got, expected)
+    table = bench.run_cpu(cases + linears + picks + layers, write=False)
     rows = [line for line in table.splitlines()
-            if line.startswith(("| paged_decode", "| decode_linear", "| argmax"))]
-    assert len(rows) == 8 and all(float(row.split("|")[3].replace(",", "")) > 0
-                                  for row in rows)
+            if line.startswith(("| paged_decode", "| decode_linear", "| argmax", "| rms_norm",
+                                "| add_rms_norm", "| swiglu", "| rope"))]
+    assert len(rows) == 16 and all(float(row.split("|")[3].replace(",", "")) > 0
+                                   for row in rows)
