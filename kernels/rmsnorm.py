@@ -18,10 +18,10 @@ from lathe.kernels.cpu_native import use_native_cpu
 from lathe.kernels.dispatch import opaque_op, use_triton
 
 rms_norm_cpu = opaque_op("rms_norm_cpu", "(Tensor x, Tensor weight, float eps) -> Tensor", None,
-                         lambda x, weight, eps: torch.empty_like(x))
+                         lambda x, weight, eps: x.new_empty(x.shape))
 add_rms_norm_cpu = opaque_op(
     "add_rms_norm_cpu", "(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
-    None, lambda x, residual, weight, eps: (torch.empty_like(x), torch.empty_like(x)))
+    None, lambda x, residual, weight, eps: (x.new_empty(x.shape), x.new_empty(x.shape)))
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:

@@ -16,7 +16,7 @@ from lathe.kernels.dispatch import opaque_op, use_triton
 BLOCK = 1024
 
 swiglu_cpu = opaque_op("swiglu_cpu", "(Tensor gate, Tensor up) -> Tensor", None,
-                       lambda gate, up: torch.empty_like(gate))
+                       lambda gate, up: gate.new_empty(gate.shape))
 
 
 def swiglu_reference(gate: Tensor, up: Tensor) -> Tensor:

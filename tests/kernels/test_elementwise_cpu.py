@@ -140,3 +140,18 @@ def test_training_bf16_and_compiled_forwards_keep_the_references():
         ran, compiled_logits = native_ops_run(compiled, ids)
     assert not ran
     torch.testing.assert_close(compiled_logits, logits.detach(), atol=2e-5, rtol=1e-5)
+
+
+def test_the_fakes_give_the_native_outputs_shapes_and_strides():
+    """What a traced graph would be told of each op's output matches what it returns (a
+    contiguous tensor, whatever the input's strides)."""
+    x = randn(2, 8, 5, seed=6).transpose(1, 2)
+    q = randn(1, 4, 3, 8, seed=7).transpose(1, 2)
+    table = randn(1, 4, 8, seed=8)
+    for op, args in [(torch.ops.lathe.rms_norm_cpu.default, (x, torch.ones(8), 1e-5)),
+                     (torch.ops.lathe.add_rms_norm_cpu.default, (x, x.clone(), torch.ones(8),
+                                                                 1e-5)),
+                     (torch.ops.lathe.swiglu_cpu.default, (x, x)),
+                     (torch.ops.lathe.rope_cpu.default, (q, table, table))]:
+        assert torch.library.opcheck(op, args, test_utils=("test_faketensor",)) == {
+            "test_faketensor": "SUCCESS"}, op
