@@ -5,7 +5,8 @@ GEMMs a compiled step calls (`lathe::int8_matmul_cpu_native`, `int4_matmul_cpu_n
 its few-row float32 and int8 linears (`lathe::decode_linear_cpu`,
 `lathe::decode_linear_int8_cpu`), the greedy pick (`lathe::argmax_cpu`), and the fused
 element-wise layers of an eager float32 forward (`lathe::rms_norm_cpu`,
-`add_rms_norm_cpu`, `swiglu_cpu`, `rope_cpu`), which `use_native_cpu` gates.
+`add_rms_norm_cpu`, `swiglu_cpu`, `rope_cpu`), which the serve engine's forwards take
+(`native_inference`, `use_native_cpu`).
 Their loops run on torch's intra-op threads (OpenMP); a build whose loops come out serial
 is warned about.
 
@@ -18,7 +19,10 @@ the build fails the caller is warned once and keeps the PyTorch reference paths.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -78,11 +82,30 @@ def cpu_kernels_loaded() -> bool:
     return bool(_loaded)
 
 
+_scope = threading.local()
+
+
+@contextlib.contextmanager
+def native_inference() -> Iterator[None]:
+    """Let the forwards this thread runs inside the block take the native element-wise ops
+    (`use_native_cpu`). The serve engine runs its model calls in it. Everything else keeps
+    the references, so the numbers of a training run's evaluations never depend on
+    whether its process has built an engine, and loaded the kernels, yet."""
+    before = getattr(_scope, "native", False)
+    _scope.native = True
+    try:
+        yield
+    finally:
+        _scope.native = before
+
+
 def use_native_cpu(name: str, *tensors: torch.Tensor) -> bool:
-    """Whether an eager float32 CPU call of kernel `name` on `tensors` takes its native op:
-    loaded and enabled, not traced by torch.compile (inductor fuses the references into
-    its own loops) and with no gradient to record (the native ops have no backward)."""
-    return (cpu_kernels_loaded() and use_cpu_kernel(name, tensors[0])
+    """Whether a call of kernel `name` on `tensors` takes its native op: inside
+    `native_inference`, with the kernels loaded and `name` enabled, eager (torch.compile
+    fuses the references into its own loops), float32 on CPU, and with no gradient to record
+    (the native ops have no backward)."""
+    return (getattr(_scope, "native", False) and cpu_kernels_loaded()
+            and use_cpu_kernel(name, tensors[0])
             and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
             and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))

@@ -1,7 +1,7 @@
 """Which implementation an op runs: the Triton kernel when its tensors are on CUDA and the
 kernel is enabled, the PyTorch reference otherwise — except on CPU, where the quantized
-matmuls take torch's vectorized int8/int4 GEMMs and, once lathe's native CPU kernels are
-loaded (`lathe.kernels.cpu_native`, by the serve engine), inference takes them.
+matmuls take torch's vectorized int8/int4 GEMMs and the serve engine's forwards take
+lathe's native CPU kernels (`lathe.kernels.cpu_native`).
 
 `LATHE_KERNELS=0` turns every kernel off; `LATHE_KERNELS_DISABLE=rms_norm,swiglu` turns off
 the ones named; `LATHE_KERNELS=force` runs them on CPU tensors too, which only works under

@@ -29,7 +29,7 @@ from collections.abc import Sequence as Seq
 import torch
 from torch import Tensor
 
-from lathe.kernels.cpu_native import load_cpu_kernels
+from lathe.kernels.cpu_native import load_cpu_kernels, native_inference
 from lathe.kernels.paged_attention import native_paged_decode
 from lathe.model.transformer import Transformer
 from lathe.serve.decode_graph import DecodeGraphs, StaticDecodeBatch
@@ -217,5 +217,6 @@ class ModelRunner:
             assert self.graphs is not None and model is None
             return select_rows(self.graphs.run(ids[0], view.positions, view.slots,
                                                view.tables, view.lens), keep)
-        return (model or self.model)(ids, kv_cache=view, logits_to_keep=torch.tensor(
-            keep, device=self.device, dtype=torch.long)).logits[0]
+        with native_inference():
+            return (model or self.model)(ids, kv_cache=view, logits_to_keep=torch.tensor(
+                keep, device=self.device, dtype=torch.long)).logits[0]

@@ -1,8 +1,9 @@
 """The native element-wise layers (csrc/elementwise_cpu.cpp) give their references' values
 at sizes that are and are not whole vectors or whole thread chunks, on strided inputs and at
 extreme gates; refuse what they cannot read; and the dispatch sends a float32 CPU forward to
-them only where nothing else must see the computation: not with a gradient to record, not
-in bf16 (autocast included), not under torch.compile, not with the kernel disabled."""
+them only inside `native_inference` (the serve engine's forwards) and there only where
+nothing else must see the computation: not with a gradient to record, not in bf16 (autocast
+included), not under torch.compile, not with the kernel disabled."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lathe.kernels.cpu_native import load_cpu_kernels
+from lathe.kernels.cpu_native import load_cpu_kernels, native_inference
 from lathe.kernels.dispatch import kernels_off
 from tests.builders import tiny_model
 
@@ -104,9 +105,14 @@ def test_wrong_inputs_are_refused(call, message):
         call()
 
 
-def native_ops_run(model: torch.nn.Module, ids: torch.Tensor) -> tuple[set[str], torch.Tensor]:
+def native_ops_run(model: torch.nn.Module, ids: torch.Tensor,
+                   scoped: bool = True) -> tuple[set[str], torch.Tensor]:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        logits = model(ids).logits
+        if scoped:
+            with native_inference():
+                logits = model(ids).logits
+        else:
+            logits = model(ids).logits
     return {e.key for e in prof.key_averages()} & set(NATIVE_OPS), logits
 
 
@@ -118,8 +124,12 @@ def test_an_inference_forward_takes_every_native_op_and_matches_the_references()
         ran, logits = native_ops_run(model, ids)
         with kernels_off("rms_norm", "add_rms_norm", "swiglu", "rope"):
             ran_off, expected = native_ops_run(model, ids)
-    assert ran == set(NATIVE_OPS) and not ran_off
+        ran_outside, outside = native_ops_run(model, ids, scoped=False)
+    assert ran == set(NATIVE_OPS) and not ran_off and not ran_outside
     torch.testing.assert_close(logits, expected, atol=2e-5, rtol=1e-5)
+    # a forward outside the engine's scope computes exactly what it would had the kernels
+    # never been loaded: a training run's evaluations do not depend on it
+    assert torch.equal(outside, expected)
 
 
 def test_training_bf16_and_compiled_forwards_keep_the_references():

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from lathe.serve.engine import EngineConfig, LLMEngine, RequestError
 from lathe.serve.sampling import SamplingError, SamplingParams
@@ -251,3 +254,20 @@ def test_prefills_attend_alike_by_span_or_token_by_token(paged_up_to, monkeypatc
     results = engine.generate(batch, SamplingParams(max_tokens=6, temperature=0))
     for prompt, result in zip(batch, results, strict=True):
         assert result.outputs[0].token_ids == naive_greedy(model, prompt, 6)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="the native kernels need a C++ compiler")
+def test_the_engines_cpu_steps_take_the_native_element_wise_ops():
+    """On CPU the engine's eager forwards run inside `native_inference`, so they take the
+    native norms, SwiGLU and RoPE; the same model called outside the engine does not."""
+    model = serve_model(256)
+    engine = engine_for(model)
+    native = {"lathe::rms_norm_cpu", "lathe::add_rms_norm_cpu", "lathe::swiglu_cpu",
+              "lathe::rope_cpu"}
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        result = engine.generate(prompts([9]), SamplingParams(max_tokens=4, temperature=0))
+    assert native <= {event.key for event in prof.key_averages()}
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        expected = naive_greedy(model, prompts([9])[0], 4)
+    assert not native & {event.key for event in prof.key_averages()}
+    assert result[0].outputs[0].token_ids == expected
