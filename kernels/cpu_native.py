@@ -70,9 +70,9 @@ def load_cpu_kernels() -> bool:
             _check_threads()
         except (RuntimeError, OSError, ImportError) as error:
             warnings.warn(f"lathe's native CPU kernels did not build or load ({error}); "
-                          "CPU decode attention, linears and greedy picks run on their "
-                          "PyTorch references and compiled steps call the quantized GEMMs "
-                          "through Python instead", stacklevel=2)
+                          "CPU decode attention, linears, element-wise layers and greedy picks "
+                          "run on their PyTorch references and compiled steps call the "
+                          "quantized GEMMs through Python instead", stacklevel=2)
             _loaded = False
     return _loaded
 
