@@ -15,8 +15,9 @@ minimum per (n, k // group); a K tile never crosses a group.
 The Triton tiles are autotuned per (row bucket, N, K). A decode step's few rows (≤ 32)
 make the GEMM a stream over the weight, which beats dense only at memory bandwidth: that
 takes enough programs to fill the GPU (narrow N tiles on a ~1B model's 2,048-wide layers),
-wide K slices (128–256 bytes of a weight row a load, where 32 had used a sector each) and
-deep pipelines; which of them wins depends on the GPU and the shape, so it is measured.
+wide K slices (128–256 bytes of a weight row a load; the fixed 32-byte slices read one
+sector each) and deep pipelines; which of them wins depends on the GPU and the shape, so
+it is measured.
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ def int4_matmul_reference(x: Tensor, packed: Tensor, scale: Tensor, minimum: Ten
 # a decode step's rows, at most this many, tune apart from prefill's
 FEW_ROWS = 32
 # (BN, BK, warps, stages) for few rows, each at BM 16 and 32; (BM, BN, BK, warps, stages)
-# for many. The first is the interpreter's (`tuning_configs`): it serves every shape and
-# every int4 group that is a multiple of 32.
+# for many. `all_configs` puts a small tile first, the only one the interpreter runs
+# (`tuning_configs`): it serves every shape and every int4 group that is a multiple of 32.
 _FEW_ROW_TILES = ((32, 128, 4, 4), (64, 128, 4, 4), (16, 256, 4, 4), (32, 256, 4, 3),
                   (64, 256, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4))
 _MANY_ROW_TILES = ((64, 64, 32, 4, 3), (64, 128, 64, 4, 3), (128, 128, 32, 8, 3),
