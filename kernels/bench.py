@@ -450,20 +450,20 @@ def _elementwise_cases(s: PrefillShape) -> list[Case]:
     k = torch.randn(1, s.tokens, s.kv_heads, s.head_dim).transpose(1, 2)
     angles = torch.arange(s.tokens, dtype=torch.float32)[None, :, None] * torch.rand(s.head_dim)
     cos, sin = angles.cos(), angles.sin()
-    row = 4 * s.tokens  # bytes a token's float32 row takes per element
+    feature = 4 * s.tokens  # bytes of one float32 feature over every token
     return [
-        Case(f"rms_norm, {s}", "GB/s", 2 * row * s.dim, {
+        Case(f"rms_norm, {s}", "GB/s", 2 * feature * s.dim, {
             "native C++": lambda: rms_norm_cpu(x, weight, 1e-5),
             "torch (eager)": lambda: rms_norm_reference(x, weight, 1e-5)}, backward=False),
-        Case(f"add_rms_norm, {s}", "GB/s", 4 * row * s.dim, {
+        Case(f"add_rms_norm, {s}", "GB/s", 4 * feature * s.dim, {
             "native C++": lambda: add_rms_norm_cpu(x, residual, weight, 1e-5),
             "torch (eager)": lambda: add_rms_norm_reference(x, residual, weight, 1e-5)},
             backward=False),
-        Case(f"swiglu, {s.tokens} × {s.hidden}", "GB/s", 3 * row * s.hidden, {
+        Case(f"swiglu, {s.tokens} × {s.hidden}", "GB/s", 3 * feature * s.hidden, {
             "native C++": lambda: swiglu_cpu(gate, up),
             "torch (eager)": lambda: swiglu_reference(gate, up)}, backward=False),
         Case(f"rope, {s}, {s.heads} / {s.kv_heads} heads of {s.head_dim}", "GB/s",
-             2 * row * ((s.heads + s.kv_heads) * s.head_dim + s.head_dim), {
+             2 * feature * ((s.heads + s.kv_heads) * s.head_dim + s.head_dim), {
                  "native C++": lambda: (rope_cpu(q, cos, sin), rope_cpu(k, cos, sin)),
                  "torch (eager)": lambda: rope_reference(q, k, cos, sin)}, backward=False),
     ]

@@ -90,7 +90,8 @@ def row_bucket(m: int) -> int:
 def prune_configs(configs: list[triton.Config], named_args: dict,
                   **_: object) -> list[triton.Config]:
     """The tiles a call's rows fit (BM of the row bucket, 64+ for many rows) whose K tile
-    stays inside an int4 group."""
+    stays inside an int4 group; when none does (an int4 group of 32 at 17–32 rows), the
+    first tile, which fits every call."""
     bucket, group = named_args["ROWS"], named_args.get("GROUP")
     fits = [c for c in configs
             if (c.kwargs["BM"] == bucket if bucket <= FEW_ROWS else c.kwargs["BM"] >= 64)

@@ -89,9 +89,9 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor& x_in,
   float* tp = total.data_ptr<float>();
   at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const int64_t at = r * cols;
-      for (int64_t i = 0; i < cols; ++i) tp[at + i] = xp[at + i] + rp[at + i];
-      normalize_row(tp + at, wp, yp + at, cols, static_cast<float>(eps));
+      const int64_t offset = r * cols;
+      for (int64_t i = 0; i < cols; ++i) tp[offset + i] = xp[offset + i] + rp[offset + i];
+      normalize_row(tp + offset, wp, yp + offset, cols, static_cast<float>(eps));
     }
   });
   return {y, total};
