@@ -110,6 +110,9 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--log-level", default="info")
     _engine_flags(parser)
     args = parser.parse_args(argv)
+    if args.protect_metrics and not args.api_key:
+        raise ConfigError("--protect-metrics needs --api-key (or LATHE_API_KEY): without a key "
+                          "/metrics would stay open; give a key or drop --protect-metrics")
     read_model_config(args.checkpoint)  # fail before binding a port on a wrong path
     import uvicorn
 

@@ -2,8 +2,10 @@
 
 Field names and defaults follow OpenAI's API (completions default to 16 tokens, chat to
 the rest of the context window; a null field means its default); vLLM's extras top_k,
-min_p, repetition_penalty, stop_token_ids and ignore_eos are accepted too. Ranges are
-checked once, by `SamplingParams`, whose message names the field and its allowed range.
+min_p, repetition_penalty, stop_token_ids and ignore_eos are accepted too. Every number
+in a body is bounded here, by the schema, from one table (`sampling.BOUNDS`, which
+`SamplingParams` checks too): a value outside is a 400 naming the field, the value and
+the range, before anything reaches the engine's tensors.
 
 Nothing is dropped silently: a field this server does not implement (`tools`,
 `response_format` other than text, `suffix`, `best_of` other than n, any unknown name)
@@ -18,14 +20,21 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 from tokenizers import Tokenizer
 
 from lathe.serve.engine import CompletionOutput, TokenLogprob
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling import (
+    BOUNDS,
+    MAX_LOGIT_BIAS,
+    MAX_STOP,
+    MAX_STOP_TOKEN_IDS,
+    Bound,
+    SamplingParams,
+)
 
 
 class ProtocolError(ValueError):
@@ -53,6 +62,24 @@ def _lone_surrogate(body: Any) -> str | None:
         elif isinstance(value, list):
             stack.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
     return None
+
+
+def _within(bound: Bound) -> Callable[[Any], Any]:
+    def check(value: Any) -> Any:
+        if not bound.holds(value):
+            raise PydanticCustomError("out_of_bounds", "must be {allowed}",
+                                      {"allowed": str(bound)})
+        return value
+    return check
+
+
+def _bounded(kind: type, name: str) -> Any:
+    """`kind` (int or float) within `BOUNDS[name]`; floats must be finite."""
+    extra = {"allow_inf_nan": False} if kind is float else {}
+    return Annotated[kind, Field(**extra), AfterValidator(_within(BOUNDS[name]))]
+
+
+TokenId = _bounded(int, "token_id")
 
 
 def _harmless(values: tuple) -> Callable[[Any], bool]:
@@ -91,20 +118,21 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[int, float] | None = None
+    temperature: _bounded(float, "temperature") | None = None
+    top_p: _bounded(float, "top_p") | None = None
+    n: _bounded(int, "n") | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    seed: _bounded(int, "seed") | None = None
+    presence_penalty: _bounded(float, "presence_penalty") | None = None
+    frequency_penalty: _bounded(float, "frequency_penalty") | None = None
+    logit_bias: Annotated[dict[TokenId, _bounded(float, "logit_bias")],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    top_k: _bounded(int, "top_k") | None = None
+    min_p: _bounded(float, "min_p") | None = None
+    repetition_penalty: _bounded(float, "repetition_penalty") | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
 
     @model_validator(mode="before")
@@ -150,11 +178,11 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: Annotated[int, Field(ge=0, le=BOUNDS["max_tokens"].high)] | None = 16
+    logprobs: _bounded(int, "logprobs") | None = None
     echo: bool = False
-    best_of: int | None = None
+    best_of: _bounded(int, "n") | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -162,9 +190,6 @@ class CompletionRequest(_Request):
             raise ProtocolError(f"best_of={self.best_of} is not supported: only best_of = n "
                                 f"(= {self.n or 1}); sample n completions and rank them "
                                 "yourself", "best_of")
-        if self.max_tokens is not None and self.max_tokens < 0:
-            raise ProtocolError(f"max_tokens={self.max_tokens} must be >= 0 (0 only with "
-                                "echo, to score the prompt)", "max_tokens")
         if self.max_tokens == 0 and not self.echo:
             raise ProtocolError("max_tokens=0 generates nothing; it needs echo=true (to "
                                 "score the prompt) or give max_tokens >= 1", "max_tokens")
@@ -217,17 +242,13 @@ def message_text(index: int, message: ChatMessage) -> dict[str, str]:
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: _bounded(int, "max_tokens") | None = None
+    max_completion_tokens: _bounded(int, "max_tokens") | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: _bounded(int, "logprobs") | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        for name in ("max_completion_tokens", "max_tokens"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ProtocolError(f"{name}={value} must be >= 1", name)
         if self.top_logprobs is not None and not self.logprobs:
             raise ProtocolError("top_logprobs needs logprobs=true", "top_logprobs")
 

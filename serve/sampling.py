@@ -24,8 +24,63 @@ class SamplingError(ValueError):
     """A sampling parameter outside its allowed range (the message names field and range)."""
 
 
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _refuse(name: str, value: object, allowed: str) -> None:
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    raise SamplingError(f"{name}={shown} must be {allowed}")
+
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
 MAX_STOP, MAX_STOP_CHARS = 16, 256  # stop matching runs per generated token
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024
+MAX_LOGPROBS = 20
+# Below this a temperature means greedy, as in vLLM: dividing logits by 1e-40 overflows
+# them to inf, and their softmax is NaN.
+TEMPERATURE_EPSILON = 1e-5
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The range a numeric parameter must lie in (`low_open`: the low end is excluded)."""
+
+    low: float
+    high: float
+    low_open: bool = False
+
+    def holds(self, value: float) -> bool:
+        # NaN compares false both ways, so it never holds
+        above = value > self.low if self.low_open else value >= self.low
+        return above and value <= self.high
+
+    def __str__(self) -> str:
+        low, high = (int(v) if float(v).is_integer() else v for v in (self.low, self.high))
+        return f"in {'(' if self.low_open else '['}{low}, {high}]"
+
+
+# Every numeric request parameter and the range an engine tensor can hold and a user could
+# mean (vLLM's limits); the server's request schema and `SamplingParams` both check these.
+BOUNDS: dict[str, Bound] = {
+    "max_tokens": Bound(1, INT32_MAX),
+    "temperature": Bound(0, 2),
+    "top_p": Bound(0, 1, low_open=True),
+    "top_k": Bound(-1, INT32_MAX),  # -1 or 0: off
+    "min_p": Bound(0, 1),
+    "repetition_penalty": Bound(0, 2, low_open=True),
+    "presence_penalty": Bound(-2, 2),
+    "frequency_penalty": Bound(-2, 2),
+    "seed": Bound(INT64_MIN, INT64_MAX),
+    "n": Bound(1, 16),
+    "logprobs": Bound(0, MAX_LOGPROBS),
+    "prompt_logprobs": Bound(0, MAX_LOGPROBS),
+    "logit_bias": Bound(-100, 100),  # each bias; the token ids are checked as token ids
+    "token_id": Bound(0, INT32_MAX),  # any token id a request names
+}
 
 
 @dataclass
@@ -51,32 +106,29 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to logits
 
     def __post_init__(self) -> None:
-        checks = [
-            ("max_tokens", self.max_tokens >= 1, ">= 1"),
-            ("seed", self.seed is None or INT64_MIN <= self.seed <= INT64_MAX,
-             "a 64-bit signed integer"),
-            ("temperature", 0 <= self.temperature <= 2, "in [0, 2]"),
-            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-            ("top_k", self.top_k >= -1, "-1, 0 (disabled) or a positive integer"),
-            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
-            ("repetition_penalty", 0 < self.repetition_penalty <= 2, "in (0, 2]"),
-            ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
-            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
-            ("n", 1 <= self.n <= 16, "in [1, 16]"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "in [0, 20]"),
-            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
-             "in [0, 20]"),
-            ("logit_bias", all(-100 <= v <= 100 for v in self.logit_bias.values()),
-             "a map of token id to a bias in [-100, 100]"),
-            ("stop", len(self.stop) <= MAX_STOP and all(
-                len(text) <= MAX_STOP_CHARS for text in self.stop),
-             f"at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters each"),
-        ]
-        for name, ok, allowed in checks:
-            if not ok:
-                value = repr(getattr(self, name))
-                value = value if len(value) <= 80 else value[:77] + "..."
-                raise SamplingError(f"{name}={value} must be {allowed}")
+        for name, bound in BOUNDS.items():
+            value = getattr(self, name, None)
+            if name in ("logit_bias", "token_id") or value is None:
+                continue
+            if not _number(value) or not bound.holds(value):
+                _refuse(name, value, str(bound))
+        token_id = BOUNDS["token_id"]
+        if not (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS and all(
+                _number(t) and token_id.holds(t) for t in self.stop_token_ids)):
+            _refuse("stop_token_ids", self.stop_token_ids,
+                    f"at most {MAX_STOP_TOKEN_IDS} token ids, each {token_id}")
+        if not (len(self.logit_bias) <= MAX_LOGIT_BIAS and all(
+                _number(t) and token_id.holds(t) and _number(v) and BOUNDS["logit_bias"].holds(v)
+                for t, v in self.logit_bias.items())):
+            _refuse("logit_bias", self.logit_bias,
+                    f"a map of at most {MAX_LOGIT_BIAS} token ids to a bias "
+                    f"{BOUNDS['logit_bias']}")
+        if not (len(self.stop) <= MAX_STOP and all(
+                isinstance(text, str) and len(text) <= MAX_STOP_CHARS for text in self.stop)):
+            _refuse("stop", self.stop,
+                    f"at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters each")
+        if self.temperature < TEMPERATURE_EPSILON:
+            self.temperature = 0.0
 
     @property
     def greedy(self) -> bool:

@@ -192,10 +192,8 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"] if part != "body")
-        return error_response(400, f"{where}: {first['msg']}" if where else first["msg"],
-                              param=where or None)
+        message, param = _validation_message(error.errors())
+        return error_response(400, message, param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -298,6 +296,23 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
                               [_params(body, max_tokens, logprobs)], bool(body.logprobs))
 
     return app
+
+
+_UNION_TAGS = ("str", "int", "float", "bool")
+
+
+def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """Pydantic's errors as one (message, param): the most telling one — of a union's
+    members, the one that got furthest rather than a plain type mismatch — with the
+    field's path (no body, no union-member tags); a value out of bounds with its range."""
+    error = max(errors, key=lambda e: (not e["type"].endswith("_type"), len(e["loc"])))
+    where = ".".join(str(part) for part in error["loc"] if part != "body" and not (
+        isinstance(part, str) and ("[" in part or part in _UNION_TAGS)))
+    if error["type"] == "out_of_bounds":
+        value = repr(error["input"])
+        value = value if len(value) <= 40 else value[:37] + "..."
+        return f"{where}={value} {error['msg']}", where
+    return (f"{where}: {error['msg']}" if where else error["msg"]), where or None
 
 
 def _supported(body: CompletionRequest | ChatCompletionRequest) -> None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 
 from lathe.serve.sampling import (
+    TEMPERATURE_EPSILON,
     SamplingBatch,
     SamplingError,
     SamplingParams,
@@ -108,8 +110,24 @@ def test_a_seeded_row_draws_the_same_whatever_shares_its_step():
 
 @pytest.mark.parametrize(("field", "value", "allowed"), [
     ("temperature", 3.0, "in \\[0, 2\\]"), ("top_p", 0.0, "in \\(0, 1\\]"),
-    ("max_tokens", 0, ">= 1"), ("n", 17, "in \\[1, 16\\]"), ("min_p", -0.1, "in \\[0, 1\\]"),
+    ("max_tokens", 0, "in \\[1, 2147483647\\]"), ("n", 17, "in \\[1, 16\\]"),
+    ("min_p", -0.1, "in \\[0, 1\\]"), ("top_k", 2**63, "in \\[-1, 2147483647\\]"),
+    ("temperature", float("nan"), "in \\[0, 2\\]"), ("seed", 2**64, "in \\[-9223372036854775808"),
+    ("stop_token_ids", [-1], "at most 256 token ids, each in \\[0, 2147483647\\]"),
+    ("stop_token_ids", list(range(257)), "at most 256 token ids"),
+    ("logit_bias", {2**63: 1.0}, "a map of at most 1024 token ids"),
+    ("logit_bias", {5: float("inf")}, "a map of at most 1024 token ids"),
 ])
 def test_out_of_range_parameters_name_the_field_and_range(field, value, allowed):
-    with pytest.raises(SamplingError, match=f"{field}={value!r} must be {allowed}"):
+    with pytest.raises(SamplingError) as info:
         SamplingParams(**{field: value})
+    assert re.match(f"{re.escape(field)}=.* must be {allowed}", str(info.value)), info.value
+
+
+def test_a_temperature_below_epsilon_is_greedy():
+    """1e-40 would scale logits to inf and sample from NaN probabilities (vLLM: greedy)."""
+    params = SamplingParams(temperature=1e-40)
+    assert params.temperature == 0 and params.greedy
+    logits = torch.tensor([[0.0, 3.0, 1.0]])
+    assert sample(logits, SamplingBatch([SamplingRow(params, [], [])], "cpu")).tolist() == [1]
+    assert SamplingParams(temperature=TEMPERATURE_EPSILON).greedy is False
