@@ -11,3 +11,7 @@ class LatheError(ValueError):
 
 class ConfigError(LatheError):
     """A config, recipe or command-line value that cannot be used as given."""
+
+
+class CheckpointError(LatheError):
+    """A checkpoint folder that is missing, malformed, or does not match its config."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import shutil
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -24,7 +25,8 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from lathe.core.atomic import atomic_directory
-from lathe.core.errors import LatheError
+from lathe.core.checkpoint_files import checkpoint_file, read_json_object
+from lathe.core.errors import CheckpointError, ConfigError
 from lathe.model.config import ModelConfig
 from lathe.model.transformer import Transformer
 
@@ -38,28 +40,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 DEFAULT_SAMPLING = {"do_sample": True, "temperature": 0.7, "top_p": 0.9}
 
 
-class CheckpointError(LatheError):
-    """A checkpoint folder that is missing, malformed, or does not match its config."""
-
-
 # config.json fields read as numbers, and the type each must have
 _INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "intermediate_size", "max_position_embeddings", "head_dim")
 _FLOAT_FIELDS = ("rms_norm_eps", "rope_theta", "initializer_range")
-
-
-def read_json_object(file: Path) -> dict[str, Any]:
-    """A checkpoint's JSON file as a dict, or one `CheckpointError` saying what is wrong."""
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"{file}: cannot be read ({error})") from None
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"{file}: not valid JSON ({error}); restore or re-export "
-                              "the checkpoint") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{file}: must hold a JSON object, not a {type(data).__name__}")
-    return data
 
 
 def load_safetensors(file: Path, device: torch.device) -> dict[str, torch.Tensor]:
@@ -124,6 +108,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
     path = Path(path)
     config = read_model_config(path)
     device = torch.device(device if device is not None else "cpu")
+    check_memory(config, path, device, dtype)
     state: dict[str, torch.Tensor] = {}
     for file in _weight_files(path):
         state.update(load_safetensors(file, device))
@@ -138,10 +123,48 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
     return model.eval()
 
 
+def available_memory(device: torch.device) -> int:
+    """Bytes this process could still allocate on `device`: free GPU memory, or the host's
+    available memory (MemAvailable on Linux, else physical memory)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_memory(config: ModelConfig, path: Path, device: torch.device,
+                 dtype: torch.dtype | None) -> None:
+    """Refuse, before anything is allocated, a config whose weights alone could not fit
+    in `device`'s available memory (at `dtype`, or 16 bits a weight at least), naming the
+    field that makes it so: a corrupt or hostile config.json must not run the machine out
+    of memory while the model is built."""
+    width = dtype.itemsize if dtype is not None else 2
+    need = config.num_params() * width
+    have = available_memory(device)
+    if need <= have:
+        return
+    embeddings = config.vocab_size * config.dim * (1 if config.tie_embeddings else 2)
+    if embeddings * 2 > config.num_params():
+        culprit = f"vocab_size={config.vocab_size} (× hidden_size={config.dim})"
+    else:
+        per_layer = (config.num_params() - embeddings) // config.n_layers
+        culprit = (f"num_hidden_layers={config.n_layers} (× {per_layer:,} parameters a layer "
+                   f"from hidden_size={config.dim}, intermediate_size={config.ffn_hidden_dim})")
+    raise CheckpointError(
+        f"{path / CONFIG_FILE}: {culprit} describes {config.num_params():,} parameters, "
+        f"{need / 2**30:,.1f} GiB at {width * 8} bits, but {device} has {have / 2**30:,.1f} GiB "
+        "available; the config is corrupt or the model needs a larger machine")
+
+
 def read_eos_ids(path: str | Path, vocab_size: int) -> list[int]:
     """The end-of-sequence ids in a checkpoint's generation_config.json (an id or a list of
     them; none when the file or the field is absent), each checked against the vocabulary."""
-    file = Path(path) / GENERATION_CONFIG_FILE
+    file = checkpoint_file(path, GENERATION_CONFIG_FILE)
     eos = read_json_object(file).get("eos_token_id") if file.is_file() else None
     if eos is None:
         return []
@@ -155,7 +178,7 @@ def read_eos_ids(path: str | Path, vocab_size: int) -> list[int]:
 
 def read_model_config(path: str | Path) -> ModelConfig:
     """The `ModelConfig` of a checkpoint folder, from its config.json."""
-    file = Path(path) / CONFIG_FILE
+    file = checkpoint_file(path, CONFIG_FILE)
     if not file.is_file():
         raise CheckpointError(
             f"{path}: no {CONFIG_FILE}; a checkpoint is a folder with {CONFIG_FILE} and "
@@ -174,13 +197,15 @@ def read_model_config(path: str | Path) -> ModelConfig:
         return ModelConfig.from_hf_config(hf)
     except KeyError as error:
         raise CheckpointError(f"{file}: the field {error} is missing") from None
-    except (TypeError, AttributeError, ZeroDivisionError) as error:
+    except (TypeError, AttributeError, ZeroDivisionError, OverflowError) as error:
+        raise CheckpointError(f"{file}: {error}") from None
+    except ConfigError as error:
         raise CheckpointError(f"{file}: {error}") from None
 
 
 def _weight_files(path: Path) -> list[Path]:
-    if (path / WEIGHTS_INDEX_FILE).is_file():
-        index = path / WEIGHTS_INDEX_FILE
+    index = checkpoint_file(path, WEIGHTS_INDEX_FILE)
+    if index.is_file():
         weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map or not all(
                 isinstance(name, str) for name in weight_map.values()):
@@ -192,13 +217,13 @@ def _weight_files(path: Path) -> list[Path]:
             if not name.endswith(".safetensors") or Path(name).name != name or "\\" in name:
                 raise CheckpointError(f"{index}: shard {name!r} must be the name of a "
                                       ".safetensors file in the checkpoint folder")
-            files.append(path / name)
+            files.append(checkpoint_file(path, name))
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"{path}: shard(s) named in {WEIGHTS_INDEX_FILE} are missing: "
                                   f"{', '.join(missing)}")
         return files
-    if (path / WEIGHTS_FILE).is_file():
+    if checkpoint_file(path, WEIGHTS_FILE).is_file():
         return [path / WEIGHTS_FILE]
     raise CheckpointError(
         f"{path}: no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}; lathe reads safetensors only "

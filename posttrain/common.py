@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from lathe.core.atomic import write_json
 from lathe.core.config import load_config, to_dict
 from lathe.core.errors import ConfigError
+from lathe.data.chat_template import ChatTemplate
 from lathe.data.formats import load_prompt_dataset
 from lathe.data.tokenizer import load_tokenizer
 from lathe.model.checkpoint import load_checkpoint, read_eos_ids, save_checkpoint
@@ -28,7 +29,6 @@ from lathe.model.transformer import IGNORE_INDEX, Transformer
 from lathe.posttrain.config import TaskEvalConfig
 from lathe.posttrain.rewards import verifier
 from lathe.pretrain.runtime import Runtime, Work, plain_model
-from lathe.serve.chat_template import ChatTemplate
 from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.sampling import SamplingParams
 

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from lathe.core.atomic import write_json
 from lathe.core.errors import ConfigError
+from lathe.data.chat_template import ChatTemplate
 from lathe.data.formats import load_prompt_dataset
 from lathe.data.tokenizer import load_tokenizer, vocabulary_difference
 from lathe.model.checkpoint import load_checkpoint
@@ -45,7 +46,6 @@ from lathe.posttrain.config import ChatDataConfig, SFTConfig, TaskEvalConfig
 from lathe.posttrain.sft import sft
 from lathe.pretrain.config import TrainConfig
 from lathe.pretrain.runtime import Runtime, Work
-from lathe.serve.chat_template import ChatTemplate
 from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.sampling import SamplingParams
 

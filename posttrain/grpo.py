@@ -27,6 +27,7 @@ from accelerate.utils import broadcast_object_list
 from torch import Tensor, nn
 
 from lathe.core.errors import ConfigError
+from lathe.data.chat_template import ChatTemplate
 from lathe.data.formats import PromptRow, load_prompt_dataset
 from lathe.model.checkpoint import load_checkpoint, read_eos_ids
 from lathe.model.lora import AdapterMerger, adapter_weights, adapters_disabled
@@ -47,7 +48,6 @@ from lathe.posttrain.common import (
 from lathe.posttrain.config import GRPOConfig
 from lathe.posttrain.rewards import load_reward, verifier
 from lathe.pretrain.runtime import Runtime, Work
-from lathe.serve.chat_template import ChatTemplate
 from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.sampling import SamplingParams
 

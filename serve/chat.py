@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from lathe.serve.chat_template import ChatTemplate
+from lathe.data.chat_template import ChatTemplate
 from lathe.serve.engine import LLMEngine
 from lathe.serve.quant import QuantMode
 from lathe.serve.sampling import SamplingParams

@@ -68,7 +68,10 @@ class ModelRunner:
             load_cpu_kernels()
             retain_freed_memory()  # a step's temporaries reuse the last step's pages
         self.block_size = slabs.block_size
-        self.max_blocks = -(-model.config.max_seq_len // self.block_size)
+        # no sequence holds more blocks than the cache has: a table as wide as a config's
+        # max_position_embeddings alone (1e10 of them: 320 GB) would never be filled
+        self.max_blocks = min(-(-model.config.max_seq_len // self.block_size),
+                              slabs.scratch_slot // self.block_size)
         self.graphs = DecodeGraphs(model, slabs, rows, self.max_blocks) \
             if compile_decode else None
         self.tables = torch.zeros(rows, self.max_blocks, dtype=torch.long, device=device)

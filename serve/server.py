@@ -35,9 +35,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lathe.data.chat_template import ChatTemplateError, read_chat_template
+from lathe.data.template_worker import TemplateWorker
 from lathe.model.checkpoint import CheckpointError
 from lathe.serve.async_engine import AsyncEngine, EngineDead, QueueFull
-from lathe.serve.chat_template import ChatTemplate, ChatTemplateError
 from lathe.serve.engine import CompletionOutput, EngineConfig, LLMEngine, RequestError
 from lathe.serve.metrics import RequestTimer, ServerMetrics
 from lathe.serve.protocol import (
@@ -64,6 +65,7 @@ class ServerConfig:
     quantize: QuantMode | None = None
     max_waiting: int = 256
     max_body_bytes: int = 1 << 20
+    template_seconds: float = 2.0  # a chat template's render limit (a request fails past it)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     @property
@@ -137,7 +139,7 @@ class BodyLimit:
 class _State:
     def __init__(self) -> None:
         self.engine: AsyncEngine | None = None
-        self.template: ChatTemplate | None = None
+        self.template: TemplateWorker | None = None
         self.no_template: str = "this checkpoint has no chat template; use /v1/completions"
         self.load_error: str | None = None
 
@@ -154,9 +156,13 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
         try:
             engine = await asyncio.to_thread(load)
             try:
-                state.template = ChatTemplate.from_checkpoint(config.checkpoint)
-                state.template.check()
+                template = TemplateWorker(*read_chat_template(config.checkpoint),
+                                          seconds=config.template_seconds)
+                state.template = template
+                await asyncio.to_thread(template.check)
             except ValueError as error:
+                if state.template is not None:
+                    state.template.close()
                 state.template = None
                 state.no_template = f"chat completions are off for this checkpoint: {error}"
                 log.warning("chat completions disabled: %s", error)
@@ -177,6 +183,8 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
         loader = asyncio.create_task(load_engine())
         yield
         loader.cancel()
+        if state.template is not None:
+            state.template.close()
         if state.engine is not None:
             await state.engine.stop()
 
@@ -284,7 +292,8 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
             raise APIError(400, state.no_template)
         try:
             messages = body.chat()
-            prompt = engine.engine.encode(state.template.render(messages))
+            text = await asyncio.to_thread(state.template.render, messages)
+            prompt = engine.engine.encode(text)
         except (ProtocolError, ChatTemplateError, RequestError) as error:
             raise APIError(400, str(error), param="messages") from None
         max_tokens = body.completion_budget

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lathe.data.chat import format_chat
-from lathe.serve.chat_template import ChatTemplate, ChatTemplateError
+from lathe.data.chat_template import ChatTemplate, ChatTemplateError
 
 
 def test_checkpoint_template_matches_the_python_formatter(checkpoint):

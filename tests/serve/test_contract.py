@@ -371,3 +371,53 @@ def test_a_chat_template_that_fails_is_a_400_never_a_500(checkpoint, tmp_path):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+SPIN = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+
+
+def test_a_looping_template_at_start_turns_chat_off_and_the_server_serves(checkpoint,
+                                                                           tmp_path):
+    folder = broken_copy(checkpoint, tmp_path, "spins", set_template(SPIN + "{{ messages }}"))
+    server, thread, url = start_server(folder, template_seconds=0.5)
+    try:
+        wait_healthy(url)
+        refused = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "Hi"}]})
+        assert refused.status_code == 400
+        assert "chat completions are off for this checkpoint" in refused.text
+        assert "did not render these messages within 0.5 s" in refused.text
+        ok = httpx.post(f"{url}/v1/completions", timeout=30, json={
+            "model": "tiny", "prompt": "The", "max_tokens": 2})
+        assert ok.status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
+def test_a_template_looping_on_one_request_blocks_no_other_route(checkpoint, tmp_path):
+    gated = ("{% if messages[0].content == 'spin' %}" + SPIN + "{% endif %}"
+             "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:")
+    folder = broken_copy(checkpoint, tmp_path, "gated", set_template(gated))
+    server, thread, url = start_server(folder, template_seconds=1.0)
+    try:
+        wait_healthy(url)
+        chat = {"model": "tiny", "max_tokens": 2}
+        result: dict = {}
+        spinning = threading.Thread(target=lambda: result.update(response=httpx.post(
+            f"{url}/v1/chat/completions", timeout=30,
+            json={**chat, "messages": [{"role": "user", "content": "spin"}]})))
+        spinning.start()
+        time.sleep(0.3)
+        start = time.monotonic()
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+        other = httpx.post(f"{url}/v1/chat/completions", timeout=5,
+                           json={**chat, "messages": [{"role": "user", "content": "Hi"}]})
+        assert other.status_code == 200 and time.monotonic() - start < 1.0
+        spinning.join(timeout=30)
+        assert result["response"].status_code == 400
+        assert "did not render these messages within 1 s" in result["response"].text
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

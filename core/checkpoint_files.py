@@ -1,0 +1,72 @@
+"""Reading a checkpoint folder's files safely: which file a name may stand for (the
+symlink policy) and JSON files as objects, each failure one `CheckpointError`.
+
+Symlink policy. A checkpoint folder is often a snapshot of the Hugging Face cache, whose
+files are links into the repository's blob store (`models--org--name/snapshots/REV/
+config.json -> ../../blobs/SHA`). A link is followed only when its target stays inside
+the checkpoint folder or, for such a snapshot, inside its repository folder
+(`models--org--name`); any other link — to /dev/zero, to another user's files, out of a
+downloaded archive — is refused with the file and where it points. The folder itself may
+be a link: it is where the user pointed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from lathe.core.errors import CheckpointError
+
+MAX_JSON_BYTES = 256 << 20  # a large tokenizer.json (Gemma's) is ~35 MB
+
+
+def allowed_root(folder: Path) -> Path:
+    """The folder links inside `folder` may point into (see the module's policy)."""
+    folder = folder.resolve()
+    snapshots = folder.parent
+    if snapshots.name == "snapshots" and (snapshots.parent / "blobs").is_dir():
+        return snapshots.parent
+    return folder
+
+
+def checkpoint_file(folder: str | Path, name: str) -> Path:
+    """`folder/name` where it is allowed to resolve (the file need not exist); a link
+    that leaves the folder is a `CheckpointError` naming it and its target."""
+    path = Path(folder) / name
+    if not path.is_symlink() and not any(p.is_symlink() for p in _inner_parents(folder, name)):
+        return path
+    target = path.resolve()
+    root = allowed_root(Path(folder))
+    if not target.is_relative_to(root):
+        raise CheckpointError(f"{path}: is a link to {target}, outside the checkpoint folder "
+                              f"{root}; lathe follows links only inside it (or inside a "
+                              "Hugging Face cache repository) — copy the file in instead")
+    return path
+
+
+def _inner_parents(folder: str | Path, name: str) -> list[Path]:
+    parts = Path(name).parts[:-1]
+    return [Path(folder).joinpath(*parts[:i + 1]) for i in range(len(parts))]
+
+
+def read_json_object(file: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file as a dict, or one `CheckpointError` saying what is wrong
+    (unreadable, too large, not JSON, nested too deep, or not an object)."""
+    try:
+        size = file.stat().st_size
+        if size > MAX_JSON_BYTES:
+            raise CheckpointError(f"{file}: {size} bytes, more than any checkpoint's JSON file "
+                                  f"({MAX_JSON_BYTES} at most); it is not a config")
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{file}: cannot be read ({error})") from None
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{file}: not valid JSON ({error}); restore or re-export "
+                              "the checkpoint") from None
+    except RecursionError:
+        raise CheckpointError(f"{file}: nested too deeply to be a config; restore or "
+                              "re-export the checkpoint") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: must hold a JSON object, not a {type(data).__name__}")
+    return data

@@ -1,0 +1,81 @@
+"""A chat template rendered in child processes: same text as in-process, and a template
+that loops, balloons or exhausts memory fails its render alone, within the time limit,
+while the next render works."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from lathe.core.errors import CheckpointError
+from lathe.data.chat_template import ChatTemplate, ChatTemplateError
+from lathe.data.template_worker import TemplateWorker
+
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+SPECIALS = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": ""}
+SPIN = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+
+
+@pytest.fixture
+def worker():
+    gated = ('{% if messages[0].content == "spin" %}' + SPIN + "{% endif %}"
+             '{% if messages[0].content == "huge" %}{{ "x" * 2000000 }}{% endif %}'
+             '{% if messages[0].content == "bomb" %}{{ "x" * 4000000000 }}{% endif %}'
+             '{% if messages[0].content == "no" %}{{ raise_exception("no thanks") }}{% endif %}'
+             + TEMPLATE)
+    worker = TemplateWorker(gated, SPECIALS, seconds=1.0, memory_bytes=1 << 30)
+    yield worker
+    worker.close()
+
+
+def test_it_renders_what_the_template_renders_in_process(worker):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi\ud7ff"}]
+    in_process = ChatTemplate(TEMPLATE, SPECIALS)
+    assert worker.render(messages) == in_process.render(messages)
+    assert worker.render(messages, add_generation_prompt=False) == \
+        in_process.render(messages, add_generation_prompt=False)
+
+
+@pytest.mark.parametrize(("content", "reason"), [
+    ("spin", "did not render these messages within 1 s"),
+    ("huge", "rendered 2,000,0"),
+    ("bomb", "MemoryError"),
+    ("no", "no thanks"),
+])
+def test_a_hostile_render_fails_alone_within_the_limit(worker, content, reason):
+    start = time.monotonic()
+    with pytest.raises(ChatTemplateError, match=reason):
+        worker.render([{"role": "user", "content": content}])
+    assert time.monotonic() - start < 8  # a cold start, then at most the 1 s limit
+    assert worker.render([{"role": "user", "content": "ok"}]) == "<s><user>ok<assistant>"
+
+
+def test_a_looping_render_does_not_hold_up_other_renders(worker):
+    worker.render([{"role": "user", "content": "warm"}])  # both children started below
+    spinning = threading.Thread(target=lambda: pytest.raises(
+        ChatTemplateError, worker.render, [{"role": "user", "content": "spin"}]))
+    spinning.start()
+    time.sleep(0.2)
+    start = time.monotonic()
+    for _ in range(20):
+        assert worker.render([{"role": "user", "content": "ok"}]).endswith("ok<assistant>")
+    assert time.monotonic() - start < 5
+    spinning.join(timeout=10)
+    assert not spinning.is_alive()
+
+
+@pytest.mark.parametrize(("template", "reason"), [
+    (SPIN + TEMPLATE, "cannot render one user message: the chat template did not render"),
+    ("{% for %}", "does not parse"),
+    ("{{ messages[5].content }}", "cannot render one user message"),
+])
+def test_check_refuses_a_template_that_cannot_serve_within_limits(template, reason):
+    worker = TemplateWorker(template, SPECIALS, seconds=0.5)
+    try:
+        with pytest.raises(CheckpointError, match=reason):
+            worker.check()
+    finally:
+        worker.close()
