@@ -21,7 +21,8 @@ import numpy as np
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from lathe.core.atomic import atomic_directory
-from lathe.core.errors import ConfigError
+from lathe.core.checkpoint_files import checkpoint_file
+from lathe.core.errors import CheckpointError, ConfigError
 from lathe.data.chat import BOS, CHAT_TEMPLATE, END_OF_TURN, PAD, SPECIAL_TOKENS
 
 REPORT_FILE = "tokenizer_report.json"
@@ -73,12 +74,17 @@ def compression(tokenizer: Tokenizer, texts: Iterable[str]) -> dict[str, float]:
 
 
 def load_tokenizer(folder: str | Path) -> Tokenizer:
-    """The `tokenizer.json` of a tokenizer or checkpoint folder."""
-    file = Path(folder) / "tokenizer.json"
+    """The `tokenizer.json` of a tokenizer or checkpoint folder (a link in it is followed
+    only as `checkpoint_file` allows); one that does not load is a `CheckpointError`."""
+    file = checkpoint_file(folder, "tokenizer.json")
     if not file.is_file():
         raise ConfigError(f"{folder} has no tokenizer.json; point at a folder written by "
                           "`lathe tokenizer train` (or a checkpoint that carries one)")
-    return Tokenizer.from_file(str(file))
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as error:  # the Rust loader raises a bare Exception
+        raise CheckpointError(f"{file}: not a tokenizer the `tokenizers` library loads "
+                              f"({error}); copy it again from the tokenizer folder") from None
 
 
 def vocabulary_difference(a: Tokenizer, b: Tokenizer) -> list[tuple[str, int]]:

@@ -28,9 +28,10 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
+from lathe.core.checkpoint_files import checkpoint_file
 from lathe.core.errors import ConfigError
 from lathe.core.reporting import progress_bar
-from lathe.data.tokenizer import vocabulary_difference
+from lathe.data.tokenizer import load_tokenizer, vocabulary_difference
 from lathe.model.checkpoint import CheckpointError, read_eos_ids
 from lathe.model.transformer import Transformer
 from lathe.serve.block_manager import BlockManager
@@ -187,7 +188,7 @@ class LLMEngine:
         path = Path(path)
         model = load_serving_model(path, quantize=quantize, dtype=dtype, device=device)
         vocab = model.config.vocab_size
-        tokenizer = _load_tokenizer(path / "tokenizer.json", vocab)
+        tokenizer = _load_tokenizer(path, vocab)
         draft = None
         speculative = config.speculative if config is not None else None
         if speculative is not None and speculative.method == "draft":
@@ -197,8 +198,7 @@ class LLMEngine:
             draft_path = Path(speculative.draft)
             draft = load_serving_model(draft_path, quantize=quantize, dtype=dtype, device=device)
             _check_same_tokenizer(path, draft_path, tokenizer,
-                                  _load_tokenizer(draft_path / "tokenizer.json",
-                                                  draft.config.vocab_size))
+                                  _load_tokenizer(draft_path, draft.config.vocab_size))
         return cls(model, tokenizer, config, read_eos_ids(path, vocab), draft_model=draft)
 
     @property
@@ -597,15 +597,12 @@ class LLMEngine:
                 "spec_decode_mean_acceptance_length": 1 + accepted / steps if steps else 0.0}
 
 
-def _load_tokenizer(file: Path, vocab_size: int) -> Tokenizer | None:
+def _load_tokenizer(path: Path, vocab_size: int) -> Tokenizer | None:
     """The checkpoint's tokenizer (None without tokenizer.json), checked against the model."""
+    file = checkpoint_file(path, "tokenizer.json")
     if not file.is_file():
         return None
-    try:
-        tokenizer = Tokenizer.from_file(str(file))
-    except Exception as error:  # the Rust loader raises a bare Exception
-        raise CheckpointError(f"{file}: not a tokenizer the `tokenizers` library loads "
-                              f"({error}); copy it again from the tokenizer folder") from None
+    tokenizer = load_tokenizer(path)
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     if size > vocab_size:
         raise CheckpointError(f"{file}: {size} tokens, but the model's vocab_size is "

@@ -1,12 +1,14 @@
 """Checkpoint contract: exact round trips, sharding, one clear error, atomic writes."""
 
 import json
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 import lathe.model.checkpoint as checkpoint_module
+from lathe.data.tokenizer import load_tokenizer
 from lathe.model import CheckpointError, load_checkpoint, save_checkpoint
 from tests.builders import build_tokenizer, tiny_model
 
@@ -195,3 +197,67 @@ def test_weight_map_names_cannot_leave_the_checkpoint_folder(tmp_path, shard):
     index_file.write_text(json.dumps(index))
     with pytest.raises(CheckpointError, match="weight_map must map parameter names"):
         load_checkpoint(tmp_path / "ck")
+
+
+def set_config(folder, **fields) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **fields}))
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"num_hidden_layers": 1_000_000}, "num_hidden_layers=1000000"),
+    ({"vocab_size": 10**12}, "vocab_size=1000000000000"),
+])
+def test_a_config_too_large_for_memory_is_refused_before_anything_is_built(tmp_path, fields,
+                                                                             named):
+    folder = save_checkpoint(tiny_model(), tmp_path / "ckpt")
+    set_config(folder, **fields)
+    start = time.monotonic()
+    with pytest.raises(CheckpointError, match=f"{named}.* GiB available"):
+        load_checkpoint(folder)
+    assert time.monotonic() - start < 2  # the million layers were never built
+
+
+def test_a_config_nested_100k_deep_is_one_error(tmp_path):
+    folder = save_checkpoint(tiny_model(), tmp_path / "ckpt")
+    (folder / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match="config.json: nested too deeply"):
+        load_checkpoint(folder)
+    (folder / "config.json").write_text('{"a": ' * 100_000 + "1" + "}" * 100_000)
+    with pytest.raises(CheckpointError, match="config.json: nested too deeply"):
+        load_checkpoint(folder)
+
+
+def test_links_that_leave_the_folder_are_refused(tmp_path):
+    folder = save_checkpoint(tiny_model(vocab_size=320), tmp_path / "ckpt",
+                             tokenizer=build_tokenizer(tmp_path / "tok", vocab_size=300))
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer.json").symlink_to("/dev/zero")
+    with pytest.raises(CheckpointError, match="tokenizer.json: is a link to /dev/zero"):
+        load_tokenizer(folder)
+    outside = tmp_path / "elsewhere.safetensors"
+    (folder / "model.safetensors").rename(outside)
+    (folder / "model.safetensors").symlink_to(outside)
+    with pytest.raises(CheckpointError, match="model.safetensors: is a link to .*outside"):
+        load_checkpoint(folder)
+    inside = folder / "weights"
+    inside.mkdir()
+    outside.rename(inside / "w.safetensors")
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors").symlink_to("weights/w.safetensors")
+    assert_same_weights(load_checkpoint(folder), tiny_model(vocab_size=320))
+
+
+def test_a_hugging_face_cache_snapshot_loads_through_its_blob_links(tmp_path):
+    """The hub cache keeps files in blobs/ and links them from snapshots/REV/."""
+    source = save_checkpoint(tiny_model(vocab_size=320), tmp_path / "ckpt",
+                             tokenizer=build_tokenizer(tmp_path / "tok", vocab_size=300))
+    repo = tmp_path / "hub" / "models--lathe--tiny"
+    snapshot = repo / "snapshots" / "0123abc"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for i, file in enumerate(sorted(source.iterdir())):
+        (repo / "blobs" / f"blob{i}").write_bytes(file.read_bytes())
+        (snapshot / file.name).symlink_to(f"../../blobs/blob{i}")
+    assert_same_weights(load_checkpoint(snapshot), tiny_model(vocab_size=320))
+    assert load_tokenizer(snapshot).get_vocab_size() == load_tokenizer(source).get_vocab_size()

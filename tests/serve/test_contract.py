@@ -16,7 +16,8 @@ import torch
 from lathe.core.errors import ConfigError
 from lathe.model.checkpoint import CheckpointError
 from lathe.serve.commands import serve_main
-from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.engine import EngineConfig, LLMEngine, RequestError
+from lathe.serve.sampling import SamplingParams
 from tests.serve.conftest import API_KEY, start_server, wait_healthy
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -421,3 +422,21 @@ def test_a_template_looping_on_one_request_blocks_no_other_route(checkpoint, tmp
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_a_huge_max_position_embeddings_allocates_only_what_the_cache_can_hold(checkpoint,
+                                                                              tmp_path):
+    """A block table a row as wide as 1e10 positions would take 320 GB; no sequence can
+    hold more blocks than the cache has."""
+    def endless(folder):
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(
+            {**config, "max_position_embeddings": 10**10}))
+
+    folder = broken_copy(checkpoint, tmp_path, "endless", endless)
+    engine = LLMEngine.from_checkpoint(folder, EngineConfig(num_blocks=8))
+    assert engine.runner.tables.shape[1] == 8
+    params = SamplingParams(max_tokens=4, temperature=0)
+    assert len(engine.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 4
+    with pytest.raises(RequestError, match="need .* KV blocks but the cache has 8"):
+        engine.validate([5] * 200, params)
