@@ -10,6 +10,7 @@ from pathlib import Path
 
 from lathe.core.errors import ConfigError
 from lathe.model.checkpoint import read_model_config
+from lathe.serve.connections import ConnectionLimits
 from lathe.serve.engine import EngineConfig
 from lathe.serve.speculative import SpeculativeConfig
 
@@ -108,21 +109,45 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                         help="queued requests before answering 429")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
     parser.add_argument("--log-level", default="info")
+    limits = ConnectionLimits()
+    group = parser.add_argument_group("connections")
+    group.add_argument("--max-connections", type=int, default=limits.max_connections,
+                       help="open connections; past them only GET /health is answered, "
+                            "the rest get 503")
+    group.add_argument("--header-timeout", type=float, default=limits.header_seconds,
+                       help="seconds a connection has to send a request's headers")
+    group.add_argument("--body-timeout", type=float, default=limits.body_seconds,
+                       help="seconds a request has to send its body after its headers")
+    group.add_argument("--keep-alive-timeout", type=float, default=limits.idle_seconds,
+                       help="seconds an idle connection stays open between requests")
+    group.add_argument("--shutdown-timeout", type=float, default=limits.drain_seconds,
+                       help="seconds requests in flight may finish after SIGTERM before they "
+                            "are aborted (a second signal exits at once)")
+    group.add_argument("--template-timeout", type=float, default=2.0,
+                       help="seconds the chat template may take to render a request")
     _engine_flags(parser)
     args = parser.parse_args(argv)
     if args.protect_metrics and not args.api_key:
         raise ConfigError("--protect-metrics needs --api-key (or LATHE_API_KEY): without a key "
                           "/metrics would stay open; give a key or drop --protect-metrics")
     read_model_config(args.checkpoint)  # fail before binding a port on a wrong path
-    import uvicorn
-
-    from lathe.serve.server import ServerConfig, build_app
+    if args.max_connections < 1:
+        raise ConfigError(f"--max-connections={args.max_connections} must be >= 1")
+    for flag in ("header_timeout", "body_timeout", "keep_alive_timeout", "shutdown_timeout",
+                 "template_timeout"):
+        if not getattr(args, flag) > 0:
+            raise ConfigError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be > 0")
+    limits = ConnectionLimits(args.max_connections, args.header_timeout, args.body_timeout,
+                              args.keep_alive_timeout, args.shutdown_timeout)
+    from lathe.serve.server import ServerConfig, run
     config = ServerConfig(checkpoint=args.checkpoint, host=args.host, port=args.port,
                           api_key=args.api_key, protect_metrics=args.protect_metrics,
                           served_model_name=args.served_model_name,
                           quantize=args.quantize, max_waiting=args.max_waiting,
-                          max_body_bytes=args.max_body_bytes, engine=_engine_config(args))
-    uvicorn.run(build_app(config), host=args.host, port=args.port, log_level=args.log_level)
+                          max_body_bytes=args.max_body_bytes,
+                          template_seconds=args.template_timeout, limits=limits,
+                          engine=_engine_config(args))
+    run(config, args.log_level)
     return 0
 
 

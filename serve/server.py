@@ -1,5 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of one `AsyncEngine`.
 
+`run` serves it within `connections`' limits (header, body and idle deadlines, a
+connection cap past which only /health answers, a bounded drain at shutdown).
+
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (JSON or
 Server-Sent Events), `GET /health` (503 until the model has loaded, and for good once the
 engine has failed) and `GET /metrics` (Prometheus). Every error is OpenAI's error JSON:
@@ -39,6 +42,12 @@ from lathe.data.chat_template import ChatTemplateError, read_chat_template
 from lathe.data.template_worker import TemplateWorker
 from lathe.model.checkpoint import CheckpointError
 from lathe.serve.async_engine import AsyncEngine, EngineDead, QueueFull
+from lathe.serve.connections import (
+    ConnectionLimits,
+    LatheServer,
+    raise_file_limit,
+    uvicorn_config,
+)
 from lathe.serve.engine import CompletionOutput, EngineConfig, LLMEngine, RequestError
 from lathe.serve.metrics import RequestTimer, ServerMetrics
 from lathe.serve.protocol import (
@@ -66,6 +75,7 @@ class ServerConfig:
     max_waiting: int = 256
     max_body_bytes: int = 1 << 20
     template_seconds: float = 2.0  # a chat template's render limit (a request fails past it)
+    limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     @property
@@ -117,6 +127,8 @@ class BodyLimit:
         while size <= self.max_bytes:
             message = await receive()
             messages.append(message)
+            if message["type"] == "http.disconnect":
+                return  # gone (or cut off by the body deadline) before its body was complete
             if message["type"] != "http.request":
                 break
             if not messages[:-1]:
@@ -142,6 +154,13 @@ class _State:
         self.template: TemplateWorker | None = None
         self.no_template: str = "this checkpoint has no chat template; use /v1/completions"
         self.load_error: str | None = None
+
+
+def run(config: ServerConfig, log_level: str = "info") -> None:
+    """Serve until SIGTERM or SIGINT, within the connection limits (see `connections`)."""
+    limits = raise_file_limit(config.limits)
+    LatheServer(uvicorn_config(build_app(config), config.host, config.port, limits,
+                               log_level)).run()
 
 
 def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None) -> FastAPI:

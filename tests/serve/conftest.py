@@ -13,10 +13,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from lathe.data.tokenizer import save_tokenizer, train_tokenizer
 from lathe.model import save_checkpoint
+from lathe.serve.connections import LatheServer, uvicorn_config
 from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.server import ServerConfig, build_app
 from tests.builders import serve_model
@@ -43,13 +43,14 @@ class Running:
 
 
 def start_server(checkpoint, load: Callable[[], LLMEngine] | None = None,
-                 **config) -> tuple[uvicorn.Server, threading.Thread, str]:
+                 **config) -> tuple[LatheServer, threading.Thread, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    app = build_app(ServerConfig(checkpoint=checkpoint, port=port, served_model_name="tiny",
-                                 **config), load=load)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    server_config = ServerConfig(checkpoint=checkpoint, port=port, served_model_name="tiny",
+                                 **config)
+    app = build_app(server_config, load=load)
+    server = LatheServer(uvicorn_config(app, "127.0.0.1", port, server_config.limits, "error"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"

@@ -1,0 +1,149 @@
+"""What a connection may cost the server, and how the server stops.
+
+uvicorn's HTTP protocol waits forever for a connection's first bytes and for headers or
+a body that trickle in, and its `limit_concurrency` answers 503 to /health too. Without
+bounds, a thousand idle sockets use up the process's file descriptors and every route,
+/health included, stops answering. `GuardedH11Protocol` (uvicorn's h11 protocol with
+deadlines) closes a connection whose request headers are not complete `header_seconds`
+after its first byte (or after it opened), or whose body is not complete `body_seconds`
+after its headers; a connection idle between requests closes after `idle_seconds`. Past
+`max_connections` open connections a new one is still read, with a one-second header
+deadline, but answers 503 to everything except GET /health, and is closed after it.
+
+`LatheServer` stops in bounds: the first SIGTERM or SIGINT stops accepting, lets
+requests in flight finish for up to `drain_seconds`, then cancels what is left (their
+streams end, their sequences are aborted); a second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import resource
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger("lathe.serve")
+
+OVER_CAP_HEADER_SECONDS = 1.0
+RESERVED_FILES = 256  # descriptors kept for model files, logs, children (a quarter at most)
+
+
+@dataclass
+class ConnectionLimits:
+    max_connections: int = 1024
+    header_seconds: float = 10.0
+    body_seconds: float = 30.0
+    idle_seconds: float = 5.0
+    drain_seconds: float = 10.0
+
+
+def raise_file_limit(limits: ConnectionLimits) -> ConnectionLimits:
+    """Raise this process's soft limit on open files to its hard limit, and lower
+    `max_connections` (with a warning) to what that limit leaves room for: a connection
+    over the cap still needs a descriptor to be answered."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError):
+            pass
+    room = max((soft - min(RESERVED_FILES, soft // 4)) // 2, 1)  # half for those over the cap
+    if limits.max_connections > room:
+        log.warning("max_connections=%d lowered to %d: this process may open %d files",
+                    limits.max_connections, room, soft)
+        limits.max_connections = room
+    return limits
+
+
+async def _health_only(app: Any, scope: dict, receive: Any, send: Any) -> None:
+    """The app for a connection over the cap: /health as usual, 503 for the rest."""
+    if scope["type"] == "http" and scope["path"] == "/health" and scope["method"] == "GET":
+        await app(scope, receive, send)
+        return
+    body = json.dumps({"error": {
+        "message": "the server has too many open connections; retry shortly",
+        "type": "service_unavailable", "param": None, "code": None}}).encode()
+    await send({"type": "http.response.start", "status": 503, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        (b"retry-after", b"1"), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with header and body deadlines and a connection cap."""
+
+    limits = ConnectionLimits()
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._deadline: asyncio.TimerHandle | None = None
+        if len(self.connections) > self.limits.max_connections:
+            app = self.app
+            self.app = lambda scope, receive, send: _health_only(app, scope, receive, send)
+            self._arm(OVER_CAP_HEADER_SECONDS)
+        else:
+            self._arm(self.limits.header_seconds)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        state = self.conn.their_state
+        if state is h11.IDLE and self._deadline is None:  # a new request's first bytes
+            self._arm(self.limits.header_seconds)
+        elif state is h11.SEND_BODY and getattr(self, "_reading", None) is not h11.SEND_BODY:
+            self._arm(self.limits.body_seconds)
+        elif state not in (h11.IDLE, h11.SEND_BODY):
+            self._disarm()
+        self._reading = state
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self, seconds: float) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(seconds, self._expire)
+
+    def _disarm(self) -> None:
+        if getattr(self, "_deadline", None) is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expire(self) -> None:
+        """The client did not finish its request in time: close the connection (a request
+        already handed to the app sees it as a disconnect)."""
+        self._deadline = None
+        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
+            self.transport.close()
+
+
+def protocol_with(limits: ConnectionLimits) -> type[GuardedH11Protocol]:
+    """`GuardedH11Protocol` bound to `limits` (uvicorn takes a protocol class)."""
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits})
+
+
+def uvicorn_config(app: Any, host: str, port: int, limits: ConnectionLimits,
+                   log_level: str = "info") -> uvicorn.Config:
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                          http=protocol_with(limits), timeout_keep_alive=limits.idle_seconds,
+                          timeout_graceful_shutdown=limits.drain_seconds)
+
+
+class LatheServer(uvicorn.Server):
+    """uvicorn's server, but any second SIGTERM or SIGINT exits at once (uvicorn's own
+    forces only a second SIGINT, and then still waits for its shutdown steps)."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            log.warning("second signal %d: exiting now", sig)
+            os._exit(128 + sig)
+        super().handle_exit(sig, frame)

@@ -1,0 +1,191 @@
+"""Connections cannot starve the server: idle and trickling sockets are closed at their
+deadlines, past the connection cap only /health answers (within a second), and a
+`lathe serve` process stops within its drain time — at once on a second signal."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from lathe.serve.connections import ConnectionLimits, raise_file_limit
+from lathe.serve.engine import EngineConfig, LLMEngine
+from tests.serve.conftest import start_server, wait_healthy
+
+BODY = {"model": "tiny", "prompt": "The", "max_tokens": 2}
+
+
+@pytest.fixture
+def serving(checkpoint, request):
+    limits = request.param
+    server, thread, url = start_server(
+        checkpoint, lambda: LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=32)),
+        limits=limits)
+    wait_healthy(url)
+    yield url
+    server.should_exit = True
+    thread.join(timeout=15)
+
+
+def open_socket(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=5)
+
+
+def closed_by_server(sock: socket.socket, within: float) -> bool:
+    """True when the server closes `sock` within `within` seconds."""
+    sock.settimeout(within)
+    try:
+        while True:
+            data = sock.recv(4096)
+            if not data:
+                return True
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+@pytest.mark.parametrize("serving", [ConnectionLimits(max_connections=8, header_seconds=60)],
+                         indirect=True)
+def test_past_the_cap_health_answers_and_requests_get_503_within_a_second(serving):
+    idle = [open_socket(serving) for _ in range(20)]  # more than the cap, sending nothing
+    try:
+        time.sleep(0.2)
+        start = time.monotonic()
+        health = httpx.get(f"{serving}/health", timeout=5)
+        refused = httpx.post(f"{serving}/v1/completions", json=BODY, timeout=5)
+        assert time.monotonic() - start < 1.0
+        assert health.status_code == 200
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert "too many open connections" in refused.json()["error"]["message"]
+    finally:
+        for sock in idle:
+            sock.close()
+    deadline = time.monotonic() + 5
+    while httpx.post(f"{serving}/v1/completions", json=BODY, timeout=5).status_code != 200:
+        assert time.monotonic() < deadline, "the cap did not free with the idle sockets"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("serving", [ConnectionLimits(header_seconds=0.5, body_seconds=0.5)],
+                         indirect=True)
+def test_silent_and_trickling_clients_are_cut_off_at_their_deadlines(serving):
+    silent = open_socket(serving)
+    assert closed_by_server(silent, within=3)
+
+    trickle = open_socket(serving)
+    start = time.monotonic()
+    for byte in b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n":
+        try:
+            trickle.sendall(bytes([byte]))
+        except OSError:
+            break
+        time.sleep(0.05)
+    assert closed_by_server(trickle, within=3) and time.monotonic() - start < 3
+
+    slow_body = open_socket(serving)
+    slow_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: 500\r\n\r\n{\"model\": ")
+    assert closed_by_server(slow_body, within=3)
+    assert httpx.post(f"{serving}/v1/completions", json=BODY, timeout=5).status_code == 200
+
+
+@pytest.mark.parametrize("serving", [ConnectionLimits(header_seconds=0.5, idle_seconds=0.5)],
+                         indirect=True)
+def test_a_keep_alive_connection_serves_requests_slower_than_the_deadlines(serving):
+    with httpx.Client(base_url=serving, timeout=5) as client:
+        for _ in range(3):
+            assert client.post("/v1/completions", json={
+                **BODY, "max_tokens": 200, "ignore_eos": True}).status_code == 200
+            time.sleep(0.2)
+
+
+def serve_process(checkpoint: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "lathe.core", "serve", str(checkpoint), "--port", str(port),
+         "--served-model-name", "tiny", "--log-level", "warning", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert process.poll() is None, process.communicate()[0]
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "lathe serve did not become healthy"
+        time.sleep(0.1)
+
+
+def load(url: str, streams: int) -> list[threading.Thread]:
+    def stream() -> None:
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+                    **BODY, "max_tokens": 250, "ignore_eos": True, "stream": True}) as response:
+                for _ in response.iter_lines():
+                    pass
+        except httpx.TransportError:
+            pass  # cut off by the shutdown
+
+    threads = [threading.Thread(target=stream) for _ in range(streams)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+@pytest.mark.slow
+def test_shutdown_drains_for_a_bounded_time_and_a_second_signal_exits_at_once(checkpoint):
+    process, url = serve_process(checkpoint, "--shutdown-timeout", "0.5")
+    try:
+        streams = load(url, 48)
+        time.sleep(0.5)
+        start = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=15)[0]
+        assert time.monotonic() - start < 5, output
+        assert "Cancel" in output and "timeout graceful shutdown exceeded" in output
+        assert process.returncode == -signal.SIGTERM, output  # uvicorn re-raises the signal
+        for thread in streams:
+            thread.join(timeout=10)
+            assert not thread.is_alive()
+
+        process, url = serve_process(checkpoint, "--shutdown-timeout", "30")
+        streams = load(url, 48)
+        time.sleep(0.5)
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        start = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=15)[0]
+        assert time.monotonic() - start < 1.0, output
+        assert process.returncode == 128 + signal.SIGTERM, output
+        assert "second signal" in output
+        for thread in streams:
+            thread.join(timeout=10)
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def test_the_cap_fits_the_file_limit():
+    soft_before = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    limits = raise_file_limit(ConnectionLimits(max_connections=10**9))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert soft >= soft_before and (soft == hard or hard == resource.RLIM_INFINITY)
+    assert 1 <= limits.max_connections <= soft // 2
+    assert raise_file_limit(ConnectionLimits(max_connections=8)).max_connections == 8
