@@ -88,12 +88,22 @@ class ShuffledBatches(Generic[T]):
         self.epoch, self.index = state["epoch"], state["index"]
 
 
+def stage_history(restored: dict[str, Any] | None, *keys: str) -> dict[str, list[float]]:
+    """A stage's record of its evaluations, one list per key: empty on a fresh start, or
+    as saved with the state a resumed run starts from — so that the summary of a run that
+    was killed and resumed still holds the evaluations from before the kill."""
+    saved = (restored or {}).get("history", {})
+    return {key: list(saved.get(key, [])) for key in keys}
+
+
 def train_on_batches(runtime: Runtime, config: Any, batches: ShuffledBatches,
                      collate: Callable[[list], Any], loss_fn: Callable,
-                     work_of: Callable[[Any], Work], evaluate: Callable[[], bool]) -> None:
+                     work_of: Callable[[Any], Work], evaluate: Callable[[], bool],
+                     history: dict[str, list[float]]) -> None:
     """The supervised loop SFT, DPO and distillation share: accumulate micro-batches, step,
-    evaluate and save state on their cadences (the batch position is the resume state).
-    The loop ends early when `evaluate` says so (`stop_reached`)."""
+    evaluate and save state on their cadences (the batch position and the evaluation
+    `history` are the resume state). The loop ends early when `evaluate` says so
+    (`stop_reached`)."""
     while runtime.step < runtime.total_steps:
         micro = [collate(batches.next()) for _ in range(config.grad_accum_steps)]
         runtime.log_step(runtime.train_step(micro, loss_fn, work_of))
@@ -102,7 +112,7 @@ def train_on_batches(runtime: Runtime, config: Any, batches: ShuffledBatches,
                 if evaluate():
                     return
         if runtime.should(config.checkpoint.every):
-            runtime.save({"batches": batches.state_dict()})
+            runtime.save({"batches": batches.state_dict(), "history": history})
 
 
 def sequence_work(model_config: Any, lengths: Sequence[int], units: float) -> Work:

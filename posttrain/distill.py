@@ -39,6 +39,7 @@ from lathe.posttrain.common import (
     load_policy,
     pad_id,
     rank_batches,
+    stage_history,
     stage_main,
     train_on_batches,
 )
@@ -150,7 +151,8 @@ def distill_logits(config: DistillConfig, resume: str) -> dict[str, Any]:
         sums = runtime.accelerator.reduce(sums, reduction="sum")
         return float(sums[0] / sums[1])
 
-    kls = []
+    history = stage_history(run.restored, "kl_to_teacher")
+    kls = history["kl_to_teacher"]
     if run.restored is None:
         kls.append(heldout_kl())
         runtime.log({"eval/kl_to_teacher": kls[-1]})  # the report's start value
@@ -165,11 +167,10 @@ def distill_logits(config: DistillConfig, resume: str) -> dict[str, Any]:
 
     train_on_batches(runtime, config, run.batches,
                      lambda rows: collate(rows, pad_token, runtime.device), loss_fn,
-                     work_of, evaluate)
+                     work_of, evaluate, history)
     evaluator = TaskEvaluator(config.task_eval, config.model, tokenizer)
     student_accuracy = evaluate_task(runtime, evaluator, config.lora)
-    summary = finish_stage(runtime, config, model_config, {"kl_to_teacher": kls},
-                           ["kl_to_teacher"])
+    summary = finish_stage(runtime, config, model_config, history, ["kl_to_teacher"])
     return {**summary, "student_accuracy": student_accuracy}
 
 

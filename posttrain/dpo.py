@@ -41,6 +41,7 @@ from lathe.posttrain.common import (
     pad_id,
     rank_batches,
     sequence_work,
+    stage_history,
     stage_main,
     stop_reached,
     token_logprobs,
@@ -224,7 +225,7 @@ def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
     def loss_fn(m: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         return rpo_loss(m, batch, mean, config.beta, config.loss, config.rpo_alpha)
 
-    history: dict[str, list[float]] = {"preference_accuracy": [], "accuracy": []}
+    history = stage_history(restored, "preference_accuracy", "accuracy")
 
     def evaluate() -> bool:
         metrics = heldout_preference(runtime, heldout, config, pad_token)
@@ -243,7 +244,8 @@ def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
     train_on_batches(runtime, config, batches,
                      lambda rows: collate(rows, pad_token, runtime.device), loss_fn,
                      lambda batch: sequence_work(model_config, batch["lengths"],
-                                                 len(batch["lengths"]) // 2), evaluate)
+                                                 len(batch["lengths"]) // 2), evaluate,
+                     history)
 
     summary = finish_stage(runtime, config, model_config, history,
                            ["preference_accuracy", "accuracy"], {"prompt_fit": fit.counts()})

@@ -42,6 +42,7 @@ from lathe.posttrain.common import (
     pad,
     pad_id,
     sequence_work,
+    stage_history,
     stage_main,
     stop_reached,
 )
@@ -261,7 +262,7 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
                                  config.beta, len(batch["lengths"]) * constant if constant
                                  else None)
 
-    history: dict[str, list[float]] = {"reward": [], "accuracy": [], "heldout_accuracy": []}
+    history = stage_history(restored, "reward", "accuracy", "heldout_accuracy")
     if restored is None:
         history["heldout_accuracy"].append(evaluate_task(runtime, evaluator, config.lora))
     while runtime.step < total_steps:
@@ -319,7 +320,7 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
             if stop_reached(runtime, config.task_eval, accuracy):
                 break
         if runtime.should(config.checkpoint.every):
-            runtime.save({"prompts": sampler.state_dict()})
+            runtime.save({"prompts": sampler.state_dict(), "history": history})
 
     summary = finish_stage(runtime, config, model_config, history, ["reward", "heldout_accuracy"],
                            {"prompt_fit": fit.counts()})

@@ -24,6 +24,7 @@ from lathe.posttrain.common import (
     load_policy,
     pad_id,
     rank_batches,
+    stage_history,
     stage_main,
     stop_reached,
     train_on_batches,
@@ -67,7 +68,7 @@ def sft(config: SFTConfig, resume: str = "never") -> dict[str, Any]:
                   + (f"; LoRA r={config.lora.r}" if config.lora.enabled else ""))
 
     pad_token = pad_id(tokenizer)
-    history: dict[str, list[float]] = {"heldout_loss": [], "accuracy": []}
+    history = stage_history(run.restored, "heldout_loss", "accuracy")
 
     def evaluate() -> bool:
         loss = heldout_loss(runtime, run.heldout, config.micro_batch_size, pad_token)
@@ -83,7 +84,7 @@ def sft(config: SFTConfig, resume: str = "never") -> dict[str, Any]:
         evaluate()
     train_on_batches(runtime, config, run.batches,
                      lambda rows: collate(rows, pad_token, runtime.device), sft_loss,
-                     chat_work(model_config), evaluate)
+                     chat_work(model_config), evaluate, history)
 
     summary = finish_stage(runtime, config, model_config, history, ["heldout_loss", "accuracy"],
                            {"data_fit": asdict(run.fit)})

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from lathe.core.config import to_dict
 from lathe.core.errors import ConfigError
+from lathe.core.failpoints import check_env, failpoint
 from lathe.core.reporting import default_wandb_offline, progress_bar
 from lathe.model.checkpoint import save_checkpoint
 from lathe.model.config import ModelConfig
@@ -39,7 +40,6 @@ from lathe.model.transformer import Transformer
 from lathe.pretrain import state as training_state
 from lathe.pretrain.config import TrainConfig
 from lathe.pretrain.converters import apply_converters
-from lathe.pretrain.failpoints import check_env, failpoint
 from lathe.pretrain.launch import build_accelerator, describe
 from lathe.pretrain.monitor import MetricsLog, Throughput, memory_stats, peak_flops
 from lathe.pretrain.optim import build_optimizers

@@ -32,7 +32,7 @@ from accelerate.utils import broadcast_object_list
 
 from lathe.core.atomic import publish_directory, write_json
 from lathe.core.errors import ConfigError
-from lathe.pretrain.failpoints import failpoint
+from lathe.core.failpoints import failpoint
 
 STATE_DIR = "state"
 TRAINER_STATE_FILE = "trainer_state.json"

@@ -21,13 +21,13 @@ from torch import Tensor, nn
 from lathe.core.atomic import write_json
 from lathe.core.config import load_config, to_dict
 from lathe.core.errors import ConfigError
+from lathe.core.failpoints import failpoint
 from lathe.data.loader import PackedLoader
 from lathe.data.tokenizer import load_tokenizer, token_byte_lengths
 from lathe.model.config import ModelConfig
 from lathe.model.transformer import Transformer
 from lathe.pretrain.config import PretrainConfig
 from lathe.pretrain.evaluate import sample_continuations, validation_metrics
-from lathe.pretrain.failpoints import failpoint
 from lathe.pretrain.runtime import Runtime, Work
 
 

@@ -6,9 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -103,36 +101,46 @@ def test_refuses_finished_or_mismatched_output(tmp_path):
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_to_the_same_output(tmp_path):
-    make_input(tmp_path / "in", files=16, per_file=12)
+def test_a_run_killed_at_each_phase_resumes_to_the_same_output(tmp_path):
+    make_input(tmp_path / "in", files=6, per_file=8)
     args = [sys.executable, "-m", "lathe.core", "clean", "--recipe", str(WEB),
             "--input", str(tmp_path / "in"), "--num_proc=1", "--no-progress",
             "--source.html_field=html"]
     processes.run([*args, "--output", str(tmp_path / "full")], timeout=300)
-
-    work = tmp_path / "killed" / ".work"
-    proc = subprocess.Popen([*args, "--output", str(tmp_path / "killed")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while not (work / "00003.stats.json").exists():
-        assert proc.poll() is None, "the run ended before it was killed"
-        if time.time() > deadline:
-            proc.kill()
-            pytest.fail("the run wrote no stats within 120 s")
-        time.sleep(0.01)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    done = sorted(work.glob("*.stats.json"))
-    assert 4 <= len(done) < 16, "the run was not killed mid-way"
-    assert not (tmp_path / "killed" / "stats.json").exists()
-
-    processes.run([*args, "--output", str(tmp_path / "killed")], timeout=300)
-    assert output_docs(tmp_path / "killed") == output_docs(tmp_path / "full")
     full = json.loads((tmp_path / "full" / "stats.json").read_text())
-    resumed = json.loads((tmp_path / "killed" / "stats.json").read_text())
-    for name, stage in full["stages"].items():
-        for key in ("docs_in", "kept", "dropped", "edits", "chars_in", "chars_out"):
-            assert resumed["stages"][name][key] == stage[key], (name, key)
+
+    # (failpoint, what the killed run leaves behind)
+    kills = [("clean-shard@3", lambda out: len(list((out / ".work").glob("*.stats.json"))) == 3),
+             ("clean-dedup@0", lambda out: not list(out.glob("part-*"))),
+             ("clean-part@2", lambda out: len(list(out.glob("part-*"))) == 3),
+             ("clean-stats@0", lambda out: (out / "stats.json").exists()
+              and (out / ".work").exists())]
+    for spec, left in kills:
+        out = tmp_path / spec.replace("@", "-")
+        killed = processes.run([*args, "--output", str(out)], timeout=300, check=False,
+                               env={**os.environ, "LATHE_FAILPOINT": spec})
+        assert killed.returncode == -signal.SIGKILL, (spec, killed.stderr[-2000:])
+        assert f"lathe failpoint: SIGKILL at {spec}" in killed.stderr
+        assert left(out), (spec, sorted(p.name for p in out.rglob("*")))
+        processes.run([*args, "--output", str(out)], timeout=300)
+        assert output_docs(out) == output_docs(tmp_path / "full"), spec
+        assert not (out / ".work").exists()
+        resumed = json.loads((out / "stats.json").read_text())
+        for name, stage in full["stages"].items():
+            for key in ("docs_in", "kept", "dropped", "edits", "chars_in", "chars_out"):
+                assert resumed["stages"][name][key] == stage[key], (spec, name, key)
+
+
+def test_worker_processes_exit_with_a_killed_run(tmp_path):
+    """The run's output pipes close only when every worker has exited: before, workers of
+    a killed run waited on their task queue for good (and held the pipes and memory)."""
+    make_input(tmp_path / "in", files=4, per_file=4)
+    killed = processes.run(
+        [sys.executable, "-m", "lathe.core", "clean", "--recipe", str(WEB), "--input",
+         str(tmp_path / "in"), "--output", str(tmp_path / "out"), "--num_proc=2",
+         "--no-progress", "--source.html_field=html"], timeout=60, check=False,
+        env={**os.environ, "LATHE_FAILPOINT": "clean-shard@1"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
 
 
 def write_broken_inputs(folder: Path) -> None:

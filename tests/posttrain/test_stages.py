@@ -160,6 +160,10 @@ def test_sft_resumes_exactly_from_saved_state(base, tmp_path):
     assert sorted(got) == [4, 5, 6]
     for step in (4, 5, 6):
         assert got[step] == pytest.approx(expected[step], abs=1e-6)
+    # the evaluation at step 0 happened before the kill; the summary still has it
+    for key in ("heldout_loss", "accuracy"):
+        assert len(summary(resumed)[key]) == len(summary(whole)[key]) == 2
+        assert summary(resumed)[key] == pytest.approx(summary(whole)[key], abs=1e-6)
 
 
 def long_prompt_file(folder: Path, count: int = 16) -> Path:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from lathe.core import failpoints
 from lathe.core.errors import ConfigError
-from lathe.pretrain import failpoints
 from lathe.pretrain.monitor import MetricsLog
 from lathe.pretrain.state import (
     TRAINER_STATE_FILE,
