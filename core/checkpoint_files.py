@@ -13,6 +13,8 @@ be a link: it is where the user pointed.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,10 @@ def checkpoint_file(folder: str | Path, name: str) -> Path:
     path = Path(folder) / name
     if not path.is_symlink() and not any(p.is_symlink() for p in _inner_parents(folder, name)):
         return path
-    target = path.resolve()
+    try:
+        target = path.resolve()
+    except (RuntimeError, OSError) as error:  # a loop of links, or one that cannot be read
+        raise CheckpointError(f"{path}: a link that cannot be followed ({error})") from None
     root = allowed_root(Path(folder))
     if not target.is_relative_to(root):
         raise CheckpointError(f"{path}: is a link to {target}, outside the checkpoint folder "
@@ -54,11 +59,15 @@ def read_json_object(file: Path) -> dict[str, Any]:
     """A checkpoint's JSON file as a dict, or one `CheckpointError` saying what is wrong
     (unreadable, too large, not JSON, nested too deep, or not an object)."""
     try:
-        size = file.stat().st_size
-        if size > MAX_JSON_BYTES:
-            raise CheckpointError(f"{file}: {size} bytes, more than any checkpoint's JSON file "
-                                  f"({MAX_JSON_BYTES} at most); it is not a config")
-        data = json.loads(file.read_text(encoding="utf-8"))
+        if not stat.S_ISREG(os.stat(file).st_mode):  # before opening: a FIFO would block
+            raise CheckpointError(f"{file}: not a regular file (a device, pipe or folder); "
+                                  "a checkpoint's JSON files are plain files")
+        with open(file, "rb") as f:
+            raw = f.read(MAX_JSON_BYTES + 1)
+        if len(raw) > MAX_JSON_BYTES:
+            raise CheckpointError(f"{file}: more than {MAX_JSON_BYTES} bytes, more than any "
+                                  "checkpoint's JSON file; it is not a config")
+        data = json.loads(raw.decode("utf-8"))
     except (OSError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{file}: cannot be read ({error})") from None
     except json.JSONDecodeError as error:

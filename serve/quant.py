@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from lathe.core.atomic import atomic_directory
+from lathe.core.checkpoint_files import checkpoint_file
 from lathe.kernels.dispatch import use_cpu_kernel
 from lathe.kernels.quant_matmul import (
     int4_matmul,
@@ -143,7 +144,7 @@ def weight_bytes(model: nn.Module) -> int:
 
 def quantization_config(path: str | Path) -> dict | None:
     """The `quantization_config` of a checkpoint folder, or None for a plain checkpoint."""
-    quant = read_json_object(Path(path) / CONFIG_FILE).get("quantization_config")
+    quant = read_json_object(checkpoint_file(path, CONFIG_FILE)).get("quantization_config")
     if quant is not None and (not isinstance(quant, dict) or quant.get("quant_method") != "lathe"
                               or quant.get("mode") not in ("int8", "int4")
                               or not isinstance(quant.get("group_size"), int)
@@ -191,7 +192,7 @@ def load_serving_model(path: str | Path, quantize: QuantMode | None = None,
     with torch.device("meta"):
         model = Transformer(read_model_config(path))
     quantize_linears(model, quant["mode"], quant["group_size"])
-    state = load_safetensors(Path(path) / WEIGHTS_FILE, device)
+    state = load_safetensors(checkpoint_file(path, WEIGHTS_FILE), device)
     # packed weights get allocations of their own: a tensor viewed out of the file may be
     # misaligned for torch's CPU int8/int4 GEMMs
     state = {k: v if v.is_floating_point() else v.clone() for k, v in state.items()}

@@ -5,6 +5,7 @@ bodies, disconnects, keys and broken engines are handled (the real server, raw H
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 import time
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from lathe.core.errors import ConfigError
+from lathe.data.chat_template import read_chat_template
 from lathe.model.checkpoint import CheckpointError
 from lathe.serve.commands import serve_main
 from lathe.serve.engine import EngineConfig, LLMEngine, RequestError
@@ -440,3 +442,35 @@ def test_a_huge_max_position_embeddings_allocates_only_what_the_cache_can_hold(c
     assert len(engine.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 4
     with pytest.raises(RequestError, match="need .* KV blocks but the cache has 8"):
         engine.validate([5] * 200, params)
+
+
+DAMAGE = {
+    "empty": lambda f: f.write_bytes(b""),
+    "junk": lambda f: f.write_bytes(bytes(range(256)) * 4),
+    "truncated": lambda f: f.write_bytes(f.read_bytes()[:max(1, f.stat().st_size // 2)]),
+    "a folder": lambda f: (f.unlink(), f.mkdir()),
+    "a link to itself": lambda f: (f.unlink(), f.symlink_to(f.name)),
+    "a link to /dev/zero": lambda f: (f.unlink(), f.symlink_to("/dev/zero")),
+    "a FIFO": lambda f: (f.unlink(), os.mkfifo(f)),
+    "nested 100k deep": lambda f: f.write_text("[" * 100_000 + "]" * 100_000),
+    "a JSON list": lambda f: f.write_text("[]"),
+}
+
+
+def test_every_checkpoint_file_damaged_every_way_is_one_checkpoint_error(checkpoint,
+                                                                         tmp_path):
+    """Loading for serving (weights, tokenizer, EOS ids, chat template) either works or
+    raises CheckpointError — never another exception, a hang or an allocation spree."""
+    for file in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                 "tokenizer_config.json"):
+        for how, damage in DAMAGE.items():
+            folder = tmp_path / f"{file}-{how}".replace(" ", "-")
+            shutil.copytree(checkpoint, folder)
+            damage(folder / file)
+            try:
+                LLMEngine.from_checkpoint(folder, EngineConfig(num_blocks=8))
+                read_chat_template(folder)
+            except CheckpointError:
+                pass
+            except Exception as error:
+                pytest.fail(f"{file} as {how}: {type(error).__name__}: {error}")
