@@ -87,6 +87,7 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._deadline: asyncio.TimerHandle | None = None
+        self._reading: object = h11.IDLE  # the client's state when its last bytes came
         if len(self.connections) > self.limits.max_connections:
             app = self.app
             self.app = lambda scope, receive, send: _health_only(app, scope, receive, send)
@@ -99,7 +100,7 @@ class GuardedH11Protocol(H11Protocol):
         state = self.conn.their_state
         if state is h11.IDLE and self._deadline is None:  # a new request's first bytes
             self._arm(self.limits.header_seconds)
-        elif state is h11.SEND_BODY and getattr(self, "_reading", None) is not h11.SEND_BODY:
+        elif state is h11.SEND_BODY and self._reading is not h11.SEND_BODY:
             self._arm(self.limits.body_seconds)
         elif state not in (h11.IDLE, h11.SEND_BODY):
             self._disarm()
@@ -114,7 +115,7 @@ class GuardedH11Protocol(H11Protocol):
         self._deadline = self.loop.call_later(seconds, self._expire)
 
     def _disarm(self) -> None:
-        if getattr(self, "_deadline", None) is not None:
+        if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
 
