@@ -11,16 +11,32 @@ Their loops run on torch's intra-op threads (OpenMP); a build whose loops come o
 is warned about.
 
 The build needs what inductor's CPU backend already needs, a C++ compiler (plus ninja), and
-takes ~20 s once (2 cores): torch caches it per machine (`TORCH_EXTENSIONS_DIR`, by default
-~/.cache/torch_extensions), under a name carrying the CPU capability it was compiled for,
-so a cache shared by machines of different ISAs never loads code a CPU cannot run. When
-the build fails the caller is warned once and keeps the PyTorch reference paths.
+takes ~20-90 s once (2 cores). It cannot hang a start:
+
+- The library lives in a folder of its own per build (`TORCH_EXTENSIONS_DIR`, by default
+  ~/.cache/torch_extensions, then `lathe/cpu-ISA-KEY`), KEY hashing the Python environment
+  (`sys.prefix`), Python, torch, the flags and the sources: two virtual environments, two
+  torch versions or two ISAs never rebuild or load each other's library.
+- One process builds, under an `flock` on the folder's `build.lock`, which the kernel
+  releases when its holder dies however it dies (torch's own lock file, left by a killed
+  build, made every later start wait forever). Others wait at most `BUILD_WAIT_SECONDS`
+  (600; `LATHE_KERNEL_BUILD_WAIT` overrides it).
+- The build happens in a private folder and the library is published by one rename, so
+  nobody ever loads half a library.
+- Failing, or waiting too long, warns once and keeps the PyTorch reference paths;
+  `build_status()` says what a start is waiting for meanwhile (the server's /health shows it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,35 +62,136 @@ _ISA_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
 }
 
+BUILD_WAIT_SECONDS = 600.0  # how long a start waits for another process's build
+LIBRARY = "lathe_cpu_kernels"
+
 _loaded: bool | None = None  # None: not tried yet
+_status: str | None = None  # what loading is busy with, for /health
 
 
 def load_cpu_kernels() -> bool:
-    """Build (at most once per machine) and load the native CPU kernels; whether they are
-    loaded. A failed build warns once and is not retried in this process."""
-    global _loaded
+    """Build (at most once per environment) and load the native CPU kernels; whether they
+    are loaded. A failed or timed-out build warns once and is not retried in this process."""
+    global _loaded, _status
     if _loaded is None:
-        from torch.utils import cpp_extension
-
         isa = torch.backends.cpu.get_cpu_capability()
+        # -fopenmp: `at::parallel_for` is an OpenMP loop in the headers, serial in code
+        # compiled without it; the library then binds to the libgomp torch has loaded, so
+        # it shares torch's threads (and `torch.set_num_threads`)
+        cflags = ["-O3", "-ffast-math", "-fopenmp", *_ISA_FLAGS.get(isa, [])]
         try:
-            cpp_extension.load(
-                name=f"lathe_cpu_kernels_{isa.lower().replace(' ', '_')}",
-                sources=[str(path) for path in _SOURCES],
-                # -fopenmp: `at::parallel_for` is an OpenMP loop in the headers, serial in
-                # code compiled without it; the library then binds to the libgomp torch
-                # has loaded, so it shares torch's threads (and `torch.set_num_threads`)
-                extra_cflags=["-O3", "-ffast-math", "-fopenmp", *_ISA_FLAGS.get(isa, [])],
-                extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+            build_library(build_folder(isa, cflags), _SOURCES, cflags, ["-fopenmp"])
             _loaded = True
             _check_threads()
-        except (RuntimeError, OSError, ImportError) as error:
+        except (RuntimeError, OSError, ImportError, TimeoutError) as error:
             warnings.warn(f"lathe's native CPU kernels did not build or load ({error}); "
                           "CPU decode attention, linears, element-wise layers and greedy picks "
                           "run on their PyTorch references and compiled steps call the "
                           "quantized GEMMs through Python instead", stacklevel=2)
             _loaded = False
+        finally:
+            _status = None
     return _loaded
+
+
+def build_status() -> str | None:
+    """What `load_cpu_kernels` is waiting for right now (None when it is not running)."""
+    return _status
+
+
+def build_folder(isa: str, cflags: list[str], sources: list[Path] = _SOURCES) -> Path:
+    """Where the library built for this environment, torch, ISA, flags and sources lives."""
+    key = hashlib.sha256()
+    for part in (sys.prefix, sys.version, torch.__version__, isa, *cflags):
+        key.update(part.encode() + b"\0")
+    for path in sources:
+        key.update(path.read_bytes())
+    return extensions_root() / "lathe" / \
+        f"cpu-{isa.lower().replace(' ', '_')}-{key.hexdigest()[:16]}"
+
+
+def extensions_root() -> Path:
+    """Where torch (and so DeepSpeed) builds C++ extensions, lathe's folder included."""
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR")
+                or Path.home() / ".cache" / "torch_extensions")
+
+
+def stale_torch_build_locks() -> list[Path]:
+    """The `lock` files of torch's own extension builds (DeepSpeed's ops) under
+    `extensions_root()`: torch waits before building for as long as one exists, forever
+    when the build that made it was killed, without a word."""
+    root = extensions_root()
+    return sorted(root.glob("*/lock")) + sorted(root.glob("*/*/lock")) if root.is_dir() else []
+
+
+def build_library(folder: Path, sources: list[Path], cflags: list[str],
+                  ldflags: list[str], wait_seconds: float | None = None) -> None:
+    """Load `folder`'s published library into this process, building it first (once, by
+    one process, under `folder/build.lock`) when it is not there."""
+    global _status
+    library = folder / f"{LIBRARY}.so"
+    if not library.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        if wait_seconds is None:
+            wait_seconds = float(os.environ.get("LATHE_KERNEL_BUILD_WAIT", BUILD_WAIT_SECONDS))
+        with build_lock(folder / "build.lock", wait_seconds):
+            if not library.is_file():
+                _status = f"building lathe's native CPU kernels into {folder} (once, ~1 min)"
+                print(f"lathe: {_status}", file=sys.stderr, flush=True)
+                _build(folder, library, sources, cflags, ldflags)
+                return  # the build loaded it
+    torch.ops.load_library(str(library))
+
+
+def _build(folder: Path, library: Path, sources: list[Path], cflags: list[str],
+           ldflags: list[str]) -> None:
+    """Build in a private folder (loading the result), then publish it by one rename."""
+    from torch.utils import cpp_extension
+
+    for leftover in folder.glob("build-*"):  # of builds that died holding the lock
+        shutil.rmtree(leftover, ignore_errors=True)
+    private = Path(tempfile.mkdtemp(prefix="build-", dir=folder))
+    try:
+        cpp_extension.load(name=LIBRARY, sources=[str(path) for path in sources],
+                           extra_cflags=cflags, extra_ldflags=ldflags,
+                           build_directory=str(private), is_python_module=False,
+                           verbose=False)
+        os.replace(private / f"{LIBRARY}.so", library)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def build_lock(path: Path, wait_seconds: float) -> Iterator[None]:
+    """Hold an exclusive `flock` on `path`, waiting at most `wait_seconds` (TimeoutError).
+    The kernel drops the lock when its holder exits, killed or not, so a dead builder
+    never blocks the next one; the holder's pid is written in the file for the message."""
+    global _status
+    import fcntl
+
+    with open(path, "a+") as handle:
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "another process"
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{path} is still held by pid {holder} after "
+                                       f"{wait_seconds:g} s") from None
+                _status = (f"waiting for pid {holder} to finish building lathe's native CPU "
+                           f"kernels ({path})")
+                time.sleep(0.25)
+        try:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(str(os.getpid()))
+            handle.flush()
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def cpu_kernels_loaded() -> bool:

@@ -36,6 +36,8 @@ import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
+from lathe.kernels.cpu_native import stale_torch_build_locks
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -77,6 +79,8 @@ def build_accelerator(**kwargs: Any) -> Accelerator:
     launch = requested_launch()
     if "TORCHELASTIC_RUN_ID" in os.environ:
         exit_with_launcher()
+    if launch.distributed_type is DistributedType.DEEPSPEED:
+        warn_stale_build_locks()
     bridge = needs_cpu_bridge(launch)
     if bridge:
         PartialState(cpu=True)  # one gloo group of WORLD_SIZE processes
@@ -85,6 +89,17 @@ def build_accelerator(**kwargs: Any) -> Accelerator:
         _attach_fsdp_plugin(accelerator)
     check_launch(accelerator, launch)
     return accelerator
+
+
+def warn_stale_build_locks() -> None:
+    """Say so (rank 0) when torch's extension builds, which DeepSpeed's ops go through, will
+    wait on a lock file: one left by a killed build makes the start wait forever, silently."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    for lock in stale_torch_build_locks():
+        print(f"lathe: warning: {lock} exists; torch waits on it before building DeepSpeed's "
+              f"{lock.parent.name} op — forever if the build that left it was killed. Delete "
+              "it unless a build is running now.", file=sys.stderr, flush=True)
 
 
 def exit_with_launcher() -> None:

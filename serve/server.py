@@ -4,13 +4,14 @@
 connection cap past which only /health answers, a bounded drain at shutdown).
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (JSON or
-Server-Sent Events), `GET /health` (503 until the model has loaded, and for good once the
-engine has failed) and `GET /metrics` (Prometheus). Every error is OpenAI's error JSON:
-400 for invalid or unsupported input (naming the field), 401 without the configured API
-key, 404 for an unknown model or path, 413 for a body over the limit (counted on the
-bytes read, chunked or not), 429 when the waiting queue is full, 503 while loading or
-after an engine failure. A bad request fails alone and never reaches a 500. A client that
-disconnects, streaming or not, is aborted and its KV blocks freed.
+Server-Sent Events), `GET /health` (503 until the model has loaded, saying what the load
+waits for, and for good once the engine has failed) and `GET /metrics` (Prometheus).
+Every error is OpenAI's error JSON: 400 for invalid or unsupported input (naming the
+field), 401 without the configured API key, 404 for an unknown model or path, 413 for a
+body over the limit (counted on the bytes read, chunked or not), 429 when the waiting
+queue is full, 503 while loading or after an engine failure. A bad request fails alone and
+never reaches a 500. A client that disconnects, streaming or not, is aborted and its KV
+blocks freed.
 
 With an API key, every route but /health needs it (compared in constant time, any case
 of the `Bearer` scheme); /metrics too when `protect_metrics` is set. The interactive docs
@@ -40,6 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lathe.data.chat_template import ChatTemplateError, read_chat_template
 from lathe.data.template_worker import TemplateWorker
+from lathe.kernels.cpu_native import build_status
 from lathe.model.checkpoint import CheckpointError
 from lathe.serve.async_engine import AsyncEngine, EngineDead, QueueFull
 from lathe.serve.connections import (
@@ -258,7 +260,10 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
     @app.get("/health")
     async def health() -> Response:
         if state.engine is None:
-            return JSONResponse({"status": state.load_error or "loading"}, status_code=503)
+            if state.load_error is not None:
+                return JSONResponse({"status": state.load_error}, status_code=503)
+            return JSONResponse({"status": "loading", "detail": build_status()
+                                 or f"loading {config.checkpoint}"}, status_code=503)
         if state.engine.dead is not None:
             return JSONResponse({"status": str(state.engine.dead)}, status_code=503)
         return JSONResponse({"status": "ok"})

@@ -120,12 +120,13 @@ def test_heads_that_do_not_group_are_refused():
                          v[:, :1].expand(-1, 3, -1).contiguous(), tables, lens, 16)
 
 
-def test_a_failed_build_warns_once_and_keeps_the_reference(monkeypatch):
+def test_a_failed_build_warns_once_and_keeps_the_reference(monkeypatch, tmp_path):
     from torch.utils import cpp_extension
 
     def no_compiler(**_):
         raise RuntimeError("Error building extension 'lathe_cpu_kernels': c++ not found")
 
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built there yet
     monkeypatch.setattr(cpu_native, "_loaded", None)
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     with pytest.warns(UserWarning, match="PyTorch reference"):
@@ -137,6 +138,8 @@ def test_a_failed_build_warns_once_and_keeps_the_reference(monkeypatch):
     q, k, v, tables, lens = paged_inputs(2, 4, 2, 32, 16, [5, 20])
     assert torch.equal(paged_decode(q, k, v, tables, lens, 16),
                        paged_decode_reference(q, k, v, tables, lens, 16))
+    folder = next((tmp_path / "lathe").iterdir())
+    assert sorted(p.name for p in folder.iterdir()) == ["build.lock"]  # no half-built leftovers
 
 
 def test_engine_greedy_tokens_match_the_gather_path():

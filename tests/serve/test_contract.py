@@ -16,6 +16,7 @@ import torch
 
 from lathe.core.errors import ConfigError
 from lathe.data.chat_template import read_chat_template
+from lathe.kernels import cpu_native
 from lathe.model.checkpoint import CheckpointError
 from lathe.serve.commands import serve_main
 from lathe.serve.engine import EngineConfig, LLMEngine, RequestError
@@ -474,3 +475,27 @@ def test_every_checkpoint_file_damaged_every_way_is_one_checkpoint_error(checkpo
                 pass
             except Exception as error:
                 pytest.fail(f"{file} as {how}: {type(error).__name__}: {error}")
+
+
+def test_health_says_what_loading_waits_for(checkpoint, monkeypatch):
+    release = threading.Event()
+
+    def slow_load() -> LLMEngine:
+        release.wait(30)
+        return LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=8))
+
+    server, thread, url = start_server(checkpoint, slow_load)
+    try:
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503
+        assert health.json() == {"status": "loading", "detail": f"loading {checkpoint}"}
+        monkeypatch.setattr(cpu_native, "_status", "waiting for pid 7 to finish building")
+        assert httpx.get(f"{url}/health").json()["detail"] == \
+            "waiting for pid 7 to finish building"
+        monkeypatch.undo()
+        release.set()
+        wait_healthy(url)
+    finally:
+        release.set()
+        server.should_exit = True
+        thread.join(timeout=10)
