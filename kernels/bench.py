@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lathe.kernels.argmax import argmax_cpu
-from lathe.kernels.attention import causal_attention_reference, causal_attention_triton
+from lathe.kernels.attention import causal_attention_reference
+from lathe.kernels.attention_triton import causal_attention_triton
 from lathe.kernels.cpu_native import load_cpu_kernels
 from lathe.kernels.decode_linear import (
     MAX_ROWS,
@@ -30,30 +31,28 @@ from lathe.kernels.decode_linear import (
     decode_linear_int8_cpu,
     decode_linear_reference,
 )
-from lathe.kernels.fused_ce import linear_cross_entropy_reference, linear_cross_entropy_triton
-from lathe.kernels.paged_attention import (
-    paged_decode_cpu,
-    paged_decode_reference,
-    paged_decode_triton,
-)
+from lathe.kernels.fused_ce import linear_cross_entropy_reference
+from lathe.kernels.fused_ce_triton import linear_cross_entropy_triton
+from lathe.kernels.paged_attention import paged_decode_cpu, paged_decode_reference
+from lathe.kernels.paged_attention_triton import paged_decode_triton
 from lathe.kernels.quant_matmul import (
     dequantize_int4,
     dequantize_int8,
     int4_matmul_reference,
-    int4_matmul_triton,
     int8_matmul_reference,
-    int8_matmul_triton,
 )
+from lathe.kernels.quant_matmul_triton import int4_matmul_triton, int8_matmul_triton
 from lathe.kernels.rmsnorm import (
     add_rms_norm_cpu,
     add_rms_norm_reference,
-    add_rms_norm_triton,
     rms_norm_cpu,
     rms_norm_reference,
-    rms_norm_triton,
 )
-from lathe.kernels.rope import rope_cpu, rope_reference, rope_triton
-from lathe.kernels.swiglu import swiglu_cpu, swiglu_reference, swiglu_triton
+from lathe.kernels.rmsnorm_triton import add_rms_norm_triton, rms_norm_triton
+from lathe.kernels.rope import rope_cpu, rope_reference
+from lathe.kernels.rope_triton import rope_triton
+from lathe.kernels.swiglu import swiglu_cpu, swiglu_reference
+from lathe.kernels.swiglu_triton import swiglu_triton
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,17 +12,16 @@ each call, so tests and benchmarks can flip them.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 from collections.abc import Callable, Iterator
 
 import torch
 
-try:
-    import triton  # noqa: F401
-
-    HAVE_TRITON = True
-except ImportError:  # e.g. macOS: the references still run
-    HAVE_TRITON = False
+# Whether Triton is installed, without importing it: each op imports its Triton module
+# (`<op>_triton.py`) only when a Triton path runs, so lathe imports where it is missing
+# (macOS, Windows) and its references and native CPU kernels run there.
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 KERNELS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "int8_matmul", "int4_matmul",
            "linear_cross_entropy", "paged_decode", "causal_attention", "decode_linear",

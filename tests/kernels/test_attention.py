@@ -10,11 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lathe.kernels.attention import (
-    causal_attention,
-    causal_attention_reference,
-    causal_attention_triton,
-)
+from lathe.kernels.attention import causal_attention, causal_attention_reference
+from lathe.kernels.attention_triton import causal_attention_triton
 from lathe.kernels.dispatch import kernels_off
 from tests.kernels.target import DEVICE, DTYPES, enable_kernels
 
@@ -68,10 +65,11 @@ def test_square_attention_takes_sdpa_and_chunks_after_context_take_the_kernel(mo
     """SDPA's flash backend beat the kernel on square causal attention on an H100, so the
     dispatch sends only Sq < Sk (a chunk after cached context) to Triton."""
     import lathe.kernels.attention as attention
+    import lathe.kernels.attention_triton as attention_triton
     enable_kernels(monkeypatch)
     calls = []
-    kernel = attention.causal_attention_triton
-    monkeypatch.setattr(attention, "causal_attention_triton",
+    kernel = attention_triton.causal_attention_triton
+    monkeypatch.setattr(attention_triton, "causal_attention_triton",
                         lambda q, k, v: calls.append(q.shape[2]) or kernel(q, k, v))
     q, k, v = qkv(1, 4, 2, 12, 12, 16, torch.float32)
     attention.causal_attention(q, k, v)

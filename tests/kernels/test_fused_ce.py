@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lathe.kernels.dispatch import kernels_off
-from lathe.kernels.fused_ce import linear_cross_entropy_reference, linear_cross_entropy_triton
+from lathe.kernels.fused_ce import linear_cross_entropy_reference
+from lathe.kernels.fused_ce_triton import linear_cross_entropy_triton
 from tests.kernels.target import DEVICE, DTYPES, enable_kernels
 
 TOLERANCE = {torch.float32: (1e-5, 1e-5, 1e-4), torch.float16: (1e-3, 1e-2, 1e-2),

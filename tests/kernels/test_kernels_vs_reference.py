@@ -10,14 +10,10 @@ import pytest
 import torch
 
 from lathe.kernels.dispatch import kernels_off
-from lathe.kernels.rmsnorm import (
-    add_rms_norm_reference,
-    add_rms_norm_triton,
-    rms_norm,
-    rms_norm_reference,
-    rms_norm_triton,
-)
-from lathe.kernels.swiglu import swiglu_reference, swiglu_triton
+from lathe.kernels.rmsnorm import add_rms_norm_reference, rms_norm, rms_norm_reference
+from lathe.kernels.rmsnorm_triton import add_rms_norm_triton, rms_norm_triton
+from lathe.kernels.swiglu import swiglu_reference
+from lathe.kernels.swiglu_triton import swiglu_triton
 from tests.kernels.target import DEVICE, DTYPES, enable_kernels
 
 SHAPES = [(2, 5, 64), (1, 96), (37, 200), (3, 130)]  # non-power-of-two widths, a single row
@@ -129,7 +125,8 @@ def test_model_forward_and_backward_match_with_kernels_on(monkeypatch):
 @pytest.mark.parametrize("batch, heads, kv_heads, seq, dim", [(2, 4, 1, 7, 32), (1, 8, 8, 1, 64),
                                                                (3, 8, 2, 5, 48)])
 def test_rope_matches_reference(batch, heads, kv_heads, seq, dim, dtype):
-    from lathe.kernels.rope import rope_reference, rope_triton
+    from lathe.kernels.rope import rope_reference
+    from lathe.kernels.rope_triton import rope_triton
     atol, rtol, grad_tol = TOLERANCE[dtype]
     g = torch.Generator().manual_seed(0)
     q = torch.randn(batch, heads, seq, dim, generator=g).to(DEVICE, dtype).requires_grad_()

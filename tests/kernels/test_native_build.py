@@ -154,3 +154,35 @@ def test_torch_build_locks_left_behind_are_reported(tmp_path, monkeypatch, capsy
     err = capsys.readouterr().err
     assert "fused_adam/lock exists; torch waits on it before building DeepSpeed's fused_adam" \
         in err and "Delete it unless a build is running now" in err
+
+
+WITHOUT_TRITON = """
+import sys
+sys.modules["triton"] = None  # `import triton` now fails, as where it is not installed
+import torch
+from lathe.kernels.dispatch import HAVE_TRITON
+from lathe.model import ModelConfig, Transformer
+from lathe.serve import EngineConfig, LLMEngine, SamplingParams
+assert not HAVE_TRITON
+torch.manual_seed(0)
+model = Transformer(ModelConfig.from_preset("tiny", vocab_size=64, n_layers=1))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+ids = torch.randint(0, 64, (2, 16))
+losses = []
+for _ in range(3):
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    losses.append(loss.item())
+engine = LLMEngine(model.eval(), None, EngineConfig(num_blocks=8))
+out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))
+print(losses[-1] < losses[0], len(out[0].outputs[0].token_ids), sys.modules["triton"])
+"""
+
+
+@pytest.mark.parametrize("kernels", ["1", "force"])
+def test_lathe_trains_and_generates_where_triton_cannot_be_imported(kernels):
+    result = processes.run([sys.executable, "-c", WITHOUT_TRITON], timeout=120,
+                           env={**os.environ, "LATHE_KERNELS": kernels})
+    assert result.stdout.split() == ["True", "4", "None"], result.stdout + result.stderr

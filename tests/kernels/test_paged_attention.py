@@ -10,13 +10,8 @@ import pytest
 import torch
 
 from lathe.kernels.dispatch import kernels_off
-from lathe.kernels.paged_attention import (
-    OPAQUE_FROM_ROWS,
-    num_partitions,
-    paged_decode,
-    paged_decode_reference,
-    paged_decode_triton,
-)
+from lathe.kernels.paged_attention import OPAQUE_FROM_ROWS, paged_decode, paged_decode_reference
+from lathe.kernels.paged_attention_triton import num_partitions, paged_decode_triton
 from tests.kernels.target import DEVICE, DTYPES, enable_kernels
 
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3),

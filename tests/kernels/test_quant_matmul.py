@@ -13,15 +13,17 @@ import triton
 from lathe.kernels.decode_linear import MAX_ROWS
 from lathe.kernels.dispatch import kernels_off
 from lathe.kernels.quant_matmul import (
-    _int4_matmul,
-    _int8_matmul,
-    all_configs,
     int4_matmul_cpu,
     int4_matmul_reference,
-    int4_matmul_triton,
     int4_pack_for_cpu,
     int8_matmul_cpu,
     int8_matmul_reference,
+)
+from lathe.kernels.quant_matmul_triton import (
+    _int4_matmul,
+    _int8_matmul,
+    all_configs,
+    int4_matmul_triton,
     int8_matmul_triton,
     prune_configs,
     row_bucket,
