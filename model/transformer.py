@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from lathe.kernels import (
     add_rms_norm,
     causal_attention,
+    configure_kernels,
     linear_cross_entropy,
     rms_norm,
     rope,
@@ -173,6 +174,7 @@ class Decoder(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
+        configure_kernels()  # which kernels its ops take, chosen once, here
         self.config = config
         self.model = Decoder(config)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)

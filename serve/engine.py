@@ -32,6 +32,7 @@ from lathe.core.checkpoint_files import checkpoint_file
 from lathe.core.errors import ConfigError
 from lathe.core.reporting import progress_bar
 from lathe.data.tokenizer import load_tokenizer, vocabulary_difference
+from lathe.kernels import configure_kernels
 from lathe.model.checkpoint import CheckpointError, read_eos_ids
 from lathe.model.transformer import Transformer
 from lathe.serve.block_manager import BlockManager
@@ -150,6 +151,7 @@ class LLMEngine:
         """`kv_dtype`: the KV cache's dtype, by default the weights'; a training stage
         passes its autocast dtype (see `lathe.pretrain.precision`). `draft_model`: the
         proposer of `config.speculative` with method "draft"."""
+        configure_kernels()  # which kernels its steps take, chosen once, here
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()

@@ -22,6 +22,16 @@ def _seed():
 
 
 @pytest.fixture(autouse=True)
+def _kernel_policy():
+    """A test that changes the kernel switches (and builds a model, or calls configure)
+    leaves the next test the policy it found."""
+    from lathe.kernels import dispatch
+    saved = dispatch._resolved, list(dispatch._off), dispatch._policy
+    yield
+    dispatch._resolved, dispatch._off[:], dispatch._policy = saved
+
+
+@pytest.fixture(autouse=True)
 def _fresh_accelerate_state():
     """Every in-process training run starts from accelerate's state as a new process would:
     one test's bf16 Accelerator must not leak into the next test's fp32 one."""

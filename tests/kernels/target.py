@@ -9,6 +9,8 @@ import os
 import pytest
 import torch
 
+from lathe.kernels import dispatch
+
 COMPILED = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 DEVICE = "cuda" if COMPILED else "cpu"
 DTYPES = [torch.float32, torch.float16, pytest.param(
@@ -18,7 +20,8 @@ DTYPES = [torch.float32, torch.float16, pytest.param(
 
 
 def enable_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make the dispatch pick Triton: on CUDA it does by default; on CPU force it onto the
-    interpreter (`LATHE_KERNELS=force`). Compare with `lathe.kernels.dispatch.kernels_off`."""
-    if not COMPILED:
-        monkeypatch.setenv("LATHE_KERNELS", "force")
+    """Make the dispatch pick Triton for every kernel (`LATHE_KERNELS=force`): on CPU onto
+    the interpreter, on CUDA the ones the defaults table leaves off too. Compare with
+    `lathe.kernels.dispatch.kernels_off`. tests/conftest.py restores the policy after."""
+    monkeypatch.setenv("LATHE_KERNELS", "force")
+    dispatch.configure()

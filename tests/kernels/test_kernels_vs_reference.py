@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lathe.core.errors import ConfigError
 from lathe.kernels.dispatch import kernels_off
 from lathe.kernels.rmsnorm import add_rms_norm_reference, rms_norm, rms_norm_reference
 from lathe.kernels.rmsnorm_triton import add_rms_norm_triton, rms_norm_triton
@@ -73,33 +74,78 @@ def test_swiglu_matches_reference(shape, dtype):
 
 
 def test_dispatch_picks_the_reference_off_gpu_and_honours_switches(monkeypatch):
+    from lathe.kernels.dispatch import configure, kernel_enabled, use_triton
+    for name in ("LATHE_KERNELS", "LATHE_KERNELS_DISABLE", "LATHE_KERNELS_ENABLE"):
+        monkeypatch.delenv(name, raising=False)
+    configure()
     x, weight = torch.randn(4, 32), torch.ones(32)
     assert torch.equal(rms_norm(x, weight, 1e-5), rms_norm_reference(x, weight, 1e-5))
-    from lathe.kernels.dispatch import kernel_enabled, use_triton
     assert not use_triton("rms_norm", x)
+    # the measured defaults: on CUDA rms_norm wins, rope and fused CE lose to torch.compile
+    assert kernel_enabled("rms_norm") and kernel_enabled("paged_decode")
+    assert not kernel_enabled("rope") and not kernel_enabled("linear_cross_entropy")
+    assert kernel_enabled("rope", "cpu") and not kernel_enabled("linear_cross_entropy", "cpu")
     monkeypatch.setenv("LATHE_KERNELS", "force")
-    assert use_triton("rms_norm", x)
+    assert not use_triton("rms_norm", x)  # read when a model or engine is built, not per call
+    configure()
+    assert use_triton("rms_norm", x) and use_triton("rope", x)
     monkeypatch.setenv("LATHE_KERNELS_DISABLE", "swiglu")
+    configure()
     assert kernel_enabled("rms_norm") and not kernel_enabled("swiglu")
+    monkeypatch.setenv("LATHE_KERNELS", "1")
+    monkeypatch.setenv("LATHE_KERNELS_ENABLE", "rope")
+    configure()
+    assert kernel_enabled("rope") and kernel_enabled("rms_norm") and not kernel_enabled("swiglu")
     monkeypatch.setenv("LATHE_KERNELS", "0")
-    assert not use_triton("rms_norm", x)
+    configure()
+    assert not use_triton("rms_norm", x) and not kernel_enabled("rope", "cpu")
     with pytest.raises(ValueError, match="unknown kernel"):
         kernel_enabled("flash")
+    monkeypatch.setenv("LATHE_KERNELS_DISABLE", "flash")
+    with pytest.raises(ConfigError, match="LATHE_KERNELS_DISABLE: unknown kernel.* flash"):
+        configure()
+    monkeypatch.setenv("LATHE_KERNELS", "on")
+    with pytest.raises(ConfigError, match="LATHE_KERNELS='on' must be 1"):
+        configure()
 
 
 def test_kernels_off_turns_named_or_all_kernels_off_and_restores(monkeypatch):
-    from lathe.kernels.dispatch import kernel_enabled, kernels_off
-    monkeypatch.setenv("LATHE_KERNELS_DISABLE", "rope")
+    from lathe.kernels.dispatch import configure, kernel_enabled, kernels_off
+    monkeypatch.setenv("LATHE_KERNELS_DISABLE", "paged_decode")
     monkeypatch.delenv("LATHE_KERNELS", raising=False)
-    with kernels_off("swiglu"):
-        assert not kernel_enabled("swiglu") and not kernel_enabled("rope")
+    configure()
+    with kernels_off("int8_matmul"):
+        assert not kernel_enabled("int8_matmul") and not kernel_enabled("paged_decode")
         assert kernel_enabled("rms_norm")
-    assert kernel_enabled("swiglu") and not kernel_enabled("rope")
+        configure()  # a model built inside the block keeps it narrowed
+        assert not kernel_enabled("int8_matmul")
+    assert kernel_enabled("int8_matmul") and not kernel_enabled("paged_decode")
     with kernels_off():
-        assert not any(kernel_enabled(n) for n in ("rms_norm", "paged_decode"))
+        assert not any(kernel_enabled(n, d) for n in ("rms_norm", "swiglu")
+                       for d in ("cuda", "cpu"))
     assert kernel_enabled("rms_norm")
     with pytest.raises(ValueError, match="unknown kernel"), kernels_off("flash"):
         pass
+
+
+def test_the_defaults_table_names_its_measurements_and_is_read_once_per_build(monkeypatch):
+    from lathe.kernels import dispatch
+    from lathe.kernels.defaults import DEFAULTS
+    from lathe.model import ModelConfig, Transformer
+    for (name, device), entry in DEFAULTS.items():
+        assert name in dispatch.KERNELS and device in dispatch.DEVICES
+        assert entry.figure and entry.command.startswith(("python -m", "Int8Linear"))
+        assert entry.measured[:10].count("-") == 2 and ("H100" in entry.measured
+                                                        or "torch 2.13.0+cpu" in entry.measured)
+    resolved = []
+    real = dispatch.KernelPolicy.from_environment
+    monkeypatch.setattr(dispatch.KernelPolicy, "from_environment",
+                        classmethod(lambda cls, *a: resolved.append(1) or real(*a)))
+    model = Transformer(ModelConfig.from_preset("tiny", vocab_size=64, n_layers=1))
+    assert len(resolved) == 1
+    ids = torch.randint(0, 64, (2, 8))
+    model(ids, labels=ids).loss.backward()
+    assert len(resolved) == 1  # the forward and backward only asked the resolved policy
 
 
 def test_model_forward_and_backward_match_with_kernels_on(monkeypatch):

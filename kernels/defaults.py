@@ -1,0 +1,86 @@
+"""Which of lathe's kernels run by default on each device, and the measurement behind each
+choice. The dispatch reads this table once, when a model or engine is built
+(`lathe.kernels.dispatch.configure`); `LATHE_KERNELS*` variables override it.
+
+The rule: a kernel is on by default on a device only where it measured at least as fast
+as the best of what it replaces there — eager PyTorch and torch.compile — in the case it
+is used for (forward + backward for a training op, forward for an inference op). A tie
+that is not a win stays off; a case never measured stays off. On CUDA the kernels are
+Triton's; on CPU they are lathe's native C++ ops (`cpu_native`) or, for the quantized
+GEMMs, torch's own int8/int4 GEMMs, which take the place of dequantize-then-matmul.
+Update an entry only from a new run of its command, and say what it measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Default:
+    on: bool
+    figure: str  # the measured case: the kernel's time against what it replaces
+    measured: str  # date, device, software
+    command: str
+
+
+H100 = "2026-11-24, NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, bf16"
+CPU = "2026-11-25, AMD EPYC (AVX-512), 2 threads, torch 2.13.0+cpu, float32"
+CPU_LATE = "2026-11-24 (late), x86_64, 2 threads, torch 2.13.0+cpu, float32"
+CPU_NOW = ("2026-11-26, AMD EPYC (AVX-512), 2 threads, torch 2.13.0+cpu, float32, cores "
+           "shared with a test run")
+BENCH = "python -m lathe.kernels.bench"
+QUANT = ("Int8Linear / Int4Linear(2048 -> 8192) forward, median of 30, against "
+         "kernels_off('int8_matmul', 'int4_matmul', 'decode_linear')")
+
+DEFAULTS: dict[tuple[str, str], Default] = {
+    ("rms_norm", "cuda"): Default(
+        True, "16384 x 2048, forward+backward 592 us; torch.compile 770, eager 1,860",
+        H100, BENCH),
+    ("add_rms_norm", "cuda"): Default(
+        False, "16384 x 2048, forward+backward 1,057 us; torch.compile 796, eager 2,089 "
+        "(forward alone 99 against compile's 103)", H100, BENCH),
+    ("swiglu", "cuda"): Default(
+        False, "16384 x 8192, forward+backward 1,327.2 us; torch.compile 1,326.7 (a tie), "
+        "eager 1,853", H100, BENCH),
+    ("rope", "cuda"): Default(
+        False, "4 x 2048 tokens, 32/8 heads of 64, forward+backward 808 us; torch.compile "
+        "328, eager 731", H100, BENCH),
+    ("linear_cross_entropy", "cuda"): Default(
+        False, "8192 x 2048 -> 128256, forward+backward 115,242 us; torch.compile 21,123 "
+        "(same 2.5 GiB peak), eager 34,559 (12.0 GiB)", H100, BENCH),
+    ("causal_attention", "cuda"): Default(
+        False, "4 x 2048 tokens, 32/8 heads of 64, forward+backward 1,376 us; SDPA 852, "
+        "torch.compile 862 (square attention; chunks after cached context, the only case "
+        "dispatched to it, not measured)", H100, BENCH),
+    ("int8_matmul", "cuda"): Default(
+        True, "32 x 2048 -> 8192, 36.7 us; torch.compile 97.1, eager dequantize + matmul "
+        "163.8", H100, BENCH),
+    ("int4_matmul", "cuda"): Default(
+        True, "32 x 2048 -> 8192, 46.5 us; torch.compile 97.2, eager dequantize + matmul "
+        "264.5", H100, BENCH),
+    ("paged_decode", "cuda"): Default(
+        True, "32 x 2,048 tokens, 90 us; torch.compile 158, gather + SDPA 181; one 32k "
+        "sequence 63 against 112 and 115", H100, BENCH),
+    ("rms_norm", "cpu"): Default(
+        True, "1440 tokens of 128, 13.1 us; torch.compile 51.1, eager 56.5", CPU, BENCH),
+    ("add_rms_norm", "cpu"): Default(
+        True, "1440 tokens of 128, 32.3 us; torch.compile 64.3, eager 91.4", CPU, BENCH),
+    ("swiglu", "cpu"): Default(
+        True, "1440 x 352, 105.9 us; torch.compile 139.9, eager 145.0", CPU, BENCH),
+    ("rope", "cpu"): Default(
+        True, "1440 tokens of 128, 4/2 heads of 32, 41.5 us; torch.compile 79.8, eager 214.3",
+        CPU, BENCH),
+    ("paged_decode", "cpu"): Default(
+        True, "16 x 128 tokens, 20.9 us; torch.compile 112.7, gather + SDPA 119.5",
+        CPU_LATE, BENCH),
+    ("decode_linear", "cpu"): Default(
+        True, "1 x 128 -> 4096, 16.8 us against F.linear's 65.1; 64 x 128 -> 4096 421.3 "
+        "against 438.8", CPU_LATE, BENCH),
+    ("argmax", "cpu"): Default(
+        True, "1 x 4096, 1.9 us against torch.argmax's 5.1", CPU_LATE, BENCH),
+    ("int8_matmul", "cpu"): Default(
+        True, "1 row 749 us against 79,531; 32 rows 23,951 against 110,658", CPU_NOW, QUANT),
+    ("int4_matmul", "cpu"): Default(
+        True, "1 row 458 us against 133,551; 32 rows 31,999 against 177,463", CPU_NOW, QUANT),
+}
