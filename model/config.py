@@ -1,4 +1,5 @@
-"""The model's shape: `ModelConfig`, its named presets, and its Hugging Face `LlamaConfig` form.
+"""The model's shape: `ModelConfig`, its named presets, and its Hugging Face `config.json`
+form for each family lathe takes (`lathe.model.families`).
 
 Everything that describes the architecture lives here, so that the transformer, the
 checkpoint writer, the FLOP counter and (later) the GGUF exporter all read one object.
@@ -12,6 +13,7 @@ from typing import Any
 
 from lathe.core.config import from_dict
 from lathe.core.errors import ConfigError
+from lathe.model.families import FAMILIES, family_switches
 
 
 @dataclass
@@ -26,12 +28,17 @@ class RopeScaling:
 
 @dataclass
 class ModelConfig:
-    """A decoder-only Llama-architecture transformer.
+    """A decoder-only transformer: Llama's architecture and the switches by which other
+    open-model families differ from it.
 
     `ffn_hidden_dim` left as None is derived the Llama way: 8/3 * dim, times
     `ffn_dim_multiplier` when set, rounded up to a multiple of `multiple_of`.
     `n_kv_heads` left as None means multi-head attention (one KV head per query head);
     fewer KV heads give grouped-query attention, a single one multi-query attention.
+    `head_dim` left as None is dim / n_heads (Qwen3 sets it apart).
+    `family` is the HF `model_type` a checkpoint is written as; its switches must be
+    what that family's transformers class builds: `qkv_bias` (bias on q, k, v), `o_bias`
+    (on the output projection), `qk_norm` (an RMSNorm over each head of q and k).
     """
 
     vocab_size: int = 2048
@@ -48,26 +55,45 @@ class ModelConfig:
     max_seq_len: int = 256
     tie_embeddings: bool = True
     init_std: float = 0.02
+    head_dim: int | None = None
+    family: str = "llama"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = RopeScaling(**self.rope_scaling)
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        self._validate_shape()
+        if self.family not in FAMILIES:
+            raise ConfigError(f"ModelConfig.family={self.family!r} is not one lathe takes; "
+                              f"choose one of {', '.join(FAMILIES)}")
+        wanted = family_switches(self.family, self)
+        wrong = {name: getattr(self, name) for name in wanted
+                 if getattr(self, name) != wanted[name]}
+        if wrong:
+            raise ConfigError(f"ModelConfig: family={self.family!r} builds "
+                              + ", ".join(f"{n}={wanted[n]}" for n in wrong) + ", not "
+                              + ", ".join(f"{n}={v}" for n, v in wrong.items()))
+        explicit_head_dim = self.head_dim is not None
+        if not explicit_head_dim and isinstance(self.dim, int) and isinstance(self.n_heads, int) \
+                and self.n_heads > 0:
+            self.head_dim = self.dim // self.n_heads
+        self._validate_shape(explicit_head_dim)
         if self.ffn_hidden_dim is None:
             self.ffn_hidden_dim = llama_ffn_hidden_dim(
                 self.dim, self.multiple_of, self.ffn_dim_multiplier
             )
         self._validate_rest()
 
-    def _validate_shape(self) -> None:
+    def _validate_shape(self, explicit_head_dim: bool) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of",
-                     "max_seq_len"):
+                     "max_seq_len", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"ModelConfig.{name}={value!r} must be a positive integer")
-        if self.dim % self.n_heads:
+        if not explicit_head_dim and self.dim % self.n_heads:
             raise ConfigError(
                 f"ModelConfig: dim={self.dim} is not divisible by n_heads={self.n_heads}; "
                 "choose n_heads so that dim % n_heads == 0"
@@ -80,8 +106,8 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(
-                f"ModelConfig: head_dim = dim / n_heads = {self.head_dim} is odd; RoPE rotates "
-                "pairs of channels, so pick dim and n_heads giving an even head_dim"
+                f"ModelConfig: head_dim={self.head_dim} is odd; RoPE rotates pairs of "
+                "channels, so pick an even head_dim (or dim and n_heads giving one)"
             )
 
     def _validate_rest(self) -> None:
@@ -106,8 +132,9 @@ class ModelConfig:
                 )
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def q_dim(self) -> int:
+        """Width of the query heads together (dim, unless head_dim is set apart)."""
+        return self.n_heads * self.head_dim
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
@@ -124,7 +151,8 @@ class ModelConfig:
         Without embeddings, both the token embedding and an untied LM head are left out
         (Kaplan et al.'s non-embedding count).
         """
-        per_layer = self._linear_params_per_layer() + 2 * self.dim  # + two RMSNorm weights
+        per_layer = (self._linear_params_per_layer() + 2 * self.dim  # + two RMSNorm weights
+                     + 2 * self.head_dim * self.qk_norm)
         body = self.n_layers * per_layer + self.dim
         if not include_embeddings:
             return body
@@ -145,10 +173,12 @@ class ModelConfig:
 
     def _linear_params_per_layer(self) -> int:
         kv_dim = self.n_kv_heads * self.head_dim
-        return 2 * self.dim * self.dim + 2 * self.dim * kv_dim + 3 * self.dim * self.ffn_hidden_dim
+        biases = (self.q_dim + 2 * kv_dim) * self.qkv_bias + self.dim * self.o_bias
+        return (2 * self.dim * self.q_dim + 2 * self.dim * kv_dim
+                + 3 * self.dim * self.ffn_hidden_dim + biases)
 
     def to_hf_config(self) -> dict[str, Any]:
-        """The `config.json` body of an HF `LlamaForCausalLM` with this shape.
+        """The `config.json` body of this family's HF class (`LlamaForCausalLM`, ...).
 
         RoPE is written in the top-level `rope_theta` / `rope_scaling` form, which
         transformers 4.x and 5.x, vLLM and llama.cpp's converter all read.
@@ -162,9 +192,10 @@ class ModelConfig:
                 "high_freq_factor": self.rope_scaling.high_freq_factor,
                 "original_max_position_embeddings": self.rope_scaling.original_max_seq_len,
             }
+        family = FAMILIES[self.family]
         return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [family.architecture],
+            "model_type": self.family,
             "vocab_size": self.vocab_size,
             "hidden_size": self.dim,
             "intermediate_size": self.ffn_hidden_dim,
@@ -179,33 +210,37 @@ class ModelConfig:
             "rope_scaling": rope_scaling,
             "tie_word_embeddings": self.tie_embeddings,
             "initializer_range": self.init_std,
-            "attention_bias": False,
             "attention_dropout": 0.0,
-            "mlp_bias": False,
-            "pretraining_tp": 1,
             "use_cache": True,
+            **family.extra(self),
         }
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Read an HF Llama `config.json` (transformers 4.x or 5.x layout)."""
-        if hf.get("model_type") != "llama":
+        """Read an HF `config.json` of a family lathe takes (transformers 4.x or 5.x layout);
+        anything it cannot compute exactly is refused, naming the field."""
+        model_type = hf.get("model_type")
+        if model_type not in FAMILIES:
             raise ConfigError(
-                f"config.json: model_type={hf.get('model_type')!r}; lathe loads Llama-architecture "
-                "checkpoints only (model_type 'llama')"
-            )
-        for key, allowed in (("hidden_act", "silu"), ("attention_bias", False),
-                             ("mlp_bias", False)):
+                f"config.json: model_type={model_type!r} is not supported; lathe loads "
+                f"{', '.join(FAMILIES)}")
+        family = FAMILIES[model_type]
+        for key, allowed in (("hidden_act", "silu"), ("mlp_bias", False)):
             if hf.get(key, allowed) != allowed:
                 raise ConfigError(
                     f"config.json: {key}={hf[key]!r} is not supported (only {allowed!r})")
+        for key in ("num_experts", "num_local_experts", "vision_config", "no_rope_layers"):
+            if hf.get(key):
+                raise ConfigError(f"config.json: {key}={hf[key]!r} is not supported: lathe "
+                                  "has no mixture-of-experts, vision or NoPE layers")
+        window, positions = family.window(hf), hf.get("max_position_embeddings", 2048)
+        if window is not None and window < positions:
+            raise ConfigError(
+                f"config.json: sliding_window={window} is shorter than "
+                f"max_position_embeddings={positions}; sliding-window attention is not "
+                "supported, and attending in full past the window would give other logits")
         n_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
-        if head_dim * n_heads != hf["hidden_size"]:
-            raise ConfigError(
-                f"config.json: head_dim={head_dim} x num_attention_heads={n_heads} != "
-                f"hidden_size={hf['hidden_size']}; lathe needs head_dim = hidden_size / heads"
-            )
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         rope_theta = hf.get("rope_theta") or rope.get("rope_theta") or 10000.0
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -234,6 +269,9 @@ class ModelConfig:
             max_seq_len=hf.get("max_position_embeddings", 2048),
             tie_embeddings=hf.get("tie_word_embeddings", False),
             init_std=hf.get("initializer_range", 0.02),
+            head_dim=head_dim,
+            family=model_type,
+            **family.switches(hf),
         )
 
 

@@ -114,15 +114,21 @@ class Attention(nn.Module):
             config.n_heads, config.n_kv_heads, config.head_dim
         )
         kv_dim = config.n_kv_heads * config.head_dim
-        self.q_proj = nn.Linear(config.dim, config.dim, bias=False)
-        self.k_proj = nn.Linear(config.dim, kv_dim, bias=False)
-        self.v_proj = nn.Linear(config.dim, kv_dim, bias=False)
-        self.o_proj = nn.Linear(config.dim, config.dim, bias=False)
+        self.q_proj = nn.Linear(config.dim, config.q_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.dim, kv_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.dim, kv_dim, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.q_dim, config.dim, bias=config.o_bias)
+        # Qwen3: each head of q and k normalized on its own, before RoPE
+        self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache | None) -> Tensor:
         batch, seq, _ = x.shape
-        q = self.q_proj(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(batch, seq, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # under autocast the fp32 weight would promote q and k
+            q, k = self.q_norm(q).to(q.dtype), self.k_norm(k).to(k.dtype)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = rope(q, k, cos, sin)
         if kv_cache is not None:
@@ -200,6 +206,8 @@ class Transformer(nn.Module):
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 out_proj = name.endswith(("o_proj", "down_proj"))
                 nn.init.normal_(module.weight, mean=0.0, std=residual_std if out_proj else std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
         self.model.rotary_emb.reset_parameters()

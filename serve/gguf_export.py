@@ -109,6 +109,10 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f16") -> 
                               "vocabulary, so export a checkpoint that has one")
     model = load_checkpoint(checkpoint, dtype=torch.float32)
     config = model.config
+    if config.family != "llama" or config.qkv_bias or config.q_dim != config.dim:
+        raise CheckpointError(f"{checkpoint}: a {config.family} model"
+                              f"{' with attention biases' if config.qkv_bias else ''}; the GGUF "
+                              "export writes llama.cpp's plain llama architecture only so far")
     tokenizer_config_file = checkpoint / "tokenizer_config.json"
     tokenizer_config = (json.loads(tokenizer_config_file.read_text())
                         if tokenizer_config_file.is_file() else {})

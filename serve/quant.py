@@ -75,16 +75,27 @@ def quantize_int4(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tens
     return packed, scale, low
 
 
+def _keep_bias(module: nn.Module, linear: nn.Linear) -> None:
+    """A quantized linear keeps its layer's bias (Qwen2's q, k, v) in full precision."""
+    bias = linear.bias
+    module.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+
+def _add_bias(y: Tensor, bias: Tensor | None) -> Tensor:
+    return y if bias is None else y + bias.to(y.dtype)
+
+
 class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         q, scale = quantize_int8(linear.weight.detach())
         self.register_buffer("weight", q)
         self.register_buffer("scale", scale.to(linear.weight.dtype))
+        _keep_bias(self, linear)
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: Tensor) -> Tensor:
-        return int8_matmul(x, self.weight, self.scale)
+        return _add_bias(int8_matmul(x, self.weight, self.scale), self.bias)
 
 
 class Int4Linear(nn.Module):
@@ -94,6 +105,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("weight", packed)
         self.register_buffer("scale", scale.to(linear.weight.dtype))
         self.register_buffer("minimum", low.to(linear.weight.dtype))
+        _keep_bias(self, linear)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.group_size = group_size
         self.cpu_pack: tuple[Tensor, Tensor] | None = None
@@ -107,8 +119,8 @@ class Int4Linear(nn.Module):
         if use_cpu_kernel("int4_matmul", x):
             if self.cpu_pack is None:  # repacked once, for torch's CPU int4 GEMM
                 self.cpu_pack = int4_pack_for_cpu(self.weight, self.scale, self.minimum)
-            return int4_matmul_cpu(x, *self.cpu_pack)
-        return int4_matmul(x, self.weight, self.scale, self.minimum)
+            return _add_bias(int4_matmul_cpu(x, *self.cpu_pack), self.bias)
+        return _add_bias(int4_matmul(x, self.weight, self.scale, self.minimum), self.bias)
 
 
 def quantize_linears(model: nn.Module, mode: QuantMode, group_size: int = 128) -> int:

@@ -41,7 +41,7 @@ def test_preset_overrides_rederive_the_ffn_width():
 @pytest.mark.parametrize("overrides, message", [
     ({"dim": 130}, "dim=130 is not divisible by n_heads=4"),
     ({"n_kv_heads": 3}, "n_heads=4 is not divisible by n_kv_heads=3"),
-    ({"dim": 132, "n_heads": 12, "n_kv_heads": 12}, "head_dim = dim / n_heads = 11 is odd"),
+    ({"dim": 132, "n_heads": 12, "n_kv_heads": 12}, "head_dim=11 is odd"),
     ({"n_layers": 0}, "ModelConfig.n_layers=0 must be a positive integer"),
     ({"norm_eps": -1.0}, "ModelConfig.norm_eps=-1.0 must be a positive number"),
     ({"rope_scaling": {"factor": 0.5}}, "rope_scaling.factor=0.5 must be >= 1"),
@@ -70,12 +70,37 @@ def test_hf_config_round_trip():
 
 def test_hf_configs_lathe_cannot_run_are_refused():
     hf = ModelConfig.from_preset("tiny").to_hf_config()
-    with pytest.raises(ConfigError, match="model_type='mistral'"):
-        ModelConfig.from_hf_config({**hf, "model_type": "mistral"})
+    with pytest.raises(ConfigError, match="model_type='gemma2' is not supported; lathe loads "
+                                          "llama, mistral, qwen2, qwen3"):
+        ModelConfig.from_hf_config({**hf, "model_type": "gemma2"})
     with pytest.raises(ConfigError, match="rope type 'yarn' is not supported"):
         ModelConfig.from_hf_config({**hf, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
-    with pytest.raises(ConfigError, match="attention_bias=True is not supported"):
-        ModelConfig.from_hf_config({**hf, "attention_bias": True})
+    with pytest.raises(ConfigError, match="sliding_window=64 is shorter than "
+                                          "max_position_embeddings=256"):
+        ModelConfig.from_hf_config({**hf, "model_type": "mistral", "sliding_window": 64})
+    with pytest.raises(ConfigError, match="sliding_window=64 is shorter"):
+        ModelConfig.from_hf_config({**hf, "model_type": "qwen2", "use_sliding_window": True,
+                                    "sliding_window": 64})
+    with pytest.raises(ConfigError, match="num_local_experts=8 is not supported"):
+        ModelConfig.from_hf_config({**hf, "num_local_experts": 8})
+    with pytest.raises(ConfigError, match="hidden_act='gelu' is not supported"):
+        ModelConfig.from_hf_config({**hf, "hidden_act": "gelu"})
+    # a window as long as the context is full attention
+    assert ModelConfig.from_hf_config({**hf, "model_type": "mistral",
+                                       "sliding_window": 256}).family == "mistral"
+
+
+def test_a_family_builds_its_own_switches():
+    with pytest.raises(ConfigError, match="family='qwen2' builds qkv_bias=True, not "
+                                          "qkv_bias=False"):
+        ModelConfig.from_preset("tiny", family="qwen2")
+    with pytest.raises(ConfigError, match="family='gemma' is not one lathe takes"):
+        ModelConfig.from_preset("tiny", family="gemma")
+    qwen3 = ModelConfig.from_preset("tiny", family="qwen3", qk_norm=True, head_dim=64)
+    assert qwen3.q_dim == 4 * 64 != qwen3.dim
+    hf = qwen3.to_hf_config()
+    assert hf["model_type"] == "qwen3" and hf["architectures"] == ["Qwen3ForCausalLM"]
+    assert ModelConfig.from_hf_config(hf) == qwen3
 
 
 @dataclass
