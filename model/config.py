@@ -164,12 +164,12 @@ class ModelConfig:
 
         6 x (every weight used in a matmul: the layers' linears and the LM head, even when
         tied; not the embedding lookup or the norms) plus
-        the attention term 12 x n_layers x dim x seq_len (PaLM, appendix B; the causal
+        the attention term 12 x n_layers x q_dim x seq_len (PaLM, appendix B; the causal
         half is not discounted, as in nanoGPT and torchtitan).
         """
         seq_len = self.max_seq_len if seq_len is None else seq_len
         matmul_params = self.n_layers * self._linear_params_per_layer() + self.vocab_size * self.dim
-        return 6 * matmul_params + 12 * self.n_layers * self.dim * seq_len
+        return 6 * matmul_params + 12 * self.n_layers * self.q_dim * seq_len
 
     def _linear_params_per_layer(self) -> int:
         kv_dim = self.n_kv_heads * self.head_dim
