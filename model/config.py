@@ -15,15 +15,47 @@ from lathe.core.config import from_dict
 from lathe.core.errors import ConfigError
 from lathe.model.families import FAMILIES, family_switches
 
+ROPE_TYPES = ("llama3", "linear", "yarn")
+
 
 @dataclass
 class RopeScaling:
-    """Llama-3-style frequency-dependent RoPE scaling ("rope_type": "llama3" in HF configs)."""
+    """RoPE scaling as HF configs name it (`rope_type`):
+
+    - "llama3": Llama 3's frequency-dependent division by `factor` (`low_freq_factor`,
+      `high_freq_factor` around `original_max_seq_len`);
+    - "linear": position interpolation, every frequency divided by `factor`;
+    - "yarn": YaRN (Qwen2.5's long context): frequencies ramp from interpolated to
+      extrapolated between the dimensions that turn `beta_slow` and `beta_fast` times over
+      `original_max_seq_len`, and cos/sin are scaled by `attention_factor` (by default
+      0.1 ln(factor) + 1, or the ratio of `mscale` to `mscale_all_dim` versions of it).
+    """
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_seq_len: int = 8192
+    rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def cos_sin_scale(self) -> float:
+        """What cos and sin are multiplied by (YaRN's attention factor; 1 otherwise)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return mscale(self.factor, self.mscale) / mscale(self.factor, self.mscale_all_dim)
+        return mscale(self.factor)
 
 
 @dataclass
@@ -119,12 +151,17 @@ class ModelConfig:
                 raise ConfigError(f"ModelConfig.{name}={value!r} must be a positive number")
         scaling = self.rope_scaling
         if scaling is not None:
+            if scaling.rope_type not in ROPE_TYPES:
+                raise ConfigError(f"ModelConfig.rope_scaling.rope_type={scaling.rope_type!r} "
+                                  f"must be one of {', '.join(ROPE_TYPES)} (or rope_scaling: "
+                                  "null for none)")
             if scaling.factor < 1:
                 raise ConfigError(
                     f"ModelConfig.rope_scaling.factor={scaling.factor} must be >= 1 "
                     "(it stretches the context; use rope_scaling: null for none)"
                 )
-            if scaling.high_freq_factor <= scaling.low_freq_factor:
+            if scaling.rope_type == "llama3" and \
+                    scaling.high_freq_factor <= scaling.low_freq_factor:
                 raise ConfigError(
                     "ModelConfig.rope_scaling: high_freq_factor="
                     f"{scaling.high_freq_factor} must exceed low_freq_factor="
@@ -184,14 +221,25 @@ class ModelConfig:
         transformers 4.x and 5.x, vLLM and llama.cpp's converter all read.
         """
         rope_scaling = None
-        if self.rope_scaling is not None:
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.rope_type == "llama3":
             rope_scaling = {
                 "rope_type": "llama3",
-                "factor": self.rope_scaling.factor,
-                "low_freq_factor": self.rope_scaling.low_freq_factor,
-                "high_freq_factor": self.rope_scaling.high_freq_factor,
-                "original_max_position_embeddings": self.rope_scaling.original_max_seq_len,
+                "factor": scaling.factor,
+                "low_freq_factor": scaling.low_freq_factor,
+                "high_freq_factor": scaling.high_freq_factor,
+                "original_max_position_embeddings": scaling.original_max_seq_len,
             }
+        elif scaling is not None and scaling.rope_type == "linear":
+            rope_scaling = {"rope_type": "linear", "factor": scaling.factor}
+        elif scaling is not None:
+            rope_scaling = {"rope_type": "yarn", "factor": scaling.factor,
+                            "original_max_position_embeddings": scaling.original_max_seq_len,
+                            "beta_fast": scaling.beta_fast, "beta_slow": scaling.beta_slow,
+                            "truncate": scaling.truncate, **{
+                                key: getattr(scaling, key) for key in
+                                ("attention_factor", "mscale", "mscale_all_dim")
+                                if getattr(scaling, key) is not None}}
         family = FAMILIES[self.family]
         return {
             "architectures": [family.architecture],
@@ -244,10 +292,11 @@ class ModelConfig:
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         rope_theta = hf.get("rope_theta") or rope.get("rope_theta") or 10000.0
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
+        if rope_type not in ("default", *ROPE_TYPES):
             raise ConfigError(
-                f"config.json: rope type {rope_type!r} is not supported (only 'default', 'llama3')"
-            )
+                f"config.json: rope type {rope_type!r} is not supported (only 'default', "
+                f"{', '.join(repr(t) for t in ROPE_TYPES)}; dynamic NTK and longrope change "
+                "with the sequence length)")
         scaling = None
         if rope_type == "llama3":
             scaling = RopeScaling(
@@ -256,6 +305,17 @@ class ModelConfig:
                 high_freq_factor=rope["high_freq_factor"],
                 original_max_seq_len=rope["original_max_position_embeddings"],
             )
+        elif rope_type == "linear":
+            scaling = RopeScaling(factor=rope["factor"], rope_type="linear")
+        elif rope_type == "yarn":
+            positions = hf.get("max_position_embeddings", 2048)
+            original = rope.get("original_max_position_embeddings") or positions
+            scaling = RopeScaling(
+                factor=rope.get("factor") or positions / original, rope_type="yarn",
+                original_max_seq_len=original, beta_fast=rope.get("beta_fast") or 32.0,
+                beta_slow=rope.get("beta_slow") or 1.0, truncate=rope.get("truncate", True),
+                attention_factor=rope.get("attention_factor"), mscale=rope.get("mscale"),
+                mscale_all_dim=rope.get("mscale_all_dim"))
         return cls(
             vocab_size=hf["vocab_size"],
             dim=hf["hidden_size"],

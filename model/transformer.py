@@ -38,7 +38,7 @@ from lathe.kernels import (
     rope,
     swiglu,
 )
-from lathe.model.config import ModelConfig
+from lathe.model.config import ModelConfig, RopeScaling
 from lathe.model.kv_cache import KVCache
 
 IGNORE_INDEX = -100
@@ -63,11 +63,11 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> Tensor:
-    """Inverse frequencies theta^(-2i/d), with Llama-3 scaling when configured.
+    """Inverse frequencies theta^(-2i/d), scaled as `config.rope_scaling` says.
 
     Llama-3 scaling leaves wavelengths shorter than original_len / high_freq_factor
     alone, divides those longer than original_len / low_freq_factor by `factor`, and
-    interpolates smoothly in between.
+    interpolates smoothly in between. Linear divides them all; YaRN see `_yarn`.
     """
     d = config.head_dim
     inv_freq = 1.0 / config.rope_theta ** (
@@ -76,6 +76,10 @@ def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None)
     s = config.rope_scaling
     if s is None:
         return inv_freq
+    if s.rope_type == "linear":
+        return inv_freq / s.factor
+    if s.rope_type == "yarn":
+        return _yarn(inv_freq, s, d, config.rope_theta)
     wavelen = 2 * math.pi / inv_freq
     smooth = (s.original_max_seq_len / wavelen - s.low_freq_factor) / (
         s.high_freq_factor - s.low_freq_factor
@@ -87,6 +91,26 @@ def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None)
     return torch.where(short_wave, inv_freq, scaled)
 
 
+def _yarn(inv_freq: Tensor, s: RopeScaling, d: int, theta: float) -> Tensor:
+    """YaRN's frequencies (as transformers computes them): the dimensions that turn more
+    than `beta_fast` times over the original context keep their frequency, those that turn
+    fewer than `beta_slow` times are divided by `factor`, and a linear ramp joins them."""
+    def dimension(rotations: float) -> float:
+        return d * math.log(s.original_max_seq_len / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low, high = dimension(s.beta_fast), dimension(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(d // 2, dtype=torch.float32, device=inv_freq.device) - low)
+            / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of the original (extrapolated) frequency
+    return inv_freq / s.factor * (1 - keep) + inv_freq * keep
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for given positions, recomputed per forward from `inv_freq`."""
 
@@ -94,6 +118,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.config = config
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        scaling = config.rope_scaling
+        self.scale = scaling.cos_sin_scale() if scaling is not None else 1.0
 
     def reset_parameters(self, device: torch.device | str | None = None) -> None:
         """Recompute the (non-persistent) frequency buffer, e.g. after meta-device init."""
@@ -103,7 +129,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         freqs = positions[..., None].float() * self.inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        if self.scale == 1.0:
+            return angles.cos().to(dtype), angles.sin().to(dtype)
+        return (angles.cos() * self.scale).to(dtype), (angles.sin() * self.scale).to(dtype)
 
 
 class Attention(nn.Module):

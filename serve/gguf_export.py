@@ -109,6 +109,8 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f16") -> 
                               "vocabulary, so export a checkpoint that has one")
     model = load_checkpoint(checkpoint, dtype=torch.float32)
     config = model.config
+    if config.rope_scaling is not None and config.rope_scaling.rope_type == "yarn":
+        raise CheckpointError(f"{checkpoint}: YaRN RoPE scaling is not written to GGUF yet")
     if config.family != "llama" or config.qkv_bias or config.q_dim != config.dim:
         raise CheckpointError(f"{checkpoint}: a {config.family} model"
                               f"{' with attention biases' if config.qkv_bias else ''}; the GGUF "

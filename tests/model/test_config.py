@@ -73,8 +73,9 @@ def test_hf_configs_lathe_cannot_run_are_refused():
     with pytest.raises(ConfigError, match="model_type='gemma2' is not supported; lathe loads "
                                           "llama, mistral, qwen2, qwen3"):
         ModelConfig.from_hf_config({**hf, "model_type": "gemma2"})
-    with pytest.raises(ConfigError, match="rope type 'yarn' is not supported"):
-        ModelConfig.from_hf_config({**hf, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    with pytest.raises(ConfigError, match="rope type 'longrope' is not supported"):
+        ModelConfig.from_hf_config({**hf, "rope_scaling": {"rope_type": "longrope",
+                                                           "factor": 2.0}})
     with pytest.raises(ConfigError, match="sliding_window=64 is shorter than "
                                           "max_position_embeddings=256"):
         ModelConfig.from_hf_config({**hf, "model_type": "mistral", "sliding_window": 64})

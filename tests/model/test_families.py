@@ -138,3 +138,49 @@ def test_gguf_export_refuses_what_it_cannot_write_yet(tmp_path):
     with pytest.raises(CheckpointError, match="a qwen2 model with attention biases; the GGUF "
                                               "export writes llama.cpp's plain llama"):
         export_gguf(tmp_path / "hf", tmp_path / "out.gguf")
+
+
+ROPE = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    "yarn-no-truncate": {"rope_type": "yarn", "factor": 2.0, "beta_fast": 16.0,
+                         "original_max_position_embeddings": 64, "truncate": False},
+    "yarn-mscale": {"rope_type": "yarn", "factor": 8.0, "mscale": 0.707,
+                    "mscale_all_dim": 1.0, "original_max_position_embeddings": 32},
+}
+
+
+@pytest.mark.parametrize("rope", ROPE.values(), ids=ROPE.keys())
+def test_rope_scalings_give_transformers_logits_and_export_back(tmp_path, rope):
+    config = transformers.Qwen2Config(**{**SHAPE, "rope_scaling": rope,
+                                         "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    hf = transformers.Qwen2ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    hf.save_pretrained(tmp_path / "hf")
+    ids = torch.randint(0, 256, (1, 200))  # past the original context
+    with torch.no_grad():
+        expected = hf(ids).logits
+        ours = load_checkpoint(tmp_path / "hf")
+        assert (ours(ids).logits - expected).abs().max() <= 1e-4
+        save_checkpoint(ours, tmp_path / "lathe")
+        again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lathe",
+                                                                  dtype=torch.float32).eval()
+        assert (again(ids).logits - expected).abs().max() <= 1e-4
+
+
+def test_rope_that_changes_with_the_sequence_is_refused(tmp_path):
+    from lathe.model import CheckpointError
+    from lathe.model.checkpoint import read_model_config
+    hf = hf_model("qwen2")
+    hf.config.rope_scaling = {"rope_type": "dynamic", "factor": 2.0}
+    hf.save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
+    config.pop("rope_parameters", None)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="rope type 'dynamic' is not supported"):
+        read_model_config(tmp_path / "hf")
