@@ -70,7 +70,8 @@ class ModelConfig:
     `head_dim` left as None is dim / n_heads (Qwen3 sets it apart).
     `family` is the HF `model_type` a checkpoint is written as; its switches must be
     what that family's transformers class builds: `qkv_bias` (bias on q, k, v), `o_bias`
-    (on the output projection), `qk_norm` (an RMSNorm over each head of q and k).
+    (on the output projection), `qk_norm` (an RMSNorm over each head of q and k),
+    `no_rope_layers` (SmolLM3's layers without positional rotation, "NoPE").
     """
 
     vocab_size: int = 2048
@@ -92,6 +93,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    no_rope_layers: list[int] | None = None  # SmolLM3: per layer, 1 rotates q and k, 0 not
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
@@ -108,11 +110,19 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig: family={self.family!r} builds "
                               + ", ".join(f"{n}={wanted[n]}" for n in wrong) + ", not "
                               + ", ".join(f"{n}={v}" for n, v in wrong.items()))
+        if self.no_rope_layers is not None and self.family != "smollm3":
+            raise ConfigError(f"ModelConfig.no_rope_layers is SmolLM3's; family={self.family!r} "
+                              "rotates every layer (set family: smollm3 or drop it)")
         explicit_head_dim = self.head_dim is not None
         if not explicit_head_dim and isinstance(self.dim, int) and isinstance(self.n_heads, int) \
                 and self.n_heads > 0:
             self.head_dim = self.dim // self.n_heads
         self._validate_shape(explicit_head_dim)
+        layers = self.no_rope_layers
+        if layers is not None and (len(layers) != self.n_layers
+                                   or any(flag not in (0, 1) for flag in layers)):
+            raise ConfigError(f"ModelConfig.no_rope_layers={layers!r} must hold a 0 or 1 for "
+                              f"each of the {self.n_layers} layers")
         if self.ffn_hidden_dim is None:
             self.ffn_hidden_dim = llama_ffn_hidden_dim(
                 self.dim, self.multiple_of, self.ffn_dim_multiplier
@@ -260,6 +270,9 @@ class ModelConfig:
             "initializer_range": self.init_std,
             "attention_dropout": 0.0,
             "use_cache": True,
+            # the tokenizer's, when the checkpoint has one (save_checkpoint fills them in);
+            # left out, a family's class would assume its own model's (SmolLM3: 128000...)
+            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
             **family.extra(self),
         }
 
@@ -277,7 +290,7 @@ class ModelConfig:
             if hf.get(key, allowed) != allowed:
                 raise ConfigError(
                     f"config.json: {key}={hf[key]!r} is not supported (only {allowed!r})")
-        for key in ("num_experts", "num_local_experts", "vision_config", "no_rope_layers"):
+        for key in ("num_experts", "num_local_experts", "vision_config"):
             if hf.get(key):
                 raise ConfigError(f"config.json: {key}={hf[key]!r} is not supported: lathe "
                                   "has no mixture-of-experts, vision or NoPE layers")
@@ -331,8 +344,18 @@ class ModelConfig:
             init_std=hf.get("initializer_range", 0.02),
             head_dim=head_dim,
             family=model_type,
+            no_rope_layers=_no_rope_layers(hf) if model_type == "smollm3" else None,
             **family.switches(hf),
         )
+
+
+def _no_rope_layers(hf: dict[str, Any]) -> list[int]:
+    """SmolLM3's per-layer RoPE flags, or its default: every `no_rope_layer_interval`-th
+    layer without (as transformers fills them in)."""
+    if hf.get("no_rope_layers") is not None:
+        return list(hf["no_rope_layers"])
+    interval = hf.get("no_rope_layer_interval", 4)
+    return [int((i + 1) % interval != 0) for i in range(hf["num_hidden_layers"])]
 
 
 def llama_ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:

@@ -10,6 +10,7 @@ here, so the checkpoint code needs no renaming.
 | mistral | MistralForCausalLM | none |
 | qwen2 (Qwen2.5) | Qwen2ForCausalLM | bias on q, k and v, not o |
 | qwen3 | Qwen3ForCausalLM | RMSNorm of each head of q and k; `attention_bias` on all four |
+| smollm3 | SmolLM3ForCausalLM | `attention_bias`; no RoPE in the layers `no_rope_layers` marks 0 |
 
 Sliding-window attention (Mistral v0.1's 4096, Qwen's `use_sliding_window`) is not
 implemented: a window shorter than the context is refused rather than attended in full.
@@ -56,6 +57,11 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family(
         "Qwen3ForCausalLM", lambda hf: {"qk_norm": True, **_attention_bias(hf)}, _qwen_window,
         lambda c: {"attention_bias": c.qkv_bias, **_qwen_extra(c)}),
+    "smollm3": Family(
+        "SmolLM3ForCausalLM", _attention_bias, _qwen_window,
+        lambda c: {"attention_bias": c.qkv_bias, "mlp_bias": False,
+                   "no_rope_layers": list(c.no_rope_layers or [1] * c.n_layers),
+                   "use_sliding_window": False, "sliding_window": None}),
 }
 
 SWITCHES = ("qkv_bias", "o_bias", "qk_norm")

@@ -149,6 +149,7 @@ class Attention(nn.Module):
         # Qwen3: each head of q and k normalized on its own, before RoPE
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
+        self.rotates = config.no_rope_layers is None or bool(config.no_rope_layers[layer_idx])
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache | None) -> Tensor:
         batch, seq, _ = x.shape
@@ -158,7 +159,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q).to(q.dtype), self.k_norm(k).to(k.dtype)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = rope(q, k, cos, sin)
+        if self.rotates:
+            q, k = rope(q, k, cos, sin)
         if kv_cache is not None:
             out = kv_cache.attend(self.layer_idx, q, k, v)
         else:

@@ -71,7 +71,7 @@ def test_hf_config_round_trip():
 def test_hf_configs_lathe_cannot_run_are_refused():
     hf = ModelConfig.from_preset("tiny").to_hf_config()
     with pytest.raises(ConfigError, match="model_type='gemma2' is not supported; lathe loads "
-                                          "llama, mistral, qwen2, qwen3"):
+                                          "llama, mistral, qwen2, qwen3, smollm3"):
         ModelConfig.from_hf_config({**hf, "model_type": "gemma2"})
     with pytest.raises(ConfigError, match="rope type 'longrope' is not supported"):
         ModelConfig.from_hf_config({**hf, "rope_scaling": {"rope_type": "longrope",

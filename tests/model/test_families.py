@@ -26,6 +26,12 @@ FAMILIES = {
     "qwen2-tied": ("Qwen2Config", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", {"head_dim": 32}),  # head_dim x heads != hidden_size
     "qwen3-bias": ("Qwen3Config", {"head_dim": 16, "attention_bias": True}),
+    # SmolLM3's special ids default to its 128k vocabulary's
+    "smollm3": ("SmolLM3Config", {"no_rope_layers": [1, 0], "pad_token_id": 0,  # NoPE in 1
+                                  "bos_token_id": 1, "eos_token_id": 2}),
+    "smollm3-default": ("SmolLM3Config", {"num_hidden_layers": 4, "attention_bias": True,
+                                          "pad_token_id": 0, "bos_token_id": 1,
+                                          "eos_token_id": 2}),
 }
 SEQ = 96
 
@@ -95,7 +101,7 @@ def greedy(hf, prompt: list[int], steps: int) -> list[int]:
     return ids[len(prompt):]
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "smollm3"])
 def test_the_engine_generates_what_transformers_computes(tmp_path, name):
     hf = hf_model(name)
     hf.save_pretrained(tmp_path / "hf")
