@@ -51,11 +51,12 @@ def check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
 def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """Causal attention of the last Sq positions over Sk keys.
 
-    A chunk after cached context (Sq < Sk: chunked prefill, verification of drafts) takes
-    the Triton kernel on CUDA, where SDPA would need an explicit mask. Square causal
-    attention (training, a first prefill) takes SDPA everywhere: its FlashAttention backend
-    beat the kernel on an H100 (852 vs 1,376 µs forward+backward in bf16, and 45.2k vs
-    43.0k training tok/s on a 1B model; docs/benchmarks.md, NOTES-gpu.md)."""
+    A chunk after cached context (Sq < Sk: chunked prefill, verification of drafts) may
+    take the Triton kernel on CUDA, where SDPA needs an explicit mask; the defaults table
+    leaves it off until that case is measured (`LATHE_KERNELS_ENABLE=causal_attention`).
+    Square causal attention (training, a first prefill) takes SDPA everywhere: its
+    FlashAttention backend beat the kernel on an H100 (852 vs 1,376 µs forward+backward in
+    bf16, and 45.2k vs 43.0k training tok/s on a 1B model; docs/benchmarks.md)."""
     check_same_dtype("causal_attention", q=q, k=k, v=v)
     if q.shape[2] < k.shape[2] and use_triton("causal_attention", q):
         from lathe.kernels.attention_triton import causal_attention_triton

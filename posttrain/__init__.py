@@ -1,2 +1,2 @@
 """lathe.posttrain: SFT, DPO, GRPO, distillation, LoRA and rewards, on the runtime in
-`lathe.pretrain` (see DESIGN.md). Nothing imports this package."""
+`lathe.pretrain` (see docs/design.md). Nothing imports this package."""

@@ -3,7 +3,7 @@
 `accelerate launch` tells the training process what it wants through environment
 variables (WORLD_SIZE from torchrun, ACCELERATE_USE_FSDP / ACCELERATE_USE_DEEPSPEED and
 their FSDP_* / ACCELERATE_DEEPSPEED_* settings). On CUDA accelerate honours them. On a
-CPU-only machine it silently does not (see NOTES-cpu-stack.md): N processes that each
+CPU-only machine it silently does not (measured with accelerate 1.15): N processes that each
 believe they are alone, an FSDP recipe that becomes plain DDP, a DeepSpeed recipe that
 fails on its batch-size check. `build_accelerator` bridges that gap — and only on CPU with
 more than one process, so it is inert on GPUs:

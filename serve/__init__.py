@@ -1,5 +1,5 @@
 """lathe.serve: the inference engine (scheduler, paged KV cache, sampling), quantization,
-the OpenAI-compatible HTTP server, the chat CLI and exports (see DESIGN.md). Never imports
+the OpenAI-compatible HTTP server, the chat CLI and exports (see docs/design.md). Never imports
 a training package."""
 
 from lathe.serve.async_engine import AsyncEngine

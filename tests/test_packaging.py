@@ -1,5 +1,5 @@
 """The wheel installs everything under `lathe.` and nothing generic at the top level, and
-the packages import each other only along DESIGN.md's arrows."""
+the packages import each other only along the arrows docs/design.md draws."""
 
 import ast
 import sys
