@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from lathe.core.errors import ConfigError
 from lathe.kernels.dispatch import opaque_op, use_cpu_kernel
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
@@ -125,16 +126,14 @@ def stale_torch_build_locks() -> list[Path]:
 
 
 def build_library(folder: Path, sources: list[Path], cflags: list[str],
-                  ldflags: list[str], wait_seconds: float | None = None) -> None:
+                  ldflags: list[str]) -> None:
     """Load `folder`'s published library into this process, building it first (once, by
     one process, under `folder/build.lock`) when it is not there."""
     global _status
     library = folder / f"{LIBRARY}.so"
     if not library.is_file():
         folder.mkdir(parents=True, exist_ok=True)
-        if wait_seconds is None:
-            wait_seconds = float(os.environ.get("LATHE_KERNEL_BUILD_WAIT", BUILD_WAIT_SECONDS))
-        with build_lock(folder / "build.lock", wait_seconds):
+        with build_lock(folder / "build.lock", _build_wait()):
             if not library.is_file():
                 _status = f"building lathe's native CPU kernels into {folder} (once, ~1 min)"
                 print(f"lathe: {_status}", file=sys.stderr, flush=True)
@@ -159,6 +158,16 @@ def _build(folder: Path, library: Path, sources: list[Path], cflags: list[str],
         os.replace(private / f"{LIBRARY}.so", library)
     finally:
         shutil.rmtree(private, ignore_errors=True)
+
+
+def _build_wait() -> float:
+    """Seconds a start waits for another process's build (`LATHE_KERNEL_BUILD_WAIT`)."""
+    value = os.environ.get("LATHE_KERNEL_BUILD_WAIT", str(BUILD_WAIT_SECONDS))
+    try:
+        return float(value)
+    except ValueError:
+        raise ConfigError(f"LATHE_KERNEL_BUILD_WAIT={value!r} must be a number of seconds "
+                          f"(default {BUILD_WAIT_SECONDS:g}); unset it or give one") from None
 
 
 @contextlib.contextmanager

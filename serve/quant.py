@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from lathe.core.atomic import atomic_directory
-from lathe.core.checkpoint_files import checkpoint_file
+from lathe.core.checkpoint_files import checkpoint_file, read_json_object
 from lathe.kernels.dispatch import use_cpu_kernel
 from lathe.kernels.quant_matmul import (
     int4_matmul,
@@ -44,7 +44,6 @@ from lathe.model.checkpoint import (
     CheckpointError,
     load_checkpoint,
     load_safetensors,
-    read_json_object,
     read_model_config,
 )
 from lathe.model.transformer import Transformer

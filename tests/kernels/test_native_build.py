@@ -186,3 +186,10 @@ def test_lathe_trains_and_generates_where_triton_cannot_be_imported(kernels):
     result = processes.run([sys.executable, "-c", WITHOUT_TRITON], timeout=120,
                            env={**os.environ, "LATHE_KERNELS": kernels})
     assert result.stdout.split() == ["True", "4", "None"], result.stdout + result.stderr
+
+
+def test_a_build_wait_that_is_not_a_number_is_named(monkeypatch):
+    from lathe.core.errors import ConfigError
+    monkeypatch.setenv("LATHE_KERNEL_BUILD_WAIT", "soon")
+    with pytest.raises(ConfigError, match="LATHE_KERNEL_BUILD_WAIT='soon' must be a number"):
+        cpu_native._build_wait()

@@ -56,10 +56,16 @@ def hf_model(name: str):
     return model
 
 
+def saved(name: str, folder):
+    """`hf_model(name)`, written to `folder` by its `save_pretrained`."""
+    hf = hf_model(name)
+    hf.save_pretrained(folder)
+    return hf
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_load_and_export_as_the_same_model_with_the_same_logits(tmp_path, name):
-    hf = hf_model(name)
-    hf.save_pretrained(tmp_path / "hf")
+    hf = saved(name, tmp_path / "hf")
     ids = torch.randint(0, 256, (2, SEQ))
     with torch.no_grad():
         expected = hf(ids).logits
@@ -79,8 +85,7 @@ def test_load_and_export_as_the_same_model_with_the_same_logits(tmp_path, name):
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama-attention-bias"])
 def test_bf16_autocast_stays_close(tmp_path, name):
-    hf = hf_model(name)
-    hf.save_pretrained(tmp_path / "hf")
+    hf = saved(name, tmp_path / "hf")
     ids = torch.randint(0, 256, (1, 32))
     with torch.no_grad():
         expected = hf(ids).logits
@@ -103,8 +108,7 @@ def greedy(hf, prompt: list[int], steps: int) -> list[int]:
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "smollm3"])
 def test_the_engine_generates_what_transformers_computes(tmp_path, name):
-    hf = hf_model(name)
-    hf.save_pretrained(tmp_path / "hf")
+    hf = saved(name, tmp_path / "hf")
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 40, 70)]
     prompts.append(prompts[1][:30] + [7, 8, 9])  # shares a cached prefix with prompt 1
     engine = LLMEngine.from_checkpoint(tmp_path / "hf", EngineConfig(
@@ -120,8 +124,7 @@ def test_the_engine_generates_what_transformers_computes(tmp_path, name):
 @pytest.mark.parametrize("name", ["qwen2", "qwen3-bias"])
 def test_quantized_linears_keep_their_biases(tmp_path, name):
     from lathe.serve.quant import load_serving_model
-    hf = hf_model(name)
-    hf.save_pretrained(tmp_path / "hf")
+    hf = saved(name, tmp_path / "hf")
     ids = torch.randint(0, 256, (1, 48))
     with torch.no_grad():
         expected = hf(ids).logits
@@ -135,8 +138,7 @@ def test_gguf_export_refuses_what_it_cannot_write_yet(tmp_path):
     from lathe.data.tokenizer import save_tokenizer, train_tokenizer
     from lathe.model import CheckpointError
     from lathe.serve.gguf_export import export_gguf
-    hf = hf_model("qwen2")
-    hf.save_pretrained(tmp_path / "hf")
+    saved("qwen2", tmp_path / "hf")
     save_tokenizer(train_tokenizer(["a b c d"] * 20, vocab_size=262, show_progress=False),
                    tmp_path / "tok")
     (tmp_path / "hf" / "tokenizer.json").write_text((tmp_path / "tok" / "tokenizer.json")
