@@ -1,6 +1,18 @@
-"""A checkpoint's chat template (the Jinja string in tokenizer_config.json), rendered the
-way `transformers`' `apply_chat_template` renders it: a sandboxed environment, the
-tokenizer's special tokens as variables and `raise_exception` for template errors.
+"""A checkpoint's chat template (the Jinja string in tokenizer_config.json, or
+chat_template.jinja beside it), rendered the way `transformers`' `apply_chat_template`
+renders it, so that what lathe trains on, evaluates and serves is what transformers,
+TRL and vLLM would build from the same checkpoint:
+
+- a sandboxed environment with `trim_blocks`/`lstrip_blocks`, `loopcontrols`, a `tojson`
+  that keeps non-ASCII text, `raise_exception`, `strftime_now`, and `namespace`/`dict`
+  that cannot reach Python internals;
+- the tokenizer's named special tokens (`bos_token`, `eos_token`, ...) as variables, then
+  `messages`, `tools`, `documents`, `add_generation_prompt` and any extra keyword
+  (`enable_thinking`, ...);
+- messages with their None-valued keys dropped and their reasoning under every name
+  templates read (`reasoning_content`, `thinking`);
+- `{% generation %}...{% endgeneration %}` blocks, whose character spans are where a
+  model writes (`render_with_spans`).
 
 Rendering here runs in the caller's process with no time or size limit, which suits a
 template the user chose to train on; a server renders a checkpoint's template through
@@ -9,15 +21,32 @@ template the user chose to train on; a server renders a checkpoint's template th
 
 from __future__ import annotations
 
+import json
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
-from jinja2 import TemplateError
+import jinja2
+from jinja2 import TemplateError, nodes
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from lathe.core.checkpoint_files import checkpoint_file, read_json_object
-from lathe.core.errors import CheckpointError
+from lathe.core.errors import CheckpointError, ConfigError
 
 CHECK_MESSAGES = [{"role": "user", "content": "Hi"}]  # what every chat template must render
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                       "cls_token", "mask_token")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # the first is standard
+# what a template is always given by its caller; extra template variables may not replace them
+TEMPLATE_ARGUMENTS = ("messages", "tools", "documents", "add_generation_prompt")
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+Spans = list[tuple[int, int]]
 
 
 class ChatTemplateError(ValueError):
@@ -28,12 +57,106 @@ def _raise(message: str) -> None:
     raise ChatTemplateError(message)
 
 
-def read_chat_template(path: str | Path) -> tuple[str, dict[str, str]]:
-    """A checkpoint's chat template source and the special tokens it sees as variables
-    (read, not parsed: parsing is the renderer's work)."""
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def _plain_dict(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    return dict(*args, **kwargs)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """Jinja's `namespace`, refusing attribute names that start with an underscore (the
+    way out of the sandbox that CPython's dunder attributes would open)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, rest = args[0], args[1:]
+        attributes = dict(*rest, **kwargs)
+        for name in attributes:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attributes)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"a chat template may not set {name!r} on a namespace (no leading underscore)")
+
+
+class _GenerationBlocks(Extension):
+    """`{% generation %}...{% endgeneration %}`: renders its body unchanged and, while a
+    render is being tracked, records the body's character span in the output. The span
+    starts where the output streamed so far ends, which is why tracked renders stream."""
+
+    tags = {"generation"}
+
+    def __init__(self, environment: jinja2.Environment) -> None:
+        super().__init__(environment)
+        self.tracking: ContextVar[tuple[list[str], Spans] | None] = ContextVar(
+            "generation_spans", default=None)
+
+    def parse(self, parser: jinja2.parser.Parser) -> nodes.CallBlock:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_track"), [], [], body).set_lineno(lineno)
+
+    def _track(self, caller: Any) -> str:
+        text = caller()
+        if (tracking := self.tracking.get()) is not None:
+            streamed, spans = tracking
+            start = sum(map(len, streamed))
+            spans.append((start, start + len(text)))
+        return text
+
+    @contextmanager
+    def track(self, streamed: list[str], spans: Spans) -> Iterator[None]:
+        token = self.tracking.set((streamed, spans))
+        try:
+            yield
+        finally:
+            self.tracking.reset(token)
+
+
+def prepare_messages(messages: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as templates expect them (transformers' normalization): keys whose value is
+    None dropped (OpenAI's `content: null` beside tool calls), and reasoning under
+    `reasoning_content` and `thinking` whichever name it came under."""
+    prepared = []
+    for message in messages:
+        message = {key: value for key, value in message.items() if value is not None}
+        reasoning = next((message[key] for key in REASONING_FIELDS if key in message), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        prepared.append(message)
+    return prepared
+
+
+def read_chat_template(path: str | Path,
+                       override: str | Path | None = None) -> tuple[str, dict[str, str]]:
+    """A checkpoint's chat template source (or the Jinja file `override`, which replaces
+    it) and the special tokens it sees as variables (read, not parsed: parsing is the
+    renderer's work)."""
     path = Path(path)
     config_file = checkpoint_file(path, "tokenizer_config.json")
     config = read_json_object(config_file) if config_file.is_file() else {}
+    specials = {}
+    for key in SPECIAL_TOKEN_NAMES:
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            specials[key] = value
+    if override is not None:
+        return read_template_file(override), specials
     template = config.get("chat_template")
     if template is not None and not isinstance(template, str):
         raise CheckpointError(f"{config_file}: chat_template must be a string (one Jinja "
@@ -46,20 +169,32 @@ def read_chat_template(path: str | Path) -> tuple[str, dict[str, str]]:
             raise CheckpointError(f"{jinja_file}: cannot be read ({error})") from None
     if not template:
         raise CheckpointError(f"{path} has no chat template (tokenizer_config.json "
-                              "chat_template); train the tokenizer with `lathe tokenizer "
-                              "train` or use /v1/completions")
-    specials = {}
-    for key in ("bos_token", "eos_token", "pad_token"):
-        value = config.get(key)
-        value = value.get("content") if isinstance(value, dict) else value
-        specials[key] = value if isinstance(value, str) else ""
+                              "chat_template or chat_template.jinja); give one with "
+                              "--chat_template FILE, or use /v1/completions")
     return template, specials
 
 
+def read_template_file(file: str | Path) -> str:
+    """A chat template given as a file (`--chat_template FILE`)."""
+    try:
+        text = Path(file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"chat_template={str(file)!r} cannot be read ({error}); give a "
+                          "Jinja file") from None
+    if not text.strip():
+        raise ConfigError(f"chat_template={str(file)!r} is empty; give a Jinja file")
+    return text
+
+
 class ChatTemplate:
+    """One compiled chat template and the special tokens it renders with."""
+
     def __init__(self, template: str, special_tokens: dict[str, str]) -> None:
-        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        environment.globals["raise_exception"] = _raise
+        environment = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlocks, loopcontrols])
+        environment.filters["tojson"] = _tojson
+        environment.globals.update(raise_exception=_raise, strftime_now=_strftime_now,
+                                   dict=_plain_dict, namespace=_Namespace)
         try:
             self.template = environment.from_string(template)
         except TemplateError as error:
@@ -67,26 +202,55 @@ class ChatTemplate:
         except RecursionError:
             raise CheckpointError("the chat template does not parse: nested too deeply") \
                 from None
+        self._generation = environment.extensions[_GenerationBlocks.identifier]
+        self.source = template
         self.special_tokens = special_tokens
+        self.has_generation_blocks = bool(_GENERATION_TAG.search(template))
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path) -> ChatTemplate:
-        return cls(*read_chat_template(path))
+    def from_checkpoint(cls, path: str | Path,
+                        override: str | Path | None = None) -> ChatTemplate:
+        return cls(*read_chat_template(path, override))
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt text; `ChatTemplateError` when the template refuses the messages or
-        fails on them (a template is code: whatever it raises fails this request only)."""
+    def render(self, messages: list[Mapping[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None,
+               documents: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+        """The chat's text; `ChatTemplateError` when the template refuses the messages or
+        fails on them (a template is code: whatever it raises fails this call only)."""
+        return self._render(False, messages, add_generation_prompt, tools, documents,
+                            kwargs)[0]
+
+    def render_with_spans(self, messages: list[Mapping[str, Any]],
+                          add_generation_prompt: bool = False,
+                          tools: list[dict[str, Any]] | None = None,
+                          documents: list[dict[str, Any]] | None = None,
+                          **kwargs: Any) -> tuple[str, Spans]:
+        """The chat's text and the character spans of its `{% generation %}` blocks."""
+        return self._render(True, messages, add_generation_prompt, tools, documents, kwargs)
+
+    def _render(self, track: bool, messages: list[Mapping[str, Any]],
+                add_generation_prompt: bool, tools: list[dict[str, Any]] | None,
+                documents: list[dict[str, Any]] | None,
+                kwargs: dict[str, Any]) -> tuple[str, Spans]:
+        variables = {**self.special_tokens, **kwargs, "messages": prepare_messages(messages),
+                     "tools": tools, "documents": documents,
+                     "add_generation_prompt": add_generation_prompt}
+        streamed: list[str] = []
+        spans: Spans = []
         try:
-            return self.template.render(messages=messages,
-                                        add_generation_prompt=add_generation_prompt,
-                                        **self.special_tokens)
+            if not track:
+                return self.template.render(**variables), spans
+            with self._generation.track(streamed, spans):
+                for piece in self.template.generate(**variables):
+                    streamed.append(piece)
+            return "".join(streamed), spans
         except ChatTemplateError:
             raise
         except TemplateError as error:
             raise ChatTemplateError(f"chat template failed: {error}") from None
         except Exception as error:
-            raise ChatTemplateError(f"the checkpoint's chat template failed on these "
-                                    f"messages: {type(error).__name__}: {error}") from None
+            raise ChatTemplateError(f"the chat template failed on these messages: "
+                                    f"{type(error).__name__}: {error}") from None
 
     def check(self) -> None:
         """Raise `CheckpointError` unless the template renders one user message (run

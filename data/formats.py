@@ -1,14 +1,16 @@
-"""Post-training datasets in the shapes TRL users know, validated row by row.
+"""Post-training datasets in the shapes TRL users know, validated record by record.
 
-- chat: `{"messages": [{"role", "content"}, ...]}` (OpenAI form) with at least one
-  assistant turn;
-- preference: `{"prompt", "chosen", "rejected"}`, each a string or a message list
-  (the prompt's messages, the chosen/rejected assistant reply);
-- prompt: `{"prompt", "reference"}` — a question and what a verifier compares against.
+- chat: `{"messages": [...], "tools"?: [...]}` in OpenAI's chat format (system prompts,
+  several turns, assistant `tool_calls`, `tool` results, reasoning; see
+  `lathe.data.messages`) with at least one assistant turn;
+- preference: `{"prompt", "chosen", "rejected", "tools"?}`, the prompt a string or message
+  list, each reply a string or the message list that follows the prompt;
+- prompt: `{"prompt", "reference", "tools"?}` — a question and what a verifier compares
+  against.
 
 A source is a `.jsonl` file, `hf:NAME[:SPLIT]` (a Hugging Face dataset, via `datasets`),
 or `task:NAME` (an embedded task from `lathe.data.tasks`, in the split asked for). A
-malformed row raises one `ConfigError` naming the source, the row and the field.
+malformed record raises one `ConfigError` naming the file, the line (or row) and the field.
 """
 
 from __future__ import annotations
@@ -20,79 +22,107 @@ from pathlib import Path
 from typing import Any
 
 from lathe.core.errors import ConfigError
-from lathe.data.chat import ROLES, Message
+from lathe.data.messages import (
+    Message,
+    MessageError,
+    normalize_message,
+    normalize_messages,
+    normalize_tools,
+)
 from lathe.data.tasks import task_examples
+
+Tools = list[dict[str, Any]] | None
+
+
+@dataclass(frozen=True)
+class Chat:
+    messages: list[Message]
+    tools: Tools = None
+    where: str = ""  # the file and line it came from, for errors about it
 
 
 @dataclass(frozen=True)
 class PreferenceRow:
     prompt: list[Message]
-    chosen: str
-    rejected: str
+    chosen: list[Message]  # the messages that follow the prompt (one assistant reply, most often)
+    rejected: list[Message]
+    tools: Tools = None
+    where: str = ""
 
 
 @dataclass(frozen=True)
 class PromptRow:
     prompt: list[Message]
     reference: str
+    tools: Tools = None
 
 
-def _rows(source: str) -> Iterator[dict[str, Any]]:
+def _rows(source: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, record) pairs: "FILE line N" for a .jsonl, "hf:NAME row N" for a dataset."""
     if source.startswith("hf:"):
         from datasets import load_dataset
         name, _, split = source[3:].partition(":")
-        yield from load_dataset(name, split=split or "train")
+        for i, row in enumerate(load_dataset(name, split=split or "train")):
+            yield f"{source} row {i}", row
         return
     path = Path(source)
     if not path.is_file():
         raise ConfigError(f"dataset {source!r}: no such file; give a .jsonl file, "
                           "hf:NAME[:SPLIT] or task:NAME")
-    with path.open() as f:
-        for number, line in enumerate(f):
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise ConfigError(f"{source} row {number}: not JSON ({error})") from None
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{source} line {number}"
+            try:
+                row = json.loads(line)
+            except (json.JSONDecodeError, RecursionError) as error:
+                raise ConfigError(f"{where}: not JSON ({error or 'nested too deeply'})") \
+                    from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"{where}: a record must be a JSON object, not "
+                                  f"{type(row).__name__}")
+            yield where, row
 
 
-def _messages(value: Any, where: str, roles: tuple[str, ...] = ROLES) -> list[Message]:
+def _checked(where: str, read: Any, *args: Any) -> Any:
+    """`read(*args)`, its `MessageError` re-raised as a `ConfigError` naming the record."""
+    try:
+        return read(*args)
+    except MessageError as error:
+        raise ConfigError(f"{where}: {error}") from None
+
+
+def _reply(value: Any, where: str) -> list[Message]:
     if isinstance(value, str):
-        return [{"role": "user", "content": value}]
+        return [{"role": "assistant", "content": value}]
     if not isinstance(value, list) or not value:
-        raise ConfigError(f"{where} must be a string or a non-empty list of messages")
-    out = []
-    for i, message in enumerate(value):
-        if not isinstance(message, dict) or message.get("role") not in roles:
-            raise ConfigError(f"{where}[{i}].role must be one of {', '.join(roles)}")
-        if not isinstance(message.get("content"), str):
-            raise ConfigError(f"{where}[{i}].content must be a string")
-        out.append({"role": message["role"], "content": message["content"]})
-    return out
-
-
-def _reply(value: Any, where: str) -> str:
-    if isinstance(value, str):
-        return value
-    messages = _messages(value, where, roles=("assistant",))
-    return messages[-1]["content"]
+        raise MessageError(f"{where} must be a string or a non-empty list of messages")
+    messages = [normalize_message(m, f"{where}[{i}]") for i, m in enumerate(value)]
+    if messages[0]["role"] != "assistant":
+        raise MessageError(f"{where}[0].role is {messages[0]['role']!r}; a reply starts with "
+                           "the assistant's message")
+    return messages
 
 
 def _task(source: str, split: str) -> str | None:
     return source[5:] if source.startswith("task:") else None
 
 
-def load_chat_dataset(source: str, split: str = "train",
-                      limit: int | None = None) -> list[list[Message]]:
+def load_chat_dataset(source: str, split: str = "train", limit: int | None = None) -> list[Chat]:
     if (task := _task(source, split)) is not None:
-        return [[{"role": "user", "content": r.prompt}, {"role": "assistant", "content": r.answer}]
-                for r in task_examples(task, split, limit)]
+        return [Chat([{"role": "user", "content": r.prompt},
+                      {"role": "assistant", "content": r.answer}], where=f"{source} #{i}")
+                for i, r in enumerate(task_examples(task, split, limit))]
     out = []
-    for i, row in enumerate(_rows(source)):
-        messages = _messages(row.get("messages"), f"{source} row {i}: messages")
+    for where, row in _rows(source):
+        if isinstance(row.get("messages"), str):
+            raise ConfigError(f"{where}: messages must be a list of messages, not a string")
+        messages = _checked(where, normalize_messages, row.get("messages"), "messages")
         if not any(m["role"] == "assistant" for m in messages):
-            raise ConfigError(f"{source} row {i}: messages has no assistant turn to train on")
-        out.append(messages)
+            raise ConfigError(f"{where}: messages has no assistant turn to train on")
+        out.append(Chat(messages, _checked(where, normalize_tools, row.get("tools"), "tools"),
+                        where))
         if limit is not None and len(out) == limit:
             break
     return out
@@ -108,17 +138,21 @@ def load_preference_dataset(source: str, split: str = "train",
         if task not in builders:
             raise ConfigError(f"no preference pairs for task {task!r}; choose "
                               f"{', '.join(builders)}")
-        return [PreferenceRow([{"role": "user", "content": p.prompt}], p.chosen, p.rejected)
-                for p in builders[task](split, limit)]
+        return [PreferenceRow([{"role": "user", "content": p.prompt}],
+                              [{"role": "assistant", "content": p.chosen}],
+                              [{"role": "assistant", "content": p.rejected}],
+                              where=f"{source} #{i}")
+                for i, p in enumerate(builders[task](split, limit))]
     out = []
-    for i, row in enumerate(_rows(source)):
-        where = f"{source} row {i}"
+    for where, row in _rows(source):
         for key in ("prompt", "chosen", "rejected"):
             if key not in row:
                 raise ConfigError(f"{where}: missing field {key!r}")
-        out.append(PreferenceRow(_messages(row["prompt"], f"{where}: prompt"),
-                                 _reply(row["chosen"], f"{where}: chosen"),
-                                 _reply(row["rejected"], f"{where}: rejected")))
+        out.append(PreferenceRow(_checked(where, normalize_messages, row["prompt"], "prompt"),
+                                 _checked(where, _reply, row["chosen"], "chosen"),
+                                 _checked(where, _reply, row["rejected"], "rejected"),
+                                 _checked(where, normalize_tools, row.get("tools"), "tools"),
+                                 where))
         if limit is not None and len(out) == limit:
             break
     return out
@@ -130,12 +164,12 @@ def load_prompt_dataset(source: str, split: str = "train",
         return [PromptRow([{"role": "user", "content": r.prompt}], r.reference)
                 for r in task_examples(task, split, limit)]
     out = []
-    for i, row in enumerate(_rows(source)):
-        where = f"{source} row {i}"
+    for where, row in _rows(source):
         if not isinstance(row.get("reference", row.get("answer")), str):
             raise ConfigError(f"{where}: field 'reference' (or 'answer') must be a string")
-        out.append(PromptRow(_messages(row.get("prompt"), f"{where}: prompt"),
-                             row.get("reference", row.get("answer"))))
+        out.append(PromptRow(_checked(where, normalize_messages, row.get("prompt"), "prompt"),
+                             row.get("reference", row.get("answer")),
+                             _checked(where, normalize_tools, row.get("tools"), "tools")))
         if limit is not None and len(out) == limit:
             break
     return out

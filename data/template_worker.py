@@ -86,9 +86,12 @@ class TemplateWorker:
             self._idle.put(None)  # a slot; its child starts on first use
         self._closed = False
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text; `ChatTemplateError` when the template refuses or fails on the
-        messages, runs past the time limit, or renders more than `max_chars`."""
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None,
+               documents: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+        """The prompt text (`ChatTemplate.render`'s arguments); `ChatTemplateError` when the
+        template refuses or fails on the messages, runs past the time limit, or renders
+        more than `max_chars`."""
         if self._closed:
             raise ChatTemplateError("the chat template renderer is shut down")
         child = self._idle.get()
@@ -101,7 +104,8 @@ class TemplateWorker:
                     child = None
                     raise ChatTemplateError((ready or {}).get("error") or
                                             "the chat template's renderer did not start")
-            child.send({"messages": messages, "add_generation_prompt": add_generation_prompt})
+            child.send({"messages": messages, "add_generation_prompt": add_generation_prompt,
+                        "tools": tools, "documents": documents, "kwargs": kwargs})
             answer = child.receive(self.seconds, 6 * self.max_chars + 4096)
             if answer is None:
                 child.kill()
@@ -159,7 +163,8 @@ def _serve(memory_bytes: int) -> None:
     for line in stdin:
         request = json.loads(line)
         try:
-            text = template.render(request["messages"], request["add_generation_prompt"])
+            text = template.render(request["messages"], request["add_generation_prompt"],
+                                   request["tools"], request["documents"], **request["kwargs"])
         except ChatTemplateError as error:
             answer({"error": str(error)})
             continue

@@ -59,12 +59,15 @@ def load_safetensors(file: Path, device: torch.device) -> dict[str, torch.Tensor
 
 def save_checkpoint(model: Transformer, path: str | Path, tokenizer: str | Path | None = None,
                     provenance: dict[str, Any] | None = None, *,
-                    max_shard_size: int | str = "5GB") -> Path:
+                    max_shard_size: int | str = "5GB",
+                    chat_template: str | None = None) -> Path:
     """Write `model` as an HF-layout checkpoint folder at `path`, atomically.
 
     `tokenizer` is a folder holding at least `tokenizer.json` (as written by
     `lathe tokenizer train` or `save_pretrained`); its files are copied in and its
     bos/eos/pad tokens set the ids in config.json and generation_config.json.
+    `chat_template` (Jinja source) replaces the template those files carry, in
+    tokenizer_config.json where transformers, vLLM and lathe read it.
     `provenance` (stage, steps, data, metrics, ...) goes to lathe.json. Weights are
     split into shards past `max_shard_size`.
     """
@@ -87,6 +90,8 @@ def save_checkpoint(model: Transformer, path: str | Path, tokenizer: str | Path 
             for name in TOKENIZER_FILES:
                 if (Path(tokenizer) / name).is_file():
                     shutil.copy2(Path(tokenizer) / name, tmp / name)
+        if chat_template is not None:
+            _replace_chat_template(tmp, chat_template)
         _write_json(tmp / PROVENANCE_FILE, {
             "lathe_version": _lathe_version(),
             "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
@@ -95,6 +100,13 @@ def save_checkpoint(model: Transformer, path: str | Path, tokenizer: str | Path 
             **(provenance or {}),
         })
     return Path(path)
+
+
+def _replace_chat_template(folder: Path, template: str) -> None:
+    config_file = folder / "tokenizer_config.json"
+    config = read_json_object(config_file) if config_file.is_file() else {}
+    _write_json(config_file, {**config, "chat_template": template})
+    (folder / "chat_template.jinja").unlink(missing_ok=True)  # one template, not two
 
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,

@@ -1,6 +1,7 @@
 """Chats as training examples, for the stages that train on them (SFT, logit distillation):
-tokenized with the chat template's assistant mask and fitted to max_len, collated into
-padded batches, the work each batch holds, and a chat run started on the runtime."""
+tokenized through the stage's chat template with its assistant mask and fitted to max_len,
+collated into padded batches, the work each batch holds, and a chat run started on the
+runtime."""
 
 from __future__ import annotations
 
@@ -9,12 +10,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer
 from torch import nn
 
 from lathe.core.errors import ConfigError
-from lathe.data.chat import Message, tokenize_chat
-from lathe.data.formats import load_chat_dataset
+from lathe.data.chat_encoding import ChatEncoder
+from lathe.data.formats import Chat, load_chat_dataset
 from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.common import ShuffledBatches, label_count, pad, sequence_work
 from lathe.pretrain.runtime import Runtime, Work
@@ -36,12 +36,12 @@ class ChatFit:
                 f"token left), {self.whole} whole")
 
 
-def tokenize(tokenizer: Tokenizer, chats: list[list[Message]], max_len: int,
+def tokenize(encoder: ChatEncoder, chats: list[Chat], max_len: int,
              fit: ChatFit | None = None) -> list[Example]:
     fit = fit if fit is not None else ChatFit()
     examples = []
-    for messages in chats:
-        ids, mask = tokenize_chat(tokenizer, messages)
+    for chat in chats:
+        ids, mask = encoder.conversation(chat)
         if len(ids) > max_len:
             ids, mask = ids[:max_len], mask[:max_len]
             fit.cut += 1
@@ -80,7 +80,14 @@ class ChatRun:
     restored: dict[str, Any] | None
 
 
-def start_chat_run(runtime: Runtime, config: Any, model: nn.Module, tokenizer: Tokenizer,
+def assistant_tokens(examples: list[Example]) -> str:
+    """Assistant (trained) tokens per example: mean, min and max, for the start banner."""
+    counts = [sum(label != IGNORE_INDEX for label in labels[1:]) for _, labels in examples]
+    return (f"assistant tokens per chat: {sum(counts) / len(counts):.1f} on average "
+            f"({min(counts)}..{max(counts)})")
+
+
+def start_chat_run(runtime: Runtime, config: Any, model: nn.Module, encoder: ChatEncoder,
                    resume: str) -> ChatRun:
     """Tokenize `config.data`'s training and held-out chats, size the run from their mean
     length, prepare the runtime, and on resume restore the batch order (SFT, distillation)."""
@@ -89,12 +96,12 @@ def start_chat_run(runtime: Runtime, config: Any, model: nn.Module, tokenizer: T
         raise ConfigError(f"data.max_len={data.max_len} exceeds the model's max_seq_len="
                           f"{model_config.max_seq_len}; lower data.max_len")
     fit = ChatFit()
-    train = tokenize(tokenizer, load_chat_dataset(data.train, "train", data.limit), data.max_len,
+    train = tokenize(encoder, load_chat_dataset(data.train, "train", data.limit), data.max_len,
                      fit)
     if not train:
         raise ConfigError(f"data.train={data.train!r}: no chat has an assistant token within "
                           f"data.max_len={data.max_len}; raise data.max_len")
-    heldout = tokenize(tokenizer, load_chat_dataset(data.eval or data.train, "test",
+    heldout = tokenize(encoder, load_chat_dataset(data.eval or data.train, "test",
                                                     config.eval.batches * config.micro_batch_size),
                        data.max_len)
     batches = ShuffledBatches(train, config.micro_batch_size, config.seed, runtime.rank,
@@ -107,5 +114,5 @@ def start_chat_run(runtime: Runtime, config: Any, model: nn.Module, tokenizer: T
     restored = runtime.start(config, resume)
     if restored is not None:
         batches.load_state_dict(restored["batches"])
-    runtime.print(fit.report())
+    runtime.print(f"{encoder.name}; {assistant_tokens(train)}; {fit.report()}")
     return ChatRun(train, heldout, batches, mean_len, fit, restored)

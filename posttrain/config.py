@@ -1,13 +1,15 @@
-"""Typed configs of the post-training stages: each is the runtime's `TrainConfig` plus the
-policy checkpoint, its data, LoRA and the held-out task evaluation. Defaults run the
-tiny CPU setting on the README run's base checkpoint and the embedded arithmetic task."""
+"""Typed configs of the post-training stages: each is a `PosttrainConfig` — the runtime's
+`TrainConfig` plus the policy checkpoint, its chat template, LoRA and the held-out task
+evaluation — and its own data and loss fields. Defaults run the tiny CPU setting on the
+README run's base checkpoint and the embedded arithmetic task."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from lathe.core.errors import ConfigError
+from lathe.data.chat_template import TEMPLATE_ARGUMENTS
 from lathe.model.lora import LoraSection
 from lathe.pretrain.config import TrainConfig
 
@@ -31,6 +33,28 @@ class TaskEvalConfig:
 
 
 @dataclass
+class PosttrainConfig(TrainConfig):
+    """What every post-training stage has: the policy checkpoint it starts from, the chat
+    template it trains and evaluates through, LoRA, and the held-out task evaluation."""
+
+    model: str = "runs/e2e/pretrain/final"
+    # a Jinja file replacing the checkpoint's chat template for this stage (exported with
+    # the model), e.g. one with {% generation %} blocks where the checkpoint's gives no mask
+    chat_template: str | None = None
+    # extra template variables, e.g. {enable_thinking: false} for Qwen3
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    lora: LoraSection = field(default_factory=LoraSection)
+    task_eval: TaskEvalConfig = field(default_factory=TaskEvalConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in self.chat_template_kwargs:
+            if key in TEMPLATE_ARGUMENTS:
+                raise ConfigError(f"chat_template_kwargs.{key}: lathe sets {key!r} itself; "
+                                  "remove it")
+
+
+@dataclass
 class ChatDataConfig:
     train: str = "task:arithmetic"  # a chat .jsonl, hf:NAME[:SPLIT] or task:NAME
     eval: str | None = None  # held-out chats; default: the task's test split
@@ -39,12 +63,9 @@ class ChatDataConfig:
 
 
 @dataclass
-class SFTConfig(TrainConfig):
+class SFTConfig(PosttrainConfig):
     out_dir: str = "runs/sft"
-    model: str = "runs/e2e/pretrain/final"
     data: ChatDataConfig = field(default_factory=ChatDataConfig)
-    lora: LoraSection = field(default_factory=LoraSection)
-    task_eval: TaskEvalConfig = field(default_factory=TaskEvalConfig)
 
 
 Overflow = Literal["drop", "truncate_left"]
@@ -61,7 +82,7 @@ class PreferenceDataConfig:
 
 
 @dataclass
-class DPOConfig(TrainConfig):
+class DPOConfig(PosttrainConfig):
     out_dir: str = "runs/dpo"
     model: str = "runs/sft/final"
     reference: str | None = None  # default: the starting policy (or the base under LoRA)
@@ -69,8 +90,6 @@ class DPOConfig(TrainConfig):
     loss: Literal["sigmoid", "ipo"] = "sigmoid"
     rpo_alpha: float = 0.0  # weight of the chosen replies' NLL added to the loss (TRL's RPO)
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
-    lora: LoraSection = field(default_factory=LoraSection)
-    task_eval: TaskEvalConfig = field(default_factory=TaskEvalConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -90,7 +109,7 @@ class RewardSpec:
 
 
 @dataclass
-class GRPOConfig(TrainConfig):
+class GRPOConfig(PosttrainConfig):
     out_dir: str = "runs/grpo"
     model: str = "runs/dpo/final"
     prompts: str = "task:arithmetic"
@@ -111,8 +130,6 @@ class GRPOConfig(TrainConfig):
     epsilon_high: float | None = None  # DAPO's clip-higher, e.g. 0.28
     beta: float = 0.0  # KL to the reference (k3); 0 loads no reference model
     updates_per_batch: int = 1  # optimizer steps on each rollout batch
-    lora: LoraSection = field(default_factory=LoraSection)
-    task_eval: TaskEvalConfig = field(default_factory=TaskEvalConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()

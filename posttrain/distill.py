@@ -25,11 +25,10 @@ from torch import Tensor, nn
 
 from lathe.core.atomic import write_json
 from lathe.core.errors import ConfigError
-from lathe.data.chat_template import ChatTemplate
+from lathe.data.chat_encoding import chat_encoder
 from lathe.data.formats import load_prompt_dataset
 from lathe.data.tokenizer import load_tokenizer, vocabulary_difference
 from lathe.model.checkpoint import load_checkpoint
-from lathe.model.lora import LoraSection
 from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.chats import chat_work, collate, start_chat_run
 from lathe.posttrain.common import (
@@ -43,16 +42,15 @@ from lathe.posttrain.common import (
     stage_main,
     train_on_batches,
 )
-from lathe.posttrain.config import ChatDataConfig, SFTConfig, TaskEvalConfig
+from lathe.posttrain.config import ChatDataConfig, PosttrainConfig, SFTConfig
 from lathe.posttrain.sft import sft
-from lathe.pretrain.config import TrainConfig
 from lathe.pretrain.runtime import Runtime, Work
 from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.sampling import SamplingParams
 
 
 @dataclass
-class DistillConfig(TrainConfig):
+class DistillConfig(PosttrainConfig):
     out_dir: str = "runs/distill"
     model: str = "runs/student"  # the student checkpoint
     teacher: str = "runs/grpo/final"
@@ -63,8 +61,6 @@ class DistillConfig(TrainConfig):
     ce_weight: float = 0.5  # loss = ce_weight · CE + (1 − ce_weight) · KD
     teacher_max_tokens: int = 32  # teacher_data: answer length
     data: ChatDataConfig = field(default_factory=ChatDataConfig)
-    lora: LoraSection = field(default_factory=LoraSection)
-    task_eval: TaskEvalConfig = field(default_factory=TaskEvalConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -108,15 +104,15 @@ def check_same_tokenizer(student: str, teacher: str) -> None:
 
 def distill_logits(config: DistillConfig, resume: str) -> dict[str, Any]:
     runtime = Runtime(config, stage="distill")
-    model, tokenizer = load_policy(runtime, config.model, config.lora)
+    model, encoder = load_policy(runtime, config)
     teacher = load_checkpoint(config.teacher, dtype=torch.float32)
     if teacher.config.vocab_size != model.config.vocab_size:
         raise ConfigError(f"teacher vocab_size {teacher.config.vocab_size} != student "
                           f"{model.config.vocab_size}: logits must cover the same tokens")
     model_config = model.config
-    run = start_chat_run(runtime, config, model, tokenizer, resume)
+    run = start_chat_run(runtime, config, model, encoder, resume)
     teacher = runtime.prepare_frozen(teacher)
-    pad_token = pad_id(tokenizer)
+    pad_token = pad_id(encoder.tokenizer)
     student_work = chat_work(model_config)
 
     def work_of(batch: dict[str, Any]) -> Work:  # plus the teacher's forward (1/3 of a step)
@@ -168,25 +164,27 @@ def distill_logits(config: DistillConfig, resume: str) -> dict[str, Any]:
     train_on_batches(runtime, config, run.batches,
                      lambda rows: collate(rows, pad_token, runtime.device), loss_fn,
                      work_of, evaluate, history)
-    evaluator = TaskEvaluator(config.task_eval, config.model, tokenizer)
+    evaluator = TaskEvaluator(config.task_eval, config.model, encoder)
     student_accuracy = evaluate_task(runtime, evaluator, config.lora)
     summary = finish_stage(runtime, config, model_config, history, ["kl_to_teacher"])
     return {**summary, "student_accuracy": student_accuracy}
 
 
 def write_teacher_data(config: DistillConfig, path: Path) -> int:
-    """The teacher's greedy answers to the training prompts, as a chat .jsonl (atomically)."""
+    """The teacher's greedy answers to the training prompts, prompted through its own chat
+    template, as a chat .jsonl (atomically)."""
     engine = LLMEngine.from_checkpoint(config.teacher, EngineConfig(num_blocks=1024))
-    template = ChatTemplate.from_checkpoint(config.teacher)
+    encoder = chat_encoder(config.teacher, tokenizer=engine.tokenizer)
     rows = load_prompt_dataset(config.data.train, "train", config.data.limit)
-    prompts = [engine.encode(template.render(row.prompt)) for row in rows]
+    prompts = [encoder.prompt(row.prompt, row.tools) for row in rows]
     params = SamplingParams(max_tokens=config.teacher_max_tokens, temperature=0)
     answers = engine.generate(prompts, params, progress=True)
     tmp = path.with_suffix(".tmp")
     with tmp.open("w") as f:
         for row, answer in zip(rows, answers, strict=True):
-            f.write(json.dumps({"messages": [*row.prompt, {
-                "role": "assistant", "content": answer.outputs[0].text.strip()}]}) + "\n")
+            record = {"messages": [*row.prompt, {
+                "role": "assistant", "content": answer.outputs[0].text.strip()}]}
+            f.write(json.dumps(record | ({"tools": row.tools} if row.tools else {})) + "\n")
     tmp.replace(path)
     return len(rows)
 
@@ -202,15 +200,14 @@ def distill(config: DistillConfig, resume: str = "never") -> dict[str, Any]:
         if not data_file.is_file():
             print(f"teacher {config.teacher} answered {write_teacher_data(config, data_file)} "
                   f"prompts -> {data_file}")
-        shared = {f.name: getattr(config, f.name) for f in dataclasses.fields(TrainConfig)}
-        sft_config = SFTConfig(**shared, model=config.model, lora=config.lora,
-                               task_eval=config.task_eval,
+        shared = {f.name: getattr(config, f.name) for f in dataclasses.fields(PosttrainConfig)}
+        sft_config = SFTConfig(**shared,
                                data=dataclasses.replace(config.data, train=str(data_file)))
         result = sft(sft_config, resume)
         summary = {**result, "student_accuracy": result["accuracy"][-1]}
     if os.environ.get("RANK", "0") != "0":  # the report is the main process's job
         return summary
-    teacher = TaskEvaluator(config.task_eval, config.teacher, load_tokenizer(config.teacher))
+    teacher = TaskEvaluator(config.task_eval, config.teacher, chat_encoder(config.teacher))
     summary["teacher_accuracy"] = teacher(load_checkpoint(config.teacher))["accuracy"]
     write_json(Path(config.out_dir) / "summary.json", summary)
     print(f"done: distill ({config.mode}); held-out {config.task_eval.task} accuracy: student "

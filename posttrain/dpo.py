@@ -21,11 +21,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from lathe.core.errors import ConfigError
-from lathe.data.chat import END_OF_TURN, format_chat
+from lathe.data.chat_encoding import ChatEncoder
 from lathe.data.formats import PreferenceRow, load_preference_dataset
 from lathe.model.checkpoint import load_checkpoint
 from lathe.model.lora import adapters_disabled
@@ -58,21 +57,22 @@ class Pair:
     reference: tuple[float, float] = (0.0, 0.0)  # reference log-probs of chosen, rejected
 
 
-def tokenize_pairs(tokenizer: Tokenizer, rows: list[PreferenceRow], max_len: int,
+def tokenize_pairs(encoder: ChatEncoder, rows: list[PreferenceRow], max_len: int,
                    fit: PromptFit) -> list[Pair]:
-    """Each prompt fitted to `fit.max_prompt_length` (< max_len), each reply cut to what
-    is left of max_len."""
-    def side(prompt: list[int], reply: str) -> tuple[list[int], list[int]]:
-        completion = tokenizer.encode(reply + END_OF_TURN, add_special_tokens=False).ids
+    """Each pair split where its rendered prompt ends (`ChatEncoder.continuation`), the
+    prompt fitted to `fit.max_prompt_length` (< max_len), each reply cut to what is left
+    of max_len."""
+    def side(prompt: list[int], completion: list[int]) -> tuple[list[int], list[int]]:
         ids = (prompt + completion)[:max_len]
         return ids, ([IGNORE_INDEX] * len(prompt) + completion)[:max_len]
 
     pairs = []
     for row in rows:
-        prompt = fit(tokenizer.encode(format_chat(row.prompt, add_generation_prompt=True),
-                                      add_special_tokens=False).ids)
+        prompt, chosen = encoder.continuation(row.prompt, row.chosen, row.tools, row.where)
+        _, rejected = encoder.continuation(row.prompt, row.rejected, row.tools, row.where)
+        prompt = fit(prompt)
         if prompt is not None:
-            pairs.append(Pair(side(prompt, row.chosen), side(prompt, row.rejected)))
+            pairs.append(Pair(side(prompt, chosen), side(prompt, rejected)))
     return pairs
 
 
@@ -184,21 +184,21 @@ def heldout_preference(runtime: Runtime, pairs: list[Pair], config: DPOConfig,
 
 def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
     runtime = Runtime(config, stage="dpo")
-    model, tokenizer = load_policy(runtime, config.model, config.lora)
+    model, encoder = load_policy(runtime, config)
     model_config = model.config
-    data, pad_token, mean = config.data, pad_id(tokenizer), config.loss == "ipo"
+    data, pad_token, mean = config.data, pad_id(encoder.tokenizer), config.loss == "ipo"
     fit = PromptFit(data.max_prompt_length or data.max_len // 2, data.prompt_overflow)
     if fit.max_prompt_length >= data.max_len or data.max_len > model_config.max_seq_len:
         raise ConfigError(f"data.max_prompt_length={fit.max_prompt_length} must be below "
                           f"data.max_len={data.max_len}, itself at most the model's "
                           f"max_seq_len={model_config.max_seq_len}")
-    train = tokenize_pairs(tokenizer, load_preference_dataset(data.train, "train", data.limit),
+    train = tokenize_pairs(encoder, load_preference_dataset(data.train, "train", data.limit),
                            data.max_len, fit)
     if not train:
         raise ConfigError(f"data.train={data.train!r}: every prompt is over "
                           f"max_prompt_length={fit.max_prompt_length} and was dropped; raise "
                           "data.max_prompt_length or set data.prompt_overflow=truncate_left")
-    heldout = tokenize_pairs(tokenizer, load_preference_dataset(
+    heldout = tokenize_pairs(encoder, load_preference_dataset(
         data.eval or data.train, "test", config.eval.batches * config.micro_batch_size),
         data.max_len, PromptFit(fit.max_prompt_length, fit.overflow))
 
@@ -215,12 +215,13 @@ def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
     restored = runtime.start(config, resume)
     if restored is not None:
         batches.load_state_dict(restored["batches"])
-    evaluator = TaskEvaluator(config.task_eval, config.model, tokenizer)
+    evaluator = TaskEvaluator(config.task_eval, config.model, encoder)
     runtime.print(f"dpo: {len(train):,} pairs, {len(heldout)} held out, beta {config.beta}, "
                   f"{config.loss} loss"
                   + (f" + {config.rpo_alpha} × chosen NLL" if config.rpo_alpha else "")
                   + f", {total_steps} steps; reference log-probs cached"
-                  + (" (adapters disabled)" if config.lora.enabled else "") + f"; {fit.report()}")
+                  + (" (adapters disabled)" if config.lora.enabled else "")
+                  + f"; {encoder.name}; {fit.report()}")
 
     def loss_fn(m: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         return rpo_loss(m, batch, mean, config.beta, config.loss, config.rpo_alpha)

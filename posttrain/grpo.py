@@ -27,7 +27,7 @@ from accelerate.utils import broadcast_object_list
 from torch import Tensor, nn
 
 from lathe.core.errors import ConfigError
-from lathe.data.chat_template import ChatTemplate
+from lathe.data.chat_encoding import ChatEncoder
 from lathe.data.formats import PromptRow, load_prompt_dataset
 from lathe.model.checkpoint import load_checkpoint, read_eos_ids
 from lathe.model.lora import AdapterMerger, adapter_weights, adapters_disabled
@@ -135,11 +135,10 @@ def collate(rollouts: list[Rollout], pad_token: int, device: torch.device) -> di
             "advantages": torch.tensor([r.advantage for r in rollouts], device=device)}
 
 
-def fit_prompts(tokenizer: Any, template: ChatTemplate, rows: list[PromptRow],
-                fit: PromptFit) -> list[Prompt]:
+def fit_prompts(encoder: ChatEncoder, rows: list[PromptRow], fit: PromptFit) -> list[Prompt]:
     prompts = []
     for row in rows:
-        ids = fit(tokenizer.encode(template.render(row.prompt), add_special_tokens=False).ids)
+        ids = fit(encoder.prompt(row.prompt, row.tools))
         if ids is not None:
             prompts.append(Prompt(row, ids))
     return prompts
@@ -218,11 +217,11 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
     if rollouts_per_rank % config.grad_accum_steps:
         raise ConfigError(f"each rank's {rollouts_per_rank} rollouts must split evenly into "
                           f"grad_accum_steps={config.grad_accum_steps} micro-batches")
-    model, tokenizer = load_policy(runtime, config.model, config.lora)
+    model, encoder = load_policy(runtime, config)
     model_config = model.config
     fit = check_lengths(config, model_config.max_seq_len)
-    prompts = fit_prompts(tokenizer, ChatTemplate.from_checkpoint(config.model),
-                          load_prompt_dataset(config.prompts, "train", config.limit), fit)
+    prompts = fit_prompts(encoder, load_prompt_dataset(config.prompts, "train", config.limit),
+                          fit)
     if len(prompts) < config.prompts_per_step:
         raise ConfigError(f"{config.prompts}: {len(prompts)} prompts left after fitting "
                           f"({fit.report()}), fewer than prompts_per_step="
@@ -236,13 +235,13 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
     restored = runtime.start(config, resume)
     if restored is not None:
         sampler.load_state_dict(restored["prompts"])
-    generator = (RolloutGenerator(config, tokenizer, runtime.device, runtime.compute_dtype)
+    generator = (RolloutGenerator(config, encoder.tokenizer, runtime.device, runtime.compute_dtype)
                  if runtime.is_main else None)
     weights = engine_weights(runtime, config)
     if generator is not None:
         generator.refresh(weights)
-    evaluator = TaskEvaluator(config.task_eval, config.model, tokenizer)
-    pad_token = pad_id(tokenizer)
+    evaluator = TaskEvaluator(config.task_eval, config.model, encoder)
+    pad_token = pad_id(encoder.tokenizer)
     runtime.print(f"grpo: {len(prompts):,} prompts ({fit.report()}), "
                   f"{config.prompts_per_step} × {config.num_generations} rollouts per batch, "
                   f"{config.updates_per_batch} update(s) each, {total_steps} optimizer steps, "

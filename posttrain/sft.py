@@ -58,16 +58,16 @@ def heldout_loss(runtime: Runtime, examples: list[Example], micro_batch: int,
 
 def sft(config: SFTConfig, resume: str = "never") -> dict[str, Any]:
     runtime = Runtime(config, stage="sft")
-    model, tokenizer = load_policy(runtime, config.model, config.lora)
+    model, encoder = load_policy(runtime, config)
     model_config = model.config
-    run = start_chat_run(runtime, config, model, tokenizer, resume)
-    evaluator = TaskEvaluator(config.task_eval, config.model, tokenizer)
+    run = start_chat_run(runtime, config, model, encoder, resume)
+    evaluator = TaskEvaluator(config.task_eval, config.model, encoder)
     runtime.print(f"sft: {len(run.train):,} chats ({run.mean_len:.0f} tokens on average), "
                   f"{len(run.heldout)} held out; {runtime.total_steps} steps on "
                   f"{runtime.setup['device']}"
                   + (f"; LoRA r={config.lora.r}" if config.lora.enabled else ""))
 
-    pad_token = pad_id(tokenizer)
+    pad_token = pad_id(encoder.tokenizer)
     history = stage_history(run.restored, "heldout_loss", "accuracy")
 
     def evaluate() -> bool:

@@ -352,11 +352,12 @@ class Runtime:
 
     def export(self, model_config: ModelConfig, path: Path, tokenizer: Path | None,
                provenance: dict[str, Any], lora: LoraSection | None = None,
-               base: Path | None = None) -> Path:
+               base: Path | None = None, chat_template: str | None = None) -> Path:
         """Write the HF-layout checkpoint from the full (gathered) weights (collective).
 
         With `lora`, the adapters are also saved as a peft folder beside it
         (`<path>-adapter`, naming the `base` checkpoint) and merged into the exported weights.
+        `chat_template` replaces the template the tokenizer folder carries.
         """
         state = self.accelerator.get_state_dict(self.model)
         if self.is_main:
@@ -369,7 +370,7 @@ class Runtime:
                 merge_lora(model)
             save_checkpoint(model, path, tokenizer=tokenizer, provenance={
                 "stage": self.stage, "steps": self.step, "tokens_seen": self.tokens_seen,
-                "parallel": self.setup, **provenance})
+                "parallel": self.setup, **provenance}, chat_template=chat_template)
         self.accelerator.wait_for_everyone()
         return path
 

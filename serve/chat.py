@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from lathe.data.chat_template import ChatTemplate
+from lathe.data.chat_encoding import chat_encoder
 from lathe.serve.engine import LLMEngine
 from lathe.serve.quant import QuantMode
 from lathe.serve.sampling import SamplingParams
@@ -29,12 +29,13 @@ class ChatBackend(Protocol):
 
 
 class LocalChat:
-    def __init__(self, checkpoint: Path, quantize: QuantMode | None = None) -> None:
+    def __init__(self, checkpoint: Path, quantize: QuantMode | None = None,
+                 chat_template: Path | None = None) -> None:
         self.engine = LLMEngine.from_checkpoint(checkpoint, quantize=quantize)
-        self.template = ChatTemplate.from_checkpoint(checkpoint)
+        self.encoder = chat_encoder(checkpoint, chat_template, tokenizer=self.engine.tokenizer)
 
     def reply(self, messages: list[dict[str, str]], sampling: dict[str, Any]) -> Iterator[str]:
-        prompt = self.engine.encode(self.template.render(messages))
+        prompt = self.encoder.prompt(messages)
         room = self.engine.max_model_len - len(prompt)
         params = SamplingParams(**{**sampling, "max_tokens": min(sampling["max_tokens"], room)})
         request_id = self.engine.add_request(prompt, params)

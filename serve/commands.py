@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lathe.core.errors import ConfigError
+from lathe.data.chat_template import read_template_file
 from lathe.model.checkpoint import read_model_config
 from lathe.serve.connections import ConnectionLimits
 from lathe.serve.engine import EngineConfig
@@ -125,8 +126,12 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                             "are aborted (a second signal exits at once)")
     group.add_argument("--template-timeout", type=float, default=2.0,
                        help="seconds the chat template may take to render a request")
+    parser.add_argument("--chat-template", type=Path, metavar="FILE",
+                        help="a Jinja chat template served in place of the checkpoint's")
     _engine_flags(parser)
     args = parser.parse_args(argv)
+    if args.chat_template is not None:
+        read_template_file(args.chat_template)
     if args.protect_metrics and not args.api_key:
         raise ConfigError("--protect-metrics needs --api-key (or LATHE_API_KEY): without a key "
                           "/metrics would stay open; give a key or drop --protect-metrics")
@@ -145,7 +150,8 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                           served_model_name=args.served_model_name,
                           quantize=args.quantize, max_waiting=args.max_waiting,
                           max_body_bytes=args.max_body_bytes,
-                          template_seconds=args.template_timeout, limits=limits,
+                          template_seconds=args.template_timeout,
+                          chat_template=args.chat_template, limits=limits,
                           engine=_engine_config(args))
     run(config, args.log_level)
     return 0
@@ -166,6 +172,9 @@ def chat_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--api-key", default=os.environ.get("LATHE_API_KEY"))
     parser.add_argument("--model", help="model id on the server (default: its first)")
     parser.add_argument("--quantize", choices=["int8", "int4"], help="local checkpoints only")
+    parser.add_argument("--chat-template", type=Path, metavar="FILE",
+                        help="local checkpoints: a Jinja chat template used in place of "
+                             "the checkpoint's")
     args = parser.parse_args(argv)
     from lathe.serve.chat import LocalChat, RemoteChat, chat_loop, say, write_stdout
     from lathe.serve.sampling import SamplingError, SamplingParams
@@ -177,10 +186,13 @@ def chat_main(argv: Sequence[str] | None = None) -> int:
     except SamplingError as error:
         raise ConfigError(str(error).replace("_", "-", 1)) from None
     if args.target.startswith(("http://", "https://")):
+        if args.chat_template is not None or args.quantize is not None:
+            raise ConfigError("--chat-template and --quantize are for a local checkpoint; a "
+                              "server renders with its own (lathe serve --chat-template)")
         backend = RemoteChat(args.target, args.api_key, args.model)
     else:
         read_model_config(args.target)
-        backend = LocalChat(Path(args.target), args.quantize)
+        backend = LocalChat(Path(args.target), args.quantize, args.chat_template)
     if args.prompt is not None:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}]

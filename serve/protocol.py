@@ -26,6 +26,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from pydantic_core import PydanticCustomError
 from tokenizers import Tokenizer
 
+from lathe.data.chat_template import TEMPLATE_ARGUMENTS
+from lathe.data.messages import Message, MessageError, normalize_message
 from lathe.serve.engine import CompletionOutput, TokenLogprob
 from lathe.serve.sampling import (
     BOUNDS,
@@ -205,7 +207,7 @@ class ChatMessage(BaseModel):
     content: str | list[Any] | None = None
 
 
-def message_text(index: int, message: ChatMessage) -> dict[str, str]:
+def message_text(index: int, message: ChatMessage) -> Message:
     """One message as the chat template takes it ({role, content}); `developer` is the
     system role under its newer name. Raises `ProtocolError` naming what is wrong."""
     where = f"messages[{index}]"
@@ -221,23 +223,11 @@ def message_text(index: int, message: ChatMessage) -> dict[str, str]:
                             "messages")
     if message.content is None:
         raise ProtocolError(f"{where}.content is required (a string or text parts)", "messages")
-    if isinstance(message.content, str):
-        text = message.content
-    else:
-        parts = []
-        for j, part in enumerate(message.content):
-            at = f"{where}.content[{j}]"
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ProtocolError(f"{at}: content parts of type {kind!r} are not supported; "
-                                    "this model reads text parts only", "messages")
-            if not isinstance(part.get("text"), str):
-                raise ProtocolError(f"{at}.text must be a string, got "
-                                    f"{type(part.get('text')).__name__}", "messages")
-            parts.append(part["text"])
-        text = "".join(parts)
-    return {"role": "system" if message.role == "developer" else message.role,
-            "content": text}
+    role = "system" if message.role == "developer" else message.role
+    try:
+        return normalize_message({"role": role, "content": message.content}, where)
+    except MessageError as error:
+        raise ProtocolError(str(error), "messages") from None
 
 
 class ChatCompletionRequest(_Request):
@@ -246,11 +236,20 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: _bounded(int, "max_tokens") | None = None
     logprobs: bool | None = False
     top_logprobs: _bounded(int, "logprobs") | None = None
+    # extra chat template variables (vLLM's), e.g. {"enable_thinking": false} for Qwen3
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs is not None and not self.logprobs:
             raise ProtocolError("top_logprobs needs logprobs=true", "top_logprobs")
+        for key in self.chat_template_kwargs or {}:
+            if key in TEMPLATE_ARGUMENTS:
+                raise ProtocolError(f"chat_template_kwargs.{key}: the server sets {key!r} "
+                                    "itself; remove it", "chat_template_kwargs")
+
+    def template_kwargs(self) -> dict[str, Any]:
+        return dict(self.chat_template_kwargs or {})
 
     @property
     def completion_budget(self) -> int | None:
@@ -260,7 +259,7 @@ class ChatCompletionRequest(_Request):
             return self.max_completion_tokens
         return self.max_tokens
 
-    def chat(self) -> list[dict[str, str]]:
+    def chat(self) -> list[Message]:
         return [message_text(i, message) for i, message in enumerate(self.messages)]
 
 

@@ -77,6 +77,7 @@ class ServerConfig:
     max_waiting: int = 256
     max_body_bytes: int = 1 << 20
     template_seconds: float = 2.0  # a chat template's render limit (a request fails past it)
+    chat_template: Path | None = None  # a Jinja file served in place of the checkpoint's
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -177,8 +178,9 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
         try:
             engine = await asyncio.to_thread(load)
             try:
-                template = TemplateWorker(*read_chat_template(config.checkpoint),
-                                          seconds=config.template_seconds)
+                template = TemplateWorker(
+                    *read_chat_template(config.checkpoint, config.chat_template),
+                    seconds=config.template_seconds)
                 state.template = template
                 await asyncio.to_thread(template.check)
             except ValueError as error:
@@ -316,7 +318,8 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
             raise APIError(400, state.no_template)
         try:
             messages = body.chat()
-            text = await asyncio.to_thread(state.template.render, messages)
+            text = await asyncio.to_thread(state.template.render, messages,
+                                           **body.template_kwargs())
             prompt = engine.engine.encode(text)
         except (ProtocolError, ChatTemplateError, RequestError) as error:
             raise APIError(400, str(error), param="messages") from None

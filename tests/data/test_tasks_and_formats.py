@@ -8,8 +8,15 @@ from collections import Counter
 import pytest
 
 from lathe.core.errors import ConfigError
-from lathe.data.chat import END_OF_TURN, tokenize_chat
-from lathe.data.formats import load_chat_dataset, load_preference_dataset, load_prompt_dataset
+from lathe.data.chat import BOS, CHAT_TEMPLATE, END_OF_TURN
+from lathe.data.chat_encoding import ChatEncoder
+from lathe.data.chat_template import ChatTemplate
+from lathe.data.formats import (
+    Chat,
+    load_chat_dataset,
+    load_preference_dataset,
+    load_prompt_dataset,
+)
 from lathe.data.tasks import task_examples
 from lathe.data.tasks.arithmetic import arithmetic_preferences, extract_number
 from lathe.data.tokenizer import train_tokenizer
@@ -70,8 +77,10 @@ def test_three_digit_preference_pairs_prefer_the_verified_answer():
     misses = set()
     for row in pairs:
         assert row.prompt[0]["content"] in prompts
-        assert extract_number(row.chosen) != extract_number(row.rejected)
-        misses.add(abs(extract_number(row.chosen) - extract_number(row.rejected)))
+        chosen, rejected = (extract_number(side[0]["content"]) for side in (row.chosen,
+                                                                            row.rejected))
+        assert chosen != rejected
+        misses.add(abs(chosen - rejected))
     assert {1, 10, 100} <= misses  # near misses of every place value, carry errors included
     with pytest.raises(ConfigError, match="no preference pairs for task 'poetry'"):
         load_preference_dataset("task:poetry")
@@ -83,13 +92,14 @@ def tokenizer():
                            show_progress=False)
 
 
-def test_assistant_mask_covers_exactly_the_assistant_spans(tokenizer):
+def test_lathe_template_masks_exactly_the_assistant_contents_and_end_tokens(tokenizer):
     messages = [{"role": "system", "content": "Be terse."},
                 {"role": "user", "content": "What is 12 + 30?"},
                 {"role": "assistant", "content": "42"},
                 {"role": "user", "content": "And the river?"},
                 {"role": "assistant", "content": "It flows quietly past the old mill."}]
-    ids, mask = tokenize_chat(tokenizer, messages)
+    template = ChatTemplate(CHAT_TEMPLATE, {"bos_token": BOS, "eos_token": END_OF_TURN})
+    ids, mask = ChatEncoder(tokenizer, template, "lathe's").conversation(Chat(messages))
     assert len(ids) == len(mask)
     runs, current = [], []
     for token, trained in zip(ids, mask, strict=True):
@@ -104,28 +114,88 @@ def test_assistant_mask_covers_exactly_the_assistant_spans(tokenizer):
     assert decoded == ["42" + END_OF_TURN, "It flows quietly past the old mill." + END_OF_TURN]
 
 
-def test_dataset_rows_are_validated_by_row_and_field(tmp_path):
+def test_dataset_records_are_validated_by_line_and_field(tmp_path):
     good = tmp_path / "chat.jsonl"
     good.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
                                              {"role": "assistant", "content": "hello"}]}) + "\n")
-    assert load_chat_dataset(str(good))[0][1]["content"] == "hello"
+    assert load_chat_dataset(str(good))[0].messages[1]["content"] == "hello"
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
-                   + json.dumps({"messages": [{"role": "bot", "content": "x"}]}) + "\n")
-    with pytest.raises(ConfigError, match="row 0: messages has no assistant turn"):
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(ConfigError, match="bad.jsonl line 1: messages has no assistant turn"):
         load_chat_dataset(str(bad))
     prefs = tmp_path / "prefs.jsonl"
     prefs.write_text(json.dumps({"prompt": "2+2?", "chosen": [{"role": "assistant",
                                                                "content": "4"}],
-                                 "rejected": "5"}) + "\n" + json.dumps({"prompt": "x"}) + "\n")
-    with pytest.raises(ConfigError, match="row 1: missing field 'chosen'"):
+                                 "rejected": "5"}) + "\n\n" + json.dumps({"prompt": "x"}) + "\n")
+    with pytest.raises(ConfigError, match="prefs.jsonl line 3: missing field 'chosen'"):
         load_preference_dataset(str(prefs))
-    assert load_preference_dataset(str(prefs), limit=1)[0].chosen == "4"
+    row = load_preference_dataset(str(prefs), limit=1)[0]
+    assert row.chosen == [{"role": "assistant", "content": "4"}]
+    assert row.rejected == [{"role": "assistant", "content": "5"}]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "2+2?", "reference": 4}) + "\n")
-    with pytest.raises(ConfigError, match="row 0: field 'reference'"):
+    with pytest.raises(ConfigError, match="line 1: field 'reference'"):
         load_prompt_dataset(str(prompts))
     assert load_prompt_dataset("task:arithmetic", "test", limit=3)[0].prompt[0]["role"] == "user"
+
+
+CALL = {"type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+
+
+@pytest.mark.parametrize(("record", "named"), [
+    ([1, 2], "line 1: a record must be a JSON object, not list"),
+    ({"messages": "hi"}, "line 1: messages must be a list of messages, not a string"),
+    ({"messages": [{"role": "bot", "content": "x"}]}, "messages\\[0\\].role is 'bot'"),
+    ({"messages": [{"role": "user"}]}, "messages\\[0\\].content is required"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [CALL]}]},
+     "messages\\[0\\].tool_calls is not a field of a user message"),
+    ({"messages": [{"role": "assistant", "tool_calls": []}]},
+     "messages\\[0\\].tool_calls must be a non-empty list"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f",
+                                                                      "arguments": "{x"}}]}]},
+     "tool_calls\\[0\\].function.arguments is not JSON"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f",
+                                                                      "arguments": "[1]"}}]}]},
+     "tool_calls\\[0\\].function.arguments must be a JSON object, got list"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": {}}}]}]},
+     "tool_calls\\[0\\].function.name must be a non-empty string"),
+    ({"messages": [{"role": "assistant", "content": "x", "reasoning_content": 3}]},
+     "messages\\[0\\].reasoning_content must be a string"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "image_url"}]}]},
+     "parts of type 'image_url' are not supported"),
+    ({"messages": [{"role": "assistant", "content": "x"}], "tools": {"name": "f"}},
+     "tools must be a list of tools"),
+    ({"messages": [{"role": "assistant", "content": "x"}], "tools": [{"function": {}}]},
+     "tools\\[0\\].function.name must be a non-empty string"),
+])
+def test_each_malformed_chat_record_is_one_error_naming_line_and_field(tmp_path, record,
+                                                                       named):
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(ConfigError, match=named):
+        load_chat_dataset(str(path))
+
+
+def test_tool_calls_and_reasoning_load_in_the_form_templates_read(tmp_path):
+    record = {"tools": [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}}}}],
+        "messages": [
+            {"role": "system", "content": "Use tools."},
+            {"role": "user", "content": [{"type": "text", "text": "2+"}, {"type": "text",
+                                                                         "text": "3?"}]},
+            {"role": "assistant", "content": None, "tool_calls": [{**CALL, "id": "c1"}],
+             "reasoning": "I should add."},
+            {"role": "tool", "tool_call_id": "c1", "name": "add", "content": "5"},
+            {"role": "assistant", "content": "5"}]}
+    path = tmp_path / "tools.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    chat = load_chat_dataset(str(path))[0]
+    assert chat.tools == record["tools"] and chat.where == f"{path} line 1"
+    assert chat.messages[1] == {"role": "user", "content": "2+3?"}
+    assert chat.messages[2] == {"role": "assistant", "reasoning": "I should add.", "tool_calls": [
+        {"type": "function", "id": "c1", "function": {"name": "add", "arguments": {"a": 2,
+                                                                                   "b": 3}}}]}
+    assert chat.messages[3]["tool_call_id"] == "c1"
 
 
 def test_hf_datasets_with_a_messages_column_load(tmp_path):
@@ -135,4 +205,4 @@ def test_hf_datasets_with_a_messages_column_load(tmp_path):
                           {"role": "assistant", "content": f"a{i}"}]} for i in range(3)]
     (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     chats = load_chat_dataset(f"hf:{folder}:train")  # datasets' loader on a local folder
-    assert [c[1]["content"] for c in chats] == ["a0", "a1", "a2"]
+    assert [c.messages[1]["content"] for c in chats] == ["a0", "a1", "a2"]

@@ -1,5 +1,5 @@
-"""BPE training: lossless round trips, digit groups, special tokens, and chat-template
-parity with transformers' apply_chat_template."""
+"""BPE training: lossless round trips, digit groups, special tokens, and lathe's chat
+template rendered by lathe as transformers' apply_chat_template renders it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import json
 import pytest
 
 from lathe.core.errors import ConfigError
-from lathe.data.chat import BOS, END_OF_TURN, SPECIAL_TOKENS, format_chat
+from lathe.data.chat import BOS, END_OF_TURN, SPECIAL_TOKENS
+from lathe.data.chat_template import ChatTemplate, ChatTemplateError
 from lathe.data.tokenizer import (
     REPORT_FILE,
     compression,
@@ -72,19 +73,20 @@ def test_chat_template_matches_apply_chat_template(tokenizer, tmp_path):
          {"role": "assistant", "content": "4"},
          {"role": "user", "content": "  and  3+3?\n\n"}],
     ]
+    template = ChatTemplate.from_checkpoint(tmp_path / "tok")
     for messages in conversations:
         for gen in (False, True):
             text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
-            assert text == format_chat(messages, add_generation_prompt=gen)
+            assert text == template.render(messages, add_generation_prompt=gen)
             ids = hf.apply_chat_template(messages, add_generation_prompt=gen)["input_ids"]
             assert ids == tokenizer.encode(text, add_special_tokens=False).ids
+    assert template.render(conversations[1][:3], add_generation_prompt=False) == (
+        f"{BOS}<|system|>\nBe terse.\n{END_OF_TURN}<|user|>\nWhat is 2+2? 🙂{END_OF_TURN}"
+        f"<|assistant|>\n4{END_OF_TURN}")
     assert hf.eos_token == END_OF_TURN and hf.bos_token == BOS
     assert json.loads((tmp_path / "tok" / REPORT_FILE).read_text()) == {"ok": True}
-
-
-def test_unknown_role_is_rejected():
-    with pytest.raises(ConfigError, match="messages\\[0\\].role"):
-        format_chat([{"role": "tool", "content": "x"}])
+    with pytest.raises(ChatTemplateError, match="role must be system, user or assistant"):
+        template.render([{"role": "tool", "content": "x"}])
 
 
 def test_heldout_split_is_stable_and_sized():

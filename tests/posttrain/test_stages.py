@@ -12,10 +12,9 @@ import pytest
 import torch
 
 from lathe.core.cli import main
-from lathe.data.chat import format_chat
+from lathe.data.chat_encoding import chat_encoder
 from lathe.data.formats import PreferenceRow, load_prompt_dataset
 from lathe.data.tasks import task_examples
-from lathe.data.tokenizer import load_tokenizer
 from lathe.model import load_checkpoint
 from lathe.model.lora import load_adapter
 from lathe.model.transformer import IGNORE_INDEX
@@ -201,17 +200,17 @@ def test_grpo_refuses_a_prompt_budget_past_the_context(base, tmp_path, capsys):
 
 
 def test_dpo_fits_prompts_and_counts_what_it_dropped(base):
-    tokenizer = load_tokenizer(base)
-    rows = [PreferenceRow([{"role": "user", "content": "x " * n}], "yes", "no")
-            for n in (2, 200)]
+    encoder = chat_encoder(base)
+    rows = [PreferenceRow([{"role": "user", "content": "x " * n}],
+                          [{"role": "assistant", "content": "yes"}],
+                          [{"role": "assistant", "content": "no"}]) for n in (2, 200)]
     fit = PromptFit(40, "drop")
-    pairs = tokenize_pairs(tokenizer, rows, 64, fit)
+    pairs = tokenize_pairs(encoder, rows, 64, fit)
     assert len(pairs) == 1 and fit.counts() == {"kept": 1, "truncated": 0, "dropped": 1}
     fit = PromptFit(40, "truncate_left")
-    pairs = tokenize_pairs(tokenizer, rows, 64, fit)
+    pairs = tokenize_pairs(encoder, rows, 64, fit)
     assert fit.counts() == {"kept": 1, "truncated": 1, "dropped": 0}
-    full = tokenizer.encode(format_chat(rows[1].prompt, add_generation_prompt=True),
-                            add_special_tokens=False).ids
+    full = encoder.prompt(rows[1].prompt)
     chosen_ids, chosen_labels = pairs[1].chosen
     assert chosen_ids[:40] == full[-40:]  # the question's end and the assistant header
     assert chosen_labels[:40] == [IGNORE_INDEX] * 40 and chosen_labels[40] != IGNORE_INDEX

@@ -30,7 +30,7 @@ def test_history_reset_and_system_commands(checkpoint):
     assert [m["content"] for m in first] == ["Hello"]
     assert [m["role"] for m in second] == ["user", "assistant", "user"]
     engine = backend.engine
-    expected = engine.generate([engine.encode(backend.template.render(first))],
+    expected = engine.generate([backend.encoder.prompt(first)],
                                SamplingParams(**GREEDY))[0].outputs[0].text
     assert second[1]["content"] == expected
     assert third == [{"role": "system", "content": "Be brief."},

@@ -1,0 +1,193 @@
+"""Chats as token ids through one chat template: what SFT and distillation train on (ids
+and the assistant mask), the prompts GRPO, evaluation and generation start from, and the
+prompt/continuation split of a preference pair.
+
+Every text is the template's rendering, tokenized as transformers' `apply_chat_template`
+tokenizes it: without the tokenizer's own special tokens (`add_special_tokens=False`), so
+a template that writes `bos_token` gets exactly one BOS and one that does not gets none.
+
+The assistant mask comes from the template, by one of two rules:
+- the template has `{% generation %}` blocks: their spans, as transformers'
+  `return_assistant_tokens_mask` takes them;
+- it has none: each assistant message's span is what rendering the conversation through
+  that message adds to rendering it up to the message with the generation prompt —
+  checked, for every assistant message, to be a prefix of the whole conversation's
+  rendering (a template that rewrites earlier turns depending on later ones, as Qwen3's
+  drops earlier reasoning, fails the check). Text a template writes only where a
+  conversation ends (Phi-3's end-of-text token) and whitespace after a turn's end are
+  left out: generation stops at the turn's end token and never writes them.
+A token is in the mask when it overlaps a span (transformers' rule). A conversation for
+which neither rule gives a mask is an error naming the template and the fix, never an
+all-zero mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from lathe.core.errors import ConfigError
+from lathe.data.chat_template import REASONING_FIELDS, ChatTemplate, ChatTemplateError, Spans
+from lathe.data.formats import Chat, Tools
+from lathe.data.messages import Message
+from lathe.data.tokenizer import load_tokenizer
+
+_REASONING = frozenset(REASONING_FIELDS)
+
+
+class ChatMaskError(ConfigError):
+    """The template gives no assistant mask (or no clean prompt split) for a chat."""
+
+
+def _without(messages: list[Message], keys: set[str] | frozenset[str]) -> list[Message]:
+    return [{k: v for k, v in m.items() if k not in keys} for m in messages]
+
+
+def overlap_mask(offsets: Sequence[tuple[int, int]], spans: Spans) -> list[bool]:
+    """Per token, whether its character range overlaps one of `spans` (both in order)."""
+    mask, span = [], 0
+    for start, end in offsets:
+        while span < len(spans) and start >= spans[span][1]:
+            span += 1
+        mask.append(span < len(spans) and end > spans[span][0])
+    return mask
+
+
+class ChatEncoder:
+    """A tokenizer and a chat template (with its extra variables, e.g. `enable_thinking`);
+    `name` says which template in errors ("the chat template of runs/sft/final")."""
+
+    def __init__(self, tokenizer: Tokenizer, template: ChatTemplate, name: str,
+                 template_kwargs: dict[str, Any] | None = None) -> None:
+        self.tokenizer, self.template, self.name = tokenizer, template, name
+        self.kwargs = dict(template_kwargs or {})
+
+    def render(self, messages: list[Message], tools: Tools = None,
+               add_generation_prompt: bool = True) -> str:
+        return self.template.render(messages, add_generation_prompt, tools, **self.kwargs)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def prompt(self, messages: list[Message], tools: Tools = None) -> list[int]:
+        """The ids a model continues from: the messages and the generation prompt."""
+        return self.encode(self.render(messages, tools))
+
+    def conversation(self, chat: Chat) -> tuple[list[int], list[bool]]:
+        """The conversation's ids and, per id, whether the model is trained to write it."""
+        try:
+            if self.template.has_generation_blocks:
+                text, spans = self.template.render_with_spans(
+                    chat.messages, False, chat.tools, **self.kwargs)
+                spans = [(start, end) for start, end in spans if end > start]
+                if not spans:
+                    raise self._unmaskable(chat, "its {% generation %} blocks mark nothing in "
+                                                 "this conversation")
+            else:
+                text, spans = self._derived_spans(chat)
+            self._check_rendered(chat, text)
+        except ChatTemplateError as error:
+            raise ConfigError(f"{chat.where}: {self.name} cannot render this chat: "
+                              f"{error}") from None
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, overlap_mask(encoding.offsets, spans)
+
+    def continuation(self, prompt: list[Message], reply: list[Message], tools: Tools = None,
+                     where: str = "") -> tuple[list[int], list[int]]:
+        """A preference pair's prompt ids and one reply's ids, split where the rendered
+        prompt (with its generation prompt) ends in the rendered conversation (TRL's split).
+        A template that renders the prompt differently once the reply follows is refused."""
+        try:
+            before = self.render(prompt, tools)
+            through = self.render(prompt + reply, tools, add_generation_prompt=False)
+        except ChatTemplateError as error:
+            raise ConfigError(f"{where}: {self.name} cannot render this pair: {error}") \
+                from None
+        if not through.startswith(before):
+            raise ChatMaskError(
+                f"{where}: {self.name} renders the prompt differently once the reply follows "
+                f"(the prompt ends {before[-40:]!r}, the conversation has "
+                f"{through[len(before) - 40:len(before)]!r} there), so the reply cannot be "
+                "split from it; give a template that renders earlier turns the same way, "
+                "with --chat_template FILE")
+        return self.encode(before), self.encode(through[len(before):].rstrip())
+
+    def _derived_spans(self, chat: Chat) -> tuple[str, Spans]:
+        messages, tools = chat.messages, chat.tools
+        full = self.render(messages, tools, add_generation_prompt=False)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self.render(messages[:i], tools) if i else ""
+            through = self._through(messages[:i + 1], tools)
+            if not (through.startswith(before) and full.startswith(through)):
+                raise self._unmaskable(chat, f"rendering the conversation through message {i} "
+                                             "is not a prefix of rendering all of it (the "
+                                             "template changes a turn depending on what "
+                                             "follows)")
+            end = len(before) + len(through[len(before):].rstrip())
+            if end > len(before):
+                spans.append((len(before), end))
+        if not spans:
+            raise self._unmaskable(chat, "its assistant messages render as nothing")
+        return full, spans
+
+    def _through(self, messages: list[Message], tools: Tools) -> str:
+        """The conversation rendered through its last message, less what the template
+        writes only when a conversation ends there (Phi-3's end-of-text token): cut where
+        the renderings with and without a generation prompt first differ by a token."""
+        closed = self.render(messages, tools, add_generation_prompt=False)
+        opened = self.render(messages, tools)
+        if opened.startswith(closed):
+            return closed
+        a = self.tokenizer.encode(closed, add_special_tokens=False)
+        b = self.tokenizer.encode(opened, add_special_tokens=False)
+        shared = 0
+        while (shared < min(len(a.ids), len(b.ids)) and a.ids[shared] == b.ids[shared]
+               and a.offsets[shared] == b.offsets[shared]):
+            shared += 1
+        return closed[:a.offsets[shared][0]] if shared < len(a.ids) else closed
+
+    def _check_rendered(self, chat: Chat, text: str) -> None:
+        """A field the record carries must change the rendering: a template that ignores
+        reasoning, tool calls or tools would train on a chat without them."""
+        messages = chat.messages
+        checks = []
+        if any(_REASONING.intersection(m) for m in messages):
+            checks.append(("reasoning", _without(messages, _REASONING), chat.tools))
+        if any("tool_calls" in m for m in messages):
+            checks.append(("tool calls", _without(messages, {"tool_calls"}), chat.tools))
+        if chat.tools:
+            checks.append(("tools", messages, None))
+        for what, stripped, tools in checks:
+            try:
+                ignored = self.render(stripped, tools, add_generation_prompt=False) == text
+            except ChatTemplateError:
+                ignored = False  # it needs the field, so it renders it
+            if ignored:
+                raise ConfigError(f"{chat.where}: {self.name} does not render {what} (the "
+                                  f"chat renders the same without them), so they would not "
+                                  "be trained on; give a template that renders them with "
+                                  "--chat_template FILE, or leave them out of the data")
+
+    def _unmaskable(self, chat: Chat, why: str) -> ChatMaskError:
+        return ChatMaskError(
+            f"{chat.where}: {self.name} gives no assistant mask for this chat: {why}. Give a "
+            "template whose {% generation %} ... {% endgeneration %} blocks enclose what the "
+            "assistant writes, with --chat_template FILE")
+
+
+def chat_encoder(checkpoint: str | Path, template_file: str | Path | None = None,
+                 template_kwargs: dict[str, Any] | None = None,
+                 tokenizer: Tokenizer | None = None) -> ChatEncoder:
+    """The encoder of a checkpoint: its tokenizer (unless given) and its chat template, or
+    the Jinja file `template_file` in its place."""
+    template = ChatTemplate.from_checkpoint(checkpoint, template_file)
+    name = (f"chat_template={str(template_file)!r}" if template_file is not None
+            else f"the chat template of {checkpoint}")
+    return ChatEncoder(tokenizer if tokenizer is not None else load_tokenizer(checkpoint),
+                       template, name, template_kwargs)

@@ -1,0 +1,155 @@
+"""Chat templates written in the style of the open families' own, for the tests: each with
+`{% generation %}` blocks around what the assistant writes (as TRL's training templates
+have them), from which `plain()` gives the same template without them (as the checkpoints
+ship it). Each keeps the trait of its family that masking has to survive."""
+
+from __future__ import annotations
+
+GEN, END = "{% generation %}", "{% endgeneration %}"
+
+# Qwen2.5: ChatML turns, a default system prompt, tools listed in the system turn, calls as
+# <tool_call> JSON, tool results inside a user turn
+CHATML = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' + (messages[0].content if messages[0].role == 'system' "
+    "else 'You are a helpful assistant.') + '\\n\\n# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools><|im_end|>\\n' }}"
+    "{%- elif messages[0].role != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' %}"
+    "{%- if not tools %}{{- '<|im_start|>system\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- elif message.role == 'user' %}"
+    "{{- '<|im_start|>user\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}" + GEN +
+    "{{- message.content or '' }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' "
+    "+ call.function.arguments | tojson + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>' }}" + END + "{{- '\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content "
+    "+ '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Qwen3: ChatML with reasoning; a turn after the last user message shows its <think> block
+# (an empty one when it is the last turn), earlier turns drop theirs; enable_thinking=false
+# puts an empty block in the generation prompt
+QWEN3 = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}" + GEN +
+    "{%- if loop.index0 > ns.last_user and (loop.last or message.reasoning_content) %}"
+    "{{- '<think>\\n' + (message.reasoning_content or '') + '\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{{- message.content + '<|im_end|>' }}" + END + "{{- '\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+# Llama 3: BOS from the template, header tokens, trimmed contents, <|eot_id|>
+LLAMA3 = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' }}"
+    "{%- if message.role == 'assistant' %}"
+    + GEN + "{{- message.content | trim + '<|eot_id|>' }}" + END +
+    "{%- else %}{{- message.content | trim + '<|eot_id|>' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+# Gemma: BOS, the system prompt folded into the first user turn, the assistant called
+# "model", roles that must alternate
+GEMMA = (
+    "{{- bos_token }}"
+    "{%- if messages[0].role == 'system' %}"
+    "{%- set first = messages[0].content + '\\n\\n' %}{%- set turns = messages[1:] %}"
+    "{%- else %}{%- set first = '' %}{%- set turns = messages %}{%- endif %}"
+    "{%- for message in turns %}"
+    "{%- if (message.role == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
+    "{%- endif %}"
+    "{%- if message.role == 'assistant' %}"
+    "{{- '<start_of_turn>model\\n' }}" + GEN
+    + "{{- message.content | trim + '<end_of_turn>' }}" + END + "{{- '\\n' }}"
+    "{%- else %}"
+    "{{- '<start_of_turn>user\\n' + (first if loop.first else '') + message.content | trim "
+    "+ '<end_of_turn>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\\n' }}{%- endif %}"
+)
+
+# Phi-3: <|role|> headers and <|end|>, and the end-of-text token after a conversation that
+# does not ask for a reply
+PHI3 = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' %}"
+    "{{- '<|assistant|>\\n' }}" + GEN + "{{- message.content + '<|end|>' }}" + END
+    + "{{- '\\n' }}"
+    "{%- else %}{{- '<|' + message.role + '|>\\n' + message.content + '<|end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- else %}{{- eos_token }}"
+    "{%- endif %}"
+)
+
+# Mistral v0.3: [INST] turns with no generation prompt, replies closed by EOS, and the
+# system prompt joined to the last user message only
+MISTRAL = (
+    "{%- if messages[0].role == 'system' %}"
+    "{%- set system = messages[0].content %}{%- set turns = messages[1:] %}"
+    "{%- else %}{%- set turns = messages %}{%- endif %}"
+    "{{- bos_token }}"
+    "{%- for message in turns %}"
+    "{%- if message.role == 'user' %}"
+    "{%- if loop.last and system is defined %}"
+    "{{- '[INST] ' + system + '\\n\\n' + message.content + '[/INST]' }}"
+    "{%- else %}{{- '[INST] ' + message.content + '[/INST]' }}{%- endif %}"
+    "{%- elif message.role == 'assistant' %}"
+    + GEN + "{{- ' ' + message.content + eos_token }}" + END +
+    "{%- else %}{{- raise_exception('Only user and assistant roles are supported') }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+)
+
+FAMILIES = {
+    # name: (template, bos, eos)
+    "chatml": (CHATML, None, "<|im_end|>"),
+    "qwen3": (QWEN3, None, "<|im_end|>"),
+    "llama3": (LLAMA3, "<|begin_of_text|>", "<|eot_id|>"),
+    "gemma": (GEMMA, "<bos>", "<end_of_turn>"),
+    "phi3": (PHI3, None, "<|endoftext|>"),
+    "mistral": (MISTRAL, "<s>", "</s>"),
+}
+
+SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
+                  "</tool_call>", "<|begin_of_text|>", "<|start_header_id|>",
+                  "<|end_header_id|>", "<|eot_id|>", "<bos>", "<start_of_turn>",
+                  "<end_of_turn>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>",
+                  "<|endoftext|>", "<s>", "</s>", "[INST]", "[/INST]"]
+
+
+def plain(template: str) -> str:
+    """The template without its generation blocks, as a checkpoint would ship it."""
+    return template.replace(GEN, "").replace(END, "")

@@ -1,0 +1,213 @@
+"""Training ids and assistant masks through foreign chat templates, against transformers'
+`apply_chat_template(..., return_assistant_tokens_mask=True)`: with `{% generation %}`
+blocks lathe takes the same spans; without them it derives the mask by rendering turn by
+turn and gets the same tokens, or refuses the template by name — never an all-zero mask.
+Tool calls and reasoning round-trip; the prompt a chat trains on is the one the server
+renders."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import Tokenizer
+
+from lathe.core.errors import ConfigError
+from lathe.data.chat_encoding import ChatEncoder, ChatMaskError, overlap_mask
+from lathe.data.chat_template import ChatTemplate
+from lathe.data.formats import Chat, load_chat_dataset
+from lathe.data.template_worker import TemplateWorker
+from lathe.data.tokenizer import train_tokenizer
+from tests.data.chat_templates import FAMILIES, SPECIAL_TOKENS, plain
+from tests.data.corpus import prose
+
+SYSTEM = {"role": "system", "content": "You answer briefly."}
+SINGLE = Chat([{"role": "user", "content": "What is 12 + 30?"},
+               {"role": "assistant", "content": "It is 42."}], where="single")
+MULTI = Chat([SYSTEM, {"role": "user", "content": "Name a river. "},
+              {"role": "assistant", "content": "  The old mill river.\n"},
+              {"role": "user", "content": "And a colour? 🙂"},
+              {"role": "assistant", "content": "Blue, like the water."}], where="multi")
+NO_SYSTEM = Chat(MULTI.messages[1:], where="no system")
+CALL = {"type": "function", "id": "c1",
+        "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+TOOLS = [{"type": "function", "function": {
+    "name": "add", "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                    "b": {"type": "integer"}}}}}]
+TOOL_CHAT = Chat([{"role": "user", "content": "What is 2 + 3?"},
+                  {"role": "assistant", "tool_calls": [CALL]},
+                  {"role": "tool", "tool_call_id": "c1", "content": "5"},
+                  {"role": "assistant", "content": "The sum is 5."}], TOOLS, "tools")
+REASONING = Chat([{"role": "user", "content": "What is 2 + 3?"},
+                  {"role": "assistant", "content": "5",
+                   "reasoning_content": "Two and three make five."}], where="reasoning")
+
+# what the template without generation blocks gives: the same tokens as transformers on
+# the template with them, or a refusal (the template rewrites a turn depending on what
+# follows: Qwen3 drops earlier reasoning, Mistral moves the system prompt to the last turn)
+CASES = [
+    ("chatml", SINGLE, True), ("chatml", MULTI, True), ("chatml", TOOL_CHAT, True),
+    ("qwen3", SINGLE, True), ("qwen3", REASONING, True), ("qwen3", MULTI, False),
+    ("llama3", SINGLE, True), ("llama3", MULTI, True),
+    ("gemma", SINGLE, True), ("gemma", MULTI, True),
+    ("phi3", SINGLE, True), ("phi3", MULTI, True),
+    ("mistral", SINGLE, True), ("mistral", NO_SYSTEM, True), ("mistral", MULTI, False),
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    tokenizer = train_tokenizer([prose(i, paragraphs=2) for i in range(40)], vocab_size=500,
+                                show_progress=False)
+    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    return tokenizer
+
+
+def specials(family: str) -> dict[str, str]:
+    _, bos, eos = FAMILIES[family]
+    return {key: value for key, value in (("bos_token", bos), ("eos_token", eos)) if value}
+
+
+def encoder(tokenizer: Tokenizer, family: str, blocks: bool, **kwargs) -> ChatEncoder:
+    template = FAMILIES[family][0]
+    return ChatEncoder(tokenizer, ChatTemplate(template if blocks else plain(template),
+                                               specials(family)), f"the {family} template",
+                       kwargs)
+
+
+def transformers_encoding(tokenizer: Tokenizer, family: str, chat: Chat,
+                          **kwargs) -> tuple[list[int], list[bool]]:
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer.to_str()),
+                                 **specials(family))
+    out = hf.apply_chat_template(chat.messages, tools=chat.tools, chat_template=FAMILIES[family][0],
+                                 tokenize=True, return_dict=True,
+                                 return_assistant_tokens_mask=True, **kwargs)
+    return out["input_ids"], [bool(m) for m in out["assistant_masks"]]
+
+
+def trained_text(tokenizer: Tokenizer, ids: list[int], mask: list[bool]) -> list[str]:
+    """The masked runs of a conversation, decoded."""
+    runs, current = [], []
+    for token, trained in zip(ids, mask, strict=True):
+        if trained:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    runs += [current] if current else []
+    return [tokenizer.decode(run, skip_special_tokens=False) for run in runs]
+
+
+@pytest.mark.parametrize(("family", "chat", "derivable"), CASES,
+                         ids=[f"{f}-{c.where}" for f, c, _ in CASES])
+def test_ids_and_masks_equal_transformers(tokenizer, family, chat, derivable):
+    expected = transformers_encoding(tokenizer, family, chat)
+    assert any(expected[1])
+    assert encoder(tokenizer, family, blocks=True).conversation(chat) == expected
+    derived = encoder(tokenizer, family, blocks=False)
+    if derivable:
+        assert derived.conversation(chat) == expected
+    else:
+        with pytest.raises(ChatMaskError, match=f"{chat.where}: the {family} template gives "
+                                                "no assistant mask .* --chat_template FILE"):
+            derived.conversation(chat)
+
+
+def test_a_tool_call_round_trips_through_training_tokens(tokenizer, tmp_path):
+    record = {"tools": TOOLS, "messages": [
+        *TOOL_CHAT.messages[:1],
+        {"role": "assistant", "content": None, "tool_calls": [
+            {**CALL, "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+        *TOOL_CHAT.messages[2:]]}
+    path = tmp_path / "tools.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    chat = load_chat_dataset(str(path))[0]
+    ids, mask = encoder(tokenizer, "chatml", blocks=False).conversation(chat)
+    call, answer = trained_text(tokenizer, ids, mask)
+    body = call.removeprefix("\n<tool_call>\n").removesuffix("\n</tool_call><|im_end|>")
+    assert json.loads(body) == {"name": "add", "arguments": {"a": 2, "b": 3}}
+    assert answer == "The sum is 5.<|im_end|>"
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    assert '"description": "Add two integers."' in text and "<tool_response>\n5\n" in text
+
+
+def test_reasoning_is_trained_inside_the_think_block(tokenizer):
+    ids, mask = encoder(tokenizer, "qwen3", blocks=False).conversation(REASONING)
+    assert trained_text(tokenizer, ids, mask) == [
+        "<think>\nTwo and three make five.\n</think>\n\n5<|im_end|>"]
+    reasoning = Chat([REASONING.messages[0], {"role": "assistant", "content": "5",
+                                              "reasoning": "Two and three make five."}])
+    assert encoder(tokenizer, "qwen3", blocks=False).conversation(reasoning) == (ids, mask)
+
+
+@pytest.mark.parametrize(("family", "chat", "what"), [
+    ("llama3", REASONING, "reasoning"), ("llama3", TOOL_CHAT, "tool calls"),
+    ("chatml", Chat(SINGLE.messages, TOOLS), None)])
+def test_a_field_the_template_ignores_is_an_error_not_a_silent_drop(tokenizer, family, chat,
+                                                                   what):
+    if what is None:  # the ChatML template renders tools: no error
+        encoder(tokenizer, family, blocks=False).conversation(chat)
+        return
+    with pytest.raises(ConfigError, match=f"does not render {what}"):
+        encoder(tokenizer, family, blocks=False).conversation(chat)
+
+
+def test_blocks_that_mark_nothing_are_refused(tokenizer):
+    empty = ChatEncoder(tokenizer, ChatTemplate("{% generation %}{% endgeneration %}"
+                                                "{% for m in messages %}{{ m.content }}"
+                                                "{% endfor %}", {}), "the odd template")
+    with pytest.raises(ChatMaskError, match="blocks mark nothing"):
+        empty.conversation(SINGLE)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_prompt_a_chat_trains_on_is_what_the_server_renders(tokenizer, family):
+    chat = {"gemma": MULTI, "qwen3": SINGLE}.get(family, NO_SYSTEM)
+    template = plain(FAMILIES[family][0])
+    ids, mask = ChatEncoder(tokenizer, ChatTemplate(template, specials(family)),
+                            family).conversation(chat)
+    worker = TemplateWorker(template, specials(family))
+    try:
+        first_turn = chat.messages[:chat.messages.index(
+            next(m for m in chat.messages if m["role"] == "assistant"))]
+        served = tokenizer.encode(worker.render(first_turn), add_special_tokens=False).ids
+    finally:
+        worker.close()
+    assert ids[:len(served)] == served and mask.index(True) == len(served)
+
+
+def test_thinking_off_is_a_template_variable(tokenizer):
+    from transformers import PreTrainedTokenizerFast
+
+    quiet = encoder(tokenizer, "qwen3", blocks=False, enable_thinking=False)
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tokenizer.to_str()))
+    prompt = SINGLE.messages[:1]
+    assert quiet.prompt(prompt) == hf.apply_chat_template(
+        prompt, chat_template=FAMILIES["qwen3"][0], add_generation_prompt=True,
+        enable_thinking=False)["input_ids"]
+    ids, mask = quiet.conversation(SINGLE)
+    assert trained_text(tokenizer, ids, mask) == ["It is 42.<|im_end|>"]
+
+
+def test_preference_replies_split_where_the_rendered_prompt_ends(tokenizer):
+    qwen3 = encoder(tokenizer, "qwen3", blocks=False)
+    history = [MULTI.messages[1], {**MULTI.messages[2], "reasoning_content": "Rivers."},
+               MULTI.messages[3]]
+    reply = [{"role": "assistant", "content": "Blue."}]
+    prompt, completion = qwen3.continuation(history, reply)
+    assert prompt == qwen3.prompt(history)
+    assert tokenizer.decode(completion, skip_special_tokens=False) == \
+        "<think>\n\n</think>\n\nBlue.<|im_end|>"
+    with pytest.raises(ChatMaskError, match="renders the prompt differently once the reply "
+                                            "follows"):
+        encoder(tokenizer, "mistral", blocks=False).continuation(MULTI.messages[:2], reply,
+                                                                 where="pair 0")
+
+
+def test_a_token_is_trained_when_it_overlaps_a_span_as_transformers_counts_it():
+    offsets = [(0, 3), (3, 5), (5, 8), (8, 9), (9, 12)]
+    assert overlap_mask(offsets, [(4, 6), (11, 12)]) == [False, True, True, False, True]
+    assert overlap_mask(offsets, [(3, 3)]) == [False] * 5
