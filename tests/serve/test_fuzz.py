@@ -72,6 +72,7 @@ CHAT = {
     **SHARED, "messages": typed(messages), "max_completion_tokens": typed(integers),
     "logprobs": typed(st.booleans()), "top_logprobs": typed(integers),
     "tools": junk, "tool_choice": junk, "response_format": junk,
+    "chat_template_kwargs": typed(st.dictionaries(texts, junk, max_size=4)),
 }
 
 

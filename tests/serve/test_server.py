@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from lathe.data.tokenizer import load_tokenizer
 from lathe.serve.engine import EngineConfig, LLMEngine
 from tests.serve.conftest import API_KEY, start_server, wait_healthy
 
@@ -159,6 +160,37 @@ def test_health_is_503_while_loading_and_a_full_queue_is_429(checkpoint):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         full = error_of(lambda: client.completions.create(model="tiny", prompt="x"))
         assert full.status_code == 429 and "max_waiting=0" in full.message
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_a_given_chat_template_and_its_variables_reach_the_prompt(checkpoint, tmp_path):
+    """`lathe serve --chat-template FILE` renders the file, and a request's
+    chat_template_kwargs (vLLM's) are its variables; lathe's own arguments are refused."""
+    template = tmp_path / "terse.jinja"
+    template.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                        "{% if terse %}Answer in one word.\n{% endif %}assistant:")
+    server, thread, url = start_server(checkpoint, chat_template=template)
+    try:
+        wait_healthy(url)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        engine_tokenizer = load_tokenizer(checkpoint)
+
+        def prompt_tokens(**extra) -> int:
+            return client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+                **extra).usage.prompt_tokens
+
+        for terse in (False, True):
+            text = "user: Hi\n" + ("Answer in one word.\n" if terse else "") + "assistant:"
+            expected = len(engine_tokenizer.encode(text, add_special_tokens=False).ids)
+            assert prompt_tokens(extra_body={"chat_template_kwargs": {"terse": terse}}) == \
+                expected
+        refused = error_of(lambda: prompt_tokens(
+            extra_body={"chat_template_kwargs": {"add_generation_prompt": False}}))
+        assert refused.status_code == 400
+        assert "chat_template_kwargs.add_generation_prompt: the server sets" in refused.message
     finally:
         server.should_exit = True
         thread.join(timeout=10)
