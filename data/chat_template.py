@@ -155,9 +155,24 @@ def read_chat_template(path: str | Path,
         value = value.get("content") if isinstance(value, dict) else value
         if isinstance(value, str):
             specials[key] = value
-    if override is not None:
-        return read_template_file(override), specials
-    template = config.get("chat_template")
+    template = read_template_file(override) if override is not None else \
+        checkpoint_chat_template(path, config)
+    if template is None:
+        raise CheckpointError(f"{path} has no chat template (tokenizer_config.json "
+                              "chat_template or chat_template.jinja); give one with "
+                              "--chat_template FILE, or use /v1/completions")
+    return template, specials
+
+
+def checkpoint_chat_template(path: str | Path,
+                             tokenizer_config: dict[str, Any] | None = None) -> str | None:
+    """The template a checkpoint carries: tokenizer_config.json's `chat_template`, else
+    chat_template.jinja; None when it carries none."""
+    path = Path(path)
+    config_file = checkpoint_file(path, "tokenizer_config.json")
+    if tokenizer_config is None:
+        tokenizer_config = read_json_object(config_file) if config_file.is_file() else {}
+    template = tokenizer_config.get("chat_template")
     if template is not None and not isinstance(template, str):
         raise CheckpointError(f"{config_file}: chat_template must be a string (one Jinja "
                               f"template), not a {type(template).__name__}")
@@ -167,11 +182,7 @@ def read_chat_template(path: str | Path,
             template = jinja_file.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as error:
             raise CheckpointError(f"{jinja_file}: cannot be read ({error})") from None
-    if not template:
-        raise CheckpointError(f"{path} has no chat template (tokenizer_config.json "
-                              "chat_template or chat_template.jinja); give one with "
-                              "--chat_template FILE, or use /v1/completions")
-    return template, specials
+    return template or None
 
 
 def read_template_file(file: str | Path) -> str:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lathe.data.chat_template import checkpoint_chat_template
 from lathe.data.tokenizer import split_pattern
 from lathe.model.checkpoint import CheckpointError, load_checkpoint
 from lathe.model.config import ModelConfig
@@ -115,9 +116,6 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f16") -> 
         raise CheckpointError(f"{checkpoint}: a {config.family} model"
                               f"{' with attention biases' if config.qkv_bias else ''}; the GGUF "
                               "export writes llama.cpp's plain llama architecture only so far")
-    tokenizer_config_file = checkpoint / "tokenizer_config.json"
-    tokenizer_config = (json.loads(tokenizer_config_file.read_text())
-                        if tokenizer_config_file.is_file() else {})
     generation = json.loads((checkpoint / "generation_config.json").read_text()) \
         if (checkpoint / "generation_config.json").is_file() else {}
 
@@ -146,9 +144,10 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f16") -> 
         token_id = generation.get(f"{role}_token_id")
         if isinstance(token_id, int):
             add(token_id)
-    writer.add_add_bos_token(False)  # the chat template writes BOS itself
-    if tokenizer_config.get("chat_template"):
-        writer.add_chat_template(tokenizer_config["chat_template"])
+    # lathe tokenizes as transformers does, adding no BOS: a template writes it if wanted
+    writer.add_add_bos_token(False)
+    if (template := checkpoint_chat_template(checkpoint)) is not None:
+        writer.add_chat_template(template)
 
     for name, array in gguf_tensors(model.state_dict(), config).items():
         quantize = dtype == "q8_0" and array.ndim == 2 and array.shape[1] % 32 == 0
