@@ -19,7 +19,8 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
-from lathe.serve.engine import LLMEngine, SequenceDelta
+from lathe.serve.engine import LLMEngine
+from lathe.serve.outputs import SequenceDelta
 from lathe.serve.sampling import SamplingParams
 
 log = logging.getLogger("lathe.serve")

@@ -5,11 +5,12 @@ running the shared `lathe.model.Transformer`.
 scheduled sequence's new tokens into one row, run the model once through a `PagedBatch`
 (logits only for sequences whose context is now fully computed, plus every prompt row of
 a request that asked for prompt log-probabilities), sample one token for each of those,
-detokenize, match stop conditions, offer newly completed blocks to the prefix cache, and
-return what each sequence gained as `SequenceDelta`s. With speculative decoding
-(`EngineConfig.speculative`) a decoding sequence first gets draft tokens
-(`lathe.serve.speculative`), the same forward scores them all, and it gains every accepted
-draft plus one token in the step. With multi-step decoding (`EngineConfig.decode_steps`) a
+offer newly completed blocks to the prefix cache, and hand the tokens to the
+`OutputProcessor` (`lathe.serve.outputs`: detokenizing, stop conditions), which returns
+what each sequence gained as `SequenceDelta`s. With speculative decoding
+(`EngineConfig.speculative`) the `Speculator` (`lathe.serve.speculative`) first drafts
+tokens for the decoding sequences, the same forward scores them all, and each gains every
+accepted draft plus one token in the step. With multi-step decoding (`EngineConfig.decode_steps`) a
 decode-only step runs several forward passes, each fed the tokens the last one sampled,
 before it detokenizes and returns: the per-step Python is paid once for the run.
 `generate()` is the offline API on top of it; `lathe.serve.async_engine` streams the same
@@ -21,7 +22,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,21 +37,15 @@ from lathe.kernels import configure_kernels
 from lathe.model.checkpoint import CheckpointError, read_eos_ids
 from lathe.model.transformer import Transformer
 from lathe.serve.block_manager import BlockManager
-from lathe.serve.detokenize import IncrementalDetokenizer
+from lathe.serve.logprobs import TokenLogprob, requested_logprobs, token_logprobs
 from lathe.serve.model_runner import ModelRunner, select_rows
+from lathe.serve.outputs import Completion, CompletionOutput, OutputProcessor, Pick, SequenceDelta
 from lathe.serve.paged_cache import KVSlabs
 from lathe.serve.quant import QuantMode, is_quantized, load_serving_model
 from lathe.serve.sampling import SamplingBatch, SamplingParams, SamplingRow, sample
 from lathe.serve.scheduler import ScheduledBatch, Scheduler
 from lathe.serve.sequence import Sequence, Status
-from lathe.serve.speculative import (
-    Draft,
-    DraftModelProposer,
-    NgramProposer,
-    SpeculativeConfig,
-    verify,
-)
-from lathe.serve.stop import StopMatcher
+from lathe.serve.speculative import SpeculativeConfig, Speculator
 
 
 class RequestError(ValueError):
@@ -88,61 +83,6 @@ class EngineConfig:
                               "step; set decode_steps to 1 or drop speculative")
 
 
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the most likely tokens at this position, best first
-
-
-@dataclass
-class SequenceDelta:
-    """What one sequence gained in one step (its last one carries `finish_reason`)."""
-
-    request_id: str
-    index: int
-    token_ids: list[int]
-    text: str
-    logprobs: list[TokenLogprob]
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    # on the first delta of a request that asked for them: one entry per prompt token,
-    # None for the first (nothing precedes it)
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-
-    def add(self, delta: SequenceDelta) -> None:
-        self.token_ids += delta.token_ids
-        self.text += delta.text
-        self.logprobs += delta.logprobs
-        self.finish_reason = delta.finish_reason or self.finish_reason
-
-
-@dataclass
-class Completion:
-    request_id: str
-    prompt_ids: list[int]
-    outputs: list[CompletionOutput]
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-
-
-class _TextState:
-    """Detokenizer and stop-string matcher of one sequence."""
-
-    def __init__(self, tokenizer: Tokenizer | None, stop: list[str]) -> None:
-        self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
-        self.stop = StopMatcher(stop)
-
-
 class LLMEngine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None,
                  config: EngineConfig | None = None,
@@ -169,17 +109,14 @@ class LLMEngine:
                                    self.config.max_num_batched_tokens, lookahead)
         self.runner = ModelRunner(model, self.slabs, self.device, self.config.max_num_seqs,
                                   compile_decode=self.config.compile_decode)
-        self.ngram = NgramProposer(speculative) if speculative and \
-            speculative.method == "ngram" else None
-        self.drafter = None if draft_model is None else DraftModelProposer(
-            draft_model, self.runner,
-            KVSlabs(draft_model.config, num_blocks, block_size, self.device, dtype))
-        self.spec_steps = self.spec_draft_tokens = self.spec_accepted_tokens = 0
+        self.speculator = None if speculative is None else Speculator(
+            speculative, self.runner, draft_model, None if draft_model is None else KVSlabs(
+                draft_model.config, num_blocks, block_size, self.device, dtype),
+            self.max_model_len)
+        self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, list[Sequence]] = {}
-        self._text: dict[Sequence, _TextState] = {}
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
 
     @classmethod
     def from_checkpoint(cls, path: str | Path, config: EngineConfig | None = None,
@@ -278,7 +215,7 @@ class LLMEngine:
                 seq.prompt_logprobs = [None]
             seqs.append(seq)
         for seq in seqs:  # built all before scheduling any, so a failure leaves no trace
-            self._text[seq] = _TextState(self.tokenizer, params.stop)
+            self.outputs.add(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = seqs
         self.prompt_tokens_total += len(prompt_ids) * params.n
@@ -289,13 +226,19 @@ class LLMEngine:
         for seq in self.requests.pop(request_id, []):
             if seq.status is not Status.FINISHED:
                 self.scheduler.finish(seq, "abort")
-            self._text.pop(seq, None)
+            self.outputs.remove(seq)
             self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
         self.runner.release(seq)
-        if self.drafter is not None:
-            self.drafter.release(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        self._release(seq)
+        if all(s.status is Status.FINISHED for s in self.requests.get(seq.request_id, [])):
+            self.requests.pop(seq.request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -324,16 +267,26 @@ class LLMEngine:
             new = [token for token, _ in picks.get(seq, [])]
             computed = seq.num_computed + max(len(new) - 1, 0)  # accepted drafts, later steps
             seq.num_computed = computed
-            if self.drafter is not None:  # cache only blocks the draft's KV covers too
-                computed = min(computed, self.drafter.extent(seq))
+            if self.speculator is not None:
+                computed = self.speculator.cacheable(seq, computed)
             if self.block_manager.has_uncommitted(seq.table, computed):
                 self.block_manager.commit(seq.table, seq.token_ids + new, computed)
-        return [self._append(seq, picks[seq]) for seq, _ in batch.items if seq in picks]
+        return [self._emit(seq, picks[seq]) for seq, _ in batch.items if seq in picks]
 
-    def _run(self, batch: ScheduledBatch) -> dict[Sequence, list[tuple[int, TokenLogprob | None]]]:
+    def _emit(self, seq: Sequence, picks: list[Pick]) -> SequenceDelta:
+        """The step's tokens of `seq` as a delta; a sequence they finish is let go."""
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        delta = self.outputs.append(seq, picks)
+        if delta.finish_reason is not None:
+            self._finish(seq, delta.finish_reason)
+        return delta
+
+    def _run(self, batch: ScheduledBatch) -> dict[Sequence, list[Pick]]:
         """One forward pass over the scheduled tokens (and any drafts): what each sequence
         that reached its end emits."""
-        drafts = self._propose(batch.items, batch.lookahead)
+        drafts = self.speculator.propose(batch.items, batch.lookahead) \
+            if self.speculator is not None else {}
         work = []
         for seq, count in batch.items:
             start = seq.num_computed
@@ -365,12 +318,13 @@ class LLMEngine:
                 sampled.append(seq)
         logits = self.runner.run(ids, view, keep)
         for seq, at, first, last in scored:
-            seq.prompt_logprobs += _token_logprobs(logits[at:at + last - first],
-                                                   seq.prompt_ids[first + 1:last + 1],
-                                                   seq.params.prompt_logprobs or 0)
+            seq.prompt_logprobs += token_logprobs(logits[at:at + last - first],
+                                                  seq.prompt_ids[first + 1:last + 1],
+                                                  seq.params.prompt_logprobs or 0)
         picks = dict(zip(sampled, ([pick] for pick in self._sample(
             sampled, select_rows(logits, sample_rows))), strict=True))
-        picks.update(self._verify(verified, drafts, logits))
+        if verified:
+            picks.update(self.speculator.verify(verified, drafts, logits))
         return picks
 
     def _decode_steps(self, batch: ScheduledBatch) -> int:
@@ -390,8 +344,7 @@ class LLMEngine:
                 steps = min(steps, 1 + self.scheduler.reserve(seq, steps - 1))
         return steps
 
-    def _run_decodes(self, seqs: list[Sequence], steps: int,
-                     ) -> dict[Sequence, list[tuple[int, TokenLogprob | None]]]:
+    def _run_decodes(self, seqs: list[Sequence], steps: int) -> dict[Sequence, list[Pick]]:
         """`steps` decode passes over `seqs`, each fed the tokens the last one sampled
         without a trip through Python lists, and no scheduling, detokenizing or stop checks
         between them: what each sequence emits (`_append` drops whatever follows a token
@@ -402,14 +355,15 @@ class LLMEngine:
             [(seq, at, seq.tokens(at, at + 1)) for seq, at in zip(seqs, starts, strict=True)],
             steps)
         rows = list(range(len(seqs)))
-        wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        params = [seq.params for seq in seqs]
+        wanted = any(p.logprobs is not None for p in params)
         drawn: list[Tensor] = []
         logprobs: list[list[TokenLogprob | None]] = []
         for view in views:
             logits = self.runner.run(ids, view, rows)
             tokens = sample(logits, sampling)
             drawn.append(tokens)
-            logprobs.append(self._logprobs(seqs, logits, tokens.tolist(), wanted) if wanted
+            logprobs.append(requested_logprobs(params, logits, tokens.tolist()) if wanted
                             else [None] * len(seqs))
             ids = tokens[None]
         for seq, at in zip(seqs, starts, strict=True):
@@ -418,113 +372,16 @@ class LLMEngine:
         return {seq: [(by_step[k][i], logprobs[k][i]) for k in range(steps)]
                 for i, seq in enumerate(seqs)}
 
-    def _propose(self, items: list[tuple[Sequence, int]],
-                 lookahead: dict[Sequence, int]) -> dict[Sequence, Draft]:
-        """Draft tokens for the step's decoding sequences, as many as each has room for
-        (its lookahead slots, its max_tokens, the context) — none without speculation."""
-        limits = {}
-        for seq, room in lookahead.items():
-            limit = min(room, seq.params.max_tokens - len(seq.output_ids) - 1,
-                        self.max_model_len - seq.num_tokens - 1)
-            if limit > 0:
-                limits[seq] = limit
-        if self.drafter is not None:
-            drafts = self.drafter.propose(items, limits)
-        elif self.ngram is not None:
-            found = ((seq, self.ngram.propose(seq, limit)) for seq, limit in limits.items())
-            drafts = {seq: draft for seq, draft in found if draft is not None}
-        else:
-            return {}
-        self.spec_steps += len(drafts)
-        self.spec_draft_tokens += sum(len(draft.tokens) for draft in drafts.values())
-        return drafts
-
-    def _verify(self, verified: list[tuple[Sequence, int]], drafts: dict[Sequence, Draft],
-                logits: Tensor) -> dict[Sequence, list[tuple[int, TokenLogprob | None]]]:
-        """What each drafted sequence emits (accepted drafts, then one target token), with
-        the log-probs of the rows that scored them when the request asked for them."""
-        if not verified:
-            return {}
-        seqs = [seq for seq, _ in verified]
-        rows = [[at + j for j in range(len(drafts[seq].tokens) + 1)] for seq, at in verified]
-        emitted = verify(logits[[row for group in rows for row in group]], seqs,
-                         [drafts[seq] for seq in seqs])
-        picks = {}
-        for seq, group, tokens in zip(seqs, rows, emitted, strict=True):
-            self.spec_accepted_tokens += len(tokens) - 1
-            logprobs: list[TokenLogprob | None] = [None] * len(tokens)
-            if seq.params.logprobs is not None:
-                logprobs = list(_sampled_logprobs(logits[group[:len(tokens)]], tokens,
-                                                  [seq.params] * len(tokens)))
-            picks[seq] = list(zip(tokens, logprobs, strict=True))
-        return picks
-
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         return SamplingBatch([SamplingRow(seq.params, seq.prompt_ids, seq.output_ids,
                                           seq.generator) for seq in seqs], self.device)
 
-    def _sample(self, seqs: list[Sequence],
-                logits: Tensor) -> list[tuple[int, TokenLogprob | None]]:
+    def _sample(self, seqs: list[Sequence], logits: Tensor) -> list[Pick]:
         """Every sampled row of the step in one batched draw, and the log-probs of the rows
         that asked for them in one more pass."""
         tokens = sample(logits, self._sampling_batch(seqs)).tolist()
-        wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
-        return list(zip(tokens, self._logprobs(seqs, logits, tokens, wanted), strict=True))
-
-    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        return SamplingBatch([SamplingRow(seq.params, seq.prompt_ids, seq.output_ids,
-                                          seq.generator) for seq in seqs], self.device)
-
-    def _logprobs(self, seqs: list[Sequence], logits: Tensor, tokens: list[int],
-                  wanted: list[int]) -> list[TokenLogprob | None]:
-        """The log-probs of the sampled `tokens` of rows `wanted` (None for the others)."""
-        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
-        if wanted:
-            computed = _sampled_logprobs(logits[wanted], [tokens[i] for i in wanted],
-                                         [seqs[i].params for i in wanted])
-            for i, logprob in zip(wanted, computed, strict=True):
-                logprobs[i] = logprob
-        return logprobs
-
-    def _append(self, seq: Sequence,
-                picks: list[tuple[int, TokenLogprob | None]]) -> SequenceDelta:
-        """Give `seq` the step's tokens, one at a time, until one of them finishes it."""
-        params, state = seq.params, self._text[seq]
-        if seq.first_token_time is None:
-            seq.first_token_time = time.monotonic()
-        tokens: list[int] = []
-        logprobs: list[TokenLogprob] = []
-        text, reason = "", None
-        for token, logprob in picks:
-            seq.output_ids.append(token)
-            tokens.append(token)
-            if logprob is not None:
-                logprobs.append(logprob)
-            self.generation_tokens_total += 1
-            special = token in self.eos_token_ids or token in params.stop_token_ids
-            if token in params.stop_token_ids or (token in self.eos_token_ids
-                                                  and not params.ignore_eos):
-                reason = "stop"
-            if state.detokenizer is not None and not special:
-                text += state.stop.feed(state.detokenizer.step(token))
-                if state.stop.stopped:
-                    reason = "stop"
-            if reason is None and (len(seq.output_ids) >= params.max_tokens
-                                   or seq.num_tokens >= self.max_model_len):
-                reason = "length"
-            if reason is not None:
-                break
-        if reason is not None:
-            text += state.stop.flush()
-            self.scheduler.finish(seq, reason)
-            self._text.pop(seq, None)
-            self._release(seq)
-            if all(s.status is Status.FINISHED for s in self.requests.get(seq.request_id, [])):
-                self.requests.pop(seq.request_id, None)
-        first = len(seq.output_ids) == len(tokens)
-        return SequenceDelta(seq.request_id, seq.index, tokens, text, logprobs, reason,
-                             len(seq.prompt_ids), seq.table.num_cached_tokens,
-                             seq.prompt_logprobs if first else None)
+        return list(zip(tokens, requested_logprobs([seq.params for seq in seqs], logits,
+                                                   tokens), strict=True))
 
     # offline API and weights ------------------------------------------------------------
 
@@ -585,18 +442,13 @@ class LLMEngine:
             **self.speculation_stats(),
         }
 
+    @property
+    def generation_tokens_total(self) -> int:
+        return self.outputs.generation_tokens_total
+
     def speculation_stats(self) -> dict[str, float]:
-        """Drafting steps, draft tokens proposed and accepted, the acceptance rate and the
-        mean tokens a drafting step emits (vLLM's mean acceptance length); empty without
-        speculation."""
-        if self.config.speculative is None:
-            return {}
-        steps, drafted, accepted = (self.spec_steps, self.spec_draft_tokens,
-                                    self.spec_accepted_tokens)
-        return {"spec_decode_num_drafts": steps, "spec_decode_num_draft_tokens": drafted,
-                "spec_decode_num_accepted_tokens": accepted,
-                "spec_decode_acceptance_rate": accepted / drafted if drafted else 0.0,
-                "spec_decode_mean_acceptance_length": 1 + accepted / steps if steps else 0.0}
+        """The `Speculator`'s counters; empty without speculation."""
+        return self.speculator.stats() if self.speculator is not None else {}
 
 
 def _load_tokenizer(path: Path, vocab_size: int) -> Tokenizer | None:
@@ -640,29 +492,3 @@ def _check_same_tokenizer(path: Path, draft_path: Path, tokenizer: Tokenizer | N
         raise CheckpointError(f"{draft_path}/tokenizer.json is not {path}/tokenizer.json "
                               f"({differ}); a draft must share the target's tokenizer "
                               "(distill it from the target, or copy the tokenizer folder)")
-
-
-def _sampled_logprobs(logits: Tensor, tokens: list[int],
-                      params: list[SamplingParams]) -> list[TokenLogprob]:
-    """Log-probs of sampled tokens and each row's top-N, of the model's distribution or of
-    softmax(logits / temperature) for rows that ask for it."""
-    rows = logits.float()
-    divisors = [p.temperature if p.logprobs_at_temperature and p.temperature > 0 else 1.0
-                for p in params]
-    if any(d != 1.0 for d in divisors):
-        rows = rows / torch.tensor(divisors, device=rows.device)[:, None]
-    tops = [p.logprobs or 0 for p in params]
-    computed = _token_logprobs(rows, tokens, max(tops))
-    for top, logprob in zip(tops, computed, strict=True):
-        logprob.top = logprob.top[:top]
-    return computed
-
-
-def _token_logprobs(logits: Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
-    """Each row's log-probability of its token and its `top` most likely tokens (fp32)."""
-    rows = torch.log_softmax(logits.float(), dim=-1)
-    chosen = rows.gather(1, torch.tensor(tokens, device=rows.device)[:, None])[:, 0].tolist()
-    best = rows.topk(top) if top else None
-    return [TokenLogprob(token, value, [] if best is None else list(zip(
-        best.indices[i].tolist(), best.values[i].tolist(), strict=True)))
-        for i, (token, value) in enumerate(zip(tokens, chosen, strict=True))]

@@ -28,7 +28,8 @@ from tokenizers import Tokenizer
 
 from lathe.data.chat_template import TEMPLATE_ARGUMENTS
 from lathe.data.messages import Message, MessageError, normalize_message
-from lathe.serve.engine import CompletionOutput, TokenLogprob
+from lathe.serve.logprobs import TokenLogprob
+from lathe.serve.outputs import CompletionOutput
 from lathe.serve.sampling import (
     BOUNDS,
     MAX_LOGIT_BIAS,

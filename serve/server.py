@@ -50,8 +50,9 @@ from lathe.serve.connections import (
     raise_file_limit,
     uvicorn_config,
 )
-from lathe.serve.engine import CompletionOutput, EngineConfig, LLMEngine, RequestError
+from lathe.serve.engine import EngineConfig, LLMEngine, RequestError
 from lathe.serve.metrics import RequestTimer, ServerMetrics
+from lathe.serve.outputs import CompletionOutput
 from lathe.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

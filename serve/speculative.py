@@ -2,15 +2,16 @@
 forward over all of them (decode is memory-bound, so verifying k tokens costs about one
 step).
 
-Two proposers: `NgramProposer` (prompt lookup: the tokens that followed the latest earlier
-occurrence of the sequence's last n tokens) and `DraftModelProposer` (a small model that
-shares the target's tokenizer, e.g. the student `lathe distill` writes; its KV lives in
-the target's block ids, see `lathe.serve.model_runner`). `verify` keeps the longest
-acceptable prefix of a draft: for greedy rows the drafts the target's own argmax agrees
-with; for sampled rows the rejection sampler of Leviathan et al. (2023) and Chen et al.
-(2023) — accept draft x with probability min(1, p(x) / q(x)), on rejection draw from
-norm(max(p - q, 0)) — so the output distribution is the target's exactly. Then one more
-token comes from the target for free.
+`Speculator` is what the engine holds: the proposer, the verification of each step's
+drafts, and the counters vLLM reports. Two proposers: `NgramProposer` (prompt lookup: the
+tokens that followed the latest earlier occurrence of the sequence's last n tokens) and
+`DraftModelProposer` (a small model that shares the target's tokenizer, e.g. the student
+`lathe distill` writes; its KV lives in the target's block ids, see
+`lathe.serve.model_runner`). `verify` keeps the longest acceptable prefix of a draft: for
+greedy rows the drafts the target's own argmax agrees with; for sampled rows the rejection
+sampler of Leviathan et al. (2023) and Chen et al. (2023) — accept draft x with probability
+min(1, p(x) / q(x)), on rejection draw from norm(max(p - q, 0)) — so the output
+distribution is the target's exactly. Then one more token comes from the target for free.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from torch import Tensor
 
 from lathe.core.errors import ConfigError
 from lathe.model.transformer import Transformer
+from lathe.serve.logprobs import sampled_logprobs
 from lathe.serve.model_runner import ModelRunner, StepItem
+from lathe.serve.outputs import Pick
 from lathe.serve.paged_cache import KVSlabs
 from lathe.serve.sampling import (
     SamplingBatch,
@@ -217,3 +220,78 @@ def _rejection_sample(target: Tensor, draft: Draft,
         last = (target[accepted] - draft.probs[accepted]).clamp_min(0.0)
     token = int(exponential_race(last[None], [generator])[0])
     return draft.tokens[:accepted] + [token]
+
+
+class Speculator:
+    """Speculative decoding as the engine uses it: drafts for a step's decoding sequences
+    (`propose`), what each drafted sequence emits once the target has scored them
+    (`verify`), and the counters (`stats`)."""
+
+    def __init__(self, config: SpeculativeConfig, runner: ModelRunner,
+                 draft_model: Transformer | None, draft_slabs: KVSlabs | None,
+                 max_model_len: int) -> None:
+        self.max_model_len = max_model_len
+        self.ngram = NgramProposer(config) if config.method == "ngram" else None
+        self.drafter = None if draft_model is None or draft_slabs is None else \
+            DraftModelProposer(draft_model, runner, draft_slabs)
+        self.steps = self.draft_tokens = self.accepted_tokens = 0
+
+    def release(self, seq: Sequence) -> None:
+        if self.drafter is not None:
+            self.drafter.release(seq)
+
+    def cacheable(self, seq: Sequence, computed: int) -> int:
+        """How many of `seq`'s computed tokens may enter the prefix cache: only blocks the
+        draft's KV covers too."""
+        return min(computed, self.drafter.extent(seq)) if self.drafter is not None \
+            else computed
+
+    def propose(self, items: list[tuple[Sequence, int]],
+                lookahead: dict[Sequence, int]) -> dict[Sequence, Draft]:
+        """Draft tokens for the step's decoding sequences, as many as each has room for
+        (its lookahead slots, its max_tokens, the context)."""
+        limits = {}
+        for seq, room in lookahead.items():
+            limit = min(room, seq.params.max_tokens - len(seq.output_ids) - 1,
+                        self.max_model_len - seq.num_tokens - 1)
+            if limit > 0:
+                limits[seq] = limit
+        if self.drafter is not None:
+            drafts = self.drafter.propose(items, limits)
+        else:
+            assert self.ngram is not None
+            found = ((seq, self.ngram.propose(seq, limit)) for seq, limit in limits.items())
+            drafts = {seq: draft for seq, draft in found if draft is not None}
+        self.steps += len(drafts)
+        self.draft_tokens += sum(len(draft.tokens) for draft in drafts.values())
+        return drafts
+
+    def verify(self, verified: list[tuple[Sequence, int]], drafts: dict[Sequence, Draft],
+               logits: Tensor) -> dict[Sequence, list[Pick]]:
+        """What each drafted sequence emits (accepted drafts, then one target token), with
+        the log-probs of the rows that scored them when the request asked for them;
+        `verified` holds each drafted sequence and its first row in `logits`."""
+        if not verified:
+            return {}
+        seqs = [seq for seq, _ in verified]
+        rows = [[at + j for j in range(len(drafts[seq].tokens) + 1)] for seq, at in verified]
+        emitted = verify(logits[[row for group in rows for row in group]], seqs,
+                         [drafts[seq] for seq in seqs])
+        picks = {}
+        for seq, group, tokens in zip(seqs, rows, emitted, strict=True):
+            self.accepted_tokens += len(tokens) - 1
+            logprobs: list = [None] * len(tokens)
+            if seq.params.logprobs is not None:
+                logprobs = sampled_logprobs(logits[group[:len(tokens)]], tokens,
+                                            [seq.params] * len(tokens))
+            picks[seq] = list(zip(tokens, logprobs, strict=True))
+        return picks
+
+    def stats(self) -> dict[str, float]:
+        """Drafting steps, draft tokens proposed and accepted, the acceptance rate and the
+        mean tokens a drafting step emits (vLLM's mean acceptance length)."""
+        steps, drafted, accepted = self.steps, self.draft_tokens, self.accepted_tokens
+        return {"spec_decode_num_drafts": steps, "spec_decode_num_draft_tokens": drafted,
+                "spec_decode_num_accepted_tokens": accepted,
+                "spec_decode_acceptance_rate": accepted / drafted if drafted else 0.0,
+                "spec_decode_mean_acceptance_length": 1 + accepted / steps if steps else 0.0}

@@ -58,7 +58,8 @@ def test_greedy_speculation_is_plain_decoding_token_for_token(method):
     assert stats["spec_decode_num_accepted_tokens"] > 0
     assert spec.block_manager.usage == 0 and not spec.runner.rows
     if draft is not None:
-        assert not spec.drafter.written  # the draft's KV bookkeeping is freed with each sequence
+        # the draft's KV bookkeeping is freed with each sequence
+        assert not spec.speculator.drafter.written
 
 
 def test_the_target_as_its_own_draft_accepts_every_token():
@@ -237,7 +238,7 @@ def test_draft_kv_shares_the_block_budget():
     blocks = len(paired.block_manager.blocks)
     # two target layers and one draft layer of the same width share each block's bytes
     assert blocks == pytest.approx(len(alone.block_manager.blocks) * 2 / 3, abs=1)
-    assert paired.drafter.slabs.k[0].shape[0] == paired.slabs.k[0].shape[0]
+    assert paired.speculator.drafter.slabs.k[0].shape[0] == paired.slabs.k[0].shape[0]
 
 
 def test_draws_are_counted_once_per_verified_step():
