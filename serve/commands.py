@@ -128,6 +128,8 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                        help="seconds the chat template may take to render a request")
     parser.add_argument("--chat-template", type=Path, metavar="FILE",
                         help="a Jinja chat template served in place of the checkpoint's")
+    group.add_argument("--grammar-timeout", type=float, default=5.0,
+                       help="seconds a request's structured output may take to compile")
     _engine_flags(parser)
     args = parser.parse_args(argv)
     if args.chat_template is not None:
@@ -139,7 +141,7 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     if args.max_connections < 1:
         raise ConfigError(f"--max-connections={args.max_connections} must be >= 1")
     for flag in ("header_timeout", "body_timeout", "keep_alive_timeout", "shutdown_timeout",
-                 "template_timeout"):
+                 "template_timeout", "grammar_timeout"):
         if not getattr(args, flag) > 0:
             raise ConfigError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be > 0")
     limits = ConnectionLimits(args.max_connections, args.header_timeout, args.body_timeout,
@@ -151,7 +153,8 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                           quantize=args.quantize, max_waiting=args.max_waiting,
                           max_body_bytes=args.max_body_bytes,
                           template_seconds=args.template_timeout,
-                          chat_template=args.chat_template, limits=limits,
+                          chat_template=args.chat_template,
+                          grammar_seconds=args.grammar_timeout, limits=limits,
                           engine=_engine_config(args))
     run(config, args.log_level)
     return 0

@@ -20,6 +20,7 @@ deltas.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from lathe.serve.sampling import SamplingBatch, SamplingParams, SamplingRow, sam
 from lathe.serve.scheduler import ScheduledBatch, Scheduler
 from lathe.serve.sequence import Sequence, Status
 from lathe.serve.speculative import SpeculativeConfig, Speculator
+from lathe.serve.structured import Constraints, GrammarError, constrain
 
 
 class RequestError(ValueError):
@@ -114,6 +116,8 @@ class LLMEngine:
                 draft_model.config, num_blocks, block_size, self.device, dtype),
             self.max_model_len)
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
+        self._constraints: Constraints | None = None  # built by the first structured request
+        self._constraints_lock = threading.Lock()  # the server's threads may build it
         self.requests: dict[str, list[Sequence]] = {}
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
@@ -164,6 +168,20 @@ class LLMEngine:
                                "gpu_memory_utilization")
         return blocks
 
+    @property
+    def constraints(self) -> Constraints:
+        """The structured-output matchers over this checkpoint's tokenizer (built on first
+        use: llguidance reads the whole vocabulary)."""
+        with self._constraints_lock:
+            if self._constraints is None:
+                if self.tokenizer is None or not self.eos_token_ids:
+                    raise RequestError("structured outputs need the checkpoint's "
+                                       "tokenizer.json and an EOS token id; this checkpoint "
+                                       "lacks one")
+                self._constraints = Constraints(self.tokenizer, self.model.config.vocab_size,
+                                                self.eos_token_ids)
+            return self._constraints
+
     # requests ---------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
@@ -198,6 +216,15 @@ class LLMEngine:
         if outside:
             raise RequestError(f"logit_bias token ids {outside[:5]} are outside the "
                                f"vocabulary [0, {vocab})")
+        if params.structured is not None:
+            if params.ignore_eos:
+                raise RequestError("ignore_eos cannot be combined with a structured output, "
+                                   "which ends at EOS once complete")
+            try:
+                self.constraints.compile(params.structured)
+            except GrammarError as error:
+                raise RequestError(f"the structured output does not compile: {error}") \
+                    from None
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
@@ -216,6 +243,8 @@ class LLMEngine:
             seqs.append(seq)
         for seq in seqs:  # built all before scheduling any, so a failure leaves no trace
             self.outputs.add(seq)
+            if params.structured is not None:
+                self.constraints.start(seq, params.structured)
             self.scheduler.add(seq)
         self.requests[request_id] = seqs
         self.prompt_tokens_total += len(prompt_ids) * params.n
@@ -233,6 +262,8 @@ class LLMEngine:
         self.runner.release(seq)
         if self.speculator is not None:
             self.speculator.release(seq)
+        if self._constraints is not None:
+            self._constraints.release(seq)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
@@ -285,8 +316,11 @@ class LLMEngine:
     def _run(self, batch: ScheduledBatch) -> dict[Sequence, list[Pick]]:
         """One forward pass over the scheduled tokens (and any drafts): what each sequence
         that reached its end emits."""
-        drafts = self.speculator.propose(batch.items, batch.lookahead) \
-            if self.speculator is not None else {}
+        drafts = {}
+        if self.speculator is not None:  # constrained sequences are not drafted for
+            lookahead = {seq: room for seq, room in batch.lookahead.items()
+                         if seq.params.structured is None}
+            drafts = self.speculator.propose(batch.items, lookahead)
         work = []
         for seq, count in batch.items:
             start = seq.num_computed
@@ -335,7 +369,7 @@ class LLMEngine:
         steps = self.config.decode_steps
         if steps == 1 or batch.lookahead or any(
                 count != 1 or seq.num_uncomputed != 1 or seq.params.penalized
-                for seq, count in batch.items):
+                or seq.params.structured is not None for seq, count in batch.items):
             return 1
         for seq, _ in batch.items:
             steps = min(steps, seq.params.max_tokens - len(seq.output_ids))
@@ -377,9 +411,17 @@ class LLMEngine:
                                           seq.generator) for seq in seqs], self.device)
 
     def _sample(self, seqs: list[Sequence], logits: Tensor) -> list[Pick]:
-        """Every sampled row of the step in one batched draw, and the log-probs of the rows
-        that asked for them in one more pass."""
-        tokens = sample(logits, self._sampling_batch(seqs)).tolist()
+        """Every sampled row of the step in one batched draw (constrained rows masked to
+        what their structured output allows next), and the log-probs of the rows that asked
+        for them, of the model's own distribution, in one more pass."""
+        constrained = [i for i, seq in enumerate(seqs) if seq.params.structured is not None]
+        drawn = logits
+        if constrained:
+            allowed = self.constraints.allowed_mask([seqs[i] for i in constrained])
+            drawn = constrain(logits, constrained, allowed)
+        tokens = sample(drawn, self._sampling_batch(seqs)).tolist()
+        for i in constrained:
+            self.constraints.advance(seqs[i], tokens[i])
         return list(zip(tokens, requested_logprobs([seq.params for seq in seqs], logits,
                                                    tokens), strict=True))
 

@@ -2,13 +2,16 @@
 
 Field names and defaults follow OpenAI's API (completions default to 16 tokens, chat to
 the rest of the context window; a null field means its default); vLLM's extras top_k,
-min_p, repetition_penalty, stop_token_ids and ignore_eos are accepted too. Every number
+min_p, repetition_penalty, stop_token_ids and ignore_eos are accepted too, and structured
+outputs as OpenAI's `response_format` (`json_object`, `json_schema`) or vLLM's
+`guided_json`, `guided_regex`, `guided_choice` and `guided_grammar` (Lark or GBNF), one
+per request. Every number
 in a body is bounded here, by the schema, from one table (`sampling.BOUNDS`, which
 `SamplingParams` checks too): a value outside is a 400 naming the field, the value and
 the range, before anything reaches the engine's tensors.
 
-Nothing is dropped silently: a field this server does not implement (`tools`,
-`response_format` other than text, `suffix`, `best_of` other than n, any unknown name)
+Nothing is dropped silently: a field this server does not implement (`tools`, `suffix`,
+`best_of` other than n, any unknown name)
 is a `ProtocolError` naming it, as vLLM answers. Text anywhere in a body must be valid
 Unicode: a lone surrogate (`"\\ud800"` in JSON) is refused before it can reach the
 tokenizer.
@@ -16,6 +19,7 @@ tokenizer.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -38,6 +42,7 @@ from lathe.serve.sampling import (
     Bound,
     SamplingParams,
 )
+from lathe.serve.structured import GrammarError, StructuredOutput
 
 
 class ProtocolError(ValueError):
@@ -98,10 +103,6 @@ _ONLY_UNUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "function_call": (_harmless((None, "none")),
                       "function calling is not supported by this server"),
     "parallel_tool_calls": (lambda _: True, ""),  # only qualifies `tools`
-    "response_format": (
-        lambda value: value is None or (isinstance(value, dict) and value == {"type": "text"}),
-        "only {\"type\": \"text\"} is supported: this server has no constrained (JSON) "
-        "decoding; ask for JSON in the prompt instead"),
     "suffix": (_harmless((None, "")), "insertion (suffix) is not supported by this model"),
     "store": (_harmless((None, False)), "this server does not store completions"),
     "metadata": (lambda _: True, ""),  # annotates stored completions; nothing is stored
@@ -109,6 +110,58 @@ _ONLY_UNUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "service_tier": (_harmless((None, "auto", "default")), "this server has one tier"),
     "modalities": (_harmless((None, ["text"])), "this model reads and writes text only"),
 }
+
+
+MAX_CHOICES = 1024
+
+
+def _schema_text(schema: Any, where: str) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except (json.JSONDecodeError, RecursionError) as error:
+            raise ProtocolError(f"{where}: not JSON ({error or 'nested too deeply'})",
+                                where.split(".")[0]) from None
+    if not isinstance(schema, dict):
+        raise ProtocolError(f"{where} must be a JSON schema object", where.split(".")[0])
+    return json.dumps(schema)
+
+
+def _response_format(value: dict[str, Any]) -> StructuredOutput | None:
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(json='{"type": "object"}')
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise ProtocolError("response_format.json_schema must be {\"name\", \"schema\", "
+                                "\"strict\"?} with the schema under \"schema\"",
+                                "response_format")
+        try:
+            return StructuredOutput(json=_schema_text(spec["schema"],
+                                                      "response_format.json_schema.schema"))
+        except GrammarError as error:
+            raise ProtocolError(f"response_format: {error}", "response_format") from None
+    raise ProtocolError(f"response_format.type {kind!r} is not one of text, json_object, "
+                        "json_schema", "response_format")
+
+
+def _guided_json(value: dict[str, Any] | str) -> StructuredOutput:
+    return StructuredOutput(json=_schema_text(value, "guided_json"))
+
+
+def _guided_regex(value: str) -> StructuredOutput:
+    return StructuredOutput(regex=value)
+
+
+def _guided_choice(value: list[str]) -> StructuredOutput:
+    return StructuredOutput(choice=tuple(value))
+
+
+def _guided_grammar(value: str) -> StructuredOutput:
+    return StructuredOutput(grammar=value)
 
 
 class StreamOptions(BaseModel):
@@ -137,6 +190,11 @@ class _Request(BaseModel):
     repetition_penalty: _bounded(float, "repetition_penalty") | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -163,6 +221,30 @@ class _Request(BaseModel):
                                     "support it; remove it", shown)
             if not accepted(value):
                 raise ProtocolError(f"{name}: {reason}", name)
+        self.structured_output()  # a malformed constraint is refused here, named
+
+    def structured_output(self) -> tuple[str, StructuredOutput] | None:
+        """The request's constraint and the field that gave it; `ProtocolError` naming the
+        field when it is malformed or a second one is given."""
+        given = []
+        if self.response_format is not None:
+            spec = _response_format(self.response_format)
+            if spec is not None:
+                given.append(("response_format", spec))
+        for name, make in (("guided_json", _guided_json), ("guided_regex", _guided_regex),
+                           ("guided_choice", _guided_choice),
+                           ("guided_grammar", _guided_grammar)):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    given.append((name, make(value)))
+                except GrammarError as error:
+                    raise ProtocolError(f"{name}: {error}", name) from None
+        if len(given) > 1:
+            names = ", ".join(name for name, _ in given)
+            raise ProtocolError(f"{names}: give one structured output per request",
+                                given[1][0])
+        return given[0] if given else None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -174,9 +256,11 @@ class _Request(BaseModel):
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "n": self.n,
             "stop_token_ids": self.stop_token_ids, "logit_bias": self.logit_bias}
+        structured = self.structured_output()
         return SamplingParams(
             max_tokens=max_tokens, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            structured=structured[1] if structured is not None else None,
             **{name: value for name, value in given.items() if value is not None})
 
 

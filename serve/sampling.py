@@ -1,11 +1,13 @@
 """Sampling: the per-request parameters (OpenAI names and vLLM extras) and the batched
 transforms and draw that pick one token for every row of a step at once.
 
-Order, as in vLLM and HF: penalties on the raw logits (repetition divides positive logits
-and multiplies negative ones for every token seen in prompt or output; presence and
-frequency subtract per output token), then the request's `logit_bias`, then temperature,
-then top-k, top-p and min-p masks (-inf), then a draw — from the request's own seeded
-generator when it has a seed — or the argmax when the temperature is 0.
+A request with a structured output (`lathe.serve.structured`) has its disallowed tokens
+at -inf before anything else. Then, as in vLLM and HF: penalties on the raw logits
+(repetition divides positive logits and multiplies negative ones for every token seen in
+prompt or output; presence and frequency subtract per output token), then the request's
+`logit_bias`, then temperature, then top-k, top-p and min-p masks (-inf), then a draw —
+from the request's own seeded generator when it has a seed — or the argmax when the
+temperature is 0.
 """
 
 from __future__ import annotations
@@ -13,11 +15,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from lathe.kernels.argmax import greedy_argmax
+
+if TYPE_CHECKING:
+    from lathe.serve.structured import StructuredOutput
 
 
 class SamplingError(ValueError):
@@ -104,6 +110,7 @@ class SamplingParams:
     logprobs_at_temperature: bool = False
     prompt_logprobs: int | None = None  # top-N log-probabilities per prompt token
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to logits
+    structured: StructuredOutput | None = None  # what the output must match
 
     def __post_init__(self) -> None:
         for name, bound in BOUNDS.items():

@@ -62,6 +62,7 @@ from lathe.serve.protocol import (
 )
 from lathe.serve.quant import QuantMode
 from lathe.serve.sampling import SamplingError, SamplingParams
+from lathe.serve.structured import GrammarError
 
 log = logging.getLogger("lathe.serve")
 
@@ -79,6 +80,7 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     template_seconds: float = 2.0  # a chat template's render limit (a request fails past it)
     chat_template: Path | None = None  # a Jinja file served in place of the checkpoint's
+    grammar_seconds: float = 5.0  # a structured output's compile limit (a 400 past it)
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -287,10 +289,29 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
             "id": name, "object": "model", "created": int(time.time()), "owned_by": "lathe",
             "max_model_len": engine.engine.max_model_len}]}
 
+    async def compile_structured(engine: AsyncEngine,
+                                 body: CompletionRequest | ChatCompletionRequest) -> None:
+        """Compile the request's structured output off the event loop, within
+        `grammar_seconds` (the engine then finds it compiled); a 400 naming the field when
+        it does not compile or takes too long."""
+        structured = body.structured_output()
+        if structured is None:
+            return
+        field, spec = structured
+        try:
+            await asyncio.wait_for(asyncio.to_thread(engine.engine.constraints.compile, spec),
+                                   config.grammar_seconds)
+        except TimeoutError:
+            raise APIError(400, f"{field}: did not compile within {config.grammar_seconds:g} "
+                                "s; simplify it", param=field) from None
+        except (GrammarError, RequestError) as error:
+            raise APIError(400, f"{field}: {error}", param=field) from None
+
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _supported(body)
         engine = ready(body.model)
+        await compile_structured(engine, body)
         given = _prompt_list(body.prompt)
         prompts = _prompt_ids(engine.engine, given)
         window = engine.engine.max_model_len
@@ -315,6 +336,7 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         _supported(body)
         engine = ready(body.model)
+        await compile_structured(engine, body)
         if state.template is None:
             raise APIError(400, state.no_template)
         try:

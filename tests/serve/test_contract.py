@@ -144,7 +144,7 @@ def test_content_parts_other_than_text_strings_are_a_400(running, part, named):
 @pytest.mark.parametrize("field,value,named", [
     ("tools", [{"type": "function", "function": {"name": "f"}}], "tools: tool calling"),
     ("tool_choice", "auto", "tool_choice: tool calling"),
-    ("response_format", {"type": "json_object"}, "response_format: only"),
+    ("response_format", {"type": "json_schema"}, "response_format.json_schema must be"),
     ("functions", [{"name": "f"}], "functions: function calling"),
     ("frobnicate", 1, "unknown parameter `frobnicate`"),
     ("max_completion_tokens", 0, "max_completion_tokens=0 must be in [1, 2147483647]"),

@@ -56,6 +56,14 @@ SHARED = {
         "include_usage": typed(st.booleans())})),
     "ignore_eos": typed(st.booleans()), "user": typed(texts),
     "max_tokens": typed(integers),
+    "response_format": typed(st.one_of(
+        st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+        st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.dictionaries(
+            st.sampled_from(["name", "schema", "strict"]), junk)}))),
+    "guided_json": typed(st.one_of(texts, st.dictionaries(texts, junk, max_size=4))),
+    "guided_regex": typed(st.one_of(texts, st.sampled_from(["[0-9]+", "(+", "a{999999}"]))),
+    "guided_choice": typed(st.lists(texts, max_size=5)),
+    "guided_grammar": typed(st.one_of(texts, st.just('start: "a"+'))),
 }
 COMPLETION = {
     **SHARED, "prompt": typed(st.one_of(texts, st.lists(texts, max_size=3), token_lists,
@@ -71,7 +79,7 @@ messages = st.lists(st.fixed_dictionaries(
 CHAT = {
     **SHARED, "messages": typed(messages), "max_completion_tokens": typed(integers),
     "logprobs": typed(st.booleans()), "top_logprobs": typed(integers),
-    "tools": junk, "tool_choice": junk, "response_format": junk,
+    "tools": junk, "tool_choice": junk,
     "chat_template_kwargs": typed(st.dictionaries(texts, junk, max_size=4)),
 }
 

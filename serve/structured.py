@@ -1,0 +1,158 @@
+"""Structured outputs: a request's constraint — a JSON schema, any JSON object, a regex, one
+of a list of strings, or a Lark grammar — compiled by llguidance over the checkpoint's
+tokenizer.json, one matcher per sequence, and the tokens each may take next.
+
+llguidance, not xgrammar, because a server meets a new schema with most requests: over
+this project's tokenizers llguidance builds a JSON-schema matcher in about 1 ms at a 4k or
+32k vocabulary (its lexer is built lazily), where xgrammar's compile took 16 and 129 ms
+and grows with the vocabulary, for a per-token mask of tens of microseconds in both
+(docs/benchmarks.md has the figures). llguidance also reads tokenizer.json directly and
+can roll a matcher back.
+
+`Constraints.compile` turns a `StructuredOutput` into a checked matcher (cached by the
+constraint, so repeated schemas cost nothing), raising `GrammarError` naming what is
+wrong; each sequence gets its own copy (`Constraints.start`). Each step `allowed_mask`
+gives the constrained rows' allowed tokens as a boolean (rows, vocab) tensor, and
+`advance` feeds each row the token it drew. When the constraint is complete the matcher
+allows only EOS, so a constrained sequence ends with "stop" — or "length" when max_tokens
+comes first.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import llguidance.torch
+import torch
+from llguidance import LLMatcher, LLParserLimits, LLTokenizer
+from llguidance.gbnf_to_lark import gbnf_to_lark
+from tokenizers import Tokenizer
+from torch import Tensor
+
+MAX_SPEC_CHARS = 64 * 1024  # a schema, regex, grammar or choice list past this is refused
+CACHE_SIZE = 256
+# what one compile and one step may cost the matcher (llguidance's units: ~50k fuel/ms at
+# build, ~14k/ms per step; its defaults are 1M and 200k)
+LIMITS = dict(initial_lexer_fuel=2_000_000, step_lexer_fuel=400_000, max_grammar_size=500_000,
+              verbose_errors=False)
+
+
+class GrammarError(ValueError):
+    """A constraint that does not compile (the message says why)."""
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What one request's output must match; exactly one field is set. `json` is a JSON
+    schema as JSON text (`json_object` is the schema {"type": "object"})."""
+
+    json: str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None  # Lark, or GBNF (told apart by its "::=")
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise GrammarError(f"a structured output is one of json, regex, choice or "
+                               f"grammar; got {given or 'none'}")
+        size = len(self.json or self.regex or self.grammar or "".join(self.choice or ()))
+        if size > MAX_SPEC_CHARS:
+            raise GrammarError(f"the {given[0]} constraint has {size:,} characters, more "
+                               f"than {MAX_SPEC_CHARS:,}")
+        if self.choice is not None and not self.choice:
+            raise GrammarError("choice needs at least one string")
+
+    def llguidance_grammar(self) -> str:
+        if self.json is not None:
+            try:
+                return LLMatcher.grammar_from_json_schema(
+                    self.json, defaults={"whitespace_flexible": False})
+            except ValueError as error:
+                raise GrammarError(f"the JSON schema is not a JSON object: {error}") from None
+        if self.regex is not None:
+            return LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:
+            alternatives = " | ".join(json.dumps(option) for option in self.choice)
+            return LLMatcher.grammar_from_lark(f"start: {alternatives}")
+        assert self.grammar is not None
+        lark = self.grammar
+        if "::=" in lark:
+            try:
+                lark = gbnf_to_lark(lark)
+            except Exception as error:  # the converter raises whatever its parser meets
+                raise GrammarError(f"the GBNF grammar does not convert to Lark: "
+                                   f"{error}") from None
+        return LLMatcher.grammar_from_lark(lark)
+
+
+class Constraints:
+    """Compiled constraints over one tokenizer, and the matcher of each constrained sequence
+    (keyed by whatever the engine uses for a sequence)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Iterable[int]):
+        self.vocab_size = vocab_size
+        self.tokenizer = LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size,
+                                     eos_token=sorted(eos_token_ids))
+        self.limits = LLParserLimits(**LIMITS)
+        self._compiled: OrderedDict[StructuredOutput, LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()  # the server compiles in its threads, the engine reads
+        self.matchers: dict[object, LLMatcher] = {}
+        self._bits = torch.arange(32, dtype=torch.int32)
+
+    def compile(self, spec: StructuredOutput) -> LLMatcher:
+        """A fresh matcher of `spec` (compiled once, then copied); `GrammarError` when it
+        does not compile or exceeds the compile limits."""
+        with self._lock:
+            compiled = self._compiled.get(spec)
+            if compiled is not None:
+                self._compiled.move_to_end(spec)
+                return compiled.deep_copy()
+        matcher = LLMatcher(self.tokenizer, spec.llguidance_grammar(), log_level=0,
+                            limits=self.limits)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        with self._lock:
+            self._compiled[spec] = matcher
+            while len(self._compiled) > CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        return matcher.deep_copy()
+
+    def start(self, key: object, spec: StructuredOutput) -> None:
+        self.matchers[key] = self.compile(spec)
+
+    def release(self, key: object) -> None:
+        self.matchers.pop(key, None)
+
+    def allowed_mask(self, keys: list[object]) -> Tensor:
+        """(len(keys), vocab) booleans: the tokens each keyed matcher allows next."""
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.empty((len(keys), words), dtype=torch.int32)
+        for row, key in enumerate(keys):
+            llguidance.torch.fill_next_token_bitmask(self.matchers[key], bitmask, row)
+        bits = (bitmask[:, :, None] >> self._bits) & 1
+        return bits.reshape(len(keys), words * 32)[:, :self.vocab_size].bool()
+
+    def advance(self, key: object, token: int) -> None:
+        """Feed the matcher of `key` its sampled token (one the mask allowed)."""
+        matcher = self.matchers[key]
+        if not matcher.consume_token(token) or matcher.is_error():
+            raise GrammarError(f"token {token} broke the constraint: {matcher.get_error()}")
+
+
+def constrain(logits: Tensor, rows: list[int], allowed: Tensor) -> Tensor:
+    """`logits` with every token a constrained row may not take at -inf (a copy: the
+    unconstrained rows, and the raw logits log-probs are taken from, stay untouched)."""
+    masked = logits.clone()
+    index = torch.tensor(rows, device=logits.device)
+    vocab = allowed.shape[1]
+    block = masked[index, :vocab].masked_fill(~allowed.to(logits.device), float("-inf"))
+    masked[index, :vocab] = block
+    masked[index, vocab:] = float("-inf")
+    return masked
+

@@ -1,0 +1,143 @@
+"""Structured outputs on a random tiny model: what a constrained request generates always
+matches its JSON schema, regex, choice or grammar — sampled at temperature 1, streamed,
+n > 1, beside unconstrained rows (which stay bit-identical), under speculative decoding
+and preemption — and a constraint that cannot compile is a 400 naming its field."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.protocol import ChatCompletionRequest, ProtocolError
+from lathe.serve.sampling import SamplingParams
+from lathe.serve.speculative import SpeculativeConfig
+from lathe.serve.structured import MAX_SPEC_CHARS, StructuredOutput
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "n", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 8},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 999},
+                         "tags": {"type": "array", "maxItems": 2,
+                                  "items": {"enum": ["red", "green"]}}}}
+SPEC = StructuredOutput(json=json.dumps(SCHEMA))
+MESSAGES = [{"role": "user", "content": "Describe the river as JSON."}]
+
+
+def json_format(schema: dict = SCHEMA) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "river", "schema": schema,
+                                                   "strict": True}}
+
+
+def test_every_sampled_json_schema_output_parses_and_validates(client):
+    for seed in range(50):
+        response = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=96, temperature=1.0, seed=seed,
+            response_format=json_format())
+        choice = response.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+@pytest.mark.parametrize(("extra", "check"), [
+    ({"response_format": {"type": "json_object"}}, lambda t: isinstance(json.loads(t), dict)),
+    ({"extra_body": {"guided_regex": "[0-9]{3}-[a-z]{2}"}},
+     lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
+    ({"extra_body": {"guided_choice": ["yes", "no", "maybe later"]}},
+     lambda t: t in ("yes", "no", "maybe later")),
+    ({"extra_body": {"guided_grammar": 'start: "go " DIR\nDIR: "north" | "south"'}},
+     lambda t: t in ("go north", "go south")),
+    ({"extra_body": {"guided_grammar": 'root ::= "go " dir\ndir ::= "east" | "west"'}},
+     lambda t: t in ("go east", "go west")),
+    ({"extra_body": {"guided_json": SCHEMA}},
+     lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+])
+def test_each_kind_of_constraint_holds_on_both_endpoints(client, extra, check):
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=96,
+                                          temperature=1.0, seed=3, n=3, **extra)
+    body = extra.get("extra_body") or {"response_format": extra["response_format"]}
+    completion = client.completions.create(model="tiny", prompt="The river", max_tokens=96,
+                                           temperature=1.0, seed=4, extra_body=body)
+    outputs = [(c.message.content, c.finish_reason) for c in chat.choices] + [
+        (completion.choices[0].text, completion.choices[0].finish_reason)]
+    # an unbounded JSON object may still be open at max_tokens; all else completes
+    assert all(check(text) for text, reason in outputs if reason == "stop"), outputs
+    assert all(reason == "stop" for _, reason in outputs) or "json_object" in str(extra)
+
+
+def test_a_stream_concatenates_to_the_unstreamed_result(client):
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=96, temperature=1.0, seed=11,
+                  response_format=json_format(), logprobs=True)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.message.content
+    assert len(whole.logprobs.content) > 3
+
+
+def test_unconstrained_rows_are_bit_identical_beside_constrained_ones(running):
+    engine = running.engine()
+    plain = [SamplingParams(max_tokens=24, temperature=1.0, seed=s, logprobs=2)
+             for s in range(4)]
+    alone = engine.generate(["The river"] * 4, plain)
+    constrained = [SamplingParams(max_tokens=48, temperature=1.0, seed=s, structured=SPEC)
+                   for s in range(4)]
+    mixed = engine.generate(["The river"] * 8, [p for pair in zip(plain, constrained,
+                                                                  strict=True) for p in pair])
+    for a, b in zip(alone, mixed[::2], strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [lp.logprob for lp in a.outputs[0].logprobs] == \
+            [lp.logprob for lp in b.outputs[0].logprobs]
+    for done in mixed[1::2]:
+        jsonschema.validate(json.loads(done.outputs[0].text), SCHEMA)
+
+
+def test_constraints_hold_under_speculation_and_preemption(checkpoint):
+    engine = LLMEngine.from_checkpoint(checkpoint, EngineConfig(
+        num_blocks=40, block_size=4, max_num_seqs=8,
+        speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3)))
+    params = [SamplingParams(max_tokens=64, temperature=1.0, seed=s,
+                             structured=SPEC if s % 2 else None) for s in range(8)]
+    outputs = engine.generate(["The river flows past the old mill"] * 8, params)
+    assert engine.scheduler.num_preemptions > 0
+    for done, p in zip(outputs, params, strict=True):
+        if p.structured is not None:
+            assert done.outputs[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(done.outputs[0].text), SCHEMA)
+    assert engine.block_manager.usage == 0 and not engine.constraints.matchers
+
+
+@pytest.mark.parametrize(("extra", "field", "named"), [
+    ({"response_format": {"type": "xml"}}, "response_format", "'xml' is not one of"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "json_schema must be"),
+    ({"response_format": json_format({"type": "objectx"})}, "response_format",
+     "Invalid type: objectx"),
+    ({"extra_body": {"guided_regex": "(+"}}, "guided_regex", "invalid regex"),
+    ({"extra_body": {"guided_grammar": "start: undefined_rule"}}, "guided_grammar",
+     "unknown name"),
+    ({"extra_body": {"guided_json": "{not json"}}, "guided_json", "not JSON"),
+    ({"extra_body": {"guided_json": [1, 2]}}, "guided_json", "guided_json"),
+    ({"extra_body": {"guided_choice": []}}, "guided_choice", "at least 1"),
+    ({"extra_body": {"guided_regex": "a", "guided_choice": ["b"]}}, "guided_choice",
+     "give one structured output per request"),
+    ({"extra_body": {"guided_regex": "a", "ignore_eos": True}}, None,
+     "ignore_eos cannot be combined"),
+])
+def test_a_constraint_that_cannot_hold_is_a_400_naming_its_field(client, extra, field, named):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, **extra)
+    error = caught.value.body
+    assert named in error["message"]
+    if field is not None:
+        assert error["param"] == field
+
+
+def test_a_schema_past_the_size_limit_is_refused_by_name():
+    schema = {"type": "object", "description": "x" * MAX_SPEC_CHARS}
+    request = ChatCompletionRequest(model="tiny", messages=MESSAGES, guided_json=schema)
+    with pytest.raises(ProtocolError, match="guided_json: the json constraint has") as caught:
+        request.check_supported()
+    assert caught.value.param == "guided_json"
