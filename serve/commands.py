@@ -14,6 +14,7 @@ from lathe.model.checkpoint import read_model_config
 from lathe.serve.connections import ConnectionLimits
 from lathe.serve.engine import EngineConfig
 from lathe.serve.speculative import SpeculativeConfig
+from lathe.serve.tool_calls import PARSERS
 
 
 def _engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -130,6 +131,10 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                         help="a Jinja chat template served in place of the checkpoint's")
     group.add_argument("--grammar-timeout", type=float, default=5.0,
                        help="seconds a request's structured output may take to compile")
+    parser.add_argument("--tool-call-parser", choices=PARSERS,
+                        help="how this model writes tool calls (hermes: Qwen2.5/Qwen3/"
+                             "Hermes <tool_call>; llama3_json: Llama 3.1+; mistral: "
+                             "[TOOL_CALLS]); without it only tool_choice=none is served")
     _engine_flags(parser)
     args = parser.parse_args(argv)
     if args.chat_template is not None:
@@ -154,7 +159,8 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                           max_body_bytes=args.max_body_bytes,
                           template_seconds=args.template_timeout,
                           chat_template=args.chat_template,
-                          grammar_seconds=args.grammar_timeout, limits=limits,
+                          grammar_seconds=args.grammar_timeout,
+                          tool_call_parser=args.tool_call_parser, limits=limits,
                           engine=_engine_config(args))
     run(config, args.log_level)
     return 0

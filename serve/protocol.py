@@ -10,8 +10,12 @@ in a body is bounded here, by the schema, from one table (`sampling.BOUNDS`, whi
 `SamplingParams` checks too): a value outside is a 400 naming the field, the value and
 the range, before anything reaches the engine's tensors.
 
-Nothing is dropped silently: a field this server does not implement (`tools`, `suffix`,
-`best_of` other than n, any unknown name)
+Chat requests take OpenAI's `tools` and `tool_choice`: tools are rendered by the chat
+template, calls read out of the output by the server's `--tool-call-parser`
+(`lathe.serve.tool_calls`), and "required" or a named function forces a call by grammar.
+
+Nothing is dropped silently: a field this server does not implement (`functions`,
+`suffix`, `best_of` other than n, any unknown name)
 is a `ProtocolError` naming it, as vLLM answers. Text anywhere in a body must be valid
 Unicode: a lone surrogate (`"\\ud800"` in JSON) is refused before it can reach the
 tokenizer.
@@ -31,7 +35,7 @@ from pydantic_core import PydanticCustomError
 from tokenizers import Tokenizer
 
 from lathe.data.chat_template import TEMPLATE_ARGUMENTS
-from lathe.data.messages import Message, MessageError, normalize_message
+from lathe.data.messages import Message, MessageError, normalize_message, normalize_tools
 from lathe.serve.logprobs import TokenLogprob
 from lathe.serve.outputs import CompletionOutput
 from lathe.serve.sampling import (
@@ -43,6 +47,7 @@ from lathe.serve.sampling import (
     SamplingParams,
 )
 from lathe.serve.structured import GrammarError, StructuredOutput
+from lathe.serve.tool_calls import PARSERS, ToolCall, ToolCallParser, ToolStream
 
 
 class ProtocolError(ValueError):
@@ -97,12 +102,9 @@ def _harmless(values: tuple) -> Callable[[Any], bool]:
 # OpenAI fields this server accepts only with the value that means "not used"; anything
 # else is refused with the reason.
 _ONLY_UNUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tools": (_harmless((None, [])), "tool calling is not supported by this server"),
     "functions": (_harmless((None, [])), "function calling is not supported by this server"),
-    "tool_choice": (_harmless((None, "none")), "tool calling is not supported by this server"),
     "function_call": (_harmless((None, "none")),
                       "function calling is not supported by this server"),
-    "parallel_tool_calls": (lambda _: True, ""),  # only qualifies `tools`
     "suffix": (_harmless((None, "")), "insertion (suffix) is not supported by this model"),
     "store": (_harmless((None, False)), "this server does not store completions"),
     "metadata": (lambda _: True, ""),  # annotates stored completions; nothing is stored
@@ -247,7 +249,8 @@ class _Request(BaseModel):
         return given[0] if given else None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        structured: StructuredOutput | None = None) -> SamplingParams:
         """The engine's parameters (raises `SamplingError` naming a field out of range)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         given = {
@@ -256,11 +259,9 @@ class _Request(BaseModel):
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "n": self.n,
             "stop_token_ids": self.stop_token_ids, "logit_bias": self.logit_bias}
-        structured = self.structured_output()
         return SamplingParams(
             max_tokens=max_tokens, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            structured=structured[1] if structured is not None else None,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured,
             **{name: value for name, value in given.items() if value is not None})
 
 
@@ -282,9 +283,6 @@ class CompletionRequest(_Request):
                                 "score the prompt) or give max_tokens >= 1", "max_tokens")
 
 
-ROLES = ("system", "developer", "user", "assistant")
-
-
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -293,30 +291,33 @@ class ChatMessage(BaseModel):
 
 
 def message_text(index: int, message: ChatMessage) -> Message:
-    """One message as the chat template takes it ({role, content}); `developer` is the
-    system role under its newer name. Raises `ProtocolError` naming what is wrong."""
-    where = f"messages[{index}]"
-    if message.role == "tool":
-        raise ProtocolError(f"{where}.role: tool messages need tool calling, which this "
-                            "server does not support", "messages")
-    if message.role not in ROLES:
-        raise ProtocolError(f"{where}.role {message.role!r} is not one of {', '.join(ROLES)}",
-                            "messages")
-    extra = next(iter(message.model_extra or {}), None)
-    if extra is not None:
-        raise ProtocolError(f"{where}.{extra} is not supported by this server; remove it",
-                            "messages")
-    if message.content is None:
-        raise ProtocolError(f"{where}.content is required (a string or text parts)", "messages")
-    role = "system" if message.role == "developer" else message.role
+    """One message as the chat template takes it (`lathe.data.messages`: tool calls with
+    their arguments as objects, tool results, reasoning); `developer` is the system role
+    under its newer name. Raises `ProtocolError` naming what is wrong."""
+    raw = {"role": "system" if message.role == "developer" else message.role,
+           "content": message.content, **(message.model_extra or {})}
     try:
-        return normalize_message({"role": role, "content": message.content}, where)
+        return normalize_message(raw, f"messages[{index}]")
     except MessageError as error:
         raise ProtocolError(str(error), "messages") from None
 
 
+@dataclass
+class ToolPlan:
+    """What a chat request's tools ask of the server: the tools the template renders, the
+    parser that reads calls out of the output (None: `tool_choice` "none"), and the
+    grammar that forces a call ("required" or a named function)."""
+
+    tools: list[dict[str, Any]]
+    parser: ToolCallParser | None
+    structured: StructuredOutput | None
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     max_tokens: _bounded(int, "max_tokens") | None = None
     max_completion_tokens: _bounded(int, "max_tokens") | None = None
     logprobs: bool | None = False
@@ -335,6 +336,46 @@ class ChatCompletionRequest(_Request):
 
     def template_kwargs(self) -> dict[str, Any]:
         return dict(self.chat_template_kwargs or {})
+
+    def tool_plan(self, parser: ToolCallParser | None) -> ToolPlan | None:
+        """The request's tools and `tool_choice` (default "auto" with tools, as OpenAI's),
+        checked; None without tools. `parser`: the server's `--tool-call-parser`."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none"):
+                raise ProtocolError(f"tool_choice={choice!r} needs tools", "tool_choice")
+            return None
+        try:
+            tools = normalize_tools(self.tools, "tools")
+        except MessageError as error:
+            raise ProtocolError(str(error), "tools") from None
+        names = [t["function"]["name"] for t in tools]
+        choice = "auto" if choice is None else choice
+        if isinstance(choice, dict):
+            function = choice.get("function")
+            name = function.get("name") if isinstance(function, dict) else None
+            if choice.get("type") != "function" or not isinstance(name, str):
+                raise ProtocolError("tool_choice must be none, auto, required or {\"type\": "
+                                    "\"function\", \"function\": {\"name\": ...}}",
+                                    "tool_choice")
+            if name not in names:
+                raise ProtocolError(f"tool_choice names {name!r}, which is not among the "
+                                    f"tools ({', '.join(names)})", "tool_choice")
+        elif choice not in ("none", "auto", "required"):
+            raise ProtocolError(f"tool_choice={choice!r} is not one of none, auto, required "
+                                "or a named function", "tool_choice")
+        if choice == "none":
+            return ToolPlan(tools, None, None)
+        if parser is None:
+            raise ProtocolError("tool calling needs the server started with --tool-call-parser "
+                                f"({', '.join(PARSERS)}), the format this model writes calls "
+                                "in; or send tool_choice=\"none\"", "tools")
+        if choice == "auto":
+            return ToolPlan(tools, parser, None)
+        forced = tools if choice == "required" else [t for t in tools
+                                                     if t["function"]["name"] == name]
+        several = choice == "required" and self.parallel_tool_calls is not False
+        return ToolPlan(tools, parser, parser.grammar(forced, several))
 
     @property
     def completion_budget(self) -> int | None:
@@ -415,10 +456,13 @@ class ResponseBuilder:
     """Response and chunk bodies of one request (shared id, creation time and model)."""
 
     def __init__(self, kind: Literal["completion", "chat"], model: str,
-                 tokenizer: Tokenizer | None) -> None:
+                 tokenizer: Tokenizer | None, tool_parser: ToolCallParser | None = None) -> None:
+        """`tool_parser`: read tool calls out of chat choices (their text becomes calls)."""
         self.kind, self.model, self.tokenizer = kind, model, tokenizer
         self.id = new_id("cmpl" if kind == "completion" else "chatcmpl")
         self.created = int(time.time())
+        self.tool_parser = tool_parser
+        self._streams: dict[int, ToolStream] = {}
 
     def _envelope(self, obj: str, choices: list, **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -439,9 +483,16 @@ class ResponseBuilder:
                                 "finish_reason": o.finish_reason})
             else:
                 logprobs = chat_logprobs(self.tokenizer, o.logprobs) if want_logprobs else None
+                message: dict[str, Any] = {"role": "assistant", "content": o.text}
+                finish_reason = o.finish_reason
+                content, calls = self.tool_parser.split(o.text) if self.tool_parser else (
+                    o.text, [])
+                if calls:
+                    message = {"role": "assistant", "content": content or None,
+                               "tool_calls": [call.to_openai() for call in calls]}
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
                 choices.append({"index": o.index, "logprobs": logprobs,
-                                "finish_reason": o.finish_reason,
-                                "message": {"role": "assistant", "content": o.text}})
+                                "finish_reason": finish_reason, "message": message})
         obj = "text_completion" if self.kind == "completion" else "chat.completion"
         return self._envelope(obj, choices, usage=usage(prompt_tokens, completion_tokens))
 
@@ -454,8 +505,19 @@ class ResponseBuilder:
                       "logprobs": None if logprobs is None
                       else completion_logprobs(self.tokenizer, logprobs, echo=echo)}
             return self._envelope("text_completion", [choice])
+        calls: list[ToolCall] = []
+        if self.tool_parser is not None:  # a call's text is held back and sent as the call
+            stream = self._streams.setdefault(index, ToolStream(self.tool_parser))
+            text = stream.feed(text)
+            if finish_reason is not None:
+                rest, calls = stream.finish()
+                text += rest
+                finish_reason = "tool_calls" if calls and finish_reason == "stop" \
+                    else finish_reason
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else \
             ({"content": text} if text else {})
+        if calls:
+            delta["tool_calls"] = [call.to_openai(i) for i, call in enumerate(calls)]
         choice = {"index": index, "delta": delta, "finish_reason": finish_reason,
                   "logprobs": None if logprobs is None
                   else chat_logprobs(self.tokenizer, logprobs)}

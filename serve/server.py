@@ -62,7 +62,8 @@ from lathe.serve.protocol import (
 )
 from lathe.serve.quant import QuantMode
 from lathe.serve.sampling import SamplingError, SamplingParams
-from lathe.serve.structured import GrammarError
+from lathe.serve.structured import GrammarError, StructuredOutput
+from lathe.serve.tool_calls import tool_call_parser
 
 log = logging.getLogger("lathe.serve")
 
@@ -81,6 +82,7 @@ class ServerConfig:
     template_seconds: float = 2.0  # a chat template's render limit (a request fails past it)
     chat_template: Path | None = None  # a Jinja file served in place of the checkpoint's
     grammar_seconds: float = 5.0  # a structured output's compile limit (a 400 past it)
+    tool_call_parser: str | None = None  # how the model writes tool calls (tool_calls.PARSERS)
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -174,6 +176,8 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
     state = _State()
     name = config.model_name
     metrics = ServerMetrics(lambda: state.engine.engine if state.engine else None, name)
+    tool_parser = tool_call_parser(config.tool_call_parser) \
+        if config.tool_call_parser is not None else None
     load = load or (lambda: LLMEngine.from_checkpoint(config.checkpoint, config.engine,
                                                       quantize=config.quantize))
 
@@ -290,13 +294,13 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
             "max_model_len": engine.engine.max_model_len}]}
 
     async def compile_structured(engine: AsyncEngine,
-                                 body: CompletionRequest | ChatCompletionRequest) -> None:
-        """Compile the request's structured output off the event loop, within
-        `grammar_seconds` (the engine then finds it compiled); a 400 naming the field when
-        it does not compile or takes too long."""
-        structured = body.structured_output()
+                                 structured: tuple[str, StructuredOutput] | None,
+                                 ) -> StructuredOutput | None:
+        """Compile a request's structured output (and the field that asked for it) off the
+        event loop, within `grammar_seconds` (the engine then finds it compiled); a 400
+        naming the field when it does not compile or takes too long."""
         if structured is None:
-            return
+            return None
         field, spec = structured
         try:
             await asyncio.wait_for(asyncio.to_thread(engine.engine.constraints.compile, spec),
@@ -306,12 +310,13 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
                                 "s; simplify it", param=field) from None
         except (GrammarError, RequestError) as error:
             raise APIError(400, f"{field}: {error}", param=field) from None
+        return spec
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _supported(body)
         engine = ready(body.model)
-        await compile_structured(engine, body)
+        structured = await compile_structured(engine, body.structured_output())
         given = _prompt_list(body.prompt)
         prompts = _prompt_ids(engine.engine, given)
         window = engine.engine.max_model_len
@@ -325,7 +330,8 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
                 return 1
             return body.max_tokens if body.max_tokens is not None else window - len(prompt)
 
-        params = [_params(body, budget(p), logprobs, prompt_logprobs) for p in prompts]
+        params = [_params(body, budget(p), logprobs, prompt_logprobs, structured)
+                  for p in prompts]
         echoes = [Echo(g if isinstance(g, str) else None, ids) for g, ids in zip(
             given, prompts, strict=True)] if body.echo else None
         builder = ResponseBuilder("completion", name, engine.engine.tokenizer)
@@ -336,13 +342,31 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         _supported(body)
         engine = ready(body.model)
-        await compile_structured(engine, body)
         if state.template is None:
             raise APIError(400, state.no_template)
         try:
+            plan = body.tool_plan(tool_parser)
+        except ProtocolError as error:
+            raise APIError(400, str(error), param=error.param) from None
+        asked = body.structured_output()
+        if plan is not None and plan.structured is not None:
+            if asked is not None:
+                raise APIError(400, f"tool_choice forces a tool call, which {asked[0]} "
+                                    "cannot constrain as well; send one of them",
+                               param=asked[0])
+            asked = ("tool_choice", plan.structured)
+        structured = await compile_structured(engine, asked)
+        tools = plan.tools if plan is not None else None
+        try:
             messages = body.chat()
-            text = await asyncio.to_thread(state.template.render, messages,
-                                           **body.template_kwargs())
+            render = state.template.render
+            kwargs = body.template_kwargs()
+            text = await asyncio.to_thread(render, messages, True, tools, None, **kwargs)
+            if tools and text == await asyncio.to_thread(render, messages, True, None, None,
+                                                         **kwargs):
+                raise APIError(400, "this checkpoint's chat template does not render tools, "
+                                    "so the model would never see them; serve it with a "
+                                    "template that does (--chat-template)", param="tools")
             prompt = engine.engine.encode(text)
         except (ProtocolError, ChatTemplateError, RequestError) as error:
             raise APIError(400, str(error), param="messages") from None
@@ -350,9 +374,11 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
         if max_tokens is None:
             max_tokens = max(engine.engine.max_model_len - len(prompt), 1)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        builder = ResponseBuilder("chat", name, engine.engine.tokenizer)
+        builder = ResponseBuilder("chat", name, engine.engine.tokenizer,
+                                  plan.parser if plan is not None else None)
         return await _respond(request, engine, metrics, builder, body, [prompt],
-                              [_params(body, max_tokens, logprobs)], bool(body.logprobs))
+                              [_params(body, max_tokens, logprobs, None, structured)],
+                              bool(body.logprobs))
 
     return app
 
@@ -401,9 +427,10 @@ def _prompt_ids(engine: LLMEngine, prompts: list[str | list[int]]) -> list[list[
 
 
 def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-            logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+            logprobs: int | None, prompt_logprobs: int | None = None,
+            structured: StructuredOutput | None = None) -> SamplingParams:
     try:
-        return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
+        return body.sampling_params(max_tokens, logprobs, prompt_logprobs, structured)
     except SamplingError as error:
         raise APIError(400, str(error), param=str(error).split("=")[0]) from None
 

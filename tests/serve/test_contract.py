@@ -142,8 +142,9 @@ def test_content_parts_other_than_text_strings_are_a_400(running, part, named):
 
 
 @pytest.mark.parametrize("field,value,named", [
-    ("tools", [{"type": "function", "function": {"name": "f"}}], "tools: tool calling"),
-    ("tool_choice", "auto", "tool_choice: tool calling"),
+    ("tools", [{"type": "function", "function": {"name": "f"}}],
+     "tool calling needs the server started with --tool-call-parser"),
+    ("tool_choice", "auto", "tool_choice='auto' needs tools"),
     ("response_format", {"type": "json_schema"}, "response_format.json_schema must be"),
     ("functions", [{"name": "f"}], "functions: function calling"),
     ("frobnicate", 1, "unknown parameter `frobnicate`"),
@@ -172,7 +173,7 @@ def test_unsupported_completion_fields_are_a_400_naming_them(running, field, val
     assert named in error(post(running, "/v1/completions", body))
 
 
-def test_harmless_fields_pass_developer_is_system_and_tool_is_refused(running):
+def test_harmless_fields_pass_developer_is_system_and_tool_the_template_refuses(running):
     plain = {"model": "tiny", "max_tokens": 4, "temperature": 0,
              "messages": [{"role": "system", "content": "Be brief."},
                           {"role": "user", "content": "Hi"}]}
@@ -184,11 +185,11 @@ def test_harmless_fields_pass_developer_is_system_and_tool_is_refused(running):
     got = post(running, "/v1/chat/completions", {**harmless, "temperature": 0}).json()
     assert got["choices"][0]["message"] == expected["choices"][0]["message"]
     tool = {**plain, "messages": [{"role": "tool", "content": "42", "tool_call_id": "a"}]}
-    assert "tool messages need tool calling" in error(post(running, "/v1/chat/completions",
-                                                           tool))
-    named = {**plain, "messages": [{"role": "user", "content": "Hi", "name": "ann"}]}
-    assert "messages[0].name is not supported" in error(post(
-        running, "/v1/chat/completions", named))
+    assert "role must be system, user or assistant" in error(post(
+        running, "/v1/chat/completions", tool))  # lathe's own template has no tool turns
+    unknown = {**plain, "messages": [{"role": "user", "content": "Hi", "mood": "ok"}]}
+    assert "messages[0].mood is not a field of a user message" in error(post(
+        running, "/v1/chat/completions", unknown))
 
 
 def test_the_body_limit_counts_bytes_read_even_when_chunked(running):

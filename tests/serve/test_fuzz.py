@@ -79,7 +79,7 @@ messages = st.lists(st.fixed_dictionaries(
 CHAT = {
     **SHARED, "messages": typed(messages), "max_completion_tokens": typed(integers),
     "logprobs": typed(st.booleans()), "top_logprobs": typed(integers),
-    "tools": junk, "tool_choice": junk,
+    "tools": junk, "tool_choice": junk, "parallel_tool_calls": typed(st.booleans()),
     "chat_template_kwargs": typed(st.dictionaries(texts, junk, max_size=4)),
 }
 

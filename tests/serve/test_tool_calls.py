@@ -1,0 +1,189 @@
+"""Tool calling through the server with the official client: a checkpoint served with a
+ChatML template and the hermes parser; `tool_choice="required"` and named calls are forced
+by grammar and their arguments validate against the tool's schema, streamed or not; the
+next turn takes the calls and their results. Each family's parser reads its own format,
+streamed or whole, and gives back as text what is not a call."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from lathe.model import load_checkpoint, save_checkpoint
+from lathe.serve.tool_calls import ToolStream, tool_call_parser
+from tests.builders import serve_model
+from tests.data.chat_templates import CHATML, plain
+from tests.serve.conftest import start_server, wait_healthy
+
+ADD = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+       "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                      "b": {"type": "integer", "minimum": 0, "maximum": 99}}}
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.",
+                                           "parameters": ADD}},
+         {"type": "function", "function": {"name": "shout", "parameters": {
+             "type": "object", "required": ["word"], "additionalProperties": False,
+             "properties": {"word": {"enum": ["hi", "ho"]}}}}}]
+MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
+
+
+@pytest.fixture(scope="module")
+def long_checkpoint(checkpoint, tmp_path_factory):
+    """The serve checkpoint's tokenizer on a model with room for tool schemas, which
+    ChatML renders into the prompt as JSON (plain text to this small tokenizer)."""
+    vocab = load_checkpoint(checkpoint).config.vocab_size
+    return save_checkpoint(serve_model(vocab, max_seq_len=1024),
+                           tmp_path_factory.mktemp("tools") / "ckpt", tokenizer=checkpoint)
+
+
+@pytest.fixture(scope="module")
+def tool_server(long_checkpoint, tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "chatml.jinja"
+    template.write_text(plain(CHATML))
+    server, thread, url = start_server(long_checkpoint, chat_template=template,
+                                       tool_call_parser="hermes")
+    wait_healthy(url)
+    yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def schema_of(name: str) -> dict:
+    return next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+
+
+def test_required_calls_are_well_formed_and_valid_over_seeds(tool_server):
+    """One call each (a random model given room for several keeps calling until
+    max_tokens; the parallel grammar is checked on the engine below)."""
+    for seed in range(20):
+        choice = tool_server.chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+            parallel_tool_calls=False, max_tokens=96, temperature=1.0, seed=seed).choices[0]
+        assert choice.finish_reason == "tool_calls", choice.message
+        assert choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schema_of(call.function.name))
+            assert call.id.startswith("call_") and call.type == "function"
+
+
+def test_a_named_choice_calls_that_function_once(tool_server):
+    choice = tool_server.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=96, temperature=1.0, seed=1,
+        tool_choice={"type": "function", "function": {"name": "shout"}}).choices[0]
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "shout"
+    assert json.loads(call.function.arguments)["word"] in ("hi", "ho")
+
+
+def test_streamed_calls_match_the_unstreamed_response(tool_server):
+    kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                  parallel_tool_calls=False, max_tokens=96, temperature=1.0, seed=7)
+    whole = tool_server.chat.completions.create(**kwargs).choices[0]
+    chunks = [c for c in tool_server.chat.completions.create(**kwargs, stream=True)
+              if c.choices]
+    calls = [call for c in chunks for call in c.choices[0].delta.tool_calls or []]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == \
+        (whole.message.content or "")
+    assert [(c.function.name, c.function.arguments) for c in calls] == \
+        [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls" and len(calls) == 1
+
+
+def test_the_next_turn_takes_the_calls_and_their_results(tool_server):
+    first = tool_server.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=96,
+        temperature=0).choices[0].message
+    history = [*MESSAGES, first.model_dump(exclude_none=True),
+               *({"role": "tool", "tool_call_id": call.id, "content": "5"}
+                 for call in first.tool_calls)]
+    reply = tool_server.chat.completions.create(model="tiny", messages=history, tools=TOOLS,
+                                                tool_choice="none", max_tokens=4)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage.prompt_tokens > tool_server.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="none",
+        max_tokens=1).usage.prompt_tokens
+
+
+@pytest.mark.parametrize(("extra", "param", "named"), [
+    ({"tool_choice": {"type": "function", "function": {"name": "fly"}}}, "tool_choice",
+     "names 'fly', which is not among the tools (add, shout)"),
+    ({"tool_choice": "sometimes"}, "tool_choice", "is not one of none, auto, required"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools",
+     "tools[0].function.name must be a non-empty string"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format", "cannot constrain as well"),
+])
+def test_bad_tool_requests_are_a_400_naming_the_field(tool_server, extra, param, named):
+    with pytest.raises(openai.BadRequestError) as caught:
+        tool_server.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4,
+                                            **{"tools": TOOLS, **extra})
+    assert named in caught.value.body["message"] and caught.value.body["param"] == param
+
+
+def test_a_template_that_ignores_tools_is_refused(client):
+    with pytest.raises(openai.BadRequestError, match="does not render tools"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
+                                       tool_choice="none", max_tokens=4)
+
+
+CALLS = {  # parser: (what the model writes, the calls it holds)
+    "hermes": ('Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n'
+               '</tool_call>\n<tool_call>\n{"name": "shout", "arguments": {"word": "hi"}}'
+               "\n</tool_call>", "Let me add."),
+    "llama3_json": ('<|python_tag|>{"name": "add", "parameters": {"a": 2, "b": 3}}; '
+                    '{"name": "shout", "parameters": {"word": "hi"}}', ""),
+    "mistral": ('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 2, "b": 3}}, '
+                '{"name": "shout", "arguments": {"word": "hi"}}]', ""),
+}
+
+
+@pytest.mark.parametrize("family", sorted(CALLS))
+def test_each_parser_reads_its_family_whole_and_streamed(family):
+    parser = tool_call_parser(family)
+    text, content = CALLS[family]
+    expected = [("add", {"a": 2, "b": 3}), ("shout", {"word": "hi"})]
+    said, calls = parser.split(text)
+    assert said == content and [(c.name, json.loads(c.arguments)) for c in calls] == expected
+    stream = ToolStream(parser)
+    shown = "".join(stream.feed(text[i:i + 3]) for i in range(0, len(text), 3))
+    rest, streamed = stream.finish()
+    assert (shown + rest).rstrip() == content
+    assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
+
+
+@pytest.mark.parametrize(("family", "text"), [
+    ("hermes", "<tool_call>\n{\"name\": \"add\", \"arguments\": [1]}\n</tool_call>"),
+    ("hermes", "<tool_call>\n{\"name\": \"add\", \"arguments\": {}}"),  # never closed
+    ("hermes", "Use <tool_ca"),
+    ("llama3_json", "{not json at all"),
+    ("mistral", "[TOOL_CALLS] {\"name\": \"add\"}"),
+])
+def test_what_is_not_a_call_comes_back_as_text(family, text):
+    parser = tool_call_parser(family)
+    assert parser.split(text) == (text, [])
+    stream = ToolStream(parser)
+    shown = "".join(stream.feed(ch) for ch in text)
+    rest, calls = stream.finish()
+    assert shown + rest == text and calls == []
+
+
+def test_grammars_admit_the_calls_their_parser_reads(checkpoint):
+    from lathe.serve.engine import LLMEngine
+    from lathe.serve.sampling import SamplingParams
+
+    engine = LLMEngine.from_checkpoint(checkpoint)
+    for family in sorted(CALLS):
+        parser = tool_call_parser(family)
+        params = [SamplingParams(max_tokens=120, temperature=1.0, seed=s,
+                                 structured=parser.grammar(TOOLS, several=s % 2 == 1))
+                  for s in range(8)]
+        done = [d.outputs[0] for d in engine.generate(["The river"] * 8, params)]
+        finished = [output for output in done if output.finish_reason == "stop"]
+        assert len(finished) >= 4, (family, [o.text for o in done])
+        for output in finished:
+            _, calls = parser.split(output.text)
+            assert calls, (family, output.text)
+            for call in calls:
+                jsonschema.validate(json.loads(call.arguments), schema_of(call.name))
