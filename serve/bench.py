@@ -21,7 +21,11 @@
 (e) with `--draft STUDENT`, speculative decoding: greedy output tok/s at batch 1 and 8
     without speculation, with the draft model and with prompt lookup (n-gram), on prompts
     cut from `--eval-shards` validation text, with each one's acceptance rate and mean
-    acceptance length.
+    acceptance length;
+(f) with a `--checkpoint` that has a tokenizer, structured outputs: the server at
+    concurrency 16 with 0%, 50% and 100% of requests JSON-schema constrained (their output
+    tok/s against the unconstrained run), and time to first token for a schema never seen
+    against the same schema again (compiled and cached).
 
 `--sections` picks which run (default: all that apply).
 
@@ -43,6 +47,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -161,16 +166,21 @@ def start_server(checkpoint: Path, engine_config: EngineConfig) -> tuple[object,
 
 
 async def load_test(url: str, prompts: list[list[int]], new_tokens: int,
-                    concurrency: int) -> dict[str, float]:
+                    concurrency: int, extra: Callable[[int], dict] | None = None,
+                    ) -> dict[str, float]:
+    """Stream every prompt at `concurrency`; `extra(i)`: fields added to request i's body
+    (a constrained request ends at its schema's end, not at max_tokens)."""
     gate = asyncio.Semaphore(concurrency)
     ttfts: list[float] = []
     itls: list[float] = []
     produced = 0
 
-    async def one(client: httpx.AsyncClient, prompt: list[int]) -> None:
+    async def one(client: httpx.AsyncClient, i: int, prompt: list[int]) -> None:
         nonlocal produced
         body = {"model": "bench", "prompt": prompt, "max_tokens": new_tokens, "stream": True,
                 "temperature": 0, "ignore_eos": True}
+        if extra is not None and extra(i):
+            body = {**body, "ignore_eos": False, **extra(i)}
         async with gate:
             last, count = time.perf_counter(), 0
             async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
@@ -184,7 +194,7 @@ async def load_test(url: str, prompts: list[list[int]], new_tokens: int,
 
     async with httpx.AsyncClient(timeout=None) as client:
         start = time.perf_counter()
-        await asyncio.gather(*(one(client, p) for p in prompts))
+        await asyncio.gather(*(one(client, i, p) for i, p in enumerate(prompts)))
         seconds = time.perf_counter() - start
 
     def pct(values: list[float], q: float) -> float:
@@ -344,6 +354,9 @@ def run(args: argparse.Namespace) -> str:
         sections += decode_section(checkpoint, prompts[0], device, args)
     if "d" in args.sections and device.type == "cuda":
         sections += batched_decode_section(checkpoint, device, args)
+    if "f" in args.sections and args.checkpoint is not None and \
+            (args.checkpoint / "tokenizer.json").is_file():
+        sections += structured_section(checkpoint, vocab, args)
     if "e" in args.sections and args.draft is not None:
         spec_prompts = text_prompts(args.eval_shards, max(args.spec_batches), 64, vocab)
         rows = speculative_rows(checkpoint, args.draft, args.num_speculative_tokens,
@@ -382,6 +395,52 @@ def server_section(checkpoint: Path, vocab: int, args: argparse.Namespace) -> li
             f"32–128 tokens, {args.server_tokens} output tokens each", "",
             "| concurrency | requests | output tok/s | TTFT p50 / p99 (ms) | "
             "ITL p50 / p99 (ms) |", "|---:|---:|---:|---:|---:|", *rows, ""]
+
+
+def json_format(key: str) -> dict:
+    """A JSON-schema response_format whose output can run long (a string of up to 2,000
+    characters), named by `key` so that each key is a schema the server has not seen."""
+    schema = {"type": "object", "required": [key], "additionalProperties": False,
+              "properties": {key: {"type": "string", "maxLength": 2000}}}
+    return {"response_format": {"type": "json_schema",
+                                "json_schema": {"name": key, "schema": schema}}}
+
+
+def first_token_ms(url: str, prompt: list[int], extra: dict) -> float:
+    body = {"model": "bench", "prompt": prompt, "max_tokens": 1, "temperature": 0, **extra}
+    start = time.perf_counter()
+    httpx.post(f"{url}/v1/completions", json=body, timeout=None).raise_for_status()
+    return (time.perf_counter() - start) * 1000
+
+
+def structured_section(checkpoint: Path, vocab: int, args: argparse.Namespace) -> list[str]:
+    server, url = start_server(checkpoint, EngineConfig())
+    load = random_prompts(64, 32, 128, vocab, seed=16)
+    rows, baseline = [], None
+    for share in (0.0, 0.5, 1.0):
+        every = round(1 / share) if share else 0
+
+        def extra(i: int, every: int = every) -> dict:
+            return json_format("text") if every and i % every == 0 else {}
+        r = asyncio.run(load_test(url, load, args.server_tokens, 16, extra))
+        baseline = baseline or r["tok_s"]
+        rows.append(f"| {share:.0%} | {r['tok_s']:,.0f} | {r['tok_s'] / baseline:.2f}× | "
+                    f"{r['ttft50']:,.0f} / {r['ttft99']:,.0f} | "
+                    f"{r['itl50']:,.1f} / {r['itl99']:,.1f} |")
+        print(rows[-1], flush=True)
+    new = [first_token_ms(url, load[0], json_format(f"field{i}")) for i in range(5)]
+    cached = [first_token_ms(url, load[0], json_format(f"field{i}")) for i in range(5)]
+    plain = [first_token_ms(url, load[0], {}) for _ in range(5)]
+    server.should_exit = True
+    return [f"### (f) Structured outputs: concurrency 16, 64 streaming /v1/completions "
+            f"requests, prompts of 32–128 tokens, up to {args.server_tokens} output tokens, "
+            "a share of them JSON-schema constrained (llguidance)", "",
+            "| constrained | output tok/s | vs none | TTFT p50 / p99 (ms) | "
+            "ITL p50 / p99 (ms) |", "|---:|---:|---:|---:|---:|", *rows, "",
+            f"Time to first token, median of 5, alone: unconstrained "
+            f"{statistics.median(plain):.1f} ms, a schema never seen "
+            f"{statistics.median(new):.1f} ms, the same schema again "
+            f"{statistics.median(cached):.1f} ms.", ""]
 
 
 def decode_section(checkpoint: Path, prompt: list[int], device: torch.device,
@@ -499,8 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="(e)")
     parser.add_argument("--spec-batches", type=int, nargs="+", default=[1, 8], help="(e)")
     parser.add_argument("--spec-tokens", type=int, default=64, help="(e): new tokens each")
-    parser.add_argument("--sections", default="abcde",
-                        help="which sections run, e.g. 'ce' (d needs CUDA, e needs --draft)")
+    parser.add_argument("--sections", default="abcdef",
+                        help="which sections run, e.g. 'ce' (d needs CUDA, e needs --draft, "
+                             "f a --checkpoint with a tokenizer)")
     parser.add_argument("--no-write", dest="write", action="store_false",
                         help="do not append to docs/benchmarks.md")
     print(run(parser.parse_args(argv)))

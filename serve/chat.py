@@ -48,10 +48,15 @@ class LocalChat:
 
 
 class RemoteChat:
-    def __init__(self, url: str, api_key: str | None = None, model: str | None = None) -> None:
+    """`tools`: OpenAI tool definitions sent with every request; the calls the model makes
+    are shown as `[tool call NAME(ARGUMENTS)]` (running them is the caller's business)."""
+
+    def __init__(self, url: str, api_key: str | None = None, model: str | None = None,
+                 tools: list[dict[str, Any]] | None = None) -> None:
         self.base = url.rstrip("/").removesuffix("/v1") + "/v1"
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model = model or self._first_model()
+        self.tools = tools
 
     def _first_model(self) -> str:
         response = httpx.get(f"{self.base}/models", headers=self.headers, timeout=30)
@@ -60,6 +65,8 @@ class RemoteChat:
 
     def reply(self, messages: list[dict[str, str]], sampling: dict[str, Any]) -> Iterator[str]:
         body = {"model": self.model, "messages": messages, "stream": True, **sampling}
+        if self.tools:
+            body["tools"] = self.tools
         with httpx.stream("POST", f"{self.base}/chat/completions", json=body,
                           headers=self.headers, timeout=None) as response:
             if response.status_code != 200:
@@ -73,6 +80,10 @@ class RemoteChat:
                     raise RuntimeError(f"server error: {event['error']['message']}")
                 for choice in event["choices"]:
                     yield choice["delta"].get("content") or ""
+                    for call in choice["delta"].get("tool_calls") or []:
+                        function = call.get("function", {})
+                        yield (f"\n[tool call {function.get('name')}"
+                               f"({function.get('arguments', '')})]")
 
 
 def _raise_for_error(response: httpx.Response) -> None:

@@ -184,7 +184,11 @@ def chat_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--chat-template", type=Path, metavar="FILE",
                         help="local checkpoints: a Jinja chat template used in place of "
                              "the checkpoint's")
+    parser.add_argument("--tools", type=Path, metavar="FILE",
+                        help="servers: a JSON list of OpenAI tool definitions to offer the "
+                             "model; its calls are shown, not run")
     args = parser.parse_args(argv)
+    tools = _read_tools(args.tools) if args.tools is not None else None
     from lathe.serve.chat import LocalChat, RemoteChat, chat_loop, say, write_stdout
     from lathe.serve.sampling import SamplingError, SamplingParams
 
@@ -198,8 +202,11 @@ def chat_main(argv: Sequence[str] | None = None) -> int:
         if args.chat_template is not None or args.quantize is not None:
             raise ConfigError("--chat-template and --quantize are for a local checkpoint; a "
                               "server renders with its own (lathe serve --chat-template)")
-        backend = RemoteChat(args.target, args.api_key, args.model)
+        backend = RemoteChat(args.target, args.api_key, args.model, tools)
     else:
+        if tools is not None:
+            raise ConfigError("--tools is for a server (lathe serve --tool-call-parser ...); "
+                              "a local checkpoint chats without tools")
         read_model_config(args.target)
         backend = LocalChat(Path(args.target), args.quantize, args.chat_template)
     if args.prompt is not None:
@@ -210,6 +217,19 @@ def chat_main(argv: Sequence[str] | None = None) -> int:
         return 0
     chat_loop(backend, sampling, args.system)
     return 0
+
+
+def _read_tools(path: Path) -> list[dict]:
+    """A --tools file: OpenAI tool definitions, checked as a server would check them."""
+    import json
+
+    from lathe.data.messages import MessageError, normalize_tools
+    try:
+        tools = normalize_tools(json.loads(path.read_text(encoding="utf-8")), "tools")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, MessageError) as error:
+        raise ConfigError(f"--tools {path}: {error}; give a JSON list of "
+                          '{"type": "function", "function": {"name", "parameters"}}') from None
+    return tools or []
 
 
 def export_main(argv: Sequence[str] | None = None) -> int:

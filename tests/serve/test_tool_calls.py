@@ -187,3 +187,15 @@ def test_grammars_admit_the_calls_their_parser_reads(checkpoint):
             assert calls, (family, output.text)
             for call in calls:
                 jsonschema.validate(json.loads(call.arguments), schema_of(call.name))
+
+
+def test_lathe_chat_shows_the_calls_a_server_streams(tool_server):
+    from lathe.serve.chat import RemoteChat, say
+
+    url = str(tool_server.base_url).removesuffix("/v1/")
+    chat = RemoteChat(url, model="tiny", tools=TOOLS)
+    shown = say(chat, MESSAGES, {"max_tokens": 96, "temperature": 0, "tool_choice": "required",
+                                 "parallel_tool_calls": False}, lambda _: None)
+    name, arguments = shown.strip().removeprefix("[tool call ").removesuffix(")]").split("(", 1)
+    assert name in ("add", "shout")
+    jsonschema.validate(json.loads(arguments), schema_of(name))
