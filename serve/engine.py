@@ -46,7 +46,7 @@ from lathe.serve.quant import QuantMode, is_quantized, load_serving_model
 from lathe.serve.sampling import SamplingBatch, SamplingParams, SamplingRow, sample
 from lathe.serve.scheduler import ScheduledBatch, Scheduler
 from lathe.serve.sequence import Sequence, Status
-from lathe.serve.speculative import SpeculativeConfig, Speculator
+from lathe.serve.speculative import Draft, SpeculativeConfig, Speculator
 from lathe.serve.structured import Constraints, GrammarError, constrain
 
 
@@ -316,11 +316,10 @@ class LLMEngine:
     def _run(self, batch: ScheduledBatch) -> dict[Sequence, list[Pick]]:
         """One forward pass over the scheduled tokens (and any drafts): what each sequence
         that reached its end emits."""
-        drafts = {}
-        if self.speculator is not None:  # constrained sequences are not drafted for
-            lookahead = {seq: room for seq, room in batch.lookahead.items()
-                         if seq.params.structured is None}
-            drafts = self.speculator.propose(batch.items, lookahead)
+        drafts = self.speculator.propose(batch.items, batch.lookahead) \
+            if self.speculator is not None else {}
+        if self._constraints is not None:
+            drafts = self._grammar_drafts(drafts)
         work = []
         for seq, count in batch.items:
             start = seq.num_computed
@@ -358,7 +357,39 @@ class LLMEngine:
         picks = dict(zip(sampled, ([pick] for pick in self._sample(
             sampled, select_rows(logits, sample_rows))), strict=True))
         if verified:
-            picks.update(self.speculator.verify(verified, drafts, logits))
+            picks.update(self._verify(verified, drafts, logits))
+        return picks
+
+    def _grammar_drafts(self, drafts: dict[Sequence, Draft]) -> dict[Sequence, Draft]:
+        """Drafts of constrained sequences cut to what their grammar takes (a sequence left
+        with none samples as usual)."""
+        kept = {}
+        for seq, draft in drafts.items():
+            if seq.params.structured is not None:
+                n = self.constraints.valid_prefix(seq, draft.tokens)
+                if n < len(draft.tokens):
+                    draft = Draft(draft.tokens[:n], None if draft.probs is None
+                                  else draft.probs[:n])
+            if draft.tokens or seq.params.structured is None:
+                kept[seq] = draft
+        return kept
+
+    def _verify(self, verified: list[tuple[Sequence, int]], drafts: dict[Sequence, Draft],
+                logits: Tensor) -> dict[Sequence, list[Pick]]:
+        """The `Speculator`'s verification, constrained sequences checked against their
+        grammar's masks along the draft, and their matchers fed what they emit."""
+        constrained = [(seq, at) for seq, at in verified if seq.params.structured is not None]
+        drawn = None
+        if constrained:
+            rows = [row for seq, at in constrained
+                    for row in range(at, at + len(drafts[seq].tokens) + 1)]
+            masks = torch.cat([self.constraints.draft_masks(seq, drafts[seq].tokens)
+                               for seq, _ in constrained])
+            drawn = constrain(logits, rows, masks)
+        picks = self.speculator.verify(verified, drafts, logits, drawn)
+        for seq, _ in constrained:
+            for token, _ in picks[seq]:
+                self.constraints.advance(seq, token)
         return picks
 
     def _decode_steps(self, batch: ScheduledBatch) -> int:

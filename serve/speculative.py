@@ -267,15 +267,18 @@ class Speculator:
         return drafts
 
     def verify(self, verified: list[tuple[Sequence, int]], drafts: dict[Sequence, Draft],
-               logits: Tensor) -> dict[Sequence, list[Pick]]:
+               logits: Tensor, drawn: Tensor | None = None) -> dict[Sequence, list[Pick]]:
         """What each drafted sequence emits (accepted drafts, then one target token), with
         the log-probs of the rows that scored them when the request asked for them;
-        `verified` holds each drafted sequence and its first row in `logits`."""
+        `verified` holds each drafted sequence and its first row in `logits`. `drawn`:
+        the logits to verify against where they differ from the model's (a structured
+        output's masks); log-probs stay the model's own."""
         if not verified:
             return {}
         seqs = [seq for seq, _ in verified]
         rows = [[at + j for j in range(len(drafts[seq].tokens) + 1)] for seq, at in verified]
-        emitted = verify(logits[[row for group in rows for row in group]], seqs,
+        drawn = logits if drawn is None else drawn
+        emitted = verify(drawn[[row for group in rows for row in group]], seqs,
                          [drafts[seq] for seq in seqs])
         picks = {}
         for seq, group, tokens in zip(seqs, rows, emitted, strict=True):

@@ -13,7 +13,10 @@ can roll a matcher back.
 constraint, so repeated schemas cost nothing), raising `GrammarError` naming what is
 wrong; each sequence gets its own copy (`Constraints.start`). Each step `allowed_mask`
 gives the constrained rows' allowed tokens as a boolean (rows, vocab) tensor, and
-`advance` feeds each row the token it drew. When the constraint is complete the matcher
+`advance` feeds each row the token it drew. Under speculative decoding a draft is cut to
+the prefix the grammar takes (`valid_prefix`) and verified against the masks along it
+(`draft_masks`, which rolls the matcher back), so accepted and corrected tokens alike
+obey the constraint. When the constraint is complete the matcher
 allows only EOS, so a constrained sequence ends with "stop" — or "length" when max_tokens
 comes first.
 """
@@ -135,8 +138,28 @@ class Constraints:
         bitmask = torch.empty((len(keys), words), dtype=torch.int32)
         for row, key in enumerate(keys):
             llguidance.torch.fill_next_token_bitmask(self.matchers[key], bitmask, row)
+        return self._unpack(bitmask)
+
+    def _unpack(self, bitmask: Tensor) -> Tensor:
         bits = (bitmask[:, :, None] >> self._bits) & 1
-        return bits.reshape(len(keys), words * 32)[:, :self.vocab_size].bool()
+        return bits.reshape(len(bitmask), -1)[:, :self.vocab_size].bool()
+
+    def valid_prefix(self, key: object, tokens: list[int]) -> int:
+        """How many leading `tokens` the matcher of `key` would take (none consumed)."""
+        return self.matchers[key].validate_tokens(tokens)
+
+    def draft_masks(self, key: object, tokens: list[int]) -> Tensor:
+        """(len(tokens) + 1, vocab): what the matcher of `key` allows before each of
+        `tokens` (a draft it takes whole) and after the last, the matcher left as it was."""
+        matcher = self.matchers[key]
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.empty((len(tokens) + 1, words), dtype=torch.int32)
+        for row in range(len(tokens) + 1):
+            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
+            if row < len(tokens):
+                matcher.consume_token(tokens[row])
+        matcher.rollback(len(tokens))
+        return self._unpack(bitmask)
 
     def advance(self, key: object, token: int) -> None:
         """Feed the matcher of `key` its sampled token (one the mask allowed)."""

@@ -108,6 +108,13 @@ def test_constraints_hold_under_speculation_and_preemption(checkpoint):
             assert done.outputs[0].finish_reason == "stop"
             jsonschema.validate(json.loads(done.outputs[0].text), SCHEMA)
     assert engine.block_manager.usage == 0 and not engine.constraints.matchers
+    before = engine.speculation_stats()["spec_decode_num_accepted_tokens"]
+    greedy = engine.generate(["The river flows past the old mill"] * 4, [
+        SamplingParams(max_tokens=64, temperature=t, seed=1, structured=SPEC)
+        for t in (0.0, 0.0, 1.0, 1.0)])
+    assert engine.speculation_stats()["spec_decode_num_accepted_tokens"] > before
+    for done in greedy:  # drafts were cut to the grammar and verified under its masks
+        jsonschema.validate(json.loads(done.outputs[0].text), SCHEMA)
 
 
 @pytest.mark.parametrize(("extra", "field", "named"), [
