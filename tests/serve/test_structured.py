@@ -17,6 +17,7 @@ from lathe.serve.protocol import ChatCompletionRequest, ProtocolError
 from lathe.serve.sampling import SamplingParams
 from lathe.serve.speculative import SpeculativeConfig
 from lathe.serve.structured import MAX_SPEC_CHARS, StructuredOutput
+from tests.builders import serve_model
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "n", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 8},
@@ -148,3 +149,22 @@ def test_a_schema_past_the_size_limit_is_refused_by_name():
     with pytest.raises(ProtocolError, match="guided_json: the json constraint has") as caught:
         request.check_supported()
     assert caught.value.param == "guided_json"
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_greedy_constrained_speculation_is_constrained_decoding_token_for_token(checkpoint,
+                                                                               method):
+    base = LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=256))
+    vocab = base.model.config.vocab_size
+    draft = serve_model(vocab, n_layers=1, init_std=0.1) if method == "draft" else None
+    spec = LLMEngine(base.model, base.tokenizer, EngineConfig(
+        num_blocks=256, max_num_batched_tokens=24,
+        speculative=SpeculativeConfig(method, num_speculative_tokens=3)),
+        base.eos_token_ids, draft_model=draft)
+    prompts = ["The river flows past the old mill", "A garden", "The river flows"] * 2
+    params = [SamplingParams(max_tokens=64, temperature=0, structured=spec_)
+              for spec_ in (SPEC, StructuredOutput(regex="(ab|abc){2,9}x"),
+                            StructuredOutput(choice=("left", "leftover")))] * 2
+    expected = [d.outputs[0].token_ids for d in base.generate(prompts, params)]
+    assert [d.outputs[0].token_ids for d in spec.generate(prompts, params)] == expected
+    assert spec.speculation_stats()["spec_decode_num_draft_tokens"] > 0
