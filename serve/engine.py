@@ -400,7 +400,7 @@ class LLMEngine:
         steps = self.config.decode_steps
         if steps == 1 or batch.lookahead or any(
                 count != 1 or seq.num_uncomputed != 1 or seq.params.penalized
-                or seq.params.structured is not None for seq, count in batch.items):
+                for seq, count in batch.items):
             return 1
         for seq, _ in batch.items:
             steps = min(steps, seq.params.max_tokens - len(seq.output_ids))
@@ -426,7 +426,7 @@ class LLMEngine:
         logprobs: list[list[TokenLogprob | None]] = []
         for view in views:
             logits = self.runner.run(ids, view, rows)
-            tokens = sample(logits, sampling)
+            tokens = self._draw(seqs, logits, sampling)
             drawn.append(tokens)
             logprobs.append(requested_logprobs(params, logits, tokens.tolist()) if wanted
                             else [None] * len(seqs))
@@ -442,19 +442,24 @@ class LLMEngine:
                                           seq.generator) for seq in seqs], self.device)
 
     def _sample(self, seqs: list[Sequence], logits: Tensor) -> list[Pick]:
-        """Every sampled row of the step in one batched draw (constrained rows masked to
-        what their structured output allows next), and the log-probs of the rows that asked
-        for them, of the model's own distribution, in one more pass."""
-        constrained = [i for i, seq in enumerate(seqs) if seq.params.structured is not None]
-        drawn = logits
-        if constrained:
-            allowed = self.constraints.allowed_mask([seqs[i] for i in constrained])
-            drawn = constrain(logits, constrained, allowed)
-        tokens = sample(drawn, self._sampling_batch(seqs)).tolist()
-        for i in constrained:
-            self.constraints.advance(seqs[i], tokens[i])
+        """Every sampled row of the step in one batched draw, and the log-probs of the rows
+        that asked for them, of the model's own distribution, in one more pass."""
+        tokens = self._draw(seqs, logits, self._sampling_batch(seqs)).tolist()
         return list(zip(tokens, requested_logprobs([seq.params for seq in seqs], logits,
                                                    tokens), strict=True))
+
+    def _draw(self, seqs: list[Sequence], logits: Tensor, sampling: SamplingBatch) -> Tensor:
+        """One token per row; rows with a structured output drawn from what it allows next,
+        and their matchers fed the draw (which brings those rows' tokens to the host: a
+        multi-step run with constrained rows waits on each pass)."""
+        constrained = [i for i, seq in enumerate(seqs) if seq.params.structured is not None]
+        if not constrained:
+            return sample(logits, sampling)
+        allowed = self.constraints.allowed_mask([seqs[i] for i in constrained])
+        tokens = sample(constrain(logits, constrained, allowed), sampling)
+        for i, token in zip(constrained, tokens[constrained].tolist(), strict=True):
+            self.constraints.advance(seqs[i], token)
+        return tokens
 
     # offline API and weights ------------------------------------------------------------
 

@@ -168,3 +168,17 @@ def test_greedy_constrained_speculation_is_constrained_decoding_token_for_token(
     expected = [d.outputs[0].token_ids for d in base.generate(prompts, params)]
     assert [d.outputs[0].token_ids for d in spec.generate(prompts, params)] == expected
     assert spec.speculation_stats()["spec_decode_num_draft_tokens"] > 0
+
+
+def test_multi_step_runs_keep_every_row_as_single_steps_do(checkpoint):
+    """Constrained rows ride a multi-step run (masked at each pass) instead of cutting it
+    short: every row's tokens equal one-pass-per-step decoding's."""
+    params = [SamplingParams(max_tokens=48, temperature=1.0, seed=s,
+                             structured=SPEC if s % 2 else None) for s in range(6)]
+    runs = []
+    for decode_steps in (1, 4):
+        engine = LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=256,
+                                                                    decode_steps=decode_steps))
+        runs.append([d.outputs[0].token_ids for d in engine.generate(["The river"] * 6,
+                                                                     params)])
+    assert runs[0] == runs[1]
