@@ -24,8 +24,9 @@
     acceptance length;
 (f) with a `--checkpoint` that has a tokenizer, structured outputs: the server at
     concurrency 16 with 0%, 50% and 100% of requests JSON-schema constrained (their output
-    tok/s against the unconstrained run), and time to first token for a schema never seen
-    against the same schema again (compiled and cached).
+    tok/s against the unconstrained run), time to first token for a schema never seen
+    against the same schema again (compiled and cached), and llguidance's compile and
+    per-token mask times beside xgrammar's (when installed) on the checkpoint's tokenizer.
 
 `--sections` picks which run (default: all that apply).
 
@@ -432,6 +433,7 @@ def structured_section(checkpoint: Path, vocab: int, args: argparse.Namespace) -
     cached = [first_token_ms(url, load[0], json_format(f"field{i}")) for i in range(5)]
     plain = [first_token_ms(url, load[0], {}) for _ in range(5)]
     server.should_exit = True
+    libraries = grammar_library_rows(checkpoint, vocab)
     return [f"### (f) Structured outputs: concurrency 16, 64 streaming /v1/completions "
             f"requests, prompts of 32–128 tokens, up to {args.server_tokens} output tokens, "
             "a share of them JSON-schema constrained (llguidance)", "",
@@ -440,7 +442,80 @@ def structured_section(checkpoint: Path, vocab: int, args: argparse.Namespace) -
             f"Time to first token, median of 5, alone: unconstrained "
             f"{statistics.median(plain):.1f} ms, a schema never seen "
             f"{statistics.median(new):.1f} ms, the same schema again "
-            f"{statistics.median(cached):.1f} ms.", ""]
+            f"{statistics.median(cached):.1f} ms.", "",
+            "Grammar libraries on this checkpoint's tokenizer, one JSON schema (nested object, "
+            "enum array, pattern), a seeded walk of up to 40 allowed tokens, 3 times:", "",
+            "| library | compile (ms) | mask p50 (µs) | mask p99 (µs) |", "|---|---:|---:|---:|",
+            *libraries, ""]
+
+
+BENCH_SCHEMA = {"type": "object", "additionalProperties": False,
+                "required": ["name", "age", "tags", "address"], "properties": {
+                    "name": {"type": "string", "maxLength": 20},
+                    "age": {"type": "integer", "minimum": 0},
+                    "tags": {"type": "array", "maxItems": 3,
+                             "items": {"type": "string", "enum": ["a", "bb", "ccc"]}},
+                    "address": {"type": "object", "required": ["city", "zip"], "properties": {
+                        "city": {"type": "string"},
+                        "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}}}}
+
+
+def grammar_library_rows(checkpoint: Path, vocab: int) -> list[str]:
+    """Compile time and per-token mask time of llguidance (what lathe uses) and of
+    xgrammar, the alternative vLLM and SGLang default to, when it is installed."""
+    import random
+
+    from lathe.data.tokenizer import load_tokenizer
+    from lathe.model.checkpoint import read_eos_ids
+
+    tokenizer, eos = load_tokenizer(checkpoint), sorted(read_eos_ids(checkpoint, vocab))
+    words = (vocab + 31) // 32
+
+    def walk(make, fill, consume) -> tuple[float, list[float]]:
+        compile_ms, masks = [], []
+        for run in range(3):
+            start = time.perf_counter()
+            matcher = make()
+            compile_ms.append((time.perf_counter() - start) * 1000)
+            rng, bitmask = random.Random(run), torch.zeros((1, words), dtype=torch.int32)
+            for _ in range(40):
+                start = time.perf_counter()
+                fill(matcher, bitmask)
+                masks.append((time.perf_counter() - start) * 1e6)
+                bits = ((bitmask[0, :, None] >> torch.arange(32)) & 1).flatten()[:vocab]
+                allowed = bits.nonzero()[:, 0].tolist()
+                if not allowed or not consume(matcher, rng.choice(allowed)):
+                    break
+        return statistics.median(compile_ms), masks
+
+    def row(name: str, compile_ms: float, masks: list[float]) -> str:
+        return (f"| {name} | {compile_ms:.1f} | {np.percentile(masks, 50):,.0f} | "
+                f"{np.percentile(masks, 99):,.0f} |")
+
+    import llguidance.torch
+    from llguidance import LLMatcher, LLTokenizer
+    ll_tokenizer = LLTokenizer(tokenizer.to_str(), n_vocab=vocab, eos_token=eos)
+    grammar = LLMatcher.grammar_from_json_schema(json.dumps(BENCH_SCHEMA),
+                                                 defaults={"whitespace_flexible": False})
+    rows = [row("llguidance", *walk(
+        lambda: LLMatcher(ll_tokenizer, grammar, log_level=0),
+        lambda m, b: llguidance.torch.fill_next_token_bitmask(m, b, 0),
+        lambda m, t: m.consume_token(t)))]
+    try:
+        import xgrammar
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        return rows + ["| xgrammar | not installed (`pip install xgrammar`) | | |"]
+    info = xgrammar.TokenizerInfo.from_huggingface(
+        PreTrainedTokenizerFast(tokenizer_object=tokenizer), vocab_size=vocab,
+        stop_token_ids=eos)
+    compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    rows.append(row("xgrammar", *walk(
+        lambda: xgrammar.GrammarMatcher(compiler.compile_json_schema(
+            json.dumps(BENCH_SCHEMA), any_whitespace=False)),
+        lambda m, b: m.fill_next_token_bitmask(b),
+        lambda m, t: m.accept_token(t))))
+    return rows
 
 
 def decode_section(checkpoint: Path, prompt: list[int], device: torch.device,
