@@ -399,10 +399,12 @@ def server_section(checkpoint: Path, vocab: int, args: argparse.Namespace) -> li
 
 
 def json_format(key: str) -> dict:
-    """A JSON-schema response_format whose output can run long (a string of up to 2,000
-    characters), named by `key` so that each key is a schema the server has not seen."""
+    """A JSON-schema response_format whose output cannot end within the bench's max_tokens
+    (a string of at least 1,000 characters), so that a constrained request generates as
+    many tokens as an unconstrained one; named by `key`, so each key is a schema the
+    server has not seen."""
     schema = {"type": "object", "required": [key], "additionalProperties": False,
-              "properties": {key: {"type": "string", "maxLength": 2000}}}
+              "properties": {key: {"type": "string", "minLength": 1000, "maxLength": 2000}}}
     return {"response_format": {"type": "json_schema",
                                 "json_schema": {"name": key, "schema": schema}}}
 
@@ -435,8 +437,9 @@ def structured_section(checkpoint: Path, vocab: int, args: argparse.Namespace) -
     server.should_exit = True
     libraries = grammar_library_rows(checkpoint, vocab)
     return [f"### (f) Structured outputs: concurrency 16, 64 streaming /v1/completions "
-            f"requests, prompts of 32–128 tokens, up to {args.server_tokens} output tokens, "
-            "a share of them JSON-schema constrained (llguidance)", "",
+            f"requests, prompts of 32–128 tokens, {args.server_tokens} output tokens each, "
+            "a share of them JSON-schema constrained (llguidance; a schema that cannot close "
+            "sooner)", "",
             "| constrained | output tok/s | vs none | TTFT p50 / p99 (ms) | "
             "ITL p50 / p99 (ms) |", "|---:|---:|---:|---:|---:|", *rows, "",
             f"Time to first token, median of 5, alone: unconstrained "
