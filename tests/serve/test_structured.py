@@ -182,3 +182,20 @@ def test_multi_step_runs_keep_every_row_as_single_steps_do(checkpoint):
         runs.append([d.outputs[0].token_ids for d in engine.generate(["The river"] * 6,
                                                                      params)])
     assert runs[0] == runs[1]
+
+
+def test_a_compile_past_the_time_limit_is_a_400(checkpoint):
+    from tests.serve.conftest import start_server, wait_healthy
+
+    server, thread, url = start_server(checkpoint, grammar_seconds=1e-6)
+    try:
+        wait_healthy(url)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        late = "did not compile within 1e-06 s"
+        with pytest.raises(openai.BadRequestError, match=late) as caught:
+            client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4,
+                                           response_format=json_format())
+        assert caught.value.body["param"] == "response_format"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
