@@ -17,7 +17,7 @@ from lathe.data.chat_encoding import ChatEncoder
 from lathe.data.formats import Chat, load_chat_dataset
 from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.common import ShuffledBatches, label_count, pad, sequence_work
-from lathe.pretrain.runtime import Runtime, Work
+from lathe.pretrain.runtime.trainer import Runtime, Work
 
 Example = tuple[list[int], list[int]]  # input ids, labels (-100 outside assistant spans)
 

@@ -28,7 +28,7 @@ from lathe.model.lora import LoraSection, apply_lora, load_adapter, merge_lora, 
 from lathe.model.transformer import IGNORE_INDEX, Transformer
 from lathe.posttrain.config import PosttrainConfig, TaskEvalConfig
 from lathe.posttrain.rewards import verifier
-from lathe.pretrain.runtime import Runtime, Work, plain_model
+from lathe.pretrain.runtime.trainer import Runtime, Work, plain_model
 from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.sampling import SamplingParams
 

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from lathe.core.errors import ConfigError
 from lathe.data.chat_template import TEMPLATE_ARGUMENTS
 from lathe.model.lora import LoraSection
-from lathe.pretrain.config import TrainConfig
+from lathe.pretrain.runtime.config import TrainConfig
 
 
 @dataclass

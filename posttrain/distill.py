@@ -44,7 +44,7 @@ from lathe.posttrain.common import (
 )
 from lathe.posttrain.config import ChatDataConfig, PosttrainConfig, SFTConfig
 from lathe.posttrain.sft import sft
-from lathe.pretrain.runtime import Runtime, Work
+from lathe.pretrain.runtime.trainer import Runtime, Work
 from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.sampling import SamplingParams
 

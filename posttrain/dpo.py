@@ -47,7 +47,7 @@ from lathe.posttrain.common import (
     train_on_batches,
 )
 from lathe.posttrain.config import DPOConfig
-from lathe.pretrain.runtime import Runtime
+from lathe.pretrain.runtime.trainer import Runtime
 
 
 @dataclass

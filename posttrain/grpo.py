@@ -48,7 +48,7 @@ from lathe.posttrain.common import (
 )
 from lathe.posttrain.config import GRPOConfig
 from lathe.posttrain.rewards import load_reward, verifier
-from lathe.pretrain.runtime import Runtime, Work
+from lathe.pretrain.runtime.trainer import Runtime, Work
 from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.sampling import SamplingParams
 

@@ -30,7 +30,7 @@ from lathe.posttrain.common import (
     train_on_batches,
 )
 from lathe.posttrain.config import SFTConfig
-from lathe.pretrain.runtime import Runtime
+from lathe.pretrain.runtime.trainer import Runtime
 
 
 def sft_loss(model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:

@@ -1,2 +1,4 @@
-"""lathe.pretrain: the training runtime (accelerate, precision, FP8, checkpoint/resume,
-logging, MFU) and the pretraining loop; post-training reuses the runtime (see docs/design.md)."""
+"""lathe.pretrain: the training runtime every stage shares (`lathe.pretrain.runtime`:
+launch, precision, FP8, optimizers, checkpoint/resume, logging, MFU, the run report) and,
+as one user of it, pretraining (`train`, with its evaluation and bench); post-training
+reuses the runtime (see docs/design.md)."""

@@ -25,8 +25,8 @@ from torch import nn
 from lathe.kernels import kernels_off
 from lathe.model.config import ModelConfig
 from lathe.model.transformer import Transformer
-from lathe.pretrain.converters import compile_blocks, convert_to_fp8, fp8_supported
-from lathe.pretrain.monitor import peak_flops
+from lathe.pretrain.runtime.converters import compile_blocks, convert_to_fp8, fp8_supported
+from lathe.pretrain.runtime.monitor import peak_flops
 from lathe.pretrain.train import lm_loss
 
 ROOT = Path(__file__).resolve().parents[1]

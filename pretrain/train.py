@@ -28,7 +28,7 @@ from lathe.model.config import ModelConfig
 from lathe.model.transformer import Transformer
 from lathe.pretrain.config import PretrainConfig
 from lathe.pretrain.evaluate import sample_continuations, validation_metrics
-from lathe.pretrain.runtime import Runtime, Work
+from lathe.pretrain.runtime.trainer import Runtime, Work
 
 
 def lm_loss(model: nn.Module, batch: Tensor, z_loss: float) -> tuple[Tensor, dict[str, Tensor]]:

@@ -91,7 +91,7 @@ class LLMEngine:
                  eos_token_ids: Iterable[int] = (), kv_dtype: torch.dtype | None = None,
                  draft_model: Transformer | None = None) -> None:
         """`kv_dtype`: the KV cache's dtype, by default the weights'; a training stage
-        passes its autocast dtype (see `lathe.pretrain.precision`). `draft_model`: the
+        passes its autocast dtype (see `lathe.pretrain.runtime.precision`). `draft_model`: the
         proposer of `config.speculative` with method "draft"."""
         configure_kernels()  # which kernels its steps take, chosen once, here
         self.model = model.eval()

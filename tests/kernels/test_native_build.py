@@ -149,7 +149,7 @@ def test_torch_build_locks_left_behind_are_reported(tmp_path, monkeypatch, capsy
     (tmp_path / "cpu_adam" / "lock").touch()
     assert [p.parent.name for p in cpu_native.stale_torch_build_locks()] == ["cpu_adam",
                                                                             "fused_adam"]
-    from lathe.pretrain.launch import warn_stale_build_locks
+    from lathe.pretrain.runtime.launch import warn_stale_build_locks
     warn_stale_build_locks()
     err = capsys.readouterr().err
     assert "fused_adam/lock exists; torch waits on it before building DeepSpeed's fused_adam" \

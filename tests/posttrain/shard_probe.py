@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from lathe.core.cli import exit_process
-from lathe.pretrain.config import LoggingConfig, TrainConfig
-from lathe.pretrain.runtime import Runtime
+from lathe.pretrain.runtime.config import LoggingConfig, TrainConfig
+from lathe.pretrain.runtime.trainer import Runtime
 from tests.builders import tiny_model
 
 WEIGHT = "model.layers.0.mlp.gate_proj.weight"

@@ -13,8 +13,8 @@ from lathe.posttrain.chats import chat_work, collate
 from lathe.posttrain.common import rank_batches
 from lathe.posttrain.grpo import per_token_logps
 from lathe.posttrain.sft import sft_loss
-from lathe.pretrain.config import LoggingConfig, OptimConfig, TrainConfig
-from lathe.pretrain.runtime import Runtime
+from lathe.pretrain.runtime.config import LoggingConfig, OptimConfig, TrainConfig
+from lathe.pretrain.runtime.trainer import Runtime
 from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.sampling import SamplingParams
 from tests.builders import reset_accelerate, tiny_model

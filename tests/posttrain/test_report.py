@@ -9,7 +9,7 @@ import pytest
 
 from lathe.core.cli import main
 from lathe.core.errors import ConfigError
-from lathe.pretrain.report import build_report
+from lathe.pretrain.runtime.report import build_report
 from tests.posttrain.conftest import quick
 
 PNG = b"\x89PNG\r\n\x1a\n"

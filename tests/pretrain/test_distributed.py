@@ -19,7 +19,7 @@ import torch
 import yaml
 
 from lathe.model.checkpoint import load_checkpoint
-from lathe.pretrain.state import published_states
+from lathe.pretrain.runtime.state import published_states
 from lathe.pretrain.train import pretrain
 from tests import processes
 from tests.builders import reset_accelerate

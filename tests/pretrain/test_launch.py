@@ -15,7 +15,7 @@ from accelerate.utils.launch import (
     prepare_simple_launcher_cmd_env,
 )
 
-from lathe.pretrain.launch import (
+from lathe.pretrain.runtime.launch import (
     Launch,
     LaunchError,
     check_launch,

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from lathe.core.errors import ConfigError
-from lathe.pretrain.config import OptimConfig, ScheduleConfig, TrainConfig
-from lathe.pretrain.optim import build_optimizers, param_groups
-from lathe.pretrain.schedule import lr_factor
+from lathe.pretrain.runtime.config import OptimConfig, ScheduleConfig, TrainConfig
+from lathe.pretrain.runtime.optim import build_optimizers, param_groups
+from lathe.pretrain.runtime.schedule import lr_factor
 from tests.builders import tiny_model
 
 

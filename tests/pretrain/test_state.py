@@ -10,8 +10,8 @@ import pytest
 
 from lathe.core import failpoints
 from lathe.core.errors import ConfigError
-from lathe.pretrain.monitor import MetricsLog
-from lathe.pretrain.state import (
+from lathe.pretrain.runtime.monitor import MetricsLog
+from lathe.pretrain.runtime.state import (
     TRAINER_STATE_FILE,
     remove_leftovers,
     resolve_resume,

@@ -15,7 +15,7 @@ from lathe.data.tokenizer import load_tokenizer
 from lathe.model import ModelConfig, Transformer
 from lathe.model.checkpoint import load_checkpoint
 from lathe.pretrain.evaluate import sample_continuations
-from lathe.pretrain.runtime import Runtime, _no_tied_head_notice
+from lathe.pretrain.runtime.trainer import Runtime, _no_tied_head_notice
 from lathe.pretrain.train import pretrain
 from tests import processes
 from tests.builders import reset_accelerate
@@ -244,7 +244,7 @@ def test_fp8_gemms_get_token_counts_divisible_by_16_and_the_loss_is_exact():
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     from lathe.model import ModelConfig, Transformer
-    from lathe.pretrain.converters import FP8_DIVISOR, convert_to_fp8, fp8_eligible
+    from lathe.pretrain.runtime.converters import FP8_DIVISOR, convert_to_fp8, fp8_eligible
 
     config = ModelConfig.from_preset("tiny", vocab_size=256, dim=64, n_layers=1, n_heads=4,
                                      n_kv_heads=2, ffn_hidden_dim=128, max_seq_len=64)

@@ -37,14 +37,14 @@ from lathe.model.checkpoint import save_checkpoint
 from lathe.model.config import ModelConfig
 from lathe.model.lora import LoraSection, apply_lora, merge_lora, save_adapter
 from lathe.model.transformer import Transformer
-from lathe.pretrain import state as training_state
-from lathe.pretrain.config import TrainConfig
-from lathe.pretrain.converters import apply_converters
-from lathe.pretrain.launch import build_accelerator, describe
-from lathe.pretrain.monitor import MetricsLog, Throughput, memory_stats, peak_flops
-from lathe.pretrain.optim import build_optimizers
-from lathe.pretrain.precision import compute_dtype, default_mixed_precision
-from lathe.pretrain.schedule import lr_factor
+from lathe.pretrain.runtime import state as training_state
+from lathe.pretrain.runtime.config import TrainConfig
+from lathe.pretrain.runtime.converters import apply_converters
+from lathe.pretrain.runtime.launch import build_accelerator, describe
+from lathe.pretrain.runtime.monitor import MetricsLog, Throughput, memory_stats, peak_flops
+from lathe.pretrain.runtime.optim import build_optimizers
+from lathe.pretrain.runtime.precision import compute_dtype, default_mixed_precision
+from lathe.pretrain.runtime.schedule import lr_factor
 
 # loss_fn(model, batch) -> (the batch's loss as a mean over its Work.units, metrics that are
 # means over the same units)
@@ -238,7 +238,7 @@ class Runtime:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The launch's mixed precision for forwards outside the prepared model's own
-        (references, teachers, rollouts): see `lathe.pretrain.precision`."""
+        (references, teachers, rollouts): see `lathe.pretrain.runtime.precision`."""
         return self.accelerator.autocast()
 
     # -- one optimizer step --------------------------------------------------------------

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lathe.model.transformer import Transformer
-from lathe.pretrain.config import PrecisionConfig
+from lathe.pretrain.runtime.config import PrecisionConfig
 
 FP8_DIVISOR = 16  # torch._scaled_mm needs both matmul dimensions divisible by 16
 

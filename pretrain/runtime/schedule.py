@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from lathe.pretrain.config import ScheduleConfig
+from lathe.pretrain.runtime.config import ScheduleConfig
 
 
 def lr_factor(step: int, total_steps: int, config: ScheduleConfig) -> float:

@@ -12,7 +12,7 @@
   attention ops refuse q/k/v of different dtypes on every device (Triton's `tl.dot` would
   on GPU), so a mismatch fails in a CPU test rather than on the first GPU run.
 - FP8 (torchao) replaces eligible linears' matmuls inside that autocast; `torch._scaled_mm`
-  needs every GEMM dimension divisible by 16, which `pretrain.converters` guarantees.
+  needs every GEMM dimension divisible by 16, which `lathe.pretrain.runtime.converters` guarantees.
 - Exports are bf16 when the run was bf16, else fp32; serving runs in the checkpoint's dtype.
 """
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lathe.core.errors import ConfigError
-from lathe.pretrain.config import OptimConfig
+from lathe.pretrain.runtime.config import OptimConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
