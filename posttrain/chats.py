@@ -15,8 +15,10 @@ from torch import nn
 from lathe.core.errors import ConfigError
 from lathe.data.chat_encoding import ChatEncoder
 from lathe.data.formats import Chat, load_chat_dataset
+from lathe.model.config import ModelConfig
 from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.common import ShuffledBatches, label_count, pad, sequence_work
+from lathe.posttrain.config import ChatStageConfig
 from lathe.pretrain.runtime.trainer import Runtime, Work
 
 Example = tuple[list[int], list[int]]  # input ids, labels (-100 outside assistant spans)
@@ -61,7 +63,7 @@ def collate(examples: list[Example], pad_token: int, device: torch.device) -> di
             "lengths": [len(e[0]) for e in examples]}
 
 
-def chat_work(model_config: Any) -> Callable[[dict[str, Any]], Work]:
+def chat_work(model_config: ModelConfig) -> Callable[[dict[str, Any]], Work]:
     """SFT and distillation losses are means over assistant tokens."""
     return lambda batch: sequence_work(model_config, batch["lengths"],
                                        label_count(batch["labels"]))
@@ -87,7 +89,8 @@ def assistant_tokens(examples: list[Example]) -> str:
             f"({min(counts)}..{max(counts)})")
 
 
-def start_chat_run(runtime: Runtime, config: Any, model: nn.Module, encoder: ChatEncoder,
+def start_chat_run(runtime: Runtime, config: ChatStageConfig, model: nn.Module,
+                   encoder: ChatEncoder,
                    resume: str) -> ChatRun:
     """Tokenize `config.data`'s training and held-out chats, size the run from their mean
     length, prepare the runtime, and on resume restore the batch order (SFT, distillation)."""

@@ -24,6 +24,7 @@ from lathe.data.chat_encoding import ChatEncoder, chat_encoder
 from lathe.data.chat_template import read_template_file
 from lathe.data.formats import load_prompt_dataset
 from lathe.model.checkpoint import load_checkpoint, read_eos_ids, save_checkpoint
+from lathe.model.config import ModelConfig
 from lathe.model.lora import LoraSection, apply_lora, load_adapter, merge_lora, save_adapter
 from lathe.model.transformer import IGNORE_INDEX, Transformer
 from lathe.posttrain.config import PosttrainConfig, TaskEvalConfig
@@ -98,7 +99,7 @@ def stage_history(restored: dict[str, Any] | None, *keys: str) -> dict[str, list
     return {key: list(saved.get(key, [])) for key in keys}
 
 
-def train_on_batches(runtime: Runtime, config: Any, batches: ShuffledBatches,
+def train_on_batches(runtime: Runtime, config: PosttrainConfig, batches: ShuffledBatches,
                      collate: Callable[[list], Any], loss_fn: Callable,
                      work_of: Callable[[Any], Work], evaluate: Callable[[], bool],
                      history: dict[str, list[float]]) -> None:
@@ -117,7 +118,7 @@ def train_on_batches(runtime: Runtime, config: Any, batches: ShuffledBatches,
             runtime.save({"batches": batches.state_dict(), "history": history})
 
 
-def sequence_work(model_config: Any, lengths: Sequence[int], units: float) -> Work:
+def sequence_work(model_config: ModelConfig, lengths: Sequence[int], units: float) -> Work:
     """A micro-batch of sequences with `lengths` real tokens whose loss is a mean over
     `units`: its tokens, and the FLOPs of a forward + backward pass over them (padding is
     not counted: MFU counts the model's useful work)."""
@@ -263,7 +264,7 @@ def stop_reached(runtime: Runtime, task_eval: TaskEvalConfig, accuracy: float) -
     return True
 
 
-def export_policy(runtime: Runtime, config: PosttrainConfig, model_config: Any,
+def export_policy(runtime: Runtime, config: PosttrainConfig, model_config: ModelConfig,
                   extra: dict[str, Any]) -> Path:
     """The HF checkpoint at out_dir/final (LoRA: merged, adapter beside it), carrying the
     chat template the stage trained on. A QLoRA adapter is merged into the full-precision
@@ -288,7 +289,7 @@ def export_policy(runtime: Runtime, config: PosttrainConfig, model_config: Any,
     return final
 
 
-def finish_stage(runtime: Runtime, config: PosttrainConfig, model_config: Any,
+def finish_stage(runtime: Runtime, config: PosttrainConfig, model_config: ModelConfig,
                  history: dict[str, list[float]], exported: Sequence[str],
                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Export out_dir/final (its provenance: the last value of each `exported` history

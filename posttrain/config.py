@@ -63,9 +63,15 @@ class ChatDataConfig:
 
 
 @dataclass
-class SFTConfig(PosttrainConfig):
-    out_dir: str = "runs/sft"
+class ChatStageConfig(PosttrainConfig):
+    """A stage that trains on chats: SFT and distillation."""
+
     data: ChatDataConfig = field(default_factory=ChatDataConfig)
+
+
+@dataclass
+class SFTConfig(ChatStageConfig):
+    out_dir: str = "runs/sft"
 
 
 Overflow = Literal["drop", "truncate_left"]

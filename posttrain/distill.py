@@ -15,7 +15,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,7 +42,7 @@ from lathe.posttrain.common import (
     stage_main,
     train_on_batches,
 )
-from lathe.posttrain.config import ChatDataConfig, PosttrainConfig, SFTConfig
+from lathe.posttrain.config import ChatStageConfig, PosttrainConfig, SFTConfig
 from lathe.posttrain.sft import sft
 from lathe.pretrain.runtime.trainer import Runtime, Work
 from lathe.serve.engine import EngineConfig, LLMEngine
@@ -50,7 +50,7 @@ from lathe.serve.sampling import SamplingParams
 
 
 @dataclass
-class DistillConfig(PosttrainConfig):
+class DistillConfig(ChatStageConfig):
     out_dir: str = "runs/distill"
     model: str = "runs/student"  # the student checkpoint
     teacher: str = "runs/grpo/final"
@@ -60,7 +60,6 @@ class DistillConfig(PosttrainConfig):
     temperature: float = 1.0
     ce_weight: float = 0.5  # loss = ce_weight · CE + (1 − ce_weight) · KD
     teacher_max_tokens: int = 32  # teacher_data: answer length
-    data: ChatDataConfig = field(default_factory=ChatDataConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()

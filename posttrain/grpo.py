@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import broadcast_object_list
+from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from lathe.core.errors import ConfigError
@@ -149,7 +150,7 @@ class RolloutGenerator:
     Under LoRA the engine's weights are the full-precision base with the policy's current
     adapters merged in (`refresh_adapters`), never a merge into a 4-bit QLoRA base."""
 
-    def __init__(self, config: GRPOConfig, tokenizer: Any, device: torch.device,
+    def __init__(self, config: GRPOConfig, tokenizer: Tokenizer, device: torch.device,
                  kv_dtype: torch.dtype) -> None:
         self.config = config
         self.rewards = [(load_reward(r.name), r.weight) for r in config.rewards]
