@@ -9,7 +9,9 @@
 5. shard tokenization MB/s.
 
 Needs the `bench` extra for datatrove (`pip install -e .[bench]`); without it the
-datatrove column is skipped. Results are printed and appended to docs/benchmarks.md.
+datatrove column is skipped.
+Results are printed and appended to docs/benchmarks-history.md (docs/benchmarks.md holds
+the current figure of each area).
 """
 
 from __future__ import annotations
@@ -217,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(peak RSS of this process: "
           f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB)")
     if not args.no_write:
-        path = ROOT / "docs" / "benchmarks.md"
+        path = ROOT / "docs" / "benchmarks-history.md"
         path.parent.mkdir(exist_ok=True)
         header = "" if path.exists() else "# Benchmarks\n\nAppended by the bench scripts.\n\n"
         with open(path, "a") as f:

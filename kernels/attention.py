@@ -56,7 +56,7 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     leaves it off until that case is measured (`LATHE_KERNELS_ENABLE=causal_attention`).
     Square causal attention (training, a first prefill) takes SDPA everywhere: its
     FlashAttention backend beat the kernel on an H100 (852 vs 1,376 µs forward+backward in
-    bf16, and 45.2k vs 43.0k training tok/s on a 1B model; docs/benchmarks.md)."""
+    bf16; docs/benchmarks.md)."""
     check_same_dtype("causal_attention", q=q, k=k, v=v)
     if q.shape[2] < k.shape[2] and use_triton("causal_attention", q):
         from lathe.kernels.attention_triton import causal_attention_triton

@@ -5,7 +5,8 @@ GB/s (memory-bound kernels) or TFLOP/s (matmul-bound ones), and peak memory abov
 inputs. Without a CUDA GPU it times the native CPU kernels (paged decode attention, the
 few-row float32 and int8 linears, the greedy pick, the element-wise layers of a prefill)
 against their references instead. The
-table is printed and appended to docs/benchmarks.md (`--no-write` only prints it).
+table is printed and appended to docs/benchmarks-history.md (`--no-write` only prints
+it; docs/benchmarks.md holds the current figure of each area).
 """
 
 from __future__ import annotations
@@ -509,7 +510,7 @@ def run_cpu(cases: list[Case], write: bool) -> str:
 
 
 def _append_to_benchmarks(table: str) -> None:
-    with (ROOT / "docs" / "benchmarks.md").open("a") as f:
+    with (ROOT / "docs" / "benchmarks-history.md").open("a") as f:
         f.write("\n" + table)
 
 

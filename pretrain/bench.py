@@ -6,7 +6,9 @@ On CPU it measures the `tiny` and `nano` presets in fp32, against the measured f
 matmul peak. On a GPU it adds a ~1B model (the `1b` preset at 2,048 context) in bf16
 autocast, with lathe's Triton kernels on and off (`LATHE_KERNELS=0`), then with per-block
 torch.compile and with torchao FP8, against the device's bf16 (or FP8) peak; peak memory
-shows what the fused kernels save. Results are printed and appended to docs/benchmarks.md.
+shows what the fused kernels save.
+Results are printed and appended to docs/benchmarks-history.md (docs/benchmarks.md holds
+the current figure of each area).
 """
 
 from __future__ import annotations
@@ -152,7 +154,7 @@ def run(steps: int, warmup: int, write: bool) -> str:
         "|---|---|---:|---:|---:|---:|---:|",
         *rows, ""])
     if write:
-        path = ROOT / "docs" / "benchmarks.md"
+        path = ROOT / "docs" / "benchmarks-history.md"
         with path.open("a") as f:
             f.write("\n" + table)
     return table

@@ -31,7 +31,8 @@
 `--sections` picks which run (default: all that apply).
 
 Without `--checkpoint` it benchmarks a randomly initialized `nano` model (token-id prompts).
-Tables are printed and appended to docs/benchmarks.md.
+Tables are printed and appended to docs/benchmarks-history.md (docs/benchmarks.md holds
+the current figure of each area).
 """
 
 from __future__ import annotations
@@ -376,7 +377,7 @@ def run(args: argparse.Namespace) -> str:
         f"## Serving — {datetime.date.today()} — {name}, torch {torch.__version__}", "",
         f"Command: `python -m lathe.serve.bench` — checkpoint: {source}", "", *sections])
     if args.write:
-        with (ROOT / "docs" / "benchmarks.md").open("a") as f:
+        with (ROOT / "docs" / "benchmarks-history.md").open("a") as f:
             f.write("\n" + table)
     return table
 
@@ -640,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="which sections run, e.g. 'ce' (d needs CUDA, e needs --draft, "
                              "f a --checkpoint with a tokenizer)")
     parser.add_argument("--no-write", dest="write", action="store_false",
-                        help="do not append to docs/benchmarks.md")
+                        help="do not append to docs/benchmarks-history.md")
     print(run(parser.parse_args(argv)))
     return 0
 
