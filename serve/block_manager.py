@@ -41,6 +41,7 @@ class BlockTable:
     blocks: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     num_committed: int = 0  # leading blocks whose hash chain is settled (`commit`)
+    root: int = NO_HASH  # what its first block's hash chains from (a LoRA adapter's own)
 
 
 class OutOfBlocks(RuntimeError):
@@ -70,10 +71,12 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_allocate(self, token_ids: Sequence[int], use_cache: bool = True) -> bool:
-        """Whether `allocate(token_ids, use_cache)` would succeed now (cached blocks in use
-        are free of charge; cached blocks sitting in the free queue still take a free slot)."""
-        needed, parent, hitting = 0, NO_HASH, use_cache
+    def can_allocate(self, token_ids: Sequence[int], use_cache: bool = True,
+                     root: int = NO_HASH) -> bool:
+        """Whether `allocate(token_ids, use_cache, root)` would succeed now (cached blocks
+        in use are free of charge; cached blocks sitting in the free queue still take a
+        free slot)."""
+        needed, parent, hitting = 0, root, use_cache
         for start in range(0, len(token_ids), self.block_size):
             chunk = token_ids[start:start + self.block_size]
             full = self._lookable(start, len(token_ids))
@@ -83,12 +86,15 @@ class BlockManager:
                 needed += 1
             elif block.ref_count == 0:
                 needed += 1
-            parent = block.hash if block is not None else NO_HASH
+            parent = block.hash if block is not None else root
         return needed <= len(self.free)
 
-    def allocate(self, token_ids: Sequence[int], use_cache: bool = True) -> BlockTable:
+    def allocate(self, token_ids: Sequence[int], use_cache: bool = True,
+                 root: int = NO_HASH) -> BlockTable:
         """Blocks for a new sequence's prompt, reusing cached full blocks of its prefix
         (unless `use_cache` is False: a prompt being scored computes every position).
+        `root` starts the hash chain: sequences with different roots (different LoRA
+        adapters) never share a block.
 
         The cache is consulted until the first miss; the blocks after it are fresh and
         join the cache only once `commit` reports their KV computed. The block holding the
@@ -98,8 +104,8 @@ class BlockManager:
         if not self.can_allocate(token_ids, use_cache):
             raise OutOfBlocks(f"{self.blocks_needed(len(token_ids))} blocks needed, "
                               f"{len(self.free)} free")
-        table = BlockTable()
-        parent, hitting = NO_HASH, use_cache
+        table = BlockTable(root=root)
+        parent, hitting = root, use_cache
         for start in range(0, len(token_ids), self.block_size):
             chunk = token_ids[start:start + self.block_size]
             full = self._lookable(start, len(token_ids))
@@ -140,7 +146,7 @@ class BlockManager:
         once: the table remembers how far its chain is settled)."""
         full = num_computed // self.block_size
         start = table.num_committed
-        parent = self.blocks[table.blocks[start - 1]].hash if start else NO_HASH
+        parent = self.blocks[table.blocks[start - 1]].hash if start else table.root
         for index in range(start, full):
             block = self.blocks[table.blocks[index]]
             if block.hash == NO_HASH:
@@ -159,6 +165,7 @@ class BlockManager:
                 self.free[block_id] = None
         table.blocks.clear()
         table.num_cached_tokens = table.num_committed = 0
+        table.root = NO_HASH
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (after new weights, the stored KV is stale). Only

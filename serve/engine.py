@@ -19,6 +19,7 @@ deltas.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -37,6 +38,7 @@ from lathe.data.tokenizer import load_tokenizer, vocabulary_difference
 from lathe.kernels import configure_kernels
 from lathe.model.checkpoint import CheckpointError, read_eos_ids
 from lathe.model.transformer import Transformer
+from lathe.serve.adapters import AdapterError, AdapterSlots
 from lathe.serve.block_manager import BlockManager
 from lathe.serve.logprobs import TokenLogprob, requested_logprobs, token_logprobs
 from lathe.serve.model_runner import ModelRunner, select_rows
@@ -74,11 +76,21 @@ class EngineConfig:
     # and a request arriving meanwhile waits for the run's end (at most decode_steps - 1
     # passes)
     decode_steps: int = 1
+    # LoRA adapters served over the base in the same batch (`lathe.serve.adapters`): slots
+    # held at once (0: none) and the highest rank a slot takes
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.decode_steps < 1:
             raise ConfigError(f"decode_steps={self.decode_steps} must be >= 1 (1: one "
                               "forward pass per step)")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ConfigError(f"max_loras={self.max_loras} must be >= 0 and max_lora_rank="
+                              f"{self.max_lora_rank} >= 1")
+        if self.max_loras and self.compile_decode:
+            raise ConfigError("LoRA adapters (max_loras > 0) are served by the eager step; "
+                              "drop compile_decode")
         if self.decode_steps > 1 and self.speculative is not None:
             raise ConfigError(f"decode_steps={self.decode_steps} cannot be combined with "
                               "speculative decoding, which already emits several tokens a "
@@ -109,6 +121,8 @@ class LLMEngine:
         lookahead = speculative.num_speculative_tokens if speculative else 0
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, lookahead)
+        self.adapters = AdapterSlots(model, self.config.max_loras, self.config.max_lora_rank) \
+            if self.config.max_loras else None
         self.runner = ModelRunner(model, self.slabs, self.device, self.config.max_num_seqs,
                                   compile_decode=self.config.compile_decode)
         self.speculator = None if speculative is None else Speculator(
@@ -226,13 +240,30 @@ class LLMEngine:
                 raise RequestError(f"the structured output does not compile: {error}") \
                     from None
 
+    def add_adapter(self, name: str, path: str | Path) -> None:
+        """Load a LoRA adapter folder into a free slot, to be named by requests."""
+        if self.adapters is None:
+            raise AdapterError("this engine serves no adapters: start it with max_loras > 0 "
+                               "(lathe serve --max-loras N)")
+        self.adapters.add(name, path)
+
+    def remove_adapter(self, name: str) -> None:
+        """Unload an adapter; requests already running on it finish on it."""
+        if self.adapters is None:
+            raise AdapterError(f"no adapter named {name!r} is loaded")
+        self.adapters.remove(name)
+
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
-        """Queue a request (n sequences); returns its id."""
+                    request_id: str | None = None, adapter: str | None = None) -> str:
+        """Queue a request (n sequences), on the LoRA adapter named `adapter` if given;
+        returns its id."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_ids, params)
+        if adapter is not None and (self.adapters is None or adapter not in
+                                    self.adapters.names):
+            raise AdapterError(f"no adapter named {adapter!r} is loaded")
         seqs: list[Sequence] = []
         for index in range(params.n):
             seq = Sequence(request_id, index, list(prompt_ids), params,
@@ -242,6 +273,9 @@ class LLMEngine:
                 seq.prompt_logprobs = [None]
             seqs.append(seq)
         for seq in seqs:  # built all before scheduling any, so a failure leaves no trace
+            if adapter is not None:
+                seq.adapter = adapter
+                seq.adapter_slot, seq.cache_root = self.adapters.acquire(adapter)
             self.outputs.add(seq)
             if params.structured is not None:
                 self.constraints.start(seq, params.structured)
@@ -264,6 +298,9 @@ class LLMEngine:
             self.speculator.release(seq)
         if self._constraints is not None:
             self._constraints.release(seq)
+        if seq.adapter is not None:  # once: a finished sequence may be released again
+            self.adapters.release(seq.adapter)
+            seq.adapter = None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
@@ -326,6 +363,11 @@ class LLMEngine:
             draft = drafts[seq].tokens if seq in drafts else []
             work.append((seq, start, seq.tokens(start, start + count) + draft))
         ids, view, starts = self.runner.prepare(work)
+        slots = None
+        if self.adapters is not None:
+            slots = [-1] * ids.shape[-1]
+            for (seq, _, tokens), row in zip(work, starts, strict=True):
+                slots[row:row + len(tokens)] = [seq.adapter_slot] * len(tokens)
         keep: list[int] = []  # rows whose logits the LM head computes
         sample_rows: list[int] = []  # of which sampled (one per sequence)
         scored: list[tuple[Sequence, int, int, int]] = []  # prompt log-probs: seq, at, from, to
@@ -349,7 +391,8 @@ class LLMEngine:
                 sample_rows.append(len(keep))
                 keep.append(row + count - 1)
                 sampled.append(seq)
-        logits = self.runner.run(ids, view, keep)
+        with self._adapter_rows(slots):
+            logits = self.runner.run(ids, view, keep)
         for seq, at, first, last in scored:
             seq.prompt_logprobs += token_logprobs(logits[at:at + last - first],
                                                   seq.prompt_ids[first + 1:last + 1],
@@ -359,6 +402,13 @@ class LLMEngine:
         if verified:
             picks.update(self._verify(verified, drafts, logits))
         return picks
+
+    def _adapter_rows(self, slots: list[int] | None) -> contextlib.AbstractContextManager:
+        """Within it, the target's token rows run on their LoRA adapters (`slots[i]`, -1
+        for the base); a no-op without adapters."""
+        if slots is None or self.adapters is None:
+            return contextlib.nullcontext()
+        return self.adapters.rows(slots, self.device)
 
     def _grammar_drafts(self, drafts: dict[Sequence, Draft]) -> dict[Sequence, Draft]:
         """Drafts of constrained sequences cut to what their grammar takes (a sequence left
@@ -424,8 +474,10 @@ class LLMEngine:
         wanted = any(p.logprobs is not None for p in params)
         drawn: list[Tensor] = []
         logprobs: list[list[TokenLogprob | None]] = []
+        adapter_slots = [seq.adapter_slot for seq in seqs] if self.adapters else None
         for view in views:
-            logits = self.runner.run(ids, view, rows)
+            with self._adapter_rows(adapter_slots):
+                logits = self.runner.run(ids, view, rows)
             tokens = self._draw(seqs, logits, sampling)
             drawn.append(tokens)
             logprobs.append(requested_logprobs(params, logits, tokens.tolist()) if wanted

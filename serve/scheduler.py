@@ -72,10 +72,10 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = next((s for s in self.waiting if s.ready), None)
             if seq is None or not self.block_manager.can_allocate(
-                    seq.token_ids, cached := seq.reads_prefix_cache):
+                    seq.token_ids, cached := seq.reads_prefix_cache, seq.cache_root):
                 break
             self.waiting.remove(seq)
-            seq.table = self.block_manager.allocate(seq.token_ids, cached)
+            seq.table = self.block_manager.allocate(seq.token_ids, cached, seq.cache_root)
             seq.num_computed = seq.table.num_cached_tokens
             seq.status = Status.RUNNING
             self.running.append(seq)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lathe.serve.block_manager import BlockTable
+from lathe.serve.block_manager import NO_HASH, BlockTable
 from lathe.serve.sampling import SamplingParams
 
 
@@ -42,6 +42,9 @@ class Sequence:
     first_token_time: float | None = None
     # [None, logprob of prompt token 1, ...] while a request's prompt log-probs are scored
     prompt_logprobs: list | None = None
+    adapter: str | None = None  # the LoRA adapter it runs on (None: the base alone)
+    adapter_slot: int = -1  # that adapter's slot in the engine
+    cache_root: int = NO_HASH  # its prefix-cache chain's root: its adapter's own
 
     @property
     def token_ids(self) -> list[int]:

@@ -1,0 +1,260 @@
+"""Many LoRA adapters on one served base, in the same batch (Punica / S-LoRA's idea).
+
+The engine wraps every attention and MLP projection of the base in a `MultiLoraLinear`
+holding `max_loras` adapter slots (A: slots × max_rank × in, B: slots × out × max_rank, a
+scale per slot; an adapter of lower rank fills its slot's leading rows and leaves zeros).
+Each step the engine says which slot each token row belongs to (`AdapterSlots.rows`); a
+projection then adds, for every slot present, (x_rows A_slotᵀ) B_slotᵀ · scale to the base
+output of those rows — one pair of matmuls per adapter in the step, not per token — and
+rows of the base model (slot -1) get nothing added.
+
+Adapters are peft folders (`adapter_config.json`, `adapter_model.safetensors`), read with
+safetensors only and checked against the base before they take a slot: every LoRA weight
+must name a projection the base has, with its shape, at a rank within `max_rank`;
+DoRA, biases and modules_to_save are refused by name. An adapter unloaded while requests
+use it leaves its slot only when the last of them finishes, and every loaded adapter gets
+its own prefix-cache root, so KV computed under one adapter is never reused under another
+(or under a reload of the same name).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import Tensor, nn
+
+from lathe.core.checkpoint_files import checkpoint_file, read_json_object
+from lathe.core.errors import CheckpointError
+from lathe.model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, ALL_LINEARS, PEFT_PREFIX
+
+Rows = list[tuple[int, Tensor]]  # (slot, the token rows that slot's adapter applies to)
+
+
+class AdapterError(ValueError):
+    """An adapter request the engine refuses (unknown name, no free slot, a bad folder)."""
+
+
+@dataclass
+class LoraAdapter:
+    """One adapter as read from its folder: per projection (module name) its A (r × in) and
+    B (out × r), and its scale (alpha / r, or alpha / √r with rsLoRA)."""
+
+    name: str
+    path: Path
+    rank: int
+    scale: float
+    weights: dict[str, tuple[Tensor, Tensor]]
+
+
+class _Context:
+    """The token rows of the forward in flight, per slot (None: no adapter applies)."""
+
+    rows: Rows | None = None
+
+
+class MultiLoraLinear(nn.Module):
+    """A base projection plus `slots` LoRA adapters, applied per token row."""
+
+    def __init__(self, base: nn.Module, slots: int, rank: int, context: _Context) -> None:
+        super().__init__()
+        self.base, self.context = base, context
+        weight = next(base.parameters(), None) if not hasattr(base, "weight") else base.weight
+        dtype = weight.dtype if weight is not None and weight.is_floating_point() \
+            else torch.float32
+        device = weight.device if weight is not None else None
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.register_buffer("lora_a", torch.zeros(slots, rank, self.in_features, dtype=dtype,
+                                                   device=device), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(slots, self.out_features, rank, dtype=dtype,
+                                                   device=device), persistent=False)
+        self.register_buffer("scale", torch.zeros(slots, device=device), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.base(x)
+        rows = self.context.rows
+        if not rows:
+            return y
+        flat_x, flat_y = x.reshape(-1, self.in_features), y.view(-1, self.out_features)
+        for slot, index in rows:
+            xs = flat_x.index_select(0, index).to(self.lora_a.dtype)
+            delta = (xs @ self.lora_a[slot].T) @ self.lora_b[slot].T * self.scale[slot]
+            flat_y.index_add_(0, index, delta.to(flat_y.dtype))
+        return y
+
+    def load(self, slot: int, a: Tensor, b: Tensor, scale: float) -> None:
+        self.clear(slot)
+        rank = a.shape[0]
+        self.lora_a[slot, :rank] = a.to(self.lora_a.dtype)
+        self.lora_b[slot, :, :rank] = b.to(self.lora_b.dtype)
+        self.scale[slot] = scale
+
+    def clear(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        self.scale[slot] = 0.0
+
+
+def read_adapter(name: str, path: str | Path, layers: dict[str, MultiLoraLinear],
+                 max_rank: int) -> LoraAdapter:
+    """A peft adapter folder checked against the base's projections `layers` (module name
+    -> layer); `CheckpointError` naming the file, the weight and the fix when it does not
+    fit."""
+    path = Path(path)
+    config_file, weights_file = (checkpoint_file(path, ADAPTER_CONFIG),
+                                 checkpoint_file(path, ADAPTER_WEIGHTS))
+    if not config_file.is_file() or not weights_file.is_file():
+        raise CheckpointError(f"{path} is not a LoRA adapter folder: it needs {ADAPTER_CONFIG} "
+                              f"and {ADAPTER_WEIGHTS} (peft's save_pretrained, or a lathe "
+                              "LoRA run's final-adapter)")
+    config = read_json_object(config_file)
+    for key, wanted in (("use_dora", False), ("bias", "none"), ("modules_to_save", None)):
+        if config.get(key, wanted) not in (wanted, [], {}):
+            raise CheckpointError(f"{config_file}: {key}={config[key]!r} is not served; only "
+                                  "plain LoRA on the projections is")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            raise CheckpointError(f"{config_file}: per-module {key} is not served")
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(rank, int) or not isinstance(alpha, (int, float)) or rank < 1:
+        raise CheckpointError(f"{config_file}: r and lora_alpha must be numbers (r >= 1), got "
+                              f"r={rank!r}, lora_alpha={alpha!r}")
+    if rank > max_rank:
+        raise CheckpointError(f"{path}: rank {rank} is above --max-lora-rank {max_rank}; "
+                              "raise it or serve a lower-rank adapter")
+    try:
+        tensors = load_file(weights_file)
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{weights_file}: not a readable safetensors file ({error})") \
+            from None
+    pairs: dict[str, dict[str, Tensor]] = {}
+    for key, tensor in tensors.items():
+        module, _, kind = key.removeprefix(PEFT_PREFIX).rpartition(".lora_")
+        if kind not in ("A.weight", "B.weight"):
+            raise CheckpointError(f"{weights_file}: {key} is not a LoRA A or B weight; this "
+                                  "server serves plain LoRA adapters only")
+        if module not in layers:
+            raise CheckpointError(f"{weights_file}: {key} names {module!r}, which this base "
+                                  f"does not have (its projections: {', '.join(ALL_LINEARS)}); "
+                                  "was the adapter trained on another base?")
+        pairs.setdefault(module, {})[kind[0]] = tensor
+    if not pairs:
+        raise CheckpointError(f"{weights_file}: no LoRA weights")
+    weights = {}
+    for module, pair in pairs.items():
+        layer, a, b = layers[module], pair.get("A"), pair.get("B")
+        if a is None or b is None:
+            raise CheckpointError(f"{weights_file}: {module} has lora_A or lora_B but not both")
+        if a.shape != (rank, layer.in_features) or b.shape != (layer.out_features, rank):
+            raise CheckpointError(
+                f"{weights_file}: {module} has A {tuple(a.shape)} and B {tuple(b.shape)}, but "
+                f"this base's {module} takes A ({rank}, {layer.in_features}) and B "
+                f"({layer.out_features}, {rank}); the adapter belongs to another base")
+        weights[module] = (a, b)
+    scale = alpha / rank ** 0.5 if config.get("use_rslora") else alpha / rank
+    return LoraAdapter(name, path, rank, float(scale), weights)
+
+
+@dataclass
+class _Loaded:
+    adapter: LoraAdapter
+    slot: int
+    root: int  # its prefix-cache root
+    users: int = 0  # unfinished sequences on it
+    retiring: bool = False  # unloaded, slot freed when users reaches 0
+
+
+class AdapterSlots:
+    """The adapters a served base holds, by name, and the slots they occupy."""
+
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int) -> None:
+        if max_loras < 1 or max_rank < 1:
+            raise AdapterError(f"max_loras={max_loras} and max_lora_rank={max_rank} must be "
+                               ">= 1")
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.context = _Context()
+        self.layers: dict[str, MultiLoraLinear] = {}
+        for name, module in list(model.named_modules()):
+            for child_name, child in list(module.named_children()):
+                if child_name in ALL_LINEARS and not isinstance(child, MultiLoraLinear):
+                    wrapped = MultiLoraLinear(child, max_loras, max_rank, self.context)
+                    setattr(module, child_name, wrapped)
+                    self.layers[f"{name}.{child_name}"] = wrapped
+        self.loaded: dict[str, _Loaded] = {}
+        self._roots = itertools.count(1)
+        self._lock = threading.Lock()
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, entry in self.loaded.items() if not entry.retiring]
+
+    def add(self, name: str, path: str | Path) -> LoraAdapter:
+        """Read, check and load an adapter into a free slot."""
+        adapter = read_adapter(name, path, self.layers, self.max_rank)
+        with self._lock:
+            if name in self.loaded and not self.loaded[name].retiring:
+                raise AdapterError(f"an adapter named {name!r} is already loaded; unload it "
+                                   "first")
+            busy = {entry.slot for entry in self.loaded.values()}
+            free = [slot for slot in range(self.max_loras) if slot not in busy]
+            if not free:
+                raise AdapterError(f"all {self.max_loras} adapter slots (--max-loras) hold "
+                                   "adapters; unload one first")
+            slot = free[0]
+            for module, layer in self.layers.items():
+                if module in adapter.weights:
+                    layer.load(slot, *adapter.weights[module], adapter.scale)
+                else:
+                    layer.clear(slot)
+            self.loaded[name] = _Loaded(adapter, slot, hash(("lora", name, next(self._roots))))
+        return adapter
+
+    def remove(self, name: str) -> None:
+        """Unload `name`: new requests can no longer name it; its slot frees once the
+        requests using it finish."""
+        with self._lock:
+            entry = self.loaded.get(name)
+            if entry is None or entry.retiring:
+                raise AdapterError(f"no adapter named {name!r} is loaded")
+            entry.retiring = True
+            self._free_if_done(name, entry)
+
+    def acquire(self, name: str) -> tuple[int, int]:
+        """A new sequence on adapter `name`: (its slot, its prefix-cache root)."""
+        with self._lock:
+            entry = self.loaded.get(name)
+            if entry is None or entry.retiring:
+                raise AdapterError(f"no adapter named {name!r} is loaded")
+            entry.users += 1
+            return entry.slot, entry.root
+
+    def release(self, name: str) -> None:
+        with self._lock:
+            entry = self.loaded[name]
+            entry.users -= 1
+            self._free_if_done(name, entry)
+
+    def _free_if_done(self, name: str, entry: _Loaded) -> None:
+        if entry.retiring and entry.users == 0:
+            for layer in self.layers.values():
+                layer.clear(entry.slot)
+            del self.loaded[name]
+
+    @contextmanager
+    def rows(self, slots: list[int], device: torch.device) -> Iterator[None]:
+        """Within it, token row i of a forward belongs to adapter slot `slots[i]` (-1: the
+        base alone)."""
+        index = torch.tensor(slots, device=device)
+        self.context.rows = [(slot, (index == slot).nonzero()[:, 0])
+                             for slot in sorted(set(slots)) if slot >= 0] or None
+        try:
+            yield
+        finally:
+            self.context.rows = None

@@ -1,0 +1,146 @@
+"""Many LoRA adapters on one base: in one batch, every row's tokens and logits are those of
+its adapter's merged checkpoint served alone; the prefix cache never shares a block across
+adapters; adapters load and unload while requests run; a folder that does not fit the
+base is refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from lathe.core.errors import CheckpointError
+from lathe.model import load_checkpoint, save_checkpoint
+from lathe.model.lora import LoraSection, apply_lora, load_adapter, merge_lora, save_adapter
+from lathe.serve.adapters import AdapterError
+from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.sampling import SamplingParams
+
+PROMPTS = ["The river flows past the old mill", "A garden of", "The river flows"]
+
+
+def trained_adapter(checkpoint, folder, r: int, targets: list[str], seed: int):
+    """An adapter of rank `r` with random (non-zero) A and B, saved as peft writes it."""
+    model = apply_lora(load_checkpoint(checkpoint), LoraSection(
+        enabled=True, r=r, alpha=2.0 * r, target_modules=targets))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if ".lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    return save_adapter(model, LoraSection(enabled=True, r=r, alpha=2.0 * r,
+                                           target_modules=targets), folder, checkpoint)
+
+
+@pytest.fixture(scope="module")
+def adapters(checkpoint, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    small = trained_adapter(checkpoint, root / "small", 4, ["q_proj", "v_proj"], 1)
+    large = trained_adapter(checkpoint, root / "large", 12,
+                            ["q_proj", "k_proj", "o_proj", "gate_proj", "down_proj"], 2)
+    merged = {}
+    for name, folder in (("small", small), ("large", large)):
+        model = merge_lora(load_adapter(load_checkpoint(checkpoint), folder))
+        merged[name] = save_checkpoint(model, root / f"merged-{name}", tokenizer=checkpoint)
+    return {"small": small, "large": large}, merged
+
+
+def served(checkpoint, adapters, **config) -> LLMEngine:
+    engine = LLMEngine.from_checkpoint(checkpoint, EngineConfig(
+        num_blocks=256, max_loras=2, max_lora_rank=16, **config))
+    for name, folder in adapters.items():
+        engine.add_adapter(name, folder)
+    return engine
+
+
+def generate(engine: LLMEngine, requests: list[tuple[str, str | None]], tokens: int = 24):
+    ids = [engine.add_request(engine.encode(prompt), SamplingParams(
+        max_tokens=tokens, temperature=0, logprobs=1), adapter=adapter)
+        for prompt, adapter in requests]
+    out = {i: ([], []) for i in ids}
+    while engine.has_unfinished():
+        for delta in engine.step():
+            out[delta.request_id][0].extend(delta.token_ids)
+            out[delta.request_id][1].extend(lp.logprob for lp in delta.logprobs)
+    return [out[i] for i in ids]
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_mixed_adapters_in_one_batch_equal_their_merged_checkpoints(checkpoint, adapters,
+                                                                    decode_steps):
+    folders, merged = adapters
+    engine = served(checkpoint, folders, decode_steps=decode_steps)
+    requests = [(p, a) for p in PROMPTS for a in (None, "small", "large")]
+    mixed = generate(engine, requests)
+    alone = {None: LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=256)),
+             **{name: LLMEngine.from_checkpoint(path, EngineConfig(num_blocks=256))
+                for name, path in merged.items()}}
+    for (prompt, adapter), (tokens, logprobs) in zip(requests, mixed, strict=True):
+        (expected_tokens, expected_logprobs), = generate(alone[adapter], [(prompt, None)])
+        assert tokens == expected_tokens, (prompt, adapter)
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected_logprobs),
+                                   atol=1e-4, rtol=0)
+    assert len({tuple(t) for t, _ in mixed[:3]}) == 3  # the adapters do change the output
+    assert engine.block_manager.usage == 0
+
+
+def test_no_prefix_cache_block_is_shared_across_adapters(checkpoint, adapters):
+    engine = served(checkpoint, adapters[0])
+    prompt = engine.encode(" ".join(PROMPTS) * 3)
+    for adapter in (None, "small", "large", "small"):
+        engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0),
+                           adapter=adapter)
+        while engine.has_unfinished():
+            engine.step()
+    # each adapter computes its own prefix; only the repeat of "small" reads the cache
+    full_blocks = (len(prompt) - 1) // engine.config.block_size
+    assert engine.block_manager.prefix_hits == full_blocks * engine.config.block_size
+
+
+def test_adapters_load_and_unload_while_requests_run(checkpoint, adapters):
+    folders, merged = adapters
+    engine = served(checkpoint, {"small": folders["small"]})
+    first = engine.add_request(engine.encode(PROMPTS[0]), SamplingParams(
+        max_tokens=24, temperature=0), adapter="small")
+    tokens: list[int] = []
+    for _ in range(3):
+        tokens += [t for d in engine.step() if d.request_id == first for t in d.token_ids]
+    engine.remove_adapter("small")  # the running request keeps it
+    with pytest.raises(AdapterError, match="no adapter named 'small'"):
+        engine.add_request(engine.encode(PROMPTS[1]), SamplingParams(), adapter="small")
+    engine.add_adapter("large", folders["large"])
+    with pytest.raises(AdapterError, match="all 2 adapter slots"):
+        engine.add_adapter("again", folders["small"])  # small's slot is still in use
+    while engine.has_unfinished():
+        tokens += [t for d in engine.step() if d.request_id == first for t in d.token_ids]
+    (expected, _), = generate(LLMEngine.from_checkpoint(
+        merged["small"], EngineConfig(num_blocks=256)), [(PROMPTS[0], None)])
+    assert tokens == expected
+    engine.add_adapter("again", folders["small"])  # the slot is free once it finished
+    assert sorted(engine.adapters.names) == ["again", "large"]
+
+
+def break_config(folder, **fields):
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, **fields}))
+
+
+@pytest.mark.parametrize(("damage", "named"), [
+    (lambda f: break_config(f, r=32, lora_alpha=64), "rank 32 is above --max-lora-rank 16"),
+    (lambda f: break_config(f, r=8), "the adapter belongs to another base"),
+    (lambda f: break_config(f, use_dora=True), "use_dora=True is not served"),
+    (lambda f: (f / "adapter_model.safetensors").write_bytes(b"junk"),
+     "not a readable safetensors file"),
+    (lambda f: (f / "adapter_config.json").unlink(), "is not a LoRA adapter folder"),
+])
+def test_an_adapter_that_does_not_fit_is_refused_by_name(checkpoint, adapters, tmp_path,
+                                                          damage, named):
+    folder = tmp_path / "adapter"
+    shutil.copytree(adapters[0]["small"], folder)
+    damage(folder)
+    engine = LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=64, max_loras=1))
+    with pytest.raises(CheckpointError, match=named):
+        engine.add_adapter("bad", folder)
+    assert engine.adapters.names == []
