@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
+from lathe.serve.adapters import AdapterError
 from lathe.serve.engine import LLMEngine
 from lathe.serve.outputs import SequenceDelta
 from lathe.serve.sampling import SamplingParams
@@ -41,7 +42,7 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         self.on_step = on_step  # called with each step's deltas and its duration
         self._queues: dict[str, asyncio.Queue[SequenceDelta | BaseException]] = {}
-        self._pending_adds: list[tuple[str, list[int], SamplingParams]] = []
+        self._pending_adds: list[tuple[str, list[int], SamplingParams, str | None]] = []
         self._pending_aborts: list[str] = []
         self._wake = asyncio.Event()
         self._ids = itertools.count()
@@ -63,20 +64,36 @@ class AsyncEngine:
         return self.engine.num_waiting + len(self._pending_adds)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
-               request_id: str | None = None) -> str:
-        """Queue a request now (raising `EngineDead`, `RequestError` or `QueueFull` at once);
-        read its deltas with `results`."""
+               request_id: str | None = None, adapter: str | None = None) -> str:
+        """Queue a request, on the LoRA adapter named `adapter` if given, now (raising
+        `EngineDead`, `RequestError`, `AdapterError` or `QueueFull` at once); read its
+        deltas with `results`."""
         if self.dead is not None:
             raise self.dead
         self.engine.validate(prompt_ids, params)
+        if adapter is not None and adapter not in self.adapter_names:
+            raise AdapterError(f"no adapter named {adapter!r} is loaded")
         if self.num_waiting >= self.max_waiting:
             raise QueueFull(f"{self.num_waiting} requests are already waiting "
                             f"(max_waiting={self.max_waiting}); retry later")
         request_id = request_id or f"async-{next(self._ids)}"
         self._queues[request_id] = asyncio.Queue()
-        self._pending_adds.append((request_id, prompt_ids, params))
+        self._pending_adds.append((request_id, prompt_ids, params, adapter))
         self._wake.set()
         return request_id
+
+    @property
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters requests may name."""
+        return self.engine.adapters.names if self.engine.adapters is not None else []
+
+    async def add_adapter(self, name: str, path: str) -> None:
+        """Load an adapter (read and checked off the event loop); running requests go on."""
+        await asyncio.to_thread(self.engine.add_adapter, name, path)
+
+    def remove_adapter(self, name: str) -> None:
+        """Unload an adapter; requests already running on it finish on it."""
+        self.engine.remove_adapter(name)
 
     def abort(self, request_id: str) -> None:
         """Abort a submitted request whose results nobody will read."""
@@ -139,11 +156,11 @@ class AsyncEngine:
         adds, self._pending_adds = self._pending_adds, []
         for request_id in aborts:
             self.engine.abort(request_id)
-        for request_id, prompt_ids, params in adds:
+        for request_id, prompt_ids, params, adapter in adds:
             if request_id in aborts:
                 continue
             try:
-                self.engine.add_request(prompt_ids, params, request_id)
+                self.engine.add_request(prompt_ids, params, request_id, adapter)
             except Exception as error:  # this request fails alone
                 self.engine.abort(request_id)
                 queue = self._queues.get(request_id)

@@ -4,6 +4,7 @@ checkpoint or a server) and `lathe export` (quantized and GGUF variants of a che
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -95,6 +96,19 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             "drop speculative", "drop --speculative/--draft")) from None
 
 
+def _lora_flags(values: list[str]) -> dict[str, Path]:
+    loras: dict[str, Path] = {}
+    for value in values:
+        name, sep, folder = value.partition("=")
+        if not sep or not name or not folder:
+            raise ConfigError(f"--lora {value!r}: give NAME=DIR (a name for requests' model "
+                              "field, and the peft adapter folder)")
+        if name in loras:
+            raise ConfigError(f"--lora {name}=...: the name {name!r} is given twice")
+        loras[name] = Path(folder)
+    return loras
+
+
 def serve_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="lathe serve", description="Serve a checkpoint behind an OpenAI-compatible API.")
@@ -131,6 +145,15 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                         help="a Jinja chat template served in place of the checkpoint's")
     group.add_argument("--grammar-timeout", type=float, default=5.0,
                        help="seconds a request's structured output may take to compile")
+    group = parser.add_argument_group("LoRA adapters")
+    group.add_argument("--lora", action="append", default=[], metavar="NAME=DIR",
+                       help="serve a peft adapter folder over the base under NAME (a request's "
+                            "model picks it); repeatable")
+    group.add_argument("--max-loras", type=int,
+                       help="adapter slots held at once, loaded at start or through "
+                            "/v1/load_lora_adapter (default: the number of --lora)")
+    group.add_argument("--max-lora-rank", type=int, default=EngineConfig.max_lora_rank,
+                       help="the highest adapter rank a slot takes")
     parser.add_argument("--tool-call-parser", choices=PARSERS,
                         help="how this model writes tool calls (hermes: Qwen2.5/Qwen3/"
                              "Hermes <tool_call>; llama3_json: Llama 3.1+; mistral: "
@@ -151,6 +174,18 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be > 0")
     limits = ConnectionLimits(args.max_connections, args.header_timeout, args.body_timeout,
                               args.keep_alive_timeout, args.shutdown_timeout)
+    loras = _lora_flags(args.lora)
+    max_loras = len(loras) if args.max_loras is None else args.max_loras
+    if max_loras < len(loras):
+        raise ConfigError(f"--max-loras={max_loras} holds fewer adapters than the {len(loras)} "
+                          "--lora given; raise it")
+    try:
+        engine = dataclasses.replace(_engine_config(args), max_loras=max_loras,
+                                     max_lora_rank=args.max_lora_rank)
+    except ConfigError as error:
+        raise ConfigError(str(error).replace("max_loras=", "--max-loras=").replace(
+            "max_lora_rank=", "--max-lora-rank=").replace("compile_decode",
+                                                          "--compile-decode")) from None
     from lathe.serve.server import ServerConfig, run
     config = ServerConfig(checkpoint=args.checkpoint, host=args.host, port=args.port,
                           api_key=args.api_key, protect_metrics=args.protect_metrics,
@@ -160,8 +195,8 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                           template_seconds=args.template_timeout,
                           chat_template=args.chat_template,
                           grammar_seconds=args.grammar_timeout,
-                          tool_call_parser=args.tool_call_parser, limits=limits,
-                          engine=_engine_config(args))
+                          tool_call_parser=args.tool_call_parser, loras=loras,
+                          limits=limits, engine=engine)
     run(config, args.log_level)
     return 0
 

@@ -389,6 +389,15 @@ class ChatCompletionRequest(_Request):
         return [message_text(i, message) for i, message in enumerate(self.messages)]
 
 
+class LoraAdapterRequest(BaseModel):
+    """vLLM's body of /v1/load_lora_adapter and /v1/unload_lora_adapter."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: Annotated[str, Field(min_length=1, max_length=256)]
+    lora_path: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 

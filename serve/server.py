@@ -35,7 +35,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -43,6 +43,7 @@ from lathe.data.chat_template import ChatTemplateError, read_chat_template
 from lathe.data.template_worker import TemplateWorker
 from lathe.kernels.cpu_native import build_status
 from lathe.model.checkpoint import CheckpointError
+from lathe.serve.adapters import AdapterError
 from lathe.serve.async_engine import AsyncEngine, EngineDead, QueueFull
 from lathe.serve.connections import (
     ConnectionLimits,
@@ -57,6 +58,7 @@ from lathe.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     Echo,
+    LoraAdapterRequest,
     ProtocolError,
     ResponseBuilder,
 )
@@ -83,6 +85,7 @@ class ServerConfig:
     chat_template: Path | None = None  # a Jinja file served in place of the checkpoint's
     grammar_seconds: float = 5.0  # a structured output's compile limit (a 400 past it)
     tool_call_parser: str | None = None  # how the model writes tool calls (tool_calls.PARSERS)
+    loras: dict[str, Path] = field(default_factory=dict)  # LoRA adapters loaded at start
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -184,6 +187,8 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
     async def load_engine() -> None:
         try:
             engine = await asyncio.to_thread(load)
+            for adapter, folder in config.loras.items():
+                await asyncio.to_thread(engine.add_adapter, adapter, folder)
             try:
                 template = TemplateWorker(
                     *read_chat_template(config.checkpoint, config.chat_template),
@@ -261,9 +266,11 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
                            kind="service_unavailable")
         if state.engine.dead is not None:
             raise APIError(503, str(state.engine.dead), kind="service_unavailable")
-        if model is not None and model != name:
+        served = [name, *state.engine.adapter_names]
+        if model is not None and model not in served:
             raise APIError(404, f"the model `{model}` does not exist; this server serves "
-                           f"`{name}`", param="model", code="model_not_found")
+                           f"{', '.join(f'`{m}`' for m in served)}", param="model",
+                           code="model_not_found")
         return state.engine
 
     @app.get("/health")
@@ -289,9 +296,44 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> dict[str, Any]:
         engine = ready()
+        created = int(time.time())
         return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": int(time.time()), "owned_by": "lathe",
-            "max_model_len": engine.engine.max_model_len}]}
+            "id": name, "object": "model", "created": created, "owned_by": "lathe",
+            "root": str(config.checkpoint), "parent": None,
+            "max_model_len": engine.engine.max_model_len}] + [{
+                "id": adapter, "object": "model", "created": created, "owned_by": "lathe",
+                "root": str(engine.engine.adapters.loaded[adapter].adapter.path),
+                "parent": name, "max_model_len": engine.engine.max_model_len}
+                for adapter in engine.adapter_names]}
+
+    @app.post("/v1/load_lora_adapter", dependencies=[Depends(authorize)])
+    async def load_lora_adapter(body: LoraAdapterRequest) -> Response:
+        engine = ready()
+        if body.lora_path is None:
+            raise APIError(400, "lora_path is required: the adapter folder to load",
+                           param="lora_path")
+        if body.lora_name == name:
+            raise APIError(400, f"lora_name `{name}` is the base model's name; choose another",
+                           param="lora_name")
+        try:
+            await engine.add_adapter(body.lora_name, body.lora_path)
+        except (AdapterError, CheckpointError) as error:
+            raise APIError(400, str(error), param="lora_path") from None
+        log.info("loaded LoRA adapter %r from %s", body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added "
+                                 "successfully.")
+
+    @app.post("/v1/unload_lora_adapter", dependencies=[Depends(authorize)])
+    async def unload_lora_adapter(body: LoraAdapterRequest) -> Response:
+        engine = ready()
+        try:
+            engine.remove_adapter(body.lora_name)
+        except AdapterError as error:
+            raise APIError(404, str(error), param="lora_name",
+                           code="model_not_found") from None
+        log.info("unloaded LoRA adapter %r", body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed "
+                                 "successfully.")
 
     async def compile_structured(engine: AsyncEngine,
                                  structured: tuple[str, StructuredOutput] | None,
@@ -454,11 +496,16 @@ async def _respond(request: Request, engine: AsyncEngine, metrics: ServerMetrics
     as Server-Sent Events. `echoes`: the prompts to put in front (completions `echo`);
     `score_only`: drop the one generated token (echo with max_tokens=0)."""
     request_ids: list[str] = []
+    adapter = body.model if body.model in engine.adapter_names else None
     try:
         for prompt, p in zip(prompts, params, strict=True):
             engine.engine.validate(prompt, p)
         for prompt, p in zip(prompts, params, strict=True):
-            request_ids.append(engine.submit(prompt, p))
+            request_ids.append(engine.submit(prompt, p, adapter=adapter))
+    except AdapterError as error:  # unloaded since the request arrived
+        for request_id in request_ids:
+            engine.abort(request_id)
+        raise APIError(404, str(error), param="model", code="model_not_found") from None
     except (RequestError, QueueFull, EngineDead) as error:
         for request_id in request_ids:  # the prompts accepted before the one that failed
             engine.abort(request_id)

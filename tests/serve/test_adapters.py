@@ -144,3 +144,54 @@ def test_an_adapter_that_does_not_fit_is_refused_by_name(checkpoint, adapters, t
     with pytest.raises(CheckpointError, match=named):
         engine.add_adapter("bad", folder)
     assert engine.adapters.names == []
+
+
+def test_the_server_serves_adapters_by_model_name_and_loads_them_live(checkpoint, adapters):
+    import httpx
+    import openai
+
+    from tests.serve.conftest import start_server, wait_healthy
+
+    folders, merged = adapters
+    server, thread, url = start_server(
+        checkpoint, loras={"small": folders["small"]},
+        engine=EngineConfig(num_blocks=256, max_loras=2))
+    try:
+        wait_healthy(url)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        models = {m.id: m for m in client.models.list().data}
+        assert set(models) == {"tiny", "small"}
+        assert models["small"].parent == "tiny" and models["tiny"].parent is None
+
+        def complete(model: str) -> str:
+            return client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=12,
+                                              temperature=0).choices[0].text
+
+        expected = LLMEngine.from_checkpoint(merged["small"], EngineConfig(
+            num_blocks=64)).generate([PROMPTS[0]], SamplingParams(
+                max_tokens=12, temperature=0))[0].outputs[0].text
+        assert complete("small") == expected != complete("tiny")
+        with pytest.raises(openai.NotFoundError, match="`large` does not exist"):
+            complete("large")
+        load = httpx.post(f"{url}/v1/load_lora_adapter",
+                          json={"lora_name": "large", "lora_path": str(folders["large"])})
+        assert load.status_code == 200 and "added successfully" in load.text
+        assert complete("large") != complete("small")
+        bad = httpx.post(f"{url}/v1/load_lora_adapter",
+                         json={"lora_name": "third", "lora_path": str(checkpoint)})
+        assert bad.status_code == 400 and "is not a LoRA adapter folder" in bad.text
+        with client.completions.create(model="small", prompt=PROMPTS[1], max_tokens=40,
+                                       temperature=0, stream=True) as stream:
+            first = next(iter(stream))  # running on "small" when it is unloaded
+            unload = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "small"})
+            assert unload.status_code == 200
+            text = first.choices[0].text + "".join(c.choices[0].text for c in stream)
+        assert text == LLMEngine.from_checkpoint(merged["small"], EngineConfig(
+            num_blocks=64)).generate([PROMPTS[1]], SamplingParams(
+                max_tokens=40, temperature=0))[0].outputs[0].text
+        assert {m.id for m in client.models.list().data} == {"tiny", "large"}
+        gone = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "small"})
+        assert gone.status_code == 404
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
