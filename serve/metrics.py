@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -83,6 +83,9 @@ class ServerMetrics:
                                              "Time between consecutive tokens of a sequence.")
         self.e2e_latency = histogram("e2e_request_latency_seconds",
                                      "Time from request to its last token.")
+        self.adapter_requests = Counter(
+            "lathe:lora_requests", "Requests served on each LoRA adapter.",
+            ["model_name", "lora_name"], registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -515,6 +515,8 @@ async def _respond(request: Request, engine: AsyncEngine, metrics: ServerMetrics
             raise APIError(503, str(error), kind="service_unavailable") from None
         raise APIError(400, str(error), param="max_tokens" if "max_tokens" in str(error)
                        else "prompt") from None
+    if adapter is not None:
+        metrics.adapter_requests.labels(metrics.model, adapter).inc(len(request_ids))
     tokenizer = engine.engine.tokenizer
     for echo in echoes or []:  # token-id prompts echo as their decoded (now validated) ids
         if echo.text is None:

@@ -190,6 +190,8 @@ def test_the_server_serves_adapters_by_model_name_and_loads_them_live(checkpoint
             num_blocks=64)).generate([PROMPTS[1]], SamplingParams(
                 max_tokens=40, temperature=0))[0].outputs[0].text
         assert {m.id for m in client.models.list().data} == {"tiny", "large"}
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'lathe:lora_requests_total{lora_name="small",model_name="tiny"} 3.0' in metrics
         gone = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "small"})
         assert gone.status_code == 404
     finally:
