@@ -9,12 +9,14 @@ output of those rows — one pair of matmuls per adapter in the step, not per to
 rows of the base model (slot -1) get nothing added.
 
 Adapters are peft folders (`adapter_config.json`, `adapter_model.safetensors`), read with
-safetensors only and checked against the base before they take a slot: every LoRA weight
-must name a projection the base has, with its shape, at a rank within `max_rank`;
-DoRA, biases and modules_to_save are refused by name. An adapter unloaded while requests
-use it leaves its slot only when the last of them finishes, and every loaded adapter gets
-its own prefix-cache root, so KV computed under one adapter is never reused under another
-(or under a reload of the same name).
+safetensors only and checked against the base when loaded: every LoRA weight must name a
+projection the base has, with its shape, at a rank within `max_rank`; DoRA, biases and
+modules_to_save are refused by name. Any number stay in host memory; a sequence takes its
+adapter's slot when admitted, the least recently used idle adapter giving up its slot if
+none is free (vLLM's max_loras and its CPU LoRA cache). An adapter unloaded while requests
+use it leaves only when the last of them finishes, and every loaded adapter gets its own
+prefix-cache root, so KV computed under one adapter is never reused under another (or
+under a reload of the same name).
 """
 
 from __future__ import annotations
@@ -165,14 +167,19 @@ def read_adapter(name: str, path: str | Path, layers: dict[str, MultiLoraLinear]
 @dataclass
 class _Loaded:
     adapter: LoraAdapter
-    slot: int
     root: int  # its prefix-cache root
-    users: int = 0  # unfinished sequences on it
-    retiring: bool = False  # unloaded, slot freed when users reaches 0
+    slot: int | None = None  # its slot while resident
+    users: int = 0  # admitted sequences on it that have not finished
+    last_used: int = 0  # when a sequence last took it (for least-recently-used eviction)
+    retiring: bool = False  # unloaded: gone once its users finish
 
 
 class AdapterSlots:
-    """The adapters a served base holds, by name, and the slots they occupy."""
+    """The adapters a served base holds, by name: all of them in host memory, and up to
+    `max_loras` in slots the projections read. A sequence takes its adapter's slot when
+    the scheduler admits it (`activate`), loading the adapter into a free slot or into the
+    least recently used one that no unfinished sequence holds; when every slot is held,
+    the sequence waits."""
 
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int) -> None:
         if max_loras < 1 or max_rank < 1:
@@ -188,63 +195,91 @@ class AdapterSlots:
                     setattr(module, child_name, wrapped)
                     self.layers[f"{name}.{child_name}"] = wrapped
         self.loaded: dict[str, _Loaded] = {}
-        self._roots = itertools.count(1)
+        self._slots: list[str | None] = [None] * max_loras  # which adapter each slot holds
+        self._clock = itertools.count(1)
         self._lock = threading.Lock()
 
     @property
     def names(self) -> list[str]:
         return [name for name, entry in self.loaded.items() if not entry.retiring]
 
+    @property
+    def resident(self) -> list[str]:
+        """The adapters in slots now, slot by slot (None: a free slot)."""
+        return list(self._slots)
+
     def add(self, name: str, path: str | Path) -> LoraAdapter:
-        """Read, check and load an adapter into a free slot."""
+        """Read and check an adapter folder and hold it, ready for requests to name."""
         adapter = read_adapter(name, path, self.layers, self.max_rank)
         with self._lock:
             if name in self.loaded and not self.loaded[name].retiring:
                 raise AdapterError(f"an adapter named {name!r} is already loaded; unload it "
                                    "first")
-            busy = {entry.slot for entry in self.loaded.values()}
-            free = [slot for slot in range(self.max_loras) if slot not in busy]
-            if not free:
-                raise AdapterError(f"all {self.max_loras} adapter slots (--max-loras) hold "
-                                   "adapters; unload one first")
-            slot = free[0]
-            for module, layer in self.layers.items():
-                if module in adapter.weights:
-                    layer.load(slot, *adapter.weights[module], adapter.scale)
-                else:
-                    layer.clear(slot)
-            self.loaded[name] = _Loaded(adapter, slot, hash(("lora", name, next(self._roots))))
+            if name in self.loaded:  # a retiring one still in use keeps its old entry
+                raise AdapterError(f"the adapter {name!r} is being unloaded while requests "
+                                   "finish on it; load it again once they have")
+            self.loaded[name] = _Loaded(adapter, hash(("lora", name, next(self._clock))))
         return adapter
 
     def remove(self, name: str) -> None:
-        """Unload `name`: new requests can no longer name it; its slot frees once the
-        requests using it finish."""
+        """Unload `name`: new requests can no longer name it; it leaves its slot once the
+        sequences using it finish."""
         with self._lock:
             entry = self.loaded.get(name)
             if entry is None or entry.retiring:
                 raise AdapterError(f"no adapter named {name!r} is loaded")
             entry.retiring = True
-            self._free_if_done(name, entry)
+            self._drop_if_done(name, entry)
 
-    def acquire(self, name: str) -> tuple[int, int]:
-        """A new sequence on adapter `name`: (its slot, its prefix-cache root)."""
+    def root(self, name: str) -> int:
+        """The prefix-cache root of adapter `name` (`AdapterError` if it is not loaded)."""
         with self._lock:
             entry = self.loaded.get(name)
             if entry is None or entry.retiring:
                 raise AdapterError(f"no adapter named {name!r} is loaded")
+            return entry.root
+
+    def activate(self, name: str) -> int | None:
+        """A sequence on adapter `name` is being admitted: the slot it reads, the adapter
+        loaded into it if needed; None when every slot is held by unfinished sequences."""
+        with self._lock:
+            entry = self.loaded[name]
+            if entry.slot is None:
+                free = [slot for slot, held in enumerate(self._slots) if held is None]
+                idle = sorted((self.loaded[held].last_used, slot)
+                              for slot, held in enumerate(self._slots)
+                              if held is not None and self.loaded[held].users == 0)
+                if not free and not idle:
+                    return None
+                slot = free[0] if free else idle[0][1]
+                if self._slots[slot] is not None:
+                    self.loaded[self._slots[slot]].slot = None
+                self._load(entry.adapter, slot)
+                self._slots[slot], entry.slot = name, slot
             entry.users += 1
-            return entry.slot, entry.root
+            entry.last_used = next(self._clock)
+            return entry.slot
 
     def release(self, name: str) -> None:
+        """A sequence admitted on `name` has finished (or was aborted)."""
         with self._lock:
             entry = self.loaded[name]
             entry.users -= 1
-            self._free_if_done(name, entry)
+            self._drop_if_done(name, entry)
 
-    def _free_if_done(self, name: str, entry: _Loaded) -> None:
+    def _load(self, adapter: LoraAdapter, slot: int) -> None:
+        for module, layer in self.layers.items():
+            if module in adapter.weights:
+                layer.load(slot, *adapter.weights[module], adapter.scale)
+            else:
+                layer.clear(slot)
+
+    def _drop_if_done(self, name: str, entry: _Loaded) -> None:
         if entry.retiring and entry.users == 0:
-            for layer in self.layers.values():
-                layer.clear(entry.slot)
+            if entry.slot is not None:
+                for layer in self.layers.values():
+                    layer.clear(entry.slot)
+                self._slots[entry.slot] = None
             del self.loaded[name]
 
     @contextmanager

@@ -120,7 +120,7 @@ class LLMEngine:
         self.slabs = KVSlabs(model.config, num_blocks, block_size, self.device, dtype)
         lookahead = speculative.num_speculative_tokens if speculative else 0
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
-                                   self.config.max_num_batched_tokens, lookahead)
+                                   self.config.max_num_batched_tokens, lookahead, self._admit)
         self.adapters = AdapterSlots(model, self.config.max_loras, self.config.max_lora_rank) \
             if self.config.max_loras else None
         self.runner = ModelRunner(model, self.slabs, self.device, self.config.max_num_seqs,
@@ -274,8 +274,7 @@ class LLMEngine:
             seqs.append(seq)
         for seq in seqs:  # built all before scheduling any, so a failure leaves no trace
             if adapter is not None:
-                seq.adapter = adapter
-                seq.adapter_slot, seq.cache_root = self.adapters.acquire(adapter)
+                seq.adapter, seq.cache_root = adapter, self.adapters.root(adapter)
             self.outputs.add(seq)
             if params.structured is not None:
                 self.constraints.start(seq, params.structured)
@@ -298,9 +297,19 @@ class LLMEngine:
             self.speculator.release(seq)
         if self._constraints is not None:
             self._constraints.release(seq)
-        if seq.adapter is not None:  # once: a finished sequence may be released again
+        if seq.adapter is not None and seq.adapter_slot >= 0:  # once, if it was admitted
             self.adapters.release(seq.adapter)
             seq.adapter = None
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Whether a waiting sequence may start: one on a LoRA adapter needs its slot."""
+        if seq.adapter is None or seq.adapter_slot >= 0:
+            return True
+        slot = self.adapters.activate(seq.adapter)
+        if slot is None:
+            return False
+        seq.adapter_slot = slot
+        return True
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)

@@ -16,6 +16,7 @@ reserves its later steps' slots the same way (`reserve`), after the step is sche
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lathe.serve.block_manager import BlockManager
@@ -36,8 +37,12 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, num_lookahead_slots: int = 0) -> None:
+                 max_num_batched_tokens: int, num_lookahead_slots: int = 0,
+                 admit: Callable[[Sequence], bool] | None = None) -> None:
+        """`admit(seq)`: whether a waiting sequence may start now beyond its blocks (its
+        LoRA adapter got a slot); one that may not is passed over, not waited for."""
         self.block_manager = block_manager
+        self.admit = admit or (lambda seq: True)
         self.num_lookahead_slots = num_lookahead_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -70,7 +75,7 @@ class Scheduler:
                 items.append((seq, count))
                 budget -= count
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = next((s for s in self.waiting if s.ready), None)
+            seq = next((s for s in self.waiting if s.ready and self.admit(s)), None)
             if seq is None or not self.block_manager.can_allocate(
                     seq.token_ids, cached := seq.reads_prefix_cache, seq.cache_root):
                 break

@@ -110,16 +110,34 @@ def test_adapters_load_and_unload_while_requests_run(checkpoint, adapters):
     engine.remove_adapter("small")  # the running request keeps it
     with pytest.raises(AdapterError, match="no adapter named 'small'"):
         engine.add_request(engine.encode(PROMPTS[1]), SamplingParams(), adapter="small")
+    with pytest.raises(AdapterError, match="being unloaded while requests finish on it"):
+        engine.add_adapter("small", folders["small"])
     engine.add_adapter("large", folders["large"])
-    with pytest.raises(AdapterError, match="all 2 adapter slots"):
-        engine.add_adapter("again", folders["small"])  # small's slot is still in use
     while engine.has_unfinished():
         tokens += [t for d in engine.step() if d.request_id == first for t in d.token_ids]
     (expected, _), = generate(LLMEngine.from_checkpoint(
         merged["small"], EngineConfig(num_blocks=256)), [(PROMPTS[0], None)])
     assert tokens == expected
-    engine.add_adapter("again", folders["small"])  # the slot is free once it finished
-    assert sorted(engine.adapters.names) == ["again", "large"]
+    assert "small" not in engine.adapters.resident  # gone with its last request
+    engine.add_adapter("small", folders["small"])
+    assert sorted(engine.adapters.names) == ["large", "small"]
+
+
+def test_more_adapters_than_slots_take_turns_in_the_least_recently_used_slot(
+        checkpoint, adapters):
+    folders, merged = adapters
+    engine = LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=256, max_loras=1))
+    for name, folder in folders.items():
+        engine.add_adapter(name, folder)
+    requests = [(p, a) for p in PROMPTS for a in ("small", "large", None)]
+    served_alone = generate(engine, requests)
+    for (prompt, adapter), (tokens, _) in zip(requests, served_alone, strict=True):
+        path = merged[adapter] if adapter else checkpoint
+        (expected, _), = generate(LLMEngine.from_checkpoint(path, EngineConfig(
+            num_blocks=256)), [(prompt, None)])
+        assert tokens == expected, (prompt, adapter)
+    assert engine.adapters.resident in (["small"], ["large"])
+    assert all(entry.users == 0 for entry in engine.adapters.loaded.values())
 
 
 def break_config(folder, **fields):
