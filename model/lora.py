@@ -71,6 +71,11 @@ class LoraSection:
             raise ConfigError(f"lora.target_modules={self.target_modules}: choose from "
                               f"{', '.join(ALL_LINEARS)} (and lm_head)")
 
+    @property
+    def scale(self) -> float:
+        """What peft multiplies B·A by (alpha / r)."""
+        return self.alpha / self.r
+
     def peft_config(self) -> Any:
         """The `peft.LoraConfig` of this section."""
         return _peft().LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
@@ -176,6 +181,19 @@ def adapter_weights(model: nn.Module) -> dict[str, Tensor]:
     """A copy of the LoRA weights of a model with adapters, under its module names."""
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()
             if ".lora_" in name}
+
+
+def adapter_pairs(weights: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
+    """LoRA weights under peft's names (`<module>.lora_A.default.weight`, ...) as module
+    name -> (A, B), the form a serving engine's adapter slots take."""
+    pairs: dict[str, dict[str, Tensor]] = {}
+    for name, tensor in weights.items():
+        module, _, rest = name.partition(".lora_")
+        pairs.setdefault(module, {})[rest[0]] = tensor
+    missing = sorted(module for module, pair in pairs.items() if set(pair) != {"A", "B"})
+    if missing:
+        raise ValueError(f"LoRA weights of {missing[:4]} lack their A or B half")
+    return {module: (pair["A"], pair["B"]) for module, pair in pairs.items()}
 
 
 class AdapterMerger:

@@ -31,7 +31,12 @@ from lathe.core.errors import ConfigError
 from lathe.data.chat_encoding import ChatEncoder
 from lathe.data.formats import PromptRow, load_prompt_dataset
 from lathe.model.checkpoint import load_checkpoint, read_eos_ids
-from lathe.model.lora import AdapterMerger, adapter_weights, adapters_disabled
+from lathe.model.lora import (
+    AdapterMerger,
+    adapter_pairs,
+    adapter_weights,
+    adapters_disabled,
+)
 from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.common import (
     PromptFit,
@@ -145,10 +150,15 @@ def fit_prompts(encoder: ChatEncoder, rows: list[PromptRow], fit: PromptFit) -> 
     return prompts
 
 
+POLICY_ADAPTER = "policy"  # the rollout engine's name for the policy's current adapters
+
+
 class RolloutGenerator:
     """The serve engine on its own copy of the policy: G samples per prompt, scored.
-    Under LoRA the engine's weights are the full-precision base with the policy's current
-    adapters merged in (`refresh_adapters`), never a merge into a 4-bit QLoRA base."""
+    Under LoRA the engine keeps the full-precision base and serves the policy's current
+    adapters from an adapter slot, refreshed each step without touching the base (LoRA on
+    lm_head, which slots do not take, merges into a copy of the base instead); never a
+    merge into a 4-bit QLoRA base."""
 
     def __init__(self, config: GRPOConfig, tokenizer: Tokenizer, device: torch.device,
                  kv_dtype: torch.dtype) -> None:
@@ -156,14 +166,24 @@ class RolloutGenerator:
         self.rewards = [(load_reward(r.name), r.weight) for r in config.rewards]
         self.correct = verifier(config.task_eval.task)
         model = load_checkpoint(config.model, dtype=torch.float32, device=device)
-        self.merger = AdapterMerger(model, config.lora) if config.lora.enabled else None
-        self.engine = LLMEngine(model.eval(), tokenizer, EngineConfig(num_blocks=1024),
+        lora = config.lora
+        self.adapter = POLICY_ADAPTER if lora.enabled and "lm_head" not in \
+            lora.target_modules else None
+        self.merger = AdapterMerger(model, lora) if lora.enabled and self.adapter is None \
+            else None
+        engine_config = EngineConfig(num_blocks=1024, max_loras=1, max_lora_rank=lora.r) \
+            if self.adapter is not None else EngineConfig(num_blocks=1024)
+        self.engine = LLMEngine(model.eval(), tokenizer, engine_config,
                                 read_eos_ids(config.model, model.config.vocab_size),
                                 kv_dtype=kv_dtype)
 
     def refresh(self, weights: dict[str, Tensor]) -> None:
-        """Load the policy's gathered weights (its adapters alone under LoRA)."""
-        self.engine.load_weights(self.merger(weights) if self.merger is not None else weights)
+        """Take the policy's gathered weights (its adapters alone under LoRA)."""
+        if self.adapter is not None:
+            self.engine.put_adapter(self.adapter, adapter_pairs(weights), self.config.lora.scale)
+        else:
+            self.engine.load_weights(self.merger(weights) if self.merger is not None
+                                     else weights)
 
     def __call__(self, prompts: list[Prompt], seed: int) -> list[Rollout]:
         c = self.config
@@ -172,8 +192,8 @@ class RolloutGenerator:
                                  logprobs=0, logprobs_at_temperature=True)
                   for i in range(len(prompts))]
         rollouts = []
-        for prompt, done in zip(prompts, self.engine.generate([p.ids for p in prompts], params),
-                                strict=True):
+        for prompt, done in zip(prompts, self.engine.generate(
+                [p.ids for p in prompts], params, adapter=self.adapter), strict=True):
             row = prompt.row
             for out in done.outputs:
                 reward = sum(w * fn(out.text, row.reference) for fn, w in self.rewards)

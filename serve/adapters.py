@@ -221,6 +221,30 @@ class AdapterSlots:
             self.loaded[name] = _Loaded(adapter, hash(("lora", name, next(self._clock))))
         return adapter
 
+    def put(self, name: str, weights: dict[str, tuple[Tensor, Tensor]], scale: float) -> None:
+        """Hold in-memory adapter weights (module name -> (A, B)) under `name`, replacing
+        an idle adapter of that name — a training policy's current adapters, handed to its
+        rollout engine each step. The replacement gets a new prefix-cache root, so no KV
+        of the old weights is reused."""
+        for module, (a, b) in weights.items():
+            layer = self.layers.get(module)
+            if layer is None or a.shape[1] != layer.in_features or \
+                    b.shape[0] != layer.out_features or a.shape[0] > self.max_rank:
+                raise AdapterError(f"adapter weights for {module!r} do not fit this base (A "
+                                   f"{tuple(a.shape)}, B {tuple(b.shape)}, max rank "
+                                   f"{self.max_rank})")
+        adapter = LoraAdapter(name, Path(f"<memory:{name}>"), max(a.shape[0] for a, _ in
+                                                                  weights.values()),
+                              scale, weights)
+        with self._lock:
+            entry = self.loaded.get(name)
+            if entry is not None and entry.users:
+                raise AdapterError(f"the adapter {name!r} is in use by running requests")
+            slot = entry.slot if entry is not None else None
+            self.loaded[name] = _Loaded(adapter, hash(("lora", name, next(self._clock))), slot)
+            if slot is not None:
+                self._load(adapter, slot)
+
     def remove(self, name: str) -> None:
         """Unload `name`: new requests can no longer name it; it leaves its slot once the
         sequences using it finish."""

@@ -247,6 +247,14 @@ class LLMEngine:
                                "(lathe serve --max-loras N)")
         self.adapters.add(name, path)
 
+    def put_adapter(self, name: str, weights: dict[str, tuple[Tensor, Tensor]],
+                    scale: float) -> None:
+        """Hold in-memory LoRA weights (module name -> (A, B)) under `name`, replacing an
+        idle adapter of that name (a training policy's adapters, each step)."""
+        if self.adapters is None:
+            raise AdapterError("this engine serves no adapters: build it with max_loras > 0")
+        self.adapters.put(name, weights, scale)
+
     def remove_adapter(self, name: str) -> None:
         """Unload an adapter; requests already running on it finish on it."""
         if self.adapters is None:
@@ -526,8 +534,9 @@ class LLMEngine:
 
     def generate(self, prompts: list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,
-                 progress: bool = False) -> list[Completion]:
-        """Complete every prompt (text or token ids), batched continuously; results in order."""
+                 progress: bool = False, adapter: str | None = None) -> list[Completion]:
+        """Complete every prompt (text or token ids), batched continuously, on the LoRA
+        adapter named `adapter` if given; results in order."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(
             prompts)
         if len(params_list) != len(prompts):
@@ -535,7 +544,7 @@ class LLMEngine:
         completions: dict[str, Completion] = {}
         for prompt, p in zip(prompts, params_list, strict=True):
             prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            request_id = self.add_request(prompt_ids, p)
+            request_id = self.add_request(prompt_ids, p, adapter=adapter)
             completions[request_id] = Completion(request_id, prompt_ids,
                                                  [CompletionOutput(i) for i in range(p.n)])
         total = sum(p.n for p in params_list)
