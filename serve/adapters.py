@@ -1,8 +1,8 @@
 """Many LoRA adapters on one served base, in the same batch (Punica / S-LoRA's idea).
 
 The engine wraps every attention and MLP projection of the base in a `MultiLoraLinear`
-holding `max_loras` adapter slots (A: slots × max_rank × in, B: slots × out × max_rank, a
-scale per slot; an adapter of lower rank fills its slot's leading rows and leaves zeros).
+holding `max_loras` adapter slots (Aᵀ: slots × in × max_rank, Bᵀ: slots × max_rank × out, a
+scale per slot; an adapter of lower rank fills its slot's leading ranks and leaves zeros).
 Each step the engine says which slot each token row belongs to (`AdapterSlots.rows`); a
 projection then adds, for every slot present, (x_rows A_slotᵀ) B_slotᵀ · scale to the base
 output of those rows — one pair of matmuls per adapter in the step, not per token — and
@@ -37,7 +37,8 @@ from lathe.core.checkpoint_files import checkpoint_file, read_json_object
 from lathe.core.errors import CheckpointError
 from lathe.model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, ALL_LINEARS, PEFT_PREFIX
 
-Rows = list[tuple[int, Tensor]]  # (slot, the token rows that slot's adapter applies to)
+# (slot, the token rows that slot's adapter applies to; None: every row of the forward)
+Rows = list[tuple[int, Tensor | None]]
 
 
 class AdapterError(ValueError):
@@ -73,9 +74,11 @@ class MultiLoraLinear(nn.Module):
             else torch.float32
         device = weight.device if weight is not None else None
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.register_buffer("lora_a", torch.zeros(slots, rank, self.in_features, dtype=dtype,
+        # stored transposed (Aᵀ: in × rank, Bᵀ: rank × out), so each matmul reads a
+        # contiguous slot: a transposed view of a slot costs 30× more on CPU
+        self.register_buffer("lora_a", torch.zeros(slots, self.in_features, rank, dtype=dtype,
                                                    device=device), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(slots, self.out_features, rank, dtype=dtype,
+        self.register_buffer("lora_b", torch.zeros(slots, rank, self.out_features, dtype=dtype,
                                                    device=device), persistent=False)
         self.register_buffer("scale", torch.zeros(slots, device=device), persistent=False)
 
@@ -86,16 +89,21 @@ class MultiLoraLinear(nn.Module):
             return y
         flat_x, flat_y = x.reshape(-1, self.in_features), y.view(-1, self.out_features)
         for slot, index in rows:
+            if index is None:  # every row on this one adapter: no gather, no scatter
+                delta = (flat_x.to(self.lora_a.dtype) @ self.lora_a[slot]) \
+                    @ self.lora_b[slot] * self.scale[slot]
+                flat_y += delta.to(flat_y.dtype)
+                continue
             xs = flat_x.index_select(0, index).to(self.lora_a.dtype)
-            delta = (xs @ self.lora_a[slot].T) @ self.lora_b[slot].T * self.scale[slot]
+            delta = (xs @ self.lora_a[slot]) @ self.lora_b[slot] * self.scale[slot]
             flat_y.index_add_(0, index, delta.to(flat_y.dtype))
         return y
 
     def load(self, slot: int, a: Tensor, b: Tensor, scale: float) -> None:
         self.clear(slot)
         rank = a.shape[0]
-        self.lora_a[slot, :rank] = a.to(self.lora_a.dtype)
-        self.lora_b[slot, :, :rank] = b.to(self.lora_b.dtype)
+        self.lora_a[slot, :, :rank] = a.T.to(self.lora_a.dtype)
+        self.lora_b[slot, :rank] = b.T.to(self.lora_b.dtype)
         self.scale[slot] = scale
 
     def clear(self, slot: int) -> None:
@@ -310,9 +318,13 @@ class AdapterSlots:
     def rows(self, slots: list[int], device: torch.device) -> Iterator[None]:
         """Within it, token row i of a forward belongs to adapter slot `slots[i]` (-1: the
         base alone)."""
-        index = torch.tensor(slots, device=device)
-        self.context.rows = [(slot, (index == slot).nonzero()[:, 0])
-                             for slot in sorted(set(slots)) if slot >= 0] or None
+        present = sorted(set(slots))
+        if len(present) == 1:
+            self.context.rows = [(present[0], None)] if present[0] >= 0 else None
+        else:
+            index = torch.tensor(slots, device=device)
+            self.context.rows = [(slot, (index == slot).nonzero()[:, 0])
+                                 for slot in present if slot >= 0] or None
         try:
             yield
         finally:
