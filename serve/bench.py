@@ -26,7 +26,10 @@
     concurrency 16 with 0%, 50% and 100% of requests JSON-schema constrained (their output
     tok/s against the unconstrained run), time to first token for a schema never seen
     against the same schema again (compiled and cached), and llguidance's compile and
-    per-token mask times beside xgrammar's (when installed) on the checkpoint's tokenizer.
+    per-token mask times beside xgrammar's (when installed) on the checkpoint's tokenizer;
+(g) LoRA adapters: the server at concurrency 16 with requests spread over 1, 4 and 16
+    distinct rank-16 adapters (random weights on every projection, `--max-loras 16`)
+    against the base alone on the same server.
 
 `--sections` picks which run (default: all that apply).
 
@@ -170,8 +173,7 @@ def start_server(checkpoint: Path, engine_config: EngineConfig) -> tuple[object,
 async def load_test(url: str, prompts: list[list[int]], new_tokens: int,
                     concurrency: int, extra: Callable[[int], dict] | None = None,
                     ) -> dict[str, float]:
-    """Stream every prompt at `concurrency`; `extra(i)`: fields added to request i's body
-    (a constrained request ends at its schema's end, not at max_tokens)."""
+    """Stream every prompt at `concurrency`; `extra(i)`: fields added to request i's body."""
     gate = asyncio.Semaphore(concurrency)
     ttfts: list[float] = []
     itls: list[float] = []
@@ -181,8 +183,8 @@ async def load_test(url: str, prompts: list[list[int]], new_tokens: int,
         nonlocal produced
         body = {"model": "bench", "prompt": prompt, "max_tokens": new_tokens, "stream": True,
                 "temperature": 0, "ignore_eos": True}
-        if extra is not None and extra(i):
-            body = {**body, "ignore_eos": False, **extra(i)}
+        if extra is not None:
+            body = {**body, **extra(i)}
         async with gate:
             last, count = time.perf_counter(), 0
             async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
@@ -359,6 +361,8 @@ def run(args: argparse.Namespace) -> str:
     if "f" in args.sections and args.checkpoint is not None and \
             (args.checkpoint / "tokenizer.json").is_file():
         sections += structured_section(checkpoint, vocab, args)
+    if "g" in args.sections:
+        sections += adapter_section(checkpoint, vocab, args)
     if "e" in args.sections and args.draft is not None:
         spec_prompts = text_prompts(args.eval_shards, max(args.spec_batches), 64, vocab)
         rows = speculative_rows(checkpoint, args.draft, args.num_speculative_tokens,
@@ -425,7 +429,8 @@ def structured_section(checkpoint: Path, vocab: int, args: argparse.Namespace) -
         every = round(1 / share) if share else 0
 
         def extra(i: int, every: int = every) -> dict:
-            return json_format("text") if every and i % every == 0 else {}
+            constrained = every and i % every == 0  # a constraint ends at EOS: not ignored
+            return {**json_format("text"), "ignore_eos": False} if constrained else {}
         r = asyncio.run(load_test(url, load, args.server_tokens, 16, extra))
         baseline = baseline or r["tok_s"]
         rows.append(f"| {share:.0%} | {r['tok_s']:,.0f} | {r['tok_s'] / baseline:.2f}× | "
@@ -520,6 +525,64 @@ def grammar_library_rows(checkpoint: Path, vocab: int) -> list[str]:
         lambda m, b: m.fill_next_token_bitmask(b),
         lambda m, t: m.accept_token(t))))
     return rows
+
+
+def random_adapters(checkpoint: Path, folder: Path, count: int) -> dict[str, Path]:
+    """`count` rank-16 adapters on every projection, seeded, as peft folders."""
+    from lathe.model.lora import LoraSection, apply_lora, save_adapter
+
+    section = LoraSection(enabled=True, r=16, alpha=32)
+    adapters = {}
+    for i in range(count):
+        model = apply_lora(load_checkpoint(checkpoint), section)
+        generator = torch.Generator().manual_seed(i)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if ".lora_" in name:
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
+        adapters[f"lora{i}"] = save_adapter(model, section, folder / f"lora{i}", checkpoint)
+    return adapters
+
+
+def adapter_section(checkpoint: Path, vocab: int, args: argparse.Namespace) -> list[str]:
+    import uvicorn
+
+    from lathe.serve.server import ServerConfig, build_app
+    tmp = tempfile.TemporaryDirectory()
+    adapters = random_adapters(checkpoint, Path(tmp.name), 16)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = build_app(ServerConfig(checkpoint=checkpoint, port=port, served_model_name="bench",
+                                 max_waiting=4096, loras=adapters, engine=EngineConfig(
+                                     max_loras=16, max_lora_rank=16)))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    threading.Thread(target=server.run, daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    while True:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    load = random_prompts(64, 32, 128, vocab, seed=16)
+    rows, baseline = [], None
+    for count in (0, 1, 4, 16):
+        def extra(i: int, count: int = count) -> dict:
+            return {"model": f"lora{i % count}"} if count else {}
+        r = asyncio.run(load_test(url, load, args.server_tokens, 16, extra))
+        baseline = baseline or r["tok_s"]
+        rows.append(f"| {count or 'base alone'} | {r['tok_s']:,.0f} | "
+                    f"{r['tok_s'] / baseline:.2f}× | {r['ttft50']:,.0f} / {r['ttft99']:,.0f} |")
+        print(rows[-1], flush=True)
+    server.should_exit = True
+    tmp.cleanup()
+    return [f"### (g) LoRA adapters: concurrency 16, 64 streaming /v1/completions requests, "
+            f"prompts of 32–128 tokens, {args.server_tokens} output tokens each, spread over "
+            "N rank-16 adapters on every projection", "",
+            "| adapters | output tok/s | vs base | TTFT p50 / p99 (ms) |",
+            "|---:|---:|---:|---:|", *rows, ""]
 
 
 def decode_section(checkpoint: Path, prompt: list[int], device: torch.device,
@@ -637,7 +700,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="(e)")
     parser.add_argument("--spec-batches", type=int, nargs="+", default=[1, 8], help="(e)")
     parser.add_argument("--spec-tokens", type=int, default=64, help="(e): new tokens each")
-    parser.add_argument("--sections", default="abcdef",
+    parser.add_argument("--sections", default="abcdefg",
                         help="which sections run, e.g. 'ce' (d needs CUDA, e needs --draft, "
                              "f a --checkpoint with a tokenizer)")
     parser.add_argument("--no-write", dest="write", action="store_false",

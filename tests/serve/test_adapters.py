@@ -215,3 +215,21 @@ def test_the_server_serves_adapters_by_model_name_and_loads_them_live(checkpoint
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_speculation_and_structured_outputs_work_per_adapter(checkpoint, adapters):
+    from lathe.serve.speculative import SpeculativeConfig
+    from lathe.serve.structured import StructuredOutput
+
+    folders, _ = adapters
+    plain = served(checkpoint, folders)
+    spec = served(checkpoint, folders, speculative=SpeculativeConfig("ngram", 3))
+    requests = [(p, a) for p in PROMPTS for a in (None, "small", "large")]
+    assert [t for t, _ in generate(spec, requests, 32)] == \
+        [t for t, _ in generate(plain, requests, 32)]
+    assert spec.speculation_stats()["spec_decode_num_draft_tokens"] > 0
+    choice = StructuredOutput(choice=("north", "south", "east or west"))
+    for adapter in ("small", "large"):
+        done = spec.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=1.0, seed=3,
+                                                     structured=choice), adapter=adapter)
+        assert all(d.outputs[0].text in choice.choice for d in done)
