@@ -151,9 +151,10 @@ def read_adapter(name: str, path: str | Path, layers: dict[str, MultiLoraLinear]
             raise CheckpointError(f"{weights_file}: {key} is not a LoRA A or B weight; this "
                                   "server serves plain LoRA adapters only")
         if module not in layers:
-            raise CheckpointError(f"{weights_file}: {key} names {module!r}, which this base "
-                                  f"does not have (its projections: {', '.join(ALL_LINEARS)}); "
-                                  "was the adapter trained on another base?")
+            raise CheckpointError(f"{weights_file}: {key} names {module!r}, which is not a "
+                                  f"projection of this base that adapters may target "
+                                  f"({', '.join(ALL_LINEARS)} of each layer); was the adapter "
+                                  "trained on another base, or on lm_head?")
         pairs.setdefault(module, {})[kind[0]] = tensor
     if not pairs:
         raise CheckpointError(f"{weights_file}: no LoRA weights")

@@ -233,3 +233,15 @@ def test_speculation_and_structured_outputs_work_per_adapter(checkpoint, adapter
         done = spec.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=1.0, seed=3,
                                                      structured=choice), adapter=adapter)
         assert all(d.outputs[0].text in choice.choice for d in done)
+
+
+def test_an_adapter_on_a_module_the_base_lacks_is_refused(checkpoint, tmp_path):
+    from lathe.model.lora import save_adapter
+
+    head = save_adapter(apply_lora(load_checkpoint(checkpoint), LoraSection(
+        enabled=True, r=4, target_modules=["q_proj", "lm_head"])),
+        LoraSection(enabled=True, r=4, target_modules=["q_proj", "lm_head"]),
+        tmp_path / "head", checkpoint)
+    engine = LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=64, max_loras=1))
+    with pytest.raises(CheckpointError, match="names 'lm_head', which is not a projection"):
+        engine.add_adapter("head", head)
