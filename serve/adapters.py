@@ -4,9 +4,11 @@ The engine wraps every attention and MLP projection of the base in a `MultiLoraL
 holding `max_loras` adapter slots (Aᵀ: slots × in × max_rank, Bᵀ: slots × max_rank × out, a
 scale per slot; an adapter of lower rank fills its slot's leading ranks and leaves zeros).
 Each step the engine says which slot each token row belongs to (`AdapterSlots.rows`); a
-projection then adds, for every slot present, (x_rows A_slotᵀ) B_slotᵀ · scale to the base
-output of those rows — one pair of matmuls per adapter in the step, not per token — and
-rows of the base model (slot -1) get nothing added.
+projection then adds (x A_slotᵀ) B_slotᵀ · scale to each adapted row's base output: for a
+step of few rows over several adapters (decode) in one batched matmul pair over every row's
+own A and B (Punica's BGMV), otherwise one matmul pair per adapter over its rows (SGMV's
+segments), or over all rows when they share one adapter. Rows of the base model (slot -1)
+get nothing added.
 
 Adapters are peft folders (`adapter_config.json`, `adapter_model.safetensors`), read with
 safetensors only and checked against the base when loaded: every LoRA weight must name a
@@ -39,6 +41,10 @@ from lathe.model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, ALL_LINEARS, PEFT_
 
 # (slot, the token rows that slot's adapter applies to; None: every row of the forward)
 Rows = list[tuple[int, Tensor | None]]
+# up to this many adapted rows over several adapters (decode steps) gather every row's own
+# A and B and run one batched matmul pair (BGMV); more (prefill) loop over the adapters,
+# whose gathered weights would take rows × in × rank floats per projection
+GATHER_ROWS = 256
 
 
 class AdapterError(ValueError):
@@ -58,9 +64,11 @@ class LoraAdapter:
 
 
 class _Context:
-    """The token rows of the forward in flight, per slot (None: no adapter applies)."""
+    """The token rows of the forward in flight, per slot (None: no adapter applies), and
+    for a few rows over several adapters, the rows and each one's slot, to gather."""
 
     rows: Rows | None = None
+    gathered: tuple[Tensor, Tensor] | None = None
 
 
 class MultiLoraLinear(nn.Module):
@@ -88,6 +96,14 @@ class MultiLoraLinear(nn.Module):
         if not rows:
             return y
         flat_x, flat_y = x.reshape(-1, self.in_features), y.view(-1, self.out_features)
+        gathered = self.context.gathered
+        if gathered is not None:  # few rows, several adapters: one batched matmul pair
+            index, slots = gathered
+            xs = flat_x.index_select(0, index).to(self.lora_a.dtype)[:, None]
+            delta = (xs @ self.lora_a[slots]) @ self.lora_b[slots]
+            flat_y.index_add_(0, index, (delta[:, 0] * self.scale[slots, None]).to(
+                flat_y.dtype))
+            return y
         for slot, index in rows:
             if index is None:  # every row on this one adapter: no gather, no scatter
                 delta = (flat_x.to(self.lora_a.dtype) @ self.lora_a[slot]) \
@@ -326,7 +342,11 @@ class AdapterSlots:
             index = torch.tensor(slots, device=device)
             self.context.rows = [(slot, (index == slot).nonzero()[:, 0])
                                  for slot in present if slot >= 0] or None
+            adapted = (index >= 0).nonzero()[:, 0]
+            if self.context.rows and len(self.context.rows) > 1 and \
+                    len(adapted) <= GATHER_ROWS:
+                self.context.gathered = (adapted, index[adapted])
         try:
             yield
         finally:
-            self.context.rows = None
+            self.context.rows = self.context.gathered = None
