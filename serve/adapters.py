@@ -128,11 +128,30 @@ class MultiLoraLinear(nn.Module):
         self.scale[slot] = 0.0
 
 
+# what the config of an adapter's base must share with the served model's
+BASE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "intermediate_size", "vocab_size")
+
+
+def check_base(config_file: Path, base: object, served: dict) -> None:
+    """When an adapter names its base as a local checkpoint folder, that base must be the
+    served model's shape: an adapter trained on a shallower model of the same width would
+    otherwise load without a shape error and change only some layers."""
+    if not isinstance(base, str) or not (Path(base) / "config.json").is_file():
+        return  # a hub id, or a folder not on this machine: the weight shapes still decide
+    theirs = read_json_object(Path(base) / "config.json")
+    differ = [f"{key} {theirs.get(key)!r} vs {served.get(key)!r}" for key in BASE_FIELDS
+              if key in theirs and theirs.get(key) != served.get(key)]
+    if differ:
+        raise CheckpointError(f"{config_file}: its base_model_name_or_path {base} is not this "
+                              f"model ({'; '.join(differ)}); serve it over its own base")
+
+
 def read_adapter(name: str, path: str | Path, layers: dict[str, MultiLoraLinear],
-                 max_rank: int) -> LoraAdapter:
+                 max_rank: int, served: dict | None = None) -> LoraAdapter:
     """A peft adapter folder checked against the base's projections `layers` (module name
-    -> layer); `CheckpointError` naming the file, the weight and the fix when it does not
-    fit."""
+    -> layer) and, when given, the served model's HF config; `CheckpointError` naming the
+    file, the weight and the fix when it does not fit."""
     path = Path(path)
     config_file, weights_file = (checkpoint_file(path, ADAPTER_CONFIG),
                                  checkpoint_file(path, ADAPTER_WEIGHTS))
@@ -141,6 +160,8 @@ def read_adapter(name: str, path: str | Path, layers: dict[str, MultiLoraLinear]
                               f"and {ADAPTER_WEIGHTS} (peft's save_pretrained, or a lathe "
                               "LoRA run's final-adapter)")
     config = read_json_object(config_file)
+    if served is not None:
+        check_base(config_file, config.get("base_model_name_or_path"), served)
     for key, wanted in (("use_dora", False), ("bias", "none"), ("modules_to_save", None)):
         if config.get(key, wanted) not in (wanted, [], {}):
             raise CheckpointError(f"{config_file}: {key}={config[key]!r} is not served; only "
@@ -207,6 +228,7 @@ class AdapterSlots:
     the sequence waits."""
 
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int) -> None:
+        self.served = model.config.to_hf_config()
         if max_loras < 1 or max_rank < 1:
             raise AdapterError(f"max_loras={max_loras} and max_lora_rank={max_rank} must be "
                                ">= 1")
@@ -235,7 +257,7 @@ class AdapterSlots:
 
     def add(self, name: str, path: str | Path) -> LoraAdapter:
         """Read and check an adapter folder and hold it, ready for requests to name."""
-        adapter = read_adapter(name, path, self.layers, self.max_rank)
+        adapter = read_adapter(name, path, self.layers, self.max_rank, self.served)
         with self._lock:
             if name in self.loaded and not self.loaded[name].retiring:
                 raise AdapterError(f"an adapter named {name!r} is already loaded; unload it "

@@ -5,6 +5,7 @@ base is refused by name."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -248,3 +249,19 @@ def test_an_adapter_on_a_module_the_base_lacks_is_refused(checkpoint, tmp_path):
     engine = LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=64, max_loras=1))
     with pytest.raises(CheckpointError, match="names 'lm_head', which is not a projection"):
         engine.add_adapter("head", head)
+
+
+def test_an_adapter_whose_named_base_is_another_model_is_refused(checkpoint, adapters,
+                                                                  tmp_path):
+    shallow = tmp_path / "shallow"
+    model = load_checkpoint(checkpoint)
+    save_checkpoint(type(model)(dataclasses.replace(model.config, n_layers=1)), shallow,
+                    tokenizer=checkpoint)
+    folder = tmp_path / "adapter"
+    shutil.copytree(adapters[0]["small"], folder)
+    break_config(folder, base_model_name_or_path=str(shallow))
+    engine = LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=64, max_loras=1))
+    with pytest.raises(CheckpointError, match="num_hidden_layers 1 vs 2"):
+        engine.add_adapter("shallow", folder)
+    break_config(folder, base_model_name_or_path="some-org/some-model")  # not on disk
+    engine.add_adapter("hub", folder)
