@@ -4,11 +4,11 @@ The engine wraps every attention and MLP projection of the base in a `MultiLoraL
 holding `max_loras` adapter slots (Aᵀ: slots × in × max_rank, Bᵀ: slots × max_rank × out, a
 scale per slot; an adapter of lower rank fills its slot's leading ranks and leaves zeros).
 Each step the engine says which slot each token row belongs to (`AdapterSlots.rows`); a
-projection then adds (x A_slotᵀ) B_slotᵀ · scale to each adapted row's base output: for a
-step of few rows over several adapters (decode) in one batched matmul pair over every row's
-own A and B (Punica's BGMV), otherwise one matmul pair per adapter over its rows (SGMV's
-segments), or over all rows when they share one adapter. Rows of the base model (slot -1)
-get nothing added.
+projection then adds (x A_slotᵀ) B_slotᵀ · scale to each adapted row's base output: over
+several adapters in one batched matmul pair over every row's own A and B (Punica's BGMV)
+while the gathered weights stay small (`GATHER_ELEMENTS`), else one matmul pair per
+adapter over its rows (SGMV's segments); over all rows when they share one adapter. Rows
+of the base model (slot -1) get nothing added.
 
 Adapters are peft folders (`adapter_config.json`, `adapter_model.safetensors`), read with
 safetensors only and checked against the base when loaded: every LoRA weight must name a
@@ -41,10 +41,11 @@ from lathe.model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, ALL_LINEARS, PEFT_
 
 # (slot, the token rows that slot's adapter applies to; None: every row of the forward)
 Rows = list[tuple[int, Tensor | None]]
-# up to this many adapted rows over several adapters (decode steps) gather every row's own
-# A and B and run one batched matmul pair (BGMV); more (prefill) loop over the adapters,
-# whose gathered weights would take rows × in × rank floats per projection
-GATHER_ROWS = 256
+# rows over several adapters gather every row's own A and B and run one batched matmul
+# pair (BGMV) while those gathered weights stay within this many floats per projection
+# (rows × width × rank: a decode step's few rows, a small model's prefill); past it (a long
+# prefill of a wide model) they loop over the adapters (SGMV's segments)
+GATHER_ELEMENTS = 1 << 23
 
 
 class AdapterError(ValueError):
@@ -97,7 +98,8 @@ class MultiLoraLinear(nn.Module):
             return y
         flat_x, flat_y = x.reshape(-1, self.in_features), y.view(-1, self.out_features)
         gathered = self.context.gathered
-        if gathered is not None:  # few rows, several adapters: one batched matmul pair
+        if gathered is not None and len(gathered[0]) * max(self.in_features, self.out_features) \
+                * self.lora_a.shape[-1] <= GATHER_ELEMENTS:  # one batched matmul pair
             index, slots = gathered
             xs = flat_x.index_select(0, index).to(self.lora_a.dtype)[:, None]
             delta = (xs @ self.lora_a[slots]) @ self.lora_b[slots]
@@ -365,8 +367,7 @@ class AdapterSlots:
             self.context.rows = [(slot, (index == slot).nonzero()[:, 0])
                                  for slot in present if slot >= 0] or None
             adapted = (index >= 0).nonzero()[:, 0]
-            if self.context.rows and len(self.context.rows) > 1 and \
-                    len(adapted) <= GATHER_ROWS:
+            if self.context.rows and len(self.context.rows) > 1:
                 self.context.gathered = (adapted, index[adapted])
         try:
             yield

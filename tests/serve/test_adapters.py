@@ -68,12 +68,12 @@ def generate(engine: LLMEngine, requests: list[tuple[str, str | None]], tokens: 
     return [out[i] for i in ids]
 
 
-@pytest.mark.parametrize(("decode_steps", "gather_rows"), [(1, 256), (4, 256), (1, 0)])
+@pytest.mark.parametrize(("decode_steps", "gather_rows"), [(1, 1 << 23), (4, 1 << 23), (1, 0)])
 def test_mixed_adapters_in_one_batch_equal_their_merged_checkpoints(checkpoint, adapters,
                                                                     decode_steps, gather_rows,
                                                                     monkeypatch):
     """Gathered per row (BGMV) or looped per adapter (segments), multi-step or not."""
-    monkeypatch.setattr("lathe.serve.adapters.GATHER_ROWS", gather_rows)
+    monkeypatch.setattr("lathe.serve.adapters.GATHER_ELEMENTS", gather_rows)
     folders, merged = adapters
     engine = served(checkpoint, folders, decode_steps=decode_steps)
     requests = [(p, a) for p in PROMPTS for a in (None, "small", "large")]
