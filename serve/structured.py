@@ -29,7 +29,6 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import llguidance.torch
 import torch
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 from llguidance.gbnf_to_lark import gbnf_to_lark
@@ -42,6 +41,13 @@ CACHE_SIZE = 256
 # build, ~14k/ms per step; its defaults are 1M and 200k)
 LIMITS = dict(initial_lexer_fuel=2_000_000, step_lexer_fuel=400_000, max_grammar_size=500_000,
               verbose_errors=False)
+
+
+def _fill(matcher: LLMatcher, row: Tensor) -> None:
+    """The matcher's allowed-token bitmask written into `row` (int32, contiguous, on the
+    host) — what `llguidance.torch` does, without importing it: that module's
+    torch.compile decorator imports torch._dynamo, two seconds for every process."""
+    matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
 
 
 class GrammarError(ValueError):
@@ -137,7 +143,7 @@ class Constraints:
         words = (self.vocab_size + 31) // 32
         bitmask = torch.empty((len(keys), words), dtype=torch.int32)
         for row, key in enumerate(keys):
-            llguidance.torch.fill_next_token_bitmask(self.matchers[key], bitmask, row)
+            _fill(self.matchers[key], bitmask[row])
         return self._unpack(bitmask)
 
     def _unpack(self, bitmask: Tensor) -> Tensor:
@@ -155,7 +161,7 @@ class Constraints:
         words = (self.vocab_size + 31) // 32
         bitmask = torch.empty((len(tokens) + 1, words), dtype=torch.int32)
         for row in range(len(tokens) + 1):
-            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, row)
+            _fill(matcher, bitmask[row])
             if row < len(tokens):
                 matcher.consume_token(tokens[row])
         matcher.rollback(len(tokens))

@@ -278,10 +278,10 @@ def test_a_request_the_engine_refuses_at_admission_fails_alone(checkpoint):
     engine = LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=32))
     add = engine.add_request
 
-    def refuse_long_prompts(prompt_ids, params, request_id=None):
+    def refuse_long_prompts(prompt_ids, params, request_id=None, adapter=None):
         if len(prompt_ids) > 20:  # stands in for any per-request failure at admission
             raise ValueError("this prompt cannot be admitted")
-        return add(prompt_ids, params, request_id)
+        return add(prompt_ids, params, request_id, adapter)
 
     engine.add_request = refuse_long_prompts
     server, thread, url = start_server(checkpoint, lambda: engine)
