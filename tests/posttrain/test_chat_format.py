@@ -79,7 +79,7 @@ def test_dpo_and_grpo_render_through_the_given_template(long_base, tmp_path, sta
     out = tmp_path / stage
     settings = {"chat_template": template_file(tmp_path, plain(CHATML)), "micro_batch_size": 2}
     if stage == "dpo":
-        settings |= LONG
+        settings |= LONG | {"data.limit": 16}  # reference log-probs are taken for each pair
     if stage == "grpo":
         settings |= {"prompts_per_step": 2, "num_generations": 2, "max_completion_tokens": 4,
                      "grad_accum_steps": 2}
