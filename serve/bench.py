@@ -149,7 +149,10 @@ def offline(checkpoint: Path, prompts: list[list[int]], new_tokens: int,
             f"{same}/{len(prompts)}, {same_compiled}/{len(prompts)} | |"]
 
 
-def start_server(checkpoint: Path, engine_config: EngineConfig) -> tuple[object, str]:
+def start_server(checkpoint: Path, engine_config: EngineConfig,
+                 **config: object) -> tuple[object, str]:
+    """The real server on `checkpoint` in a thread, once healthy; `config`: more
+    `ServerConfig` fields (LoRA adapters, ...)."""
     import uvicorn
 
     from lathe.serve.server import ServerConfig, build_app
@@ -157,7 +160,7 @@ def start_server(checkpoint: Path, engine_config: EngineConfig) -> tuple[object,
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     app = build_app(ServerConfig(checkpoint=checkpoint, port=port, served_model_name="bench",
-                                 max_waiting=4096, engine=engine_config))
+                                 max_waiting=4096, engine=engine_config, **config))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     threading.Thread(target=server.run, daemon=True).start()
     url = f"http://127.0.0.1:{port}"
@@ -545,27 +548,10 @@ def random_adapters(checkpoint: Path, folder: Path, count: int) -> dict[str, Pat
 
 
 def adapter_section(checkpoint: Path, vocab: int, args: argparse.Namespace) -> list[str]:
-    import uvicorn
-
-    from lathe.serve.server import ServerConfig, build_app
     tmp = tempfile.TemporaryDirectory()
     adapters = random_adapters(checkpoint, Path(tmp.name), 16)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    app = build_app(ServerConfig(checkpoint=checkpoint, port=port, served_model_name="bench",
-                                 max_waiting=4096, loras=adapters, engine=EngineConfig(
-                                     max_loras=16, max_lora_rank=16)))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    threading.Thread(target=server.run, daemon=True).start()
-    url = f"http://127.0.0.1:{port}"
-    while True:
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
+    server, url = start_server(checkpoint, EngineConfig(max_loras=16, max_lora_rank=16),
+                               loras=adapters)
     load = random_prompts(64, 32, 128, vocab, seed=16)
     rows, baseline = [], None
     for count in (0, 1, 4, 16):

@@ -5,6 +5,8 @@ ship it). Each keeps the trait of its family that masking has to survive."""
 
 from __future__ import annotations
 
+from tokenizers import Tokenizer
+
 GEN, END = "{% generation %}", "{% endgeneration %}"
 
 # Qwen2.5: ChatML turns, a default system prompt, tools listed in the system turn, calls as
@@ -153,3 +155,16 @@ SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_ca
 def plain(template: str) -> str:
     """The template without its generation blocks, as a checkpoint would ship it."""
     return template.replace(GEN, "").replace(END, "")
+
+
+def trained_text(tokenizer: Tokenizer, ids: list[int], mask: list[bool]) -> list[str]:
+    """The masked runs of a tokenized conversation, decoded."""
+    runs, current = [], []
+    for token, trained in zip(ids, mask, strict=True):
+        if trained:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    runs += [current] if current else []
+    return [tokenizer.decode(run, skip_special_tokens=False) for run in runs]

@@ -18,7 +18,7 @@ from lathe.data.chat_template import ChatTemplate
 from lathe.data.formats import Chat, load_chat_dataset
 from lathe.data.template_worker import TemplateWorker
 from lathe.data.tokenizer import train_tokenizer
-from tests.data.chat_templates import FAMILIES, SPECIAL_TOKENS, plain
+from tests.data.chat_templates import FAMILIES, SPECIAL_TOKENS, plain, trained_text
 from tests.data.corpus import prose
 
 SYSTEM = {"role": "system", "content": "You answer briefly."}
@@ -86,19 +86,6 @@ def transformers_encoding(tokenizer: Tokenizer, family: str, chat: Chat,
                                  tokenize=True, return_dict=True,
                                  return_assistant_tokens_mask=True, **kwargs)
     return out["input_ids"], [bool(m) for m in out["assistant_masks"]]
-
-
-def trained_text(tokenizer: Tokenizer, ids: list[int], mask: list[bool]) -> list[str]:
-    """The masked runs of a conversation, decoded."""
-    runs, current = [], []
-    for token, trained in zip(ids, mask, strict=True):
-        if trained:
-            current.append(token)
-        elif current:
-            runs.append(current)
-            current = []
-    runs += [current] if current else []
-    return [tokenizer.decode(run, skip_special_tokens=False) for run in runs]
 
 
 @pytest.mark.parametrize(("family", "chat", "derivable"), CASES,

@@ -20,6 +20,7 @@ from lathe.data.formats import (
 from lathe.data.tasks import task_examples
 from lathe.data.tasks.arithmetic import arithmetic_preferences, extract_number
 from lathe.data.tokenizer import train_tokenizer
+from tests.data.chat_templates import trained_text
 from tests.data.corpus import prose
 
 
@@ -101,16 +102,7 @@ def test_lathe_template_masks_exactly_the_assistant_contents_and_end_tokens(toke
     template = ChatTemplate(CHAT_TEMPLATE, {"bos_token": BOS, "eos_token": END_OF_TURN})
     ids, mask = ChatEncoder(tokenizer, template, "lathe's").conversation(Chat(messages))
     assert len(ids) == len(mask)
-    runs, current = [], []
-    for token, trained in zip(ids, mask, strict=True):
-        if trained:
-            current.append(token)
-        elif current:
-            runs.append(current)
-            current = []
-    if current:
-        runs.append(current)
-    decoded = [tokenizer.decode(run, skip_special_tokens=False) for run in runs]
+    decoded = trained_text(tokenizer, ids, mask)
     assert decoded == ["42" + END_OF_TURN, "It flows quietly past the old mill." + END_OF_TURN]
 
 
