@@ -66,7 +66,7 @@ def _forward(x: Tensor, residual: Tensor | None, weight: Tensor,
     n_rows, n_cols = x2.shape
     r2 = residual.reshape(-1, n_cols).contiguous() if residual is not None else x2
     total = torch.empty_like(x2) if residual is not None else x2
-    y = torch.empty_like(x2, dtype=torch.result_type(x2, weight))
+    y = torch.empty_like(x2, dtype=torch.promote_types(x2.dtype, weight.dtype))
     rstd = torch.empty(n_rows, device=x.device, dtype=torch.float32)
     block, rows = _launch_shape(n_rows, n_cols)
     _rms_norm_forward[(triton.cdiv(n_rows, rows),)](

@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from lathe.core.checkpoint_files import checkpoint_file, read_json_object
 from lathe.core.errors import CheckpointError
 from lathe.model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, ALL_LINEARS, PEFT_PREFIX
+from lathe.serve.sequence import Sequence
 
 # (slot, the token rows that slot's adapter applies to; None: every row of the forward)
 Rows = list[tuple[int, Tensor | None]]
@@ -332,6 +333,17 @@ class AdapterSlots:
             entry.users += 1
             entry.last_used = next(self._clock)
             return entry.slot
+
+    def admit(self, seq: Sequence) -> bool:
+        """The scheduler's admission check: a waiting sequence on an adapter may start only
+        once it holds that adapter's slot."""
+        if seq.adapter is None or seq.adapter_slot >= 0:
+            return True
+        slot = self.activate(seq.adapter)
+        if slot is None:
+            return False
+        seq.adapter_slot = slot
+        return True
 
     def release(self, name: str) -> None:
         """A sequence admitted on `name` has finished (or was aborted)."""

@@ -20,6 +20,7 @@ deltas.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import threading
 import time
@@ -119,10 +120,13 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, block_size)
         self.slabs = KVSlabs(model.config, num_blocks, block_size, self.device, dtype)
         lookahead = speculative.num_speculative_tokens if speculative else 0
-        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
-                                   self.config.max_num_batched_tokens, lookahead, self._admit)
         self.adapters = AdapterSlots(model, self.config.max_loras, self.config.max_lora_rank) \
             if self.config.max_loras else None
+        # the callback is the adapters', not a method of the engine: no reference cycle, so
+        # a dropped engine frees its KV cache at once (on a GPU, before the next one is sized)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
+                                   self.config.max_num_batched_tokens, lookahead,
+                                   None if self.adapters is None else self.adapters.admit)
         self.runner = ModelRunner(model, self.slabs, self.device, self.config.max_num_seqs,
                                   compile_decode=self.config.compile_decode)
         self.speculator = None if speculative is None else Speculator(
@@ -167,6 +171,7 @@ class LLMEngine:
         per_block = sum(KVSlabs.bytes_per_block(m.config, self.config.block_size, dtype)
                         for m in (self.model, draft) if m is not None)
         if self.device.type == "cuda":
+            gc.collect()  # an engine dropped but held in a reference cycle frees its cache now
             free, total = torch.cuda.mem_get_info(self.device)
             # what torch's caching allocator holds unused (an earlier engine's freed cache,
             # say) is free to this process too, though the driver counts it as taken
@@ -177,9 +182,14 @@ class LLMEngine:
             budget = self.config.kv_cache_memory_mb * 2**20
         blocks = int(budget // per_block) - 1  # the slabs add a scratch block
         if blocks < 1:
+            where = (f"{free / 2**30:.1f} GiB of the GPU's {total / 2**30:.1f} are free, and "
+                     f"gpu_memory_utilization={self.config.gpu_memory_utilization} keeps "
+                     f"{(1 - self.config.gpu_memory_utilization) * total / 2**30:.1f} GiB back; "
+                     "free the memory another model or engine holds, or raise "
+                     "gpu_memory_utilization") if self.device.type == "cuda" else \
+                "raise kv_cache_memory_mb"
             raise RequestError(f"the KV-cache budget ({budget / 2**20:.0f} MiB) holds no block "
-                               f"of {per_block / 2**20:.2f} MiB; raise kv_cache_memory_mb or "
-                               "gpu_memory_utilization")
+                               f"of {per_block / 2**20:.2f} MiB: {where}")
         return blocks
 
     @property
@@ -308,16 +318,6 @@ class LLMEngine:
         if seq.adapter is not None and seq.adapter_slot >= 0:  # once, if it was admitted
             self.adapters.release(seq.adapter)
             seq.adapter = None
-
-    def _admit(self, seq: Sequence) -> bool:
-        """Whether a waiting sequence may start: one on a LoRA adapter needs its slot."""
-        if seq.adapter is None or seq.adapter_slot >= 0:
-            return True
-        slot = self.adapters.activate(seq.adapter)
-        if slot is None:
-            return False
-        seq.adapter_slot = slot
-        return True
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
