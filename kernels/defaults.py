@@ -25,6 +25,7 @@ class Default:
 
 
 H100 = "2026-11-24, NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, bf16"
+H200 = "2026-11-26, NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, bf16"
 CPU = "2026-11-25, AMD EPYC (AVX-512), 2 threads, torch 2.13.0+cpu, float32"
 CPU_LATE = "2026-11-24 (late), x86_64, 2 threads, torch 2.13.0+cpu, float32"
 CPU_NOW = ("2026-11-26, AMD EPYC (AVX-512), 2 threads, torch 2.13.0+cpu, float32, cores "
@@ -35,30 +36,34 @@ QUANT = ("Int8Linear / Int4Linear(2048 -> 8192) forward, median of 30, against "
 
 DEFAULTS: dict[tuple[str, str], Default] = {
     ("rms_norm", "cuda"): Default(
-        True, "16384 x 2048, forward+backward 592 us; torch.compile 770, eager 1,860",
-        H100, BENCH),
+        True, "16384 x 2048, forward+backward 461 us; torch.compile 485, Liger 471, eager "
+        "1,494 (H100: 592 against compile's 770)", H200, BENCH),
     ("add_rms_norm", "cuda"): Default(
-        False, "16384 x 2048, forward+backward 1,057 us; torch.compile 796, eager 2,089 "
-        "(forward alone 99 against compile's 103)", H100, BENCH),
+        False, "16384 x 2048, forward+backward 598 us; torch.compile 729, eager 1,665 — a "
+        "win on the H200, but a loss on the H100 (1,057 against 796): off until a GPU run "
+        "with it on passes recipes/gpu-smoke.sh and the pretrain bench", H200, BENCH),
     ("swiglu", "cuda"): Default(
-        False, "16384 x 8192, forward+backward 1,327.2 us; torch.compile 1,326.7 (a tie), "
-        "eager 1,853", H100, BENCH),
+        False, "16384 x 8192, forward+backward 956.0 us; torch.compile 956.0 (a tie), Liger "
+        "965.5, eager 1,339 (H100: 1,327.2 against 1,326.7)", H200, BENCH),
     ("rope", "cuda"): Default(
-        False, "4 x 2048 tokens, 32/8 heads of 64, forward+backward 808 us; torch.compile "
-        "328, eager 731", H100, BENCH),
+        False, "4 x 2048 tokens, 32/8 heads of 64, forward+backward 590 us; torch.compile "
+        "872, Liger 601, eager 720; forward alone 174 against compile's 146 — on the H100 "
+        "808 against compile's 328: off until a GPU run with it on passes "
+        "recipes/gpu-smoke.sh and the pretrain bench", H200, BENCH),
     ("linear_cross_entropy", "cuda"): Default(
-        False, "8192 x 2048 -> 128256, forward+backward 115,242 us; torch.compile 21,123 "
-        "(same 2.5 GiB peak), eager 34,559 (12.0 GiB)", H100, BENCH),
+        False, "8192 x 2048 -> 128256, forward+backward 110,731 us; torch.compile 21,170 "
+        "(same 2.5 GiB peak), Liger 29,830, eager 30,737 (12.0 GiB)", H200, BENCH),
     ("causal_attention", "cuda"): Default(
         False, "4 x 2048 tokens, 32/8 heads of 64, forward+backward 1,376 us; SDPA 852, "
         "torch.compile 862 (square attention; chunks after cached context, the only case "
         "dispatched to it, not measured)", H100, BENCH),
     ("int8_matmul", "cuda"): Default(
-        True, "32 x 2048 -> 8192, 36.7 us; torch.compile 97.1, eager dequantize + matmul "
-        "163.8", H100, BENCH),
+        True, "32 x 2048 -> 8192, 51.9 us; torch.compile 102.0, eager dequantize + matmul "
+        "141.3; 1 row 51.6 against 90.7 and 141.4 (dense bf16, which it does not replace: "
+        "17.0)", H200, BENCH),
     ("int4_matmul", "cuda"): Default(
-        True, "32 x 2048 -> 8192, 46.5 us; torch.compile 97.2, eager dequantize + matmul "
-        "264.5", H100, BENCH),
+        True, "32 x 2048 -> 8192, 24.7 us; torch.compile 86.3, eager dequantize + matmul "
+        "232.3; 1 row 42.9 against 146.0 and 232.4 (dense bf16: 16.8)", H200, BENCH),
     ("paged_decode", "cuda"): Default(
         True, "32 x 2,048 tokens, 90 us; torch.compile 158, gather + SDPA 181; one 32k "
         "sequence 63 against 112 and 115", H100, BENCH),

@@ -239,7 +239,9 @@ def streamed_bytes(model: torch.nn.Module) -> int:
 
 def decode_speed(checkpoint: Path, quantize: str | None, prompt: list[int],
                  new_tokens: int, device: torch.device,
-                 config: EngineConfig | None = None) -> tuple[float, int]:
+                 config: EngineConfig | None = None) -> tuple[float, int, str]:
+    """Best decode tok/s of one sequence, the weight bytes a step streams, and the name of
+    the weights' format (the quantization, or the unquantized dtype)."""
     # a KV cache the one sequence's size: engines built one after another in one process
     # then never wait on the last one's memory (on a GPU the default takes 90% of it)
     blocks = 2 * -(-(len(prompt) + new_tokens) // EngineConfig.block_size)
@@ -258,7 +260,8 @@ def decode_speed(checkpoint: Path, quantize: str | None, prompt: list[int],
         while engine.has_unfinished():
             tokens += sum(len(delta.token_ids) for delta in engine.step())
         best = max(best, tokens / (time.perf_counter() - start))
-    return best, streamed_bytes(engine.model)
+    weights = quantize or str(engine.model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    return best, streamed_bytes(engine.model), weights
 
 
 def batched_decode_speed(checkpoint: Path, batch: int, prompt_tokens: int,
@@ -595,10 +598,10 @@ def decode_section(checkpoint: Path, prompt: list[int], device: torch.device,
         if eval_ids is not None:
             ppl = f"{perplexity(load_serving_model(checkpoint, quantize=quantize), eval_ids):.3f}"
         for variant, config in configs.items():
-            tok_s, nbytes = decode_speed(checkpoint, quantize, prompt, args.decode_tokens,
-                                         device, config)
+            tok_s, nbytes, weights = decode_speed(checkpoint, quantize, prompt,
+                                                  args.decode_tokens, device, config)
             implied = tok_s * nbytes
-            name = (quantize or "fp32") + variant
+            name = weights + variant
             rows.append(f"| {name} | {nbytes / 2**20:.1f} | {tok_s:,.1f} | "
                         f"{implied / 1e9:.2f} | {implied / bandwidth:.1%} | "
                         f"{'—' if config.compile_decode or not ppl else ppl} |")
