@@ -14,11 +14,58 @@ of the KV group, so GQA needs no atomics), another walks key tiles per query til
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from lathe.kernels.dispatch import check_same_dtype, use_triton
+
+
+@dataclass(frozen=True)
+class AttentionVariant:
+    """How a layer's attention departs from plain causal softmax(q·kᵀ/√d)·v, as open-model
+    families do (the kernels take only the plain form; any variant takes the reference).
+
+    - `window`: sliding-window attention: a query sees itself and the `window - 1` keys
+      before it (transformers' `kv_idx > q_idx - sliding_window`; Mistral, Gemma, Phi-3);
+    - `scale`: the score scale, None for 1/√head_dim (Gemma: query_pre_attn_scalar^-½);
+    - `softcap`: scores become softcap·tanh(scores/softcap) before the mask (Gemma 2).
+    """
+
+    window: int | None = None
+    scale: float | None = None
+    softcap: float | None = None
+
+
+PLAIN = AttentionVariant()
+
+
+def visible(query_pos: Tensor, key_pos: Tensor, window: int | None) -> Tensor:
+    """Which keys each query sees: (..., Sq, 1) query positions against (..., Sk) key
+    positions -> a bool mask: causal, and within the window when there is one."""
+    mask = key_pos <= query_pos
+    if window is not None:
+        mask = mask & (key_pos > query_pos - window)
+    return mask
+
+
+def masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor,
+                     variant: AttentionVariant) -> Tensor:
+    """Attention of (B, H, Sq, D) queries over (B, Hkv, Sk, D) keys under a boolean `mask`
+    broadcast to (B, H, Sq, Sk): SDPA, or without it when scores are soft-capped (computed
+    as transformers' eager attention does: scores in the input dtype, softmax in fp32)."""
+    if variant.softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=variant.scale,
+                                              enable_gqa=grouped(q, k))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scale = variant.scale if variant.scale is not None else q.shape[-1] ** -0.5
+    scores = q @ k.transpose(-1, -2) * scale
+    scores = torch.tanh(scores / variant.softcap) * variant.softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 def grouped(q: Tensor, k: Tensor) -> bool:
@@ -28,15 +75,17 @@ def grouped(q: Tensor, k: Tensor) -> bool:
     return True if q.shape[1] != k.shape[1] else False  # noqa: SIM210
 
 
-def causal_attention_reference(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+def causal_attention_reference(q: Tensor, k: Tensor, v: Tensor,
+                               variant: AttentionVariant = PLAIN) -> Tensor:
     """(B, H, Sq, D) queries over (B, Hkv, Sk, D) keys and values, Sk ≥ Sq -> (B, H, Sq, D)."""
     seq_q, seq_k = q.shape[2], k.shape[2]
-    gqa = grouped(q, k)
-    if seq_q == seq_k:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    window = variant.window if variant.window is not None and variant.window < seq_k else None
+    if seq_q == seq_k and window is None and variant.softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=variant.scale,
+                                              enable_gqa=grouped(q, k))
     query_pos = torch.arange(seq_q, device=q.device)[:, None] + (seq_k - seq_q)
-    mask = torch.arange(seq_k, device=q.device)[None] <= query_pos
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    mask = visible(query_pos, torch.arange(seq_k, device=q.device), window)
+    return masked_attention(q, k, v, mask, variant)
 
 
 def check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -48,8 +97,10 @@ def check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
                          f"H={q.shape[1]}, Hkv={k.shape[1]}, Sq={q.shape[2]}, Sk={k.shape[2]}")
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Causal attention of the last Sq positions over Sk keys.
+def causal_attention(q: Tensor, k: Tensor, v: Tensor,
+                     variant: AttentionVariant = PLAIN) -> Tensor:
+    """Causal attention of the last Sq positions over Sk keys (a family's `variant`: a
+    sliding window, another scale, soft-capped scores; those take the reference).
 
     A chunk after cached context (Sq < Sk: chunked prefill, verification of drafts) may
     take the Triton kernel on CUDA, where SDPA needs an explicit mask; the defaults table
@@ -58,7 +109,7 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     FlashAttention backend beat the kernel on an H100 (852 vs 1,376 µs forward+backward in
     bf16; docs/benchmarks.md)."""
     check_same_dtype("causal_attention", q=q, k=k, v=v)
-    if q.shape[2] < k.shape[2] and use_triton("causal_attention", q):
+    if variant == PLAIN and q.shape[2] < k.shape[2] and use_triton("causal_attention", q):
         from lathe.kernels.attention_triton import causal_attention_triton
         return causal_attention_triton(q, k, v)
-    return causal_attention_reference(q, k, v)
+    return causal_attention_reference(q, k, v, variant)

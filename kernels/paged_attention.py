@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lathe.kernels.attention import grouped
+from lathe.kernels.attention import PLAIN, AttentionVariant, grouped, masked_attention, visible
 from lathe.kernels.cpu_native import cpu_kernels_loaded
 from lathe.kernels.dispatch import (
     check_same_dtype,
@@ -28,21 +28,25 @@ from lathe.kernels.dispatch import (
 
 
 def paged_decode_reference(q: Tensor, k_slab: Tensor, v_slab: Tensor, block_tables: Tensor,
-                           context_lens: Tensor, block_size: int) -> Tensor:
+                           context_lens: Tensor, block_size: int,
+                           variant: AttentionVariant = PLAIN) -> Tensor:
     """(B, H, D) queries; block_tables (B, max_blocks) int; context_lens (B,) -> (B, H, D).
+    Each query is its sequence's last token (position context_len − 1).
 
     Gathers every sequence's blocks into a padded (B, n_kv_heads, max_blocks · block_size,
     D) copy and runs one masked SDPA: the engine's path off-GPU and the kernel's baseline.
     The copy is whole blocks (`index_select` over the slab viewed as blocks): on CPU that
     is 4.5x faster than indexing it slot by slot, which cost a 16-row decode step 40%.
     """
-    visible = (torch.arange(block_tables.shape[1] * block_size, device=q.device)
-               < context_lens[:, None])
     keys = gather_blocks(k_slab, block_tables, block_size).transpose(1, 2)
     values = gather_blocks(v_slab, block_tables, block_size).transpose(1, 2)
-    return F.scaled_dot_product_attention(
-        q[:, :, None], keys, values, attn_mask=visible[:, None, None],
-        enable_gqa=grouped(q, keys))[:, :, 0]
+    slots = torch.arange(block_tables.shape[1] * block_size, device=q.device)
+    if variant == PLAIN:
+        return F.scaled_dot_product_attention(
+            q[:, :, None], keys, values, attn_mask=(slots < context_lens[:, None])[:, None, None],
+            enable_gqa=grouped(q, keys))[:, :, 0]
+    mask = visible((context_lens - 1)[:, None], slots, variant.window)
+    return masked_attention(q[:, :, None], keys, values, mask[:, None, None], variant)[:, :, 0]
 
 
 def gather_blocks(slab: Tensor, block_tables: Tensor, block_size: int) -> Tensor:
@@ -58,13 +62,18 @@ def native_paged_decode(tensor: Tensor) -> bool:
 
 
 def paged_decode(q: Tensor, k_slab: Tensor, v_slab: Tensor, block_tables: Tensor,
-                 context_lens: Tensor, block_size: int) -> Tensor:
+                 context_lens: Tensor, block_size: int,
+                 variant: AttentionVariant = PLAIN) -> Tensor:
     """Decode attention through block tables: Triton on CUDA, the native CPU kernel on CPU
     once `lathe.kernels.cpu_native` has loaded it (inference only: it has no backward),
     gather + SDPA otherwise. The Triton kernel tiles one block per step, so it takes blocks
     of 16 tokens or more (a power of two, the smallest `tl.dot` tile); smaller blocks take
-    the gather path."""
+    the gather path. A family's attention `variant` (sliding window, scale, soft-capping)
+    takes the gather path too."""
     check_same_dtype("paged_decode", q=q, k_slab=k_slab, v_slab=v_slab)
+    if variant != PLAIN:
+        return paged_decode_reference(q, k_slab, v_slab, block_tables, context_lens,
+                                      block_size, variant)
     tileable = block_size >= 16 and block_size & (block_size - 1) == 0
     if tileable and use_triton("paged_decode", q):
         from lathe.kernels.paged_attention_triton import paged_decode_triton

@@ -16,6 +16,7 @@ from lathe.core.errors import ConfigError
 from lathe.model.families import FAMILIES, family_switches
 
 ROPE_TYPES = ("llama3", "linear", "yarn")
+LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 @dataclass
@@ -72,6 +73,9 @@ class ModelConfig:
     what that family's transformers class builds: `qkv_bias` (bias on q, k, v), `o_bias`
     (on the output projection), `qk_norm` (an RMSNorm over each head of q and k),
     `no_rope_layers` (SmolLM3's layers without positional rotation, "NoPE").
+    `sliding_window` makes attention local: a token sees itself and the `sliding_window - 1`
+    before it; `layer_types` (HF's per-layer "sliding_attention" / "full_attention") says
+    which layers slide, every one when it is None.
     """
 
     vocab_size: int = 2048
@@ -94,6 +98,8 @@ class ModelConfig:
     o_bias: bool = False
     qk_norm: bool = False
     no_rope_layers: list[int] | None = None  # SmolLM3: per layer, 1 rotates q and k, 0 not
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
@@ -123,6 +129,7 @@ class ModelConfig:
                                    or any(flag not in (0, 1) for flag in layers)):
             raise ConfigError(f"ModelConfig.no_rope_layers={layers!r} must hold a 0 or 1 for "
                               f"each of the {self.n_layers} layers")
+        self._validate_window()
         if self.ffn_hidden_dim is None:
             self.ffn_hidden_dim = llama_ffn_hidden_dim(
                 self.dim, self.multiple_of, self.ffn_dim_multiplier
@@ -151,6 +158,35 @@ class ModelConfig:
                 f"ModelConfig: head_dim={self.head_dim} is odd; RoPE rotates pairs of "
                 "channels, so pick an even head_dim (or dim and n_heads giving one)"
             )
+
+    def _validate_window(self) -> None:
+        window, types = self.sliding_window, self.layer_types
+        if window is not None and (not isinstance(window, int) or window <= 0):
+            raise ConfigError(f"ModelConfig.sliding_window={window!r} must be a positive "
+                              "integer (or null for full attention)")
+        sliding = FAMILIES[self.family].sliding
+        if window is not None and sliding == "none" or types is not None and sliding == "all":
+            raise ConfigError(
+                f"ModelConfig: family={self.family!r} has no "
+                + ("sliding window" if sliding == "none" else "per-layer windows")
+                + f" (sliding_window={window!r}, layer_types={types!r}); drop them or choose "
+                "a family that has them (mistral slides every layer; qwen2, qwen3 and "
+                "smollm3 the layers layer_types marks)")
+        if types is None:
+            return
+        if window is None:
+            raise ConfigError(f"ModelConfig.layer_types={types!r} needs sliding_window: the "
+                              "window its sliding layers attend over")
+        if len(types) != self.n_layers or set(types) - set(LAYER_TYPES):
+            raise ConfigError(f"ModelConfig.layer_types={types!r} must name, for each of the "
+                              f"{self.n_layers} layers, one of {', '.join(LAYER_TYPES)}")
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window layer `layer` attends over, None for full attention."""
+        if self.sliding_window is None or (self.layer_types is not None
+                                           and self.layer_types[layer] != "sliding_attention"):
+            return None
+        return self.sliding_window
 
     def _validate_rest(self) -> None:
         if self.ffn_hidden_dim <= 0:
@@ -294,12 +330,7 @@ class ModelConfig:
             if hf.get(key):
                 raise ConfigError(f"config.json: {key}={hf[key]!r} is not supported: lathe "
                                   "has no mixture-of-experts, vision or NoPE layers")
-        window, positions = family.window(hf), hf.get("max_position_embeddings", 2048)
-        if window is not None and window < positions:
-            raise ConfigError(
-                f"config.json: sliding_window={window} is shorter than "
-                f"max_position_embeddings={positions}; sliding-window attention is not "
-                "supported, and attending in full past the window would give other logits")
+        window, layer_types = family.window(hf)
         n_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -345,6 +376,8 @@ class ModelConfig:
             head_dim=head_dim,
             family=model_type,
             no_rope_layers=_no_rope_layers(hf) if model_type == "smollm3" else None,
+            sliding_window=window,
+            layer_types=layer_types,
             **family.switches(hf),
         )
 

@@ -12,8 +12,10 @@ here, so the checkpoint code needs no renaming.
 | qwen3 | Qwen3ForCausalLM | RMSNorm of each head of q and k; `attention_bias` on all four |
 | smollm3 | SmolLM3ForCausalLM | `attention_bias`; no RoPE in the layers `no_rope_layers` marks 0 |
 
-Sliding-window attention (Mistral v0.1's 4096, Qwen's `use_sliding_window`) is not
-implemented: a window shorter than the context is refused rather than attended in full.
+Sliding windows: Mistral's `sliding_window` covers every layer; Qwen2/3's and SmolLM3's
+(`use_sliding_window`) cover the layers `layer_types` marks, by default those from
+`max_window_layers` on (Qwen) or those without RoPE (SmolLM3), as their config classes fill
+them in. An export writes `layer_types` out whole.
 """
 
 from __future__ import annotations
@@ -22,13 +24,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lathe.core.errors import ConfigError
+
+Window = tuple[int | None, list[str] | None]  # ModelConfig's sliding_window, layer_types
+
 
 @dataclass(frozen=True)
 class Family:
     architecture: str
     switches: Callable[[dict[str, Any]], dict[str, bool]]  # config.json -> ModelConfig
-    window: Callable[[dict[str, Any]], int | None]  # the sliding window config.json asks for
+    window: Callable[[dict[str, Any]], Window]  # the sliding window config.json asks for
     extra: Callable[[Any], dict[str, Any]]  # ModelConfig -> keys an export adds
+    sliding: str = "none"  # which windows its class builds: "none", "all" layers, "layers"
 
 
 def _attention_bias(hf: dict[str, Any]) -> dict[str, bool]:
@@ -36,32 +43,66 @@ def _attention_bias(hf: dict[str, Any]) -> dict[str, bool]:
     return {"qkv_bias": bias, "o_bias": bias}
 
 
-def _qwen_window(hf: dict[str, Any]) -> int | None:
-    return hf.get("sliding_window") if hf.get("use_sliding_window") else None
+def _no_window(hf: dict[str, Any]) -> Window:
+    return None, None
 
 
-def _qwen_extra(config: Any) -> dict[str, Any]:
-    return {"use_sliding_window": False, "sliding_window": None,
-            "max_window_layers": config.n_layers}
+def _mistral_window(hf: dict[str, Any]) -> Window:
+    if hf.get("layer_types"):
+            raise ConfigError(f"config.json: layer_types={hf['layer_types']!r} is not supported "
+                          "for mistral: MistralForCausalLM slides every layer (alternating "
+                          "layers are Ministral's, which lathe does not load)")
+    return hf.get("sliding_window"), None
+
+
+def _qwen_window(hf: dict[str, Any]) -> Window:
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    if window is None:
+        return None, None
+    types = hf.get("layer_types") or [
+        "sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention"
+        for i in range(hf["num_hidden_layers"])]
+    return window, list(types)
+
+
+def _smollm3_window(hf: dict[str, Any]) -> Window:
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    if window is None:
+        return None, None
+    rotating = hf.get("no_rope_layers") or [1] * hf["num_hidden_layers"]
+    types = hf.get("layer_types") or ["full_attention" if rotates else "sliding_attention"
+                                      for rotates in rotating]
+    return window, list(types)
+
+
+def _windows_written(config: Any) -> dict[str, Any]:
+    """Qwen's and SmolLM3's window keys: the layer types written out whole."""
+    types = config.layer_types or ["sliding_attention" if config.sliding_window else
+                                   "full_attention"] * config.n_layers
+    sliding = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+    return {"use_sliding_window": config.sliding_window is not None,
+            "sliding_window": config.sliding_window, "layer_types": types,
+            "max_window_layers": sliding[0] if sliding else config.n_layers}
 
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(
-        "LlamaForCausalLM", _attention_bias, lambda hf: None,
+        "LlamaForCausalLM", _attention_bias, _no_window,
         lambda c: {"attention_bias": c.qkv_bias, "mlp_bias": False, "pretraining_tp": 1}),
     "mistral": Family(
-        "MistralForCausalLM", lambda hf: {}, lambda hf: hf.get("sliding_window"),
-        lambda c: {"sliding_window": None}),
+        "MistralForCausalLM", lambda hf: {}, _mistral_window,
+        lambda c: {"sliding_window": c.sliding_window}, sliding="all"),
     "qwen2": Family(
-        "Qwen2ForCausalLM", lambda hf: {"qkv_bias": True}, _qwen_window, _qwen_extra),
+        "Qwen2ForCausalLM", lambda hf: {"qkv_bias": True}, _qwen_window, _windows_written,
+        sliding="layers"),
     "qwen3": Family(
         "Qwen3ForCausalLM", lambda hf: {"qk_norm": True, **_attention_bias(hf)}, _qwen_window,
-        lambda c: {"attention_bias": c.qkv_bias, **_qwen_extra(c)}),
+        lambda c: {"attention_bias": c.qkv_bias, **_windows_written(c)}, sliding="layers"),
     "smollm3": Family(
-        "SmolLM3ForCausalLM", _attention_bias, _qwen_window,
+        "SmolLM3ForCausalLM", _attention_bias, _smollm3_window,
         lambda c: {"attention_bias": c.qkv_bias, "mlp_bias": False,
                    "no_rope_layers": list(c.no_rope_layers or [1] * c.n_layers),
-                   "use_sliding_window": False, "sliding_window": None}),
+                   **_windows_written(c)}, sliding="layers"),
 }
 
 SWITCHES = ("qkv_bias", "o_bias", "qk_norm")

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from lathe.kernels import causal_attention
+from lathe.kernels import PLAIN, AttentionVariant, causal_attention
 from lathe.model.config import ModelConfig
 
 
@@ -27,10 +27,12 @@ class KVCache(Protocol):
         positions (for RoPE)."""
         ...
 
-    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor,
+               variant: AttentionVariant = PLAIN) -> Tensor:
         """Store this layer's new (B, n_kv_heads, T, head_dim) keys and values and return
         the causal attention of the (B, n_heads, T, head_dim) queries over every cached
-        and new key of their own sequence, shaped like `q`."""
+        and new key of their own sequence they may see (the layer's `variant`: a sliding
+        window, ...), shaped like `q`."""
         ...
 
 
@@ -64,12 +66,13 @@ class ContiguousKVCache:
             positions = torch.arange(start, end, device=input_ids.device).expand(batch, new)
         return positions
 
-    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor,
+               variant: AttentionVariant = PLAIN) -> Tensor:
         """Attention runs in the cache's dtype (K/V are stored in it, q is converted), so a
         cache of one dtype serves activations of another, e.g. under bf16 autocast."""
         start, end = self._start, self.length
         self.k[layer_idx, :, :, start:end] = k
         self.v[layer_idx, :, :, start:end] = v
         out = causal_attention(q.to(self.k.dtype), self.k[layer_idx, :, :, :end],
-                               self.v[layer_idx, :, :, :end])
+                               self.v[layer_idx, :, :, :end], variant)
         return out.to(q.dtype)

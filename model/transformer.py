@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lathe.kernels import (
+    AttentionVariant,
     add_rms_norm,
     causal_attention,
     configure_kernels,
@@ -150,6 +151,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
         self.rotates = config.no_rope_layers is None or bool(config.no_rope_layers[layer_idx])
+        window = config.window(layer_idx)
+        # a window as long as the context changes nothing: the plain form keeps the kernels
+        self.variant = AttentionVariant(
+            window=window if window is not None and window < config.max_seq_len else None)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache | None) -> Tensor:
         batch, seq, _ = x.shape
@@ -162,9 +167,9 @@ class Attention(nn.Module):
         if self.rotates:
             q, k = rope(q, k, cos, sin)
         if kv_cache is not None:
-            out = kv_cache.attend(self.layer_idx, q, k, v)
+            out = kv_cache.attend(self.layer_idx, q, k, v, self.variant)
         else:
-            out = causal_attention(q, k, v)
+            out = causal_attention(q, k, v, self.variant)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 

@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from lathe.kernels import paged_decode
+from lathe.kernels import PLAIN, AttentionVariant, paged_decode
 from lathe.kernels.cpu_native import cpu_kernels_loaded
 from lathe.kernels.dispatch import use_cpu_kernel
 from lathe.kernels.paged_attention import native_paged_decode
@@ -67,13 +67,14 @@ class StaticDecodeBatch:
     def prepare(self, input_ids: Tensor, positions: Tensor | None) -> Tensor:
         return self.positions[None]
 
-    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor,
+               variant: AttentionVariant = PLAIN) -> Tensor:
         k_slab, v_slab = self.slabs.k[layer_idx], self.slabs.v[layer_idx]
         k_slab.index_copy_(0, self.slots, k[0].transpose(0, 1).to(k_slab.dtype))
         v_slab.index_copy_(0, self.slots, v[0].transpose(0, 1).to(v_slab.dtype))
         queries = q[0].transpose(0, 1).to(k_slab.dtype)  # (B, H, D)
         out = paged_decode(queries, k_slab, v_slab, self.tables, self.lens,
-                           self.slabs.block_size)
+                           self.slabs.block_size, variant)
         return out.transpose(0, 1)[None].to(q.dtype)
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lathe.kernels import causal_attention, paged_decode
+from lathe.kernels import PLAIN, AttentionVariant, causal_attention, paged_decode
 from lathe.model.config import ModelConfig
 
 
@@ -86,7 +86,8 @@ class PagedBatch:
                              f"row, got input_ids of shape {tuple(input_ids.shape)}")
         return self.positions[None]
 
-    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor,
+               variant: AttentionVariant = PLAIN) -> Tensor:
         """Attention runs in the slabs' dtype (new K/V are stored in it, q is converted), so
         the cache serves activations of another dtype, e.g. under bf16 autocast."""
         k_slab, v_slab = self.slabs.k[layer_idx], self.slabs.v[layer_idx]
@@ -98,11 +99,11 @@ class PagedBatch:
             rows = slice(0, self.num_paged)
             queries = q[0, :, rows].transpose(0, 1)  # (B, H, D)
             attended = paged_decode(queries, k_slab, v_slab, self.paged_tables,
-                                    self.paged_lens, self.slabs.block_size)
+                                    self.paged_lens, self.slabs.block_size, variant)
             out[0, :, rows] = attended.transpose(0, 1)
         for span in self.prefills:
             rows = slice(span.start, span.start + span.length)
             keys = k_slab.index_select(0, span.context).transpose(0, 1)[None]
             values = v_slab.index_select(0, span.context).transpose(0, 1)[None]
-            out[:, :, rows] = causal_attention(q[:, :, rows], keys, values)
+            out[:, :, rows] = causal_attention(q[:, :, rows], keys, values, variant)
         return out.to(result_dtype)

@@ -126,3 +126,41 @@ def test_gqa_references_trace_whole_under_dynamic_shapes():
     square = torch.randn(1, 2, 6, 8)
     torch.testing.assert_close(traced(q, square, square),
                                causal_attention_reference(q, square, square))
+
+
+def naive_attention(q, k, v, window=None, scale=None, softcap=None):
+    """Attention written out score by score (bottom-right causal, GQA by repetition)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    scores = q @ k.transpose(-1, -2) * (scale or q.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    query_pos = torch.arange(seq_q)[:, None] + seq_k - seq_q
+    key_pos = torch.arange(seq_k)[None]
+    seen = (key_pos <= query_pos) & ((key_pos > query_pos - window) if window else True)
+    return scores.masked_fill(~seen, float("-inf")).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("variant", [
+    dict(window=8), dict(scale=0.3), dict(softcap=2.0), dict(window=5, scale=0.2, softcap=3.0),
+    dict(window=100)], ids=["window", "scale", "softcap", "all-three", "window-past-context"])
+@pytest.mark.parametrize("seq_q", [40, 9, 1])
+def test_attention_variants_are_what_their_scores_say(variant, seq_q):
+    """Sliding window, another scale, soft-capped scores (open-model families): the
+    training/prefill path and the paged decode path both equal the naive formula, for a whole
+    sequence, a chunk after cached context and one decoded token."""
+    from lathe.kernels import AttentionVariant, paged_decode
+    q, k, v = (t.detach().cpu().float() for t in qkv(2, 4, 2, seq_q, 40, 16, torch.float32))
+    expected = naive_attention(q, k, v, **variant)
+    chosen = AttentionVariant(**variant)
+    torch.testing.assert_close(causal_attention(q, k, v, chosen), expected)
+    if seq_q == 1:  # the same tokens through block tables: blocks of 4, in shuffled order
+        order = torch.randperm(20, generator=torch.Generator().manual_seed(0))
+        tables = order.view(2, 10)  # sequence b's 40 keys sit in blocks tables[b]
+        rows = (tables[..., None] * 4 + torch.arange(4)).flatten(1)  # (2, 40) slab rows
+        k_slab, v_slab = torch.zeros(80, 2, 16), torch.zeros(80, 2, 16)
+        k_slab[rows], v_slab[rows] = k.transpose(1, 2), v.transpose(1, 2)
+        out = paged_decode(q[:, :, 0], k_slab, v_slab, tables, torch.tensor([40, 40]), 4,
+                           chosen)
+        torch.testing.assert_close(out, expected[:, :, 0])

@@ -76,19 +76,33 @@ def test_hf_configs_lathe_cannot_run_are_refused():
     with pytest.raises(ConfigError, match="rope type 'longrope' is not supported"):
         ModelConfig.from_hf_config({**hf, "rope_scaling": {"rope_type": "longrope",
                                                            "factor": 2.0}})
-    with pytest.raises(ConfigError, match="sliding_window=64 is shorter than "
-                                          "max_position_embeddings=256"):
-        ModelConfig.from_hf_config({**hf, "model_type": "mistral", "sliding_window": 64})
-    with pytest.raises(ConfigError, match="sliding_window=64 is shorter"):
-        ModelConfig.from_hf_config({**hf, "model_type": "qwen2", "use_sliding_window": True,
-                                    "sliding_window": 64})
+    with pytest.raises(ConfigError, match="layer_types=.* is not supported for mistral"):
+        ModelConfig.from_hf_config({**hf, "model_type": "mistral", "sliding_window": 64,
+                                    "layer_types": ["full_attention"] * 4})
     with pytest.raises(ConfigError, match="num_local_experts=8 is not supported"):
         ModelConfig.from_hf_config({**hf, "num_local_experts": 8})
     with pytest.raises(ConfigError, match="hidden_act='gelu' is not supported"):
         ModelConfig.from_hf_config({**hf, "hidden_act": "gelu"})
-    # a window as long as the context is full attention
-    assert ModelConfig.from_hf_config({**hf, "model_type": "mistral",
-                                       "sliding_window": 256}).family == "mistral"
+    mistral = ModelConfig.from_hf_config({**hf, "model_type": "mistral", "sliding_window": 64})
+    assert [mistral.window(i) for i in range(4)] == [64] * 4
+    qwen = ModelConfig.from_hf_config({**hf, "model_type": "qwen2", "attention_bias": True,
+                                       "use_sliding_window": True, "sliding_window": 64,
+                                       "max_window_layers": 3})
+    assert [qwen.window(i) for i in range(4)] == [None, None, None, 64]
+
+
+def test_sliding_windows_only_where_the_family_has_them():
+    with pytest.raises(ConfigError, match="family='llama' has no sliding window"):
+        ModelConfig.from_preset("tiny", sliding_window=8)
+    with pytest.raises(ConfigError, match="family='mistral' has no per-layer windows"):
+        ModelConfig.from_preset("tiny", family="mistral", sliding_window=8,
+                                layer_types=["sliding_attention"] * 4)
+    with pytest.raises(ConfigError, match="layer_types=.* needs sliding_window"):
+        ModelConfig.from_preset("tiny", family="qwen3", qk_norm=True,
+                                layer_types=["full_attention"] * 4)
+    with pytest.raises(ConfigError, match="must name, for each of the 4 layers"):
+        ModelConfig.from_preset("tiny", family="qwen3", qk_norm=True, sliding_window=8,
+                                layer_types=["sliding_attention"] * 3)
 
 
 def test_a_family_builds_its_own_switches():

@@ -32,6 +32,16 @@ FAMILIES = {
     "smollm3-default": ("SmolLM3Config", {"num_hidden_layers": 4, "attention_bias": True,
                                           "pad_token_id": 0, "bos_token_id": 1,
                                           "eos_token_id": 2}),
+    # sliding windows shorter than the prompts: every layer (Mistral v0.1), the layers from
+    # max_window_layers on (Qwen), the layers without RoPE (SmolLM3)
+    "mistral-window": ("MistralConfig", {"sliding_window": 12}),
+    "qwen2-window": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 12,
+                                     "max_window_layers": 1}),
+    "qwen3-window": ("Qwen3Config", {"use_sliding_window": True, "sliding_window": 20,
+                                     "max_window_layers": 0}),
+    "smollm3-window": ("SmolLM3Config", {"no_rope_layers": [1, 0], "use_sliding_window": True,
+                                         "sliding_window": 12, "pad_token_id": 0,
+                                         "bos_token_id": 1, "eos_token_id": 2}),
 }
 SEQ = 96
 
@@ -83,7 +93,7 @@ def test_load_and_export_as_the_same_model_with_the_same_logits(tmp_path, name):
         assert (again(ids).logits - expected).abs().max() <= 1e-4
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama-attention-bias"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama-attention-bias", "mistral-window"])
 def test_bf16_autocast_stays_close(tmp_path, name):
     hf = saved(name, tmp_path / "hf")
     ids = torch.randint(0, 256, (1, 32))
@@ -106,7 +116,8 @@ def greedy(hf, prompt: list[int], steps: int) -> list[int]:
     return ids[len(prompt):]
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "smollm3"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "smollm3", "mistral-window",
+                                  "qwen2-window"])
 def test_the_engine_generates_what_transformers_computes(tmp_path, name):
     hf = saved(name, tmp_path / "hf")
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 40, 70)]
@@ -119,6 +130,18 @@ def test_the_engine_generates_what_transformers_computes(tmp_path, name):
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output.outputs[0].token_ids == output.outputs[1].token_ids == \
             greedy(hf, prompt, 32)
+
+
+def test_compiled_decode_steps_keep_the_sliding_window(tmp_path):
+    hf = saved("mistral-window", tmp_path / "hf")
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 40)]
+    engine = LLMEngine.from_checkpoint(tmp_path / "hf", EngineConfig(num_blocks=64,
+                                                                     compile_decode=True))
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0,
+                                                      ignore_eos=True))
+    assert engine.runner.graphs.steps > 0
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == greedy(hf, prompt, 24)
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3-bias"])
