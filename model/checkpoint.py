@@ -131,7 +131,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
         state = {name: tensor.to(dtype) for name, tensor in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
-    model.model.rotary_emb.reset_parameters(device)
+    model.reset_rotary(device)
     return model.eval()
 
 

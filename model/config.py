@@ -17,6 +17,7 @@ from lathe.model.families import FAMILIES, family_switches
 
 ROPE_TYPES = ("llama3", "linear", "yarn")
 LAYER_TYPES = ("sliding_attention", "full_attention")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # HF's names for the gated MLP's activation
 
 
 @dataclass
@@ -76,6 +77,12 @@ class ModelConfig:
     `sliding_window` makes attention local: a token sees itself and the `sliding_window - 1`
     before it; `layer_types` (HF's per-layer "sliding_attention" / "full_attention") says
     which layers slide, every one when it is None.
+    Gemma's switches: `norm_unit_offset` (norms scale by 1 + weight, weights start at 0),
+    `sandwich_norms` (a norm after attention and after the MLP too, before each residual
+    add), `embed_scale` (embeddings times √dim), `hidden_act` ("gelu_pytorch_tanh" in the
+    gated MLP), `query_pre_attn_scalar` (scores scaled by its -½ power, not head_dim's),
+    `attn_softcap` and `final_softcap` (scores, logits -> cap·tanh(x / cap)), and
+    `rope_local_theta` (Gemma 3: the sliding layers' RoPE base, unscaled).
     """
 
     vocab_size: int = 2048
@@ -100,6 +107,14 @@ class ModelConfig:
     no_rope_layers: list[int] | None = None  # SmolLM3: per layer, 1 rotates q and k, 0 not
     sliding_window: int | None = None
     layer_types: list[str] | None = None
+    hidden_act: str = "silu"
+    norm_unit_offset: bool = False
+    sandwich_norms: bool = False
+    embed_scale: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    rope_local_theta: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
@@ -191,6 +206,22 @@ class ModelConfig:
     def _validate_rest(self) -> None:
         if self.ffn_hidden_dim <= 0:
             raise ConfigError(f"ModelConfig.ffn_hidden_dim={self.ffn_hidden_dim} must be positive")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"ModelConfig.hidden_act={self.hidden_act!r} must be one of "
+                              f"{', '.join(ACTIVATIONS)}")
+        takes = FAMILIES[self.family].takes
+        for name in ("query_pre_attn_scalar", "attn_softcap", "final_softcap",
+                     "rope_local_theta"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or value <= 0):
+                raise ConfigError(f"ModelConfig.{name}={value!r} must be a positive number "
+                                  "(or null)")
+            if value is not None and name not in takes:
+                raise ConfigError(f"ModelConfig.{name}={value!r}: family={self.family!r} has "
+                                  "no such setting (Gemma's; drop it or choose a gemma family)")
+        if self.rope_local_theta is not None and self.layer_types is None:
+            raise ConfigError("ModelConfig.rope_local_theta is the sliding layers' RoPE base: "
+                              "it needs layer_types to say which layers slide")
         for name in ("norm_eps", "rope_theta", "init_std"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
@@ -234,7 +265,8 @@ class ModelConfig:
         Without embeddings, both the token embedding and an untied LM head are left out
         (Kaplan et al.'s non-embedding count).
         """
-        per_layer = (self._linear_params_per_layer() + 2 * self.dim  # + two RMSNorm weights
+        norms = 4 if self.sandwich_norms else 2
+        per_layer = (self._linear_params_per_layer() + norms * self.dim  # + the RMSNorm weights
                      + 2 * self.head_dim * self.qk_norm)
         body = self.n_layers * per_layer + self.dim
         if not include_embeddings:
@@ -297,7 +329,7 @@ class ModelConfig:
             "num_attention_heads": self.n_heads,
             "num_key_value_heads": self.n_kv_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
             "max_position_embeddings": self.max_seq_len,
             "rms_norm_eps": self.norm_eps,
             "rope_theta": self.rope_theta,
@@ -322,10 +354,16 @@ class ModelConfig:
                 f"config.json: model_type={model_type!r} is not supported; lathe loads "
                 f"{', '.join(FAMILIES)}")
         family = FAMILIES[model_type]
-        for key, allowed in (("hidden_act", "silu"), ("mlp_bias", False)):
-            if hf.get(key, allowed) != allowed:
-                raise ConfigError(
-                    f"config.json: {key}={hf[key]!r} is not supported (only {allowed!r})")
+        if hf.get("mlp_bias", False):
+            raise ConfigError(f"config.json: mlp_bias={hf['mlp_bias']!r} is not supported "
+                              "(only False)")
+        act_key = "hidden_activation" if hf.get("hidden_activation") else "hidden_act"
+        if hf.get(act_key, "silu") not in ACTIVATIONS:
+            raise ConfigError(f"config.json: {act_key}={hf[act_key]!r} is not supported (only "
+                              f"{', '.join(repr(a) for a in ACTIVATIONS)})")
+        if hf.get("use_bidirectional_attention"):
+            raise ConfigError("config.json: use_bidirectional_attention=True is not supported: "
+                              "lathe's models are causal decoders")
         for key in ("num_experts", "num_local_experts", "vision_config"):
             if hf.get(key):
                 raise ConfigError(f"config.json: {key}={hf[key]!r} is not supported: lathe "
@@ -334,6 +372,17 @@ class ModelConfig:
         n_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        local_theta = None
+        if model_type == "gemma3_text":  # RoPE per layer type; the sliding layers' unscaled
+            local = rope.get("sliding_attention") or {}
+            if local.get("rope_type", "default") != "default":
+                raise ConfigError(f"config.json: the sliding layers' rope type "
+                                  f"{local['rope_type']!r} is not supported (only 'default')")
+            local_theta = float(local.get("rope_theta") or hf.get("rope_local_base_freq")
+                                or 10000.0)
+            rope = rope.get("full_attention", rope)
+            hf = {**hf, "rope_theta": hf.get("rope_theta") or rope.get("rope_theta")
+                  or 1_000_000.0}
         rope_theta = hf.get("rope_theta") or rope.get("rope_theta") or 10000.0
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", *ROPE_TYPES):
@@ -378,6 +427,11 @@ class ModelConfig:
             no_rope_layers=_no_rope_layers(hf) if model_type == "smollm3" else None,
             sliding_window=window,
             layer_types=layer_types,
+            hidden_act=hf.get(act_key, "silu"),
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
+            attn_softcap=hf.get("attn_logit_softcapping"),
+            final_softcap=hf.get("final_logit_softcapping"),
+            rope_local_theta=local_theta,
             **family.switches(hf),
         )
 

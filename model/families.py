@@ -11,11 +11,18 @@ here, so the checkpoint code needs no renaming.
 | qwen2 (Qwen2.5) | Qwen2ForCausalLM | bias on q, k and v, not o |
 | qwen3 | Qwen3ForCausalLM | RMSNorm of each head of q and k; `attention_bias` on all four |
 | smollm3 | SmolLM3ForCausalLM | `attention_bias`; no RoPE in the layers `no_rope_layers` marks 0 |
+| gemma2 | Gemma2ForCausalLM | Gemma's norms and embedding scale (below), `attention_bias` |
+| gemma3_text | Gemma3ForCausalLM | Gemma 2's, and an RMSNorm of each head of q and k |
+
+Gemma's: (1 + w) norms, a norm after attention and after the MLP as well, embeddings
+times √dim; from config.json, soft-capped scores and logits, `query_pre_attn_scalar`, and
+(Gemma 3, whose text model is `gemma3_text`) the sliding layers' own RoPE base.
 
 Sliding windows: Mistral's `sliding_window` covers every layer; Qwen2/3's and SmolLM3's
 (`use_sliding_window`) cover the layers `layer_types` marks, by default those from
-`max_window_layers` on (Qwen) or those without RoPE (SmolLM3), as their config classes fill
-them in. An export writes `layer_types` out whole.
+`max_window_layers` on (Qwen) or those without RoPE (SmolLM3); Gemma's alternate (every
+other layer in Gemma 2, five of each six in Gemma 3), as their config classes fill them in.
+An export writes `layer_types` out whole.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ class Family:
     window: Callable[[dict[str, Any]], Window]  # the sliding window config.json asks for
     extra: Callable[[Any], dict[str, Any]]  # ModelConfig -> keys an export adds
     sliding: str = "none"  # which windows its class builds: "none", "all" layers, "layers"
+    takes: tuple[str, ...] = ()  # the optional ModelConfig fields its class reads
 
 
 def _attention_bias(hf: dict[str, Any]) -> dict[str, bool]:
@@ -75,6 +83,28 @@ def _smollm3_window(hf: dict[str, Any]) -> Window:
     return window, list(types)
 
 
+def _gemma_window(pattern: int) -> Callable[[dict[str, Any]], Window]:
+    def window(hf: dict[str, Any]) -> Window:
+        every = hf.get("sliding_window_pattern", pattern)
+        types = hf.get("layer_types") or [
+            "sliding_attention" if (i + 1) % every else "full_attention"
+            for i in range(hf["num_hidden_layers"])]
+        return hf.get("sliding_window", 4096), list(types)
+    return window
+
+
+def _gemma_extra(config: Any) -> dict[str, Any]:
+    return {"attention_bias": config.qkv_bias, "hidden_activation": config.hidden_act,
+            "query_pre_attn_scalar": config.query_pre_attn_scalar,
+            "attn_logit_softcapping": config.attn_softcap,
+            "final_logit_softcapping": config.final_softcap,
+            "sliding_window": config.sliding_window, "layer_types": config.layer_types}
+
+
+GEMMA = {"norm_unit_offset": True, "sandwich_norms": True, "embed_scale": True}
+GEMMA_FIELDS = ("query_pre_attn_scalar", "attn_softcap", "final_softcap")
+
+
 def _windows_written(config: Any) -> dict[str, Any]:
     """Qwen's and SmolLM3's window keys: the layer types written out whole."""
     types = config.layer_types or ["sliding_attention" if config.sliding_window else
@@ -103,9 +133,18 @@ FAMILIES: dict[str, Family] = {
         lambda c: {"attention_bias": c.qkv_bias, "mlp_bias": False,
                    "no_rope_layers": list(c.no_rope_layers or [1] * c.n_layers),
                    **_windows_written(c)}, sliding="layers"),
+    "gemma2": Family(
+        "Gemma2ForCausalLM", lambda hf: {**GEMMA, **_attention_bias(hf)}, _gemma_window(2),
+        _gemma_extra, sliding="layers", takes=GEMMA_FIELDS),
+    "gemma3_text": Family(
+        "Gemma3ForCausalLM", lambda hf: {**GEMMA, "qk_norm": True, **_attention_bias(hf)},
+        _gemma_window(6),
+        lambda c: {**_gemma_extra(c), "rope_local_base_freq": c.rope_local_theta,
+                   "use_bidirectional_attention": False},
+        sliding="layers", takes=(*GEMMA_FIELDS, "rope_local_theta")),
 }
 
-SWITCHES = ("qkv_bias", "o_bias", "qk_norm")
+SWITCHES = ("qkv_bias", "o_bias", "qk_norm", "norm_unit_offset", "sandwich_norms", "embed_scale")
 
 
 def family_switches(model_type: str, config: Any) -> dict[str, bool]:

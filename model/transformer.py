@@ -22,6 +22,7 @@ sharded training) fills it and calls `init_weights` if it needs fresh values.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -52,15 +53,21 @@ class CausalLMOutput(NamedTuple):
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in fp32, cast back before the weight (as HF Llama);
-    the computation is `lathe.kernels.rms_norm`."""
+    the computation is `lathe.kernels.rms_norm`. With `unit_offset` (Gemma) it scales by
+    1 + weight, and the weight starts at zero."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
         self.eps = eps
 
+    def scale(self) -> Tensor:
+        """What the normalized activations are multiplied by."""
+        return self.weight + 1 if self.unit_offset else self.weight
+
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.scale(), self.eps)
 
 
 def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> Tensor:
@@ -147,14 +154,20 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.dim, kv_dim, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.dim, kv_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.q_dim, config.dim, bias=config.o_bias)
-        # Qwen3: each head of q and k normalized on its own, before RoPE
-        self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
+        # Qwen3, Gemma 3: each head of q and k normalized on its own, before RoPE
+        self.q_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_unit_offset) \
+            if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_unit_offset) \
+            if config.qk_norm else None
         self.rotates = config.no_rope_layers is None or bool(config.no_rope_layers[layer_idx])
         window = config.window(layer_idx)
+        # Gemma 3's sliding layers rotate with their own base
+        self.local_rope = window is not None and config.rope_local_theta is not None
+        scalar = config.query_pre_attn_scalar
         # a window as long as the context changes nothing: the plain form keeps the kernels
         self.variant = AttentionVariant(
-            window=window if window is not None and window < config.max_seq_len else None)
+            window=window if window is not None and window < config.max_seq_len else None,
+            scale=None if scalar is None else scalar ** -0.5, softcap=config.attn_softcap)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache | None) -> Tensor:
         batch, seq, _ = x.shape
@@ -174,31 +187,52 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """A gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu), or GeGLU with GELU's tanh
+    approximation (Gemma)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.gate_proj = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
         self.up_proj = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
         self.down_proj = nn.Linear(config.ffn_hidden_dim, config.dim, bias=False)
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        if self.gelu:
+            gated = F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x)
+        else:
+            gated = swiglu(self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(gated)
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP, each added to the residual; with `sandwich_norms`
+    (Gemma) each output is normed again before its add, and the MLP's input norm is
+    `pre_feedforward_layernorm` (`post_attention_layernorm` is then the attention output's)."""
+
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
+        def norm() -> RMSNorm:
+            return RMSNorm(config.dim, config.norm_eps, config.norm_unit_offset)
+        self.input_layernorm = norm()
         self.self_attn = Attention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.post_attention_layernorm = norm()
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+        self.sandwich = config.sandwich_norms
         self.mlp = MLP(config)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache | None) -> Tensor:
         attended = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache)
-        norm = self.post_attention_layernorm
-        normed, x = add_rms_norm(attended, x, norm.weight, norm.eps)  # one pass: add + norm
-        return x + self.mlp(normed)
+        if not self.sandwich:
+            norm = self.post_attention_layernorm
+            normed, x = add_rms_norm(attended, x, norm.scale(), norm.eps)  # one pass: add + norm
+            return x + self.mlp(normed)
+        norm = self.pre_feedforward_layernorm
+        normed, x = add_rms_norm(self.post_attention_layernorm(attended), x, norm.scale(),
+                                 norm.eps)
+        return x + self.post_feedforward_layernorm(self.mlp(normed))
 
 
 class Decoder(nn.Module):
@@ -208,8 +242,11 @@ class Decoder(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.n_layers))
-        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_unit_offset)
         self.rotary_emb = RotaryEmbedding(config)
+        # Gemma 3: the sliding layers' RoPE, its own base and no scaling
+        self.rotary_emb_local = None if config.rope_local_theta is None else RotaryEmbedding(
+            dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scaling=None))
 
 
 class Transformer(nn.Module):
@@ -244,8 +281,15 @@ class Transformer(nn.Module):
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
-        self.model.rotary_emb.reset_parameters()
+                (nn.init.zeros_ if module.unit_offset else nn.init.ones_)(module.weight)
+        self.reset_rotary()
+
+    def reset_rotary(self, device: torch.device | str | None = None) -> None:
+        """Recompute the RoPE frequency buffers (not in the state dict), e.g. after loading
+        weights into a model built on the meta device."""
+        self.model.rotary_emb.reset_parameters(device)
+        if self.model.rotary_emb_local is not None:
+            self.model.rotary_emb_local.reset_parameters(device)
 
     def forward(self, input_ids: Tensor, labels: Tensor | None = None,
                 positions: Tensor | None = None, kv_cache: KVCache | None = None,
@@ -267,17 +311,25 @@ class Transformer(nn.Module):
             positions = torch.arange(input_ids.shape[1], device=input_ids.device)
             positions = positions.expand_as(input_ids)
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        if self.config.embed_scale:  # Gemma: √dim, rounded to the embeddings' dtype first
+            x = x * torch.tensor(self.config.dim ** 0.5, dtype=x.dtype)
+        rotations = self.model.rotary_emb(positions, x.dtype)
+        local = self.model.rotary_emb_local
+        local_rotations = rotations if local is None else local(positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, kv_cache)
+            x = layer(x, *(local_rotations if layer.self_attn.local_rope else rotations),
+                      kv_cache)
         if logits_to_keep is not None:
             x = x[:, logits_to_keep]
         x = self.model.norm(x)
-        if labels is not None and not return_logits and self.fused_loss:
+        cap = self.config.final_softcap
+        if labels is not None and not return_logits and self.fused_loss and cap is None:
             loss = linear_cross_entropy(x[:, :-1].flatten(0, 1), self.lm_head.weight,
                                         labels[:, 1:].flatten(), IGNORE_INDEX)
             return CausalLMOutput(None, loss)
         logits = self.lm_head(x)
+        if cap is not None:  # Gemma 2: logits -> cap * tanh(logits / cap)
+            logits = torch.tanh(logits / cap) * cap
         loss = None
         if labels is not None:
             loss = F.cross_entropy(

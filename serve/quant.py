@@ -222,7 +222,7 @@ def load_serving_model(path: str | Path, quantize: QuantMode | None = None,
         raise CheckpointError(f"{path}: quantized weights of the wrong shape or kind: "
                               f"{', '.join(wrong[:4])}")
     model.load_state_dict(state, assign=True)
-    model.model.rotary_emb.reset_parameters(device)
+    model.reset_rotary(device)
     return model.eval()
 
 

@@ -401,5 +401,5 @@ def plain_model(config: ModelConfig, state: dict[str, Tensor],
     state = {k: v.detach().to("cpu", dtype or v.dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
-    model.model.rotary_emb.reset_parameters("cpu")
+    model.reset_rotary("cpu")
     return model

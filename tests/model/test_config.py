@@ -70,9 +70,13 @@ def test_hf_config_round_trip():
 
 def test_hf_configs_lathe_cannot_run_are_refused():
     hf = ModelConfig.from_preset("tiny").to_hf_config()
-    with pytest.raises(ConfigError, match="model_type='gemma2' is not supported; lathe loads "
-                                          "llama, mistral, qwen2, qwen3, smollm3"):
-        ModelConfig.from_hf_config({**hf, "model_type": "gemma2"})
+    with pytest.raises(ConfigError, match="model_type='mamba' is not supported; lathe loads "
+                                          "llama, mistral, qwen2, qwen3, smollm3, gemma2, "
+                                          "gemma3_text"):
+        ModelConfig.from_hf_config({**hf, "model_type": "mamba"})
+    with pytest.raises(ConfigError, match="use_bidirectional_attention=True is not supported"):
+        ModelConfig.from_hf_config({**hf, "model_type": "gemma3_text",
+                                    "use_bidirectional_attention": True})
     with pytest.raises(ConfigError, match="rope type 'longrope' is not supported"):
         ModelConfig.from_hf_config({**hf, "rope_scaling": {"rope_type": "longrope",
                                                            "factor": 2.0}})
@@ -83,6 +87,8 @@ def test_hf_configs_lathe_cannot_run_are_refused():
         ModelConfig.from_hf_config({**hf, "num_local_experts": 8})
     with pytest.raises(ConfigError, match="hidden_act='gelu' is not supported"):
         ModelConfig.from_hf_config({**hf, "hidden_act": "gelu"})
+    with pytest.raises(ConfigError, match="attn_softcap=50.0: family='llama' has no such"):
+        ModelConfig.from_hf_config({**hf, "attn_logit_softcapping": 50.0})
     mistral = ModelConfig.from_hf_config({**hf, "model_type": "mistral", "sliding_window": 64})
     assert [mistral.window(i) for i in range(4)] == [64] * 4
     qwen = ModelConfig.from_hf_config({**hf, "model_type": "qwen2", "attention_bias": True,

@@ -42,6 +42,20 @@ FAMILIES = {
     "smollm3-window": ("SmolLM3Config", {"no_rope_layers": [1, 0], "use_sliding_window": True,
                                          "sliding_window": 12, "pad_token_id": 0,
                                          "bos_token_id": 1, "eos_token_id": 2}),
+    # Gemma 2: (1 + w) norms around attention and MLP, GeGLU, embeddings x sqrt(dim),
+    # soft-capped scores and logits, a query scale apart from head_dim, every other layer
+    # sliding; Gemma 3: no caps, q/k norms, its sliding layers' own RoPE base
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "query_pre_attn_scalar": 24,
+                                "sliding_window": 12, "attn_logit_softcapping": 5.0,
+                                "final_logit_softcapping": 20.0}),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "query_pre_attn_scalar": 24,
+                                    "sliding_window": 12,
+                                    "layer_types": ["sliding_attention", "full_attention"],
+                                    "rope_parameters": {
+                                        "sliding_attention": {"rope_type": "default",
+                                                              "rope_theta": 10000.0},
+                                        "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                           "rope_theta": 1000000.0}}}),
 }
 SEQ = 96
 
@@ -93,7 +107,8 @@ def test_load_and_export_as_the_same_model_with_the_same_logits(tmp_path, name):
         assert (again(ids).logits - expected).abs().max() <= 1e-4
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama-attention-bias", "mistral-window"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama-attention-bias", "mistral-window",
+                                  "gemma2", "gemma3"])
 def test_bf16_autocast_stays_close(tmp_path, name):
     hf = saved(name, tmp_path / "hf")
     ids = torch.randint(0, 256, (1, 32))
@@ -117,7 +132,7 @@ def greedy(hf, prompt: list[int], steps: int) -> list[int]:
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "smollm3", "mistral-window",
-                                  "qwen2-window"])
+                                  "qwen2-window", "gemma2", "gemma3"])
 def test_the_engine_generates_what_transformers_computes(tmp_path, name):
     hf = saved(name, tmp_path / "hf")
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 40, 70)]
