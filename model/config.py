@@ -115,6 +115,7 @@ class ModelConfig:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     rope_local_theta: float | None = None
+    partial_rotary_factor: float = 1.0  # the share of each head's channels RoPE rotates
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
@@ -219,6 +220,15 @@ class ModelConfig:
             if value is not None and name not in takes:
                 raise ConfigError(f"ModelConfig.{name}={value!r}: family={self.family!r} has "
                                   "no such setting (Gemma's; drop it or choose a gemma family)")
+        factor = self.partial_rotary_factor
+        if not isinstance(factor, (int, float)) or not 0 < factor <= 1 \
+                or self.rotary_dim % 2 or self.rotary_dim == 0:
+            raise ConfigError(f"ModelConfig.partial_rotary_factor={factor!r} must be in (0, 1] "
+                              f"and rotate an even, non-zero number of head_dim={self.head_dim}"
+                              " channels")
+        if factor != 1 and "partial_rotary_factor" not in takes:
+            raise ConfigError(f"ModelConfig.partial_rotary_factor={factor!r}: family="
+                              f"{self.family!r} rotates whole heads (drop it, or choose phi3)")
         if self.rope_local_theta is not None and self.layer_types is None:
             raise ConfigError("ModelConfig.rope_local_theta is the sliding layers' RoPE base: "
                               "it needs layer_types to say which layers slide")
@@ -244,6 +254,11 @@ class ModelConfig:
                     f"{scaling.high_freq_factor} must exceed low_freq_factor="
                     f"{scaling.low_freq_factor}"
                 )
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many channels of each head RoPE rotates (the first ones)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def q_dim(self) -> int:
@@ -385,6 +400,8 @@ class ModelConfig:
                   or 1_000_000.0}
         rope_theta = hf.get("rope_theta") or rope.get("rope_theta") or 10000.0
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if model_type == "phi3" and rope_type in ("su", "yarn"):
+            rope_type = "longrope"  # Phi-3's own names for it, as transformers reads them
         if rope_type not in ("default", *ROPE_TYPES):
             raise ConfigError(
                 f"config.json: rope type {rope_type!r} is not supported (only 'default', "
@@ -432,6 +449,8 @@ class ModelConfig:
             attn_softcap=hf.get("attn_logit_softcapping"),
             final_softcap=hf.get("final_logit_softcapping"),
             rope_local_theta=local_theta,
+            partial_rotary_factor=float(rope.get("partial_rotary_factor")
+                                        or hf.get("partial_rotary_factor") or 1.0),
             **family.switches(hf),
         )
 

@@ -1,8 +1,10 @@
 """The open-model families lathe loads and exports as themselves, one small entry each:
 how a family's HF `config.json` sets `ModelConfig`'s switches, which switch values the
 family's own transformers class builds (so an export loads back as that class), and the
-keys an export writes beside the common ones. Parameter names are HF's for every family
-here, so the checkpoint code needs no renaming.
+keys an export writes beside the common ones. Parameter names are HF's, but for the projections
+a family stores fused (`Family.fused`: Phi-3's `qkv_proj` and `gate_up_proj`), which a load
+splits into lathe's q/k/v and gate/up and an export joins again (`split_fused`,
+`join_fused`).
 
 | model_type | class | switches |
 |---|---|---|
@@ -13,6 +15,7 @@ here, so the checkpoint code needs no renaming.
 | smollm3 | SmolLM3ForCausalLM | `attention_bias`; no RoPE in the layers `no_rope_layers` marks 0 |
 | gemma2 | Gemma2ForCausalLM | Gemma's norms and embedding scale (below), `attention_bias` |
 | gemma3_text | Gemma3ForCausalLM | Gemma 2's, and an RMSNorm of each head of q and k |
+| phi3 (Phi-3, Phi-4-mini) | Phi3ForCausalLM | fused `qkv_proj`, `gate_up_proj`; partial RoPE |
 
 Gemma's: (1 + w) norms, a norm after attention and after the MLP as well, embeddings
 times √dim; from config.json, soft-capped scores and logits, `query_pre_attn_scalar`, and
@@ -31,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from lathe.core.errors import ConfigError
 
 Window = tuple[int | None, list[str] | None]  # ModelConfig's sliding_window, layer_types
@@ -44,6 +49,12 @@ class Family:
     extra: Callable[[Any], dict[str, Any]]  # ModelConfig -> keys an export adds
     sliding: str = "none"  # which windows its class builds: "none", "all" layers, "layers"
     takes: tuple[str, ...] = ()  # the optional ModelConfig fields its class reads
+    fused: tuple[str, ...] = ()  # FUSED projections its checkpoints store as one
+
+
+# a fused projection -> the projections it stacks (along the output dimension, in order)
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
 
 def _attention_bias(hf: dict[str, Any]) -> dict[str, bool]:
@@ -58,8 +69,8 @@ def _no_window(hf: dict[str, Any]) -> Window:
 def _mistral_window(hf: dict[str, Any]) -> Window:
     if hf.get("layer_types"):
             raise ConfigError(f"config.json: layer_types={hf['layer_types']!r} is not supported "
-                          "for mistral: MistralForCausalLM slides every layer (alternating "
-                          "layers are Ministral's, which lathe does not load)")
+                          f"for {hf.get('model_type')}: its class slides every layer "
+                          "(alternating layers are Ministral's, which lathe does not load)")
     return hf.get("sliding_window"), None
 
 
@@ -133,6 +144,12 @@ FAMILIES: dict[str, Family] = {
         lambda c: {"attention_bias": c.qkv_bias, "mlp_bias": False,
                    "no_rope_layers": list(c.no_rope_layers or [1] * c.n_layers),
                    **_windows_written(c)}, sliding="layers"),
+    "phi3": Family(
+        "Phi3ForCausalLM", lambda hf: {}, _mistral_window,
+        lambda c: {"sliding_window": c.sliding_window, "partial_rotary_factor":
+                   c.partial_rotary_factor, "original_max_position_embeddings": c.max_seq_len,
+                   "resid_pdrop": 0.0, "embd_pdrop": 0.0},
+        sliding="all", takes=("partial_rotary_factor",), fused=tuple(FUSED)),
     "gemma2": Family(
         "Gemma2ForCausalLM", lambda hf: {**GEMMA, **_attention_bias(hf)}, _gemma_window(2),
         _gemma_extra, sliding="layers", takes=GEMMA_FIELDS),
@@ -152,3 +169,33 @@ def family_switches(model_type: str, config: Any) -> dict[str, bool]:
     (what a `ModelConfig` of that family must hold for its export to load back)."""
     hf = {"attention_bias": config.qkv_bias}
     return {name: False for name in SWITCHES} | FAMILIES[model_type].switches(hf)
+
+
+def _parts(config: Any, fused: str) -> list[int]:
+    """The output widths of the projections `fused` stacks."""
+    kv = config.n_kv_heads * config.head_dim
+    return [config.q_dim, kv, kv] if fused.endswith("qkv_proj") else [config.ffn_hidden_dim] * 2
+
+
+def split_fused(state: dict[str, Any], config: Any) -> dict[str, Any]:
+    """A checkpoint's state dict with its family's fused projections split into lathe's."""
+    out = {}
+    for name, tensor in state.items():
+        fused = next((f for f in FAMILIES[config.family].fused if f".{f}." in name), None)
+        if fused is None or tensor.shape[0] != sum(_parts(config, fused)):
+            out[name] = tensor  # a mis-shaped one is reported by the shape check
+            continue
+        for part, piece in zip(FUSED[fused], tensor.split(_parts(config, fused)), strict=True):
+            out[name.replace(fused, part)] = piece
+    return out
+
+
+def join_fused(state: dict[str, Any], config: Any) -> dict[str, Any]:
+    """lathe's state dict with the projections its family stores fused joined again."""
+    out = dict(state)
+    for fused in FAMILIES[config.family].fused:
+        first = FUSED[fused][0]
+        for name in [n for n in state if f".{first}." in n]:
+            names = [name.replace(first, part) for part in FUSED[fused]]
+            out[name.replace(first, fused)] = torch.cat([out.pop(n) for n in names])
+    return out

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from lathe.core.atomic import atomic_directory
 from lathe.core.errors import ConfigError
 from lathe.core.reporting import quiet_loggers
+from lathe.model.families import FAMILIES, FUSED
 from lathe.model.transformer import Transformer
 
 
@@ -146,10 +147,18 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
 def save_adapter(model: nn.Module, section: LoraSection, path: str | Path,
                  base_model: str | Path) -> Path:
     """Write a peft adapter folder (atomically) that names its base checkpoint (as an
-    absolute path), so `AutoPeftModelForCausalLM.from_pretrained(path)` loads it."""
-    state = {PEFT_PREFIX + name: tensor.detach().contiguous().cpu()
+    absolute path), so `AutoPeftModelForCausalLM.from_pretrained(path)` loads it. For a
+    family that stores projections fused (Phi-3), the adapter is written on the fused
+    modules its class has (`fuse_adapter`)."""
+    state = {name: tensor.detach().contiguous().cpu()
              for name, tensor in _peft().utils.get_peft_model_state_dict(model).items()}
     config = section.peft_config()
+    fused = FAMILIES[model.config.family].fused if isinstance(model, Transformer) else ()
+    if fused:
+        state, config.r, config.target_modules = fuse_adapter(state, section.r, fused,
+                                                              output_widths(model))
+        config.lora_alpha = section.alpha * config.r / section.r
+    state = {PEFT_PREFIX + name: tensor for name, tensor in state.items()}
     config.base_model_name_or_path = str(Path(base_model).resolve())
     with atomic_directory(path) as tmp:
         config.save_pretrained(str(tmp))
@@ -164,12 +173,16 @@ def load_adapter(model: Transformer, path: str | Path) -> Transformer:
         raise ConfigError(f"{path} is not a LoRA adapter folder (needs {ADAPTER_CONFIG} and "
                           f"{ADAPTER_WEIGHTS}, as written by a lathe LoRA run)")
     raw = json.loads((path / ADAPTER_CONFIG).read_text())
+    targets = {part.rpartition(".")[2] for target in raw["target_modules"]
+               for part in FUSED.get(_fused_name(target), [target])}
     section = LoraSection(enabled=True, r=raw["r"], alpha=raw["lora_alpha"],
-                          dropout=raw.get("lora_dropout", 0.0),
-                          target_modules=sorted(raw["target_modules"]))
+                          dropout=raw.get("lora_dropout", 0.0), target_modules=sorted(targets))
     apply_lora(model, section)
-    state = {name.removeprefix(PEFT_PREFIX): tensor
-             for name, tensor in load_file(path / ADAPTER_WEIGHTS).items()}
+    pairs = split_fused_pairs(adapter_pairs(
+        {name.removeprefix(PEFT_PREFIX): tensor
+         for name, tensor in load_file(path / ADAPTER_WEIGHTS).items()}), output_widths(model))
+    state = {f"{module}.lora_{half}.weight": tensor for module, (a, b) in pairs.items()
+             for half, tensor in (("A", a), ("B", b))}
     result = _peft().utils.set_peft_model_state_dict(model, state)
     if result.unexpected_keys:
         raise ConfigError(f"{path}: adapter weights {result.unexpected_keys[:4]} match no "
@@ -195,6 +208,79 @@ def adapter_pairs(weights: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]
         raise ValueError(f"LoRA weights of {missing[:4]} lack their A or B half")
     return {module: (pair["A"], pair["B"]) for module, pair in pairs.items()}
 
+
+def output_widths(model: nn.Module) -> dict[str, int]:
+    """Each linear's (or adapter-wrapped linear's) output width, by module name."""
+    return {name: module.out_features for name, module in model.named_modules()
+            if isinstance(getattr(module, "out_features", None), int)}
+
+
+def _fused_name(module: str) -> str | None:
+    """The `FUSED` key a module name (or a bare target like "qkv_proj") ends with."""
+    return next((f for f in FUSED if module == f.rpartition(".")[2] or module.endswith(f)),
+                None)
+
+
+def split_fused_pairs(pairs: dict[str, tuple[Tensor, Tensor]],
+                      widths: dict[str, int]) -> dict[str, tuple[Tensor, Tensor]]:
+    """An adapter on fused projections (Phi-3's `qkv_proj`, `gate_up_proj`) as adapters on
+    the projections they stack: each part keeps A and takes its rows of B, which is exactly
+    the fused B·A's rows. `widths`: a module name -> its output width."""
+    out = {}
+    for module, (a, b) in pairs.items():
+        fused = _fused_name(module)
+        if fused is None:
+            out[module] = (a, b)
+            continue
+        parts = [module.replace(fused, part) for part in FUSED[fused]]
+        rows = [widths.get(part, 0) for part in parts]
+        if sum(rows) != b.shape[0] or not all(rows):
+            raise ValueError(f"LoRA B of {module} has {b.shape[0]} rows, but this model's "
+                             f"{', '.join(parts)} give {rows}")
+        out.update({part: (a, piece) for part, piece in zip(parts, b.split(rows), strict=True)})
+    return out
+
+
+def fuse_adapter(state: dict[str, Tensor], rank: int, fused: tuple[str, ...],
+                 widths: dict[str, int]) -> tuple[dict[str, Tensor], int, list[str]]:
+    """Adapters on lathe's split projections as one peft adapter on a family's fused ones
+    (Phi-3's `qkv_proj`, `gate_up_proj`): a fused module's A stacks its parts' A's and its B
+    puts each part's B in its own rows and columns (block-diagonal), so B·A is each part's
+    own update, exactly; an untargeted part is zeros. peft takes one rank per adapter, so
+    every module is padded with zeros to the widest stack's rank (the caller scales alpha
+    by the same factor, keeping alpha / r). Returns the weights, that rank and the targets.
+    `widths`: a module name -> its output width."""
+    widest = max(len(FUSED[f]) for f in fused)
+    wide = rank * widest
+    out: dict[str, tuple[Tensor, Tensor]] = {}
+    stacks: dict[str, dict[str, tuple[Tensor, Tensor]]] = {}
+    for module, (a, b) in adapter_pairs(state).items():
+        match = next(((f, part) for f in fused for part in FUSED[f] if module.endswith(part)),
+                     None)
+        if match is None:
+            out[module] = (a, b)
+        else:
+            stacks.setdefault(module.removesuffix(match[1]) + match[0], {})[match[1]] = (a, b)
+    for target, parts in stacks.items():
+        fused_name = next(f for f in fused if target.endswith(f))
+        prefix = target.removesuffix(fused_name)
+        a0 = next(iter(parts.values()))[0]
+        a_rows, b_rows = [], []
+        for index, part in enumerate(FUSED[fused_name]):
+            a, b = parts.get(part, (a0.new_zeros(rank, a0.shape[1]),
+                                    a0.new_zeros(widths[prefix + part], rank)))
+            block = b.new_zeros(b.shape[0], len(FUSED[fused_name]) * rank)
+            block[:, index * rank:(index + 1) * rank] = b
+            a_rows.append(a)
+            b_rows.append(block)
+        out[target] = (torch.cat(a_rows), torch.cat(b_rows))
+    state = {}
+    for module, (a, b) in out.items():
+        state[f"{module}.lora_A.weight"] = torch.cat(
+            [a, a.new_zeros(wide - a.shape[0], a.shape[1])])
+        state[f"{module}.lora_B.weight"] = torch.cat(
+            [b, b.new_zeros(b.shape[0], wide - b.shape[1])], dim=1)
+    return state, wide, sorted({module.rpartition(".")[2] for module in out})
 
 class AdapterMerger:
     """Full-precision base weights plus a policy's current adapter weights -> the merged

@@ -77,7 +77,7 @@ def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None)
     alone, divides those longer than original_len / low_freq_factor by `factor`, and
     interpolates smoothly in between. Linear divides them all; YaRN see `_yarn`.
     """
-    d = config.head_dim
+    d = config.rotary_dim
     inv_freq = 1.0 / config.rope_theta ** (
         torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d
     )
@@ -160,6 +160,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_unit_offset) \
             if config.qk_norm else None
         self.rotates = config.no_rope_layers is None or bool(config.no_rope_layers[layer_idx])
+        self.rotary_dim = config.rotary_dim
         window = config.window(layer_idx)
         # Gemma 3's sliding layers rotate with their own base
         self.local_rope = window is not None and config.rope_local_theta is not None
@@ -177,8 +178,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q).to(q.dtype), self.k_norm(k).to(k.dtype)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        if self.rotates:
+        if self.rotates and self.rotary_dim == self.head_dim:
             q, k = rope(q, k, cos, sin)
+        elif self.rotates:  # Phi-3's partial rotary: the first rotary_dim channels turn
+            turned_q, turned_k = rope(q[..., :self.rotary_dim], k[..., :self.rotary_dim],
+                                      cos, sin)
+            q = torch.cat((turned_q, q[..., self.rotary_dim:]), dim=-1)
+            k = torch.cat((turned_k, k[..., self.rotary_dim:]), dim=-1)
         if kv_cache is not None:
             out = kv_cache.attend(self.layer_idx, q, k, v, self.variant)
         else:

@@ -37,7 +37,14 @@ from torch import Tensor, nn
 
 from lathe.core.checkpoint_files import checkpoint_file, read_json_object
 from lathe.core.errors import CheckpointError
-from lathe.model.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, ALL_LINEARS, PEFT_PREFIX
+from lathe.model.lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    ALL_LINEARS,
+    PEFT_PREFIX,
+    adapter_pairs,
+    split_fused_pairs,
+)
 from lathe.serve.sequence import Sequence
 
 # (slot, the token rows that slot's adapter applies to; None: every row of the forward)
@@ -184,25 +191,26 @@ def read_adapter(name: str, path: str | Path, layers: dict[str, MultiLoraLinear]
     except (SafetensorError, OSError) as error:
         raise CheckpointError(f"{weights_file}: not a readable safetensors file ({error})") \
             from None
-    pairs: dict[str, dict[str, Tensor]] = {}
-    for key, tensor in tensors.items():
-        module, _, kind = key.removeprefix(PEFT_PREFIX).rpartition(".lora_")
-        if kind not in ("A.weight", "B.weight"):
+    for key in tensors:
+        if key.rpartition(".lora_")[2] not in ("A.weight", "B.weight"):
             raise CheckpointError(f"{weights_file}: {key} is not a LoRA A or B weight; this "
                                   "server serves plain LoRA adapters only")
-        if module not in layers:
-            raise CheckpointError(f"{weights_file}: {key} names {module!r}, which is not a "
-                                  f"projection of this base that adapters may target "
-                                  f"({', '.join(ALL_LINEARS)} of each layer); was the adapter "
-                                  "trained on another base, or on lm_head?")
-        pairs.setdefault(module, {})[kind[0]] = tensor
-    if not pairs:
+    if not tensors:
         raise CheckpointError(f"{weights_file}: no LoRA weights")
+    try:  # a family's fused projections (Phi-3's qkv_proj) as the projections they stack
+        pairs = split_fused_pairs(
+            adapter_pairs({key.removeprefix(PEFT_PREFIX): t for key, t in tensors.items()}),
+            {module: layer.out_features for module, layer in layers.items()})
+    except ValueError as error:
+        raise CheckpointError(f"{weights_file}: {error}") from None
     weights = {}
-    for module, pair in pairs.items():
-        layer, a, b = layers[module], pair.get("A"), pair.get("B")
-        if a is None or b is None:
-            raise CheckpointError(f"{weights_file}: {module} has lora_A or lora_B but not both")
+    for module, (a, b) in pairs.items():
+        if module not in layers:
+            raise CheckpointError(f"{weights_file}: {module!r} is not a projection of this base "
+                                  f"that adapters may target ({', '.join(ALL_LINEARS)} of each "
+                                  "layer); was the adapter trained on another base, or on "
+                                  "lm_head?")
+        layer = layers[module]
         if a.shape != (rank, layer.in_features) or b.shape != (layer.out_features, rank):
             raise CheckpointError(
                 f"{weights_file}: {module} has A {tuple(a.shape)} and B {tuple(b.shape)}, but "

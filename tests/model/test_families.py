@@ -56,6 +56,12 @@ FAMILIES = {
                                                               "rope_theta": 10000.0},
                                         "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                            "rope_theta": 1000000.0}}}),
+    # Phi-3: q/k/v and gate/up stored fused; Phi-4-mini's partial rotary; Phi-3-mini's window
+    "phi3": ("Phi3Config", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                "partial_rotary_factor": 0.5},
+                            "pad_token_id": 0, "eos_token_id": 2, "bos_token_id": 1}),
+    "phi3-window": ("Phi3Config", {"sliding_window": 12, "pad_token_id": 0, "eos_token_id": 2,
+                                   "bos_token_id": 1}),
 }
 SEQ = 96
 
@@ -69,6 +75,10 @@ def hf_model(name: str):
         model.lm_head.weight.mul_(30)  # logits: sharpen both, and give the biases values
         for layer in model.model.layers:
             attention = layer.self_attn
+            if hasattr(attention, "qkv_proj"):  # Phi-3: q and k are its first rows
+                kv = config.num_key_value_heads * attention.head_dim
+                attention.qkv_proj.weight[:-kv].mul_(8)
+                continue
             attention.q_proj.weight.mul_(8)
             attention.k_proj.weight.mul_(8)
             for proj in (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj):
@@ -132,7 +142,7 @@ def greedy(hf, prompt: list[int], steps: int) -> list[int]:
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "smollm3", "mistral-window",
-                                  "qwen2-window", "gemma2", "gemma3"])
+                                  "qwen2-window", "gemma2", "gemma3", "phi3", "phi3-window"])
 def test_the_engine_generates_what_transformers_computes(tmp_path, name):
     hf = saved(name, tmp_path / "hf")
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 40, 70)]

@@ -1,4 +1,4 @@
-"""Post-training Qwen2 and Gemma 2 checkpoints that transformers wrote (with lathe's
+"""Post-training Qwen2, Gemma 2 and Phi-3 checkpoints that transformers wrote (with lathe's
 tokenizer, whose chat template the stages render): SFT and DPO steps with LoRA run, and the
 merged export loads in transformers as the original class with lathe's logits; the adapter
 folder loads in peft on that class."""
@@ -15,6 +15,8 @@ from lathe.core.cli import main
 from lathe.data.tokenizer import load_tokenizer
 from lathe.model import load_checkpoint
 from lathe.model.checkpoint import TOKENIZER_FILES
+from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.sampling import SamplingParams
 from tests.posttrain.conftest import quick
 from tests.posttrain.test_stages import preference_files
 
@@ -25,6 +27,8 @@ FAMILY_CONFIGS = {
     "Qwen2": {},
     # every other layer slides over 16 tokens, scores and logits soft-capped
     "Gemma2": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 16},
+    # q/k/v and gate/up stored fused: the adapter is written on qkv_proj and gate_up_proj
+    "Phi3": {"sliding_window": 16},
 }
 
 
@@ -69,6 +73,15 @@ def test_sft_and_dpo_with_lora_on_a_foreign_checkpoint(family_base, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(adapted(ids).logits, load_checkpoint(sft / "final")(ids).logits,
                                    atol=1e-4, rtol=1e-4)
+    # the serving engine takes the adapter folder over the base as the merged checkpoint
+    engine = LLMEngine.from_checkpoint(family_base, EngineConfig(num_blocks=64, max_loras=1,
+                                                                 max_lora_rank=64))
+    engine.add_adapter("sft", sft / "final-adapter")
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompt = ids[0, :20].tolist()
+    assert engine.generate([prompt], params, adapter="sft")[0].outputs[0].token_ids == \
+        LLMEngine.from_checkpoint(sft / "final", EngineConfig(num_blocks=64)).generate(
+            [prompt], params)[0].outputs[0].token_ids
 
     files = preference_files(tmp_path)
     dpo = tmp_path / "dpo"
