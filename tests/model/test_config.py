@@ -71,7 +71,7 @@ def test_hf_config_round_trip():
 def test_hf_configs_lathe_cannot_run_are_refused():
     hf = ModelConfig.from_preset("tiny").to_hf_config()
     with pytest.raises(ConfigError, match="model_type='mamba' is not supported; lathe loads "
-                                          "llama, mistral, qwen2, qwen3, smollm3, gemma2, "
+                                          "llama, mistral, qwen2, qwen3, smollm3, phi3, gemma2, "
                                           "gemma3_text"):
         ModelConfig.from_hf_config({**hf, "model_type": "mamba"})
     with pytest.raises(ConfigError, match="use_bidirectional_attention=True is not supported"):
