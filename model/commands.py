@@ -20,6 +20,7 @@ from lathe.model.checkpoint import (
     save_checkpoint,
 )
 from lathe.model.config import PRESETS, ModelConfig
+from lathe.model.families import FAMILIES
 from lathe.model.generate import generate
 from lathe.model.student import student_from_teacher
 from lathe.model.transformer import Transformer
@@ -42,6 +43,9 @@ def init_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--keep-layers", default="0,-1",
                         help="--from-teacher: comma-separated decoder layers to keep "
                              "(negative counts from the end)")
+    parser.add_argument("--family", choices=list(FAMILIES), default="llama",
+                        help="--preset: the open-model family to write it as (the preset's "
+                             "shape with the family's switches; e.g. qwen3, gemma2, phi3)")
     parser.add_argument("--out", required=True, type=Path, help="checkpoint folder to write")
     parser.add_argument("--tokenizer", type=Path,
                         help="tokenizer folder: sets vocab_size and is copied into the checkpoint")
@@ -50,7 +54,7 @@ def init_main(argv: Sequence[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.from_teacher is not None:
         return _init_student(args, rest)
-    overrides = dict(parse_overrides(rest))
+    overrides = {"family": args.family, **dict(parse_overrides(rest))}
     if args.tokenizer is not None:
         tokenizer_file = args.tokenizer / "tokenizer.json"
         if not tokenizer_file.is_file():
@@ -63,8 +67,8 @@ def init_main(argv: Sequence[str] | None = None) -> int:
     provenance = {"stage": "init", "preset": args.preset, "seed": args.seed,
                   "overrides": overrides}
     save_checkpoint(model, args.out, tokenizer=args.tokenizer, provenance=provenance)
-    print(f"wrote {args.preset} checkpoint ({config.num_params() / 1e6:.2f}M parameters, "
-          f"{args.dtype}) to {args.out}")
+    print(f"wrote {args.preset} {config.family} checkpoint ({config.num_params() / 1e6:.2f}M "
+          f"parameters, {args.dtype}) to {args.out}")
     return 0
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from lathe.core.config import from_dict
 from lathe.core.errors import ConfigError
-from lathe.model.families import FAMILIES, family_switches
+from lathe.model.families import FAMILIES, family_switches, fresh_switches
 
 ROPE_TYPES = ("llama3", "linear", "yarn")
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -267,12 +267,21 @@ class ModelConfig:
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
-        """A named preset, with any field replaced by `overrides` (checked like a recipe)."""
+        """A named preset, with any field replaced by `overrides` (checked like a recipe).
+        A `family` other than llama brings what a new model of that family switches on
+        (`lathe.model.families.fresh_switches`), under the overrides."""
         if name not in PRESETS:
             raise ConfigError(
                 f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}"
             )
-        return from_dict(cls, {**PRESETS[name], **overrides})
+        fields = {**PRESETS[name], **overrides}
+        family = fields.get("family", "llama")
+        if family != "llama" and isinstance(fields.get("n_layers"), int) \
+                and isinstance(fields.get("n_heads"), int) and isinstance(fields.get("dim"), int):
+            head_dim = fields.get("head_dim") or fields["dim"] // fields["n_heads"]
+            fields = {**PRESETS[name], **fresh_switches(family, fields["n_layers"], head_dim),
+                      **overrides}
+        return from_dict(cls, fields)
 
     def num_params(self, include_embeddings: bool = True) -> int:
         """Parameter count, counting a tied embedding/LM-head matrix once.

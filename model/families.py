@@ -104,9 +104,14 @@ def _gemma_window(pattern: int) -> Callable[[dict[str, Any]], Window]:
     return window
 
 
+def _whole(value: float | None) -> float | int | None:
+    return int(value) if value is not None and float(value).is_integer() else value
+
+
 def _gemma_extra(config: Any) -> dict[str, Any]:
     return {"attention_bias": config.qkv_bias, "hidden_activation": config.hidden_act,
-            "query_pre_attn_scalar": config.query_pre_attn_scalar,
+            # an int in transformers' config classes (256, 144, ...)
+            "query_pre_attn_scalar": _whole(config.query_pre_attn_scalar),
             "attn_logit_softcapping": config.attn_softcap,
             "final_logit_softcapping": config.final_softcap,
             "sliding_window": config.sliding_window, "layer_types": config.layer_types}
@@ -199,3 +204,24 @@ def join_fused(state: dict[str, Any], config: Any) -> dict[str, Any]:
             names = [name.replace(first, part) for part in FUSED[fused]]
             out[name.replace(first, fused)] = torch.cat([out.pop(n) for n in names])
     return out
+
+
+def fresh_switches(family: str, n_layers: int, head_dim: int) -> dict[str, Any]:
+    """What a new model of `family` sets beyond the Llama shape (`lathe init --family`,
+    pretraining from scratch), as the family's transformers config class defaults: its
+    switches, and Gemma's activation, caps, query scale and alternating sliding layers."""
+    if family not in FAMILIES:
+        raise ConfigError(f"family={family!r} is not one lathe takes; choose one of "
+                          f"{', '.join(FAMILIES)}")
+    switches = {name: value for name, value in
+                FAMILIES[family].switches({"attention_bias": False}).items() if value}
+    if family not in ("gemma2", "gemma3_text"):
+        return switches
+    every = 2 if family == "gemma2" else 6
+    gemma = {"hidden_act": "gelu_pytorch_tanh", "query_pre_attn_scalar": head_dim,
+             "sliding_window": 4096 if family == "gemma2" else 512,
+             "layer_types": ["sliding_attention" if (i + 1) % every else "full_attention"
+                             for i in range(n_layers)]}
+    if family == "gemma2":
+        return {**switches, **gemma, "attn_softcap": 50.0, "final_softcap": 30.0}
+    return {**switches, **gemma, "rope_theta": 1_000_000.0, "rope_local_theta": 10_000.0}

@@ -19,7 +19,10 @@ def student_from_teacher(teacher: Transformer, layers: Sequence[int]) -> Transfo
             set(layers)):
         raise ConfigError(f"keep_layers={list(layers)} must be distinct increasing layer "
                           f"indices in [0, {count}) of the teacher, e.g. 0,{count - 1}")
-    config = dataclasses.replace(teacher.config, n_layers=len(layers))
+    per_layer = {name: [getattr(teacher.config, name)[i] for i in layers]
+                 for name in ("layer_types", "no_rope_layers")
+                 if getattr(teacher.config, name) is not None}  # each kept layer keeps its own
+    config = dataclasses.replace(teacher.config, n_layers=len(layers), **per_layer)
     student = Transformer(config).to(teacher.model.embed_tokens.weight.dtype)
     state = {}
     for name, tensor in teacher.state_dict().items():

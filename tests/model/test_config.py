@@ -114,7 +114,7 @@ def test_sliding_windows_only_where_the_family_has_them():
 def test_a_family_builds_its_own_switches():
     with pytest.raises(ConfigError, match="family='qwen2' builds qkv_bias=True, not "
                                           "qkv_bias=False"):
-        ModelConfig.from_preset("tiny", family="qwen2")
+        ModelConfig.from_preset("tiny", family="qwen2", qkv_bias=False)
     with pytest.raises(ConfigError, match="family='gemma' is not one lathe takes"):
         ModelConfig.from_preset("tiny", family="gemma")
     qwen3 = ModelConfig.from_preset("tiny", family="qwen3", qk_norm=True, head_dim=64)
@@ -177,3 +177,34 @@ def test_missing_or_malformed_recipe(tmp_path):
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="must be a YAML mapping"):
         load_config(Run, tmp_path / "list.yaml")
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3",
+                                    "gemma2", "gemma3_text"])
+def test_a_preset_of_any_family_is_what_its_transformers_class_builds(family, tmp_path):
+    """`lathe init --family F --preset P`: the preset's shape with the family's switches,
+    exported as that family's class with lathe's logits."""
+    transformers = pytest.importorskip("transformers")
+    from lathe.model import Transformer, save_checkpoint
+    config = ModelConfig.from_preset("tiny", family=family, vocab_size=128, n_layers=2)
+    torch.manual_seed(0)
+    model = Transformer(config).eval()
+    save_checkpoint(model, tmp_path / family)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / family,
+                                                               dtype=torch.float32).eval()
+    assert theirs.config.model_type == family
+    ids = torch.randint(0, 128, (1, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, theirs(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_lathe_init_writes_a_preset_as_a_family(tmp_path, capsys):
+    import json
+
+    from lathe.model.commands import init_main
+    assert init_main(["--preset", "tiny", "--family", "gemma2", "--n_layers=2",
+                      "--out", str(tmp_path / "g")]) == 0
+    written = json.loads((tmp_path / "g" / "config.json").read_text())
+    assert (written["model_type"], written["architectures"]) == ("gemma2", ["Gemma2ForCausalLM"])
+    assert written["layer_types"] == ["sliding_attention", "full_attention"]
+    assert "tiny gemma2 checkpoint" in capsys.readouterr().out

@@ -28,6 +28,25 @@ def test_keeping_every_layer_is_the_teacher_and_a_subset_skips_the_rest():
     torch.testing.assert_close(student(ids).logits, skipped(ids).logits)
 
 
+def test_a_gemma_student_keeps_each_kept_layers_window_and_rope():
+    """Gemma 3's layers differ (sliding or full, local or global RoPE): a student cut from
+    layers 1 and 3 of [sliding, sliding, sliding, full] is [sliding, full], as the teacher's
+    kept layers compute."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_preset("tiny", vocab_size=96, family="gemma3_text",
+                                                sliding_window=4, layer_types=[
+                                                    "sliding_attention"] * 3
+                                                + ["full_attention"])).eval()
+    student = student_from_teacher(model, [1, 3])
+    assert student.config.layer_types == ["sliding_attention", "full_attention"]
+    ids = torch.randint(0, 96, (1, 12))
+    skipped = Transformer(model.config).eval()
+    skipped.load_state_dict(model.state_dict())
+    skipped.model.layers = torch.nn.ModuleList([skipped.model.layers[1],
+                                                skipped.model.layers[3]])
+    torch.testing.assert_close(student(ids).logits, skipped(ids).logits)
+
+
 @pytest.mark.parametrize("layers", [[], [4], [2, 1], [1, 1]])
 def test_bad_layer_lists_name_the_fix(layers):
     with pytest.raises(ConfigError, match="keep_layers"):
