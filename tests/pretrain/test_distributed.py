@@ -199,3 +199,25 @@ def test_killing_the_launcher_kills_every_rank(corpus, tmp_path):
     finally:
         if launcher.poll() is None:
             processes.kill_tree(launcher.pid)
+
+
+def test_a_gemma3_model_trains_sharded_as_on_one_process(corpus, tmp_path):
+    """FSDP2 wraps another family's blocks alike: Gemma 3's sandwich norms, q/k norms,
+    sliding and global layers with their own RoPE train on two processes as on one, and
+    the gathered export loads in transformers as Gemma3ForCausalLM with lathe's logits."""
+    from transformers import AutoModelForCausalLM
+    family = {"model.overrides.family": "gemma3_text", "model.overrides.sliding_window": 8,
+              "model.overrides.layer_types": ["sliding_attention", "full_attention"]}
+    single, sharded = tmp_path / "single", tmp_path / "fsdp2"
+    reset_accelerate()
+    pretrain(build(run_config(corpus, single, max_steps=8, **family)))
+    run(command("cpu-fsdp2", run_config(corpus, sharded, max_steps=8, micro_batch_size=4,
+                                        **family)))
+    one, two = step_losses(single), step_losses(sharded)
+    assert max(abs(one[s] - two[s]) for s in one) < 1e-5
+    ours = load_checkpoint(sharded / "final")
+    theirs = AutoModelForCausalLM.from_pretrained(sharded / "final").eval()
+    assert type(theirs).__name__ == "Gemma3ForCausalLM"
+    ids = torch.randint(0, ours.config.vocab_size, (1, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-5, rtol=0)

@@ -118,6 +118,26 @@ def test_fp8_emulation_trains_close_to_fp32(corpus, tmp_path):
     load_checkpoint(tmp_path / "fp8" / "final")  # plain linears again, HF names
 
 
+def test_a_phi3_model_pretrains_under_fp8_and_checkpointing_and_exports_fused(corpus,
+                                                                              tmp_path):
+    """Another family through the same converters: torchao's FP8 linears and activation
+    checkpointing wrap Phi-3's split projections, and the export joins them again."""
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "phi3"
+    summary = pretrain(build(run_config(corpus, out, max_steps=8, **{
+        "model.overrides.family": "phi3", "model.overrides.sliding_window": 16,
+        "precision.fp8": True, "precision.activation_checkpointing": True})))
+    assert summary["converters"]["fp8_layers"] == 14
+    losses = step_losses(out)
+    assert losses[8] < losses[1]
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out / "final").eval()
+    assert type(theirs).__name__ == "Phi3ForCausalLM"
+    ours = load_checkpoint(out / "final")
+    ids = torch.randint(0, ours.config.vocab_size, (1, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-5, rtol=0)
+
+
 def test_muon_and_wsd_and_z_loss_train(corpus, tmp_path):
     out = tmp_path / "muon"
     pretrain(build(run_config(corpus, out, max_steps=16, **{
