@@ -122,10 +122,47 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
     config = read_model_config(path)
     device = torch.device(device if device is not None else "cpu")
     check_memory(config, path, device, dtype)
+    return _build(config, _read_state(path, config, device), path, dtype, device)
+
+
+class OpenCheckpoint:
+    """A checkpoint folder opened once for a run that builds several models from it (GRPO's
+    policy, frozen reference and rollout copy; distillation's teacher for training and for
+    its score): config.json and generation_config.json read and checked once, the weights
+    read once into CPU memory and each `model()` a copy of them. `release()` frees the kept
+    weights once every model is built."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.config = read_model_config(self.path)
+        self.eos_ids = read_eos_ids(self.path, self.config.vocab_size)
+        self._state: dict[str, torch.Tensor] | None = None
+
+    def model(self, dtype: torch.dtype | None = None,
+              device: torch.device | str | None = None) -> Transformer:
+        """A new `Transformer` (eval mode) of these weights, as `load_checkpoint` gives."""
+        device = torch.device(device if device is not None else "cpu")
+        check_memory(self.config, self.path, device, dtype)
+        if self._state is None:
+            self._state = _read_state(self.path, self.config, torch.device("cpu"))
+        state = {name: tensor.to(device, dtype or tensor.dtype, copy=True)
+                 for name, tensor in self._state.items()}
+        return _build(self.config, state, self.path, None, device)
+
+    def release(self) -> None:
+        self._state = None
+
+
+def _read_state(path: Path, config: ModelConfig, device: torch.device
+                ) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for file in _weight_files(path):
         state.update(load_safetensors(file, device))
-    state = split_fused(state, config)
+    return split_fused(state, config)
+
+
+def _build(config: ModelConfig, state: dict[str, torch.Tensor], path: Path,
+           dtype: torch.dtype | None, device: torch.device) -> Transformer:
     with torch.device("meta"):
         model = Transformer(config)
     _check_state_dict(model, state, path)

@@ -23,7 +23,12 @@ from lathe.core.errors import ConfigError
 from lathe.data.chat_encoding import ChatEncoder, chat_encoder
 from lathe.data.chat_template import read_template_file
 from lathe.data.formats import load_prompt_dataset
-from lathe.model.checkpoint import load_checkpoint, read_eos_ids, save_checkpoint
+from lathe.model.checkpoint import (
+    OpenCheckpoint,
+    load_checkpoint,
+    read_eos_ids,
+    save_checkpoint,
+)
 from lathe.model.config import ModelConfig
 from lathe.model.lora import LoraSection, apply_lora, load_adapter, merge_lora, save_adapter
 from lathe.model.transformer import IGNORE_INDEX, Transformer
@@ -36,17 +41,19 @@ from lathe.serve.sampling import SamplingParams
 T = TypeVar("T")
 
 
-def load_policy(runtime: Runtime, config: PosttrainConfig) -> tuple[Transformer, ChatEncoder]:
+def load_policy(runtime: Runtime, config: PosttrainConfig,
+                opened: OpenCheckpoint | None = None) -> tuple[Transformer, ChatEncoder]:
     """The starting weights in fp32 (the runtime applies mixed precision), with adapters
     injected when LoRA is enabled, and the stage's chat encoder: the checkpoint's tokenizer
-    with the chat template it trains on (`chat_template`, or the checkpoint's own)."""
+    with the chat template it trains on (`chat_template`, or the checkpoint's own).
+    `opened`: `config.model` already open, when the stage builds more models from it."""
     checkpoint, lora = config.model, config.lora
     if lora.qlora and runtime.sharded:
         raise ConfigError(f"lora.qlora=true on a {runtime.setup['distributed_type']} launch: "
                           "its 4-bit base cannot be sharded or gathered here; run QLoRA on a "
                           "single-process or DDP launch (recipes/accelerate/gpu.yaml)")
     encoder = chat_encoder(checkpoint, config.chat_template, config.chat_template_kwargs)
-    model = load_checkpoint(checkpoint, dtype=torch.float32)
+    model = (opened or OpenCheckpoint(checkpoint)).model(dtype=torch.float32)
     if lora.enabled:
         apply_lora(model, lora)
     return model.train(), encoder

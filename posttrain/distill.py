@@ -25,10 +25,10 @@ from torch import Tensor, nn
 
 from lathe.core.atomic import write_json
 from lathe.core.errors import ConfigError
-from lathe.data.chat_encoding import chat_encoder
+from lathe.data.chat_encoding import ChatEncoder, chat_encoder
 from lathe.data.formats import load_prompt_dataset
 from lathe.data.tokenizer import load_tokenizer, vocabulary_difference
-from lathe.model.checkpoint import load_checkpoint
+from lathe.model.checkpoint import OpenCheckpoint
 from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.chats import chat_work, collate, start_chat_run
 from lathe.posttrain.common import (
@@ -101,10 +101,11 @@ def check_same_tokenizer(student: str, teacher: str) -> None:
                           "models trained with the same tokenizer.json")
 
 
-def distill_logits(config: DistillConfig, resume: str) -> dict[str, Any]:
+def distill_logits(config: DistillConfig, teacher_checkpoint: OpenCheckpoint,
+                   resume: str) -> dict[str, Any]:
     runtime = Runtime(config, stage="distill")
     model, encoder = load_policy(runtime, config)
-    teacher = load_checkpoint(config.teacher, dtype=torch.float32)
+    teacher = teacher_checkpoint.model(dtype=torch.float32)
     if teacher.config.vocab_size != model.config.vocab_size:
         raise ConfigError(f"teacher vocab_size {teacher.config.vocab_size} != student "
                           f"{model.config.vocab_size}: logits must cover the same tokens")
@@ -169,11 +170,13 @@ def distill_logits(config: DistillConfig, resume: str) -> dict[str, Any]:
     return {**summary, "student_accuracy": student_accuracy}
 
 
-def write_teacher_data(config: DistillConfig, path: Path) -> int:
+def write_teacher_data(config: DistillConfig, teacher: OpenCheckpoint,
+                       encoder: ChatEncoder, path: Path) -> int:
     """The teacher's greedy answers to the training prompts, prompted through its own chat
-    template, as a chat .jsonl (atomically)."""
-    engine = LLMEngine.from_checkpoint(config.teacher, EngineConfig(num_blocks=1024))
-    encoder = chat_encoder(config.teacher, tokenizer=engine.tokenizer)
+    template (`encoder`), as a chat .jsonl (atomically)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = LLMEngine(teacher.model(device=device), encoder.tokenizer,
+                       EngineConfig(num_blocks=1024), teacher.eos_ids)
     rows = load_prompt_dataset(config.data.train, "train", config.data.limit)
     prompts = [encoder.prompt(row.prompt, row.tools) for row in rows]
     params = SamplingParams(max_tokens=config.teacher_max_tokens, temperature=0)
@@ -190,15 +193,18 @@ def write_teacher_data(config: DistillConfig, path: Path) -> int:
 
 def distill(config: DistillConfig, resume: str = "never") -> dict[str, Any]:
     check_same_tokenizer(config.model, config.teacher)
+    # opened once: the teacher trains the student and is scored after, from one read
+    teacher = OpenCheckpoint(config.teacher)
+    teacher_encoder = chat_encoder(config.teacher)
     if config.mode == "logits":
-        summary = distill_logits(config, resume)
+        summary = distill_logits(config, teacher, resume)
     else:
         out = Path(config.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         data_file = out / "teacher_data.jsonl"
         if not data_file.is_file():
-            print(f"teacher {config.teacher} answered {write_teacher_data(config, data_file)} "
-                  f"prompts -> {data_file}")
+            answered = write_teacher_data(config, teacher, teacher_encoder, data_file)
+            print(f"teacher {config.teacher} answered {answered} prompts -> {data_file}")
         shared = {f.name: getattr(config, f.name) for f in dataclasses.fields(PosttrainConfig)}
         sft_config = SFTConfig(**shared,
                                data=dataclasses.replace(config.data, train=str(data_file)))
@@ -206,8 +212,8 @@ def distill(config: DistillConfig, resume: str = "never") -> dict[str, Any]:
         summary = {**result, "student_accuracy": result["accuracy"][-1]}
     if os.environ.get("RANK", "0") != "0":  # the report is the main process's job
         return summary
-    teacher = TaskEvaluator(config.task_eval, config.teacher, chat_encoder(config.teacher))
-    summary["teacher_accuracy"] = teacher(load_checkpoint(config.teacher))["accuracy"]
+    evaluator = TaskEvaluator(config.task_eval, config.teacher, teacher_encoder)
+    summary["teacher_accuracy"] = evaluator(teacher.model())["accuracy"]
     write_json(Path(config.out_dir) / "summary.json", summary)
     print(f"done: distill ({config.mode}); held-out {config.task_eval.task} accuracy: student "
           f"{summary['student_accuracy']:.1%}, teacher {summary['teacher_accuracy']:.1%}")

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from lathe.core.errors import ConfigError
 from lathe.data.chat_encoding import ChatEncoder
 from lathe.data.formats import PromptRow, load_prompt_dataset
-from lathe.model.checkpoint import load_checkpoint, read_eos_ids
+from lathe.model.checkpoint import OpenCheckpoint
 from lathe.model.lora import (
     AdapterMerger,
     adapter_pairs,
@@ -160,12 +160,12 @@ class RolloutGenerator:
     lm_head, which slots do not take, merges into a copy of the base instead); never a
     merge into a 4-bit QLoRA base."""
 
-    def __init__(self, config: GRPOConfig, tokenizer: Tokenizer, device: torch.device,
-                 kv_dtype: torch.dtype) -> None:
+    def __init__(self, config: GRPOConfig, opened: OpenCheckpoint, tokenizer: Tokenizer,
+                 device: torch.device, kv_dtype: torch.dtype) -> None:
         self.config = config
         self.rewards = [(load_reward(r.name), r.weight) for r in config.rewards]
         self.correct = verifier(config.task_eval.task)
-        model = load_checkpoint(config.model, dtype=torch.float32, device=device)
+        model = opened.model(dtype=torch.float32, device=device)
         lora = config.lora
         self.adapter = POLICY_ADAPTER if lora.enabled and "lm_head" not in \
             lora.target_modules else None
@@ -173,8 +173,7 @@ class RolloutGenerator:
             else None
         engine_config = EngineConfig(num_blocks=1024, max_loras=1, max_lora_rank=lora.r) \
             if self.adapter is not None else EngineConfig(num_blocks=1024)
-        self.engine = LLMEngine(model.eval(), tokenizer, engine_config,
-                                read_eos_ids(config.model, model.config.vocab_size),
+        self.engine = LLMEngine(model.eval(), tokenizer, engine_config, opened.eos_ids,
                                 kv_dtype=kv_dtype)
 
     def refresh(self, weights: dict[str, Tensor]) -> None:
@@ -238,7 +237,8 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
     if rollouts_per_rank % config.grad_accum_steps:
         raise ConfigError(f"each rank's {rollouts_per_rank} rollouts must split evenly into "
                           f"grad_accum_steps={config.grad_accum_steps} micro-batches")
-    model, encoder = load_policy(runtime, config)
+    opened = OpenCheckpoint(config.model)  # the policy, its reference and the rollout copy
+    model, encoder = load_policy(runtime, config, opened)
     model_config = model.config
     fit = check_lengths(config, model_config.max_seq_len)
     prompts = fit_prompts(encoder, load_prompt_dataset(config.prompts, "train", config.limit),
@@ -252,12 +252,13 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
     runtime.prepare(model, total_steps)
     reference = None
     if config.beta > 0 and not config.lora.enabled:
-        reference = runtime.prepare_frozen(load_checkpoint(config.model, dtype=torch.float32))
+        reference = runtime.prepare_frozen(opened.model(dtype=torch.float32))
     restored = runtime.start(config, resume)
     if restored is not None:
         sampler.load_state_dict(restored["prompts"])
-    generator = (RolloutGenerator(config, encoder.tokenizer, runtime.device, runtime.compute_dtype)
-                 if runtime.is_main else None)
+    generator = (RolloutGenerator(config, opened, encoder.tokenizer, runtime.device,
+                                  runtime.compute_dtype) if runtime.is_main else None)
+    opened.release()
     weights = engine_weights(runtime, config)
     if generator is not None:
         generator.refresh(weights)

@@ -74,17 +74,33 @@ def test_dpo_in_bf16_starts_at_log_2(small_base, tmp_path):
     assert exported_dtypes(out / "final") == {"BF16"}
 
 
+def count_weight_reads(monkeypatch) -> list[Path]:
+    """Every safetensors file a run reads, in order."""
+    from lathe.model import checkpoint
+    reads, real = [], checkpoint.load_safetensors
+    monkeypatch.setattr(checkpoint, "load_safetensors",
+                        lambda file, device: reads.append(Path(file)) or real(file, device))
+    return reads
+
+
 @pytest.mark.parametrize("lora", [False, True])
-def test_grpo_in_bf16_with_a_reference(small_base, tmp_path, lora):
+def test_grpo_in_bf16_with_a_reference(small_base, tmp_path, lora, monkeypatch):
+    """...and the policy, its reference and the rollout engine's copy come from one read of
+    the checkpoint's weights."""
+    reads = count_weight_reads(monkeypatch)
     out = tmp_path / "grpo"
     assert main(["grpo", *bf16(out, small_base, prompts_per_step=2, num_generations=2,
                                max_completion_tokens=3, beta=0.04,
                                **{"lora.enabled": str(lora).lower()})]) == 0
     assert math.isfinite(first_loss(out))
+    assert [file.parent for file in reads].count(small_base) == 1
 
 
-def test_logit_distillation_in_bf16(small_base, tmp_path):
+def test_logit_distillation_in_bf16(small_base, tmp_path, monkeypatch):
+    reads = count_weight_reads(monkeypatch)
     out = tmp_path / "distill"
     assert main(["distill", *bf16(out, small_base, teacher=small_base, **{
         "data.max_len": 32, "data.limit": 8})]) == 0
     assert math.isfinite(first_loss(out))
+    # the student once; the teacher once, for training and for its score
+    assert [file.parent for file in reads].count(small_base) == 2
