@@ -1,12 +1,18 @@
 """A checkpoint as one GGUF file for llama.cpp (and Ollama, LM Studio), written with the
-`gguf` package: llama hyper-parameters, the byte-level BPE vocabulary, merges, special
-tokens and chat template, and every tensor under llama.cpp's name in f32 (the exact
+`gguf` package: the architecture's hyper-parameters, the byte-level BPE vocabulary, merges,
+special tokens and chat template, and every tensor under llama.cpp's name in f32 (the exact
 weights, to compare runtimes on the same numbers), f16 or q8_0.
 
-Two layout facts matter. llama.cpp's llama RoPE rotates adjacent pairs (2i, 2i + 1)
-while HF checkpoints rotate halves (i, i + d/2), so q_proj and k_proj rows are permuted
-per head (`permute_rope_rows`) — the same transform llama.cpp's own converter applies.
-Llama-3 frequency scaling travels as `rope_freqs.weight`, the per-frequency divisors.
+Each family is written as the llama.cpp architecture its converter makes of it (`ARCHES`):
+llama and mistral as `llama`; qwen2, qwen3, gemma2 and gemma3 as themselves (phi3 is
+refused until its file loads in llama.cpp). Layout facts that matter: llama.cpp's `llama`
+RoPE rotates adjacent pairs (2i, 2i + 1) while HF checkpoints rotate halves (i, i + d/2),
+so for it q_proj and k_proj rows are permuted per head (`permute_rope_rows`), as
+llama.cpp's own converter does; the other architectures rotate halves (NEOX) and take the
+rows as they are. Gemma's norms are stored as 1 + w. Llama-3 frequency scaling travels as
+`rope_freqs.weight`, the per-frequency divisors. What an architecture's llama.cpp graph
+fixes rather than reads (Gemma's query scale and window pattern, Gemma 3's local RoPE base,
+llama's full attention) a checkpoint must match, or the export refuses it.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from lathe.data.chat_template import checkpoint_chat_template
 from lathe.data.tokenizer import split_pattern
 from lathe.model.checkpoint import CheckpointError, load_checkpoint
 from lathe.model.config import ModelConfig
+from lathe.model.families import join_fused
 from lathe.model.transformer import rope_inv_freq
 
 FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
@@ -33,7 +40,16 @@ LAYER_NAMES = {
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
 }
+# Gemma's four norms a layer: the one after attention, and the MLP's before and after
+SANDWICH_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
+                  "pre_feedforward_layernorm": "ffn_norm",
+                  "post_feedforward_layernorm": "post_ffw_norm"}
+# lathe family -> llama.cpp architecture
+ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+          "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
 
 
 def permute_rope_rows(weight: Tensor, n_heads: int) -> Tensor:
@@ -44,35 +60,73 @@ def permute_rope_rows(weight: Tensor, n_heads: int) -> Tensor:
             .reshape(out_features, in_features))
 
 
-def gguf_tensor_name(name: str) -> str:
-    """llama.cpp's name for an HF Llama parameter name."""
+def gguf_tensor_name(name: str, sandwich: bool = False) -> str:
+    """llama.cpp's name for an HF parameter name (`sandwich`: Gemma's norm names)."""
     fixed = {"model.embed_tokens.weight": "token_embd.weight",
              "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
     if name in fixed:
         return fixed[name]
     _, _, index, rest = name.split(".", 3)
-    module = rest.removesuffix(".weight")
-    if module not in LAYER_NAMES:
+    module, _, kind = rest.rpartition(".")
+    names = SANDWICH_NAMES if sandwich else LAYER_NAMES
+    if module not in names or kind not in ("weight", "bias"):
         raise CheckpointError(f"no GGUF name for parameter {name}")
-    return f"blk.{index}.{LAYER_NAMES[module]}.weight"
+    return f"blk.{index}.{names[module]}.{kind}"
 
 
 def gguf_tensors(state: dict[str, Tensor], config: ModelConfig) -> dict[str, np.ndarray]:
-    """fp32 arrays under llama.cpp's names, q/k permuted, a tied LM head left out."""
+    """fp32 arrays under llama.cpp's names, a tied LM head left out: q/k rows permuted for
+    the `llama` architecture, Gemma's norms as 1 + w, Phi-3's projections fused."""
     out = {}
-    for name, tensor in state.items():
+    permute = ARCHES[config.family] == "llama"
+    for name, tensor in join_fused(state, config).items():
         if name == "lm_head.weight" and config.tie_embeddings:
             continue
         tensor = tensor.detach().float().cpu()
-        if name.endswith("q_proj.weight"):
+        if permute and name.endswith("q_proj.weight"):
             tensor = permute_rope_rows(tensor, config.n_heads)
-        elif name.endswith("k_proj.weight"):
+        elif permute and name.endswith("k_proj.weight"):
             tensor = permute_rope_rows(tensor, config.n_kv_heads)
-        out[gguf_tensor_name(name)] = tensor.numpy()
+        elif config.norm_unit_offset and "norm" in name:
+            tensor = tensor + 1
+        out[gguf_tensor_name(name, config.sandwich_norms)] = tensor.numpy()
     if config.rope_scaling is not None:
         plain = dataclasses.replace(config, rope_scaling=None)
         out["rope_freqs.weight"] = (rope_inv_freq(plain) / rope_inv_freq(config)).numpy()
     return out
+
+
+def unwritable(config: ModelConfig) -> str | None:
+    """Why llama.cpp's graph for this model's architecture would compute other logits than
+    the checkpoint does (what it fixes rather than reads from the file), or None."""
+    arch, scaling = ARCHES.get(config.family), config.rope_scaling
+    window = config.sliding_window is not None and config.sliding_window < config.max_seq_len
+    gemma_pattern = {"gemma2": 2, "gemma3": 6}.get(arch)
+    reasons = [
+        arch is None and f"{config.family} has no llama.cpp architecture here",
+        scaling is not None and scaling.rope_type == "yarn"
+        and "YaRN RoPE scaling is not written to GGUF yet",
+        scaling is not None and scaling.rope_type == "linear" and arch == "llama"
+        and "linear RoPE scaling of a llama model is not written to GGUF yet",
+        arch == "llama" and config.qkv_bias and "llama.cpp's llama has no attention biases",
+        arch == "llama" and window and "llama.cpp's llama attends in full, not in a window",
+        config.no_rope_layers is not None and "SmolLM3's NoPE layers",
+        gemma_pattern and config.layer_types != [
+            "sliding_attention" if (i + 1) % gemma_pattern else "full_attention"
+            for i in range(config.n_layers)]
+        and f"llama.cpp's {arch} slides {gemma_pattern - 1} of each {gemma_pattern} layers",
+        gemma_pattern and config.query_pre_attn_scalar != config.head_dim
+        and f"llama.cpp's {arch} scales queries by head_dim^-1/2, not by "
+            f"query_pre_attn_scalar={config.query_pre_attn_scalar}",
+        arch == "gemma3" and config.rope_local_theta != 10_000
+        and "llama.cpp's gemma3 rotates its sliding layers with base 10000",
+        arch == "gemma2" and not config.tie_embeddings
+        and "llama.cpp's gemma2 ties its head to the embeddings",
+        arch == "phi3" and "phi3 is not written yet (llama.cpp did not load the file this "
+                           "export made, so its logits could not be checked)",
+    ]
+    found = [reason for reason in reasons if reason]
+    return f"a {config.family} model: {'; '.join(found)}" if found else None
 
 
 def _vocabulary(checkpoint: Path, vocab_size: int) -> tuple[list[str], list[int], list[str]]:
@@ -110,17 +164,14 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f16") -> 
                               "vocabulary, so export a checkpoint that has one")
     model = load_checkpoint(checkpoint, dtype=torch.float32)
     config = model.config
-    if config.rope_scaling is not None and config.rope_scaling.rope_type == "yarn":
-        raise CheckpointError(f"{checkpoint}: YaRN RoPE scaling is not written to GGUF yet")
-    if config.family != "llama" or config.qkv_bias or config.q_dim != config.dim:
-        raise CheckpointError(f"{checkpoint}: a {config.family} model"
-                              f"{' with attention biases' if config.qkv_bias else ''}; the GGUF "
-                              "export writes llama.cpp's plain llama architecture only so far")
+    refusal = unwritable(config)
+    if refusal is not None:
+        raise CheckpointError(f"{checkpoint}: {refusal}")
     generation = json.loads((checkpoint / "generation_config.json").read_text()) \
         if (checkpoint / "generation_config.json").is_file() else {}
 
     tmp = out.with_name(out.name + ".tmp")
-    writer = gguf.GGUFWriter(str(tmp), "llama")
+    writer = gguf.GGUFWriter(str(tmp), ARCHES[config.family])
     writer.add_name(checkpoint.resolve().name)
     writer.add_context_length(config.max_seq_len)
     writer.add_embedding_length(config.dim)
@@ -128,9 +179,20 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f16") -> 
     writer.add_feed_forward_length(config.ffn_hidden_dim)
     writer.add_head_count(config.n_heads)
     writer.add_head_count_kv(config.n_kv_heads)
-    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_dimension_count(config.rotary_dim)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
     writer.add_rope_freq_base(config.rope_theta)
+    if config.rope_scaling is not None and config.rope_scaling.rope_type == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(config.rope_scaling.factor)
     writer.add_layer_norm_rms_eps(config.norm_eps)
+    if config.sliding_window is not None:
+        writer.add_sliding_window(config.sliding_window)
+    if config.attn_softcap is not None:
+        writer.add_attn_logit_softcapping(config.attn_softcap)
+    if config.final_softcap is not None:
+        writer.add_final_logit_softcapping(config.final_softcap)
     writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(FILE_TYPES[dtype])
     tokens, token_types, merges = _vocabulary(checkpoint, config.vocab_size)

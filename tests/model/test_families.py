@@ -6,6 +6,7 @@ same class with the same logits, and the serve engine's greedy tokens are transf
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -182,17 +183,76 @@ def test_quantized_linears_keep_their_biases(tmp_path, name):
             assert error < (0.03 if mode == "int8" else 0.15), (mode, float(error))
 
 
-def test_gguf_export_refuses_what_it_cannot_write_yet(tmp_path):
+def with_tokenizer(folder, vocab_size: int = 300):
+    """A byte-level BPE tokenizer (lathe's) copied into a transformers-written folder."""
     from lathe.data.tokenizer import save_tokenizer, train_tokenizer
+    tokenizer = train_tokenizer(["the cat sat on the mat, 12 + 34"] * 20, vocab_size=vocab_size,
+                                show_progress=False)
+    save_tokenizer(tokenizer, folder.parent / "tokenizer")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((folder.parent / "tokenizer" / name).read_bytes())
+    return folder
+
+
+# the families llama.cpp has an architecture for, as its converter writes them (real Gemma
+# checkpoints tie their head and scale queries by head_dim, as llama.cpp's graph assumes)
+GGUF_FAMILIES = {
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "query_pre_attn_scalar": 16,
+                                "sliding_window": 12, "attn_logit_softcapping": 5.0,
+                                "final_logit_softcapping": 20.0, "tie_word_embeddings": True}),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "query_pre_attn_scalar": 16,
+                                    "sliding_window": 12}),
+}
+
+
+@pytest.mark.parametrize("name", GGUF_FAMILIES)
+def test_gguf_export_of_a_family_gives_llama_cpps_logits(tmp_path, name):
+    """The file as llama.cpp's own architecture for the family (NEOX RoPE unpermuted, biases,
+    q/k norms, Gemma's 1 + w norms, soft-caps and sliding layers) computes lathe's logits
+    in llama.cpp, past the window (its KV cache is f16: 2e-3 of the largest logit)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    config_class, extra = GGUF_FAMILIES[name]
+    config = getattr(transformers, config_class)(**{**SHAPE, "vocab_size": 512, "pad_token_id": 0,
+                                                    "bos_token_id": 1, "eos_token_id": 2, **extra})
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for parameter_name, parameter in hf.named_parameters():
+            if parameter.dim() == 2:
+                parameter.mul_(3)
+            elif "norm" in parameter_name:  # Gemma's start at 0 (1 + w), the others at 1
+                parameter.normal_(0 if "gemma" in name else 1, 0.2)
+            else:
+                parameter.normal_(0, 0.3)
+    hf.save_pretrained(tmp_path / "hf")
+    with_tokenizer(tmp_path / "hf")
+    from lathe.serve.gguf_export import export_gguf
+    out = export_gguf(tmp_path / "hf", tmp_path / f"{name}.gguf", dtype="f32")
+    ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        ours = load_checkpoint(tmp_path / "hf")(torch.tensor([ids])).logits[0]
+    runtime = llama_cpp.Llama(str(out), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
+    runtime.eval(ids)
+    theirs = torch.tensor(runtime.scores[:len(ids)])
+    assert (theirs - ours).abs().max() / ours.abs().max() < 2e-3
+
+
+@pytest.mark.parametrize(("name", "change", "reason"), [
+    ("smollm3", {}, "SmolLM3's NoPE layers"),
+    ("mistral-window", {}, "llama.cpp's llama attends in full, not in a window"),
+    ("gemma2", {}, "scales queries by head_dim^-1/2, not by query_pre_attn_scalar=24"),
+    ("phi3", {}, "phi3 is not written yet"),
+])
+def test_gguf_export_refuses_what_llama_cpp_would_compute_otherwise(tmp_path, name, change,
+                                                                     reason):
     from lathe.model import CheckpointError
     from lathe.serve.gguf_export import export_gguf
-    saved("qwen2", tmp_path / "hf")
-    save_tokenizer(train_tokenizer(["a b c d"] * 20, vocab_size=262, show_progress=False),
-                   tmp_path / "tok")
-    (tmp_path / "hf" / "tokenizer.json").write_text((tmp_path / "tok" / "tokenizer.json")
-                                                    .read_text())
-    with pytest.raises(CheckpointError, match="a qwen2 model with attention biases; the GGUF "
-                                              "export writes llama.cpp's plain llama"):
+    saved(name, tmp_path / "hf")
+    with_tokenizer(tmp_path / "hf", vocab_size=262)
+    with pytest.raises(CheckpointError, match=re.escape(reason)):
         export_gguf(tmp_path / "hf", tmp_path / "out.gguf")
 
 
