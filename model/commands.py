@@ -54,18 +54,18 @@ def init_main(argv: Sequence[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.from_teacher is not None:
         return _init_student(args, rest)
-    overrides = {"family": args.family, **dict(parse_overrides(rest))}
+    overrides = dict(parse_overrides(rest))
     if args.tokenizer is not None:
         tokenizer_file = args.tokenizer / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise CheckpointError(f"--tokenizer {args.tokenizer}: no tokenizer.json in that folder")
         tokenizer = Tokenizer.from_file(str(tokenizer_file))
         overrides["vocab_size"] = tokenizer.get_vocab_size(with_added_tokens=True)
-    config = ModelConfig.from_preset(args.preset, **overrides)
+    config = ModelConfig.from_preset(args.preset, **{"family": args.family, **overrides})
     torch.manual_seed(args.seed)
     model = Transformer(config).to(DTYPES[args.dtype])
-    provenance = {"stage": "init", "preset": args.preset, "seed": args.seed,
-                  "overrides": overrides}
+    provenance = {"stage": "init", "preset": args.preset, "family": config.family,
+                  "seed": args.seed, "overrides": overrides}
     save_checkpoint(model, args.out, tokenizer=args.tokenizer, provenance=provenance)
     print(f"wrote {args.preset} {config.family} checkpoint ({config.num_params() / 1e6:.2f}M "
           f"parameters, {args.dtype}) to {args.out}")

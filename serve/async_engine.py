@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from lathe.serve.adapters import AdapterError
-from lathe.serve.engine import LLMEngine
+from lathe.serve.engine import LLMEngine, RequestError
 from lathe.serve.outputs import SequenceDelta
 from lathe.serve.sampling import SamplingParams
 
@@ -140,8 +140,9 @@ class AsyncEngine:
                     self.on_step(deltas, time.perf_counter() - start)
                 for delta in deltas:
                     queue = self._queues.get(delta.request_id)
-                    if queue is not None:
-                        queue.put_nowait(delta)
+                    if queue is not None:  # a sequence that failed alone fails its request
+                        queue.put_nowait(delta if delta.error is None
+                                         else RequestError(delta.error))
         except Exception as error:  # fail every open stream and every later request
             self.dead = EngineDead(f"the engine failed and must be restarted: "
                                    f"{type(error).__name__}: {error}")

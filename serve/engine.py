@@ -135,6 +135,9 @@ class LLMEngine:
             self.max_model_len)
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         self._constraints: Constraints | None = None  # built by the first structured request
+        # sequences whose grammar matcher failed on a token its mask allowed (llguidance's
+        # lexer limits): each ends alone, with the reason, at the end of the step
+        self._broken: dict[Sequence, str] = {}
         self._constraints_lock = threading.Lock()  # the server's threads may build it
         self.requests: dict[str, list[Sequence]] = {}
         self._ids = itertools.count()
@@ -359,7 +362,14 @@ class LLMEngine:
         return [self._emit(seq, picks[seq]) for seq, _ in batch.items if seq in picks]
 
     def _emit(self, seq: Sequence, picks: list[Pick]) -> SequenceDelta:
-        """The step's tokens of `seq` as a delta; a sequence they finish is let go."""
+        """The step's tokens of `seq` as a delta; a sequence they finish is let go, and one
+        whose constraint broke ends with finish_reason "error" and the reason."""
+        error = self._broken.pop(seq, None)
+        if error is not None:
+            self.outputs.remove(seq)
+            self._finish(seq, "error")
+            return SequenceDelta(seq.request_id, seq.index, [], "", [], "error",
+                                 len(seq.prompt_ids), seq.table.num_cached_tokens, error=error)
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         delta = self.outputs.append(seq, picks)
@@ -456,8 +466,18 @@ class LLMEngine:
         picks = self.speculator.verify(verified, drafts, logits, drawn)
         for seq, _ in constrained:
             for token, _ in picks[seq]:
-                self.constraints.advance(seq, token)
+                self._advance(seq, token)
         return picks
+
+    def _advance(self, seq: Sequence, token: int) -> None:
+        """Feed a constrained sequence's matcher its token; a failure ends that sequence
+        alone (`_emit`), never the step."""
+        if seq in self._broken:
+            return
+        try:
+            self.constraints.advance(seq, token)
+        except GrammarError as error:
+            self._broken[seq] = f"the structured output could not go on: {error}"
 
     def _decode_steps(self, batch: ScheduledBatch) -> int:
         """How many forward passes a step runs: up to `decode_steps` when every scheduled
@@ -527,7 +547,7 @@ class LLMEngine:
         allowed = self.constraints.allowed_mask([seqs[i] for i in constrained])
         tokens = sample(constrain(logits, constrained, allowed), sampling)
         for i, token in zip(constrained, tokens[constrained].tolist(), strict=True):
-            self.constraints.advance(seqs[i], token)
+            self._advance(seqs[i], token)
         return tokens
 
     # offline API and weights ------------------------------------------------------------

@@ -32,6 +32,7 @@ class SequenceDelta:
     # on the first delta of a request that asked for them: one entry per prompt token,
     # None for the first (nothing precedes it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    error: str | None = None  # why the sequence failed alone (finish_reason "error")
 
 
 @dataclass

@@ -112,6 +112,7 @@ class Constraints:
         self._compiled: OrderedDict[StructuredOutput, LLMatcher] = OrderedDict()
         self._lock = threading.Lock()  # the server compiles in its threads, the engine reads
         self.matchers: dict[object, LLMatcher] = {}
+        self._specs: dict[object, StructuredOutput] = {}
         self._bits = torch.arange(32, dtype=torch.int32)
 
     def compile(self, spec: StructuredOutput) -> LLMatcher:
@@ -134,9 +135,11 @@ class Constraints:
 
     def start(self, key: object, spec: StructuredOutput) -> None:
         self.matchers[key] = self.compile(spec)
+        self._specs[key] = spec
 
     def release(self, key: object) -> None:
         self.matchers.pop(key, None)
+        self._specs.pop(key, None)
 
     def allowed_mask(self, keys: list[object]) -> Tensor:
         """(len(keys), vocab) booleans: the tokens each keyed matcher allows next."""
@@ -168,9 +171,13 @@ class Constraints:
         return self._unpack(bitmask)
 
     def advance(self, key: object, token: int) -> None:
-        """Feed the matcher of `key` its sampled token (one the mask allowed)."""
+        """Feed the matcher of `key` its sampled token (one the mask allowed). A matcher
+        that fails here (llguidance's lexer limits) raises `GrammarError`, and its compiled
+        grammar is dropped from the cache, so the next request compiles a fresh one."""
         matcher = self.matchers[key]
         if not matcher.consume_token(token) or matcher.is_error():
+            with self._lock:
+                self._compiled.pop(self._specs.get(key), None)
             raise GrammarError(f"token {token} broke the constraint: {matcher.get_error()}")
 
 

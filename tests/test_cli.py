@@ -44,7 +44,7 @@ def test_unknown_command_exits_2(capsys):
 def test_init_then_generate_greedy(tmp_path, capsys):
     out = tmp_path / "ck"
     assert main(["init", "--preset", "tiny", "--out", str(out), "--n_layers=2", "--seed", "3"]) == 0
-    assert "tiny checkpoint" in capsys.readouterr().out
+    assert "tiny llama checkpoint" in capsys.readouterr().out
     model = load_checkpoint(out)
     assert model.config.n_layers == 2
     assert json.loads((out / "lathe.json").read_text())["overrides"] == {"n_layers": 2}

@@ -199,3 +199,49 @@ def test_a_compile_past_the_time_limit_is_a_400(checkpoint):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_a_matcher_failing_mid_generation_fails_its_request_alone(client, running,
+                                                                   monkeypatch):
+    """llguidance may refuse a token its own mask allowed (its lexer's limits: "too many
+    expressions constructed", seen once in CI on `start: "a"+`). That request gets a 400
+    with the reason, its compiled grammar is dropped, and the engine serves on: the next
+    constrained and unconstrained requests succeed."""
+    from lathe.serve.structured import Constraints
+    constraints = running.engine().constraints
+    real_start, failed = Constraints.start, []
+
+    class RefusingMatcher:  # llguidance's matcher, but its first consume fails as in CI
+        def __init__(self, matcher):
+            self.matcher = matcher
+
+        def consume_token(self, token):
+            failed.append(token)
+            return False
+
+        def get_error(self):
+            return "lexer error: too many expressions constructed"
+
+        def __getattr__(self, name):
+            return getattr(self.matcher, name)
+
+    def start_refusing_once(self, key, spec):
+        real_start(self, key, spec)
+        if not failed:
+            self.matchers[key] = RefusingMatcher(self.matchers[key])
+
+    grammar = {"guided_grammar": 'start: "go " DIR\nDIR: "north" | "south"'}
+    client.completions.create(model="tiny", prompt="The river", max_tokens=8,
+                              extra_body=grammar)  # compiled and cached
+    monkeypatch.setattr(Constraints, "start", start_refusing_once)
+    with pytest.raises(openai.BadRequestError, match="the structured output could not go on"):
+        client.completions.create(model="tiny", prompt="The river", max_tokens=8,
+                                  extra_body=grammar)
+    spec = StructuredOutput(grammar=grammar["guided_grammar"])
+    assert spec not in constraints._compiled
+    again = client.completions.create(model="tiny", prompt="The river", max_tokens=8,
+                                      extra_body=grammar)
+    assert again.choices[0].text in ("go north", "go south")
+    plain = client.completions.create(model="tiny", prompt="The river", max_tokens=4)
+    assert plain.choices[0].finish_reason == "length"
+    assert running.engine().num_running == 0 and not running.engine()._broken
