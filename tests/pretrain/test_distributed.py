@@ -201,18 +201,19 @@ def test_killing_the_launcher_kills_every_rank(corpus, tmp_path):
             processes.kill_tree(launcher.pid)
 
 
-def test_a_gemma3_model_trains_sharded_as_on_one_process(corpus, tmp_path):
-    """FSDP2 wraps another family's blocks alike: Gemma 3's sandwich norms, q/k norms,
+@pytest.mark.parametrize("recipe", ["cpu-fsdp2", "cpu-zero3"])
+def test_a_gemma3_model_trains_sharded_as_on_one_process(recipe, corpus, tmp_path):
+    """FSDP2 and ZeRO-3 shard another family alike: Gemma 3's sandwich norms, q/k norms,
     sliding and global layers with their own RoPE train on two processes as on one, and
     the gathered export loads in transformers as Gemma3ForCausalLM with lathe's logits."""
     from transformers import AutoModelForCausalLM
     family = {"model.overrides.family": "gemma3_text", "model.overrides.sliding_window": 8,
               "model.overrides.layer_types": ["sliding_attention", "full_attention"]}
-    single, sharded = tmp_path / "single", tmp_path / "fsdp2"
+    single, sharded = tmp_path / "single", tmp_path / recipe
     reset_accelerate()
     pretrain(build(run_config(corpus, single, max_steps=8, **family)))
-    run(command("cpu-fsdp2", run_config(corpus, sharded, max_steps=8, micro_batch_size=4,
-                                        **family)))
+    run(command(recipe, run_config(corpus, sharded, max_steps=8, micro_batch_size=4,
+                                   **family)))
     one, two = step_losses(single), step_losses(sharded)
     assert max(abs(one[s] - two[s]) for s in one) < 1e-5
     ours = load_checkpoint(sharded / "final")
