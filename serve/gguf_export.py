@@ -4,21 +4,23 @@ special tokens and chat template, and every tensor under llama.cpp's name in f32
 weights, to compare runtimes on the same numbers), f16 or q8_0.
 
 Each family is written as the llama.cpp architecture its converter makes of it (`ARCHES`):
-llama and mistral as `llama`; qwen2, qwen3, gemma2 and gemma3 as themselves (phi3 is
-refused until its file loads in llama.cpp). Layout facts that matter: llama.cpp's `llama`
-RoPE rotates adjacent pairs (2i, 2i + 1) while HF checkpoints rotate halves (i, i + d/2),
-so for it q_proj and k_proj rows are permuted per head (`permute_rope_rows`), as
-llama.cpp's own converter does; the other architectures rotate halves (NEOX) and take the
-rows as they are. Gemma's norms are stored as 1 + w. Llama-3 frequency scaling travels as
-`rope_freqs.weight`, the per-frequency divisors. What an architecture's llama.cpp graph
-fixes rather than reads (Gemma's query scale and window pattern, Gemma 3's local RoPE base,
-llama's full attention) a checkpoint must match, or the export refuses it.
+llama and mistral as `llama`; qwen2, qwen3, gemma2, gemma3 and phi3 as themselves
+(Phi-3's projections stay fused: `attn_qkv`, and gate and up as one `ffn_up`). Layout facts
+that matter: llama.cpp's `llama` RoPE rotates adjacent pairs (2i, 2i + 1) while HF
+checkpoints rotate halves (i, i + d/2), so for it q_proj and k_proj rows are permuted per
+head (`permute_rope_rows`), as llama.cpp's own converter does; the other architectures
+rotate halves (NEOX) and take the rows as they are. Gemma's norms are stored as 1 + w.
+Llama-3 frequency scaling travels as `rope_freqs.weight`, the per-frequency divisors. What
+an architecture's llama.cpp graph fixes rather than reads (Gemma's query scale and window
+pattern, Gemma 3's local RoPE base, llama's and phi3's full attention) a checkpoint must
+match, or the export refuses it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import gguf
@@ -109,7 +111,8 @@ def unwritable(config: ModelConfig) -> str | None:
         scaling is not None and scaling.rope_type == "linear" and arch == "llama"
         and "linear RoPE scaling of a llama model is not written to GGUF yet",
         arch == "llama" and config.qkv_bias and "llama.cpp's llama has no attention biases",
-        arch == "llama" and window and "llama.cpp's llama attends in full, not in a window",
+        arch in ("llama", "phi3") and window
+        and f"llama.cpp's {arch} attends in full, not in a window",
         config.no_rope_layers is not None and "SmolLM3's NoPE layers",
         gemma_pattern and config.layer_types != [
             "sliding_attention" if (i + 1) % gemma_pattern else "full_attention"
@@ -122,11 +125,23 @@ def unwritable(config: ModelConfig) -> str | None:
         and "llama.cpp's gemma3 rotates its sliding layers with base 10000",
         arch == "gemma2" and not config.tie_embeddings
         and "llama.cpp's gemma2 ties its head to the embeddings",
-        arch == "phi3" and "phi3 is not written yet (llama.cpp did not load the file this "
-                           "export made, so its logits could not be checked)",
     ]
     found = [reason for reason in reasons if reason]
     return f"a {config.family} model: {'; '.join(found)}" if found else None
+
+
+# llama.cpp sets token attributes by the model's *name*: one that contains "phi3" or
+# "phi-3" has these tokens looked up, and a vocabulary without one of them fails to load
+PHI3_NAMED_TOKENS = ("</s>", "<unk>", "<s>", "<|endoftext|>")
+
+
+def _model_name(name: str, tokens: list[str]) -> str:
+    """The folder's name as `general.name`, unless llama.cpp's name-based Phi-3 rule
+    would look up tokens this vocabulary lacks (a lathe tokenizer in a folder named
+    `phi3-...`): then the name without "phi"."""
+    if re.search("phi-?3", name.lower()) and not set(PHI3_NAMED_TOKENS) <= set(tokens):
+        return re.sub("(?i)phi-?3", "p3", name)
+    return name
 
 
 def _vocabulary(checkpoint: Path, vocab_size: int) -> tuple[list[str], list[int], list[str]]:
@@ -172,7 +187,8 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f16") -> 
 
     tmp = out.with_name(out.name + ".tmp")
     writer = gguf.GGUFWriter(str(tmp), ARCHES[config.family])
-    writer.add_name(checkpoint.resolve().name)
+    tokens, token_types, merges = _vocabulary(checkpoint, config.vocab_size)
+    writer.add_name(_model_name(checkpoint.resolve().name, tokens))
     writer.add_context_length(config.max_seq_len)
     writer.add_embedding_length(config.dim)
     writer.add_block_count(config.n_layers)
@@ -195,7 +211,6 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f16") -> 
         writer.add_final_logit_softcapping(config.final_softcap)
     writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(FILE_TYPES[dtype])
-    tokens, token_types, merges = _vocabulary(checkpoint, config.vocab_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(_pre_tokenizer(checkpoint))
     writer.add_token_list(tokens)
