@@ -14,10 +14,9 @@ of it idle while it walks a long context alone.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from lathe.kernels.attention import PLAIN, AttentionVariant, grouped, masked_attention, visible
+from lathe.kernels.attention import PLAIN, AttentionVariant, masked_attention, visible
 from lathe.kernels.cpu_native import cpu_kernels_loaded
 from lathe.kernels.dispatch import (
     check_same_dtype,
@@ -41,10 +40,6 @@ def paged_decode_reference(q: Tensor, k_slab: Tensor, v_slab: Tensor, block_tabl
     keys = gather_blocks(k_slab, block_tables, block_size).transpose(1, 2)
     values = gather_blocks(v_slab, block_tables, block_size).transpose(1, 2)
     slots = torch.arange(block_tables.shape[1] * block_size, device=q.device)
-    if variant == PLAIN:
-        return F.scaled_dot_product_attention(
-            q[:, :, None], keys, values, attn_mask=(slots < context_lens[:, None])[:, None, None],
-            enable_gqa=grouped(q, keys))[:, :, 0]
     mask = visible((context_lens - 1)[:, None], slots, variant.window)
     return masked_attention(q[:, :, None], keys, values, mask[:, None, None], variant)[:, :, 0]
 

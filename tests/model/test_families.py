@@ -119,7 +119,7 @@ def test_load_and_export_as_the_same_model_with_the_same_logits(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama-attention-bias", "mistral-window",
-                                  "gemma2", "gemma3"])
+                                  "gemma2", "gemma3", "phi3"])
 def test_bf16_autocast_stays_close(tmp_path, name):
     hf = saved(name, tmp_path / "hf")
     ids = torch.randint(0, 256, (1, 32))
