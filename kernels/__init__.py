@@ -4,7 +4,7 @@ serve off-GPU (`cpu_native`, `decode_linear`, `argmax`). Each op's Triton kernel
 `<op>_triton.py`, imported only when a Triton path runs: lathe imports, trains and serves
 where Triton is not installed. Imports only torch (and triton, lazily)."""
 
-from lathe.kernels.attention import PLAIN, AttentionVariant, causal_attention
+from lathe.kernels.attention import PLAIN, AttentionVariant, causal_attention, document_starts
 from lathe.kernels.dispatch import configure as configure_kernels
 from lathe.kernels.dispatch import kernel_enabled, kernels_off, use_triton
 from lathe.kernels.fused_ce import linear_cross_entropy
@@ -15,5 +15,5 @@ from lathe.kernels.rope import rope
 from lathe.kernels.swiglu import swiglu
 
 __all__ = ["PLAIN", "AttentionVariant", "add_rms_norm", "causal_attention", "configure_kernels",
-           "int4_matmul", "int8_matmul", "kernel_enabled", "kernels_off", "linear_cross_entropy",
+           "document_starts", "int4_matmul", "int8_matmul", "kernel_enabled", "kernels_off", "linear_cross_entropy",
            "paged_decode", "rms_norm", "rope", "swiglu", "use_triton"]

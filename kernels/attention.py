@@ -7,6 +7,10 @@ Queries are the last `seq_q` of `seq_k` positions (bottom-right causal alignment
 flash-attn ≥ 2.1): query i sees keys 0 … i + seq_k − seq_q. That one rule covers training
 (seq_q = seq_k) and a prefill chunk that follows cached context (seq_q < seq_k).
 
+Packed rows hold several documents, each a contiguous run of the row; `document_starts`
+(B, T), each token's document's first index (`document_starts(documents)`), confines every
+query to its own document, as FlashAttention's varlen form does for concatenated sequences.
+
 The backward follows FlashAttention-2 too: the forward saves each row's log-sum-exp, one
 kernel walks the query tiles per key tile to accumulate dK and dV (over every query head
 of the KV group, so GQA needs no atomics), another walks key tiles per query tile for dQ.
@@ -75,11 +79,27 @@ def grouped(q: Tensor, k: Tensor) -> bool:
     return True if q.shape[1] != k.shape[1] else False  # noqa: SIM210
 
 
+def document_starts(documents: Tensor) -> Tensor:
+    """(B, T) document ids, each document one contiguous run of its row -> (B, T) the index
+    of the first token of each token's document."""
+    index = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
+    first = torch.ones_like(documents, dtype=torch.bool)
+    first[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return torch.where(first, index, 0).cummax(dim=1).values
+
+
 def causal_attention_reference(q: Tensor, k: Tensor, v: Tensor,
-                               variant: AttentionVariant = PLAIN) -> Tensor:
-    """(B, H, Sq, D) queries over (B, Hkv, Sk, D) keys and values, Sk ≥ Sq -> (B, H, Sq, D)."""
+                               variant: AttentionVariant = PLAIN,
+                               document_starts: Tensor | None = None) -> Tensor:
+    """(B, H, Sq, D) queries over (B, Hkv, Sk, D) keys and values, Sk ≥ Sq -> (B, H, Sq, D).
+    With `document_starts` (square only) the mask is also block-diagonal per document: on
+    CPU SDPA's flash kernel takes the boolean mask."""
     seq_q, seq_k = q.shape[2], k.shape[2]
     window = variant.window if variant.window is not None and variant.window < seq_k else None
+    if document_starts is not None:
+        pos = torch.arange(seq_q, device=q.device)
+        mask = visible(pos[:, None], pos, window) & (pos >= document_starts[:, :, None])
+        return masked_attention(q, k, v, mask[:, None], variant)
     if seq_q == seq_k and window is None and variant.softcap is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=variant.scale,
                                               enable_gqa=grouped(q, k))
@@ -88,28 +108,38 @@ def causal_attention_reference(q: Tensor, k: Tensor, v: Tensor,
     return masked_attention(q, k, v, mask, variant)
 
 
-def check_shapes(q: Tensor, k: Tensor, v: Tensor) -> None:
+def check_shapes(q: Tensor, k: Tensor, v: Tensor,
+                 document_starts: Tensor | None = None) -> None:
     if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"causal_attention takes q (B, H, Sq, D) and k, v (B, Hkv, Sk, D); "
                          f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[1] % k.shape[1] or q.shape[2] > k.shape[2]:
         raise ValueError(f"causal_attention needs H divisible by Hkv and Sq ≤ Sk; got "
                          f"H={q.shape[1]}, Hkv={k.shape[1]}, Sq={q.shape[2]}, Sk={k.shape[2]}")
+    if document_starts is not None and (q.shape[2] != k.shape[2] or document_starts.shape
+                                        != (q.shape[0], q.shape[2])):
+        raise ValueError(f"document_starts {tuple(document_starts.shape)} must be (B, T) of "
+                         f"square attention; got q {tuple(q.shape)}, k {tuple(k.shape)}")
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor,
-                     variant: AttentionVariant = PLAIN) -> Tensor:
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, variant: AttentionVariant = PLAIN,
+                     document_starts: Tensor | None = None) -> Tensor:
     """Causal attention of the last Sq positions over Sk keys (a family's `variant`: a
-    sliding window, another scale, soft-capped scores; those take the reference).
+    sliding window, another scale, soft-capped scores; those take the reference), within
+    each query's document when `document_starts` is given (packed rows).
 
     A chunk after cached context (Sq < Sk: chunked prefill, verification of drafts) may
     take the Triton kernel on CUDA, where SDPA needs an explicit mask; the defaults table
     leaves it off until that case is measured (`LATHE_KERNELS_ENABLE=causal_attention`).
     Square causal attention (training, a first prefill) takes SDPA everywhere: its
     FlashAttention backend beat the kernel on an H100 (852 vs 1,376 µs forward+backward in
-    bf16; docs/benchmarks.md)."""
+    bf16; docs/benchmarks.md). Packed rows take the kernel where it is on: it skips the
+    tiles between documents that masked SDPA computes."""
     check_same_dtype("causal_attention", q=q, k=k, v=v)
-    if variant == PLAIN and q.shape[2] < k.shape[2] and use_triton("causal_attention", q):
+    if document_starts is not None:
+        check_shapes(q, k, v, document_starts)
+    kernel_case = q.shape[2] < k.shape[2] or document_starts is not None
+    if variant == PLAIN and kernel_case and use_triton("causal_attention", q):
         from lathe.kernels.attention_triton import causal_attention_triton
-        return causal_attention_triton(q, k, v)
-    return causal_attention_reference(q, k, v, variant)
+        return causal_attention_triton(q, k, v, document_starts)
+    return causal_attention_reference(q, k, v, variant, document_starts)

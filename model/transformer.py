@@ -35,6 +35,7 @@ from lathe.kernels import (
     add_rms_norm,
     causal_attention,
     configure_kernels,
+    document_starts,
     linear_cross_entropy,
     rms_norm,
     rope,
@@ -170,7 +171,8 @@ class Attention(nn.Module):
             window=window if window is not None and window < config.max_seq_len else None,
             scale=None if scalar is None else scalar ** -0.5, softcap=config.attn_softcap)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache | None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache | None,
+                starts: Tensor | None = None) -> Tensor:
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim)
@@ -188,7 +190,7 @@ class Attention(nn.Module):
         if kv_cache is not None:
             out = kv_cache.attend(self.layer_idx, q, k, v, self.variant)
         else:
-            out = causal_attention(q, k, v, self.variant)
+            out = causal_attention(q, k, v, self.variant, starts)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -229,8 +231,9 @@ class DecoderLayer(nn.Module):
         self.sandwich = config.sandwich_norms
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache | None) -> Tensor:
-        attended = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache | None,
+                starts: Tensor | None = None) -> Tensor:
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, starts)
         if not self.sandwich:
             norm = self.post_attention_layernorm
             normed, x = add_rms_norm(attended, x, norm.scale(), norm.eps)  # one pass: add + norm
@@ -300,7 +303,7 @@ class Transformer(nn.Module):
     def forward(self, input_ids: Tensor, labels: Tensor | None = None,
                 positions: Tensor | None = None, kv_cache: KVCache | None = None,
                 logits_to_keep: Tensor | None = None,
-                return_logits: bool = True) -> CausalLMOutput:
+                return_logits: bool = True, documents: Tensor | None = None) -> CausalLMOutput:
         """Logits (B, T, vocab) for `input_ids` (B, T), and the loss when `labels` are given.
 
         `labels` align with `input_ids` (HF convention): position t's logits are scored
@@ -310,7 +313,20 @@ class Transformer(nn.Module):
         sequence, not one per prompt token. With labels and `return_logits=False` the
         loss goes through `lathe.kernels.linear_cross_entropy`, which on CUDA never holds
         the full (B·T × vocab) logits; `logits` is then None.
+
+        `documents` (B, T): packed rows, several documents per row, each a contiguous run
+        of one id. Attention stays inside each document and positions restart at each
+        (unless given), so a packed row computes what its documents would alone; the
+        labels of each document's first token must be -100 (nothing predicts it).
         """
+        starts = None
+        if documents is not None:
+            if kv_cache is not None:
+                raise ValueError("documents (packed rows) are for training: a KV cache "
+                                 "holds one sequence per row")
+            starts = document_starts(documents)
+            if positions is None:
+                positions = torch.arange(input_ids.shape[1], device=input_ids.device) - starts
         if kv_cache is not None:
             positions = kv_cache.prepare(input_ids, positions)
         elif positions is None:
@@ -324,7 +340,7 @@ class Transformer(nn.Module):
         local_rotations = rotations if local is None else local(positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, *(local_rotations if layer.self_attn.local_rope else rotations),
-                      kv_cache)
+                      kv_cache, starts)
         if logits_to_keep is not None:
             x = x[:, logits_to_keep]
         x = self.model.norm(x)

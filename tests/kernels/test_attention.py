@@ -1,7 +1,8 @@
 """Causal attention (interpreter) against SDPA: forward and the three gradients, fp32 and
 fp16; GQA ratios 1, 4 and 8; lengths that are not tile multiples, a single query, a head
 size that is not a power of two, queries strided as the model makes them, and a prefill
-chunk after cached context (Sq < Sk, bottom-right causal). Tolerances (fp32 reference on
+chunk after cached context (Sq < Sk, bottom-right causal); packed rows of documents
+(each query within its own document). Tolerances (fp32 reference on
 the same inputs): fp32 1e-5 (abs and rel); fp16 2e-3 forward, 1e-2 gradients; bf16
 1.5e-2 forward (vLLM's bound), 5e-2 gradients."""
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lathe.kernels.attention import causal_attention, causal_attention_reference
+from lathe.kernels.attention import causal_attention, causal_attention_reference, document_starts
 from lathe.kernels.attention_triton import causal_attention_triton
 from lathe.kernels.dispatch import kernels_off
 from tests.kernels.target import DEVICE, DTYPES, enable_kernels
@@ -53,6 +54,67 @@ def test_causal_attention_matches_sdpa(batch, heads, kv_heads, seq_q, seq_k, hea
                                    rtol=grad_tol)
 
 
+def row_documents(*rows: tuple[int, ...]) -> torch.Tensor:
+    """(B, T) document ids from each row's document lengths."""
+    return torch.stack([torch.cat([torch.full((n,), i) for i, n in enumerate(row)])
+                        for row in rows]).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads, lengths", [
+    (4, 4, ((5, 30, 2, 33), (70,))),        # documents across 64-row tiles; one whole row
+    (8, 2, ((1, 1, 64, 4), (40, 29, 1))),   # single tokens, one exactly a tile; GQA 4
+    (4, 1, ((100, 3, 27), (7,) * 18 + (4,))),  # MQA; many short documents in a row
+])
+def test_packed_documents_match_each_document_alone(heads, kv_heads, lengths, dtype):
+    """With document starts, each document of a packed row gets exactly its own causal
+    attention and its own gradients, as if it were alone."""
+    forward_tol, grad_tol = TOLERANCE[dtype]
+    documents = row_documents(*lengths)
+    batch, seq = documents.shape
+    q, k, v = qkv(batch, heads, kv_heads, seq, seq, 16, dtype)
+    ours = causal_attention_triton(q, k, v, document_starts(documents))
+    upstream = torch.randn(ours.shape, generator=torch.Generator().manual_seed(1))
+    upstream = upstream.to(DEVICE, dtype)
+    grads = torch.autograd.grad(ours, (q, k, v), upstream)
+    for b, row in enumerate(lengths):
+        start = 0
+        for n in row:
+            piece = slice(start, start + n)
+            alone = [t[b:b + 1, :, piece].float().detach().requires_grad_() for t in (q, k, v)]
+            ref = causal_attention_reference(*alone)
+            torch.testing.assert_close(ours[b:b + 1, :, piece].float(), ref, atol=forward_tol,
+                                       rtol=forward_tol)
+            ref_grads = torch.autograd.grad(ref, alone, upstream[b:b + 1, :, piece].float())
+            for grad, ref_grad in zip(grads, ref_grads, strict=True):
+                torch.testing.assert_close(grad[b:b + 1, :, piece].float(), ref_grad,
+                                           atol=grad_tol, rtol=grad_tol)
+            start += n
+
+
+def test_document_reference_and_dispatch(monkeypatch):
+    """The masked reference confines queries to their documents as the kernel does, and
+    packed rows take the kernel when it is enabled; a non-square call is refused."""
+    import lathe.kernels.attention_triton as attention_triton
+    documents = row_documents((3, 9, 12))
+    q, k, v = qkv(1, 4, 2, 24, 24, 16, torch.float32)
+    starts = document_starts(documents)
+    assert starts.tolist() == [[0] * 3 + [3] * 9 + [12] * 12]
+    expected = torch.cat([causal_attention_reference(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b])
+                          for a, b in ((0, 3), (3, 12), (12, 24))], dim=2)
+    torch.testing.assert_close(causal_attention(q, k, v, document_starts=starts), expected)
+    enable_kernels(monkeypatch)
+    calls = []
+    kernel = attention_triton.causal_attention_triton
+    monkeypatch.setattr(attention_triton, "causal_attention_triton",
+                        lambda *args: calls.append(len(args)) or kernel(*args))
+    torch.testing.assert_close(causal_attention(q, k, v, document_starts=starts), expected,
+                               atol=1e-5, rtol=1e-5)
+    assert calls == [4]
+    with pytest.raises(ValueError, match="square attention"):
+        causal_attention(q[:, :, 4:], k, v, document_starts=starts)
+
+
 def test_reference_is_bottom_right_causal():
     """The last Sq of Sk positions: query i sees keys up to i + Sk - Sq, so attention over a
     prefix plus a chunk equals the matching rows of attention over the whole sequence."""
@@ -70,7 +132,7 @@ def test_square_attention_takes_sdpa_and_chunks_after_context_take_the_kernel(mo
     calls = []
     kernel = attention_triton.causal_attention_triton
     monkeypatch.setattr(attention_triton, "causal_attention_triton",
-                        lambda q, k, v: calls.append(q.shape[2]) or kernel(q, k, v))
+                        lambda q, *rest: calls.append(q.shape[2]) or kernel(q, *rest))
     q, k, v = qkv(1, 4, 2, 12, 12, 16, torch.float32)
     attention.causal_attention(q, k, v)
     assert calls == []
