@@ -4,7 +4,12 @@ serve off-GPU (`cpu_native`, `decode_linear`, `argmax`). Each op's Triton kernel
 `<op>_triton.py`, imported only when a Triton path runs: lathe imports, trains and serves
 where Triton is not installed. Imports only torch (and triton, lazily)."""
 
-from lathe.kernels.attention import PLAIN, AttentionVariant, causal_attention, document_starts
+from lathe.kernels.attention import (
+    PLAIN,
+    AttentionVariant,
+    causal_attention,
+    document_starts,
+)
 from lathe.kernels.dispatch import configure as configure_kernels
 from lathe.kernels.dispatch import kernel_enabled, kernels_off, use_triton
 from lathe.kernels.fused_ce import linear_cross_entropy
