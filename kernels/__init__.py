@@ -20,5 +20,5 @@ from lathe.kernels.rope import rope
 from lathe.kernels.swiglu import swiglu
 
 __all__ = ["PLAIN", "AttentionVariant", "add_rms_norm", "causal_attention", "configure_kernels",
-           "document_starts", "int4_matmul", "int8_matmul", "kernel_enabled", "kernels_off", "linear_cross_entropy",
-           "paged_decode", "rms_norm", "rope", "swiglu", "use_triton"]
+           "document_starts", "int4_matmul", "int8_matmul", "kernel_enabled", "kernels_off",
+           "linear_cross_entropy", "paged_decode", "rms_norm", "rope", "swiglu", "use_triton"]
