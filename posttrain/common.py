@@ -78,18 +78,26 @@ class ShuffledBatches(Generic[T]):
         self.rank, self.world_size = rank, world_size
         self.epoch, self.index = 0, 0
 
-    def _order(self) -> list[int]:
-        g = torch.Generator().manual_seed(self.seed * 1000 + self.epoch)
+    def _order(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1000 + epoch)
         return torch.randperm(len(self.examples), generator=g).tolist()
 
     def next(self) -> list[T]:
         step = self.micro_batch * self.world_size
         if self.index + step > len(self.examples):
             self.epoch, self.index = self.epoch + 1, 0
-        order = self._order()[self.index:self.index + step]
+        order = self._order(self.epoch)[self.index:self.index + step]
         self.index += step
         mine = order[self.rank * self.micro_batch:(self.rank + 1) * self.micro_batch]
         return [self.examples[i] for i in mine]
+
+    def taken(self) -> list[T]:
+        """Every example the steps so far drew, on all ranks (an epoch ends where the next
+        step would not fit)."""
+        whole = len(self.examples) // (self.micro_batch * self.world_size) \
+            * self.micro_batch * self.world_size
+        return [self.examples[i] for epoch in range(self.epoch + 1)
+                for i in self._order(epoch)[:self.index if epoch == self.epoch else whole]]
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "index": self.index}

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from lathe.core.errors import ConfigError
 from lathe.data.chat_template import TEMPLATE_ARGUMENTS
+from lathe.data.mixture import WeightedSource
 from lathe.model.lora import LoraSection
 from lathe.pretrain.runtime.config import TrainConfig
 
@@ -56,10 +57,16 @@ class PosttrainConfig(TrainConfig):
 
 @dataclass
 class ChatDataConfig:
-    train: str = "task:arithmetic"  # a chat .jsonl, hf:NAME[:SPLIT] or task:NAME
-    eval: str | None = None  # held-out chats; default: the task's test split
-    limit: int | None = None
+    # a chat .jsonl, hf:NAME[:SPLIT] or task:NAME; or a weighted mixture of them, a list of
+    # {source, weight} (lathe.data.mixture: proportions exact, the set seeded by `seed`)
+    train: str | list[WeightedSource] = "task:arithmetic"
+    eval: str | list[WeightedSource] | None = None  # held-out chats; default: train's test split
+    limit: int | None = None  # chats to train on (a mixture's total)
     max_len: int = 128  # longer conversations are cut (their tail loses supervision)
+    # pack chats into rows of max_len tokens, each attending only to itself
+    # (lathe.posttrain.packing), instead of padding each to the longest of its micro-batch;
+    # micro_batch_size then counts rows
+    packing: bool = False
 
 
 @dataclass

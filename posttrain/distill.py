@@ -27,6 +27,7 @@ from lathe.core.atomic import write_json
 from lathe.core.errors import ConfigError
 from lathe.data.chat_encoding import ChatEncoder, chat_encoder
 from lathe.data.formats import load_prompt_dataset
+from lathe.data.mixture import load_mixture
 from lathe.data.tokenizer import load_tokenizer, vocabulary_difference
 from lathe.model.checkpoint import OpenCheckpoint
 from lathe.model.transformer import IGNORE_INDEX
@@ -36,7 +37,6 @@ from lathe.posttrain.common import (
     evaluate_task,
     finish_stage,
     load_policy,
-    pad_id,
     rank_batches,
     stage_history,
     stage_main,
@@ -112,7 +112,6 @@ def distill_logits(config: DistillConfig, teacher_checkpoint: OpenCheckpoint,
     model_config = model.config
     run = start_chat_run(runtime, config, model, encoder, resume)
     teacher = runtime.prepare_frozen(teacher)
-    pad_token = pad_id(encoder.tokenizer)
     student_work = chat_work(model_config)
 
     def work_of(batch: dict[str, Any]) -> Work:  # plus the teacher's forward (1/3 of a step)
@@ -120,10 +119,10 @@ def distill_logits(config: DistillConfig, teacher_checkpoint: OpenCheckpoint,
         return replace(work, flops=work.flops * 4 / 3)
 
     def loss_fn(m: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
-        ids, labels = batch["ids"], batch["labels"]
-        out = m(ids, labels=labels)
+        ids, labels, documents = batch["ids"], batch["labels"], batch.get("documents")
+        out = m(ids, labels=labels, documents=documents)
         with torch.no_grad(), runtime.autocast():
-            teacher_logits = teacher(ids).logits
+            teacher_logits = teacher(ids, documents=documents).logits
         mask = labels[:, 1:] != IGNORE_INDEX
         kd = kd_loss(out.logits[:, :-1], teacher_logits[:, :-1], mask, config.loss,
                      config.temperature, config.jsd_beta)
@@ -136,7 +135,7 @@ def distill_logits(config: DistillConfig, teacher_checkpoint: OpenCheckpoint,
         sums = torch.zeros(2, device=runtime.device)
         for rows, counts in rank_batches(run.heldout, config.micro_batch_size, runtime.rank,
                                          runtime.world_size):
-            batch = collate(rows, pad_token, runtime.device)
+            batch = collate(rows, run.pad_token, runtime.device)
             ids, labels = batch["ids"], batch["labels"]
             mask = (labels[:, 1:] != IGNORE_INDEX) & counts
             with runtime.autocast():
@@ -161,12 +160,12 @@ def distill_logits(config: DistillConfig, teacher_checkpoint: OpenCheckpoint,
         runtime.print(f"step {runtime.step}: held-out KL to teacher {kls[-1]:.4f}")
         return False  # task accuracy is measured once, after training
 
-    train_on_batches(runtime, config, run.batches,
-                     lambda rows: collate(rows, pad_token, runtime.device), loss_fn,
-                     work_of, evaluate, history)
+    train_on_batches(runtime, config, run.batches, run.collate, loss_fn, work_of, evaluate,
+                     history)
     evaluator = TaskEvaluator(config.task_eval, config.model, encoder)
     student_accuracy = evaluate_task(runtime, evaluator, config.lora)
-    summary = finish_stage(runtime, config, model_config, history, ["kl_to_teacher"])
+    summary = finish_stage(runtime, config, model_config, history, ["kl_to_teacher"],
+                           {"sources": run.contributed()})
     return {**summary, "student_accuracy": student_accuracy}
 
 
@@ -177,7 +176,10 @@ def write_teacher_data(config: DistillConfig, teacher: OpenCheckpoint,
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engine = LLMEngine(teacher.model(device=device), encoder.tokenizer,
                        EngineConfig(num_blocks=1024), teacher.eos_ids)
-    rows = load_prompt_dataset(config.data.train, "train", config.data.limit)
+    data = config.data
+    rows = (load_prompt_dataset(data.train, "train", data.limit) if isinstance(data.train, str)
+            else load_mixture(data.train, load_prompt_dataset, "train", data.limit,
+                              config.seed).rows)
     prompts = [encoder.prompt(row.prompt, row.tools) for row in rows]
     params = SamplingParams(max_tokens=config.teacher_max_tokens, temperature=0)
     answers = engine.generate(prompts, params, progress=True)

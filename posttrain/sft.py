@@ -16,13 +16,12 @@ import torch
 from torch import Tensor, nn
 
 from lathe.model.transformer import IGNORE_INDEX
-from lathe.posttrain.chats import Example, chat_work, collate, start_chat_run
+from lathe.posttrain.chats import Example, chat_work, collate, sources_line, start_chat_run
 from lathe.posttrain.common import (
     TaskEvaluator,
     evaluate_task,
     finish_stage,
     load_policy,
-    pad_id,
     rank_batches,
     stage_history,
     stage_main,
@@ -34,8 +33,9 @@ from lathe.pretrain.runtime.trainer import Runtime
 
 
 def sft_loss(model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
-    """Mean cross-entropy over the micro-batch's assistant tokens."""
-    loss = model(batch["ids"], labels=batch["labels"], return_logits=False).loss  # fused on CUDA
+    """Mean cross-entropy over the micro-batch's assistant tokens (padded or packed)."""
+    loss = model(batch["ids"], labels=batch["labels"], return_logits=False,  # fused on CUDA
+                 documents=batch.get("documents")).loss
     return loss, {"loss": loss}
 
 
@@ -67,11 +67,10 @@ def sft(config: SFTConfig, resume: str = "never") -> dict[str, Any]:
                   f"{runtime.setup['device']}"
                   + (f"; LoRA r={config.lora.r}" if config.lora.enabled else ""))
 
-    pad_token = pad_id(encoder.tokenizer)
     history = stage_history(run.restored, "heldout_loss", "accuracy")
 
     def evaluate() -> bool:
-        loss = heldout_loss(runtime, run.heldout, config.micro_batch_size, pad_token)
+        loss = heldout_loss(runtime, run.heldout, config.micro_batch_size, run.pad_token)
         accuracy = evaluate_task(runtime, evaluator, config.lora)
         runtime.log({"eval/heldout_loss": loss})
         history["heldout_loss"].append(loss)
@@ -82,17 +81,16 @@ def sft(config: SFTConfig, resume: str = "never") -> dict[str, Any]:
 
     if run.restored is None:
         evaluate()
-    train_on_batches(runtime, config, run.batches,
-                     lambda rows: collate(rows, pad_token, runtime.device), sft_loss,
+    train_on_batches(runtime, config, run.batches, run.collate, sft_loss,
                      chat_work(model_config), evaluate, history)
 
     summary = finish_stage(runtime, config, model_config, history, ["heldout_loss", "accuracy"],
-                           {"data_fit": asdict(run.fit)})
+                           {"data_fit": asdict(run.fit), "sources": run.contributed()})
     if runtime.is_main:
         print(f"done: sft {runtime.step} steps in {summary['seconds']:.0f}s; held-out assistant "
               f"loss {history['heldout_loss'][0]:.4f} -> {history['heldout_loss'][-1]:.4f}, "
-              f"accuracy {history['accuracy'][0]:.1%} -> {history['accuracy'][-1]:.1%}\n"
-              f"checkpoint: {summary['final']}")
+              f"accuracy {history['accuracy'][0]:.1%} -> {history['accuracy'][-1]:.1%}"
+              + sources_line(summary["sources"]) + f"\ncheckpoint: {summary['final']}")
     return summary
 
 
