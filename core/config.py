@@ -98,9 +98,10 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
             try:
                 return _coerce(option, value, name)
             except ConfigError as e:
-                errors.append(str(e))
-        if len(errors) == 1:
-            raise ConfigError(errors[0])
+                errors.append((option, str(e)))
+        shaped = [message for option, message in errors if _same_kind(option, value)]
+        if len(errors) == 1 or len(shaped) == 1:  # the one option the value was meant as
+            raise ConfigError(errors[0][1] if len(errors) == 1 else shaped[0])
         raise ConfigError(f"{name}={value!r} fits none of {hint}")
     if origin is typing.Literal:
         if value not in args:
@@ -132,6 +133,17 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
             )
         return value
     raise ConfigError(f"{name}: unsupported config type {hint}")
+
+
+def _same_kind(hint: Any, value: Any) -> bool:
+    """Whether `value` is the kind of thing `hint` is (a list for a list, a mapping for a
+    dataclass or dict, a scalar for a scalar), before its contents are checked."""
+    origin = typing.get_origin(hint) or hint
+    if origin in (list, tuple, Sequence):
+        return isinstance(value, (list, tuple))
+    if dataclasses.is_dataclass(hint) or origin is dict:
+        return isinstance(value, dict)
+    return not isinstance(value, (list, tuple, dict))
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:

@@ -54,12 +54,14 @@ def first_loss(out: Path) -> float:
     return next(r["loss"] for r in records if "loss" in r)
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_sft_in_bf16(small_base, tmp_path, fp8):
-    """With FP8 too: the task evaluation's engine runs the converted policy."""
+@pytest.mark.parametrize("fp8, packing", [(False, False), (True, False), (False, True)])
+def test_sft_in_bf16(small_base, tmp_path, fp8, packing):
+    """With FP8 too: the task evaluation's engine runs the converted policy; and packed
+    (forced: the Triton attention kernel's document path)."""
     out = tmp_path / "sft"
-    assert main(["sft", *bf16(out, small_base, **{"data.max_len": 32,
-                                                  "precision.fp8": str(fp8).lower()})]) == 0
+    assert main(["sft", *bf16(out, small_base, **{
+        "data.max_len": 64 if packing else 32, "data.packing": str(packing).lower(),
+        "precision.fp8": str(fp8).lower()})]) == 0
     assert math.isfinite(first_loss(out))
     assert exported_dtypes(out / "final") == {"BF16"}
 
@@ -97,10 +99,11 @@ def test_grpo_in_bf16_with_a_reference(small_base, tmp_path, lora, monkeypatch):
 
 
 def test_logit_distillation_in_bf16(small_base, tmp_path, monkeypatch):
+    """Packed: the teacher reads the rows' documents as the student does."""
     reads = count_weight_reads(monkeypatch)
     out = tmp_path / "distill"
     assert main(["distill", *bf16(out, small_base, teacher=small_base, **{
-        "data.max_len": 32, "data.limit": 8})]) == 0
+        "data.max_len": 64, "data.limit": 16, "data.packing": "true"})]) == 0
     assert math.isfinite(first_loss(out))
     # the student once; the teacher once, for training and for its score
     assert [file.parent for file in reads].count(small_base) == 2
