@@ -1,6 +1,7 @@
 """The packed pretraining dataloader: token shards viewed as one stream, cut into
 (T + 1)-token windows (inputs and shifted labels) that ignore document boundaries, as
-GPT-style pretraining does; the separator token marks where documents meet.
+GPT-style pretraining does; the separator token marks where documents meet
+(`window_documents` turns it into per-token document ids, for document masking).
 
 Each epoch visits every window once in an order fixed by (seed, epoch). A step takes
 `batch_size × world_size` consecutive windows of that order and rank r gets its own
@@ -21,6 +22,11 @@ from lathe.core.errors import ConfigError
 from lathe.data.shards import load_meta, read_shard
 
 
+def window_documents(batch: torch.Tensor, separator: int) -> torch.Tensor:
+    """(B, T) document ids of windows: a new document at each `separator` token."""
+    return (batch == separator).cumsum(dim=1)
+
+
 class PackedLoader:
     def __init__(self, folder: str | Path, split: str, batch_size: int, seq_len: int,
                  seed: int = 0, rank: int = 0, world_size: int = 1) -> None:
@@ -29,6 +35,7 @@ class PackedLoader:
             raise ConfigError(f"split {split!r} not in {folder}; choose {list(meta['splits'])}")
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} is outside world_size {world_size}")
+        self.separator: int | None = meta.get("bos_token_id")  # each document's first token
         self.shards = [s for s in (read_shard(Path(folder) / f)
                                    for f in meta["splits"][split]["files"]) if len(s)]
         self.offsets = np.cumsum([0] + [len(s) for s in self.shards])

@@ -316,8 +316,9 @@ class Transformer(nn.Module):
 
         `documents` (B, T): packed rows, several documents per row, each a contiguous run
         of one id. Attention stays inside each document and positions restart at each
-        (unless given), so a packed row computes what its documents would alone; the
-        labels of each document's first token must be -100 (nothing predicts it).
+        (unless given), so a packed row computes what its documents would alone (for the
+        loss too when each document's first label is -100: else the previous document's
+        last token predicts it).
         """
         starts = None
         if documents is not None:

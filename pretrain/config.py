@@ -28,6 +28,10 @@ class DataSection:
     shards: str = "runs/e2e/shards"
     tokenizer: str = "runs/e2e/tokenizer"
     seq_len: int = 128
+    # attend within each document of a window only (documents start at the shards' BOS),
+    # positions restarting at each, as torchtitan's document masking; off, a window is one
+    # sequence across its documents, as GPT-2 trained
+    document_mask: bool = False
 
 
 @dataclass

@@ -18,14 +18,16 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from lathe.data.chat import BOS
-from lathe.data.loader import PackedLoader
+from lathe.data.loader import PackedLoader, window_documents
 from lathe.model.generate import generate
 
 
 @torch.no_grad()
 def validation_metrics(model: nn.Module, loader: PackedLoader, batches: int,
-                       byte_lengths: np.ndarray, accelerator) -> dict[str, float]:
-    """`val/loss` (mean nats per token) and `val/bpb` over `batches` steps of `loader`."""
+                       byte_lengths: np.ndarray, accelerator,
+                       separator: int | None = None) -> dict[str, float]:
+    """`val/loss` (mean nats per token) and `val/bpb` over `batches` steps of `loader`,
+    masked per document as training was when `separator` is given."""
     model.eval()
     device = accelerator.device
     lengths = torch.from_numpy(byte_lengths).to(device)
@@ -33,7 +35,9 @@ def validation_metrics(model: nn.Module, loader: PackedLoader, batches: int,
     byte_total = torch.zeros((), dtype=torch.float64, device=device)
     for _ in range(min(batches, loader.steps_per_epoch)):
         batch = loader.next_batch().to(device)
-        logits = model(batch[:, :-1]).logits
+        inputs = batch[:, :-1]
+        documents = None if separator is None else window_documents(inputs, separator)
+        logits = model(inputs, documents=documents).logits
         targets = batch[:, 1:].flatten()
         nats = F.cross_entropy(logits.flatten(0, 1).float(), targets, reduction="none")
         counted = lengths[targets] > 0

@@ -22,7 +22,7 @@ from lathe.core.atomic import write_json
 from lathe.core.config import load_config, to_dict
 from lathe.core.errors import ConfigError
 from lathe.core.failpoints import failpoint
-from lathe.data.loader import PackedLoader
+from lathe.data.loader import PackedLoader, window_documents
 from lathe.data.tokenizer import load_tokenizer, token_byte_lengths
 from lathe.model.config import ModelConfig
 from lathe.model.transformer import Transformer
@@ -31,18 +31,23 @@ from lathe.pretrain.evaluate import sample_continuations, validation_metrics
 from lathe.pretrain.runtime.trainer import Runtime, Work
 
 
-def lm_loss(model: nn.Module, batch: Tensor, z_loss: float) -> tuple[Tensor, dict[str, Tensor]]:
+def lm_loss(model: nn.Module, batch: Tensor, z_loss: float,
+            separator: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Next-token cross-entropy on a (B, T + 1) window batch, plus optional z-loss
-    (PaLM: z_loss · mean(logsumexp(logits)²) keeps the softmax normalizer near 1).
+    (PaLM: z_loss · mean(logsumexp(logits)²) keeps the softmax normalizer near 1). With a
+    `separator` (document masking) each document of a window attends only to itself; the
+    token before a separator still predicts it, as the end of its document.
 
     Without z-loss the whole window goes in with itself as labels and the head and loss
     are fused (`lathe.kernels.linear_cross_entropy`: on CUDA the (B·T × vocab) logits never
     exist); the last position's hidden state is computed and dropped, which is causal-safe.
     """
+    documents = None if separator is None else window_documents(batch, separator)
     if not z_loss:
-        ce = model(batch, labels=batch, return_logits=False).loss
+        ce = model(batch, labels=batch, return_logits=False, documents=documents).loss
         return ce, {"loss": ce}
-    logits = model(batch[:, :-1]).logits.float()
+    logits = model(batch[:, :-1],
+                   documents=None if documents is None else documents[:, :-1]).logits.float()
     ce = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
     z = torch.logsumexp(logits, dim=-1).pow(2).mean()
     return ce + z_loss * z, {"loss": ce, "z_loss": z}
@@ -64,6 +69,11 @@ def pretrain(config: PretrainConfig, resume: str = "never") -> dict[str, Any]:
                             seed=seed, rank=runtime.rank, world_size=runtime.world_size)
 
     train_loader = loader("train", config.seed)
+    separator = train_loader.separator if config.data.document_mask else None
+    if config.data.document_mask and separator is None:
+        raise ConfigError(f"data.document_mask=true, but {config.data.shards} records no "
+                          "bos_token_id to find documents by; rewrite the shards with "
+                          "`lathe shards` or set data.document_mask=false")
     tokens_per_step = (config.micro_batch_size * config.grad_accum_steps
                        * runtime.world_size * seq_len)
     total_steps = config.total_steps(tokens_per_step, model_config.num_params())
@@ -90,12 +100,13 @@ def pretrain(config: PretrainConfig, resume: str = "never") -> dict[str, Any]:
         batches = [train_loader.next_batch().to(runtime.device)
                    for _ in range(config.grad_accum_steps)]
         result = runtime.train_step(
-            batches, lambda m, b: lm_loss(m, b, config.precision.z_loss), window_work)
+            batches, lambda m, b: lm_loss(m, b, config.precision.z_loss, separator),
+            window_work)
         runtime.log_step(result)
         if runtime.should(config.eval.every):
             last_eval = validation_metrics(runtime.model, loader("val", seed=0),
                                            config.eval.batches, byte_lengths,
-                                           runtime.accelerator)
+                                           runtime.accelerator, separator)
             runtime.log(last_eval)
             failpoint("eval", runtime.step, runtime.rank)
             samples = sample_continuations(

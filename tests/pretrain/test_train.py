@@ -16,7 +16,7 @@ from lathe.model import ModelConfig, Transformer
 from lathe.model.checkpoint import load_checkpoint
 from lathe.pretrain.evaluate import sample_continuations
 from lathe.pretrain.runtime.trainer import Runtime, _no_tied_head_notice
-from lathe.pretrain.train import pretrain
+from lathe.pretrain.train import lm_loss, pretrain
 from tests import processes
 from tests.builders import reset_accelerate
 from tests.pretrain.conftest import build, run_config, step_losses
@@ -159,6 +159,33 @@ def test_run_length_from_tokens_per_parameter(corpus, tmp_path):
     assert summary["steps"] == -(-int(0.02 * params) // tokens_per_step)
 
 
+def test_document_masked_loss_is_each_document_alone():
+    """With the separator, a window's loss is the mean over its tokens of each one
+    predicted from its own document alone; the token before a separator predicts it."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_preset("tiny", vocab_size=64, n_layers=2,
+                                                max_seq_len=64)).double()
+    window = torch.randint(1, 64, (1, 33))
+    window[0, [0, 9, 10, 25]] = 0  # documents [0, 9), [9, 10), [10, 25), [25, 33)
+    loss, _ = lm_loss(model, window, 0.0, separator=0)
+    total = 0.0
+    for start, stop in ((0, 9), (9, 10), (10, 25), (25, 32)):
+        logits = model(window[:, start:stop]).logits[0]
+        total += torch.nn.functional.cross_entropy(logits, window[0, start + 1:stop + 1],
+                                                   reduction="sum")
+    assert float(loss) == pytest.approx(float(total) / 32, rel=1e-6)  # the fused loss: fp32
+    assert float(lm_loss(model, window, 0.0)[0]) != pytest.approx(float(loss), abs=1e-4)
+
+
+def test_document_masked_pretraining_learns(corpus, tmp_path):
+    out = tmp_path / "masked"
+    summary = pretrain(build(run_config(corpus, out, max_steps=16, **{
+        "data.document_mask": True, "precision.z_loss": 1e-4})))
+    losses = step_losses(out)
+    assert losses[16] < losses[1] - 1.0
+    assert summary["val/loss"] < losses[1]
+
+
 def test_seq_len_longer_than_the_model_is_refused(corpus, tmp_path):
     with pytest.raises(ConfigError, match="data.seq_len=128 exceeds"):
         pretrain(build(run_config(corpus, tmp_path / "r", **{"data.seq_len": 128})))
@@ -296,15 +323,18 @@ def test_fp8_gemms_get_token_counts_divisible_by_16_and_the_loss_is_exact():
         torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize(("kernels", "fp8"), [("force", False), ("force", True), ("0", False),
-                                              ("0", True)])
-def test_pretraining_in_bf16(corpus, tmp_path, monkeypatch, kernels, fp8):
+@pytest.mark.parametrize(("kernels", "fp8", "document_mask"), [
+    ("force", False, False), ("force", True, False), ("0", False, False), ("0", True, False),
+    ("force", False, True)])
+def test_pretraining_in_bf16(corpus, tmp_path, monkeypatch, kernels, fp8, document_mask):
     """The GPU's numerics on CPU: bf16 autocast, every Triton kernel (interpreted) or none,
-    eval with sample continuations through the KV cache, a checkpoint and the bf16 export."""
+    eval with sample continuations through the KV cache, a checkpoint and the bf16 export;
+    document masking through the attention kernel's document path."""
     monkeypatch.setenv("LATHE_KERNELS", kernels)
     out = tmp_path / "bf16"
     summary = pretrain(build(run_config(corpus, out, max_steps=2, micro_batch_size=2, **{
         "precision.mixed_precision": "bf16", "precision.fp8": fp8,
+        "data.document_mask": document_mask,
         "model.overrides": {"dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1,
                             "ffn_hidden_dim": 64, "max_seq_len": 32},
         "data.seq_len": 15, "eval.every": 2, "eval.batches": 1, "checkpoint.every": 2})))
