@@ -68,7 +68,3 @@ def collate_packed(rows: list[list[Any]], pad_token: int,
     return {"ids": pad(ids, pad_token).to(device), "labels": pad(labels, IGNORE_INDEX).to(device),
             "documents": pad(documents, padding_document).to(device), "lengths": lengths}
 
-
-def padding_fraction(batch: dict[str, Any]) -> float:
-    """The share of a collated batch's token slots that hold no example token."""
-    return 1 - sum(batch["lengths"]) / batch["ids"].numel()

@@ -15,7 +15,7 @@ import torch
 from lathe.core.cli import main
 from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.chats import Example, collate
-from lathe.posttrain.packing import best_fit_decreasing, collate_packed, padding_fraction
+from lathe.posttrain.packing import best_fit_decreasing, collate_packed
 from lathe.posttrain.sft import sft_loss
 from tests.builders import tiny_model
 from tests.posttrain.conftest import quick
@@ -49,7 +49,6 @@ def test_collated_rows_hold_documents_and_ignore_each_first_label():
     assert batch["labels"].tolist() == [[-100, 6, 7, -100, 9], [-100] * 5]
     assert batch["documents"].tolist() == [[0, 0, 0, 1, 1], [0, 2, 2, 2, 2]]
     assert batch["lengths"] == [3, 2, 1]
-    assert padding_fraction(batch) == pytest.approx(4 / 10)
 
 
 def test_packed_micro_batch_equals_the_examples_unpadded_one_by_one():

@@ -1,0 +1,181 @@
+"""`python -m lathe.posttrain.bench`: SFT throughput with and without packing, on the same
+model, data and loop in one process — the README run's SFT (its model shape, the embedded
+two- and three-digit arithmetic chats, max_len 64, 64 chats a step) and multi-turn chats
+whose lengths vary about tenfold (1 to 12 arithmetic turns, max_len 512), as real chat
+data does.
+
+Each mode trains the way `lathe sft` does (`sft_loss`: one forward and backward over the
+micro-batch, AdamW, clipping): padded, each chat padded to the longest of its
+micro-batch; packed (`data.packing`), chats placed into rows of max_len by best-fit
+decreasing, each row as many rows a step as hold the same number of real tokens on
+average. Tokens/s counts real tokens only; padding is the share of computed positions
+that hold none. On CPU in fp32; on a GPU in bf16 autocast. The model is the README
+shape with random weights: throughput does not depend on them.
+Results are printed and appended to docs/benchmarks-history.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lathe.data.chat_encoding import chat_encoder
+from lathe.data.formats import Chat, load_chat_dataset
+from lathe.data.tasks import task_examples
+from lathe.data.tokenizer import save_tokenizer, train_tokenizer
+from lathe.model.checkpoint import save_checkpoint
+from lathe.model.config import ModelConfig
+from lathe.model.transformer import Transformer
+from lathe.posttrain.chats import Example, collate, tokenize
+from lathe.posttrain.common import ShuffledBatches
+from lathe.posttrain.packing import best_fit_decreasing, collate_packed
+from lathe.posttrain.sft import sft_loss
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Dataset:
+    label: str
+    chats: list[Chat]
+    max_len: int
+    chats_per_step: int
+
+
+def multi_turn_chats(count: int, seed: int = 0) -> list[Chat]:
+    """Chats of 1 to 12 arithmetic question/answer turns (seeded)."""
+    rows = task_examples("arithmetic", "train", None)
+    rng = random.Random(seed)
+    chats = []
+    for i in range(count):
+        messages = []
+        for row in rng.sample(rows, rng.randint(1, 12)):
+            messages += [{"role": "user", "content": row.prompt},
+                         {"role": "assistant", "content": row.answer}]
+        chats.append(Chat(messages, where=f"multi-turn #{i}"))
+    return chats
+
+
+def readme_checkpoint(folder: Path) -> Path:
+    """A random model of the README run's shape (the tiny preset, a 4,096-token BPE trained
+    on the arithmetic tasks here) with lathe's chat template."""
+    texts = [f"{r.prompt} {r.answer}" for task in ("arithmetic", "arithmetic3")
+             for r in task_examples(task, "train", None)]
+    save_tokenizer(train_tokenizer(texts, vocab_size=4096, max_digits=1, show_progress=False),
+                   folder / "tokenizer")
+    config = ModelConfig.from_preset("tiny", vocab_size=4096)
+    torch.manual_seed(0)
+    return save_checkpoint(Transformer(config), folder / "model", tokenizer=folder / "tokenizer")
+
+
+def measure(model: Transformer, examples: list[Example], dataset: Dataset, packed: bool,
+            device: torch.device, steps: int, warmup: int) -> dict[str, float]:
+    """Real tokens per second, padding fraction and rows per step of one mode."""
+    items: list = examples
+    per_step = dataset.chats_per_step
+    if packed:
+        items = [[examples[i] for i in row] for row in
+                 best_fit_decreasing([len(e.ids) for e in examples], dataset.max_len)]
+        per_step = max(1, round(dataset.chats_per_step * len(items) / len(examples)))
+    batches = ShuffledBatches(items, per_step, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    autocast = torch.bfloat16 if device.type == "cuda" else None
+    tokens = slots = 0
+    seconds = 0.0
+    for step in range(warmup + steps):
+        rows = batches.next()
+        batch = (collate_packed(rows, 0, device) if packed else collate(rows, 0, device))
+        synchronize(device)
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+            loss, _ = sft_loss(model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        synchronize(device)
+        if step >= warmup:
+            seconds += time.perf_counter() - start
+            tokens += sum(batch["lengths"])
+            slots += batch["ids"].numel()
+    return {"tokens_per_s": tokens / seconds, "padding": 1 - tokens / slots,
+            "rows": per_step, "width": slots / steps / per_step}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(steps: int, warmup: int, write: bool) -> str:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = readme_checkpoint(Path(tmp))
+        encoder = chat_encoder(checkpoint)
+        datasets = [
+            Dataset("README SFT (arithmetic + arithmetic3)",
+                    load_chat_dataset("task:arithmetic+arithmetic3", "train", 8192), 64, 64),
+            Dataset("multi-turn chats (1-12 turns)", multi_turn_chats(2048), 512, 16),
+        ]
+        rows = []
+        for dataset in datasets:
+            examples = tokenize(encoder, dataset.chats, dataset.max_len)
+            lengths = [len(e.ids) for e in examples]
+            results = {}
+            for packed in (False, True):
+                torch.manual_seed(0)
+                model = Transformer(ModelConfig.from_preset("tiny", vocab_size=4096))
+                model = model.to(device).train()
+                results[packed] = measure(model, examples, dataset, packed, device, steps,
+                                          warmup)
+                r = results[packed]
+                rows.append(f"| {dataset.label} | {min(lengths)}–{max(lengths)} | "
+                            f"{'packed' if packed else 'padded'} | {r['rows']} × "
+                            f"{r['width']:.0f} | {r['padding']:.1%} | "
+                            f"{r['tokens_per_s']:,.0f} |")
+                print(rows[-1], flush=True)
+            speedup = results[True]["tokens_per_s"] / results[False]["tokens_per_s"]
+            rows.append(f"| {dataset.label} | | packed ÷ padded | | | {speedup:.2f}× |")
+            print(rows[-1], flush=True)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (
+        f"{platform.machine()}, {torch.get_num_threads()} threads")
+    precision = "bf16 autocast" if device.type == "cuda" else "fp32"
+    table = "\n".join([
+        f"## SFT packing — {datetime.date.today()} — {name}, torch {torch.__version__}, "
+        f"{precision}",
+        "",
+        "Command: `python -m lathe.posttrain.bench`",
+        "",
+        f"The README model's shape (tiny preset, 4,096 vocabulary), `sft_loss` + AdamW + clip, "
+        f"{steps} timed steps after {warmup} warm-up. Rows × width: the micro-batch's shape "
+        "(mean width). Tokens/s counts real tokens.",
+        "",
+        "| data | tokens per chat | mode | rows × width | padding | tokens/s |",
+        "|---|---|---|---:|---:|---:|",
+        *rows, ""])
+    if write:
+        with (ROOT / "docs" / "benchmarks-history.md").open("a") as f:
+            f.write("\n" + table)
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lathe.posttrain.bench")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--no-write", action="store_true", help="do not append to docs/")
+    args = parser.parse_args(argv)
+    print(run(args.steps, args.warmup, write=not args.no_write))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
