@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lathe.kernels.argmax import argmax_cpu
-from lathe.kernels.attention import causal_attention_reference
+from lathe.kernels.attention import causal_attention_reference, document_starts
 from lathe.kernels.attention_triton import causal_attention_triton
 from lathe.kernels.cpu_native import load_cpu_kernels
 from lathe.kernels.decode_linear import (
@@ -270,6 +270,34 @@ def _attention_case(s: Sizes, device: str, dtype: torch.dtype, compile: bool) ->
     return case
 
 
+def _document_attention_case(s: Sizes, device: str, dtype: torch.dtype, compile: bool) -> Case:
+    """Packed rows: each row split into documents of 1/16 to 1/4 of it (seeded); the
+    useful work is each document's own causal attention."""
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(s.batch):
+        lengths: list[int] = []
+        while sum(lengths) < s.seq:
+            lengths.append(min(int(torch.randint(s.seq // 16 + 1, s.seq // 4 + 2, (1,),
+                                                 generator=generator)), s.seq - sum(lengths)))
+        rows.append(lengths)
+    documents = torch.stack([torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+                             for lengths in rows]).to(device)
+    starts = document_starts(documents)
+    q = _leaf(s.batch, s.heads, s.seq, s.head_dim, device=device, dtype=dtype)
+    k = _leaf(s.batch, s.kv_heads, s.seq, s.head_dim, device=device, dtype=dtype)
+    v = _leaf(s.batch, s.kv_heads, s.seq, s.head_dim, device=device, dtype=dtype)
+    flops = sum(4 * s.heads * n * n * s.head_dim / 2 for lengths in rows for n in lengths)
+    case = Case("causal_attention, packed documents", "TFLOP/s", flops, {
+        "triton": lambda: causal_attention_triton(q, k, v, starts),
+        "torch (SDPA, block-diagonal mask)": lambda: causal_attention_reference(
+            q, k, v, document_starts=starts)})
+    if compile:
+        compiled = torch.compile(causal_attention_reference)
+        case.impls["torch.compile"] = lambda: compiled(q, k, v, document_starts=starts)
+    return case
+
+
 def cases(sizes: Sizes, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
           compile: bool = True) -> list[Case]:
     """Every kernel's case at `sizes`; every implementation in a case computes the same."""
@@ -279,6 +307,7 @@ def cases(sizes: Sizes, device: str = "cuda", dtype: torch.dtype = torch.bfloat1
         _cross_entropy_case(sizes, device, dtype, compile),
         *_quant_cases(sizes, device, dtype, compile),
         _attention_case(sizes, device, dtype, compile),
+        _document_attention_case(sizes, device, dtype, compile),
         _paged_case("paged_decode", sizes.decode_batch, sizes.context, sizes, device, dtype,
                     compile),
         _paged_case("paged_decode, one long sequence", 1, sizes.long_context, sizes, device,

@@ -55,8 +55,8 @@ DEFAULTS: dict[tuple[str, str], Default] = {
         "(same 2.5 GiB peak), Liger 29,830, eager 30,737 (12.0 GiB)", H200, BENCH),
     ("causal_attention", "cuda"): Default(
         False, "4 x 2048 tokens, 32/8 heads of 64, forward+backward 1,376 us; SDPA 852, "
-        "torch.compile 862 (square attention; chunks after cached context, the only case "
-        "dispatched to it, not measured)", H100, BENCH),
+        "torch.compile 862 (square attention; chunks after cached context and packed rows of "
+        "documents, the cases dispatched to it, not measured)", H100, BENCH),
     ("int8_matmul", "cuda"): Default(
         True, "32 x 2048 -> 8192, 51.9 us; torch.compile 102.0, eager dequantize + matmul "
         "141.3; 1 row 51.6 against 90.7 and 141.4 (dense bf16, which it does not replace: "
