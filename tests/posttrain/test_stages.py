@@ -111,11 +111,13 @@ def test_grpo_mean_reward_rises(base, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ["sft", "dpo"])
 def test_sft_and_dpo_run_on_two_cpu_processes(base, tmp_path, stage):
+    """SFT packed: each rank collates its own rows of chats."""
     out = tmp_path / stage
+    packed = {"data.packing": "true", "data.max_len": 128} if stage == "sft" else {}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "recipes" / "accelerate" / "cpu-ddp.yaml"), "-m",
            f"lathe.posttrain.{stage}", *quick(out, base, max_steps=12, micro_batch_size=4,
-                                             **{"optim.lr": 2e-3, "eval.every": 12})]
+                                             **{"optim.lr": 2e-3, "eval.every": 12, **packed})]
     processes.run(cmd, timeout=300, cwd=ROOT)
     done = summary(out)
     assert done["parallel"]["num_processes"] == 2 and done["parallel"]["backend"] == "gloo"
