@@ -166,6 +166,12 @@ def start_chat_run(runtime: Runtime, config: ChatStageConfig, model: nn.Module,
     if data.packing:
         items = [[train[i] for i in row]
                  for row in best_fit_decreasing([len(e.ids) for e in train], data.max_len)]
+        if len(items) < config.micro_batch_size * runtime.world_size:
+            raise ConfigError(f"data.packing=true: {len(train)} chats pack into {len(items)} "
+                              f"rows of data.max_len={data.max_len}, fewer than one step of "
+                              f"micro_batch_size={config.micro_batch_size} rows × "
+                              f"{runtime.world_size} ranks; lower micro_batch_size (it counts "
+                              "rows when packing) or add chats")
     batches = ShuffledBatches(items, config.micro_batch_size, config.seed, runtime.rank,
                               runtime.world_size)
     mean_len = sum(len(e.ids) for e in train) / len(items)

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 
 from lathe.core.cli import main
 from lathe.core.errors import ConfigError
+from lathe.data.formats import load_prompt_dataset
+from lathe.data.mixture import WeightedSource, load_mixture
 from lathe.data.tokenizer import save_tokenizer, train_tokenizer
 from lathe.model import ModelConfig, Transformer, load_checkpoint, save_checkpoint
 from lathe.posttrain.distill import check_same_tokenizer, kd_loss
@@ -62,12 +64,20 @@ def test_students_kl_to_its_teacher_falls(base, teacher, tmp_path):
 
 
 def test_teacher_data_mode_writes_answers_and_fine_tunes(base, teacher, tmp_path):
+    """The teacher answers a weighted mixture of prompt sets; the student trains packed."""
     out = tmp_path / "data"
+    mixture = "[{source: 'task:arithmetic', weight: 3}, {source: 'task:arithmetic3'}]"
     assert main(["distill", *quick(out, base, teacher=teacher, mode="teacher_data",
-                                   max_steps=4, **{"data.limit": 16, "eval.every": 4,
-                                                   "teacher_max_tokens": 4})]) == 0
+                                   max_steps=4, micro_batch_size=2,
+                                   **{"data.limit": 16, "eval.every": 4, "data.train": mixture,
+                                      "data.packing": "true", "teacher_max_tokens": 4})]) == 0
     rows = [json.loads(line) for line in (out / "teacher_data.jsonl").read_text().splitlines()]
     assert len(rows) == 16 and rows[0]["messages"][-1]["role"] == "assistant"
+    drawn = load_mixture([WeightedSource("task:arithmetic", 3), WeightedSource("task:arithmetic3")],
+                         load_prompt_dataset, "train", 16, seed=0)
+    assert drawn.drawn == [12, 4]
+    assert [row["messages"][-2]["content"] for row in rows] == [
+        row.prompt[-1]["content"] for row in drawn.rows]
     assert (out / "final" / "model.safetensors").is_file()
 
 

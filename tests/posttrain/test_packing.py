@@ -130,3 +130,10 @@ def test_sft_on_a_weighted_mixture_reports_what_each_source_gave(base, tmp_path,
     sources = summary(out)["sources"]
     assert set(sources) == {"task:arithmetic", str(chats)}
     assert all(entry["tokens"] > 0 for entry in sources.values())
+
+
+def test_too_few_rows_for_a_step_name_the_packing(base, tmp_path, capsys):
+    assert main(["sft", *quick(tmp_path / "few", base, max_steps=2, micro_batch_size=8, **{
+        "data.limit": 16, "data.packing": "true"})]) == 2
+    assert ("data.packing=true: 16 chats pack into 3 rows of data.max_len=128, fewer than one "
+            "step of micro_batch_size=8 rows") in capsys.readouterr().err
