@@ -28,7 +28,7 @@ from lathe.core.atomic import atomic_directory
 from lathe.core.checkpoint_files import checkpoint_file, read_json_object
 from lathe.core.errors import CheckpointError, ConfigError
 from lathe.model.config import ModelConfig
-from lathe.model.families import join_fused, split_fused
+from lathe.model.families import join_fused, split_fused, stack_experts, unstack_experts
 from lathe.model.transformer import Transformer
 
 CONFIG_FILE = "config.json"
@@ -74,11 +74,11 @@ def save_checkpoint(model: Transformer, path: str | Path, tokenizer: str | Path 
     """
     config = model.config
     special_ids = _special_token_ids(Path(tokenizer), config) if tokenizer is not None else {}
-    state = join_fused({
+    state = unstack_experts(join_fused({
         name: tensor.detach().contiguous()
         for name, tensor in model.state_dict().items()
         if not (config.tie_embeddings and name == "lm_head.weight")
-    }, config)
+    }, config), config)
     dtype = next(iter(state.values())).dtype
     with atomic_directory(path) as tmp:
         save_torch_state_dict(state, tmp, max_shard_size=max_shard_size,
@@ -158,7 +158,7 @@ def _read_state(path: Path, config: ModelConfig, device: torch.device
     state: dict[str, torch.Tensor] = {}
     for file in _weight_files(path):
         state.update(load_safetensors(file, device))
-    return split_fused(state, config)
+    return stack_experts(split_fused(state, config), config)
 
 
 def _build(config: ModelConfig, state: dict[str, torch.Tensor], path: Path,

@@ -83,6 +83,15 @@ class ModelConfig:
     gated MLP), `query_pre_attn_scalar` (scores scaled by its -½ power, not head_dim's),
     `attn_softcap` and `final_softcap` (scores, logits -> cap·tanh(x / cap)), and
     `rope_local_theta` (Gemma 3: the sliding layers' RoPE base, unscaled).
+    `qk_norm_projection` (OLMoE): one RMSNorm over the whole q and k projections, not per
+    head; `clip_qkv` clamps q, k and v to ±clip_qkv.
+    Mixture of experts (`n_experts` set): a layer's MLP is a router (a softmax over the
+    experts, the top `n_experts_per_token` taken, their weights renormalized to sum 1 when
+    `norm_topk_prob`) and `n_experts` gated MLPs of `moe_ffn_hidden_dim` (default
+    `ffn_hidden_dim`); `moe_layers` (1 MoE, 0 dense per layer; None: every layer) leaves some
+    layers a dense MLP of `ffn_hidden_dim`. Training adds `router_aux_loss_coef` times the
+    Switch Transformer load-balancing loss (as transformers computes it) and
+    `router_z_loss_coef` times ST-MoE's router z-loss.
     """
 
     vocab_size: int = 2048
@@ -116,6 +125,15 @@ class ModelConfig:
     final_softcap: float | None = None
     rope_local_theta: float | None = None
     partial_rotary_factor: float = 1.0  # the share of each head's channels RoPE rotates
+    qk_norm_projection: bool = False
+    clip_qkv: float | None = None
+    n_experts: int | None = None
+    n_experts_per_token: int = 2
+    moe_ffn_hidden_dim: int | None = None
+    moe_layers: list[int] | None = None
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.01
+    router_z_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
@@ -151,6 +169,58 @@ class ModelConfig:
                 self.dim, self.multiple_of, self.ffn_dim_multiplier
             )
         self._validate_rest()
+        self._validate_experts()
+
+    def _validate_experts(self) -> None:
+        takes = FAMILIES[self.family].takes
+        if self.clip_qkv is not None and ("clip_qkv" not in takes or not isinstance(
+                self.clip_qkv, (int, float)) or self.clip_qkv <= 0):
+            raise ConfigError(f"ModelConfig.clip_qkv={self.clip_qkv!r}: a positive number for "
+                              f"a family that clips (olmoe), or null; family={self.family!r}")
+        experts = FAMILIES[self.family].experts
+        if self.n_experts is None:
+            if experts is not None:
+                raise ConfigError(f"ModelConfig: family={self.family!r} is a mixture of experts;"
+                                  " set n_experts (and n_experts_per_token)")
+            if self.moe_layers is not None or self.moe_ffn_hidden_dim is not None:
+                raise ConfigError("ModelConfig: moe_layers and moe_ffn_hidden_dim need "
+                                  "n_experts (a mixture-of-experts family)")
+            return
+        if experts is None:
+            raise ConfigError(f"ModelConfig.n_experts={self.n_experts!r}: family="
+                              f"{self.family!r} is dense; choose mixtral, qwen3_moe or olmoe")
+        for name in ("n_experts", "n_experts_per_token"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"ModelConfig.{name}={value!r} must be a positive integer")
+        if self.n_experts_per_token > self.n_experts:
+            raise ConfigError(f"ModelConfig.n_experts_per_token={self.n_experts_per_token} "
+                              f"exceeds n_experts={self.n_experts}")
+        if self.moe_ffn_hidden_dim is None:
+            self.moe_ffn_hidden_dim = self.ffn_hidden_dim
+        if not isinstance(self.moe_ffn_hidden_dim, int) or self.moe_ffn_hidden_dim <= 0:
+            raise ConfigError(f"ModelConfig.moe_ffn_hidden_dim={self.moe_ffn_hidden_dim!r} "
+                              "must be a positive integer")
+        layers = self.moe_layers
+        if layers is not None and (len(layers) != self.n_layers
+                                   or any(flag not in (0, 1) for flag in layers)):
+            raise ConfigError(f"ModelConfig.moe_layers={layers!r} must hold a 0 (dense) or 1 "
+                              f"(mixture of experts) for each of the {self.n_layers} layers")
+        if layers is not None and "moe_layers" not in experts.options:
+            raise ConfigError(f"ModelConfig.moe_layers: family={self.family!r} has experts in "
+                              "every layer; drop moe_layers (qwen3_moe can mix)")
+        if not self.norm_topk_prob and "norm_topk_prob" not in experts.options:
+            raise ConfigError(f"ModelConfig.norm_topk_prob=false: family={self.family!r} "
+                              "always renormalizes its top-k weights")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(f"ModelConfig.{name}={value!r} must be a number >= 0")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return self.n_experts is not None and (self.moe_layers is None
+                                               or bool(self.moe_layers[layer]))
 
     def _validate_shape(self, explicit_head_dim: bool) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of",
@@ -290,9 +360,12 @@ class ModelConfig:
         (Kaplan et al.'s non-embedding count).
         """
         norms = 4 if self.sandwich_norms else 2
-        per_layer = (self._linear_params_per_layer() + norms * self.dim  # + the RMSNorm weights
-                     + 2 * self.head_dim * self.qk_norm)
-        body = self.n_layers * per_layer + self.dim
+        kv_dim = self.n_kv_heads * self.head_dim
+        per_layer = (norms * self.dim  # the RMSNorm weights
+                     + 2 * self.head_dim * self.qk_norm
+                     + (self.q_dim + kv_dim) * self.qk_norm_projection)
+        body = (sum(self._linear_params(layer) for layer in range(self.n_layers))
+                + self.n_layers * per_layer + self.dim)
         if not include_embeddings:
             return body
         embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
@@ -301,20 +374,27 @@ class ModelConfig:
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token (forward + backward), for MFU.
 
-        6 x (every weight used in a matmul: the layers' linears and the LM head, even when
-        tied; not the embedding lookup or the norms) plus
+        6 x (every weight used in a matmul for a token: the layers' linears — of a mixture of
+        experts, the router and the `n_experts_per_token` experts a token goes to — and the
+        LM head, even when tied; not the embedding lookup or the norms) plus
         the attention term 12 x n_layers x q_dim x seq_len (PaLM, appendix B; the causal
         half is not discounted, as in nanoGPT and torchtitan).
         """
         seq_len = self.max_seq_len if seq_len is None else seq_len
-        matmul_params = self.n_layers * self._linear_params_per_layer() + self.vocab_size * self.dim
+        matmul_params = (sum(self._linear_params(layer, active=True)
+                             for layer in range(self.n_layers)) + self.vocab_size * self.dim)
         return 6 * matmul_params + 12 * self.n_layers * self.q_dim * seq_len
 
-    def _linear_params_per_layer(self) -> int:
+    def _linear_params(self, layer: int, active: bool = False) -> int:
+        """Layer `layer`'s matmul weights: all of them, or those one token uses (`active`)."""
         kv_dim = self.n_kv_heads * self.head_dim
         biases = (self.q_dim + 2 * kv_dim) * self.qkv_bias + self.dim * self.o_bias
-        return (2 * self.dim * self.q_dim + 2 * self.dim * kv_dim
-                + 3 * self.dim * self.ffn_hidden_dim + biases)
+        attention = 2 * self.dim * self.q_dim + 2 * self.dim * kv_dim + biases
+        if not self.is_moe_layer(layer):
+            return attention + 3 * self.dim * self.ffn_hidden_dim
+        experts = self.n_experts_per_token if active else self.n_experts
+        return (attention + self.dim * self.n_experts
+                + experts * 3 * self.dim * self.moe_ffn_hidden_dim)
 
     def to_hf_config(self) -> dict[str, Any]:
         """The `config.json` body of this family's HF class (`LlamaForCausalLM`, ...).
@@ -388,10 +468,13 @@ class ModelConfig:
         if hf.get("use_bidirectional_attention"):
             raise ConfigError("config.json: use_bidirectional_attention=True is not supported: "
                               "lathe's models are causal decoders")
-        for key in ("num_experts", "num_local_experts", "vision_config"):
+        keys = ("vision_config",) if family.experts else (
+            "num_experts", "num_local_experts", "vision_config")
+        for key in keys:
             if hf.get(key):
-                raise ConfigError(f"config.json: {key}={hf[key]!r} is not supported: lathe "
-                                  "has no mixture-of-experts, vision or NoPE layers")
+                raise ConfigError(f"config.json: {key}={hf[key]!r} is not supported for "
+                                  f"model_type={model_type!r}: lathe's mixtures of experts "
+                                  "are mixtral, qwen3_moe and olmoe, and it has no vision tower")
         window, layer_types = family.window(hf)
         n_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
@@ -460,6 +543,8 @@ class ModelConfig:
             rope_local_theta=local_theta,
             partial_rotary_factor=float(rope.get("partial_rotary_factor")
                                         or hf.get("partial_rotary_factor") or 1.0),
+            clip_qkv=hf.get("clip_qkv"),
+            **(family.experts.read(hf) if family.experts else {}),
             **family.switches(hf),
         )
 

@@ -16,6 +16,9 @@ splits into lathe's q/k/v and gate/up and an export joins again (`split_fused`,
 | gemma2 | Gemma2ForCausalLM | Gemma's norms and embedding scale (below), `attention_bias` |
 | gemma3_text | Gemma3ForCausalLM | Gemma 2's, and an RMSNorm of each head of q and k |
 | phi3 (Phi-3, Phi-4-mini) | Phi3ForCausalLM | fused `qkv_proj`, `gate_up_proj`; partial RoPE |
+| mixtral | MixtralForCausalLM | experts in every layer (`block_sparse_moe`), top-k renormalized |
+| qwen3_moe | Qwen3MoeForCausalLM | Qwen3's attention; experts in the layers not `mlp_only_layers` |
+| olmoe | OlmoeForCausalLM | RMSNorm over the whole q and k projections, `clip_qkv`; experts |
 
 Gemma's: (1 + w) norms, a norm after attention and after the MLP as well, embeddings
 times √dim; from config.json, soft-capped scores and logits, `query_pre_attn_scalar`, and
@@ -26,6 +29,14 @@ Sliding windows: Mistral's `sliding_window` covers every layer; Qwen2/3's and Sm
 `max_window_layers` on (Qwen) or those without RoPE (SmolLM3); Gemma's alternate (every
 other layer in Gemma 2, five of each six in Gemma 3), as their config classes fill them in.
 An export writes `layer_types` out whole.
+
+Experts: lathe holds each MoE layer's experts stacked, as transformers 5 does in memory
+(`mlp.experts.gate_up_proj` (E, 2·I, D), `mlp.experts.down_proj` (E, D, I)) beside the router
+`mlp.gate.weight`. A checkpoint may store them that way (the fused layout) or one tensor per
+expert and projection (`mlp.experts.3.gate_proj.weight`; Mixtral's
+`block_sparse_moe.experts.3.w1.weight`), as transformers' `save_pretrained` writes and vLLM
+and llama.cpp read: a load stacks the per-expert layout (`stack_experts`) and refuses a
+missing or mis-shaped expert by name; an export writes it (`unstack_experts`).
 """
 
 from __future__ import annotations
@@ -42,6 +53,17 @@ Window = tuple[int | None, list[str] | None]  # ModelConfig's sliding_window, la
 
 
 @dataclass(frozen=True)
+class ExpertLayout:
+    """How a mixture-of-experts family names and configures its experts."""
+
+    block: str  # the MoE block in checkpoints: "mlp", Mixtral's "block_sparse_moe"
+    projections: tuple[str, str, str]  # one expert's gate, up and down projections
+    read: Callable[[dict[str, Any]], dict[str, Any]]  # config.json -> ModelConfig fields
+    written: Callable[[Any], dict[str, Any]]  # ModelConfig -> config.json keys
+    options: tuple[str, ...] = ()  # "moe_layers", "norm_topk_prob": what its class varies
+
+
+@dataclass(frozen=True)
 class Family:
     architecture: str
     switches: Callable[[dict[str, Any]], dict[str, bool]]  # config.json -> ModelConfig
@@ -50,6 +72,7 @@ class Family:
     sliding: str = "none"  # which windows its class builds: "none", "all" layers, "layers"
     takes: tuple[str, ...] = ()  # the optional ModelConfig fields its class reads
     fused: tuple[str, ...] = ()  # FUSED projections its checkpoints store as one
+    experts: ExpertLayout | None = None  # a mixture of experts: how it stores them
 
 
 # a fused projection -> the projections it stacks (along the output dimension, in order)
@@ -131,6 +154,57 @@ def _windows_written(config: Any) -> dict[str, Any]:
             "max_window_layers": sliding[0] if sliding else config.n_layers}
 
 
+def _experts_read(hf: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The expert fields of config.json, with its class's defaults for absent keys."""
+    hf = {**defaults, **{k: v for k, v in hf.items() if v is not None}}
+    if hf.get("router_jitter_noise"):
+        raise ConfigError(f"config.json: router_jitter_noise={hf['router_jitter_noise']!r} is "
+                          "not supported (only 0: lathe's router is deterministic)")
+    n_layers = hf["num_hidden_layers"]
+    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
+    layers = [int(i not in dense and (i + 1) % step == 0) for i in range(n_layers)]
+    return {"n_experts": hf.get("num_local_experts") or hf["num_experts"],
+            "n_experts_per_token": hf["num_experts_per_tok"],
+            "moe_ffn_hidden_dim": hf.get("moe_intermediate_size") or hf["intermediate_size"],
+            "moe_layers": None if all(layers) else layers,
+            "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
+            "router_aux_loss_coef": hf["router_aux_loss_coef"]}
+
+
+def _experts_written(config: Any) -> dict[str, Any]:
+    return {"num_experts_per_tok": config.n_experts_per_token,
+            "router_aux_loss_coef": config.router_aux_loss_coef, "output_router_logits": False}
+
+
+def _qwen3_moe_written(config: Any) -> dict[str, Any]:
+    layers = config.moe_layers or [1] * config.n_layers
+    return {**_experts_written(config), "num_experts": config.n_experts,
+            "moe_intermediate_size": config.moe_ffn_hidden_dim,
+            "norm_topk_prob": config.norm_topk_prob, "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i, moe in enumerate(layers) if not moe]}
+
+
+STACKED = ("gate_proj", "up_proj", "down_proj")  # lathe's names of an expert's projections
+MIXTRAL_EXPERTS = ExpertLayout(
+    "block_sparse_moe", ("w1", "w3", "w2"),
+    lambda hf: _experts_read(hf, {"num_experts_per_tok": 2, "router_aux_loss_coef": 0.001}),
+    lambda c: {**_experts_written(c), "num_local_experts": c.n_experts,
+               "router_jitter_noise": 0.0})
+QWEN3_MOE_EXPERTS = ExpertLayout(
+    "mlp", STACKED,
+    lambda hf: _experts_read(hf, {"num_experts": 128, "num_experts_per_tok": 8,
+                                  "norm_topk_prob": False, "router_aux_loss_coef": 0.001,
+                                  "moe_intermediate_size": 768}),
+    _qwen3_moe_written, options=("moe_layers", "norm_topk_prob"))
+OLMOE_EXPERTS = ExpertLayout(
+    "mlp", STACKED,
+    lambda hf: _experts_read(hf, {"num_experts": 64, "num_experts_per_tok": 8,
+                                  "norm_topk_prob": False, "router_aux_loss_coef": 0.01}),
+    lambda c: {**_experts_written(c), "num_experts": c.n_experts,
+               "norm_topk_prob": c.norm_topk_prob, "clip_qkv": c.clip_qkv},
+    options=("norm_topk_prob",))
+
+
 FAMILIES: dict[str, Family] = {
     "llama": Family(
         "LlamaForCausalLM", _attention_bias, _no_window,
@@ -164,9 +238,24 @@ FAMILIES: dict[str, Family] = {
         lambda c: {**_gemma_extra(c), "rope_local_base_freq": c.rope_local_theta,
                    "use_bidirectional_attention": False},
         sliding="layers", takes=(*GEMMA_FIELDS, "rope_local_theta")),
+    "mixtral": Family(
+        "MixtralForCausalLM", lambda hf: {}, _mistral_window,
+        lambda c: {"sliding_window": c.sliding_window, **MIXTRAL_EXPERTS.written(c)},
+        sliding="all", experts=MIXTRAL_EXPERTS),
+    "qwen3_moe": Family(
+        "Qwen3MoeForCausalLM", lambda hf: {"qk_norm": True, **_attention_bias(hf)},
+        _qwen_window,
+        lambda c: {"attention_bias": c.qkv_bias, **_windows_written(c),
+                   **QWEN3_MOE_EXPERTS.written(c)},
+        sliding="layers", experts=QWEN3_MOE_EXPERTS),
+    "olmoe": Family(
+        "OlmoeForCausalLM", lambda hf: {"qk_norm_projection": True, **_attention_bias(hf)},
+        _no_window, lambda c: {"attention_bias": c.qkv_bias, **OLMOE_EXPERTS.written(c)},
+        takes=("clip_qkv",), experts=OLMOE_EXPERTS),
 }
 
-SWITCHES = ("qkv_bias", "o_bias", "qk_norm", "norm_unit_offset", "sandwich_norms", "embed_scale")
+SWITCHES = ("qkv_bias", "o_bias", "qk_norm", "norm_unit_offset", "sandwich_norms", "embed_scale",
+            "qk_norm_projection")
 
 
 def family_switches(model_type: str, config: Any) -> dict[str, bool]:
@@ -203,6 +292,83 @@ def join_fused(state: dict[str, Any], config: Any) -> dict[str, Any]:
         for name in [n for n in state if f".{first}." in n]:
             names = [name.replace(first, part) for part in FUSED[fused]]
             out[name.replace(first, fused)] = torch.cat([out.pop(n) for n in names])
+    return out
+
+
+def _expert_names(layout: ExpertLayout, name: str) -> tuple[str, int, int] | None:
+    """A per-expert checkpoint key -> (its layer's prefix, expert, projection index)."""
+    marker = f".{layout.block}.experts."
+    if marker not in name:
+        return None
+    prefix, rest = name.split(marker, 1)
+    expert, _, projection = rest.partition(".")
+    projection = projection.removesuffix(".weight")
+    if not expert.isdigit() or projection not in layout.projections:
+        return None
+    return prefix, int(expert), layout.projections.index(projection)
+
+
+def stack_experts(state: dict[str, Any], config: Any) -> dict[str, Any]:
+    """A checkpoint's state dict with per-expert tensors stacked into lathe's layout (and
+    Mixtral's `block_sparse_moe` router named `mlp.gate`); one already stacked passes. A
+    missing or mis-shaped expert tensor is a CheckpointError naming it."""
+    from lathe.core.errors import CheckpointError
+
+    layout = FAMILIES[config.family].experts
+    if layout is None:
+        return state
+    out, pieces = {}, {}
+    for name, tensor in state.items():
+        found = _expert_names(layout, name)
+        if found is None:
+            out[name.replace(f".{layout.block}.gate.", ".mlp.gate.")] = tensor
+        else:
+            pieces.setdefault(found[0], {})[found[1:]] = tensor
+    for prefix, tensors in pieces.items():
+        width = config.moe_ffn_hidden_dim
+        shapes = [(width, config.dim), (width, config.dim), (config.dim, width)]
+        for expert in range(config.n_experts):
+            for index, shape in enumerate(shapes):
+                key = f"{prefix}.{layout.block}.experts.{expert}.{layout.projections[index]}" \
+                      ".weight"
+                tensor = tensors.get((expert, index))
+                if tensor is None:
+                    raise CheckpointError(f"{key} is missing: every one of the {config.n_experts}"
+                                          " experts needs its gate, up and down projections")
+                if tuple(tensor.shape) != shape:
+                    raise CheckpointError(f"{key} has shape {tuple(tensor.shape)}, expected "
+                                          f"{shape}")
+        if len(tensors) != 3 * config.n_experts:
+            extra = sorted(e for e, _ in tensors if e >= config.n_experts)
+            raise CheckpointError(f"{prefix}.{layout.block}.experts.{extra[0]}: expert past "
+                                  f"n_experts={config.n_experts}")
+        stacked = [torch.stack([tensors[(e, i)] for e in range(config.n_experts)])
+                   for i in range(3)]
+        out[f"{prefix}.mlp.experts.gate_up_proj"] = torch.cat(stacked[:2], dim=1)
+        out[f"{prefix}.mlp.experts.down_proj"] = stacked[2]
+    return out
+
+
+def unstack_experts(state: dict[str, Any], config: Any) -> dict[str, Any]:
+    """lathe's state dict in its family's per-expert layout, as its class saves it."""
+    layout = FAMILIES[config.family].experts
+    if layout is None:
+        return state
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix = name.removesuffix(".mlp.experts.gate_up_proj")
+            for e, (gate, up) in enumerate(zip(*tensor.chunk(2, dim=1), strict=True)):
+                for index, piece in ((0, gate), (1, up)):
+                    out[f"{prefix}.{layout.block}.experts.{e}.{layout.projections[index]}"
+                        ".weight"] = piece.clone()  # safetensors refuses views of one tensor
+        elif name.endswith(".mlp.experts.down_proj"):
+            prefix = name.removesuffix(".mlp.experts.down_proj")
+            for e, down in enumerate(tensor):
+                out[f"{prefix}.{layout.block}.experts.{e}.{layout.projections[2]}.weight"] = \
+                    down.clone()
+        else:
+            out[name.replace(".mlp.gate.", f".{layout.block}.gate.")] = tensor
     return out
 
 

@@ -41,6 +41,7 @@ from lathe.kernels import (
     rope,
     swiglu,
 )
+from lathe.kernels.grouped_matmul import grouped_matmul
 from lathe.model.config import ModelConfig, RopeScaling
 from lathe.model.kv_cache import KVCache
 
@@ -49,7 +50,35 @@ IGNORE_INDEX = -100
 
 class CausalLMOutput(NamedTuple):
     logits: Tensor | None
-    loss: Tensor | None
+    loss: Tensor | None  # with labels; a mixture of experts adds its router losses
+    router: RouterStats | None = None  # a mixture of experts': what its routers did
+
+
+class RouterStats(NamedTuple):
+    """A mixture of experts' routing in one forward, over its MoE layers: the
+    load-balancing loss (transformers' `load_balancing_loss_func`), the router z-loss, and
+    each expert's share of the token-expert assignments (1/E each when balanced)."""
+
+    aux_loss: Tensor
+    z_loss: Tensor
+    load: Tensor
+
+
+def router_stats(router_logits: list[Tensor], top_k: int) -> RouterStats:
+    """Switch Transformer's balance loss E · Σ_e f_e · P_e (f_e: share of the top-k
+    assignments to expert e, counted k per token; P_e: mean router probability), over the
+    tokens of every MoE layer together, as transformers computes it; ST-MoE's z-loss
+    mean(logsumexp(logits)²)."""
+    logits = torch.cat(router_logits).float()
+    probs = torch.softmax(logits, dim=-1)
+    n = logits.shape[-1]
+    chosen = probs.topk(top_k, dim=-1).indices.flatten()
+    counts = torch.zeros(n, device=logits.device).index_add_(
+        0, chosen, torch.ones_like(chosen, dtype=torch.float32))
+    per_expert = counts / logits.shape[0]  # sums to top_k
+    aux = n * (per_expert * probs.mean(dim=0)).sum()
+    z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+    return RouterStats(aux, z, (counts / counts.sum()).detach())
 
 
 class RMSNorm(nn.Module):
@@ -155,11 +184,16 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.dim, kv_dim, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.dim, kv_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(config.q_dim, config.dim, bias=config.o_bias)
-        # Qwen3, Gemma 3: each head of q and k normalized on its own, before RoPE
-        self.q_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_unit_offset) \
-            if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.norm_eps, config.norm_unit_offset) \
-            if config.qk_norm else None
+        # Qwen3, Gemma 3: each head of q and k normalized on its own, before RoPE; OLMoE:
+        # each whole projection, before it is split into heads
+        self.per_head_norm = config.qk_norm
+        widths = ((config.head_dim, config.head_dim) if config.qk_norm
+                  else (config.q_dim, kv_dim) if config.qk_norm_projection else None)
+        self.q_norm = None if widths is None else RMSNorm(widths[0], config.norm_eps,
+                                                          config.norm_unit_offset)
+        self.k_norm = None if widths is None else RMSNorm(widths[1], config.norm_eps,
+                                                          config.norm_unit_offset)
+        self.clip_qkv = config.clip_qkv
         self.rotates = config.no_rope_layers is None or bool(config.no_rope_layers[layer_idx])
         self.rotary_dim = config.rotary_dim
         window = config.window(layer_idx)
@@ -174,12 +208,17 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache | None,
                 starts: Tensor | None = None) -> Tensor:
         batch, seq, _ = x.shape
-        q = self.q_proj(x).view(batch, seq, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # under autocast the fp32 weight would promote q and k
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None and not self.per_head_norm:
             q, k = self.q_norm(q).to(q.dtype), self.k_norm(k).to(k.dtype)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.view(batch, seq, self.n_heads, self.head_dim)
+        k = k.view(batch, seq, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.per_head_norm:  # under autocast the fp32 weight
+            q, k = self.q_norm(q).to(q.dtype), self.k_norm(k).to(k.dtype)  # would promote them
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = self.v_proj(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if self.rotates and self.rotary_dim == self.head_dim:
             q, k = rope(q, k, cos, sin)
         elif self.rotates:  # Phi-3's partial rotary: the first rotary_dim channels turn
@@ -205,12 +244,78 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.ffn_hidden_dim, config.dim, bias=False)
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"
 
-    def forward(self, x: Tensor) -> Tensor:
-        if self.gelu:
-            gated = F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x)
-        else:
-            gated = swiglu(self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(gated)
+    def forward(self, x: Tensor, router_logits: list[Tensor] | None = None) -> Tensor:
+        return self.down_proj(gated(self.gate_proj(x), self.up_proj(x), self.gelu))
+
+
+def gated(gate: Tensor, up: Tensor, gelu: bool) -> Tensor:
+    """act(gate) * up: SwiGLU, or GeGLU with GELU's tanh approximation."""
+    return F.gelu(gate, approximate="tanh") * up if gelu else swiglu(gate, up)
+
+
+class Experts(nn.Module):
+    """`n` gated MLPs stored stacked (transformers 5's layout): `gate_up_proj` (n, 2·hidden,
+    dim), gate rows first, and `down_proj` (n, dim, hidden)."""
+
+    def __init__(self, n: int, dim: int, hidden: int, gelu: bool):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * hidden, dim))
+        self.down_proj = nn.Parameter(torch.empty(n, dim, hidden))
+        self.gelu = gelu
+
+    def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+        """(T, dim) tokens, each sent to the (T, k) `experts` with (T, k) `weights` -> (T, dim).
+        The token-expert pairs are sorted by expert and run as two grouped GEMMs, with no
+        loop over experts."""
+        n, k = self.gate_up_proj.shape[0], experts.shape[1]
+        order = experts.flatten().argsort(stable=True)
+        tokens = order // k
+        ends = torch.bincount(experts.flatten(), minlength=n).cumsum(0).to(torch.int32)
+        gate_up = grouped_matmul(x[tokens], self.gate_up_proj.to(x.dtype).transpose(1, 2), ends)
+        hidden = gated(*gate_up.chunk(2, dim=-1), self.gelu)
+        out = grouped_matmul(hidden, self.down_proj.to(x.dtype).transpose(1, 2), ends)
+        out = out * weights.flatten()[order, None].to(out.dtype)
+        return torch.zeros_like(x).index_add_(0, tokens, out.to(x.dtype))
+
+    def forward_loop(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+        """The reference: a loop over the experts any token was sent to (transformers')."""
+        out = torch.zeros_like(x)
+        for expert in experts.unique().tolist():
+            token, slot = torch.where(experts == expert)
+            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(gated(gate, up, self.gelu), self.down_proj[expert])
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(x.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts MLP: the router (`gate`) scores the experts, each token goes to
+    its top `n_experts_per_token` by softmax probability, weighted by those probabilities
+    (renormalized to sum 1 when `norm_topk_prob`). Dropless: every token reaches its
+    experts. The router logits go to `router_logits`, for the training losses."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate = nn.Linear(config.dim, config.n_experts, bias=False)
+        self.experts = Experts(config.n_experts, config.dim, config.moe_ffn_hidden_dim,
+                               config.hidden_act == "gelu_pytorch_tanh")
+        self.top_k, self.normalize = config.n_experts_per_token, config.norm_topk_prob
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(T, dim) -> router logits (T, E), the chosen experts (T, k) and their weights."""
+        logits = self.gate(x)
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, experts, weights
+
+    def forward(self, x: Tensor, router_logits: list[Tensor] | None = None) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        logits, experts, weights = self.route(flat)
+        if router_logits is not None:
+            router_logits.append(logits)
+        return self.experts(flat, experts, weights).view_as(x)
 
 
 class DecoderLayer(nn.Module):
@@ -229,19 +334,20 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
         self.sandwich = config.sandwich_norms
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.is_moe_layer(layer_idx) else MLP(config)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache | None,
-                starts: Tensor | None = None) -> Tensor:
+                starts: Tensor | None = None,
+                router_logits: list[Tensor] | None = None) -> Tensor:
         attended = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, starts)
         if not self.sandwich:
             norm = self.post_attention_layernorm
             normed, x = add_rms_norm(attended, x, norm.scale(), norm.eps)  # one pass: add + norm
-            return x + self.mlp(normed)
+            return x + self.mlp(normed, router_logits)
         norm = self.pre_feedforward_layernorm
         normed, x = add_rms_norm(self.post_attention_layernorm(attended), x, norm.scale(),
                                  norm.eps)
-        return x + self.post_feedforward_layernorm(self.mlp(normed))
+        return x + self.post_feedforward_layernorm(self.mlp(normed, router_logits))
 
 
 class Decoder(nn.Module):
@@ -291,6 +397,9 @@ class Transformer(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm):
                 (nn.init.zeros_ if module.unit_offset else nn.init.ones_)(module.weight)
+            elif isinstance(module, Experts):
+                nn.init.normal_(module.gate_up_proj, mean=0.0, std=std)
+                nn.init.normal_(module.down_proj, mean=0.0, std=residual_std)
         self.reset_rotary()
 
     def reset_rotary(self, device: torch.device | str | None = None) -> None:
@@ -339,9 +448,12 @@ class Transformer(nn.Module):
         rotations = self.model.rotary_emb(positions, x.dtype)
         local = self.model.rotary_emb_local
         local_rotations = rotations if local is None else local(positions, x.dtype)
+        router_logits: list[Tensor] | None = [] if self.config.n_experts else None
         for layer in self.model.layers:
             x = layer(x, *(local_rotations if layer.self_attn.local_rope else rotations),
-                      kv_cache, starts)
+                      kv_cache, starts, router_logits)
+        router = (router_stats(router_logits, self.config.n_experts_per_token)
+                  if router_logits else None)
         if logits_to_keep is not None:
             x = x[:, logits_to_keep]
         x = self.model.norm(x)
@@ -349,14 +461,22 @@ class Transformer(nn.Module):
         if labels is not None and not return_logits and self.fused_loss and cap is None:
             loss = linear_cross_entropy(x[:, :-1].flatten(0, 1), self.lm_head.weight,
                                         labels[:, 1:].flatten(), IGNORE_INDEX)
-            return CausalLMOutput(None, loss)
+            return CausalLMOutput(None, self._with_router_losses(loss, router), router)
         logits = self.lm_head(x)
         if cap is not None:  # Gemma 2: logits -> cap * tanh(logits / cap)
             logits = torch.tanh(logits / cap) * cap
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(
+            loss = self._with_router_losses(F.cross_entropy(
                 logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                 ignore_index=IGNORE_INDEX,
-            )
-        return CausalLMOutput(logits, loss)
+            ), router)
+        return CausalLMOutput(logits, loss, router)
+
+    def _with_router_losses(self, loss: Tensor, router: RouterStats | None) -> Tensor:
+        """The training loss: cross-entropy plus, for a mixture of experts, its weighted
+        balance and z losses (transformers adds `router_aux_loss_coef · aux_loss` alike)."""
+        if router is None:
+            return loss
+        return (loss + self.config.router_aux_loss_coef * router.aux_loss
+                + self.config.router_z_loss_coef * router.z_loss)

@@ -63,6 +63,14 @@ FAMILIES = {
                             "pad_token_id": 0, "eos_token_id": 2, "bos_token_id": 1}),
     "phi3-window": ("Phi3Config", {"sliding_window": 12, "pad_token_id": 0, "eos_token_id": 2,
                                    "bos_token_id": 1}),
+    # mixtures of experts: every layer (Mixtral), a dense layer among them and experts of
+    # their own width (Qwen3-MoE), whole-projection q/k norms and clipped q, k, v (OLMoE)
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 6, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "mlp_only_layers": [1],
+                                     "norm_topk_prob": True}),
+    "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 3.0,
+                              "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
 }
 SEQ = 96
 
@@ -88,6 +96,9 @@ def hf_model(name: str):
             for norm in (getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)):
                 if norm is not None:
                     norm.weight.normal_(1, 0.3)
+            router = getattr(layer.mlp, "gate", None)
+            if router is not None:  # decisive routing: no near-tie between two experts
+                router.weight.normal_(0, 1)
     return model
 
 
@@ -119,7 +130,7 @@ def test_load_and_export_as_the_same_model_with_the_same_logits(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama-attention-bias", "mistral-window",
-                                  "gemma2", "gemma3", "phi3"])
+                                  "gemma2", "gemma3", "phi3", "qwen3_moe", "olmoe"])
 def test_bf16_autocast_stays_close(tmp_path, name):
     hf = saved(name, tmp_path / "hf")
     ids = torch.randint(0, 256, (1, 32))
@@ -143,7 +154,8 @@ def greedy(hf, prompt: list[int], steps: int) -> list[int]:
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "smollm3", "mistral-window",
-                                  "qwen2-window", "gemma2", "gemma3", "phi3", "phi3-window"])
+                                  "qwen2-window", "gemma2", "gemma3", "phi3", "phi3-window",
+                                  "mixtral", "qwen3_moe", "olmoe"])
 def test_the_engine_generates_what_transformers_computes(tmp_path, name):
     hf = saved(name, tmp_path / "hf")
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 40, 70)]

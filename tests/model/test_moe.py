@@ -1,0 +1,138 @@
+"""Mixtures of experts: the training loss with its load-balancing term is transformers' (fp32),
+the grouped expert GEMMs compute what the per-expert loop does (forward and gradients), both
+checkpoint layouts load, a missing or mis-shaped expert is named, and configs a family's
+class cannot build are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from lathe.core.errors import CheckpointError, ConfigError
+from lathe.model import ModelConfig, Transformer, load_checkpoint
+from tests.model.test_families import saved
+
+transformers = pytest.importorskip("transformers")
+
+MOE = ["mixtral", "qwen3_moe", "olmoe"]
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_loss_and_balance_loss_are_transformers(tmp_path, name):
+    hf = saved(name, tmp_path / "hf")
+    ours = load_checkpoint(tmp_path / "hf")
+    ids = torch.randint(0, 256, (2, 40))
+    with torch.no_grad():
+        expected = hf(ids, labels=ids, output_router_logits=True)
+        got = ours(ids, labels=ids)
+    assert float(got.router.aux_loss) == pytest.approx(float(expected.aux_loss), abs=1e-5)
+    assert float(got.loss) == pytest.approx(float(expected.loss), abs=1e-4)
+    assert float(got.router.load.sum()) == pytest.approx(1.0)
+
+
+def experts_layer(seed: int = 0):
+    config = ModelConfig.from_preset("tiny", family="qwen3_moe", n_experts=8,
+                                     n_experts_per_token=3, moe_ffn_hidden_dim=48, n_layers=1,
+                                     vocab_size=64)
+    torch.manual_seed(seed)
+    return Transformer(config).model.layers[0].mlp
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_grouped_experts_equal_the_loop_forward_and_backward(dtype):
+    """fp32 through `torch._grouped_mm`, fp64 through its loop fallback; one expert gets no
+    token, which the grouped GEMM must take as an empty group."""
+    moe = experts_layer().to(dtype)
+    x = torch.randn(37, 128, dtype=dtype)
+    _, experts, weights = moe.route(x)
+    experts = torch.where(experts == 5, 6, experts)  # expert 5 receives nothing
+    weights = weights.to(dtype).requires_grad_()
+    grouped = moe.experts(x, experts, weights)
+    loop = moe.experts.forward_loop(x, experts, weights)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-10
+    torch.testing.assert_close(grouped, loop, atol=tolerance, rtol=tolerance)
+    upstream = torch.randn_like(grouped)
+    params = [moe.experts.gate_up_proj, moe.experts.down_proj, weights]
+    for a, b in zip(torch.autograd.grad(grouped, params, upstream),
+                    torch.autograd.grad(loop, params, upstream), strict=True):
+        torch.testing.assert_close(a, b, atol=tolerance, rtol=tolerance)
+
+
+def test_a_fused_expert_checkpoint_loads_as_the_per_expert_one(tmp_path):
+    """transformers 5's in-memory layout written to disk (one tensor per projection, all
+    experts stacked) loads to the same model as `save_pretrained`'s per-expert files."""
+    saved("qwen3_moe", tmp_path / "hf")
+    state = load_file(tmp_path / "hf" / "model.safetensors")
+    fused = {}
+    for name, tensor in state.items():
+        if ".mlp.experts." not in name:
+            fused[name] = tensor
+    for layer in (0,):  # layer 1 is dense (mlp_only_layers)
+        prefix = f"model.layers.{layer}.mlp.experts"
+        stacked = {p: torch.stack([state[f"{prefix}.{e}.{p}.weight"] for e in range(6)])
+                   for p in ("gate_proj", "up_proj", "down_proj")}
+        fused[f"{prefix}.gate_up_proj"] = torch.cat([stacked["gate_proj"], stacked["up_proj"]], 1)
+        fused[f"{prefix}.down_proj"] = stacked["down_proj"]
+    folder = tmp_path / "fused"
+    folder.mkdir()
+    (folder / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    save_file(fused, folder / "model.safetensors", metadata={"format": "pt"})
+    ids = torch.randint(0, 256, (1, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(load_checkpoint(folder)(ids).logits,
+                                   load_checkpoint(tmp_path / "hf")(ids).logits)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("drop", "model.layers.0.block_sparse_moe.experts.3.w2.weight is missing"),
+    ("reshape", "model.layers.0.block_sparse_moe.experts.3.w2.weight has shape (64, 100), "
+                "expected (64, 128)"),
+])
+def test_a_missing_or_misshaped_expert_is_named(tmp_path, damage, message):
+    saved("mixtral", tmp_path / "hf")
+    file = tmp_path / "hf" / "model.safetensors"
+    state = load_file(file)
+    key = "model.layers.0.block_sparse_moe.experts.3.w2.weight"
+    if damage == "drop":
+        del state[key]
+    else:
+        state[key] = state[key][:, :100].contiguous()
+    save_file(state, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_checkpoint(tmp_path / "hf")
+
+
+def test_configs_a_family_cannot_build_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="family='llama' is dense"):
+        ModelConfig(n_experts=4)
+    with pytest.raises(ConfigError, match="family='mixtral' is a mixture of experts; set "
+                                          "n_experts"):
+        ModelConfig(family="mixtral")
+    with pytest.raises(ConfigError, match="family='mixtral' has experts in every layer"):
+        ModelConfig(family="mixtral", n_experts=4, n_layers=2, moe_layers=[1, 0])
+    with pytest.raises(ConfigError, match="n_experts_per_token=5 exceeds n_experts=4"):
+        ModelConfig(family="olmoe", qk_norm_projection=True, n_experts=4, n_experts_per_token=5)
+    saved("mixtral", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config,
+                                                             "router_jitter_noise": 0.1}))
+    with pytest.raises(CheckpointError, match="router_jitter_noise=0.1 is not supported"):
+        load_checkpoint(tmp_path / "hf")
+
+
+def test_active_parameters_count_the_experts_a_token_uses():
+    config = ModelConfig.from_preset("tiny", family="qwen3_moe", n_experts=8,
+                                     n_experts_per_token=2, moe_ffn_hidden_dim=64,
+                                     moe_layers=[1, 0, 1, 1])
+    model = Transformer(config)
+    assert config.num_params() == sum(p.numel() for p in model.parameters())
+    per_expert = 3 * config.dim * 64
+    dense = ModelConfig.from_preset("tiny", family="qwen3")
+    moe_layers = 3
+    attention_and_head = dense.flops_per_token(0) // 6 - 4 * 3 * dense.dim * dense.ffn_hidden_dim
+    assert config.flops_per_token(0) // 6 == (attention_and_head + 3 * dense.dim
+                                              * dense.ffn_hidden_dim
+                                              + moe_layers * (2 * per_expert + 8 * config.dim))
