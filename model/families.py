@@ -375,12 +375,17 @@ def unstack_experts(state: dict[str, Any], config: Any) -> dict[str, Any]:
 def fresh_switches(family: str, n_layers: int, head_dim: int) -> dict[str, Any]:
     """What a new model of `family` sets beyond the Llama shape (`lathe init --family`,
     pretraining from scratch), as the family's transformers config class defaults: its
-    switches, and Gemma's activation, caps, query scale and alternating sliding layers."""
+    switches, Gemma's activation, caps, query scale and alternating sliding layers, and a
+    mixture of experts' 8 experts, 2 per token, of the dense MLP's width (top-k weights
+    renormalized but for OLMoE, as Qwen3-30B-A3B and OLMoE-1B-7B do)."""
     if family not in FAMILIES:
         raise ConfigError(f"family={family!r} is not one lathe takes; choose one of "
                           f"{', '.join(FAMILIES)}")
     switches = {name: value for name, value in
                 FAMILIES[family].switches({"attention_bias": False}).items() if value}
+    if FAMILIES[family].experts is not None:
+        return {**switches, "n_experts": 8, "n_experts_per_token": 2,
+                "norm_topk_prob": family != "olmoe"}
     if family not in ("gemma2", "gemma3_text"):
         return switches
     every = 2 if family == "gemma2" else 6

@@ -63,6 +63,15 @@ class RouterStats(NamedTuple):
     z_loss: Tensor
     load: Tensor
 
+    def metrics(self) -> dict[str, Tensor]:
+        """What a training step logs: the two losses and the most and least loaded
+        expert's share times E (1 is even; 0 is an expert no token reached). Routing is
+        dropless — every token reaches its experts — so no dropped fraction exists."""
+        experts = self.load.numel()
+        return {"router/aux_loss": self.aux_loss.detach(), "router/z_loss": self.z_loss.detach(),
+                "router/load_max": self.load.max() * experts,
+                "router/load_min": self.load.min() * experts}
+
 
 def router_stats(router_logits: list[Tensor], top_k: int) -> RouterStats:
     """Switch Transformer's balance loss E · Σ_e f_e · P_e (f_e: share of the top-k

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lathe.core.atomic import write_json
@@ -36,21 +35,20 @@ def lm_loss(model: nn.Module, batch: Tensor, z_loss: float,
     """Next-token cross-entropy on a (B, T + 1) window batch, plus optional z-loss
     (PaLM: z_loss · mean(logsumexp(logits)²) keeps the softmax normalizer near 1). With a
     `separator` (document masking) each document of a window attends only to itself; the
-    token before a separator still predicts it, as the end of its document.
+    token before a separator still predicts it, as the end of its document. A mixture of
+    experts' loss carries its router losses, and its router statistics are logged.
 
-    Without z-loss the whole window goes in with itself as labels and the head and loss
-    are fused (`lathe.kernels.linear_cross_entropy`: on CUDA the (B·T × vocab) logits never
+    The whole window goes in with itself as labels. Without z-loss the head and loss are
+    fused (`lathe.kernels.linear_cross_entropy`: on CUDA the (B·T × vocab) logits never
     exist); the last position's hidden state is computed and dropped, which is causal-safe.
     """
     documents = None if separator is None else window_documents(batch, separator)
+    out = model(batch, labels=batch, return_logits=bool(z_loss), documents=documents)
+    metrics = {"loss": out.loss, **(out.router.metrics() if out.router is not None else {})}
     if not z_loss:
-        ce = model(batch, labels=batch, return_logits=False, documents=documents).loss
-        return ce, {"loss": ce}
-    logits = model(batch[:, :-1],
-                   documents=None if documents is None else documents[:, :-1]).logits.float()
-    ce = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-    z = torch.logsumexp(logits, dim=-1).pow(2).mean()
-    return ce + z_loss * z, {"loss": ce, "z_loss": z}
+        return out.loss, metrics
+    z = torch.logsumexp(out.logits[:, :-1].float(), dim=-1).pow(2).mean()
+    return out.loss + z_loss * z, {**metrics, "z_loss": z}
 
 
 def pretrain(config: PretrainConfig, resume: str = "never") -> dict[str, Any]:

@@ -186,6 +186,27 @@ def test_document_masked_pretraining_learns(corpus, tmp_path):
     assert summary["val/loss"] < losses[1]
 
 
+def test_moe_pretraining_learns_and_every_expert_gets_tokens(corpus, tmp_path):
+    """A Qwen3-MoE model from scratch: the loss falls and, at this run's high learning
+    rate, the routers first crowd onto some experts and the balance loss (weighted 0.1)
+    brings every expert back into use by the end; the export is the family's checkpoint."""
+    out = tmp_path / "moe"
+    summary = pretrain(build(run_config(corpus, out, max_steps=16, **{
+        "model.overrides": {"family": "qwen3_moe", "dim": 64, "n_layers": 2, "n_heads": 4,
+                            "n_kv_heads": 2, "max_seq_len": 64, "n_experts": 4,
+                            "n_experts_per_token": 2, "moe_ffn_hidden_dim": 64,
+                            "router_aux_loss_coef": 0.1}})))
+    losses = step_losses(out)
+    assert losses[16] < losses[1] - 1.0
+    for name in ("router/aux_loss", "router/load_max", "router/load_min"):
+        assert sorted(step_losses(out, name)) == sorted(losses), name
+    assert step_losses(out, "router/load_min")[16] > 0.5  # every expert in use again
+    assert all(v >= 1.0 for v in step_losses(out, "router/aux_loss").values())
+    exported = load_checkpoint(out / "final")
+    assert exported.config.family == "qwen3_moe" and exported.config.n_experts == 4
+    assert summary["parameters"] == exported.config.num_params()
+
+
 def test_seq_len_longer_than_the_model_is_refused(corpus, tmp_path):
     with pytest.raises(ConfigError, match="data.seq_len=128 exceeds"):
         pretrain(build(run_config(corpus, tmp_path / "r", **{"data.seq_len": 128})))
