@@ -6,7 +6,9 @@ On CPU it measures the `tiny` and `nano` presets in fp32, against the measured f
 matmul peak. On a GPU it adds a ~1B model (the `1b` preset at 2,048 context) in bf16
 autocast, with lathe's Triton kernels on and off (`LATHE_KERNELS=0`), then with per-block
 torch.compile and with torchao FP8, against the device's bf16 (or FP8) peak; peak memory
-shows what the fused kernels save.
+shows what the fused kernels save. A mixture of experts (8 experts of half the MLP width, 2 a
+token) runs beside the dense model of the same active size, its experts through the grouped
+GEMM and through the per-expert loop; MFU counts active parameters.
 Results are printed and appended to docs/benchmarks-history.md (docs/benchmarks.md holds
 the current figure of each area).
 """
@@ -26,7 +28,7 @@ from torch import nn
 
 from lathe.kernels import kernels_off
 from lathe.model.config import ModelConfig
-from lathe.model.transformer import Transformer
+from lathe.model.transformer import Experts, Transformer
 from lathe.pretrain.runtime.converters import compile_blocks, convert_to_fp8, fp8_supported
 from lathe.pretrain.runtime.monitor import peak_flops
 from lathe.pretrain.train import lm_loss
@@ -46,6 +48,7 @@ class Case:
     compile: bool = False
     fp8: bool = False
     kernels: bool = True  # False runs lathe with LATHE_KERNELS=0 (the PyTorch references)
+    experts_loop: bool = False  # a mixture of experts through its per-expert loop
 
 
 def build(case: Case, device: torch.device) -> tuple[nn.Module, ModelConfig]:
@@ -59,6 +62,10 @@ def build(case: Case, device: torch.device) -> tuple[nn.Module, ModelConfig]:
         model = LlamaForCausalLM(hf_config)
     else:
         model = Transformer(config)
+        if case.experts_loop:
+            for module in model.modules():
+                if isinstance(module, Experts):
+                    module.forward = module.forward_loop
         if case.fp8:
             convert_to_fp8(model, emulate=not fp8_supported(device))
         if case.compile:
@@ -100,16 +107,36 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# a mixture of experts against the dense model of its active size: 8 experts of half the
+# dense MLP's width, 2 a token, so a token's MLP weights match the dense one's
+MOE = {"family": "qwen3_moe", "n_experts": 8, "n_experts_per_token": 2}
+DENSE = {"family": "qwen3"}
+
+
+def moe_cases(preset: str, batch: int, seq_len: int, autocast: torch.dtype | None,
+              label: str) -> list[Case]:
+    width = ModelConfig.from_preset(preset).ffn_hidden_dim // 2
+    moe = {**MOE, "moe_ffn_hidden_dim": width}
+    return [Case(f"{label}, dense (same active size)", preset, DENSE, batch, seq_len, "lathe",
+                 autocast),
+            Case(f"{label}, MoE 8 × top-2, grouped GEMM", preset, moe, batch, seq_len, "lathe",
+                 autocast),
+            Case(f"{label}, MoE 8 × top-2, per-expert loop", preset, moe, batch, seq_len,
+                 "lathe", autocast, experts_loop=True)]
+
+
 def cases(device: torch.device) -> list[Case]:
     if device.type != "cuda":
-        return [Case(f"{preset} fp32", preset, {}, batch, 256, impl)
-                for preset, batch in (("tiny", 16), ("nano", 8))
-                for impl in ("transformers", "lathe")]
+        return [*(Case(f"{preset} fp32", preset, {}, batch, 256, impl)
+                  for preset, batch in (("tiny", 16), ("nano", 8))
+                  for impl in ("transformers", "lathe")),
+                *moe_cases("tiny", 16, 256, None, "tiny fp32")]
     one_b = {"max_seq_len": 2048}
     bf16 = torch.bfloat16
     return [
         Case("nano bf16", "nano", {}, 32, 512, "transformers", bf16),
         Case("nano bf16", "nano", {}, 32, 512, "lathe", bf16),
+        *moe_cases("nano", 32, 512, bf16, "nano bf16"),
         Case("1b bf16", "1b", one_b, 4, 2048, "transformers", bf16),
         Case("1b bf16", "1b", one_b, 4, 2048, "lathe", bf16),
         Case("1b bf16, kernels off", "1b", one_b, 4, 2048, "lathe", bf16, kernels=False),

@@ -10,8 +10,11 @@ into their layout on first use).
 A quantized checkpoint is an ordinary checkpoint folder whose config.json carries a
 `quantization_config` ({"quant_method": "lathe", "mode", "group_size"}) and whose
 safetensors hold each linear's packed weight and scales under the module's name
-(`...q_proj.weight`, `...q_proj.scale`, for int4 also `...q_proj.minimum`). Only lathe
-loads it (`load_serving_model`); for other runtimes export GGUF.
+(`...q_proj.weight`, `...q_proj.scale`, for int4 also `...q_proj.minimum`). A mixture of
+experts' stacked experts become one quantized linear per expert and projection
+(`...mlp.experts.gate_up.3.weight`, `...mlp.experts.down.3.weight`), each token running
+through its own experts' quantized GEMMs. Only lathe loads it (`load_serving_model`); for
+other runtimes export GGUF.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from lathe.model.checkpoint import (
     load_safetensors,
     read_model_config,
 )
-from lathe.model.transformer import Transformer
+from lathe.model.transformer import Experts, MoE, Transformer, gated
 
 QuantMode = Literal["int8", "int4"]
 
@@ -122,8 +125,46 @@ class Int4Linear(nn.Module):
         return _add_bias(int4_matmul(x, self.weight, self.scale, self.minimum), self.bias)
 
 
+def quantized_linear(linear: nn.Linear, mode: QuantMode, group_size: int) -> nn.Module:
+    """`linear` as an Int8Linear or Int4Linear (int4: groups of 32 where `group_size`
+    does not divide its input width)."""
+    if mode == "int8":
+        return Int8Linear(linear)
+    return Int4Linear(linear, group_size if linear.in_features % group_size == 0 else 32)
+
+
+class QuantizedExperts(nn.Module):
+    """A mixture of experts' stacked experts as one quantized linear per expert and
+    projection (gate and up together); each expert that tokens were routed to runs its
+    own quantized GEMMs (the quantized GEMMs take one matrix each)."""
+
+    def __init__(self, experts: Experts, mode: QuantMode, group_size: int) -> None:
+        super().__init__()
+
+        def linear(weight: Tensor) -> nn.Module:
+            plain = nn.Linear(weight.shape[1], weight.shape[0], bias=False,
+                              device=weight.device, dtype=weight.dtype)
+            plain.weight = nn.Parameter(weight.detach(), requires_grad=False)
+            return quantized_linear(plain, mode, group_size)
+
+        self.gate_up = nn.ModuleList(linear(w) for w in experts.gate_up_proj)
+        self.down = nn.ModuleList(linear(w) for w in experts.down_proj)
+        self.gelu = experts.gelu
+
+    def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
+        out = torch.zeros_like(x)
+        for expert in experts.unique().tolist():
+            token, slot = torch.where(experts == expert)
+            hidden = gated(*self.gate_up[expert](x[token]).chunk(2, dim=-1), self.gelu)
+            y = self.down[expert](hidden) * weights[token, slot, None].to(x.dtype)
+            out.index_add_(0, token, y.to(x.dtype))
+        return out
+
+
 def quantize_linears(model: nn.Module, mode: QuantMode, group_size: int = 128) -> int:
-    """Replace every `nn.Linear` of `model` in place; returns how many were replaced.
+    """Replace every `nn.Linear` (and a mixture of experts' experts) of `model` in place;
+    returns how many linears were replaced. Routers keep full precision: their top-k
+    picks the experts, and they are a sliver of the weights.
 
     A tied LM head is quantized as its own copy (the embedding lookup keeps full precision).
     For int4, layers narrower than `group_size` fall back to groups of 32.
@@ -131,15 +172,12 @@ def quantize_linears(model: nn.Module, mode: QuantMode, group_size: int = 128) -
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear):
-                continue
-            if mode == "int8":
-                new = Int8Linear(child)
-            else:
-                size = group_size if child.in_features % group_size == 0 else 32
-                new = Int4Linear(child, size)
-            setattr(parent, name, new)
-            replaced += 1
+            if isinstance(child, nn.Linear) and not isinstance(parent, MoE):
+                setattr(parent, name, quantized_linear(child, mode, group_size))
+                replaced += 1
+            elif isinstance(child, Experts):
+                setattr(parent, name, QuantizedExperts(child, mode, group_size))
+                replaced += 2 * child.gate_up_proj.shape[0]
     return replaced
 
 

@@ -21,8 +21,9 @@ FP8_DIVISOR = 16  # torch._scaled_mm needs both matmul dimensions divisible by 1
 
 def fp8_eligible(module: nn.Module, name: str) -> bool:
     """Linears FP8 suits: not the LM head (its logits feed the loss, as in torchtitan and
-    accelerate's AO recipe), and only shapes `_scaled_mm` accepts."""
-    if not isinstance(module, nn.Linear) or name.endswith("lm_head"):
+    accelerate's AO recipe) nor a mixture of experts' router (its top-k picks the experts),
+    and only shapes `_scaled_mm` accepts."""
+    if not isinstance(module, nn.Linear) or name.endswith(("lm_head", ".mlp.gate")):
         return False
     return module.in_features % FP8_DIVISOR == 0 and module.out_features % FP8_DIVISOR == 0
 
@@ -92,6 +93,10 @@ def apply_converters(model: Transformer, config: PrecisionConfig, device: torch.
         emulate = not fp8_supported(device)
         applied["fp8_layers"] = len(convert_to_fp8(model, emulate=emulate))
         applied["fp8_emulated"] = emulate
+        if model.config.n_experts:
+            applied["fp8_not_experts"] = ("the experts' grouped GEMMs and the routers stay in "
+                                          "the compute dtype: torchao's float8 training "
+                                          "converts nn.Linear layers (attention, dense MLPs)")
     if config.activation_checkpointing:
         enable_activation_checkpointing(model)
         applied["activation_checkpointing"] = True

@@ -138,6 +138,8 @@ class Runtime:
         """Convert, build optimizers, wrap for the launch's parallelism, start throughput."""
         self.total_steps = total_steps
         self.converters = apply_converters(model, self.config.precision, self.device)
+        if "fp8_not_experts" in self.converters:
+            self.print(f"fp8: {self.converters['fp8_not_experts']}")
         optimizers = build_optimizers(model, self.config.optim, self.device.type)
         kind = self.accelerator.distributed_type
         if len(optimizers) > 1 and kind in (DistributedType.DEEPSPEED, DistributedType.FSDP):
