@@ -4,8 +4,10 @@ special tokens and chat template, and every tensor under llama.cpp's name in f32
 weights, to compare runtimes on the same numbers), f16 or q8_0.
 
 Each family is written as the llama.cpp architecture its converter makes of it (`ARCHES`):
-llama and mistral as `llama`; qwen2, qwen3, gemma2, gemma3 and phi3 as themselves
-(Phi-3's projections stay fused: `attn_qkv`, and gate and up as one `ffn_up`). Layout facts
+llama, mistral and mixtral as `llama`; qwen2, qwen3, gemma2, gemma3, phi3, qwen3_moe
+(`qwen3moe`) and olmoe as themselves (Phi-3's projections stay fused: `attn_qkv`, and gate
+and up as one `ffn_up`). A mixture of experts' router is `ffn_gate_inp`, its experts stacked
+`ffn_gate_exps`, `ffn_up_exps` and `ffn_down_exps`. Layout facts
 that matter: llama.cpp's `llama` RoPE rotates adjacent pairs (2i, 2i + 1) while HF
 checkpoints rotate halves (i, i + d/2), so for it q_proj and k_proj rows are permuted per
 head (`permute_rope_rows`), as llama.cpp's own converter does; the other architectures
@@ -44,6 +46,8 @@ LAYER_NAMES = {
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
+    "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps",
+    "mlp.experts.up_proj": "ffn_up_exps", "mlp.experts.down_proj": "ffn_down_exps",
 }
 # Gemma's four norms a layer: the one after attention, and the MLP's before and after
 SANDWICH_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
@@ -51,7 +55,10 @@ SANDWICH_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_nor
                   "post_feedforward_layernorm": "post_ffw_norm"}
 # lathe family -> llama.cpp architecture
 ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-          "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
+          "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3", "mixtral": "llama",
+          "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+# whether llama.cpp's graph for an architecture renormalizes the top-k expert weights
+EXPERT_WEIGHTS_NORM = {"llama": True, "qwen3moe": True, "olmoe": False}
 
 
 def permute_rope_rows(weight: Tensor, n_heads: int) -> Tensor:
@@ -69,7 +76,8 @@ def gguf_tensor_name(name: str, sandwich: bool = False) -> str:
     if name in fixed:
         return fixed[name]
     _, _, index, rest = name.split(".", 3)
-    module, _, kind = rest.rpartition(".")
+    module, _, kind = rest.rpartition(".") if rest.endswith((".weight", ".bias")) \
+        else (rest, "", "weight")  # stacked experts are parameters of their own
     names = SANDWICH_NAMES if sandwich else LAYER_NAMES
     if module not in names or kind not in ("weight", "bias"):
         raise CheckpointError(f"no GGUF name for parameter {name}")
@@ -81,7 +89,7 @@ def gguf_tensors(state: dict[str, Tensor], config: ModelConfig) -> dict[str, np.
     the `llama` architecture, Gemma's norms as 1 + w, Phi-3's projections fused."""
     out = {}
     permute = ARCHES[config.family] == "llama"
-    for name, tensor in join_fused(state, config).items():
+    for name, tensor in _split_gate_up(join_fused(state, config)).items():
         if name == "lm_head.weight" and config.tie_embeddings:
             continue
         tensor = tensor.detach().float().cpu()
@@ -95,6 +103,19 @@ def gguf_tensors(state: dict[str, Tensor], config: ModelConfig) -> dict[str, np.
     if config.rope_scaling is not None:
         plain = dataclasses.replace(config, rope_scaling=None)
         out["rope_freqs.weight"] = (rope_inv_freq(plain) / rope_inv_freq(config)).numpy()
+    return out
+
+
+def _split_gate_up(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Stacked experts' gate and up rows as the two stacks llama.cpp keeps apart."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            out[name.replace("gate_up_proj", "gate_proj")] = gate
+            out[name.replace("gate_up_proj", "up_proj")] = up
+        else:
+            out[name] = tensor
     return out
 
 
@@ -125,6 +146,16 @@ def unwritable(config: ModelConfig) -> str | None:
         and "llama.cpp's gemma3 rotates its sliding layers with base 10000",
         arch == "gemma2" and not config.tie_embeddings
         and "llama.cpp's gemma2 ties its head to the embeddings",
+        config.n_experts and config.norm_topk_prob != EXPERT_WEIGHTS_NORM.get(arch)
+        and f"llama.cpp's {arch} "
+            f"{'does not renormalize' if config.norm_topk_prob else 'renormalizes'}"
+            " the top-k expert weights",
+        arch == "olmoe" and config.clip_qkv is not None
+        and "llama.cpp's olmoe clamps q, k and v before the q/k norms, transformers after them",
+        arch == "olmoe" and config.n_kv_heads != config.n_heads
+        and "llama.cpp's olmoe norms k over all n_heads heads: it takes no grouped KV heads",
+        config.moe_layers is not None and not all(config.moe_layers)
+        and f"llama.cpp's {arch} has experts in every layer (no mlp_only_layers)",
     ]
     found = [reason for reason in reasons if reason]
     return f"a {config.family} model: {'; '.join(found)}" if found else None
@@ -209,6 +240,13 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f16") -> 
         writer.add_attn_logit_softcapping(config.attn_softcap)
     if config.final_softcap is not None:
         writer.add_final_logit_softcapping(config.final_softcap)
+    if config.n_experts:
+        writer.add_expert_count(config.n_experts)
+        writer.add_expert_used_count(config.n_experts_per_token)
+        writer.add_expert_feed_forward_length(config.moe_ffn_hidden_dim)
+        writer.add_expert_weights_norm(config.norm_topk_prob)
+    if config.clip_qkv is not None:
+        writer.add_clamp_kqv(config.clip_qkv)
     writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(FILE_TYPES[dtype])
     writer.add_tokenizer_model("gpt2")

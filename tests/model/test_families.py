@@ -219,6 +219,11 @@ GGUF_FAMILIES = {
                                     "sliding_window": 12}),
     "phi3": ("Phi3Config", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                 "partial_rotary_factor": 0.5}}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 6, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "norm_topk_prob": True}),
+    "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2,
+                              "num_key_value_heads": 4}),  # llama.cpp's olmoe: no GQA
 }
 
 
@@ -263,6 +268,9 @@ def test_gguf_export_of_a_family_gives_llama_cpps_logits(tmp_path, name):
     ("mistral-window", "llama.cpp's llama attends in full, not in a window"),
     ("phi3-window", "llama.cpp's phi3 attends in full, not in a window"),
     ("gemma2", "scales queries by head_dim^-1/2, not by query_pre_attn_scalar=24"),
+    ("qwen3_moe", "llama.cpp's qwen3moe has experts in every layer (no mlp_only_layers)"),
+    ("olmoe", "clamps q, k and v before the q/k norms"),
+    ("olmoe", "it takes no grouped KV heads"),
 ])
 def test_gguf_export_refuses_what_llama_cpp_would_compute_otherwise(tmp_path, name, reason):
     from lathe.model import CheckpointError
