@@ -1,21 +1,26 @@
-"""Grouped matmul for mixture-of-experts layers: rows sorted by expert, each group of rows
-times its own expert's matrix, in one call (`torch._grouped_mm`, on CPU and on CUDA from
-Hopper on) instead of a Python loop over experts; the loop is the reference and the
-fallback where the op does not take the inputs (other devices and dtypes, strides that
-are not 16-byte multiples)."""
+"""Grouped matmul for mixture-of-experts layers: rows sorted by expert, each row times its
+own expert's matrix, with no Python loop over experts on the hot path.
+
+Three ways, chosen per call: `torch._grouped_mm` (one grouped GEMM, on CPU and on CUDA
+from Hopper on; under torch.compile bf16 only, as its compiled form demands); where that
+does not take the inputs and the rows are few (decode steps), each row's expert matrix
+gathered and one batched matmul — no host sync, so compiled and CUDA-graph decode steps
+keep it; otherwise the per-expert loop, which is also the reference."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+GATHER_BYTES = 64 * 2**20  # the gathered expert matrices a batched matmul may hold
 
-def grouped_matmul_reference(x: Tensor, weights: Tensor, ends: Tensor) -> Tensor:
-    """(R, K) rows, grouped by expert in order, times (E, K, N) weights -> (R, N); `ends`
-    (E,) int32: where each expert's rows end (cumulative counts)."""
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]]).tolist()
-    return torch.cat([x[start:end] @ weights[e]
-                      for e, (start, end) in enumerate(zip(starts, ends.tolist(), strict=True))])
+
+def grouped_matmul_reference(x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+    """(R, K) rows sorted by their (R,) `experts`, times (E, K, N) weights -> (R, N)."""
+    present, counts = experts.unique_consecutive(return_counts=True)
+    pieces = x.split(counts.tolist())
+    return torch.cat([piece @ weights[e] for e, piece in zip(present.tolist(), pieces,
+                                                             strict=True)])
 
 
 def _takes(x: Tensor, weights: Tensor) -> bool:
@@ -24,12 +29,25 @@ def _takes(x: Tensor, weights: Tensor) -> bool:
         return False
     if x.device.type == "cuda":
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False
     aligned = all(size * x.element_size() % 16 == 0 for size in (x.shape[1], weights.shape[2]))
     return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and aligned
 
 
-def grouped_matmul(x: Tensor, weights: Tensor, ends: Tensor) -> Tensor:
-    """`grouped_matmul_reference`, through one grouped GEMM where the op takes it."""
+@torch.compiler.disable
+def _loop(x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+    return grouped_matmul_reference(x, weights, experts)
+
+
+def grouped_matmul(x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
+    """`grouped_matmul_reference`, as one grouped GEMM, a gathered batched matmul, or the
+    loop (see the module docstring)."""
     if _takes(x, weights):
-        return torch._grouped_mm(x, weights, offs=ends)
-    return grouped_matmul_reference(x, weights, ends)
+        counts = torch.zeros(weights.shape[0], dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, experts, torch.ones_like(experts))  # n slots: a static shape
+        return torch._grouped_mm(x, weights, offs=counts.cumsum(0).to(torch.int32))
+    gathered = x.shape[0] * weights.shape[1] * weights.shape[2] * weights.element_size()
+    if gathered <= GATHER_BYTES:
+        return torch.bmm(x[:, None], weights[experts]).squeeze(1)
+    return _loop(x, weights, experts)

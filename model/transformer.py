@@ -276,13 +276,15 @@ class Experts(nn.Module):
         """(T, dim) tokens, each sent to the (T, k) `experts` with (T, k) `weights` -> (T, dim).
         The token-expert pairs are sorted by expert and run as two grouped GEMMs, with no
         loop over experts."""
-        n, k = self.gate_up_proj.shape[0], experts.shape[1]
-        order = experts.flatten().argsort(stable=True)
-        tokens = order // k
-        ends = torch.bincount(experts.flatten(), minlength=n).cumsum(0).to(torch.int32)
-        gate_up = grouped_matmul(x[tokens], self.gate_up_proj.to(x.dtype).transpose(1, 2), ends)
+        k = experts.shape[1]
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)
+        tokens, sorted_experts = order // k, flat[order]
+        gate_up = grouped_matmul(x[tokens], self.gate_up_proj.to(x.dtype).transpose(1, 2),
+                                 sorted_experts)
         hidden = gated(*gate_up.chunk(2, dim=-1), self.gelu)
-        out = grouped_matmul(hidden, self.down_proj.to(x.dtype).transpose(1, 2), ends)
+        out = grouped_matmul(hidden, self.down_proj.to(x.dtype).transpose(1, 2),
+                             sorted_experts)
         out = out * weights.flatten()[order, None].to(out.dtype)
         return torch.zeros_like(x).index_add_(0, tokens, out.to(x.dtype))
 

@@ -41,10 +41,15 @@ def experts_layer(seed: int = 0):
     return Transformer(config).model.layers[0].mlp
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_grouped_experts_equal_the_loop_forward_and_backward(dtype):
-    """fp32 through `torch._grouped_mm`, fp64 through its loop fallback; one expert gets no
-    token, which the grouped GEMM must take as an empty group."""
+@pytest.mark.parametrize("dtype, gather_bytes", [
+    (torch.float32, 0), (torch.float64, 64 * 2**20), (torch.float64, 0)],
+    ids=["grouped-gemm", "gathered", "loop"])
+def test_grouped_experts_equal_the_loop_forward_and_backward(dtype, gather_bytes, monkeypatch):
+    """Each way `grouped_matmul` takes (fp32: `torch._grouped_mm`; fp64: the gathered
+    batched matmul for few rows, else the loop) equals the transformers-style per-expert
+    loop; one expert gets no token, which the grouped GEMM must take as an empty group."""
+    from lathe.kernels import grouped_matmul
+    monkeypatch.setattr(grouped_matmul, "GATHER_BYTES", gather_bytes)
     moe = experts_layer().to(dtype)
     x = torch.randn(37, 128, dtype=dtype)
     _, experts, weights = moe.route(x)
@@ -170,3 +175,26 @@ def test_quantized_experts_serve_close_to_full_precision(tmp_path, mode, toleran
     out = engine.generate([ids[0].tolist()], SamplingParams(max_tokens=6, temperature=0,
                                                              ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 6
+
+
+def test_compiled_decode_and_speculation_serve_a_moe_as_eager_does(tmp_path):
+    """The static-shape compiled decode step (expert counts in fixed slots, no host sync)
+    and draft speculation give the eager engine's greedy tokens."""
+    from lathe.serve.engine import EngineConfig, LLMEngine
+    from lathe.serve.sampling import SamplingParams
+    from lathe.serve.speculative import SpeculativeConfig
+
+    saved("qwen3_moe", tmp_path / "hf")
+    model = load_checkpoint(tmp_path / "hf")
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 23, 40)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    base = {"block_size": 4, "num_blocks": 128, "max_num_seqs": 4}
+
+    def tokens(engine: LLMEngine) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+
+    eager = tokens(LLMEngine(model, config=EngineConfig(**base)))
+    assert tokens(LLMEngine(model, config=EngineConfig(**base, compile_decode=True))) == eager
+    draft = load_checkpoint(tmp_path / "hf")
+    assert tokens(LLMEngine(model, config=EngineConfig(
+        **base, speculative=SpeculativeConfig("draft", 3)), draft_model=draft)) == eager
