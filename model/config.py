@@ -89,7 +89,8 @@ class ModelConfig:
     experts, the top `n_experts_per_token` taken, their weights renormalized to sum 1 when
     `norm_topk_prob`) and `n_experts` gated MLPs of `moe_ffn_hidden_dim` (default
     `ffn_hidden_dim`); `moe_layers` (1 MoE, 0 dense per layer; None: every layer) leaves some
-    layers a dense MLP of `ffn_hidden_dim`. Training adds `router_aux_loss_coef` times the
+    layers a dense MLP of `ffn_hidden_dim`; `shared_expert_dim` (Qwen2-MoE) adds an MLP every
+    token goes through, scaled by a sigmoid gate. Training adds `router_aux_loss_coef` times the
     Switch Transformer load-balancing loss (as transformers computes it) and
     `router_z_loss_coef` times ST-MoE's router z-loss.
     """
@@ -134,6 +135,7 @@ class ModelConfig:
     norm_topk_prob: bool = True
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.0
+    shared_expert_dim: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
@@ -182,13 +184,16 @@ class ModelConfig:
             if experts is not None:
                 raise ConfigError(f"ModelConfig: family={self.family!r} is a mixture of experts;"
                                   " set n_experts (and n_experts_per_token)")
-            if self.moe_layers is not None or self.moe_ffn_hidden_dim is not None:
-                raise ConfigError("ModelConfig: moe_layers and moe_ffn_hidden_dim need "
-                                  "n_experts (a mixture-of-experts family)")
+            if self.moe_layers is not None or self.moe_ffn_hidden_dim is not None \
+                    or self.shared_expert_dim is not None:
+                raise ConfigError("ModelConfig: moe_layers, moe_ffn_hidden_dim and "
+                                  "shared_expert_dim need n_experts (a mixture-of-experts "
+                                  "family)")
             return
         if experts is None:
             raise ConfigError(f"ModelConfig.n_experts={self.n_experts!r}: family="
-                              f"{self.family!r} is dense; choose mixtral, qwen3_moe or olmoe")
+                              f"{self.family!r} is dense; choose mixtral, qwen2_moe, "
+                              "qwen3_moe or olmoe")
         for name in ("n_experts", "n_experts_per_token"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -209,6 +214,12 @@ class ModelConfig:
         if layers is not None and "moe_layers" not in experts.options:
             raise ConfigError(f"ModelConfig.moe_layers: family={self.family!r} has experts in "
                               "every layer; drop moe_layers (qwen3_moe can mix)")
+        shared = self.shared_expert_dim
+        if shared is not None and ("shared_expert" not in experts.options
+                                   or not isinstance(shared, int) or shared <= 0):
+            raise ConfigError(f"ModelConfig.shared_expert_dim={shared!r}: a positive width for "
+                              f"a family with a shared expert (qwen2_moe); family="
+                              f"{self.family!r}")
         if not self.norm_topk_prob and "norm_topk_prob" not in experts.options:
             raise ConfigError(f"ModelConfig.norm_topk_prob=false: family={self.family!r} "
                               "always renormalizes its top-k weights")
@@ -393,8 +404,9 @@ class ModelConfig:
         if not self.is_moe_layer(layer):
             return attention + 3 * self.dim * self.ffn_hidden_dim
         experts = self.n_experts_per_token if active else self.n_experts
+        shared = 3 * self.dim * self.shared_expert_dim + self.dim if self.shared_expert_dim else 0
         return (attention + self.dim * self.n_experts
-                + experts * 3 * self.dim * self.moe_ffn_hidden_dim)
+                + experts * 3 * self.dim * self.moe_ffn_hidden_dim + shared)
 
     def to_hf_config(self) -> dict[str, Any]:
         """The `config.json` body of this family's HF class (`LlamaForCausalLM`, ...).

@@ -19,6 +19,7 @@ splits into lathe's q/k/v and gate/up and an export joins again (`split_fused`,
 | mixtral | MixtralForCausalLM | experts in every layer (`block_sparse_moe`), top-k renormalized |
 | qwen3_moe | Qwen3MoeForCausalLM | Qwen3's attention; experts in the layers not `mlp_only_layers` |
 | olmoe | OlmoeForCausalLM | RMSNorm over the whole q and k projections, `clip_qkv`; experts |
+| qwen2_moe (Qwen1.5-MoE) | Qwen2MoeForCausalLM | Qwen2's attention; experts, a shared one |
 
 Gemma's: (1 + w) norms, a norm after attention and after the MLP as well, embeddings
 times √dim; from config.json, soft-capped scores and logits, `query_pre_attn_scalar`, and
@@ -60,7 +61,8 @@ class ExpertLayout:
     projections: tuple[str, str, str]  # one expert's gate, up and down projections
     read: Callable[[dict[str, Any]], dict[str, Any]]  # config.json -> ModelConfig fields
     written: Callable[[Any], dict[str, Any]]  # ModelConfig -> config.json keys
-    options: tuple[str, ...] = ()  # "moe_layers", "norm_topk_prob": what its class varies
+    # what its class varies: "moe_layers", "norm_topk_prob", "shared_expert"
+    options: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,19 @@ QWEN3_MOE_EXPERTS = ExpertLayout(
                                   "norm_topk_prob": False, "router_aux_loss_coef": 0.001,
                                   "moe_intermediate_size": 768}),
     _qwen3_moe_written, options=("moe_layers", "norm_topk_prob"))
+def _qwen2_moe_read(hf: dict[str, Any]) -> dict[str, Any]:
+    shared = hf.get("shared_expert_intermediate_size", 5632)
+    return {**_experts_read(hf, {"num_experts": 60, "num_experts_per_tok": 4,
+                                 "norm_topk_prob": False, "router_aux_loss_coef": 0.001,
+                                 "moe_intermediate_size": 1408}),
+            "shared_expert_dim": shared or None}
+
+
+QWEN2_MOE_EXPERTS = ExpertLayout(
+    "mlp", STACKED, _qwen2_moe_read,
+    lambda c: {**_qwen3_moe_written(c), "shared_expert_intermediate_size":
+               c.shared_expert_dim or 0},
+    options=("moe_layers", "norm_topk_prob", "shared_expert"))
 OLMOE_EXPERTS = ExpertLayout(
     "mlp", STACKED,
     lambda hf: _experts_read(hf, {"num_experts": 64, "num_experts_per_tok": 8,
@@ -248,6 +263,12 @@ FAMILIES: dict[str, Family] = {
         lambda c: {"attention_bias": c.qkv_bias, **_windows_written(c),
                    **QWEN3_MOE_EXPERTS.written(c)},
         sliding="layers", experts=QWEN3_MOE_EXPERTS),
+    "qwen2_moe": Family(
+        "Qwen2MoeForCausalLM",
+        lambda hf: {"qkv_bias": bool(hf.get("qkv_bias", hf.get("attention_bias", True)))},
+        _qwen_window,
+        lambda c: {"qkv_bias": c.qkv_bias, **_windows_written(c), **QWEN2_MOE_EXPERTS.written(c)},
+        sliding="layers", experts=QWEN2_MOE_EXPERTS),
     "olmoe": Family(
         "OlmoeForCausalLM", lambda hf: {"qk_norm_projection": True, **_attention_bias(hf)},
         _no_window, lambda c: {"attention_bias": c.qkv_bias, **OLMOE_EXPERTS.written(c)},

@@ -246,11 +246,12 @@ class MLP(nn.Module):
     """A gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu), or GeGLU with GELU's tanh
     approximation (Gemma)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, hidden: int | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
-        self.up_proj = nn.Linear(config.dim, config.ffn_hidden_dim, bias=False)
-        self.down_proj = nn.Linear(config.ffn_hidden_dim, config.dim, bias=False)
+        hidden = hidden or config.ffn_hidden_dim
+        self.gate_proj = nn.Linear(config.dim, hidden, bias=False)
+        self.up_proj = nn.Linear(config.dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, config.dim, bias=False)
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: Tensor, router_logits: list[Tensor] | None = None) -> Tensor:
@@ -303,7 +304,8 @@ class MoE(nn.Module):
     """A mixture-of-experts MLP: the router (`gate`) scores the experts, each token goes to
     its top `n_experts_per_token` by softmax probability, weighted by those probabilities
     (renormalized to sum 1 when `norm_topk_prob`). Dropless: every token reaches its
-    experts. The router logits go to `router_logits`, for the training losses."""
+    experts. The router logits go to `router_logits`, for the training losses. A shared
+    expert (Qwen2-MoE) takes every token, its output scaled by sigmoid(shared_expert_gate)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -311,6 +313,10 @@ class MoE(nn.Module):
         self.experts = Experts(config.n_experts, config.dim, config.moe_ffn_hidden_dim,
                                config.hidden_act == "gelu_pytorch_tanh")
         self.top_k, self.normalize = config.n_experts_per_token, config.norm_topk_prob
+        if config.shared_expert_dim:
+            self.shared_expert = MLP(config, config.shared_expert_dim)
+            self.shared_expert_gate = nn.Linear(config.dim, 1, bias=False)
+        self.shared = bool(config.shared_expert_dim)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(T, dim) -> router logits (T, E), the chosen experts (T, k) and their weights."""
@@ -326,7 +332,10 @@ class MoE(nn.Module):
         logits, experts, weights = self.route(flat)
         if router_logits is not None:
             router_logits.append(logits)
-        return self.experts(flat, experts, weights).view_as(x)
+        out = self.experts(flat, experts, weights)
+        if self.shared:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.view_as(x)
 
 
 class DecoderLayer(nn.Module):

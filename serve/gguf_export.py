@@ -4,10 +4,11 @@ special tokens and chat template, and every tensor under llama.cpp's name in f32
 weights, to compare runtimes on the same numbers), f16 or q8_0.
 
 Each family is written as the llama.cpp architecture its converter makes of it (`ARCHES`):
-llama, mistral and mixtral as `llama`; qwen2, qwen3, gemma2, gemma3, phi3, qwen3_moe
-(`qwen3moe`) and olmoe as themselves (Phi-3's projections stay fused: `attn_qkv`, and gate
-and up as one `ffn_up`). A mixture of experts' router is `ffn_gate_inp`, its experts stacked
-`ffn_gate_exps`, `ffn_up_exps` and `ffn_down_exps`. Layout facts
+llama, mistral and mixtral as `llama`; qwen2, qwen3, gemma2, gemma3, phi3, qwen2_moe
+(`qwen2moe`), qwen3_moe (`qwen3moe`) and olmoe as themselves (Phi-3's projections stay
+fused: `attn_qkv`, and gate and up as one `ffn_up`). A mixture of experts' router is
+`ffn_gate_inp`, its experts stacked `ffn_gate_exps`, `ffn_up_exps` and `ffn_down_exps`,
+Qwen2-MoE's shared expert `ffn_*_shexp` with its gate `ffn_gate_inp_shexp`. Layout facts
 that matter: llama.cpp's `llama` RoPE rotates adjacent pairs (2i, 2i + 1) while HF
 checkpoints rotate halves (i, i + d/2), so for it q_proj and k_proj rows are permuted per
 head (`permute_rope_rows`), as llama.cpp's own converter does; the other architectures
@@ -48,6 +49,8 @@ LAYER_NAMES = {
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
     "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps",
     "mlp.experts.up_proj": "ffn_up_exps", "mlp.experts.down_proj": "ffn_down_exps",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
 # Gemma's four norms a layer: the one after attention, and the MLP's before and after
 SANDWICH_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
@@ -56,9 +59,9 @@ SANDWICH_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_nor
 # lathe family -> llama.cpp architecture
 ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
           "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3", "mixtral": "llama",
-          "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+          "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "qwen2_moe": "qwen2moe"}
 # whether llama.cpp's graph for an architecture renormalizes the top-k expert weights
-EXPERT_WEIGHTS_NORM = {"llama": True, "qwen3moe": True, "olmoe": False}
+EXPERT_WEIGHTS_NORM = {"llama": True, "qwen3moe": True, "olmoe": False, "qwen2moe": False}
 
 
 def permute_rope_rows(weight: Tensor, n_heads: int) -> Tensor:
@@ -245,6 +248,8 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f16") -> 
         writer.add_expert_used_count(config.n_experts_per_token)
         writer.add_expert_feed_forward_length(config.moe_ffn_hidden_dim)
         writer.add_expert_weights_norm(config.norm_topk_prob)
+        if config.shared_expert_dim:
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_dim)
     if config.clip_qkv is not None:
         writer.add_clamp_kqv(config.clip_qkv)
     writer.add_vocab_size(config.vocab_size)

@@ -71,6 +71,10 @@ FAMILIES = {
                                      "norm_topk_prob": True}),
     "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 3.0,
                               "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    # Qwen1.5-MoE: a shared expert with its sigmoid gate beside the routed ones
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 48}),
 }
 SEQ = 96
 
@@ -155,7 +159,7 @@ def greedy(hf, prompt: list[int], steps: int) -> list[int]:
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "smollm3", "mistral-window",
                                   "qwen2-window", "gemma2", "gemma3", "phi3", "phi3-window",
-                                  "mixtral", "qwen3_moe", "olmoe"])
+                                  "mixtral", "qwen3_moe", "olmoe", "qwen2_moe"])
 def test_the_engine_generates_what_transformers_computes(tmp_path, name):
     hf = saved(name, tmp_path / "hf")
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 40, 70)]
@@ -224,6 +228,9 @@ GGUF_FAMILIES = {
                                      "moe_intermediate_size": 32, "norm_topk_prob": True}),
     "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2,
                               "num_key_value_heads": 4}),  # llama.cpp's olmoe: no GQA
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 48}),
 }
 
 

@@ -17,7 +17,7 @@ from tests.model.test_families import saved
 
 transformers = pytest.importorskip("transformers")
 
-MOE = ["mixtral", "qwen3_moe", "olmoe"]
+MOE = ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"]
 
 
 @pytest.mark.parametrize("name", MOE)
