@@ -10,7 +10,11 @@ so a state dict from this module *is* an HF Llama checkpoint. The file is
 single-device and precision-agnostic: parallelism, mixed precision and FP8 are
 applied from outside by the training runtime. RMSNorm (also fused with the residual
 add) and SwiGLU go through `lathe.kernels`, which runs Triton on CUDA and the PyTorch
-reference elsewhere; so does RoPE.
+reference elsewhere; so does RoPE. The open-model families' departures from Llama are
+switches of `ModelConfig`, and so is a mixture of experts: an `MoE` MLP (a softmax router
+and stacked experts run as grouped GEMMs) in the layers the config names, whose routing
+statistics come back beside the logits (`RouterStats`) and whose balance loss the
+training loss includes.
 
 Initialization (`Transformer.init_weights`): embeddings and every linear weight
 ~ N(0, init_std), except the two projections that write into the residual stream

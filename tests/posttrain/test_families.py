@@ -1,4 +1,4 @@
-"""Post-training Qwen2, Gemma 2 and Phi-3 checkpoints that transformers wrote (with lathe's
+"""Post-training Qwen2, Gemma 2, Phi-3 and Qwen3-MoE checkpoints that transformers wrote (with lathe's
 tokenizer, whose chat template the stages render): SFT and DPO steps with LoRA run, and the
 merged export loads in transformers as the original class with lathe's logits; the adapter
 folder loads in peft on that class."""
@@ -29,6 +29,9 @@ FAMILY_CONFIGS = {
     "Gemma2": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 16},
     # q/k/v and gate/up stored fused: the adapter is written on qkv_proj and gate_up_proj
     "Phi3": {"sliding_window": 16},
+    # a mixture of experts: the adapters go on attention, the loss carries the balance loss
+    "Qwen3Moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                 "moe_intermediate_size": 32, "norm_topk_prob": True},
 }
 
 
