@@ -55,6 +55,18 @@ def test_init_then_generate_greedy(tmp_path, capsys):
     assert printed == "continuation ids: " + ",".join(map(str, want))
 
 
+def test_init_of_a_mixture_of_experts_family(tmp_path, capsys):
+    """`lathe init --family qwen3_moe`: 8 experts, 2 a token, written as Qwen3-MoE."""
+    out = tmp_path / "moe"
+    assert main(["init", "--preset", "tiny", "--family", "qwen3_moe", "--out", str(out),
+                 "--n_experts=4"]) == 0
+    assert "tiny qwen3_moe checkpoint" in capsys.readouterr().out
+    written = json.loads((out / "config.json").read_text())
+    assert written["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert (written["num_experts"], written["num_experts_per_tok"]) == (4, 2)
+    assert load_checkpoint(out).config.n_experts == 4
+
+
 def test_init_with_tokenizer_makes_a_text_servable_checkpoint(tmp_path, capsys):
     tokenizer = build_tokenizer(tmp_path / "tok", vocab_size=300)
     out = tmp_path / "ck"

@@ -1,5 +1,5 @@
-"""Post-training Qwen2, Gemma 2, Phi-3 and Qwen3-MoE checkpoints that transformers wrote (with lathe's
-tokenizer, whose chat template the stages render): SFT and DPO steps with LoRA run, and the
+"""Post-training Qwen2, Gemma 2, Phi-3 and Qwen3-MoE checkpoints that transformers wrote (with
+lathe's tokenizer, whose chat template the stages render): SFT and DPO steps with LoRA run, and the
 merged export loads in transformers as the original class with lathe's logits; the adapter
 folder loads in peft on that class."""
 
