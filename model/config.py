@@ -375,8 +375,7 @@ class ModelConfig:
         per_layer = (norms * self.dim  # the RMSNorm weights
                      + 2 * self.head_dim * self.qk_norm
                      + (self.q_dim + kv_dim) * self.qk_norm_projection)
-        body = (sum(self._linear_params(layer) for layer in range(self.n_layers))
-                + self.n_layers * per_layer + self.dim)
+        body = self._linear_params() + self.n_layers * per_layer + self.dim
         if not include_embeddings:
             return body
         embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
@@ -392,21 +391,25 @@ class ModelConfig:
         half is not discounted, as in nanoGPT and torchtitan).
         """
         seq_len = self.max_seq_len if seq_len is None else seq_len
-        matmul_params = (sum(self._linear_params(layer, active=True)
-                             for layer in range(self.n_layers)) + self.vocab_size * self.dim)
+        matmul_params = self._linear_params(active=True) + self.vocab_size * self.dim
         return 6 * matmul_params + 12 * self.n_layers * self.q_dim * seq_len
 
-    def _linear_params(self, layer: int, active: bool = False) -> int:
-        """Layer `layer`'s matmul weights: all of them, or those one token uses (`active`)."""
+    def _linear_params(self, active: bool = False) -> int:
+        """The layers' matmul weights: all of them, or those one token uses (`active`).
+        Counted by kind of layer, not layer by layer: a hostile config.json's million layers
+        must be refused at once (`check_memory`)."""
         kv_dim = self.n_kv_heads * self.head_dim
         biases = (self.q_dim + 2 * kv_dim) * self.qkv_bias + self.dim * self.o_bias
         attention = 2 * self.dim * self.q_dim + 2 * self.dim * kv_dim + biases
-        if not self.is_moe_layer(layer):
-            return attention + 3 * self.dim * self.ffn_hidden_dim
+        moe_layers = 0 if self.n_experts is None else (
+            self.n_layers if self.moe_layers is None else sum(self.moe_layers))
+        dense = (self.n_layers - moe_layers) * 3 * self.dim * self.ffn_hidden_dim
+        if not moe_layers:
+            return self.n_layers * attention + dense
         experts = self.n_experts_per_token if active else self.n_experts
         shared = 3 * self.dim * self.shared_expert_dim + self.dim if self.shared_expert_dim else 0
-        return (attention + self.dim * self.n_experts
-                + experts * 3 * self.dim * self.moe_ffn_hidden_dim + shared)
+        moe = self.dim * self.n_experts + experts * 3 * self.dim * self.moe_ffn_hidden_dim + shared
+        return self.n_layers * attention + dense + moe_layers * moe
 
     def to_hf_config(self) -> dict[str, Any]:
         """The `config.json` body of this family's HF class (`LlamaForCausalLM`, ...).
