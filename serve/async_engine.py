@@ -1,9 +1,10 @@
 """Streaming access to one `LLMEngine` from asyncio code (the server, GRPO rollouts).
 
 A single background task owns the engine: between steps it applies the requests added
-and aborted since the last one, then runs `step()` in a worker thread (the forward pass
-must not block the event loop) and routes each `SequenceDelta` to its request's queue.
-No engine state is touched from two threads at once, so the engine needs no locks.
+and aborted since the last one, then runs `step()` on the engine thread (the forward pass
+must not block the event loop, and all torch work stays on one thread: `EngineThread`) and
+routes each `SequenceDelta` to its request's queue. No engine state is touched from two
+threads at once, so the engine needs no locks.
 
 Failures are kept to their scope. A request the engine refuses when it is added fails
 alone: its stream raises the error. A failing `step()` leaves the engine's state unknown,
@@ -21,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 
 from lathe.serve.adapters import AdapterError
 from lathe.serve.engine import LLMEngine, RequestError
+from lathe.serve.engine_thread import EngineThread
 from lathe.serve.outputs import SequenceDelta
 from lathe.serve.sampling import SamplingParams
 
@@ -37,8 +39,11 @@ class EngineDead(RuntimeError):
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_waiting: int = 256,
-                 on_step: Callable[[list[SequenceDelta], float], None] | None = None) -> None:
+                 on_step: Callable[[list[SequenceDelta], float], None] | None = None,
+                 thread: EngineThread | None = None) -> None:
+        """`thread`: the one the engine was built on (the server's), else a new one."""
         self.engine = engine
+        self.thread = thread or EngineThread()
         self.max_waiting = max_waiting
         self.on_step = on_step  # called with each step's deltas and its duration
         self._queues: dict[str, asyncio.Queue[SequenceDelta | BaseException]] = {}
@@ -58,6 +63,7 @@ class AsyncEngine:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        self.thread.close()
 
     @property
     def num_waiting(self) -> int:
@@ -89,7 +95,7 @@ class AsyncEngine:
 
     async def add_adapter(self, name: str, path: str) -> None:
         """Load an adapter (read and checked off the event loop); running requests go on."""
-        await asyncio.to_thread(self.engine.add_adapter, name, path)
+        await self.thread.run(self.engine.add_adapter, name, path)
 
     def remove_adapter(self, name: str) -> None:
         """Unload an adapter; requests already running on it finish on it."""
@@ -135,7 +141,7 @@ class AsyncEngine:
                     await self._wake.wait()
                     continue
                 start = time.perf_counter()
-                deltas = await asyncio.to_thread(self.engine.step)
+                deltas = await self.thread.run(self.engine.step)
                 if self.on_step is not None:
                     self.on_step(deltas, time.perf_counter() - start)
                 for delta in deltas:

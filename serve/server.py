@@ -52,6 +52,7 @@ from lathe.serve.connections import (
     uvicorn_config,
 )
 from lathe.serve.engine import EngineConfig, LLMEngine, RequestError
+from lathe.serve.engine_thread import EngineThread
 from lathe.serve.metrics import RequestTimer, ServerMetrics
 from lathe.serve.outputs import CompletionOutput
 from lathe.serve.protocol import (
@@ -185,10 +186,11 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
                                                       quantize=config.quantize))
 
     async def load_engine() -> None:
+        thread = EngineThread()  # every torch op of the server runs on it, loading included
         try:
-            engine = await asyncio.to_thread(load)
+            engine = await thread.run(load)
             for adapter, folder in config.loras.items():
-                await asyncio.to_thread(engine.add_adapter, adapter, folder)
+                await thread.run(engine.add_adapter, adapter, folder)
             try:
                 template = TemplateWorker(
                     *read_chat_template(config.checkpoint, config.chat_template),
@@ -207,9 +209,10 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
                 log.error("cannot serve %s: %s; shutting down", config.checkpoint, error)
             else:
                 log.exception("loading %s failed; shutting down", config.checkpoint)
+            thread.close()
             os.kill(os.getpid(), signal.SIGTERM)
             return
-        state.engine = AsyncEngine(engine, config.max_waiting)
+        state.engine = AsyncEngine(engine, config.max_waiting, thread=thread)
         state.engine.start()
         log.info("serving %s as %r", config.checkpoint, name)
 

@@ -194,3 +194,32 @@ def test_a_given_chat_template_and_its_variables_reach_the_prompt(checkpoint, tm
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_loading_and_every_engine_step_run_on_one_engine_thread(checkpoint):
+    """All of the server's torch work — the load and each step — runs on the one
+    `lathe-engine` thread (two OpenMP teams on a CPU slow each other down), never on the
+    event loop's thread."""
+    threads: set[str] = set()
+
+    def load() -> LLMEngine:
+        threads.add(threading.current_thread().name)
+        engine = LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=32))
+        step = engine.step
+
+        def recorded_step():
+            threads.add(threading.current_thread().name)
+            return step()
+        engine.step = recorded_step
+        return engine
+
+    server, thread, url = start_server(checkpoint, load)
+    try:
+        wait_healthy(url)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        for _ in range(3):
+            client.completions.create(model="tiny", prompt="the cat", max_tokens=4)
+        assert len(threads) == 1 and next(iter(threads)).startswith("lathe-engine")
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
