@@ -45,7 +45,7 @@ from lathe.serve.logprobs import TokenLogprob, requested_logprobs, token_logprob
 from lathe.serve.model_runner import ModelRunner, select_rows
 from lathe.serve.outputs import Completion, CompletionOutput, OutputProcessor, Pick, SequenceDelta
 from lathe.serve.paged_cache import KVSlabs
-from lathe.serve.quant import QuantMode, is_quantized, load_serving_model
+from lathe.serve.quant import QuantMode, is_quantized, load_serving_model, weight_bytes
 from lathe.serve.sampling import SamplingBatch, SamplingParams, SamplingRow, sample
 from lathe.serve.scheduler import ScheduledBatch, Scheduler
 from lathe.serve.sequence import Sequence, Status
@@ -129,10 +129,16 @@ class LLMEngine:
                                    None if self.adapters is None else self.adapters.admit)
         self.runner = ModelRunner(model, self.slabs, self.device, self.config.max_num_seqs,
                                   compile_decode=self.config.compile_decode)
+        draft_slabs = None if draft_model is None else KVSlabs(
+            draft_model.config, num_blocks, block_size, self.device, dtype)
         self.speculator = None if speculative is None else Speculator(
-            speculative, self.runner, draft_model, None if draft_model is None else KVSlabs(
-                draft_model.config, num_blocks, block_size, self.device, dtype),
-            self.max_model_len)
+            speculative, self.runner, draft_model, draft_slabs, self.max_model_len)
+        # what the server holds in memory, for /metrics: the weights as served (quantized
+        # ones at their packed size) and the KV slabs, a draft model's included
+        self.memory = {"weight_bytes": weight_bytes(model) + (
+                           0 if draft_model is None else weight_bytes(draft_model)),
+                       "kv_cache_bytes": self.slabs.nbytes + (
+                           0 if draft_slabs is None else draft_slabs.nbytes)}
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         self._constraints: Constraints | None = None  # built by the first structured request
         # sequences whose grammar matcher failed on a token its mask allowed (llguidance's
@@ -607,6 +613,7 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens": self.prompt_tokens_total,
             "generation_tokens": self.generation_tokens_total,
+            **self.memory,
             **self.speculation_stats(),
         }
 

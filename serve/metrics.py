@@ -34,7 +34,9 @@ class _EngineCollector(Collector):
         for name, key, help_ in (
                 ("num_requests_running", "num_running", "Sequences in the running batch."),
                 ("num_requests_waiting", "num_waiting", "Sequences waiting to be admitted."),
-                ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV blocks in use.")):
+                ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV blocks in use."),
+                ("weight_bytes", "weight_bytes", "Bytes of the weights as served."),
+                ("kv_cache_bytes", "kv_cache_bytes", "Bytes of the KV cache slabs.")):
             gauge = GaugeMetricFamily(f"lathe:{name}", help_, labels=["model_name"])
             gauge.add_metric([self.model], stats[key])
             yield gauge

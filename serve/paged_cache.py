@@ -43,6 +43,11 @@ class KVSlabs:
         self.block_size = block_size
         self.scratch_slot = num_blocks * block_size  # first row of the extra block
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes the slabs hold."""
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()

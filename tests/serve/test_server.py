@@ -143,6 +143,13 @@ def test_metrics_report_engine_state_and_latencies(client, running):
                  "lathe:inter_token_latency_seconds_bucket",
                  "lathe:e2e_request_latency_seconds_count"):
         assert name in text, name
+    engine = running.engine()
+    reported = {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines() if line.startswith("lathe:") and "{" in line}
+    tensors = {t.data_ptr(): t for t in [*engine.model.parameters(), *engine.model.buffers()]}
+    assert reported["lathe:weight_bytes"] == sum(t.numel() * t.element_size()
+                                                 for t in tensors.values())  # tied: once
+    assert reported["lathe:kv_cache_bytes"] == engine.slabs.nbytes > 0
 
 
 def test_health_is_503_while_loading_and_a_full_queue_is_429(checkpoint):
