@@ -7,6 +7,13 @@ parameter names are Hugging Face Llama's, `save_adapter` writes an ordinary peft
 adapter folder (`adapter_config.json`, `adapter_model.safetensors`) that
 `PeftModel.from_pretrained(LlamaForCausalLM...)` loads, and `load_adapter` reads one back.
 `merge_lora` folds the adapters into the base weights and removes them.
+
+A mixture of experts' stacked experts are parameters, not linears: targeting gate_proj,
+up_proj or down_proj adapts them through peft's `target_parameters` (`experts.gate_up_proj`,
+whole, for either of the first two; `experts.down_proj`; a rank-r update per expert), as it
+adapts transformers' own MoE classes, so such an adapter loads in peft on the original class
+too. The engine's adapter slots
+serve linear adapters only; an expert adapter is served merged.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import re
 import sys
 import types
 from collections.abc import Iterator
@@ -49,6 +57,9 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # how PeftModel names a wrapped model's parameters
 ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# a stacked expert parameter -> the MLP targets that reach it
+EXPERT_PARAMETERS = {"experts.gate_up_proj": ("gate_proj", "up_proj"),
+                     "experts.down_proj": ("down_proj",)}
 
 
 @dataclass
@@ -77,11 +88,18 @@ class LoraSection:
         """What peft multiplies B·A by (alpha / r)."""
         return self.alpha / self.r
 
-    def peft_config(self) -> Any:
-        """The `peft.LoraConfig` of this section."""
+    def peft_config(self, experts: bool = False) -> Any:
+        """The `peft.LoraConfig` of this section; `experts`: the model is a mixture of
+        experts, whose stacked experts the MLP targets reach as parameters."""
         return _peft().LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
                           target_modules=list(self.target_modules), bias="none",
+                          target_parameters=self.expert_parameters() if experts else None,
                           task_type="CAUSAL_LM")
+
+    def expert_parameters(self) -> list[str]:
+        """The stacked expert parameters the MLP targets reach (peft `target_parameters`)."""
+        wanted = set(self.target_modules)
+        return [name for name, parts in EXPERT_PARAMETERS.items() if wanted & set(parts)]
 
 
 def apply_lora(model: Transformer, section: LoraSection) -> Transformer:
@@ -89,7 +107,7 @@ def apply_lora(model: Transformer, section: LoraSection) -> Transformer:
     targeted base linears in 4-bit NF4)."""
     if section.qlora:
         quantize_base_4bit(model, section.target_modules)
-    _peft().inject_adapter_in_model(section.peft_config(), model)
+    _peft().inject_adapter_in_model(section.peft_config(has_experts(model)), model)
     if "lm_head" in section.target_modules:
         model.fused_loss = False  # the fused kernel would read the base weight alone
     return model
@@ -117,6 +135,17 @@ def quantize_base_4bit(model: Transformer, targets: list[str]) -> None:
                                                  quant_type="nf4")
                 setattr(parent, name, layer)
     model.cuda()  # bitsandbytes quantizes on the move to the GPU
+
+
+def has_experts(model: nn.Module) -> bool:
+    """Whether `model` is a lathe mixture of experts (its stacked experts take adapters)."""
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "n_experts", None))
+
+
+def expert_adapters(names: Any) -> list[str]:
+    """The adapter weights among `names` that adapt stacked experts."""
+    return sorted(name for name in names if ".mlp.experts." in f"{name}.")
 
 
 def lora_layers(model: nn.Module) -> list[nn.Module]:
@@ -152,7 +181,13 @@ def save_adapter(model: nn.Module, section: LoraSection, path: str | Path,
     modules its class has (`fuse_adapter`)."""
     state = {name: tensor.detach().contiguous().cpu()
              for name, tensor in _peft().utils.get_peft_model_state_dict(model).items()}
-    config = section.peft_config()
+    config = section.peft_config(has_experts(model))
+    if has_experts(model) and not any(flag == 0 for flag in model.config.moe_layers or [1]):
+        # no dense MLP: the MLP targets are the expert parameters alone (peft reads MLP
+        # names on transformers' MoE classes as the experts, at another rank)
+        config.target_modules = sorted(set(config.target_modules)
+                                       - {p for parts in EXPERT_PARAMETERS.values()
+                                          for p in parts})
     fused = FAMILIES[model.config.family].fused if isinstance(model, Transformer) else ()
     if fused:
         state, config.r, config.target_modules = fuse_adapter(state, section.r, fused,
@@ -175,6 +210,8 @@ def load_adapter(model: Transformer, path: str | Path) -> Transformer:
     raw = json.loads((path / ADAPTER_CONFIG).read_text())
     targets = {part.rpartition(".")[2] for target in raw["target_modules"]
                for part in FUSED.get(_fused_name(target), [target])}
+    targets |= {part for parameter in raw.get("target_parameters") or ()
+                for part in EXPERT_PARAMETERS.get(parameter, ())}
     section = LoraSection(enabled=True, r=raw["r"], alpha=raw["lora_alpha"],
                           dropout=raw.get("lora_dropout", 0.0), target_modules=sorted(targets))
     apply_lora(model, section)
@@ -300,27 +337,38 @@ class AdapterMerger:
                              f"{sorted(expected - set(adapters))[:4]}, unexpected "
                              f"{sorted(set(adapters) - expected)[:4]}")
         self.model.load_state_dict(adapters, strict=False)
-        merged = {f"{name}.weight": layer.get_base_layer().weight
-                  + layer.get_delta_weight(layer.active_adapters[0])
-                  for name, layer in self.model.named_modules()
-                  if isinstance(layer, _peft().tuners.lora.LoraLayer)}
+        merged = {}
+        for name, layer in self.model.named_modules():
+            if not isinstance(layer, _peft().tuners.lora.LoraLayer):
+                continue
+            delta = layer.get_delta_weight(layer.active_adapters[0])
+            parameter = getattr(layer, "parameter_name", None)  # a stacked expert parameter
+            if parameter is None:
+                merged[f"{name}.weight"] = layer.get_base_layer().weight + delta
+            else:
+                module = name.replace(".base_layer", "")
+                merged[f"{module}.{parameter}"] = \
+                    getattr(layer.get_base_layer(), parameter) + delta
         state = {}
         for name, tensor in self.model.state_dict().items():
             if ".lora_" not in name:
-                name = name.replace(".base_layer.", ".")
+                name = re.sub(r"(\.base_layer)+\.", ".", name)  # wrappers may nest
                 state[name] = merged.get(name, tensor)
         return state
 
 
 @torch.no_grad()
 def merge_lora(model: Transformer) -> Transformer:
-    """Fold every adapter into its base weight and put the plain linear back."""
-    layers = {id(layer) for layer in lora_layers(model)}
+    """Fold every adapter into its base weight and put the plain module back (a wrapper
+    around a wrapper — two adapted expert parameters — merged level by level)."""
+    base = _peft().tuners.tuners_utils.BaseTunerLayer
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if id(child) in layers:
-                child.merge()
-                setattr(parent, name, child.get_base_layer())
+            if isinstance(child, base):
+                while isinstance(child, base):
+                    child.merge()
+                    child = child.base_layer
+                setattr(parent, name, child)
     for parameter in model.parameters():
         parameter.requires_grad_(True)
     model.fused_loss = True

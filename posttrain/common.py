@@ -56,11 +56,6 @@ def load_policy(runtime: Runtime, config: PosttrainConfig,
     model = (opened or OpenCheckpoint(checkpoint)).model(dtype=torch.float32)
     if lora.enabled:
         apply_lora(model, lora)
-        mlp = sorted({"gate_proj", "up_proj", "down_proj"} & set(lora.target_modules))
-        if model.config.n_experts and mlp:
-            runtime.print(f"lora: a mixture of experts' experts take no adapter (LoRA adapts "
-                          f"linear layers); {', '.join(mlp)} adapt its dense layers only, the "
-                          "attention projections every layer")
     return model.train(), encoder
 
 

@@ -36,6 +36,7 @@ from lathe.model.lora import (
     adapter_pairs,
     adapter_weights,
     adapters_disabled,
+    has_experts,
 )
 from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.common import (
@@ -157,8 +158,8 @@ class RolloutGenerator:
     """The serve engine on its own copy of the policy: G samples per prompt, scored.
     Under LoRA the engine keeps the full-precision base and serves the policy's current
     adapters from an adapter slot, refreshed each step without touching the base (LoRA on
-    lm_head, which slots do not take, merges into a copy of the base instead); never a
-    merge into a 4-bit QLoRA base."""
+    lm_head or a mixture of experts' experts, which slots do not take, merges into a copy
+    of the base instead); never a merge into a 4-bit QLoRA base."""
 
     def __init__(self, config: GRPOConfig, opened: OpenCheckpoint, tokenizer: Tokenizer,
                  device: torch.device, kv_dtype: torch.dtype) -> None:
@@ -167,8 +168,9 @@ class RolloutGenerator:
         self.correct = verifier(config.task_eval.task)
         model = opened.model(dtype=torch.float32, device=device)
         lora = config.lora
-        self.adapter = POLICY_ADAPTER if lora.enabled and "lm_head" not in \
-            lora.target_modules else None
+        slot_takes = "lm_head" not in lora.target_modules and not (
+            has_experts(model) and lora.expert_parameters())
+        self.adapter = POLICY_ADAPTER if lora.enabled and slot_takes else None
         self.merger = AdapterMerger(model, lora) if lora.enabled and self.adapter is None \
             else None
         engine_config = EngineConfig(num_blocks=1024, max_loras=1, max_lora_rank=lora.r) \

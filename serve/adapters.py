@@ -43,6 +43,7 @@ from lathe.model.lora import (
     ALL_LINEARS,
     PEFT_PREFIX,
     adapter_pairs,
+    expert_adapters,
     split_fused_pairs,
 )
 from lathe.serve.sequence import Sequence
@@ -203,6 +204,12 @@ def read_adapter(name: str, path: str | Path, layers: dict[str, MultiLoraLinear]
             {module: layer.out_features for module, layer in layers.items()})
     except ValueError as error:
         raise CheckpointError(f"{weights_file}: {error}") from None
+    experts = expert_adapters(pairs)
+    if experts:
+        raise CheckpointError(f"{weights_file}: adapts a mixture of experts' stacked experts "
+                              f"({experts[0]}, ...), which adapter slots do not serve; serve "
+                              "the merged model (lathe export BASE --merge-lora ADAPTER --out "
+                              "MERGED)")
     weights = {}
     for module, (a, b) in pairs.items():
         if module not in layers:

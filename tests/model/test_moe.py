@@ -198,3 +198,58 @@ def test_compiled_decode_and_speculation_serve_a_moe_as_eager_does(tmp_path):
     draft = load_checkpoint(tmp_path / "hf")
     assert tokens(LLMEngine(model, config=EngineConfig(
         **base, speculative=SpeculativeConfig("draft", 3)), draft_model=draft)) == eager
+
+
+def test_lora_adapts_the_stacked_experts_and_merges_exactly(tmp_path):
+    """gate_proj/up_proj and down_proj targets reach a MoE's stacked experts (peft's
+    target_parameters, a rank-r update per expert): the adapter saves and reloads exactly,
+    merges exactly (a wrapper around a wrapper, level by level), GRPO's merger gives the
+    same weights, and the engine's adapter slots refuse it with the way to serve it."""
+    from lathe.model import save_checkpoint
+    from lathe.model.lora import (
+        AdapterMerger,
+        LoraSection,
+        adapter_weights,
+        apply_lora,
+        load_adapter,
+        merge_lora,
+        save_adapter,
+    )
+    from lathe.serve.engine import EngineConfig, LLMEngine
+
+    config = ModelConfig.from_preset("tiny", family="mixtral", n_experts=4, n_layers=2,
+                                     vocab_size=64)
+    torch.manual_seed(0)
+    base = Transformer(config)
+    save_checkpoint(base, tmp_path / "base")
+    section = LoraSection(enabled=True, r=4, target_modules=["q_proj", "gate_proj",
+                                                             "down_proj"])
+    model = apply_lora(load_checkpoint(tmp_path / "base"), section)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.1)
+    ids = torch.randint(0, 64, (2, 11))
+    with torch.no_grad():
+        adapted = model(ids).logits
+        assert not torch.allclose(adapted, base(ids).logits)
+    save_adapter(model, section, tmp_path / "adapter", tmp_path / "base")
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert written["target_parameters"] == ["experts.gate_up_proj", "experts.down_proj"]
+    assert written["target_modules"] == ["q_proj"]  # no dense MLP to name
+    reloaded = load_adapter(load_checkpoint(tmp_path / "base"), tmp_path / "adapter")
+    merger_state = AdapterMerger(load_checkpoint(tmp_path / "base"), section)(
+        adapter_weights(model))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, adapted, atol=1e-6, rtol=1e-6)
+        merged = merge_lora(reloaded)
+        assert type(merged.model.layers[0].mlp.experts).__name__ == "Experts"
+        torch.testing.assert_close(merged(ids).logits, adapted, atol=1e-5, rtol=1e-5)
+        plain = load_checkpoint(tmp_path / "base")
+        plain.load_state_dict(merger_state)
+        torch.testing.assert_close(plain(ids).logits, adapted, atol=1e-5, rtol=1e-5)
+    engine = LLMEngine.from_checkpoint(tmp_path / "base", EngineConfig(num_blocks=16,
+                                                                       max_loras=1))
+    with pytest.raises(CheckpointError, match="adapter slots do not serve; serve the merged "
+                                              "model"):
+        engine.add_adapter("a", tmp_path / "adapter")

@@ -14,7 +14,7 @@ import torch
 from lathe.core.cli import main
 from lathe.data.tokenizer import load_tokenizer
 from lathe.model import load_checkpoint
-from lathe.model.checkpoint import TOKENIZER_FILES
+from lathe.model.checkpoint import TOKENIZER_FILES, CheckpointError
 from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.sampling import SamplingParams
 from tests.posttrain.conftest import quick
@@ -29,7 +29,8 @@ FAMILY_CONFIGS = {
     "Gemma2": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 16},
     # q/k/v and gate/up stored fused: the adapter is written on qkv_proj and gate_up_proj
     "Phi3": {"sliding_window": 16},
-    # a mixture of experts: the adapters go on attention, the loss carries the balance loss
+    # a mixture of experts: adapters on attention and on the stacked experts (peft's
+    # target_parameters, as on transformers' class), the loss carries the balance loss
     "Qwen3Moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
                  "moe_intermediate_size": 32, "norm_topk_prob": True},
 }
@@ -79,6 +80,18 @@ def test_sft_and_dpo_with_lora_on_a_foreign_checkpoint(family_base, tmp_path):
     # the serving engine takes the adapter folder over the base as the merged checkpoint
     engine = LLMEngine.from_checkpoint(family_base, EngineConfig(num_blocks=64, max_loras=1,
                                                                  max_lora_rank=64))
+    if family == "Qwen3Moe":  # the experts were adapted too: merged, not in a slot
+        experts = "model.layers.0.mlp.experts.gate_up_proj"
+        assert not torch.equal(load_checkpoint(sft / "final").state_dict()[experts],
+                               load_checkpoint(family_base).state_dict()[experts])
+        with pytest.raises(CheckpointError, match="adapter slots do not serve"):
+            engine.add_adapter("sft", sft / "final-adapter")
+        # GRPO's rollout engine takes the merged weights each step instead of a slot
+        grpo = tmp_path / "grpo"
+        assert main(["grpo", *quick(grpo, family_base, max_steps=2, prompts_per_step=2,
+                                    num_generations=2, **{"lora.enabled": "true"})]) == 0
+        logits_agree(grpo / "final", ids, family)
+        return
     engine.add_adapter("sft", sft / "final-adapter")
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompt = ids[0, :20].tolist()
