@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -89,3 +91,27 @@ def test_quantized_checkpoint_round_trip_serves_the_same_logits(checkpoint, tmp_
         assert engine.generate([ids[0, :9].tolist()], SamplingParams(max_tokens=4, temperature=0))
     with pytest.raises(CheckpointError, match="already quantized to int4"):
         load_serving_model(tmp_path / "int4", quantize="int8")
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads /proc (Linux)")
+def test_quantizing_at_load_keeps_no_full_precision_copy(tmp_path):
+    """Once quantized, the server holds no view of the checkpoint's memory-mapped file,
+    whose every full-precision page quantization has read: the mapping is gone."""
+    import gc
+
+    from lathe.model import save_checkpoint
+
+    folder = save_checkpoint(tiny_model(), tmp_path / "ckpt")
+    weights = str((folder / "model.safetensors").resolve())
+
+    def mapped() -> bool:
+        gc.collect()
+        return weights in Path("/proc/self/maps").read_text()
+
+    full = load_serving_model(folder, device="cpu")
+    assert mapped()  # a full-precision model serves from the mapping
+    del full
+    quantized = load_serving_model(folder, quantize="int8", device="cpu")
+    assert not mapped()
+    with torch.no_grad():
+        assert quantized(torch.randint(0, 256, (1, 8))).logits.isfinite().all()
