@@ -115,3 +115,14 @@ def load_mixture(sources: Sequence[WeightedSource],
         source_of.append(i)
         cursors[i] += 1
     return Mixture(rows, source_of, names, shares, [len(r) for r in loaded], counts)
+
+
+def load_rows(source: str | Sequence[WeightedSource],
+              load: Callable[[str, str, int | None], list[Row]], split: str,
+              limit: int | None, seed: int = 0) -> tuple[list[Row], Mixture[Row] | None]:
+    """The rows of one source (`load(source, split, limit)`), or of a weighted mixture of
+    sources, with its draw."""
+    if isinstance(source, str):
+        return load(source, split, limit), None
+    mixture = load_mixture(source, load, split, limit, seed)
+    return mixture.rows, mixture

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from lathe.core.errors import ConfigError
+from lathe.core.errors import CheckpointError, ConfigError
 
 Window = tuple[int | None, list[str] | None]  # ModelConfig's sliding_window, layer_types
 
@@ -333,8 +333,6 @@ def stack_experts(state: dict[str, Any], config: Any) -> dict[str, Any]:
     """A checkpoint's state dict with per-expert tensors stacked into lathe's layout (and
     Mixtral's `block_sparse_moe` router named `mlp.gate`); one already stacked passes. A
     missing or mis-shaped expert tensor is a CheckpointError naming it."""
-    from lathe.core.errors import CheckpointError
-
     layout = FAMILIES[config.family].experts
     if layout is None:
         return state

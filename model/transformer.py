@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -267,6 +268,19 @@ def gated(gate: Tensor, up: Tensor, gelu: bool) -> Tensor:
     return F.gelu(gate, approximate="tanh") * up if gelu else swiglu(gate, up)
 
 
+def run_each_expert(x: Tensor, experts: Tensor, weights: Tensor,
+                    mlp: Callable[[int, Tensor], Tensor]) -> Tensor:
+    """The per-expert loop: each expert any of the (T, k) `experts` names runs its tokens
+    through `mlp(expert, rows)`; the outputs, times the (T, k) `weights`, are summed per
+    token."""
+    out = torch.zeros_like(x)
+    for expert in experts.unique().tolist():
+        token, slot = torch.where(experts == expert)
+        y = mlp(expert, x[token])
+        out.index_add_(0, token, (y * weights[token, slot, None]).to(x.dtype))
+    return out
+
+
 class Experts(nn.Module):
     """`n` gated MLPs stored stacked (transformers 5's layout): `gate_up_proj` (n, 2·hidden,
     dim), gate rows first, and `down_proj` (n, dim, hidden)."""
@@ -295,13 +309,10 @@ class Experts(nn.Module):
 
     def forward_loop(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
         """The reference: a loop over the experts any token was sent to (transformers')."""
-        out = torch.zeros_like(x)
-        for expert in experts.unique().tolist():
-            token, slot = torch.where(experts == expert)
-            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(gated(gate, up, self.gelu), self.down_proj[expert])
-            out.index_add_(0, token, (y * weights[token, slot, None]).to(x.dtype))
-        return out
+        def mlp(expert: int, rows: Tensor) -> Tensor:
+            gate, up = F.linear(rows, self.gate_up_proj[expert]).chunk(2, dim=-1)
+            return F.linear(gated(gate, up, self.gelu), self.down_proj[expert])
+        return run_each_expert(x, experts, weights, mlp)
 
 
 class MoE(nn.Module):

@@ -16,7 +16,6 @@ Results are printed and appended to docs/benchmarks-history.md.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import platform
 import random
@@ -38,8 +37,7 @@ from lathe.posttrain.chats import Example, collate, tokenize
 from lathe.posttrain.common import ShuffledBatches
 from lathe.posttrain.packing import best_fit_decreasing, collate_packed
 from lathe.posttrain.sft import sft_loss
-
-ROOT = Path(__file__).resolve().parents[1]
+from lathe.pretrain.bench import append_history, synchronize, training_bench_main
 
 
 @dataclass
@@ -110,11 +108,6 @@ def measure(model: Transformer, examples: list[Example], dataset: Dataset, packe
             "rows": per_step, "width": slots / steps / per_step}
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run(steps: int, warmup: int, write: bool) -> str:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory() as tmp:
@@ -162,19 +155,12 @@ def run(steps: int, warmup: int, write: bool) -> str:
         "|---|---|---|---:|---:|---:|",
         *rows, ""])
     if write:
-        with (ROOT / "docs" / "benchmarks-history.md").open("a") as f:
-            f.write("\n" + table)
+        append_history(table)
     return table
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lathe.posttrain.bench")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--no-write", action="store_true", help="do not append to docs/")
-    args = parser.parse_args(argv)
-    print(run(args.steps, args.warmup, write=not args.no_write))
-    return 0
+    return training_bench_main("python -m lathe.posttrain.bench", run, 20, 3, argv)
 
 
 if __name__ == "__main__":

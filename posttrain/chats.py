@@ -15,11 +15,11 @@ from torch import nn
 from lathe.core.errors import ConfigError
 from lathe.data.chat_encoding import ChatEncoder
 from lathe.data.formats import Chat, load_chat_dataset
-from lathe.data.mixture import Mixture, load_mixture
+from lathe.data.mixture import load_rows
 from lathe.model.config import ModelConfig
 from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.common import ShuffledBatches, label_count, pad, pad_id, sequence_work
-from lathe.posttrain.config import ChatDataConfig, ChatStageConfig
+from lathe.posttrain.config import ChatStageConfig
 from lathe.posttrain.packing import best_fit_decreasing, collate_packed
 from lathe.pretrain.runtime.trainer import Runtime, Work
 
@@ -73,15 +73,6 @@ def chat_work(model_config: ModelConfig) -> Callable[[dict[str, Any]], Work]:
     """SFT and distillation losses are means over assistant tokens."""
     return lambda batch: sequence_work(model_config, batch["lengths"],
                                        label_count(batch["labels"]))
-
-
-def read_chats(data: ChatDataConfig, source: str | list, split: str, limit: int | None,
-               seed: int) -> tuple[list[Chat], Mixture | None]:
-    """The chats of one source, or of a weighted mixture (with its draw)."""
-    if isinstance(source, str):
-        return load_chat_dataset(source, split, limit), None
-    mixture = load_mixture(source, load_chat_dataset, split, limit, seed)
-    return mixture.rows, mixture
 
 
 def source_tokens(examples: list[Example], names: list[str]) -> dict[str, dict[str, int]]:
@@ -153,13 +144,13 @@ def start_chat_run(runtime: Runtime, config: ChatStageConfig, model: nn.Module,
         raise ConfigError(f"data.max_len={data.max_len} exceeds the model's max_seq_len="
                           f"{model_config.max_seq_len}; lower data.max_len")
     fit = ChatFit()
-    chats, mixture = read_chats(data, data.train, "train", data.limit, config.seed)
+    chats, mixture = load_rows(data.train, load_chat_dataset, "train", data.limit, config.seed)
     train = tokenize(encoder, chats, data.max_len, fit,
                      mixture.source_of if mixture is not None else None)
     if not train:
         raise ConfigError(f"data.train={data.train!r}: no chat has an assistant token within "
                           f"data.max_len={data.max_len}; raise data.max_len")
-    heldout_chats, _ = read_chats(data, data.eval or data.train, "test",
+    heldout_chats, _ = load_rows(data.eval or data.train, load_chat_dataset, "test",
                                   config.eval.batches * config.micro_batch_size, config.seed)
     heldout = tokenize(encoder, heldout_chats, data.max_len)
     items: list = train

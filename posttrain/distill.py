@@ -27,7 +27,7 @@ from lathe.core.atomic import write_json
 from lathe.core.errors import ConfigError
 from lathe.data.chat_encoding import ChatEncoder, chat_encoder
 from lathe.data.formats import load_prompt_dataset
-from lathe.data.mixture import load_mixture
+from lathe.data.mixture import load_rows
 from lathe.data.tokenizer import load_tokenizer, vocabulary_difference
 from lathe.model.checkpoint import OpenCheckpoint
 from lathe.model.transformer import IGNORE_INDEX
@@ -177,9 +177,7 @@ def write_teacher_data(config: DistillConfig, teacher: OpenCheckpoint,
     engine = LLMEngine(teacher.model(device=device), encoder.tokenizer,
                        EngineConfig(num_blocks=1024), teacher.eos_ids)
     data = config.data
-    rows = (load_prompt_dataset(data.train, "train", data.limit) if isinstance(data.train, str)
-            else load_mixture(data.train, load_prompt_dataset, "train", data.limit,
-                              config.seed).rows)
+    rows, _ = load_rows(data.train, load_prompt_dataset, "train", data.limit, config.seed)
     prompts = [encoder.prompt(row.prompt, row.tools) for row in rows]
     params = SamplingParams(max_tokens=config.teacher_max_tokens, temperature=0)
     answers = engine.generate(prompts, params, progress=True)

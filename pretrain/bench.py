@@ -20,6 +20,7 @@ import contextlib
 import datetime
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,20 +182,30 @@ def run(steps: int, warmup: int, write: bool) -> str:
         "|---|---|---:|---:|---:|---:|---:|",
         *rows, ""])
     if write:
-        path = ROOT / "docs" / "benchmarks-history.md"
-        with path.open("a") as f:
-            f.write("\n" + table)
+        append_history(table)
     return table
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lathe.pretrain.bench")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
+def append_history(table: str) -> None:
+    """Add a bench's table to docs/benchmarks-history.md."""
+    with (ROOT / "docs" / "benchmarks-history.md").open("a") as f:
+        f.write("\n" + table)
+
+
+def training_bench_main(prog: str, run: Callable[[int, int, bool], str], steps: int,
+                        warmup: int, argv: list[str] | None) -> int:
+    """The command line of a training-throughput bench: --steps, --warmup, --no-write."""
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=warmup)
     parser.add_argument("--no-write", action="store_true", help="do not append to docs/")
     args = parser.parse_args(argv)
-    print(run(args.steps, args.warmup, write=not args.no_write))
+    print(run(args.steps, args.warmup, not args.no_write))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return training_bench_main("python -m lathe.pretrain.bench", run, 5, 2, argv)
 
 
 if __name__ == "__main__":

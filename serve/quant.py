@@ -49,7 +49,7 @@ from lathe.model.checkpoint import (
     load_safetensors,
     read_model_config,
 )
-from lathe.model.transformer import Experts, MoE, Transformer, gated
+from lathe.model.transformer import Experts, MoE, Transformer, gated, run_each_expert
 
 QuantMode = Literal["int8", "int4"]
 
@@ -152,13 +152,10 @@ class QuantizedExperts(nn.Module):
         self.gelu = experts.gelu
 
     def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
-        out = torch.zeros_like(x)
-        for expert in experts.unique().tolist():
-            token, slot = torch.where(experts == expert)
-            hidden = gated(*self.gate_up[expert](x[token]).chunk(2, dim=-1), self.gelu)
-            y = self.down[expert](hidden) * weights[token, slot, None].to(x.dtype)
-            out.index_add_(0, token, y.to(x.dtype))
-        return out
+        def mlp(expert: int, rows: Tensor) -> Tensor:
+            hidden = gated(*self.gate_up[expert](rows).chunk(2, dim=-1), self.gelu)
+            return self.down[expert](hidden)
+        return run_each_expert(x, experts, weights, mlp)
 
 
 def quantize_linears(model: nn.Module, mode: QuantMode, group_size: int = 128) -> int:
