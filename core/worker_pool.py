@@ -59,7 +59,7 @@ class _Child:
 
 
 class WorkerError(RuntimeError):
-    """A child did not start, or the pool is closed."""
+    """A child did not start or exited without answering, or the pool is closed."""
 
 
 class WorkerTimeout(WorkerError):
@@ -98,8 +98,11 @@ class WorkerPool:
             child.send(request)
             answer = child.receive(seconds, max_bytes)
             if answer is None:
+                code = child.process.poll()
                 child.kill()
                 child = None
+                if code is not None:
+                    raise WorkerError(f"its process exited (code {code}) without answering")
                 raise WorkerTimeout(f"no answer within {seconds:g} s and {max_bytes:,} "
                                     "bytes; it was stopped")
             return answer
