@@ -29,11 +29,10 @@ _LIMIT = 10 ** MAX_DIGITS
 
 
 def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression exactly: integers and decimals with + - * / // %
-    ** and parentheses.
+    """Exact arithmetic.
 
     Args:
-        expression: the expression, e.g. "382 + 247" or "(1.5 - 0.25) * 4"
+        expression: e.g. "(1.5 - 0.25) * 4"
     """
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise ValueError(f"the expression has {len(expression)} characters; the calculator "

@@ -85,8 +85,50 @@ def test_chat_template_matches_apply_chat_template(tokenizer, tmp_path):
         f"<|assistant|>\n4{END_OF_TURN}")
     assert hf.eos_token == END_OF_TURN and hf.bos_token == BOS
     assert json.loads((tmp_path / "tok" / REPORT_FILE).read_text()) == {"ok": True}
-    with pytest.raises(ChatTemplateError, match="role must be system, user or assistant"):
-        template.render([{"role": "tool", "content": "x"}])
+    with pytest.raises(ChatTemplateError,
+                       match="role must be system, user, assistant or tool, got narrator"):
+        template.render([{"role": "narrator", "content": "x"}])
+
+
+def test_tool_chats_render_and_tokenize_as_transformers_does(tokenizer, tmp_path):
+    """lathe's template with tools (listed in the system turn), an assistant's calls
+    (after text, and several at once) and tool results, against `apply_chat_template`."""
+    from transformers import AutoTokenizer
+
+    from lathe.data.tools import load_tool
+
+    save_tokenizer(tokenizer, tmp_path / "tok", report={"ok": True})
+    hf = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    template = ChatTemplate.from_checkpoint(tmp_path / "tok")
+    tools = [load_tool("calculator").definition,
+             load_tool("tests.data.tools_for_tests:weather").definition]
+    call = {"type": "function", "id": "c0",
+            "function": {"name": "calculator", "arguments": {"expression": "382 + 247"}}}
+    weather = {"type": "function", "function": {"name": "weather",
+                                                "arguments": {"city": "Zürich"}}}
+    conversations = [
+        [{"role": "user", "content": "What is 382 + 247?"},
+         {"role": "assistant", "tool_calls": [call]},
+         {"role": "tool", "tool_call_id": "c0", "content": "629"},
+         {"role": "assistant", "content": "629"}],
+        [{"role": "system", "content": "Be terse."},
+         {"role": "user", "content": "Sum, and the weather?"},
+         {"role": "assistant", "content": "Checking.", "tool_calls": [call, weather]},
+         {"role": "tool", "content": "629"}, {"role": "tool", "content": "21"},
+         {"role": "user", "content": "Thanks"}]]
+    for messages in conversations:
+        for gen in (False, True):
+            text = hf.apply_chat_template(messages, tools=tools, tokenize=False,
+                                          add_generation_prompt=gen)
+            assert text == template.render(messages, gen, tools)
+    text = template.render(conversations[1], False, tools)
+    assert text.startswith(f"{BOS}<|system|>\nBe terse.\n\nTools:\n{{\"name\": \"calculator\"")
+    assert ('<|assistant|>\nChecking.\n<tool_call>\n{"name": "calculator", "arguments": '
+            '{"expression": "382 + 247"}}\n</tool_call>\n<tool_call>\n{"name": "weather", '
+            '"arguments": {"city": "Zürich"}}\n</tool_call>' + END_OF_TURN) in text
+    assert f"<|user|>\n<tool_response>\n21\n</tool_response>{END_OF_TURN}" in text
+    assert template.render(conversations[0][:1], True, None) == (
+        f"{BOS}<|user|>\nWhat is 382 + 247?{END_OF_TURN}<|assistant|>\n")
 
 
 def test_heldout_split_is_stable_and_sized():

@@ -17,5 +17,5 @@ def test_checkpoint_template_renders_as_transformers_does(checkpoint):
     for gen in (True, False):
         assert template.render(messages, add_generation_prompt=gen) == \
             hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
-    with pytest.raises(ChatTemplateError, match="role must be system, user or assistant"):
-        template.render([{"role": "tool", "content": "x"}])
+    with pytest.raises(ChatTemplateError, match="role must be system, user, assistant or tool"):
+        template.render([{"role": "narrator", "content": "x"}])

@@ -185,8 +185,7 @@ def test_harmless_fields_pass_developer_is_system_and_tool_the_template_refuses(
     got = post(running, "/v1/chat/completions", {**harmless, "temperature": 0}).json()
     assert got["choices"][0]["message"] == expected["choices"][0]["message"]
     tool = {**plain, "messages": [{"role": "tool", "content": "42", "tool_call_id": "a"}]}
-    assert "role must be system, user or assistant" in error(post(
-        running, "/v1/chat/completions", tool))  # lathe's own template has no tool turns
+    assert post(running, "/v1/chat/completions", tool).status_code == 200  # a tool turn
     unknown = {**plain, "messages": [{"role": "user", "content": "Hi", "mood": "ok"}]}
     assert "messages[0].mood is not a field of a user message" in error(post(
         running, "/v1/chat/completions", unknown))

@@ -122,10 +122,20 @@ def test_bad_tool_requests_are_a_400_naming_the_field(tool_server, extra, param,
     assert named in caught.value.body["message"] and caught.value.body["param"] == param
 
 
-def test_a_template_that_ignores_tools_is_refused(client):
-    with pytest.raises(openai.BadRequestError, match="does not render tools"):
-        client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
-                                       tool_choice="none", max_tokens=4)
+def test_a_template_that_ignores_tools_is_refused(checkpoint, tmp_path):
+    template = tmp_path / "no-tools.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}"
+                        "{% endfor %}")
+    server, thread, url = start_server(checkpoint, chat_template=template)
+    try:
+        wait_healthy(url)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="does not render tools"):
+            client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
+                                           tool_choice="none", max_tokens=4)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
 
 
 CALLS = {  # parser: (what the model writes, the calls it holds)
