@@ -15,6 +15,7 @@ malformed record raises one `ConfigError` naming the file, the line (or row) and
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from lathe.data.messages import (
     normalize_tools,
 )
 from lathe.data.tasks import task_examples
+from lathe.data.tools import load_tool
 
 Tools = list[dict[str, Any]] | None
 
@@ -105,6 +107,11 @@ def _reply(value: Any, where: str) -> list[Message]:
     return messages
 
 
+@functools.cache
+def _tool_definitions(names: tuple[str, ...]) -> Tools:
+    return [load_tool(name).definition for name in names] or None
+
+
 def _task(source: str, split: str) -> str | None:
     return source[5:] if source.startswith("task:") else None
 
@@ -112,7 +119,8 @@ def _task(source: str, split: str) -> str | None:
 def load_chat_dataset(source: str, split: str = "train", limit: int | None = None) -> list[Chat]:
     if (task := _task(source, split)) is not None:
         return [Chat([{"role": "user", "content": r.prompt},
-                      {"role": "assistant", "content": r.answer}], where=f"{source} #{i}")
+                      *(r.reply or [{"role": "assistant", "content": r.answer}])],
+                     _tool_definitions(r.tools), where=f"{source} #{i}")
                 for i, r in enumerate(task_examples(task, split, limit))]
     out = []
     for where, row in _rows(source):
@@ -161,7 +169,8 @@ def load_preference_dataset(source: str, split: str = "train",
 def load_prompt_dataset(source: str, split: str = "train",
                         limit: int | None = None) -> list[PromptRow]:
     if (task := _task(source, split)) is not None:
-        return [PromptRow([{"role": "user", "content": r.prompt}], r.reference)
+        return [PromptRow([{"role": "user", "content": r.prompt}], r.reference,
+                          _tool_definitions(r.tools))
                 for r in task_examples(task, split, limit)]
     out = []
     for where, row in _rows(source):

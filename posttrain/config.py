@@ -13,6 +13,7 @@ from lathe.data.chat_template import TEMPLATE_ARGUMENTS
 from lathe.data.mixture import WeightedSource
 from lathe.model.lora import LoraSection
 from lathe.pretrain.runtime.config import TrainConfig
+from lathe.serve.tool_calls import PARSERS
 
 
 @dataclass
@@ -34,6 +35,28 @@ class TaskEvalConfig:
 
 
 @dataclass
+class ToolsConfig:
+    """Tools a stage's generations may call (GRPO's rollouts, the held-out evaluation):
+    after each assistant turn its calls are parsed, run (`lathe.data.tool_runner`) and
+    answered with tool messages, and generation goes on until a reply without calls."""
+
+    # registered names (calculator) or package.module:function; empty: no tools
+    names: list[str] = field(default_factory=list)
+    parser: str = "hermes"  # how the model writes calls (lathe.serve.tool_calls.PARSERS)
+    max_tool_turns: int = 2  # assistant turns that may call tools; the next must answer
+    seconds: float = 5.0  # a call's time limit
+    max_chars: int = 4096  # a call's output limit
+
+    def __post_init__(self) -> None:
+        if self.parser not in PARSERS:
+            raise ConfigError(f"tools.parser={self.parser!r}: choose one of {', '.join(PARSERS)}")
+        if self.max_tool_turns < 1 or self.seconds <= 0 or self.max_chars < 1:
+            raise ConfigError(f"tools.max_tool_turns={self.max_tool_turns}, tools.seconds="
+                              f"{self.seconds} and tools.max_chars={self.max_chars} must be "
+                              "positive")
+
+
+@dataclass
 class PosttrainConfig(TrainConfig):
     """What every post-training stage has: the policy checkpoint it starts from, the chat
     template it trains and evaluates through, LoRA, and the held-out task evaluation."""
@@ -46,6 +69,7 @@ class PosttrainConfig(TrainConfig):
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     lora: LoraSection = field(default_factory=LoraSection)
     task_eval: TaskEvalConfig = field(default_factory=TaskEvalConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -44,6 +44,7 @@ from lathe.posttrain.common import (
 )
 from lathe.posttrain.config import ChatStageConfig, PosttrainConfig, SFTConfig
 from lathe.posttrain.sft import sft
+from lathe.posttrain.tool_episodes import EpisodeRunner
 from lathe.pretrain.runtime.trainer import Runtime, Work
 from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.sampling import SamplingParams
@@ -162,7 +163,8 @@ def distill_logits(config: DistillConfig, teacher_checkpoint: OpenCheckpoint,
 
     train_on_batches(runtime, config, run.batches, run.collate, loss_fn, work_of, evaluate,
                      history)
-    evaluator = TaskEvaluator(config.task_eval, config.model, encoder)
+    evaluator = TaskEvaluator(config.task_eval, config.model, encoder,
+                              EpisodeRunner(encoder, config.tools))
     student_accuracy = evaluate_task(runtime, evaluator, config.lora)
     summary = finish_stage(runtime, config, model_config, history, ["kl_to_teacher"],
                            {"sources": run.contributed()})
@@ -212,7 +214,8 @@ def distill(config: DistillConfig, resume: str = "never") -> dict[str, Any]:
         summary = {**result, "student_accuracy": result["accuracy"][-1]}
     if os.environ.get("RANK", "0") != "0":  # the report is the main process's job
         return summary
-    evaluator = TaskEvaluator(config.task_eval, config.teacher, teacher_encoder)
+    evaluator = TaskEvaluator(config.task_eval, config.teacher, teacher_encoder,
+                              EpisodeRunner(teacher_encoder, config.tools))
     summary["teacher_accuracy"] = evaluator(teacher.model())["accuracy"]
     write_json(Path(config.out_dir) / "summary.json", summary)
     print(f"done: distill ({config.mode}); held-out {config.task_eval.task} accuracy: student "

@@ -47,6 +47,7 @@ from lathe.posttrain.common import (
     train_on_batches,
 )
 from lathe.posttrain.config import DPOConfig
+from lathe.posttrain.tool_episodes import EpisodeRunner
 from lathe.pretrain.runtime.trainer import Runtime
 
 
@@ -215,7 +216,8 @@ def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
     restored = runtime.start(config, resume)
     if restored is not None:
         batches.load_state_dict(restored["batches"])
-    evaluator = TaskEvaluator(config.task_eval, config.model, encoder)
+    evaluator = TaskEvaluator(config.task_eval, config.model, encoder,
+                              EpisodeRunner(encoder, config.tools))
     runtime.print(f"dpo: {len(train):,} pairs, {len(heldout)} held out, beta {config.beta}, "
                   f"{config.loss} loss"
                   + (f" + {config.rpo_alpha} × chosen NLL" if config.rpo_alpha else "")

@@ -17,6 +17,8 @@ ZeRO) sees the same batch; each rank trains on its share.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +26,6 @@ from typing import Any
 
 import torch
 from accelerate.utils import broadcast_object_list
-from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from lathe.core.errors import ConfigError
@@ -54,7 +55,8 @@ from lathe.posttrain.common import (
     stop_reached,
 )
 from lathe.posttrain.config import GRPOConfig
-from lathe.posttrain.rewards import load_reward, verifier
+from lathe.posttrain.rewards import Reward, load_reward, verifier
+from lathe.posttrain.tool_episodes import Episode, EpisodePrompt, EpisodeRunner
 from lathe.pretrain.runtime.trainer import Runtime, Work
 from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.sampling import SamplingParams
@@ -69,10 +71,11 @@ class Prompt:
 @dataclass
 class Rollout:
     prompt_ids: list[int]
-    completion_ids: list[int]
+    completion_ids: list[int]  # the model's tokens, and with tools the results' between turns
     reward: float
     correct: float
     sampled_logps: list[float]  # the engine's, at the sampling temperature
+    policy: list[bool]  # which completion tokens the model sampled (the rest carry no loss)
     advantage: float = 0.0
 
 
@@ -133,8 +136,9 @@ def per_token_logps(model: nn.Module, ids: Tensor, labels: Tensor,
 
 def collate(rollouts: list[Rollout], pad_token: int, device: torch.device) -> dict[str, Any]:
     ids = pad([r.prompt_ids + r.completion_ids for r in rollouts], pad_token).to(device)
-    labels = pad([[IGNORE_INDEX] * len(r.prompt_ids) + r.completion_ids for r in rollouts],
-                 IGNORE_INDEX).to(device)
+    labels = pad([[IGNORE_INDEX] * len(r.prompt_ids) + [
+        token if sampled else IGNORE_INDEX for token, sampled in zip(
+            r.completion_ids, r.policy, strict=True)] for r in rollouts], IGNORE_INDEX).to(device)
     sampled = pad([[0.0] * len(r.prompt_ids) + r.sampled_logps for r in rollouts], 0.0)
     return {"ids": ids, "labels": labels, "mask": labels[:, 1:] != IGNORE_INDEX,
             "sampled": sampled[:, 1:].to(device),
@@ -142,9 +146,13 @@ def collate(rollouts: list[Rollout], pad_token: int, device: torch.device) -> di
             "advantages": torch.tensor([r.advantage for r in rollouts], device=device)}
 
 
-def fit_prompts(encoder: ChatEncoder, rows: list[PromptRow], fit: PromptFit) -> list[Prompt]:
+def fit_prompts(encoder: ChatEncoder, rows: list[PromptRow], fit: PromptFit,
+                tools: list[dict[str, Any]] | None = None) -> list[Prompt]:
+    """Each row rendered with its tools (or `tools`, the stage's, when it has none) and
+    fitted; rows that do not fit are dropped or cut as `fit` says."""
     prompts = []
     for row in rows:
+        row = dataclasses.replace(row, tools=row.tools or tools)
         ids = fit(encoder.prompt(row.prompt, row.tools))
         if ids is not None:
             prompts.append(Prompt(row, ids))
@@ -155,15 +163,16 @@ POLICY_ADAPTER = "policy"  # the rollout engine's name for the policy's current 
 
 
 class RolloutGenerator:
-    """The serve engine on its own copy of the policy: G samples per prompt, scored.
-    Under LoRA the engine keeps the full-precision base and serves the policy's current
-    adapters from an adapter slot, refreshed each step without touching the base (LoRA on
-    lm_head or a mixture of experts' experts, which slots do not take, merges into a copy
-    of the base instead); never a merge into a 4-bit QLoRA base."""
+    """The serve engine on its own copy of the policy: G episodes per prompt (one turn
+    each, or with `tools` turns that call them), scored. Under LoRA the engine keeps the
+    full-precision base and serves the policy's current adapters from an adapter slot,
+    refreshed each step without touching the base (LoRA on lm_head or a mixture of
+    experts' experts, which slots do not take, merges into a copy of the base instead);
+    never a merge into a 4-bit QLoRA base."""
 
-    def __init__(self, config: GRPOConfig, opened: OpenCheckpoint, tokenizer: Tokenizer,
-                 device: torch.device, kv_dtype: torch.dtype) -> None:
-        self.config = config
+    def __init__(self, config: GRPOConfig, opened: OpenCheckpoint, encoder: ChatEncoder,
+                 episodes: EpisodeRunner, device: torch.device, kv_dtype: torch.dtype) -> None:
+        self.config, self.episodes = config, episodes
         self.rewards = [(load_reward(r.name), r.weight) for r in config.rewards]
         self.correct = verifier(config.task_eval.task)
         model = opened.model(dtype=torch.float32, device=device)
@@ -175,7 +184,7 @@ class RolloutGenerator:
             else None
         engine_config = EngineConfig(num_blocks=1024, max_loras=1, max_lora_rank=lora.r) \
             if self.adapter is not None else EngineConfig(num_blocks=1024)
-        self.engine = LLMEngine(model.eval(), tokenizer, engine_config, opened.eos_ids,
+        self.engine = LLMEngine(model.eval(), encoder.tokenizer, engine_config, opened.eos_ids,
                                 kv_dtype=kv_dtype)
 
     def refresh(self, weights: dict[str, Tensor]) -> None:
@@ -186,22 +195,45 @@ class RolloutGenerator:
             self.engine.load_weights(self.merger(weights) if self.merger is not None
                                      else weights)
 
-    def __call__(self, prompts: list[Prompt], seed: int) -> list[Rollout]:
+    def __call__(self, prompts: list[Prompt], seed: int) -> tuple[list[Rollout], dict[str, float]]:
+        """The batch's rollouts, and its episodes' tool metrics."""
         c = self.config
         params = [SamplingParams(max_tokens=c.max_completion_tokens, temperature=c.temperature,
                                  top_p=c.top_p, n=c.num_generations, seed=seed + i * 1000,
                                  logprobs=0, logprobs_at_temperature=True)
                   for i in range(len(prompts))]
-        rollouts = []
-        for prompt, done in zip(prompts, self.engine.generate(
-                [p.ids for p in prompts], params, adapter=self.adapter), strict=True):
-            row = prompt.row
-            for out in done.outputs:
-                reward = sum(w * fn(out.text, row.reference) for fn, w in self.rewards)
-                rollouts.append(Rollout(prompt.ids, out.token_ids, reward,
-                                        self.correct(out.text, row.reference),
-                                        [lp.logprob for lp in out.logprobs]))
-        return rollouts
+        groups = self.episodes.run(self.engine, [EpisodePrompt(p.ids, p.row.prompt, p.row.tools)
+                                                 for p in prompts], params, self.adapter)
+        rollouts, episodes = [], [e for group in groups for e in group]
+        for prompt, group in zip(prompts, groups, strict=True):
+            reference = prompt.row.reference
+            for e in group:
+                reward = sum(w * fn(e.answer, reference, **extra)
+                             for fn, w, extra in self._rewards(e))
+                rollouts.append(Rollout(prompt.ids, e.completion_ids, reward,
+                                        self.correct(e.answer, reference), e.logprobs,
+                                        e.policy))
+        metrics = {}
+        if self.episodes.tools is not None:
+            n = len(episodes)
+            metrics = {"tools/calls_per_episode": sum(e.tool_calls for e in episodes) / n,
+                       "tools/errors_per_episode": sum(e.tool_errors for e in episodes) / n,
+                       "tools/turns_per_episode": sum(e.turns for e in episodes) / n,
+                       "tools/unfinished": sum(e.finish_reason != "stop" for e in episodes) / n}
+        return rollouts, metrics
+
+    def _rewards(self, episode: Episode) -> list[tuple[Reward, float, dict[str, Any]]]:
+        """Each reward with its weight, and the whole episode's messages for a reward that
+        takes `messages`."""
+        return [(fn, w, {"messages": episode.messages} if _takes_messages(fn) else {})
+                for fn, w in self.rewards]
+
+
+def _takes_messages(reward: Reward) -> bool:
+    try:
+        return "messages" in inspect.signature(reward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def engine_weights(runtime: Runtime, config: GRPOConfig) -> dict[str, Tensor] | None:
@@ -243,8 +275,9 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
     model, encoder = load_policy(runtime, config, opened)
     model_config = model.config
     fit = check_lengths(config, model_config.max_seq_len)
+    episodes = EpisodeRunner(encoder, config.tools)
     prompts = fit_prompts(encoder, load_prompt_dataset(config.prompts, "train", config.limit),
-                          fit)
+                          fit, episodes.definitions())
     if len(prompts) < config.prompts_per_step:
         raise ConfigError(f"{config.prompts}: {len(prompts)} prompts left after fitting "
                           f"({fit.report()}), fewer than prompts_per_step="
@@ -258,13 +291,13 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
     restored = runtime.start(config, resume)
     if restored is not None:
         sampler.load_state_dict(restored["prompts"])
-    generator = (RolloutGenerator(config, opened, encoder.tokenizer, runtime.device,
+    generator = (RolloutGenerator(config, opened, encoder, episodes, runtime.device,
                                   runtime.compute_dtype) if runtime.is_main else None)
     opened.release()
     weights = engine_weights(runtime, config)
     if generator is not None:
         generator.refresh(weights)
-    evaluator = TaskEvaluator(config.task_eval, config.model, encoder)
+    evaluator = TaskEvaluator(config.task_eval, config.model, encoder, episodes)
     pad_token = pad_id(encoder.tokenizer)
     runtime.print(f"grpo: {len(prompts):,} prompts ({fit.report()}), "
                   f"{config.prompts_per_step} × {config.num_generations} rollouts per batch, "
@@ -298,7 +331,7 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
                          if generator is not None else None]
             broadcast_object_list(batch)
             rollout_seconds = time.perf_counter() - started
-        rollouts: list[Rollout] = batch[0]
+        rollouts, tool_metrics = batch[0]
         rewards = torch.tensor([r.reward for r in rollouts]).view(len(batch_prompts), -1)
         for rollout, advantage in zip(rollouts, group_advantages(
                 rewards, config.scale_rewards).flatten().tolist(), strict=True):
@@ -314,13 +347,14 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
         forwards = 1 + (config.beta > 0)  # old log-probs, and the reference's
         runtime.throughput.add(0, forwards / 3 * runtime.world_size * sum(
             sequence_work(model_config, m["lengths"], 0).flops for m in micro))
-        generated = sum(len(r.completion_ids) for r in rollouts)
+        generated = sum(sum(r.policy) for r in rollouts)
         rollout_metrics = {
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
             "train/accuracy": sum(r.correct for r in rollouts) / len(rollouts),
             "completion/mean_length": generated / len(rollouts),
             "rollout/tokens_per_s": generated / max(rollout_seconds, 1e-9),
             "rollout/logprob_gap": gap,
+            **tool_metrics,
         }
         for _ in range(config.updates_per_batch):
             if runtime.step >= total_steps:
@@ -345,6 +379,7 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
         if runtime.should(config.checkpoint.every):
             runtime.save({"prompts": sampler.state_dict(), "history": history})
 
+    episodes.close()
     summary = finish_stage(runtime, config, model_config, history, ["reward", "heldout_accuracy"],
                            {"prompt_fit": fit.counts()})
     if runtime.is_main:

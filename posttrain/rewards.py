@@ -51,7 +51,8 @@ REWARDS: dict[str, Reward] = {"exact_number": exact_number, "digit_match": digit
                               "number_only_format": number_only_format,
                               "length_penalty": length_penalty}
 VERIFIERS: dict[str, Reward] = {"arithmetic": exact_number, "arithmetic3": exact_number,
-                                "arithmetic3x3": exact_number, "stdlib_qa": exact_text}
+                                "arithmetic3x3": exact_number, "arithmetic3_tool": exact_number,
+                                "arithmetic3x3_tool": exact_number, "stdlib_qa": exact_text}
 
 
 def load_reward(name: str) -> Reward:

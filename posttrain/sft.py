@@ -29,6 +29,7 @@ from lathe.posttrain.common import (
     train_on_batches,
 )
 from lathe.posttrain.config import SFTConfig
+from lathe.posttrain.tool_episodes import EpisodeRunner
 from lathe.pretrain.runtime.trainer import Runtime
 
 
@@ -61,7 +62,8 @@ def sft(config: SFTConfig, resume: str = "never") -> dict[str, Any]:
     model, encoder = load_policy(runtime, config)
     model_config = model.config
     run = start_chat_run(runtime, config, model, encoder, resume)
-    evaluator = TaskEvaluator(config.task_eval, config.model, encoder)
+    evaluator = TaskEvaluator(config.task_eval, config.model, encoder,
+                              EpisodeRunner(encoder, config.tools))
     runtime.print(f"sft: {len(run.train):,} chats ({run.mean_len:.0f} tokens on average), "
                   f"{len(run.heldout)} held out; {runtime.total_steps} steps on "
                   f"{runtime.setup['device']}"

@@ -1,8 +1,8 @@
 """Embedded post-training tasks, generated deterministically so every machine trains and
-evaluates on the same rows: multi-digit arithmetic with verifiable answers, questions
-about standard-library functions answered by their docstrings' first sentence, and
-preference pairs (the right answer chosen over a wrong one). Every task has a `train`
-and a held-out `test` split, decided by a hash of the question."""
+evaluates on the same rows: multi-digit arithmetic with verifiable answers (also answered
+through the calculator tool), questions about standard-library functions answered by their
+docstrings' first sentence, and preference pairs (the right answer chosen over a wrong one).
+Every task has a `train` and a held-out `test` split, decided by a hash of the question."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import random
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from lathe.core.errors import ConfigError
 
@@ -22,6 +23,10 @@ class TaskExample:
     prompt: str  # the user's message
     answer: str  # the assistant's reply (SFT target, chosen side of a preference pair)
     reference: str  # what a verifier compares against (the number, the sentence)
+    # with tools: the messages that answer the prompt (the assistant's calls, the tools'
+    # results, then `answer`), and the names of the tools offered (lathe.data.tools)
+    reply: tuple[dict[str, Any], ...] = ()
+    tools: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -41,18 +46,22 @@ def check_split(split: str) -> None:
 
 
 def task_examples(name: str, split: str, limit: int | None = None) -> list[TaskExample]:
-    """Rows of an embedded task (`arithmetic`, `arithmetic3`, `arithmetic3x3` or
+    """Rows of an embedded task (`arithmetic`, `arithmetic3`, `arithmetic3x3`, the last two
+    answered through the calculator as `arithmetic3_tool` and `arithmetic3x3_tool`, or
     `stdlib_qa`), or of a mixture `A+B`: every row of each, interleaved in a seeded order,
     then cut to `limit`."""
     from lathe.data.tasks.arithmetic import (
         arithmetic3_examples,
+        arithmetic3_tool_examples,
         arithmetic3x3_examples,
+        arithmetic3x3_tool_examples,
         arithmetic_examples,
     )
     from lathe.data.tasks.stdlib_qa import stdlib_qa_examples
     tasks: dict[str, Callable[[str, int | None], list[TaskExample]]] = {
         "arithmetic": arithmetic_examples, "arithmetic3": arithmetic3_examples,
-        "arithmetic3x3": arithmetic3x3_examples, "stdlib_qa": stdlib_qa_examples}
+        "arithmetic3x3": arithmetic3x3_examples, "arithmetic3_tool": arithmetic3_tool_examples,
+        "arithmetic3x3_tool": arithmetic3x3_tool_examples, "stdlib_qa": stdlib_qa_examples}
     names = name.split("+")
     unknown = [n for n in names if n not in tasks]
     if unknown:

@@ -2,7 +2,9 @@
 ("What is 47 + 85?" -> "132"); `arithmetic3`, up to three digits ("What is 604 - 87?" ->
 "517"); and `arithmetic3x3`, the slice of `arithmetic3` whose operands both have three digits
 ("What is 604 - 387?" -> "217"), its hardest problems, which GRPO has room to improve on once
-the rest saturate.
+the rest saturate. `arithmetic3_tool` and `arithmetic3x3_tool` are the same problems (and
+splits) answered through the calculator tool: the assistant calls `calculator` with the
+question's expression, reads its result and answers with it.
 
 All 15,050 two-digit problems exist in a fixed shuffled order; the three-digit task is a
 fixed seeded sample of 60,000 of its ~1.5 million. About 10 % of each are held out by a
@@ -14,6 +16,7 @@ from __future__ import annotations
 import random
 import re
 
+from lathe.data.calculator import calculator
 from lathe.data.tasks import PreferencePair, TaskExample, split_of
 
 MAX_OPERAND = 99  # two-digit operands: 10,000 sums and 5,050 non-negative differences
@@ -75,6 +78,31 @@ def arithmetic3x3_examples(split: str, limit: int | None = None) -> list[TaskExa
     problems = [(question, result) for question, result in three_digit_problems()
                 if all(len(operand) == 3 for operand in NUMBER.findall(question))]
     return _examples(problems, split, limit)
+
+
+def with_calculator(rows: list[TaskExample]) -> list[TaskExample]:
+    """Each problem answered through the calculator: a call with the question's expression,
+    the tool's result (computed here by the tool itself), then the result as the answer."""
+    out = []
+    for row in rows:
+        expression = row.prompt.removeprefix("What is ").removesuffix("?")
+        result = calculator(expression)
+        call = {"type": "function", "id": "call_0",
+                "function": {"name": "calculator", "arguments": {"expression": expression}}}
+        reply = ({"role": "assistant", "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": "call_0", "name": "calculator",
+                  "content": result},
+                 {"role": "assistant", "content": result})
+        out.append(TaskExample(row.prompt, result, row.reference, reply, ("calculator",)))
+    return out
+
+
+def arithmetic3_tool_examples(split: str, limit: int | None = None) -> list[TaskExample]:
+    return with_calculator(arithmetic3_examples(split, limit))
+
+
+def arithmetic3x3_tool_examples(split: str, limit: int | None = None) -> list[TaskExample]:
+    return with_calculator(arithmetic3x3_examples(split, limit))
 
 
 def extract_number(text: str) -> int | None:
