@@ -1,0 +1,161 @@
+"""Multi-turn episodes with tools on the serve engine: a scripted model (logits fixed by
+position) gives the exact expected transcript and token split; tool results carry no loss
+in GRPO's batch; hostile tools and endless calling end cleanly; turns reuse the prefix
+cache."""
+
+from __future__ import annotations
+
+import torch
+
+from lathe.data.chat_encoding import chat_encoder
+from lathe.data.tools import load_tool
+from lathe.model import ModelConfig, Transformer
+from lathe.model.checkpoint import read_eos_ids
+from lathe.model.transformer import IGNORE_INDEX
+from lathe.posttrain.config import ToolsConfig
+from lathe.posttrain.grpo import Rollout, collate
+from lathe.posttrain.tool_episodes import EpisodePrompt, EpisodeRunner
+from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.sampling import SamplingParams
+
+COUNTER = "tests.data.tools_for_tests:counter"
+HANGS = "tests.data.tools_for_tests:hangs"
+
+
+class Scripted(Transformer):
+    """A real model whose logits are replaced by a script: after the token at position p
+    comes `script[p]`, else the end of turn. Every row of a batch reads the same script."""
+
+    def __init__(self, config: ModelConfig, end_of_turn: int) -> None:
+        super().__init__(config)
+        self.script: dict[int, int] = {}
+        self.end_of_turn = end_of_turn
+
+    def write(self, start: int, ids: list[int]) -> None:
+        """Script `ids` to follow position `start`."""
+        for offset, token in enumerate(ids):
+            self.script[start + offset] = token
+
+    def forward(self, input_ids, labels=None, positions=None, kv_cache=None,
+                logits_to_keep=None, **kwargs):
+        out = super().forward(input_ids, labels, positions, kv_cache, logits_to_keep, **kwargs)
+        where = kv_cache.prepare(input_ids, positions)[0]
+        kept = where[logits_to_keep] if logits_to_keep is not None else where
+        logits = torch.full_like(out.logits, -1e4)
+        for row, position in enumerate(kept.tolist()):
+            logits[0, row, self.script.get(position, self.end_of_turn)] = 0.0
+        return out._replace(logits=logits)
+
+
+def setup(base, names, max_tool_turns=2):
+    encoder = chat_encoder(base)
+    vocab = encoder.tokenizer.get_vocab_size(with_added_tokens=True)
+    eos = read_eos_ids(base, vocab)
+    torch.manual_seed(0)
+    model = Scripted(ModelConfig.from_preset("tiny", vocab_size=vocab, n_layers=1,
+                                              max_seq_len=512), eos[0]).eval()
+    engine = LLMEngine(model, encoder.tokenizer, EngineConfig(num_blocks=128), eos)
+    runner = EpisodeRunner(encoder, ToolsConfig(names=names, seconds=1.0,
+                                                max_tool_turns=max_tool_turns))
+    return encoder, model, engine, runner, eos[0]
+
+
+def call_text(name: str, arguments: str) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+
+
+def test_a_scripted_episode_is_the_expected_transcript(base):
+    encoder, model, engine, runner, eot = setup(base, [COUNTER])
+    tools = [load_tool(COUNTER).definition]
+    question = [{"role": "user", "content": "Count on from 41."}]
+    prompt = encoder.prompt(question, tools)
+    turn1 = encoder.encode(call_text("counter", '{"start": 41}')) + [eot]
+    call = {"type": "function", "id": "call_1_0",
+            "function": {"name": "counter", "arguments": {"start": 41}}}
+    conversation = question + [{"role": "assistant", "tool_calls": [call]},
+                               {"role": "tool", "tool_call_id": "call_1_0", "name": "counter",
+                                "content": "42"}]
+    before_answer = encoder.prompt(conversation, tools)  # through the next generation prompt
+    tool_tokens = before_answer[len(prompt) + len(turn1):]
+    assert before_answer[:len(prompt) + len(turn1)] == prompt + turn1
+    turn2 = encoder.encode("It is 42.") + [eot]
+    model.write(len(prompt) - 1, turn1)
+    model.write(len(before_answer) - 1, turn2)
+
+    params = SamplingParams(max_tokens=200, temperature=0, logprobs=0)
+    [[episode]] = runner.run(engine, [EpisodePrompt(prompt, question, tools)], [params])
+    assert episode.completion_ids == turn1 + tool_tokens + turn2
+    assert episode.policy == [True] * len(turn1) + [False] * len(tool_tokens) + [True] * len(
+        turn2)
+    full = conversation + [{"role": "assistant", "content": "It is 42."}]
+    assert episode.messages == full
+    # the whole episode is the template's rendering of the conversation, token for token
+    assert prompt + episode.completion_ids == encoder.encode(
+        encoder.render(full, tools, add_generation_prompt=False))
+    assert (episode.answer, episode.turns, episode.tool_calls, episode.tool_errors,
+            episode.finish_reason) == ("It is 42.", 2, 1, 0, "stop")
+    assert episode.transcript() == '[counter({"start": 41})] [-> 42] It is 42.'
+    assert len(episode.logprobs) == len(episode.completion_ids)
+    assert engine.stats()["prefix_cache_hits"] > 0  # turn 2 reused turn 1's blocks
+
+    # in GRPO's batch the tool's tokens carry no loss; the model's do
+    rollout = Rollout(prompt, episode.completion_ids, 1.0, 1.0, episode.logprobs,
+                      episode.policy)
+    labels = collate([rollout], 0, torch.device("cpu"))["labels"][0].tolist()
+    start = len(prompt)
+    assert labels[:start] == [IGNORE_INDEX] * start
+    assert labels[start:] == turn1 + [IGNORE_INDEX] * len(tool_tokens) + turn2
+    runner.close()
+
+
+def test_endless_calls_and_hostile_tools_end_the_episode_cleanly(base):
+    encoder, model, engine, runner, eot = setup(base, [COUNTER, HANGS], max_tool_turns=2)
+    tools = [load_tool(HANGS).definition]  # offered; the runner also has the counter
+    question = [{"role": "user", "content": "Go."}]
+    prompt = encoder.prompt(question, tools)
+    # the model calls `hangs` at every turn: each result is an error, and the third turn
+    # (past max_tool_turns) ends the episode without running its call
+    turn = encoder.encode(call_text("hangs", "{}")) + [eot]
+    model.write(len(prompt) - 1, turn)
+    messages = question + [{"role": "assistant", "tool_calls": [{
+        "type": "function", "id": "call_1_0", "function": {"name": "hangs", "arguments": {}}}]},
+        {"role": "tool", "tool_call_id": "call_1_0", "name": "hangs",
+         "content": "error: hangs did not finish within 1 s; it was stopped"}]
+    second = len(encoder.prompt(messages, tools))
+    model.write(second - 1, turn)
+    messages[1:] += [{"role": "assistant", "tool_calls": [{
+        "type": "function", "id": "call_2_0", "function": {"name": "hangs", "arguments": {}}}]},
+        {**messages[2], "tool_call_id": "call_2_0"}]
+    model.write(len(encoder.prompt(messages, tools)) - 1, turn)
+    [[episode]] = runner.run(engine, [EpisodePrompt(prompt, question, tools)],
+                             [SamplingParams(max_tokens=300, temperature=0)])
+    assert (episode.turns, episode.tool_calls, episode.tool_errors, episode.finish_reason) == (
+        3, 3, 2, "tool_turns")
+    assert episode.answer == ""
+    assert sum(episode.policy) == 3 * len(turn)
+    # a budget too small for the tool's result ends the episode after the first turn
+    model.script.clear()
+    tools = [load_tool(COUNTER).definition]
+    prompt = encoder.prompt(question, tools)
+    counting = encoder.encode(call_text("counter", '{"start": 1}')) + [eot]
+    model.write(len(prompt) - 1, counting)
+    [[short]] = runner.run(engine, [EpisodePrompt(prompt, question, tools)],
+                           [SamplingParams(max_tokens=len(counting) + 3, temperature=0)])
+    assert (short.turns, short.tool_calls, short.finish_reason) == (1, 1, "length")
+    assert short.completion_ids == counting and short.messages[-1]["role"] == "tool"
+    runner.close()
+
+
+def test_without_tools_an_episode_is_the_engines_completion(base):
+    encoder, model, engine, runner, eot = setup(base, [])
+    prompt = encoder.prompt([{"role": "user", "content": "Hi"}])
+    params = [SamplingParams(max_tokens=8, temperature=1.0, n=3, seed=5, logprobs=0)]
+    model.script.clear()
+    for p in range(len(prompt) - 1, len(prompt) + 8):
+        model.script[p] = 100 + p % 7
+    [group] = runner.run(engine, [EpisodePrompt(prompt, [{"role": "user", "content": "Hi"}])],
+                         params)
+    [direct] = engine.generate([prompt], params)
+    assert [e.completion_ids for e in group] == [o.token_ids for o in direct.outputs]
+    assert [e.answer for e in group] == [o.text for o in direct.outputs]
+    assert all(all(e.policy) and e.turns == 1 for e in group)
