@@ -4,6 +4,11 @@ Both back ends take the conversation so far and yield the reply's text as it is
 generated: `LocalChat` runs an `LLMEngine` in-process through the checkpoint's chat
 template, `RemoteChat` reads Server-Sent Events from `/v1/chat/completions`. The loop
 keeps the history and understands `/reset`, `/system TEXT` and `/quit`.
+
+With tools to run (`lathe chat URL --tool calculator`), a reply that calls them is answered
+as an OpenAI client would: the calls run here (`lathe.data.tool_runner`, bounded child
+processes), their results go back as tool messages, and the server is asked again, until
+a reply without calls (at most `MAX_TOOL_TURNS` rounds).
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ from typing import Any, Protocol
 import httpx
 
 from lathe.data.chat_encoding import chat_encoder
+from lathe.data.tool_runner import ToolRunner
 from lathe.serve.engine import LLMEngine
 from lathe.serve.quant import QuantMode
 from lathe.serve.sampling import SamplingParams
 
 HELP = "commands: /reset (forget the conversation), /system TEXT (set the system prompt), /quit"
+MAX_TOOL_TURNS = 4
 
 
 class ChatBackend(Protocol):
@@ -49,7 +56,8 @@ class LocalChat:
 
 class RemoteChat:
     """`tools`: OpenAI tool definitions sent with every request; the calls the model makes
-    are shown as `[tool call NAME(ARGUMENTS)]` (running them is the caller's business)."""
+    are shown as `[tool call NAME(ARGUMENTS)]` and kept in `calls` (OpenAI's form) for the
+    caller to run."""
 
     def __init__(self, url: str, api_key: str | None = None, model: str | None = None,
                  tools: list[dict[str, Any]] | None = None) -> None:
@@ -57,6 +65,7 @@ class RemoteChat:
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model = model or self._first_model()
         self.tools = tools
+        self.calls: list[dict[str, Any]] = []
 
     def _first_model(self) -> str:
         response = httpx.get(f"{self.base}/models", headers=self.headers, timeout=30)
@@ -67,6 +76,7 @@ class RemoteChat:
         body = {"model": self.model, "messages": messages, "stream": True, **sampling}
         if self.tools:
             body["tools"] = self.tools
+        self.calls = []
         with httpx.stream("POST", f"{self.base}/chat/completions", json=body,
                           headers=self.headers, timeout=None) as response:
             if response.status_code != 200:
@@ -82,6 +92,8 @@ class RemoteChat:
                     yield choice["delta"].get("content") or ""
                     for call in choice["delta"].get("tool_calls") or []:
                         function = call.get("function", {})
+                        self.calls.append({"type": "function", "id": call.get("id"),
+                                           "function": function})
                         yield (f"\n[tool call {function.get('name')}"
                                f"({function.get('arguments', '')})]")
 
@@ -95,14 +107,29 @@ def _raise_for_error(response: httpx.Response) -> None:
         raise RuntimeError(f"server answered {response.status_code}: {message}")
 
 
-def say(backend: ChatBackend, messages: list[dict[str, str]], sampling: dict[str, Any],
-        write: Callable[[str], Any]) -> str:
-    """Stream one reply to `write` and return it whole."""
-    parts = []
-    for text in backend.reply(messages, sampling):
-        parts.append(text)
-        write(text)
-    return "".join(parts)
+def say(backend: ChatBackend, messages: list[dict[str, Any]], sampling: dict[str, Any],
+        write: Callable[[str], Any], tools: ToolRunner | None = None) -> list[dict[str, Any]]:
+    """Stream one reply to `write`; with `tools`, run the calls it makes, show their
+    results as `[NAME -> RESULT]`, and ask again. Returns the messages the reply added
+    (the calls and their results, then the answer)."""
+    added: list[dict[str, Any]] = []
+    for _ in range(MAX_TOOL_TURNS + 1):
+        parts = []
+        for text in backend.reply(messages + added, sampling):
+            parts.append(text)
+            write(text)
+        calls = getattr(backend, "calls", []) if tools is not None else []
+        if not calls:
+            added.append({"role": "assistant", "content": "".join(parts)})
+            return added
+        added.append({"role": "assistant", "tool_calls": calls})
+        results = tools.run_many([(c["function"].get("name", ""),
+                                   c["function"].get("arguments") or "{}") for c in calls])
+        for call, result in zip(calls, results, strict=True):
+            write(f"\n[{call['function'].get('name')} -> {result.content}]\n")
+            added.append({"role": "tool", "tool_call_id": call["id"], "content": result.content})
+    write(f"\n(stopped after {MAX_TOOL_TURNS} rounds of tool calls)")
+    return added
 
 
 def write_stdout(text: str) -> None:
@@ -110,8 +137,8 @@ def write_stdout(text: str) -> None:
 
 
 def chat_loop(backend: ChatBackend, sampling: dict[str, Any], system: str | None,
-              read: Callable[[str], str] = input,
-              write: Callable[[str], Any] = write_stdout) -> list[dict[str, str]]:
+              read: Callable[[str], str] = input, write: Callable[[str], Any] = write_stdout,
+              tools: ToolRunner | None = None) -> list[dict[str, Any]]:
     """Run the conversation until /quit or end of input; returns the final history."""
     history: list[dict[str, str]] = []
     write(HELP + "\n")
@@ -137,8 +164,8 @@ def chat_loop(backend: ChatBackend, sampling: dict[str, Any], system: str | None
         messages = ([{"role": "system", "content": system}] if system else []) + history
         write("assistant> ")
         try:
-            answer = say(backend, messages, sampling, write)
+            added = say(backend, messages, sampling, write, tools)
         except KeyboardInterrupt:
-            answer = ""
+            added = [{"role": "assistant", "content": ""}]
         write("\n")
-        history.append({"role": "assistant", "content": answer})
+        history += added

@@ -222,10 +222,20 @@ def chat_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tools", type=Path, metavar="FILE",
                         help="servers: a JSON list of OpenAI tool definitions to offer the "
                              "model; its calls are shown, not run")
+    parser.add_argument("--tool", action="append", default=[], metavar="NAME",
+                        help="servers: a tool to offer the model and run when it calls it, "
+                             "in a bounded child process (calculator, or "
+                             "package.module:function); repeatable")
     args = parser.parse_args(argv)
     tools = _read_tools(args.tools) if args.tools is not None else None
+    from lathe.data.tool_runner import ToolRunner
+    from lathe.data.tools import load_tools
     from lathe.serve.chat import LocalChat, RemoteChat, chat_loop, say, write_stdout
     from lathe.serve.sampling import SamplingError, SamplingParams
+
+    runner = ToolRunner(load_tools(args.tool)) if args.tool else None
+    if runner is not None:
+        tools = (tools or []) + runner.definitions()
 
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                 "max_tokens": args.max_tokens, "seed": args.seed}
@@ -240,17 +250,17 @@ def chat_main(argv: Sequence[str] | None = None) -> int:
         backend = RemoteChat(args.target, args.api_key, args.model, tools)
     else:
         if tools is not None:
-            raise ConfigError("--tools is for a server (lathe serve --tool-call-parser ...); "
-                              "a local checkpoint chats without tools")
+            raise ConfigError("--tools and --tool are for a server (lathe serve "
+                              "--tool-call-parser ...); a local checkpoint chats without tools")
         read_model_config(args.target)
         backend = LocalChat(Path(args.target), args.quantize, args.chat_template)
     if args.prompt is not None:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}]
-        say(backend, messages, sampling, write_stdout)
+        say(backend, messages, sampling, write_stdout, runner)
         print()
         return 0
-    chat_loop(backend, sampling, args.system)
+    chat_loop(backend, sampling, args.system, tools=runner)
     return 0
 
 

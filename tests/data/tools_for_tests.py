@@ -67,3 +67,8 @@ def exits() -> str:
 def counter(start: int) -> int:
     """One more than start."""
     return start + 1
+
+
+def add(a: int, b: int) -> int:
+    """Add two numbers."""
+    return a + b

@@ -204,8 +204,36 @@ def test_lathe_chat_shows_the_calls_a_server_streams(tool_server):
 
     url = str(tool_server.base_url).removesuffix("/v1/")
     chat = RemoteChat(url, model="tiny", tools=TOOLS)
-    shown = say(chat, MESSAGES, {"max_tokens": 96, "temperature": 0, "tool_choice": "required",
-                                 "parallel_tool_calls": False}, lambda _: None)
+    written: list[str] = []
+    say(chat, MESSAGES, {"max_tokens": 96, "temperature": 0, "tool_choice": "required",
+                         "parallel_tool_calls": False}, written.append)
+    shown = "".join(written)
     name, arguments = shown.strip().removeprefix("[tool call ").removesuffix(")]").split("(", 1)
     assert name in ("add", "shout")
     jsonschema.validate(json.loads(arguments), schema_of(name))
+
+
+def test_lathe_chat_runs_the_calls_and_sends_their_results_back(tool_server, monkeypatch):
+    """`lathe chat --tool`: each call the server streams runs here and goes back as a tool
+    message; a model forced to call at every turn is stopped after MAX_TOOL_TURNS rounds."""
+    from lathe.data.tool_runner import ToolRunner
+    from lathe.data.tools import load_tools
+    from lathe.serve.chat import RemoteChat, say
+
+    monkeypatch.setattr("lathe.serve.chat.MAX_TOOL_TURNS", 2)  # the context holds three
+
+    url = str(tool_server.base_url).removesuffix("/v1/")
+    chat = RemoteChat(url, model="tiny", tools=TOOLS[:1])
+    written: list[str] = []
+    with ToolRunner(load_tools(["tests.data.tools_for_tests:add"])) as runner:
+        added = say(chat, MESSAGES, {"max_tokens": 96, "temperature": 0,
+                                     "tool_choice": "required", "parallel_tool_calls": False},
+                    written.append, runner)
+    assert [m["role"] for m in added] == ["assistant", "tool"] * 3
+    for call_message, result in zip(added[::2], added[1::2], strict=True):
+        [call] = call_message["tool_calls"]
+        arguments = json.loads(call["function"]["arguments"])
+        assert result == {"role": "tool", "tool_call_id": call["id"],
+                          "content": str(arguments["a"] + arguments["b"])}
+        assert f"[add -> {result['content']}]" in "".join(written)
+    assert "stopped after" in written[-1]
