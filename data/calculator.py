@@ -32,7 +32,7 @@ def calculator(expression: str) -> str:
     """Exact arithmetic.
 
     Args:
-        expression: e.g. "(1.5 - 0.25) * 4"
+        expression: e.g. "2 * (3 - 0.5)"
     """
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise ValueError(f"the expression has {len(expression)} characters; the calculator "

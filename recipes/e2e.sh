@@ -42,17 +42,20 @@ lathe init --from-teacher "$OUT/grpo/final" --keep-layers 0,-1 --out "$OUT/stude
 lathe distill --config recipes/distill/e2e.yaml --out_dir "$OUT/distill" \
     --model "$OUT/student" --teacher "$OUT/grpo/final"
 
+echo "== tools: the chat model learns to call the calculator (SFT on calculator chats),"
+echo "   then GRPO with multi-turn tool rollouts -> $OUT/sft-tools, $OUT/grpo-tools"
+lathe sft --config recipes/sft/tools.yaml --out_dir "$OUT/sft-tools" --model "$OUT/grpo/final"
+lathe grpo --config recipes/grpo/tools.yaml --out_dir "$OUT/grpo-tools" \
+    --model "$OUT/sft-tools/final"
+
 echo "== report: each stage's metric, curves and samples -> $OUT/report.md"
 lathe report "$OUT"
 
-echo "== serve: the chat model behind the OpenAI-compatible API, its student drafting"
-echo "   speculative tokens, one chat request, then stop"
 PORT=${PORT:-8765}
-lathe serve "$OUT/grpo/final" --draft "$OUT/distill/final" --num-speculative-tokens 3 \
-    --port "$PORT" --log-level warning > "$OUT/serve.log" 2>&1 &
-SERVER=$!
-trap 'kill $SERVER 2>/dev/null || true' EXIT
-python - "$PORT" <<'PY'
+SERVER=
+trap 'if [ -n "$SERVER" ]; then kill $SERVER 2>/dev/null || true; fi' EXIT
+wait_healthy() {
+    python - "$PORT" <<'PY'
 import sys, time, urllib.request
 url = f"http://127.0.0.1:{sys.argv[1]}/health"
 for _ in range(300):
@@ -64,6 +67,14 @@ for _ in range(300):
 else:
     sys.exit("lathe serve did not become healthy; see its log")
 PY
+}
+
+echo "== serve: the chat model behind the OpenAI-compatible API, its student drafting"
+echo "   speculative tokens, one chat request, then stop"
+lathe serve "$OUT/grpo/final" --draft "$OUT/distill/final" --num-speculative-tokens 3 \
+    --port "$PORT" --log-level warning > "$OUT/serve.log" 2>&1 &
+SERVER=$!
+wait_healthy
 lathe chat "http://127.0.0.1:$PORT" --prompt "What is 382 + 247?" --max-tokens 8 --temperature 0
 python - "$PORT" <<'PY'
 import sys, urllib.request
@@ -71,4 +82,14 @@ text = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics").read().
 print(*(line for line in text.splitlines() if line.startswith("lathe:spec_decode_")), sep="\n")
 PY
 kill "$SERVER" && wait "$SERVER" 2>/dev/null || true
-echo "== done: $OUT/grpo/final served; server log in $OUT/serve.log"
+
+echo "== serve the tool model: one question through the OpenAI tool-calling API; the model"
+echo "   calls the calculator, lathe chat runs it and sends the result back, the model answers"
+lathe serve "$OUT/grpo-tools/final" --tool-call-parser hermes --port "$PORT" \
+    --log-level warning > "$OUT/serve-tools.log" 2>&1 &
+SERVER=$!
+wait_healthy
+lathe chat "http://127.0.0.1:$PORT" --tool calculator --prompt "What is 382 + 247?" \
+    --max-tokens 80 --temperature 0
+kill "$SERVER" && wait "$SERVER" 2>/dev/null || true
+echo "== done: $OUT/grpo/final and $OUT/grpo-tools/final served; server logs in $OUT/serve*.log"

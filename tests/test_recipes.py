@@ -30,3 +30,5 @@ def test_the_readme_run_uses_recipes_that_exist():
     for stage in STAGES:
         assert f"recipes/{stage}/e2e.yaml" in script, stage
         assert (ROOT / "recipes" / stage / "e2e.yaml").is_file(), stage
+    for recipe in ("recipes/sft/tools.yaml", "recipes/grpo/tools.yaml"):  # the tool stage
+        assert recipe in script and (ROOT / recipe).is_file(), recipe

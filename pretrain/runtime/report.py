@@ -5,9 +5,10 @@ in `RUN_DIR/<stage>/`), so any finished or half-finished run can have one.
 At the top: the environment (lathe commit, torch, device). Then the table a person reads
 first — each stage's own metric at its start and end (pretraining val bits-per-byte,
 held-out task accuracy after SFT, DPO and GRPO, DPO's held-out preference accuracy, GRPO's
-mean reward, the distilled student against its teacher) — then the curves: losses and
-val bpb, learning rate, tokens/s, task accuracy, GRPO reward and accuracy, DPO margins,
-and samples from the first and last evaluation of each stage.
+mean reward, the distilled student against its teacher, and the tool stage's accuracy with
+the calculator beside GRPO's without it) — then the curves: losses and val bpb, learning
+rate, tokens/s, task accuracy, GRPO reward and accuracy, the tool stage's reward and calls,
+DPO margins, and samples from the first and last evaluation of each stage.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ import torch
 from lathe.core.atomic import atomic_file
 from lathe.core.errors import ConfigError
 
-STAGES = ("pretrain", "sft", "dpo", "grpo", "distill")
+# the README run's stages; sft-tools and grpo-tools are its tool stage (SFT on calculator
+# chats, then GRPO with multi-turn tool rollouts), measured against grpo without the tool
+STAGES = ("pretrain", "sft", "dpo", "grpo", "distill", "sft-tools", "grpo-tools")
 Curve = tuple[str, list[int], list[float]]  # label, steps, values
 
 
@@ -133,6 +136,20 @@ def stage_table(stages: dict[str, Stage]) -> list[tuple[str, str, str, str]]:
                          f"{teacher:.1%}"))
         add("distill", "held-out KL to teacher", _first_last(s.values("eval/kl_to_teacher")),
             False)
+    if (s := stages.get("sft-tools")) is not None:
+        add("sft-tools", accuracy(s), _first_last(s.values("eval/accuracy")), True)
+    if (s := stages.get("grpo-tools")) is not None:
+        add("grpo-tools", accuracy(s), _first_last(s.values("eval/accuracy")), True)
+        without = stages.get("grpo")
+        if without is not None and without.values("eval/accuracy") and s.values("eval/accuracy"):
+            add("grpo-tools", "held-out accuracy: grpo without a tool / with the calculator",
+                (without.values("eval/accuracy")[-1], s.values("eval/accuracy")[-1]), True)
+        for key, what in (("tools/calls_per_episode", "tool calls per episode"),
+                          ("tools/errors_per_episode", "tool errors per episode")):
+            values = s.values(key)
+            if values:
+                add("grpo-tools", f"{what} (first / last 5 batches)",
+                    (_mean(values[:5]), _mean(values[-5:])), False)
     return rows
 
 
@@ -189,6 +206,12 @@ def plots(stages: dict[str, Stage], folder: Path) -> list[tuple[str, str]]:
                                        of("grpo", "train/accuracy", "rollout accuracy"),
                                        of("grpo", "eval/accuracy", "held-out accuracy")],
          "reward / accuracy", False),
+        ("tools.png", "GRPO with the calculator: multi-turn tool rollouts",
+         [of("grpo-tools", "reward/mean", "mean reward"),
+          of("grpo-tools", "eval/accuracy", "held-out accuracy"),
+          of("grpo-tools", "tools/calls_per_episode", "tool calls per episode"),
+          of("grpo-tools", "tools/errors_per_episode", "tool errors per episode")],
+         "reward / accuracy / count", False),
         ("dpo.png", "DPO", [of("dpo", "rewards/margins", "reward margin"),
                             of("dpo", "eval/preference_accuracy", "held-out preference acc.")],
          "margin / accuracy", False),
@@ -203,7 +226,8 @@ def plots(stages: dict[str, Stage], folder: Path) -> list[tuple[str, str]]:
 def samples_section(stages: dict[str, Stage]) -> list[str]:
     lines = []
     for name, key in (("pretrain", "samples"), ("sft", "eval/samples"), ("dpo", "eval/samples"),
-                      ("grpo", "eval/samples")):
+                      ("grpo", "eval/samples"), ("sft-tools", "eval/samples"),
+                      ("grpo-tools", "eval/samples")):
         stage = stages.get(name)
         texts = stage.texts(key) if stage is not None else []
         if not texts:
