@@ -18,6 +18,7 @@ ZeRO) sees the same batch; each rank trains on its share.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import time
 from collections.abc import Sequence
@@ -208,8 +209,7 @@ class RolloutGenerator:
         for prompt, group in zip(prompts, groups, strict=True):
             reference = prompt.row.reference
             for e in group:
-                reward = sum(w * fn(e.answer, reference, **extra)
-                             for fn, w, extra in self._rewards(e))
+                reward = episode_reward(self.rewards, e, reference)
                 rollouts.append(Rollout(prompt.ids, e.completion_ids, reward,
                                         self.correct(e.answer, reference), e.logprobs,
                                         e.policy))
@@ -222,13 +222,17 @@ class RolloutGenerator:
                        "tools/unfinished": sum(e.finish_reason != "stop" for e in episodes) / n}
         return rollouts, metrics
 
-    def _rewards(self, episode: Episode) -> list[tuple[Reward, float, dict[str, Any]]]:
-        """Each reward with its weight, and the whole episode's messages for a reward that
-        takes `messages`."""
-        return [(fn, w, {"messages": episode.messages} if _takes_messages(fn) else {})
-                for fn, w in self.rewards]
+
+def episode_reward(rewards: list[tuple[Reward, float]], episode: Episode,
+                   reference: str) -> float:
+    """The weighted sum of `rewards` on the episode's answer; a reward that takes
+    `messages` is also given the whole episode's (its tool calls and results)."""
+    return sum(weight * reward(episode.answer, reference, **(
+        {"messages": episode.messages} if _takes_messages(reward) else {}))
+        for reward, weight in rewards)
 
 
+@functools.cache
 def _takes_messages(reward: Reward) -> bool:
     try:
         return "messages" in inspect.signature(reward).parameters

@@ -1,14 +1,15 @@
 """Verifiable rewards for GRPO and task accuracy: a registry of small functions
-`(completion, reference) -> float`, and loading a user's own by `module:function`."""
+`(completion, reference) -> float`, and loading a user's own by `module:function` (one
+that also takes `messages` is given the whole episode's, tool calls and results included)."""
 
 from __future__ import annotations
 
-import importlib
 import re
 from collections.abc import Callable
 
 from lathe.core.errors import ConfigError
 from lathe.data.tasks.arithmetic import extract_number
+from lathe.data.tools import import_function
 
 Reward = Callable[[str, str], float]
 
@@ -59,17 +60,10 @@ def load_reward(name: str) -> Reward:
     """A registered reward, or `package.module:function` for one of your own."""
     if name in REWARDS:
         return REWARDS[name]
-    module_name, _, function = name.partition(":")
-    if not function:
+    if ":" not in name:
         raise ConfigError(f"reward {name!r}: not one of {', '.join(REWARDS)} and not a "
                           "module:function import path")
-    try:
-        reward = getattr(importlib.import_module(module_name), function)
-    except (ImportError, AttributeError) as error:
-        raise ConfigError(f"reward {name!r} cannot be imported: {error}") from None
-    if not callable(reward):
-        raise ConfigError(f"reward {name!r} is not callable")
-    return reward
+    return import_function(name, "reward")
 
 
 def verifier(task: str) -> Reward:

@@ -159,3 +159,23 @@ def test_without_tools_an_episode_is_the_engines_completion(base):
     assert [e.completion_ids for e in group] == [o.token_ids for o in direct.outputs]
     assert [e.answer for e in group] == [o.text for o in direct.outputs]
     assert all(all(e.policy) and e.turns == 1 for e in group)
+
+
+def test_a_reward_that_takes_messages_sees_the_whole_episode():
+    from lathe.posttrain.grpo import episode_reward
+    from lathe.posttrain.rewards import exact_number
+    from lathe.posttrain.tool_episodes import Episode
+
+    seen = []
+
+    def used_a_tool(completion: str, reference: str, messages: list) -> float:
+        seen.append(messages)
+        return float(any(m["role"] == "tool" for m in messages))
+
+    episode = Episode([1], [{"role": "user", "content": "What is 2 + 3?"}])
+    episode.messages += [{"role": "assistant", "tool_calls": []},
+                         {"role": "tool", "content": "5"},
+                         {"role": "assistant", "content": "5"}]
+    episode.answer = "5"
+    assert episode_reward([(exact_number, 1.0), (used_a_tool, 0.5)], episode, "5") == 1.5
+    assert seen == [episode.messages]
