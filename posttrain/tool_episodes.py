@@ -104,14 +104,13 @@ class EpisodeRunner:
         after its prompt; results in order."""
         episodes = [[Episode(list(p.ids), list(p.messages)) for _ in range(sp.n)]
                     for p, sp in zip(prompts, params, strict=True)]
-        self._eos = engine.eos_token_ids
         done = engine.generate([p.ids for p in prompts], list(params), adapter=adapter)
         pending: list[tuple[Episode, EpisodePrompt, SamplingParams, Any]] = []
         for prompt, sp, group, completion in zip(prompts, params, episodes, done, strict=True):
             for index, (episode, out) in enumerate(zip(group, completion.outputs, strict=True)):
                 pending.append((episode, prompt, _one(sp, index), out))
         while pending:
-            calls = [(episode, prompt, sp, self._close_turn(episode, prompt, sp, out))
+            calls = [(episode, prompt, sp, self._close_turn(episode, out, engine.eos_token_ids))
                      for episode, prompt, sp, out in pending]
             calls = [c for c in calls if c[3]]
             results = self.tools.run_many([(call.name, call.arguments) for *_, turn in calls
@@ -134,8 +133,7 @@ class EpisodeRunner:
                        for (e, p, sp), completion in zip(follow, done, strict=True)]
         return episodes
 
-    def _close_turn(self, episode: Episode, prompt: EpisodePrompt, params: SamplingParams,
-                    out: Any) -> list[ToolCall]:
+    def _close_turn(self, episode: Episode, out: Any, eos: set[int]) -> list[ToolCall]:
         """Record one generated turn; the calls to run before the next, if any."""
         episode.add_turn(out.token_ids, [lp.logprob for lp in out.logprobs])
         episode.finish_reason = out.finish_reason or "length"
@@ -154,7 +152,7 @@ class EpisodeRunner:
         episode.messages.append(normalize_message(
             {"role": "assistant", "content": content or None,
              "tool_calls": [c.to_openai() for c in calls]}, "the model's turn"))
-        if not out.token_ids or out.token_ids[-1] not in self._eos:
+        if not out.token_ids or out.token_ids[-1] not in eos:
             return []  # cut mid-turn (budget or stop string): nothing to answer
         if episode.turns > self.config.max_tool_turns:
             episode.finish_reason = "tool_turns"
