@@ -35,7 +35,7 @@ def test_report_tables_each_stage_from_its_own_records(run, capsys):
     loss = summary["heldout_loss"]
     assert f"| sft | held-out assistant loss | {loss[0]:.4f} | {loss[-1]:.4f} |" in report
     assert f"sft held-out {task} accuracy" in printed and "report.md" in printed
-    assert "Not in this run: pretrain, dpo, grpo, distill." in report
+    assert "Not in this run: pretrain, dpo, grpo, distill, sft-tools, grpo-tools." in report
     assert "Unreadable metrics lines skipped: sft 1." in report
     assert "- torch: " in report and "- lathe commit: " in report
     for name in ("learning-rate.png", "tokens-per-second.png", "accuracy.png"):
