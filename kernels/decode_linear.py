@@ -9,15 +9,19 @@ takes 20-85% of its time, the less the fewer the rows. torch's int8 GEMM takes b
 and costs ~4 µs a call; the int8 op takes float32 rows, widens the weights in registers,
 and reads a Llama-1B projection in 70-80% of torch's time. A compiled graph reaches them
 through `lathe.kernels.decode_linear_pass` (float32) and `lathe.kernels.quant_matmul`
-(int8).
+(int8); an eager serving model through `DecodeLinear`, the `nn.Linear` its float32
+projections become (`use_decode_linears`), which takes the native op for a step's few rows
+at inference and `F.linear` for everything else.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
-from lathe.kernels.dispatch import opaque_op
+from lathe.kernels.cpu_native import cpu_kernels_loaded
+from lathe.kernels.dispatch import opaque_op, use_cpu_kernel
 
 # Up to here the native op beats BLAS (MKL) on every layer of the README model on this
 # project's 2-core AMD machine: 20-60% of MKL's time at 1-8 rows, 70% at 16 and 80-85% at
@@ -81,3 +85,37 @@ def decode_linear_int8_cpu(x: Tensor, weights: list[tuple[Tensor, Tensor]]) -> l
     scale, that read the same float32 x: [(M, out_i)] = x · (q_i · s_i)ᵀ."""
     return _grouped("decode_linear_int8_cpu", INT8_GROUP_OPS, x, weights,
                     [t for pair in weights for t in pair])
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x @ weight.T (+ bias) for inference: up to MAX_ROWS float32 rows on the CPU through
+    the native op (it has no backward: only where autograd is off); training, more rows,
+    other devices and dtypes, and a graph being compiled (whose pass groups the linears
+    that share an input) through `F.linear`."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if (1 <= rows <= MAX_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and cpu_kernels_loaded() and use_cpu_kernel("decode_linear", x)):
+        y = decode_linear_cpu(x.reshape(rows, x.shape[-1]), [weight])[0]
+        y = y.view(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
+
+
+class DecodeLinear(nn.Linear):
+    """An `nn.Linear` (the same parameters and state dict) whose calls go through `linear`."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def use_decode_linears(model: nn.Module) -> int:
+    """Make every plain `nn.Linear` of `model` a `DecodeLinear`, in place (its parameters,
+    hooks and wrappers stay as they are); how many. For a model that only serves: its
+    training would still be right, through `F.linear`, but gains nothing."""
+    count = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = DecodeLinear
+            count += 1
+    return count

@@ -1,7 +1,8 @@
 """`python -m lathe.serve.bench`: serving speed and quantization quality, in one process.
 
-(a) offline throughput: N prompts × M new tokens through `LLMEngine.generate` (eager, with
-    decode steps compiled, and with offline settings: compiled, `--decode-steps` forward
+(a) offline throughput: N prompts × M new tokens through `LLMEngine.generate` (eager;
+    eager with its linears on BLAS, as it was before the native decode linears; with
+    decode steps compiled; and with offline settings: compiled, `--decode-steps` forward
     passes per engine step, and a `--offline-batched-tokens` budget that prefills the whole
     batch in one or two steps, as transformers does) and through `transformers`'
     `generate()` with left-padded batches, on the same checkpoint, in interleaved rounds;
@@ -59,9 +60,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lathe.kernels import kernels_off
+from lathe.kernels.decode_linear import DecodeLinear
 from lathe.model.checkpoint import load_checkpoint, save_checkpoint
 from lathe.model.config import ModelConfig
 from lathe.model.transformer import Transformer
@@ -79,6 +81,15 @@ def random_prompts(n: int, low: int, high: int, vocab: int, seed: int = 0) -> li
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high + 1, (n,), generator=g).tolist()
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for length in lengths]
+
+
+def blas_linears(engine: LLMEngine) -> LLMEngine:
+    """`engine` with its model's projections back on `F.linear`: the default engine without
+    `DecodeLinear`'s native few-row op, the baseline that op is measured against."""
+    for module in engine.model.modules():
+        if type(module) is DecodeLinear:
+            module.__class__ = nn.Linear
+    return engine
 
 
 def offline(checkpoint: Path, prompts: list[list[int]], new_tokens: int,
@@ -102,6 +113,8 @@ def offline(checkpoint: Path, prompts: list[list[int]], new_tokens: int,
                          max_num_batched_tokens=batched_tokens)}
     engines = {name: LLMEngine.from_checkpoint(checkpoint, config, device=device)
                for name, config in configs.items()}
+    engines["lathe, linears on BLAS (`F.linear`, no native decode linears)"] = blas_linears(
+        LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=blocks), device=device))
     outputs = {name: engine.generate(prompts, params) for name, engine in engines.items()}
 
     from transformers import LlamaForCausalLM

@@ -188,3 +188,54 @@ def test_the_pass_makes_one_call_for_int8_linears_that_share_their_input():
     calls = lathe_calls_of_compiled(block, torch.randn(1, 3, 64, generator=g))
     assert calls == {"lathe::decode_linear_int8_3_cpu": 1, "lathe::decode_linear_int8_cpu": 1,
                      "lathe::decode_linear_int8_2_cpu": 1}
+
+
+@pytest.fixture
+def native_calls(monkeypatch):
+    """How many times `linear` took the native op."""
+    import lathe.kernels.decode_linear as module
+
+    calls = []
+    real = module.decode_linear_cpu
+
+    def counted(x, weights):
+        calls.append(tuple(x.shape))
+        return real(x, weights)
+
+    monkeypatch.setattr(module, "decode_linear_cpu", counted)
+    return calls
+
+
+@pytest.mark.parametrize("shape", [(1, 128), (5, 128), (MAX_ROWS, 128), (1, 3, 128),
+                                   (MAX_ROWS + 1, 128), (2, 40, 128)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_decode_linear_takes_the_native_op_for_a_few_rows_at_inference(shape, bias,
+                                                                       native_calls):
+    from lathe.kernels.decode_linear import DecodeLinear
+
+    torch.manual_seed(0)
+    layer = DecodeLinear(128, 96, bias=bias)
+    x = torch.randn(*shape)
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-5)
+    rows = x.numel() // 128
+    assert native_calls == ([(rows, 128)] if rows <= MAX_ROWS else [])
+    native_calls.clear()
+    y = layer(x)  # autograd on: F.linear, whose backward exists
+    y.sum().backward()
+    assert native_calls == [] and layer.weight.grad is not None
+
+
+def test_use_decode_linears_keeps_parameters_and_spares_other_modules():
+    from lathe.kernels.decode_linear import DecodeLinear, use_decode_linears
+
+    class Wrapped(torch.nn.Linear):
+        pass
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), Wrapped(8, 8), torch.nn.LayerNorm(8))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert use_decode_linears(model) == 1
+    assert [type(m) for m in model] == [DecodeLinear, Wrapped, torch.nn.LayerNorm]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert set(before) == set(model.state_dict())

@@ -290,3 +290,29 @@ def test_the_engines_cpu_steps_take_the_native_element_wise_ops():
         expected = naive_greedy(model, prompts([9])[0], 4)
     assert not native & {event.key for event in prof.key_averages()}
     assert result[0].outputs[0].token_ids == expected
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="the native kernels need a compiler")
+def test_a_served_checkpoint_decodes_through_native_linears_as_plain_linears_do(checkpoint):
+    """`LLMEngine.from_checkpoint` serves through `DecodeLinear`s (decode rows on the native
+    op): the same greedy tokens, and log-probs within 1e-4, as the model's plain linears,
+    over prefills, mixed steps and decodes of several sequences at once."""
+    from lathe.kernels.cpu_native import load_cpu_kernels
+    from lathe.kernels.decode_linear import DecodeLinear
+    from lathe.model import load_checkpoint
+
+    assert load_cpu_kernels()
+    served = LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=256,
+                                                                max_num_batched_tokens=64))
+    kinds = {type(m) for m in served.model.modules() if isinstance(m, torch.nn.Linear)}
+    assert kinds == {DecodeLinear}
+    plain = LLMEngine(load_checkpoint(checkpoint), config=EngineConfig(
+        num_blocks=256, max_num_batched_tokens=64))
+    vocab = served.model.config.vocab_size
+    batch = prompts([5, 40, 17, 3, 60, 9], vocab=vocab, seed=3)
+    params = SamplingParams(max_tokens=24, temperature=0, logprobs=0, ignore_eos=True)
+    for a, b in zip(served.generate(batch, params), plain.generate(batch, params), strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        torch.testing.assert_close(torch.tensor([lp.logprob for lp in a.outputs[0].logprobs]),
+                                   torch.tensor([lp.logprob for lp in b.outputs[0].logprobs]),
+                                   atol=1e-4, rtol=0)
