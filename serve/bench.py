@@ -151,16 +151,17 @@ def offline(checkpoint: Path, prompts: list[list[int]], new_tokens: int,
             start = time.perf_counter()
             run()
             best[name] = min(best[name], time.perf_counter() - start)
-    ours, compiled, multi = outputs.values()
+    ours, compiled, multi, blas = outputs.values()
     same = sum(o.outputs[0].token_ids == t[width:].tolist() for o, t in zip(ours, theirs,
                                                                            strict=True))
-    same_compiled = sum(a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
-                        for a, b, c in zip(ours, compiled, multi, strict=True))
+    same_lathe = sum(a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+                     == d.outputs[0].token_ids
+                     for a, b, c, d in zip(ours, compiled, multi, blas, strict=True))
     total = len(prompts) * new_tokens
     return [*(f"| {name} | {total / seconds:,.0f} | {seconds:.2f} |"
               for name, seconds in best.items()),
-            f"| greedy outputs identical: lathe / transformers, eager / compiled / multi-step | "
-            f"{same}/{len(prompts)}, {same_compiled}/{len(prompts)} | |"]
+            f"| greedy outputs identical: lathe / transformers, eager / compiled / multi-step "
+            f"/ BLAS linears | {same}/{len(prompts)}, {same_lathe}/{len(prompts)} | |"]
 
 
 def start_server(checkpoint: Path, engine_config: EngineConfig,
