@@ -11,6 +11,7 @@ input and exits. `call` may be made from several threads: each takes an idle chi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -29,6 +30,7 @@ class _Child:
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             start_new_session=True)  # a terminal's Ctrl-C is for the parent to handle
         self.buffer = b""
+        self.ended = False  # its end of the pipe closed: it exited (or is exiting)
         self.send(setup)
 
     def send(self, message: dict[str, Any]) -> None:
@@ -45,6 +47,7 @@ class _Child:
             if remaining <= 0 or not select.select([out], [], [], remaining)[0]:
                 return None
             chunk = os.read(out, 1 << 16)
+            self.ended = not chunk
             if not chunk or len(self.buffer) + len(chunk) > max_bytes:
                 return None
             self.buffer += chunk
@@ -98,7 +101,10 @@ class WorkerPool:
             child.send(request)
             answer = child.receive(seconds, max_bytes)
             if answer is None:
-                code = child.process.poll()
+                code = None
+                if child.ended:  # the pipe closes a moment before the process is reaped
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        code = child.process.wait(timeout=5)
                 child.kill()
                 child = None
                 if code is not None:
