@@ -237,7 +237,7 @@ def load_serving_model(path: str | Path, quantize: QuantMode | None = None,
     """A checkpoint ready to serve: a quantized checkpoint as written, or a plain one,
     optionally quantized at load. On the GPU when there is one, unless `device` says. Its
     full-precision linears are `DecodeLinear`s: on the CPU a decode step's few float32 rows
-    take lathe's native op (1.8× the single-stream tokens/s of BLAS's on a 88M model)."""
+    take lathe's native op (1.6× the single-stream tokens/s of BLAS's on a 88M model)."""
     device = torch.device(device if device is not None else
                           "cuda" if torch.cuda.is_available() else "cpu")
     quant = quantization_config(path)
