@@ -50,10 +50,9 @@ class ToolsConfig:
     def __post_init__(self) -> None:
         if self.parser not in PARSERS:
             raise ConfigError(f"tools.parser={self.parser!r}: choose one of {', '.join(PARSERS)}")
-        if self.max_tool_turns < 1 or self.seconds <= 0 or self.max_chars < 1:
-            raise ConfigError(f"tools.max_tool_turns={self.max_tool_turns}, tools.seconds="
-                              f"{self.seconds} and tools.max_chars={self.max_chars} must be "
-                              "positive")
+        for name in ("max_tool_turns", "seconds", "max_chars"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"tools.{name}={getattr(self, name)} must be positive")
 
 
 @dataclass

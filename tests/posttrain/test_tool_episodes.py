@@ -179,3 +179,53 @@ def test_a_reward_that_takes_messages_sees_the_whole_episode():
     episode.answer = "5"
     assert episode_reward([(exact_number, 1.0), (used_a_tool, 0.5)], episode, "5") == 1.5
     assert seen == [episode.messages]
+
+
+def test_a_foreign_template_writing_after_its_end_of_turn_token(tmp_path):
+    """ChatML (Qwen2.5's shape) closes a turn with `<|im_end|>` and then a newline the model
+    never samples: the episode continues after the model's `<|im_end|>`, and its text is the
+    template's rendering of the whole conversation (less that last newline)."""
+    from lathe.data.chat_encoding import ChatEncoder
+    from lathe.data.chat_template import ChatTemplate
+    from lathe.data.tokenizer import train_tokenizer
+    from tests.data.chat_templates import CHATML, SPECIAL_TOKENS, plain
+    from tests.data.corpus import prose
+
+    tokenizer = train_tokenizer([prose(i, paragraphs=2) for i in range(40)], vocab_size=500,
+                                show_progress=False)
+    calls = ["<tool_call>", "</tool_call>"]  # added but not special in Qwen's tokenizer: decoded
+    tokenizer.add_special_tokens([t for t in SPECIAL_TOKENS if t not in calls])
+    tokenizer.add_tokens(calls)
+    encoder = ChatEncoder(tokenizer, ChatTemplate(plain(CHATML), {"eos_token": "<|im_end|>"}),
+                          "the chatml template")
+    eot = tokenizer.token_to_id("<|im_end|>")
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    torch.manual_seed(0)
+    model = Scripted(ModelConfig.from_preset("tiny", vocab_size=vocab, n_layers=1,
+                                              max_seq_len=1024), eot).eval()
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=256), [eot])
+    runner = EpisodeRunner(encoder, ToolsConfig(names=[COUNTER]))
+    tools = runner.definitions()
+    question = [{"role": "user", "content": "Count on from 41."}]
+    prompt = encoder.prompt(question, tools)
+    model.write(len(prompt) - 1, encoder.encode("\n" + call_text("counter", '{"start": 41}'))
+                + [eot])
+    [[first]] = runner.run(engine, [EpisodePrompt(prompt, question, tools)],
+                           [SamplingParams(max_tokens=300, temperature=0)])
+    # its answer was the end-of-turn token alone; the real one starts where that one did
+    answer_at = len(prompt) + len(first.completion_ids) - 2
+    model.write(answer_at, encoder.encode("It is 42.") + [eot])
+    [[episode]] = runner.run(engine, [EpisodePrompt(prompt, question, tools)],
+                             [SamplingParams(max_tokens=300, temperature=0)])
+    runner.close()
+    assert (episode.turns, episode.tool_calls, episode.finish_reason, episode.answer) == (
+        2, 1, "stop", "It is 42.")
+    assert episode.messages[2]["content"] == "42"
+    rendered = encoder.render(episode.messages, tools, add_generation_prompt=False)
+    assert tokenizer.decode(prompt + episode.completion_ids, skip_special_tokens=False) == \
+        rendered.removesuffix("\n")
+    tool_text = tokenizer.decode([t for t, mine in zip(episode.completion_ids, episode.policy,
+                                                       strict=True) if not mine],
+                                 skip_special_tokens=False)
+    assert tool_text == "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>" \
+        "\n<|im_start|>assistant\n"

@@ -15,7 +15,7 @@ from lathe.core.cli import main
 from lathe.model import ModelConfig, Transformer, load_checkpoint, save_checkpoint
 from tests.builders import reset_accelerate
 from tests.posttrain.conftest import quick
-from tests.serve.conftest import start_server, wait_healthy
+from tests.serve.conftest import served
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,14 +55,9 @@ def test_the_readme_tool_stage(tool_base, tmp_path, capsys):
     assert all(r["tools/calls_per_episode"] > 0 for r in steps)  # calls were sampled and run
     assert all(r["tools/turns_per_episode"] > 1 for r in steps)  # and answered
 
-    server, thread, url = start_server(grpo / "final", tool_call_parser="hermes")
-    try:
-        wait_healthy(url)
+    with served(grpo / "final", tool_call_parser="hermes") as url:
         capsys.readouterr()
         assert main(["chat", url, "--tool", "calculator", "--prompt", "What is 382 + 247?",
                      "--max-tokens", "80", "--temperature", "0"]) == 0
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
     shown = capsys.readouterr().out
     assert "[tool call calculator(" in shown and "[calculator -> " in shown

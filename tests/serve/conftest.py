@@ -3,6 +3,7 @@ real server on it (uvicorn in a thread, on a free loopback port)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -59,6 +60,19 @@ def start_server(checkpoint, load: Callable[[], LLMEngine] | None = None,
         assert time.monotonic() < deadline, "server did not start"
         time.sleep(0.02)
     return server, thread, url
+
+
+@contextlib.contextmanager
+def served(checkpoint, **config) -> Iterator[str]:
+    """A server on `checkpoint` (`config`: `ServerConfig` fields), healthy, for the block's
+    length; its URL."""
+    server, thread, url = start_server(checkpoint, **config)
+    try:
+        wait_healthy(url)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
 
 
 def wait_healthy(url: str) -> None:

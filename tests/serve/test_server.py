@@ -11,7 +11,7 @@ import pytest
 
 from lathe.data.tokenizer import load_tokenizer
 from lathe.serve.engine import EngineConfig, LLMEngine
-from tests.serve.conftest import API_KEY, start_server, wait_healthy
+from tests.serve.conftest import API_KEY, served, start_server, wait_healthy
 
 
 def test_models_completions_and_usage(client, running):
@@ -178,9 +178,7 @@ def test_a_given_chat_template_and_its_variables_reach_the_prompt(checkpoint, tm
     template = tmp_path / "terse.jinja"
     template.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
                         "{% if terse %}Answer in one word.\n{% endif %}assistant:")
-    server, thread, url = start_server(checkpoint, chat_template=template)
-    try:
-        wait_healthy(url)
+    with served(checkpoint, chat_template=template) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         engine_tokenizer = load_tokenizer(checkpoint)
 
@@ -198,9 +196,6 @@ def test_a_given_chat_template_and_its_variables_reach_the_prompt(checkpoint, tm
             extra_body={"chat_template_kwargs": {"add_generation_prompt": False}}))
         assert refused.status_code == 400
         assert "chat_template_kwargs.add_generation_prompt: the server sets" in refused.message
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def test_loading_and_every_engine_step_run_on_one_engine_thread(checkpoint):

@@ -16,7 +16,7 @@ from lathe.model import load_checkpoint, save_checkpoint
 from lathe.serve.tool_calls import ToolStream, tool_call_parser
 from tests.builders import serve_model
 from tests.data.chat_templates import CHATML, plain
-from tests.serve.conftest import start_server, wait_healthy
+from tests.serve.conftest import served, start_server, wait_healthy
 
 ADD = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -126,16 +126,11 @@ def test_a_template_that_ignores_tools_is_refused(checkpoint, tmp_path):
     template = tmp_path / "no-tools.jinja"
     template.write_text("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}"
                         "{% endfor %}")
-    server, thread, url = start_server(checkpoint, chat_template=template)
-    try:
-        wait_healthy(url)
+    with served(checkpoint, chat_template=template) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         with pytest.raises(openai.BadRequestError, match="does not render tools"):
             client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
                                            tool_choice="none", max_tokens=4)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 CALLS = {  # parser: (what the model writes, the calls it holds)
