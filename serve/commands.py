@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from lathe.core.errors import ConfigError
 from lathe.data.chat_template import read_template_file
 from lathe.model.checkpoint import read_model_config
 from lathe.serve.connections import ConnectionLimits
+from lathe.serve.decode_graph import cache_root
 from lathe.serve.engine import EngineConfig
 from lathe.serve.speculative import SpeculativeConfig
 from lathe.serve.tool_calls import PARSERS
@@ -30,10 +32,11 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                        default=EngineConfig.kv_cache_memory_mb, help="KV budget off-GPU")
     group.add_argument("--gpu-memory-utilization", type=float,
                        default=EngineConfig.gpu_memory_utilization)
-    group.add_argument("--compile-decode", action="store_true",
-                       help="compile decode-only steps once per batch size (CUDA graphs on "
-                            "CUDA), and off CUDA per power-of-two context width in blocks; "
-                            "each shape's first step pays the compile")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="run every step eagerly; by default decode-only steps run "
+                            "compiled, one graph per batch-size bucket (CUDA graphs on CUDA), "
+                            "all built before /health turns ok and, off CUDA, cached across "
+                            "starts under $LATHE_CACHE_DIR (default ~/.cache/lathe)")
     group.add_argument("--decode-steps", type=int, default=EngineConfig.decode_steps,
                        help="multi-step decoding: forward passes a decode-only step runs "
                             "before scheduling and streaming again (output streams in runs "
@@ -89,7 +92,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                             gpu_memory_utilization=args.gpu_memory_utilization,
                             max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens,
-                            speculative=speculative, compile_decode=args.compile_decode,
+                            speculative=speculative, compile_decode=not args.enforce_eager,
                             decode_steps=args.decode_steps)
     except ConfigError as error:  # in the flags' spelling
         raise ConfigError(str(error).replace("decode_steps=", "--decode-steps=").replace(
@@ -179,13 +182,20 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     if max_loras < len(loras):
         raise ConfigError(f"--max-loras={max_loras} holds fewer adapters than the {len(loras)} "
                           "--lora given; raise it")
+    engine = _engine_config(args)
+    if max_loras and engine.compile_decode:
+        print("lathe serve: LoRA adapters are served by the eager step; decode steps run "
+              "eagerly", file=sys.stderr)
     try:
-        engine = dataclasses.replace(_engine_config(args), max_loras=max_loras,
-                                     max_lora_rank=args.max_lora_rank)
+        engine = dataclasses.replace(engine, max_loras=max_loras,
+                                     max_lora_rank=args.max_lora_rank,
+                                     compile_decode=engine.compile_decode and not max_loras)
     except ConfigError as error:
         raise ConfigError(str(error).replace("max_loras=", "--max-loras=").replace(
-            "max_lora_rank=", "--max-lora-rank=").replace("compile_decode",
-                                                          "--compile-decode")) from None
+            "max_lora_rank=", "--max-lora-rank=")) from None
+    # inductor's compiled code beside lathe's cached graphs, which name it: a cache in /tmp
+    # (inductor's default) would not outlive a reboot
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
     from lathe.serve.server import ServerConfig, run
     config = ServerConfig(checkpoint=args.checkpoint, host=args.host, port=args.port,
                           api_key=args.api_key, protect_metrics=args.protect_metrics,

@@ -26,22 +26,69 @@ Padding rows write their K/V to the slabs' scratch slot (past the last block, ow
 sequence) and attend over it alone; their logits are dropped. Prefill, mixed and
 speculative steps stay eager: their shapes change every step. Weights are read, not
 frozen into the graph, so `LLMEngine.load_weights` (GRPO's refresh) needs no recompile.
+
+`warm_up` builds every shape before the first request (a server's /health stays 503 until
+it is done), so that no step under load pays a compile; `late` counts the graphs built
+after it. Off CUDA each compiled graph is saved under `cache_root()` (the user's own cache,
+as inductor's; torch deserializes it) keyed by everything the graph was traced from — torch
+and Python versions, the CPU's ISA, lathe's model, kernel and serve sources, the module
+tree with every tensor's shape and dtype, the KV slabs' layout, the kernel policy, the
+bucket — so a second start loads each graph in milliseconds instead of compiling it; a
+file that does not load is compiled again and overwritten.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
+import hashlib
+import logging
+import os
+import platform
+import sys
+from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
+import lathe.kernels
+import lathe.model
+import lathe.serve
 from lathe.kernels import PLAIN, AttentionVariant, paged_decode
 from lathe.kernels.cpu_native import cpu_kernels_loaded
-from lathe.kernels.dispatch import use_cpu_kernel
+from lathe.kernels.dispatch import policy, use_cpu_kernel
 from lathe.kernels.paged_attention import native_paged_decode
 from lathe.model.transformer import Transformer
 from lathe.serve.paged_cache import KVSlabs
+
+log = logging.getLogger("lathe.serve")
+
+# reports a warm-up's progress: graphs built so far, graphs in all
+Progress = Callable[[int, int], None]
+
+
+def cache_root() -> Path:
+    """lathe's cache folder: $LATHE_CACHE_DIR, else $XDG_CACHE_HOME/lathe (~/.cache/lathe)."""
+    explicit = os.environ.get("LATHE_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lathe"
+
+
+@functools.cache
+def _source_digest() -> str:
+    """A digest of the sources a decode graph is traced from (the model, its kernels and the
+    engine's batch view), native kernel sources included."""
+    digest = hashlib.sha256()
+    for package in (lathe.model, lathe.kernels, lathe.serve):
+        folder = Path(package.__file__).parent
+        for path in sorted(folder.rglob("*")):
+            if path.suffix in (".py", ".cpp", ".h") and path.is_file():
+                digest.update(str(path.relative_to(folder)).encode() + b"\0")
+                digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -80,13 +127,18 @@ class StaticDecodeBatch:
 
 class DecodeGraphs:
     def __init__(self, model: Transformer, slabs: KVSlabs, max_num_seqs: int,
-                 max_blocks: int) -> None:
+                 max_blocks: int, cache: bool = True) -> None:
+        """`cache`: off CUDA, keep compiled graphs under `cache_root()` across starts."""
         self.model, self.slabs = model, slabs
         self.buckets = batch_buckets(max_num_seqs)
         self.steps = 0  # decode steps run compiled
+        self.built: Counter[str] = Counter()  # graphs by origin: "compiled", "cached"
+        self.late = 0  # graphs built after `warm_up`: each a compile under load
+        self.warm = False
         self.cuda = cuda = slabs.k[0].device.type == "cuda"
         paged_kernel = cuda or native_paged_decode(slabs.k[0])
         self.widths = [max_blocks] if paged_kernel else width_buckets(max_blocks)
+        self._graphs: dict[tuple[int, int], Callable[..., Tensor]] = {}
         # size_asserts re-check every extern op's output layout on each call (5-20% of the
         # README model's step; the equality tests against eager cover the layouts)
         if cuda:
@@ -101,6 +153,7 @@ class DecodeGraphs:
             self._step = torch.compile(self._forward, fullgraph=True, dynamic=False,
                                        options={"triton.cudagraphs": True,
                                                 "size_asserts": False})
+            self._cache_folder = None
         else:
             # vLLM's way: the check of ~700 guards on the model's modules and tensors, and
             # the Python wrapper's ~100 tensor views, had been half of the README model's
@@ -113,7 +166,34 @@ class DecodeGraphs:
                 options["post_grad_custom_post_pass"] = DecodeLinearPass()
             self._compiler = torch.compile(self._forward, fullgraph=True, dynamic=False,
                                            options=options)
-            self._graphs: dict[tuple[int, int], Callable[..., Tensor]] = {}
+            self._cache_folder = cache_root() / "decode-graphs" if cache else None
+            self._options = sorted(options)
+
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (batch bucket, table width) a decode step may run at."""
+        return [(size, width) for size in self.buckets for width in self.widths]
+
+    def warm_up(self, progress: Progress | None = None) -> None:
+        """Build the graph of every shape now (compile it, or load it from the cache), each
+        run once on padding rows, which touch only the scratch slot."""
+        shapes = self.shapes
+        for done, (size, width) in enumerate(shapes):
+            self.run(*self._padding(size, width))
+            if progress is not None:
+                progress(done + 1, len(shapes))
+        self.warm = True
+
+    def _padding(self, size: int, width: int) -> tuple[Tensor, ...]:
+        """A step of `size` padding rows with a `width`-block table (no two arguments one
+        tensor: the graph traced from it would read one for both)."""
+        scratch = self.slabs.scratch_slot
+        device = self.slabs.k[0].device
+        return (torch.zeros(size, dtype=torch.long, device=device),
+                torch.zeros(size, dtype=torch.long, device=device),
+                torch.full((size,), scratch, device=device),
+                torch.full((size, width), scratch // self.slabs.block_size, device=device),
+                torch.ones(size, dtype=torch.long, device=device))
 
     def bucket(self, batch: int) -> int | None:
         """The padded size of a `batch`-row decode step, None past the largest bucket."""
@@ -149,13 +229,71 @@ class DecodeGraphs:
                                                         scratch // self.slabs.block_size)])
             lens = torch.cat([lens, lens.new_ones(pad)])
         self.steps += 1
+        inputs = (ids, positions, slots, tables, lens)
+        shape = (size, tables.shape[1])
+        graph = self._graphs.get(shape)
+        if graph is None:
+            graph = self._graphs[shape] = self._build(shape, inputs)
         if self.cuda:  # a new step: the last replay's outputs may be overwritten
             torch.compiler.cudagraph_mark_step_begin()
-            return self._step(ids, positions, slots, tables, lens)[:batch]
-        inputs = (ids, positions, slots, tables, lens)
-        graph = self._graphs.get((size, tables.shape[1]))
-        if graph is None:
-            graph = self._graphs[size, tables.shape[1]] = self._compiler.aot_compile(
-                (inputs, {}))
-            graph.disable_guard_check()
+            return graph(*inputs)[:batch]
         return graph(self, *inputs)[:batch]
+
+    def _build(self, shape: tuple[int, int], inputs: tuple[Tensor, ...]) -> Callable[..., Tensor]:
+        """The graph of one shape: on CUDA the compiled step (its first call captures it),
+        elsewhere compiled ahead of time, or loaded from the cache."""
+        if self.warm:
+            self.late += 1
+            log.warning("decode step of shape %s was not warmed up: compiling it under load",
+                        shape)
+        if self.cuda:
+            self.built["compiled"] += 1
+            return self._step
+        path = None
+        if self._cache_folder is not None:
+            key = hashlib.sha256((self._describe() + repr(shape)).encode()).hexdigest()
+            path = self._cache_folder / f"{key[:32]}.bin"
+            graph = self._load(path)
+            if graph is not None:
+                self.built["cached"] += 1
+                return graph
+        graph = self._compiler.aot_compile((inputs, {}))
+        graph.disable_guard_check()
+        self.built["compiled"] += 1
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                graph.save_compiled_function(str(path))  # written to a temporary, then renamed
+            except (OSError, RuntimeError) as error:
+                log.warning("cannot cache the decode graph at %s: %s", path, error)
+        return graph
+
+    @staticmethod
+    def _load(path: Path) -> Callable[..., Tensor] | None:
+        if not path.is_file():
+            return None
+        try:
+            with path.open("rb") as f:
+                graph = torch.compiler.load_compiled_function(f)
+        except Exception as error:  # whatever a stale or damaged artifact raises
+            log.warning("cached decode graph %s does not load (%s: %s); compiling it again",
+                        path, type(error).__name__, error)
+            return None
+        graph.disable_guard_check()
+        return graph
+
+    def _describe(self) -> str:
+        """What a graph is traced from besides its shape: with guards skipped, a loaded graph
+        is trusted to match on all of it."""
+        tensors = [(name, tuple(t.shape), t.stride(), str(t.dtype), str(t.device))
+                   for name, t in (*self.model.named_parameters(),
+                                   *self.model.named_buffers())]
+        slab = self.slabs.k[0]
+        return repr((torch.__version__, sys.version, platform.machine(),
+                     torch.backends.cpu.get_cpu_capability(), _source_digest(), repr(self.model),
+                     tensors, vars(self.model.config), len(self.slabs.k), tuple(slab.shape),
+                     str(slab.dtype), self.slabs.block_size, self.slabs.scratch_slot,
+                     sorted((device, sorted(on)) for device, on in policy().on.items()),
+                     policy().force,
+                     cpu_kernels_loaded(), self._options, torch.get_default_dtype(),
+                     torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))

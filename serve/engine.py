@@ -41,6 +41,7 @@ from lathe.model.checkpoint import CheckpointError, read_eos_ids
 from lathe.model.transformer import Transformer
 from lathe.serve.adapters import AdapterError, AdapterSlots
 from lathe.serve.block_manager import BlockManager
+from lathe.serve.decode_graph import Progress
 from lathe.serve.logprobs import TokenLogprob, requested_logprobs, token_logprobs
 from lathe.serve.model_runner import ModelRunner, select_rows
 from lathe.serve.outputs import Completion, CompletionOutput, OutputProcessor, Pick, SequenceDelta
@@ -67,8 +68,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     speculative: SpeculativeConfig | None = None
     # decode-only steps through `lathe.serve.decode_graph`: compiled once per batch bucket
-    # (CUDA graphs on CUDA; off CUDA also per context-width bucket); costs a compile per
-    # bucket on first use
+    # (CUDA graphs on CUDA; off CUDA also per context-width bucket, and cached across
+    # starts); `LLMEngine.warm_up` builds them all, or each shape's first step pays its
+    # compile. Off by default here, where an engine may live for one evaluation (a training
+    # stage's); `lathe serve` turns it on unless --enforce-eager
     compile_decode: bool = False
     # multi-step decoding (vLLM's num_scheduler_steps): a decode-only step runs up to this
     # many forward passes, each fed the last one's tokens, before the engine schedules,
@@ -585,6 +588,12 @@ class LLMEngine:
                         bar.update(delta.finish_reason is not None)
         return list(completions.values())
 
+    def warm_up(self, progress: Progress | None = None) -> None:
+        """Build every compiled decode step now (compiled, or loaded from the cache), so
+        that none is compiled under load; nothing to do without `compile_decode`."""
+        if self.runner.graphs is not None:
+            self.runner.graphs.warm_up(progress)
+
     def load_weights(self, state_dict: Mapping[str, Tensor]) -> None:
         """Swap in new weights (e.g. the policy after a GRPO update) between requests; the
         prefix cache is emptied since its KV came from the old weights."""
@@ -614,12 +623,22 @@ class LLMEngine:
             "prompt_tokens": self.prompt_tokens_total,
             "generation_tokens": self.generation_tokens_total,
             **self.memory,
+            **self.decode_graph_stats(),
             **self.speculation_stats(),
         }
 
     @property
     def generation_tokens_total(self) -> int:
         return self.outputs.generation_tokens_total
+
+    def decode_graph_stats(self) -> dict[str, float]:
+        """Compiled decode steps' counters; empty without `compile_decode`."""
+        graphs = self.runner.graphs
+        if graphs is None:
+            return {}
+        return {"decode_graphs_compiled": graphs.built["compiled"],
+                "decode_graphs_cached": graphs.built["cached"],
+                "decode_graphs_late": graphs.late}
 
     def speculation_stats(self) -> dict[str, float]:
         """The `Speculator`'s counters; empty without speculation."""

@@ -49,6 +49,19 @@ class _EngineCollector(Collector):
             counter = CounterMetricFamily(f"lathe:{name}", help_, labels=["model_name"])
             counter.add_metric([self.model], stats[key])
             yield counter
+        if "decode_graphs_late" in stats:
+            counter = CounterMetricFamily(
+                "lathe:decode_graphs_built", "Compiled decode steps built, by origin: "
+                "compiled or loaded from the cache at warm-up, or compiled late, under load.",
+                labels=["model_name", "origin"])
+            counter.add_metric([self.model, "compiled"], stats["decode_graphs_compiled"])
+            counter.add_metric([self.model, "cached"], stats["decode_graphs_cached"])
+            yield counter
+            late = CounterMetricFamily("lathe:decode_graphs_late", "Compiled decode steps "
+                                       "built after warm-up (each a compile under load).",
+                                       labels=["model_name"])
+            late.add_metric([self.model], stats["decode_graphs_late"])
+            yield late
         if "spec_decode_num_drafts" in stats:
             yield from self._speculation(stats)
 

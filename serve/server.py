@@ -4,8 +4,9 @@
 connection cap past which only /health answers, a bounded drain at shutdown).
 
 Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (JSON or
-Server-Sent Events), `GET /health` (503 until the model has loaded, saying what the load
-waits for, and for good once the engine has failed) and `GET /metrics` (Prometheus).
+Server-Sent Events), `GET /health` (503 until the model has loaded and its compiled decode
+steps are warmed up, saying what the start waits for, and for good once the engine has
+failed) and `GET /metrics` (Prometheus).
 Every error is OpenAI's error JSON: 400 for invalid or unsupported input (naming the
 field), 401 without the configured API key, 404 for an unknown model or path, 413 for a
 body over the limit (counted on the bytes read, chunked or not), 429 when the waiting
@@ -166,6 +167,17 @@ class _State:
         self.template: TemplateWorker | None = None
         self.no_template: str = "this checkpoint has no chat template; use /v1/completions"
         self.load_error: str | None = None
+        self.warming: str | None = None  # how far the decode steps' warm-up is
+
+
+def warm_up_progress(state: _State) -> Callable[[int, int], None]:
+    """Reports each compiled decode step built at warm-up, in the log and in /health."""
+    start = time.monotonic()
+
+    def progress(done: int, total: int) -> None:
+        state.warming = f"warming up: {done}/{total} compiled decode steps built"
+        log.info("%s (%.1f s)", state.warming, time.monotonic() - start)
+    return progress
 
 
 def run(config: ServerConfig, log_level: str = "info") -> None:
@@ -191,6 +203,7 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
             engine = await thread.run(load)
             for adapter, folder in config.loras.items():
                 await thread.run(engine.add_adapter, adapter, folder)
+            await thread.run(engine.warm_up, warm_up_progress(state))
             try:
                 template = TemplateWorker(
                     *read_chat_template(config.checkpoint, config.chat_template),
@@ -281,7 +294,7 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
         if state.engine is None:
             if state.load_error is not None:
                 return JSONResponse({"status": state.load_error}, status_code=503)
-            return JSONResponse({"status": "loading", "detail": build_status()
+            return JSONResponse({"status": "loading", "detail": build_status() or state.warming
                                  or f"loading {config.checkpoint}"}, status_code=503)
         if state.engine.dead is not None:
             return JSONResponse({"status": str(state.engine.dead)}, status_code=503)

@@ -16,6 +16,15 @@ from tests.builders import reset_accelerate  # noqa: E402
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _lathe_cache(tmp_path_factory):
+    """lathe's caches (compiled decode steps) in the session's temporary folder, shared by
+    its tests and the processes they start, not the user's."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LATHE_CACHE_DIR", str(tmp_path_factory.mktemp("lathe-cache")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

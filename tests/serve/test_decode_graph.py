@@ -4,15 +4,23 @@ swapped after compiling are the ones used; CUDA graphs replay what eager compute
 
 from __future__ import annotations
 
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from lathe.kernels.dispatch import kernels_off
-from lathe.serve.decode_graph import batch_buckets, width_buckets
+from lathe.serve.decode_graph import batch_buckets, cache_root, width_buckets
 from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.quant import quantize_linears
 from lathe.serve.sampling import SamplingParams
+from lathe.serve.speculative import SpeculativeConfig
 from tests.builders import serve_model
+from tests.serve.conftest import served
 from tests.serve.test_engine import prompts
 
 
@@ -49,13 +57,24 @@ def test_width_buckets_are_powers_of_two_up_to_the_full_table():
     assert width_buckets(32) == [1, 2, 4, 8, 16, 32]
 
 
+def warmed(engine: LLMEngine) -> LLMEngine:
+    """`engine` with every compiled decode step built, as `lathe serve` starts it."""
+    reports = []
+    engine.warm_up(lambda done, total: reports.append((done, total)))
+    shapes = len(engine.runner.graphs.shapes)
+    assert reports == [(done, shapes) for done in range(1, shapes + 1)]
+    return engine
+
+
 @pytest.mark.slow
 def test_compiled_decode_matches_eager_token_for_token():
     """One engine pair through mixed steps (a 24-token budget chunks the prefills beside
     decodes), 3- and 1-row decode steps padded to buckets 4 and 1, n > 1, a prefix-cache
-    hit, then a cache small enough to preempt."""
+    hit, then a cache small enough to preempt, then speculative decoding: warmed up, the
+    compiled engine builds no graph under any of it."""
     model = serve_model(256)
     eager, compiled = engine_pair(model, max_num_batched_tokens=24)
+    warmed(compiled)
     batch = prompts([3, 17, 40])
     params = [SamplingParams(max_tokens=m, temperature=0, n=n)
               for m, n in ((12, 1), (20, 2), (6, 1))]
@@ -67,14 +86,66 @@ def test_compiled_decode_matches_eager_token_for_token():
     assert compiled.block_manager.prefix_hits > hits
     assert [o.token_ids for o in again.outputs] == want[1]
     assert compiled.runner.graphs.steps > 0 and eager.runner.graphs is None
+    assert compiled.decode_graph_stats()["decode_graphs_late"] == 0
 
     eager, compiled = engine_pair(model, num_blocks=12)
+    warmed(compiled)
     batch = prompts([10, 14, 6, 12], seed=1)
     greedy = SamplingParams(max_tokens=16, temperature=0)
     want = [r.outputs[0].token_ids for r in eager.generate(batch, greedy)]
     assert [r.outputs[0].token_ids for r in compiled.generate(batch, greedy)] == want
     assert compiled.scheduler.num_preemptions > 0
     assert compiled.block_manager.num_free == 12
+    assert compiled.runner.graphs.late == 0
+
+    eager, compiled = engine_pair(model, speculative=SpeculativeConfig("ngram", 3))
+    warmed(compiled)
+    batch = [p * 3 for p in prompts([4, 6, 5], seed=2)]  # repeats: lookup proposes
+    want = [r.outputs[0].token_ids for r in eager.generate(batch, greedy)]
+    assert [r.outputs[0].token_ids for r in compiled.generate(batch, greedy)] == want
+    assert compiled.speculation_stats()["spec_decode_num_drafts"] > 0
+    assert compiled.runner.graphs.late == 0
+
+
+@pytest.mark.slow
+def test_a_second_start_loads_its_graphs_from_the_cache(tmp_path, monkeypatch, caplog):
+    """Two engines on models of one shape but different weights: the second compiles
+    nothing and decodes its own weights; a damaged cache file is compiled again."""
+    monkeypatch.setenv("LATHE_CACHE_DIR", str(tmp_path))
+    model, other = serve_model(256), serve_model(256)
+    with torch.no_grad():
+        for param in other.parameters():
+            param.mul_(1.5)
+    first = warmed(engine_pair(model)[1])
+    shapes = len(first.runner.graphs.shapes)
+    assert first.runner.graphs.built == {"compiled": shapes}
+    files = sorted((tmp_path / "decode-graphs").iterdir())
+    assert len(files) == shapes
+
+    eager, second = engine_pair(other)
+    warmed(second)
+    assert second.runner.graphs.built == {"cached": shapes}
+    batch = prompts([5, 9, 3])
+    greedy = SamplingParams(max_tokens=10, temperature=0)
+    want = [r.outputs[0].token_ids for r in eager.generate(batch, greedy)]
+    assert [r.outputs[0].token_ids for r in second.generate(batch, greedy)] == want
+
+    files[0].write_bytes(b"not a compiled graph")
+    third = warmed(engine_pair(other)[1])
+    assert third.runner.graphs.built == {"cached": shapes - 1, "compiled": 1}
+    assert "does not load" in caplog.text
+    assert files[0].read_bytes() != b"not a compiled graph"
+
+
+@pytest.mark.slow
+def test_a_graph_built_after_warm_up_is_counted_late(tmp_path, monkeypatch):
+    monkeypatch.setenv("LATHE_CACHE_DIR", str(tmp_path))
+    _, compiled = engine_pair(serve_model(256))
+    compiled.generate(prompts([5]), SamplingParams(max_tokens=4, temperature=0))
+    assert compiled.runner.graphs.late == 0  # not warmed up: every graph is built on use
+    compiled.runner.graphs.warm = True
+    compiled.generate(prompts([5, 7]), SamplingParams(max_tokens=4, temperature=0))
+    assert compiled.runner.graphs.late == 1  # the 2-row bucket
 
 
 @pytest.mark.slow
@@ -156,3 +227,43 @@ def test_cuda_graph_decode_matches_eager_on_gpu():
     want = [r.outputs[0].token_ids for r in eager.generate(batch, greedy)]
     assert [r.outputs[0].token_ids for r in graphed.generate(batch, greedy)] == want
     assert graphed.runner.graphs.steps > 0
+
+
+@pytest.mark.slow
+def test_the_server_warms_its_decode_steps_up_before_health_turns_ok(checkpoint, caplog):
+    """Healthy means every compiled step is built: concurrent requests then build none."""
+    config = EngineConfig(compile_decode=True, max_num_seqs=4, block_size=4, num_blocks=128)
+    with caplog.at_level(logging.INFO, logger="lathe.serve"), served(checkpoint,
+                                                                    engine=config) as url:
+        shapes = len(batch_buckets(4))
+        assert f"warming up: {shapes}/{shapes} compiled decode steps built" in caplog.text
+
+        def built() -> dict[str, float]:
+            return {tuple(sample.labels.values()): sample.value
+                    for family in text_string_to_metric_families(
+                        httpx.get(f"{url}/metrics").text)
+                    if family.name.startswith("lathe:decode_graphs")
+                    for sample in family.samples}
+        before = built()
+        assert before[("tiny", "compiled")] + before[("tiny", "cached")] == shapes
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda i: httpx.post(f"{url}/v1/completions", json={
+                "model": "tiny", "prompt": f"story {i}", "max_tokens": 6 + i,
+                "temperature": 0}, timeout=60).status_code, range(4)))
+        assert answers == [200] * 4
+        assert built() == before and before[("tiny",)] == 0
+
+
+def test_lathe_serve_compiles_decode_steps_unless_told_otherwise(checkpoint, monkeypatch):
+    """Compiled by default; --enforce-eager, or LoRA adapters (served eagerly), turn it off.
+    Inductor's code is cached beside lathe's graphs."""
+    import lathe.serve.server
+    from lathe.serve.commands import serve_main
+    configs = []
+    monkeypatch.setattr(lathe.serve.server, "run", lambda config, level: configs.append(config))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    serve_main([str(checkpoint)])
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache_root() / "inductor")
+    serve_main([str(checkpoint), "--enforce-eager"])
+    serve_main([str(checkpoint), "--lora", f"a={checkpoint}"])
+    assert [c.engine.compile_decode for c in configs] == [True, False, False]
