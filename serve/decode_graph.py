@@ -174,6 +174,7 @@ class DecodeGraphs:
         """Every (batch bucket, table width) a decode step may run at."""
         return [(size, width) for size in self.buckets for width in self.widths]
 
+    @torch.no_grad()  # as the engine's steps run: a graph traced with grad is slow
     def warm_up(self, progress: Progress | None = None) -> None:
         """Build the graph of every shape now (compile it, or load it from the cache), each
         run once on padding rows, which touch only the scratch slot."""
@@ -296,4 +297,5 @@ class DecodeGraphs:
                      sorted((device, sorted(on)) for device, on in policy().on.items()),
                      policy().force,
                      cpu_kernels_loaded(), self._options, torch.get_default_dtype(),
+                     torch.is_grad_enabled(),
                      torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))

@@ -129,6 +129,11 @@ def test_a_second_start_loads_its_graphs_from_the_cache(tmp_path, monkeypatch, c
     greedy = SamplingParams(max_tokens=10, temperature=0)
     want = [r.outputs[0].token_ids for r in eager.generate(batch, greedy)]
     assert [r.outputs[0].token_ids for r in second.generate(batch, greedy)] == want
+    # steps trace as warm-up does (no grad: a graph traced with grad ran 300x slower), so
+    # an engine that never warmed up finds warm-up's graphs
+    lazy = engine_pair(other)[1]
+    assert [r.outputs[0].token_ids for r in lazy.generate(batch, greedy)] == want
+    assert lazy.runner.graphs.built == {"cached": 1}  # its 3-row steps: bucket 4
 
     files[0].write_bytes(b"not a compiled graph")
     third = warmed(engine_pair(other)[1])
