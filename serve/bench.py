@@ -230,7 +230,10 @@ async def load_test(url: str, prompts: list[list[int]], new_tokens: int,
                     last, count = now, count + 1
             produced += count if used is None else used
 
-    async with httpx.AsyncClient(timeout=None) as client:
+    # a connection per request: llama-server closes kept-alive ones between requests, and
+    # a request sent on one it just closed fails
+    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(
+            max_keepalive_connections=0)) as client:
         start = time.perf_counter()
         await asyncio.gather(*(one(client, i, p) for i, p in enumerate(prompts)))
         seconds = time.perf_counter() - start

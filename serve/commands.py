@@ -15,7 +15,7 @@ from lathe.data.chat_template import read_template_file
 from lathe.model.checkpoint import read_model_config
 from lathe.serve.connections import ConnectionLimits
 from lathe.serve.decode_graph import cache_root
-from lathe.serve.engine import EngineConfig
+from lathe.serve.engine import DEFAULT_KV_MB, EngineConfig
 from lathe.serve.speculative import SpeculativeConfig
 from lathe.serve.tool_calls import PARSERS
 
@@ -29,7 +29,8 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                        default=EngineConfig.max_num_batched_tokens)
     group.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     group.add_argument("--kv-cache-memory-mb", type=float,
-                       default=EngineConfig.kv_cache_memory_mb, help="KV budget off-GPU")
+                       help="KV budget off-GPU (default: what --max-num-seqs sequences of "
+                            f"the model's full length take, at most {DEFAULT_KV_MB} MiB)")
     group.add_argument("--gpu-memory-utilization", type=float,
                        default=EngineConfig.gpu_memory_utilization)
     group.add_argument("--enforce-eager", action="store_true",

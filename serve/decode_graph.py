@@ -55,7 +55,6 @@ from torch import Tensor
 
 import lathe.kernels
 import lathe.model
-import lathe.serve
 from lathe.kernels import PLAIN, AttentionVariant, paged_decode
 from lathe.kernels.cpu_native import cpu_kernels_loaded
 from lathe.kernels.dispatch import policy, use_cpu_kernel
@@ -79,15 +78,15 @@ def cache_root() -> Path:
 
 @functools.cache
 def _source_digest() -> str:
-    """A digest of the sources a decode graph is traced from (the model, its kernels and the
-    engine's batch view), native kernel sources included."""
+    """A digest of the sources a decode graph is traced from: the model, its kernels (native
+    sources included) and this module's batch view."""
+    files = [Path(__file__)]
+    for package in (lathe.model, lathe.kernels):
+        files += sorted(path for path in Path(package.__file__).parent.rglob("*")
+                        if path.suffix in (".py", ".cpp", ".h") and path.is_file())
     digest = hashlib.sha256()
-    for package in (lathe.model, lathe.kernels, lathe.serve):
-        folder = Path(package.__file__).parent
-        for path in sorted(folder.rglob("*")):
-            if path.suffix in (".py", ".cpp", ".h") and path.is_file():
-                digest.update(str(path.relative_to(folder)).encode() + b"\0")
-                digest.update(path.read_bytes())
+    for path in files:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
 

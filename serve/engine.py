@@ -53,6 +53,8 @@ from lathe.serve.sequence import Sequence, Status
 from lathe.serve.speculative import Draft, SpeculativeConfig, Speculator
 from lathe.serve.structured import Constraints, GrammarError, constrain
 
+DEFAULT_KV_MB = 2048  # the largest KV budget off-GPU when none is given (vLLM's CPU: 4 GiB)
+
 
 class RequestError(ValueError):
     """A request the engine cannot serve as given (the message names field and limit)."""
@@ -62,7 +64,10 @@ class RequestError(ValueError):
 class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None  # default: sized from the memory budget below
-    kv_cache_memory_mb: float = 256.0  # KV budget off-GPU
+    # KV budget off-GPU; by default what max_num_seqs sequences of the model's full length
+    # take, at most DEFAULT_KV_MB (a budget too small for the batch preempts under load:
+    # 256 MiB held 22 of 64 concurrent 160-token requests on a 88M model)
+    kv_cache_memory_mb: float | None = None
     gpu_memory_utilization: float = 0.9  # on CUDA: fraction of device memory to fill
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -190,8 +195,12 @@ class LLMEngine:
             free += (torch.cuda.memory_reserved(self.device)
                      - torch.cuda.memory_allocated(self.device))
             budget = free - (1 - self.config.gpu_memory_utilization) * total
-        else:
+        elif self.config.kv_cache_memory_mb is not None:
             budget = self.config.kv_cache_memory_mb * 2**20
+        else:
+            blocks = -(-self.model.config.max_seq_len // self.config.block_size)
+            budget = min(DEFAULT_KV_MB * 2**20,
+                         (self.config.max_num_seqs * blocks + 1) * per_block)
         blocks = int(budget // per_block) - 1  # the slabs add a scratch block
         if blocks < 1:
             where = (f"{free / 2**30:.1f} GiB of the GPU's {total / 2**30:.1f} are free, and "
