@@ -488,10 +488,11 @@ def server_section(checkpoint: Path, vocab: int, args: argparse.Namespace) -> li
         print(f"(b) {name}: healthy after {time.perf_counter() - started:.1f} s", flush=True)
         try:
             for concurrency in args.concurrency:
-                load = random_prompts(max(2 * concurrency, 8), 32, 128, vocab,
-                                      seed=concurrency)
                 best = None
-                for _ in range(args.server_rounds):
+                for round_ in range(args.server_rounds):
+                    # new prompts each round: a prompt seen before would be a prefix-cache hit
+                    load = random_prompts(max(2 * concurrency, 8), 32, 128, vocab,
+                                          seed=1000 * round_ + concurrency)
                     r = asyncio.run(load_test(url, load, args.server_tokens, concurrency))
                     best = r if best is None or r["tok_s"] > best["tok_s"] else best
                 results[name, concurrency] = best
