@@ -8,7 +8,8 @@
     `generate()` with left-padded batches, on the same checkpoint, in interleaved rounds;
 (b) servers under load, each started as a user starts it: `lathe serve` (compiled decode
     steps, warmed up) and `lathe serve --enforce-eager`, and llama.cpp's `llama-server` on
-    the f32 GGUF of the same weights when the binary is on PATH; a streaming client at
+    the f32 GGUF of the same weights when the binary is on PATH (`--server-weights int8`:
+    both lathe servers with --quantize int8, llama-server on q8_0); a streaming client at
     concurrency 1, 4, 16 and 64, reporting output tok/s, time to first token and
     inter-token latency (p50 / p99, as `vllm bench serve` defines them);
 (c) single-stream decode tok/s for fp32, int8 and int4 weights, eager, with decode steps
@@ -452,13 +453,16 @@ def server_process(command: list[str], url: str, log: Path) -> subprocess.Popen:
 def server_commands(checkpoint: Path, folder: Path, args: argparse.Namespace,
                     ) -> dict[str, tuple[list[str], str]]:
     """The servers (b) compares, each a command line and its URL: `lathe serve` as
-    started by default and with --enforce-eager, and, when a `llama-server` binary is on
-    PATH and the checkpoint has a tokenizer, llama.cpp's server on the f32 GGUF of the same
-    weights with as many slots as the bench's highest concurrency (each holding a prompt and
-    its output) and the same threads."""
+    started by default and with --enforce-eager (with `--server-weights int8`, both with
+    --quantize int8), and, when a `llama-server` binary is on PATH and the checkpoint has a
+    tokenizer, llama.cpp's server on the GGUF of the same weights (f32, or q8_0 beside int8)
+    with as many slots as the bench's highest concurrency (each holding a prompt and its
+    output) and the same threads."""
     commands = {}
-    for name, flags in (("lathe serve", []), ("lathe serve --enforce-eager",
-                                              ["--enforce-eager"])):
+    quantize = [] if args.server_weights == "f32" else ["--quantize", args.server_weights]
+    for name, flags in (("lathe serve", quantize), ("lathe serve --enforce-eager",
+                                                    [*quantize, "--enforce-eager"])):
+        name = " ".join([name, *quantize])
         port = free_port()
         commands[name] = ([sys.executable, "-m", "lathe.core", "serve", str(checkpoint),
                            "--port", str(port), "--served-model-name", "bench",
@@ -469,9 +473,10 @@ def server_commands(checkpoint: Path, folder: Path, args: argparse.Namespace,
         print("(b) llama-server row skipped: no llama-server on PATH, or no tokenizer.json")
         return commands
     from lathe.serve.gguf_export import export_gguf
-    gguf = export_gguf(checkpoint, folder / "model.gguf", "f32")
+    gguf_type = {"f32": "f32", "int8": "q8_0"}[args.server_weights]
+    gguf = export_gguf(checkpoint, folder / "model.gguf", gguf_type)
     slots, port, threads = max(args.concurrency), free_port(), str(torch.get_num_threads())
-    commands["llama-server f32"] = ([
+    commands[f"llama-server {gguf_type}"] = ([
         binary, "-m", str(gguf), "--port", str(port), "-t", threads, "-tb", threads,
         "--parallel", str(slots), "-c", str(slots * (128 + args.server_tokens + 16))],
         f"http://127.0.0.1:{port}")
@@ -501,7 +506,7 @@ def server_section(checkpoint: Path, vocab: int, args: argparse.Namespace) -> li
         finally:
             process.terminate()
             process.wait(timeout=60)
-    baseline = "llama-server f32" if "llama-server f32" in commands else None
+    baseline = next((name for name in commands if name.startswith("llama-server")), None)
     rows = []
     for concurrency in args.concurrency:
         for name in commands:
@@ -791,6 +796,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server-tokens", type=int, default=32)
     parser.add_argument("--server-rounds", type=int, default=2,
                         help="(b): load rounds per server and concurrency, the best kept")
+    parser.add_argument("--server-weights", choices=["f32", "int8"], default="f32",
+                        help="(b): the servers' weights (int8: lathe's --quantize int8 "
+                             "against llama-server's q8_0)")
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--decode-steps", type=int, default=8,
                         help="(a), (c): forward passes per step of the multi-step rows")
