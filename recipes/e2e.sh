@@ -58,7 +58,8 @@ wait_healthy() {
     python - "$PORT" <<'PY'
 import sys, time, urllib.request
 url = f"http://127.0.0.1:{sys.argv[1]}/health"
-for _ in range(300):
+deadline = time.monotonic() + 600  # a first start compiles its decode steps (~1 min here)
+while time.monotonic() < deadline:
     try:
         if urllib.request.urlopen(url).status == 200:
             break
