@@ -179,7 +179,9 @@ class DecodeGraphs:
         run once on padding rows, which touch only the scratch slot."""
         shapes = self.shapes
         for done, (size, width) in enumerate(shapes):
-            self.run(*self._padding(size, width))
+            # CUDA graph trees run a new graph eagerly once and record it on the next call
+            for _ in range(2 if self.cuda else 1):
+                self.run(*self._padding(size, width))
             if progress is not None:
                 progress(done + 1, len(shapes))
         self.warm = True
