@@ -11,9 +11,8 @@
     the f32 GGUF of the same weights when the binary is on PATH (`--server-weights int8`:
     both lathe servers with --quantize int8, llama-server on q8_0; llama.cpp builds it with
     `cmake -B build -DLLAMA_CURL=OFF && cmake --build build --target llama-server`); a
-    streaming client at
-    concurrency 1, 4, 16 and 64, reporting output tok/s, time to first token and
-    inter-token latency (p50 / p99, as `vllm bench serve` defines them);
+    streaming client at concurrency 1, 4, 16 and 64, reporting output tok/s, time to first
+    token and inter-token latency (p50 / p99, as `vllm bench serve` defines them);
 (c) single-stream decode tok/s for fp32, int8 and int4 weights, eager, with decode steps
     compiled (`EngineConfig.compile_decode`: CUDA graphs on a GPU) and compiled with
     multi-step decoding (`EngineConfig.decode_steps`), and the memory bandwidth it
