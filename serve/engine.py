@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -52,6 +53,8 @@ from lathe.serve.scheduler import ScheduledBatch, Scheduler
 from lathe.serve.sequence import Sequence, Status
 from lathe.serve.speculative import Draft, SpeculativeConfig, Speculator
 from lathe.serve.structured import Constraints, GrammarError, constrain
+
+log = logging.getLogger("lathe.serve")
 
 DEFAULT_KV_MB = 2048  # the largest KV budget off-GPU when none is given (vLLM's CPU: 4 GiB)
 
@@ -599,9 +602,17 @@ class LLMEngine:
 
     def warm_up(self, progress: Progress | None = None) -> None:
         """Build every compiled decode step now (compiled, or loaded from the cache), so
-        that none is compiled under load; nothing to do without `compile_decode`."""
-        if self.runner.graphs is not None:
+        that none is compiled under load; nothing to do without `compile_decode`. Where
+        compiling fails (no C++ compiler for inductor, no Triton on a GPU) the engine
+        serves eagerly, with a warning, rather than not at all."""
+        if self.runner.graphs is None:
+            return
+        try:
             self.runner.graphs.warm_up(progress)
+        except Exception as error:  # whatever the compiler stack raises
+            self.runner.graphs = None
+            log.warning("compiling the decode steps failed (%s: %s); serving eagerly, as "
+                        "with --enforce-eager", type(error).__name__, error)
 
     def load_weights(self, state_dict: Mapping[str, Tensor]) -> None:
         """Swap in new weights (e.g. the policy after a GRPO update) between requests; the

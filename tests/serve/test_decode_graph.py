@@ -272,3 +272,22 @@ def test_lathe_serve_compiles_decode_steps_unless_told_otherwise(checkpoint, mon
     serve_main([str(checkpoint), "--enforce-eager"])
     serve_main([str(checkpoint), "--lora", f"a={checkpoint}"])
     assert [c.engine.compile_decode for c in configs] == [True, False, False]
+
+
+def test_a_warm_up_whose_compile_fails_leaves_an_eager_engine(monkeypatch, caplog):
+    """No C++ compiler for inductor (or no Triton on a GPU) must not keep a server from
+    starting: the engine serves eagerly and says why."""
+    from lathe.serve.decode_graph import DecodeGraphs
+
+    def no_compiler(self, shape, inputs):
+        raise RuntimeError("Compiler: g++ not found")
+    monkeypatch.setattr(DecodeGraphs, "_build", no_compiler)
+    model = serve_model(256)
+    eager, compiled = engine_pair(model)
+    compiled.warm_up()
+    assert compiled.runner.graphs is None and compiled.decode_graph_stats() == {}
+    assert "g++ not found" in caplog.text and "serving eagerly" in caplog.text
+    batch = prompts([5, 9])
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    assert [r.outputs[0].token_ids for r in compiled.generate(batch, greedy)] == \
+        [r.outputs[0].token_ids for r in eager.generate(batch, greedy)]
