@@ -82,6 +82,7 @@ from lathe.serve.speculative import SpeculativeConfig
 ROOT = Path(__file__).resolve().parents[1]
 # timed passes per measurement, the best reported: on a shared machine one pass moves by ±30%
 REPEATS = 3
+PROMPT_TOKENS = (32, 128)  # (b)'s prompt lengths, shortest and longest
 
 
 def random_prompts(n: int, low: int, high: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -437,18 +438,17 @@ def server_process(command: list[str], url: str, log: Path) -> subprocess.Popen:
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"{command[0]} exited ({process.returncode}):\n"
-                             f"{log.read_text()[-2000:]}")
+    while process.poll() is None and time.monotonic() < deadline:
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return process
         except httpx.TransportError:
             pass
         time.sleep(0.2)
+    why = f"exited ({process.returncode})" if process.poll() is not None else \
+        "did not become healthy in 900 s"
     process.kill()
-    raise SystemExit(f"{command[0]} did not become healthy in 900 s; see {log}")
+    raise SystemExit(f"{command[0]} {why}:\n{log.read_text()[-2000:]}")
 
 
 def server_commands(checkpoint: Path, folder: Path, args: argparse.Namespace,
@@ -479,25 +479,28 @@ def server_commands(checkpoint: Path, folder: Path, args: argparse.Namespace,
     slots, port, threads = max(args.concurrency), free_port(), str(torch.get_num_threads())
     commands[f"llama-server {gguf_type}"] = ([
         binary, "-m", str(gguf), "--port", str(port), "-t", threads, "-tb", threads,
-        "--parallel", str(slots), "-c", str(slots * (128 + args.server_tokens + 16))],
+        "--parallel", str(slots), "-c", str(slots * (PROMPT_TOKENS[1] + args.server_tokens
+                                                     + 16))],
         f"http://127.0.0.1:{port}")
     return commands
 
 
-def server_section(checkpoint: Path, vocab: int, args: argparse.Namespace) -> list[str]:
-    folder = Path(tempfile.mkdtemp(prefix="lathe-bench-"))
-    commands = server_commands(checkpoint, folder, args)
+def load_servers(checkpoint: Path, vocab: int, folder: Path, args: argparse.Namespace,
+                 ) -> dict[tuple[str, int], dict[str, float]]:
+    """Each server of `server_commands`, one at a time (each has the cores), under load at
+    each concurrency: the best of `--server-rounds` rounds, by (server, concurrency)."""
     results: dict[tuple[str, int], dict[str, float]] = {}
-    for name, (command, url) in commands.items():  # one at a time: each has the cores
+    for index, (name, (command, url)) in enumerate(
+            server_commands(checkpoint, folder, args).items()):
         started = time.perf_counter()
-        process = server_process(command, url, folder / f"{len(results)}.log")
+        process = server_process(command, url, folder / f"server-{index}.log")
         print(f"(b) {name}: healthy after {time.perf_counter() - started:.1f} s", flush=True)
         try:
             for concurrency in args.concurrency:
                 best = None
                 for round_ in range(args.server_rounds):
                     # new prompts each round: a prompt seen before would be a prefix-cache hit
-                    load = random_prompts(max(2 * concurrency, 8), 32, 128, vocab,
+                    load = random_prompts(max(2 * concurrency, 8), *PROMPT_TOKENS, vocab,
                                           seed=1000 * round_ + concurrency)
                     r = asyncio.run(load_test(url, load, args.server_tokens, concurrency))
                     best = r if best is None or r["tok_s"] > best["tok_s"] else best
@@ -507,19 +510,26 @@ def server_section(checkpoint: Path, vocab: int, args: argparse.Namespace) -> li
         finally:
             process.terminate()
             process.wait(timeout=60)
-    baseline = next((name for name in commands if name.startswith("llama-server")), None)
+    return results
+
+
+def server_section(checkpoint: Path, vocab: int, args: argparse.Namespace) -> list[str]:
+    with tempfile.TemporaryDirectory(prefix="lathe-bench-") as tmp:
+        results = load_servers(checkpoint, vocab, Path(tmp), args)
+    servers = list(dict.fromkeys(name for name, _ in results))
+    baseline = next((name for name in servers if name.startswith("llama-server")), None)
     rows = []
     for concurrency in args.concurrency:
-        for name in commands:
+        for name in servers:
             r = results[name, concurrency]
             ratio = "" if baseline is None else \
                 f"{r['tok_s'] / results[baseline, concurrency]['tok_s']:.2f}×"
             rows.append(f"| {concurrency} | {name} | {r['requests']} | {r['tok_s']:,.0f} | "
                         f"{ratio} | {r['ttft50']:,.0f} / {r['ttft99']:,.0f} | "
                         f"{r['itl50']:,.1f} / {r['itl99']:,.1f} |")
-    shutil.rmtree(folder, ignore_errors=True)
-    return [f"### (b) Servers under load: streaming /v1/completions, prompts of 32–128 "
-            f"tokens, {args.server_tokens} output tokens each, the best of "
+    return [f"### (b) Servers under load: streaming /v1/completions, prompts of "
+            f"{PROMPT_TOKENS[0]}–{PROMPT_TOKENS[1]} tokens, {args.server_tokens} output tokens "
+            "each, the best of "
             f"{args.server_rounds} rounds, {torch.get_num_threads()} threads", "",
             "| concurrency | server | requests | output tok/s | vs llama-server | "
             "TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |",

@@ -31,10 +31,11 @@ frozen into the graph, so `LLMEngine.load_weights` (GRPO's refresh) needs no rec
 it is done), so that no step under load pays a compile; `late` counts the graphs built
 after it. Off CUDA each compiled graph is saved under `cache_root()` (the user's own cache,
 as inductor's; torch deserializes it) keyed by everything the graph was traced from — torch
-and Python versions, the CPU's ISA, lathe's model, kernel and serve sources, the module
-tree with every tensor's shape and dtype, the KV slabs' layout, the kernel policy, the
-bucket — so a second start loads each graph in milliseconds instead of compiling it; a
-file that does not load is compiled again and overwritten.
+and Python versions, the CPU's ISA, the sources of lathe's model, its kernels and this
+module, the module tree with every tensor's shape and dtype, the KV slabs' layout, the
+kernel policy, the compile options, grad and autocast mode, the bucket — so a second start
+loads each graph in milliseconds instead of compiling it; a file that does not load is
+compiled again and overwritten.
 """
 
 from __future__ import annotations
@@ -126,8 +127,7 @@ class StaticDecodeBatch:
 
 class DecodeGraphs:
     def __init__(self, model: Transformer, slabs: KVSlabs, max_num_seqs: int,
-                 max_blocks: int, cache: bool = True) -> None:
-        """`cache`: off CUDA, keep compiled graphs under `cache_root()` across starts."""
+                 max_blocks: int) -> None:
         self.model, self.slabs = model, slabs
         self.buckets = batch_buckets(max_num_seqs)
         self.steps = 0  # decode steps run compiled
@@ -152,7 +152,6 @@ class DecodeGraphs:
             self._step = torch.compile(self._forward, fullgraph=True, dynamic=False,
                                        options={"triton.cudagraphs": True,
                                                 "size_asserts": False})
-            self._cache_folder = None
         else:
             # vLLM's way: the check of ~700 guards on the model's modules and tensors, and
             # the Python wrapper's ~100 tensor views, had been half of the README model's
@@ -165,7 +164,6 @@ class DecodeGraphs:
                 options["post_grad_custom_post_pass"] = DecodeLinearPass()
             self._compiler = torch.compile(self._forward, fullgraph=True, dynamic=False,
                                            options=options)
-            self._cache_folder = cache_root() / "decode-graphs" if cache else None
             self._options = sorted(options)
 
     @property
@@ -251,23 +249,20 @@ class DecodeGraphs:
         if self.cuda:
             self.built["compiled"] += 1
             return self._step
-        path = None
-        if self._cache_folder is not None:
-            key = hashlib.sha256((self._describe() + repr(shape)).encode()).hexdigest()
-            path = self._cache_folder / f"{key[:32]}.bin"
-            graph = self._load(path)
-            if graph is not None:
-                self.built["cached"] += 1
-                return graph
+        key = hashlib.sha256((self._describe() + repr(shape)).encode()).hexdigest()
+        path = cache_root() / "decode-graphs" / f"{key[:32]}.bin"
+        graph = self._load(path)
+        if graph is not None:
+            self.built["cached"] += 1
+            return graph
         graph = self._compiler.aot_compile((inputs, {}))
         graph.disable_guard_check()
         self.built["compiled"] += 1
-        if path is not None:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                graph.save_compiled_function(str(path))  # written to a temporary, then renamed
-            except (OSError, RuntimeError) as error:
-                log.warning("cannot cache the decode graph at %s: %s", path, error)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            graph.save_compiled_function(str(path))  # written to a temporary, then renamed
+        except (OSError, RuntimeError) as error:
+            log.warning("cannot cache the decode graph at %s: %s", path, error)
         return graph
 
     @staticmethod
@@ -290,13 +285,13 @@ class DecodeGraphs:
         tensors = [(name, tuple(t.shape), t.stride(), str(t.dtype), str(t.device))
                    for name, t in (*self.model.named_parameters(),
                                    *self.model.named_buffers())]
-        slab = self.slabs.k[0]
+        slab, kernels = self.slabs.k[0], policy()
         return repr((torch.__version__, sys.version, platform.machine(),
                      torch.backends.cpu.get_cpu_capability(), _source_digest(), repr(self.model),
                      tensors, vars(self.model.config), len(self.slabs.k), tuple(slab.shape),
                      str(slab.dtype), self.slabs.block_size, self.slabs.scratch_slot,
-                     sorted((device, sorted(on)) for device, on in policy().on.items()),
-                     policy().force,
-                     cpu_kernels_loaded(), self._options, torch.get_default_dtype(),
-                     torch.is_grad_enabled(),
+                     # sorted: a frozenset's order changes from one process to the next
+                     sorted((device, sorted(on)) for device, on in kernels.on.items()),
+                     kernels.force, cpu_kernels_loaded(), self._options,
+                     torch.get_default_dtype(), torch.is_grad_enabled(),
                      torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))

@@ -201,9 +201,9 @@ class LLMEngine:
         elif self.config.kv_cache_memory_mb is not None:
             budget = self.config.kv_cache_memory_mb * 2**20
         else:
-            blocks = -(-self.model.config.max_seq_len // self.config.block_size)
+            per_sequence = -(-self.model.config.max_seq_len // self.config.block_size)
             budget = min(DEFAULT_KV_MB * 2**20,
-                         (self.config.max_num_seqs * blocks + 1) * per_block)
+                         (self.config.max_num_seqs * per_sequence + 1) * per_block)
         blocks = int(budget // per_block) - 1  # the slabs add a scratch block
         if blocks < 1:
             where = (f"{free / 2**30:.1f} GiB of the GPU's {total / 2**30:.1f} are free, and "

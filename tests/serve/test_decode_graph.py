@@ -203,9 +203,11 @@ def test_quantized_linears_compile_into_the_decode_step(mode):
 @pytest.mark.slow
 def test_compiled_decode_runs_bf16_weights_as_eager_does():
     """bf16 is the GPU default: the compiled step must take bf16 weights and a bf16 KV
-    cache (no fp32 operand reaching a bf16 one) and pick eager's tokens."""
+    cache (no fp32 operand reaching a bf16 one), warmed up as a server starts it, and pick
+    eager's tokens."""
     model = serve_model(256).to(torch.bfloat16)
     eager, compiled = engine_pair(model)
+    warmed(compiled)
     batch = prompts([5, 12, 8])
     greedy = SamplingParams(max_tokens=8, temperature=0)
     want = [r.outputs[0].token_ids for r in eager.generate(batch, greedy)]
