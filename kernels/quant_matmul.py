@@ -123,13 +123,21 @@ def _on_bf16_rows(gemm: Callable[[Tensor, Tensor, Tensor], Tensor], x: Tensor, w
     return y.to(x.dtype).view(*x.shape[:-1], out_features)
 
 
+# torch's CPU int8 GEMM reads K in steps of 16: any other width computes wrong values (at 24
+# or 40 columns) or crashes (measured on torch 2.13)
+INT8_GEMM_K_STEP = 16
+
+
 def int8_matmul_cpu(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     """x @ dequantize(q, scale).T: a decode step's float32 rows through lathe's native int8
-    op, anything else through torch's CPU int8 GEMM."""
+    op, anything else through torch's CPU int8 GEMM (the reference for a width it cannot
+    take)."""
     x2 = x.reshape(-1, x.shape[-1])
     if (x.dtype == torch.float32 and scale.dtype == torch.float32 and x2.shape[0] <= MAX_ROWS
             and cpu_kernels_loaded() and use_cpu_kernel("decode_linear", x)):
         return decode_linear_int8_cpu(x2, [(q, scale)])[0].view(*x.shape[:-1], q.shape[0])
+    if x.shape[-1] % INT8_GEMM_K_STEP:
+        return int8_matmul_reference(x, q, scale)
     gemm = _graph_gemm(_int8_gemm_op, _int8_gemm_native) if torch.compiler.is_compiling() \
         else _int8_gemm_bf16
     return _on_bf16_rows(gemm, x, q, scale, q.shape[0])

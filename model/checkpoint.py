@@ -29,7 +29,7 @@ from lathe.core.checkpoint_files import checkpoint_file, read_json_object
 from lathe.core.errors import CheckpointError, ConfigError
 from lathe.model.config import ModelConfig
 from lathe.model.families import join_fused, split_fused, stack_experts, unstack_experts
-from lathe.model.transformer import Transformer
+from lathe.model.transformer import FP32_BUFFERS, Transformer
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -167,7 +167,8 @@ def _build(config: ModelConfig, state: dict[str, torch.Tensor], path: Path,
         model = Transformer(config)
     _check_state_dict(model, state, path)
     if dtype is not None:
-        state = {name: tensor.to(dtype) for name, tensor in state.items()}
+        state = {name: tensor if name.endswith(FP32_BUFFERS) else tensor.to(dtype)
+                 for name, tensor in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     model.tie_weights()
     model.reset_rotary(device)

@@ -89,9 +89,15 @@ class ModelConfig:
     experts, the top `n_experts_per_token` taken, their weights renormalized to sum 1 when
     `norm_topk_prob`) and `n_experts` gated MLPs of `moe_ffn_hidden_dim` (default
     `ffn_hidden_dim`); `moe_layers` (1 MoE, 0 dense per layer; None: every layer) leaves some
-    layers a dense MLP of `ffn_hidden_dim`; `shared_expert_dim` (Qwen2-MoE) adds an MLP every
-    token goes through, scaled by a sigmoid gate. Training adds `router_aux_loss_coef` times the
-    Switch Transformer load-balancing loss (as transformers computes it) and
+    layers a dense MLP of `ffn_hidden_dim`; `shared_expert_dim` adds an MLP every token goes
+    through, scaled by a sigmoid gate when `shared_expert_gate` (Qwen2-MoE; GLM-4.5's is
+    ungated). `sigmoid_router` (GLM-4.5 MoE; DeepSeek-V3's routing): the experts are scored by
+    a sigmoid, not a softmax, and chosen by score plus a per-expert selection bias (the
+    router's `e_score_correction_bias`, which pretraining's aux-loss-free balancing moves) —
+    only among the `topk_expert_groups` best of `n_expert_groups` groups of experts — and
+    weighted by their unbiased scores (renormalized when `norm_topk_prob`) times
+    `routed_scaling_factor`. Training adds `router_aux_loss_coef` times the Switch Transformer
+    load-balancing loss (as transformers computes it; a sigmoid router's family has none) and
     `router_z_loss_coef` times ST-MoE's router z-loss.
     """
 
@@ -136,6 +142,11 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.0
     shared_expert_dim: int | None = None
+    shared_expert_gate: bool = False
+    sigmoid_router: bool = False
+    n_expert_groups: int = 1
+    topk_expert_groups: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
@@ -172,6 +183,7 @@ class ModelConfig:
             )
         self._validate_rest()
         self._validate_experts()
+        self._validate_sigmoid_router()
 
     def _validate_experts(self) -> None:
         takes = FAMILIES[self.family].takes
@@ -192,8 +204,8 @@ class ModelConfig:
             return
         if experts is None:
             raise ConfigError(f"ModelConfig.n_experts={self.n_experts!r}: family="
-                              f"{self.family!r} is dense; choose mixtral, qwen2_moe, "
-                              "qwen3_moe or olmoe")
+                              f"{self.family!r} is dense; choose one of "
+                              + ", ".join(n for n, f in FAMILIES.items() if f.experts))
         for name in ("n_experts", "n_experts_per_token"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -218,8 +230,18 @@ class ModelConfig:
         if shared is not None and ("shared_expert" not in experts.options
                                    or not isinstance(shared, int) or shared <= 0):
             raise ConfigError(f"ModelConfig.shared_expert_dim={shared!r}: a positive width for "
-                              f"a family with a shared expert (qwen2_moe); family="
+                              f"a family with a shared expert (qwen2_moe, glm4_moe); family="
                               f"{self.family!r}")
+        if layers is not None and "dense_first" in experts.options \
+                and layers != sorted(layers):
+            raise ConfigError(f"ModelConfig.moe_layers={layers!r}: family={self.family!r} "
+                              "makes its first layers dense and the rest experts "
+                              "(first_k_dense_replace): put the 0s first")
+        if shared is not None and "shared_multiple" in experts.options \
+                and shared % self.moe_ffn_hidden_dim:
+            raise ConfigError(f"ModelConfig.shared_expert_dim={shared}: family={self.family!r}'s "
+                              "shared MLP is n_shared_experts experts wide, a multiple of "
+                              f"moe_ffn_hidden_dim={self.moe_ffn_hidden_dim}")
         if not self.norm_topk_prob and "norm_topk_prob" not in experts.options:
             raise ConfigError(f"ModelConfig.norm_topk_prob=false: family={self.family!r} "
                               "always renormalizes its top-k weights")
@@ -227,6 +249,35 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ConfigError(f"ModelConfig.{name}={value!r} must be a number >= 0")
+
+    def _validate_sigmoid_router(self) -> None:
+        groups, chosen = self.n_expert_groups, self.topk_expert_groups
+        scale = self.routed_scaling_factor
+        if not self.sigmoid_router:
+            if (groups, chosen, scale) != (1, 1, 1.0):
+                raise ConfigError("ModelConfig: n_expert_groups, topk_expert_groups and "
+                                  "routed_scaling_factor are a sigmoid router's (glm4_moe); "
+                                  f"family={self.family!r} routes by softmax: drop them")
+            return
+        if self.router_aux_loss_coef:
+            raise ConfigError(f"ModelConfig.router_aux_loss_coef={self.router_aux_loss_coef!r}: "
+                              f"family={self.family!r}'s class computes no balance loss; set 0 "
+                              "and balance by the selection bias (pretraining's "
+                              "moe_bias_update_rate)")
+        for name, value in (("n_expert_groups", groups), ("topk_expert_groups", chosen)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"ModelConfig.{name}={value!r} must be a positive integer")
+        if self.n_experts % groups or chosen > groups \
+                or (groups > 1 and self.n_experts // groups < 2):
+            raise ConfigError(f"ModelConfig.n_expert_groups={groups}, topk_expert_groups="
+                              f"{chosen}: the {self.n_experts} experts must split into groups "
+                              "of at least 2 (a group scores by its best two), of which at most "
+                              "all are chosen")
+        if chosen * (self.n_experts // groups) < self.n_experts_per_token:
+            raise ConfigError(f"ModelConfig.topk_expert_groups={chosen} leaves fewer experts "
+                              f"than n_experts_per_token={self.n_experts_per_token} to choose from")
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale <= 0:
+            raise ConfigError(f"ModelConfig.routed_scaling_factor={scale!r} must be a number > 0")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is a mixture of experts."""
@@ -360,8 +411,11 @@ class ModelConfig:
         if family != "llama" and isinstance(fields.get("n_layers"), int) \
                 and isinstance(fields.get("n_heads"), int) and isinstance(fields.get("dim"), int):
             head_dim = fields.get("head_dim") or fields["dim"] // fields["n_heads"]
-            fields = {**PRESETS[name], **fresh_switches(family, fields["n_layers"], head_dim),
-                      **overrides}
+            expert_width = fields.get("moe_ffn_hidden_dim") or fields.get("ffn_hidden_dim") \
+                or llama_ffn_hidden_dim(fields["dim"], fields.get("multiple_of", cls.multiple_of),
+                                        fields.get("ffn_dim_multiplier"))
+            fields = {**PRESETS[name], **fresh_switches(family, fields["n_layers"], head_dim,
+                                                        expert_width), **overrides}
         return from_dict(cls, fields)
 
     def num_params(self, include_embeddings: bool = True) -> int:
@@ -407,7 +461,8 @@ class ModelConfig:
         if not moe_layers:
             return self.n_layers * attention + dense
         experts = self.n_experts_per_token if active else self.n_experts
-        shared = 3 * self.dim * self.shared_expert_dim + self.dim if self.shared_expert_dim else 0
+        shared = (3 * self.dim * self.shared_expert_dim + self.dim * self.shared_expert_gate
+                  if self.shared_expert_dim else 0)
         moe = self.dim * self.n_experts + experts * 3 * self.dim * self.moe_ffn_hidden_dim + shared
         return self.n_layers * attention + dense + moe_layers * moe
 
@@ -489,7 +544,8 @@ class ModelConfig:
             if hf.get(key):
                 raise ConfigError(f"config.json: {key}={hf[key]!r} is not supported for "
                                   f"model_type={model_type!r}: lathe's mixtures of experts "
-                                  "are mixtral, qwen3_moe and olmoe, and it has no vision tower")
+                                  "are " + ", ".join(n for n, f in FAMILIES.items() if f.experts)
+                                  + ", and it has no vision tower")
         window, layer_types = family.window(hf)
         n_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads

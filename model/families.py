@@ -20,6 +20,7 @@ splits into lathe's q/k/v and gate/up and an export joins again (`split_fused`,
 | qwen3_moe | Qwen3MoeForCausalLM | Qwen3's attention; experts in the layers not `mlp_only_layers` |
 | olmoe | OlmoeForCausalLM | RMSNorm over the whole q and k projections, `clip_qkv`; experts |
 | qwen2_moe (Qwen1.5-MoE) | Qwen2MoeForCausalLM | Qwen2's attention; experts, a shared one |
+| glm4_moe (GLM-4.5) | Glm4MoeForCausalLM | partial RoPE, q/k norms optional; DeepSeek-V3's router |
 
 Gemma's: (1 + w) norms, a norm after attention and after the MLP as well, embeddings
 times √dim; from config.json, soft-capped scores and logits, `query_pre_attn_scalar`, and
@@ -37,7 +38,10 @@ Experts: lathe holds each MoE layer's experts stacked, as transformers 5 does in
 expert and projection (`mlp.experts.3.gate_proj.weight`; Mixtral's
 `block_sparse_moe.experts.3.w1.weight`), as transformers' `save_pretrained` writes and vLLM
 and llama.cpp read: a load stacks the per-expert layout (`stack_experts`) and refuses a
-missing or mis-shaped expert by name; an export writes it (`unstack_experts`).
+missing or mis-shaped expert by name; an export writes it (`unstack_experts`). GLM-4.5's
+shared MLP is `mlp.shared_experts` (lathe's `mlp.shared_expert`), and its checkpoints carry
+multi-token-prediction layers past `num_hidden_layers`, which its class ignores and so does a
+load.
 """
 
 from __future__ import annotations
@@ -61,8 +65,11 @@ class ExpertLayout:
     projections: tuple[str, str, str]  # one expert's gate, up and down projections
     read: Callable[[dict[str, Any]], dict[str, Any]]  # config.json -> ModelConfig fields
     written: Callable[[Any], dict[str, Any]]  # ModelConfig -> config.json keys
-    # what its class varies: "moe_layers", "norm_topk_prob", "shared_expert"
+    # what its class varies: "moe_layers" (only "dense_first": the first k layers dense),
+    # "norm_topk_prob", "shared_expert" (a width, or "shared_multiple": n × the experts');
+    # "mtp_layers": checkpoints may hold layers past num_hidden_layers, ignored
     options: tuple[str, ...] = ()
+    shared: str = "shared_expert"  # the shared MLP's name in checkpoints
 
 
 @dataclass(frozen=True)
@@ -206,6 +213,39 @@ def _qwen2_moe_read(hf: dict[str, Any]) -> dict[str, Any]:
             "shared_expert_dim": shared or None}
 
 
+def _glm4_moe_read(hf: dict[str, Any]) -> dict[str, Any]:
+    hf = {"n_routed_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1408,
+          "n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
+          "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+          **{k: v for k, v in hf.items() if v is not None}}
+    dense = hf["first_k_dense_replace"]
+    layers = [int(i >= dense) for i in range(hf["num_hidden_layers"])]
+    width = hf["moe_intermediate_size"]
+    return {"n_experts": hf["n_routed_experts"], "n_experts_per_token": hf["num_experts_per_tok"],
+            "moe_ffn_hidden_dim": width, "moe_layers": None if all(layers) else layers,
+            "norm_topk_prob": bool(hf["norm_topk_prob"]), "router_aux_loss_coef": 0.0,
+            "shared_expert_dim": hf["n_shared_experts"] * width or None,
+            "n_expert_groups": hf["n_group"], "topk_expert_groups": hf["topk_group"],
+            "routed_scaling_factor": float(hf["routed_scaling_factor"])}
+
+
+def _glm4_moe_written(config: Any) -> dict[str, Any]:
+    layers = config.moe_layers or [1] * config.n_layers
+    return {"n_routed_experts": config.n_experts,
+            "num_experts_per_tok": config.n_experts_per_token,
+            "moe_intermediate_size": config.moe_ffn_hidden_dim,
+            "n_shared_experts": (config.shared_expert_dim or 0) // config.moe_ffn_hidden_dim,
+            "first_k_dense_replace": layers.count(0), "norm_topk_prob": config.norm_topk_prob,
+            "n_group": config.n_expert_groups, "topk_group": config.topk_expert_groups,
+            "routed_scaling_factor": config.routed_scaling_factor,
+            "num_nextn_predict_layers": 0, "output_router_logits": False}
+
+
+GLM4_MOE_EXPERTS = ExpertLayout(
+    "mlp", STACKED, _glm4_moe_read, _glm4_moe_written,
+    options=("moe_layers", "dense_first", "norm_topk_prob", "shared_expert", "shared_multiple",
+             "mtp_layers"),
+    shared="shared_experts")
 QWEN2_MOE_EXPERTS = ExpertLayout(
     "mlp", STACKED, _qwen2_moe_read,
     lambda c: {**_qwen3_moe_written(c), "shared_expert_intermediate_size":
@@ -265,10 +305,19 @@ FAMILIES: dict[str, Family] = {
         sliding="layers", experts=QWEN3_MOE_EXPERTS),
     "qwen2_moe": Family(
         "Qwen2MoeForCausalLM",
-        lambda hf: {"qkv_bias": bool(hf.get("qkv_bias", hf.get("attention_bias", True)))},
+        lambda hf: {"qkv_bias": bool(hf.get("qkv_bias", hf.get("attention_bias", True))),
+                    "shared_expert_gate": True},
         _qwen_window,
         lambda c: {"qkv_bias": c.qkv_bias, **_windows_written(c), **QWEN2_MOE_EXPERTS.written(c)},
         sliding="layers", experts=QWEN2_MOE_EXPERTS),
+    "glm4_moe": Family(
+        "Glm4MoeForCausalLM",
+        lambda hf: {"qkv_bias": bool(hf.get("attention_bias", False)), "sigmoid_router": True,
+                    "qk_norm": bool(hf.get("use_qk_norm", False))},
+        _no_window,
+        lambda c: {"attention_bias": c.qkv_bias, "use_qk_norm": c.qk_norm,
+                   "partial_rotary_factor": c.partial_rotary_factor, **GLM4_MOE_EXPERTS.written(c)},
+        takes=("partial_rotary_factor",), experts=GLM4_MOE_EXPERTS),
     "olmoe": Family(
         "OlmoeForCausalLM", lambda hf: {"qk_norm_projection": True, **_attention_bias(hf)},
         _no_window, lambda c: {"attention_bias": c.qkv_bias, **OLMOE_EXPERTS.written(c)},
@@ -276,13 +325,13 @@ FAMILIES: dict[str, Family] = {
 }
 
 SWITCHES = ("qkv_bias", "o_bias", "qk_norm", "norm_unit_offset", "sandwich_norms", "embed_scale",
-            "qk_norm_projection")
+            "qk_norm_projection", "shared_expert_gate", "sigmoid_router")
 
 
 def family_switches(model_type: str, config: Any) -> dict[str, bool]:
     """The switch values `model_type`'s own class builds for `config`'s bias setting
     (what a `ModelConfig` of that family must hold for its export to load back)."""
-    hf = {"attention_bias": config.qkv_bias}
+    hf = {"attention_bias": config.qkv_bias, "use_qk_norm": config.qk_norm}
     return {name: False for name in SWITCHES} | FAMILIES[model_type].switches(hf)
 
 
@@ -338,9 +387,12 @@ def stack_experts(state: dict[str, Any], config: Any) -> dict[str, Any]:
         return state
     out, pieces = {}, {}
     for name, tensor in state.items():
+        if "mtp_layers" in layout.options and _layer_index(name) >= config.n_layers:
+            continue
         found = _expert_names(layout, name)
         if found is None:
-            out[name.replace(f".{layout.block}.gate.", ".mlp.gate.")] = tensor
+            name = name.replace(f".{layout.block}.gate.", ".mlp.gate.")
+            out[name.replace(f".mlp.{layout.shared}.", ".mlp.shared_expert.")] = tensor
         else:
             pieces.setdefault(found[0], {})[found[1:]] = tensor
     for prefix, tensors in pieces.items():
@@ -387,24 +439,38 @@ def unstack_experts(state: dict[str, Any], config: Any) -> dict[str, Any]:
                 out[f"{prefix}.{layout.block}.experts.{e}.{layout.projections[2]}.weight"] = \
                     down.clone()
         else:
+            name = name.replace(".mlp.shared_expert.", f".mlp.{layout.shared}.")
             out[name.replace(".mlp.gate.", f".{layout.block}.gate.")] = tensor
     return out
 
 
-def fresh_switches(family: str, n_layers: int, head_dim: int) -> dict[str, Any]:
+def _layer_index(name: str) -> int:
+    """The layer a `model.layers.N.` key belongs to; -1 for the others."""
+    if not name.startswith("model.layers."):
+        return -1
+    index = name.split(".")[2]
+    return int(index) if index.isdigit() else -1
+
+
+def fresh_switches(family: str, n_layers: int, head_dim: int,
+                   expert_width: int | None = None) -> dict[str, Any]:
     """What a new model of `family` sets beyond the Llama shape (`lathe init --family`,
     pretraining from scratch), as the family's transformers config class defaults: its
     switches, Gemma's activation, caps, query scale and alternating sliding layers, and a
     mixture of experts' 8 experts, 2 per token, of the dense MLP's width (top-k weights
-    renormalized but for OLMoE, as Qwen3-30B-A3B and OLMoE-1B-7B do)."""
+    renormalized but for OLMoE, as Qwen3-30B-A3B and OLMoE-1B-7B do; GLM-4.5's sigmoid router
+    without a balance loss, as its class has none, and one shared expert of the experts'
+    `expert_width`, as GLM-4.5 has)."""
     if family not in FAMILIES:
         raise ConfigError(f"family={family!r} is not one lathe takes; choose one of "
                           f"{', '.join(FAMILIES)}")
     switches = {name: value for name, value in
                 FAMILIES[family].switches({"attention_bias": False}).items() if value}
     if FAMILIES[family].experts is not None:
+        sigmoid = {"router_aux_loss_coef": 0.0, "shared_expert_dim": expert_width} \
+            if switches.get("sigmoid_router") else {}
         return {**switches, "n_experts": 8, "n_experts_per_token": 2,
-                "norm_topk_prob": family != "olmoe"}
+                "norm_topk_prob": family != "olmoe", **sigmoid}
     if family not in ("gemma2", "gemma3_text"):
         return switches
     every = 2 if family == "gemma2" else 6

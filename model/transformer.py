@@ -11,10 +11,10 @@ single-device and precision-agnostic: parallelism, mixed precision and FP8 are
 applied from outside by the training runtime. RMSNorm (also fused with the residual
 add) and SwiGLU go through `lathe.kernels`, which runs Triton on CUDA and the PyTorch
 reference elsewhere; so does RoPE. The open-model families' departures from Llama are
-switches of `ModelConfig`, and so is a mixture of experts: an `MoE` MLP (a softmax router
-and stacked experts run as grouped GEMMs) in the layers the config names, whose routing
-statistics come back beside the logits (`RouterStats`) and whose balance loss the
-training loss includes.
+switches of `ModelConfig`, and so is a mixture of experts: an `MoE` MLP (a softmax or
+sigmoid router and stacked experts run as grouped GEMMs) in the layers the config names,
+whose routing statistics come back beside the logits (`RouterStats`) and whose balance loss
+the training loss includes.
 
 Initialization (`Transformer.init_weights`): embeddings and every linear weight
 ~ N(0, init_std), except the two projections that write into the residual stream
@@ -56,43 +56,63 @@ IGNORE_INDEX = -100
 class CausalLMOutput(NamedTuple):
     logits: Tensor | None
     loss: Tensor | None  # with labels; a mixture of experts adds its router losses
-    router: RouterStats | None = None  # a mixture of experts': what its routers did
+    router: RouterStats | None = None  # with labels, a mixture of experts' routing
 
 
 class RouterStats(NamedTuple):
     """A mixture of experts' routing in one forward, over its MoE layers: the
-    load-balancing loss (transformers' `load_balancing_loss_func`), the router z-loss, and
-    each expert's share of the token-expert assignments (1/E each when balanced)."""
+    load-balancing loss (transformers' `load_balancing_loss_func`; None for a sigmoid router,
+    whose families have none), the router z-loss, and how many token-expert assignments each
+    expert of each MoE layer took (`layer_load`, (MoE layers, E)), as routed — with a
+    sigmoid router's selection bias."""
 
-    aux_loss: Tensor
+    aux_loss: Tensor | None
     z_loss: Tensor
-    load: Tensor
+    layer_load: Tensor
+
+    @property
+    def load(self) -> Tensor:
+        """Each expert's share of all layers' assignments (1/E each when balanced)."""
+        total = self.layer_load.sum(dim=0)
+        return total / total.sum()
 
     def metrics(self) -> dict[str, Tensor]:
-        """What a training step logs: the two losses and the most and least loaded
-        expert's share times E (1 is even; 0 is an expert no token reached). Routing is
-        dropless — every token reaches its experts — so no dropped fraction exists."""
-        experts = self.load.numel()
-        return {"router/aux_loss": self.aux_loss.detach(), "router/z_loss": self.z_loss.detach(),
-                "router/load_max": self.load.max() * experts,
-                "router/load_min": self.load.min() * experts}
+        """What a training step logs: the losses and the most and least loaded expert's
+        share of its layer's assignments times E (1 is even; 0 is an expert no token
+        reached), over the layers. Routing is dropless — every token reaches its experts —
+        so no dropped fraction exists."""
+        share = self.layer_load / self.layer_load.sum(dim=1, keepdim=True) \
+            * self.layer_load.shape[1]
+        losses = {"router/z_loss": self.z_loss.detach()}
+        if self.aux_loss is not None:
+            losses["router/aux_loss"] = self.aux_loss.detach()
+        return {**losses, "router/load_max": share.max(), "router/load_min": share.min()}
 
 
-def router_stats(router_logits: list[Tensor], top_k: int) -> RouterStats:
+Routing = tuple[Tensor, Tensor]  # one MoE layer's router logits (T, E) and chosen experts (T, k)
+# kept in fp32 whatever the weights' dtype, as transformers keeps them: the selection bias
+# moves by steps of ~1e-3, which bf16 would round away
+FP32_BUFFERS = ("e_score_correction_bias",)
+
+
+def router_stats(routing: list[Routing], top_k: int, balance_loss: bool = True) -> RouterStats:
     """Switch Transformer's balance loss E · Σ_e f_e · P_e (f_e: share of the top-k
     assignments to expert e, counted k per token; P_e: mean router probability), over the
-    tokens of every MoE layer together, as transformers computes it; ST-MoE's z-loss
-    mean(logsumexp(logits)²)."""
-    logits = torch.cat(router_logits).float()
-    probs = torch.softmax(logits, dim=-1)
+    tokens of every MoE layer together, as transformers computes it (when `balance_loss`);
+    ST-MoE's z-loss mean(logsumexp(logits)²); each layer's load from the experts it chose."""
+    logits = torch.cat([layer_logits for layer_logits, _ in routing]).float()
     n = logits.shape[-1]
-    chosen = probs.topk(top_k, dim=-1).indices.flatten()
-    counts = torch.zeros(n, device=logits.device).index_add_(
-        0, chosen, torch.ones_like(chosen, dtype=torch.float32))
-    per_expert = counts / logits.shape[0]  # sums to top_k
-    aux = n * (per_expert * probs.mean(dim=0)).sum()
+    aux = None
+    if balance_loss:
+        probs = torch.softmax(logits, dim=-1)
+        chosen = probs.topk(top_k, dim=-1).indices.flatten()
+        counts = torch.zeros(n, device=logits.device).index_add_(
+            0, chosen, torch.ones_like(chosen, dtype=torch.float32))
+        aux = n * (counts / logits.shape[0] * probs.mean(dim=0)).sum()
     z = torch.logsumexp(logits, dim=-1).pow(2).mean()
-    return RouterStats(aux, z, (counts / counts.sum()).detach())
+    layer_load = torch.stack([torch.bincount(experts.flatten(), minlength=n).float()
+                              for _, experts in routing])
+    return RouterStats(aux, z, layer_load)
 
 
 class RMSNorm(nn.Module):
@@ -259,7 +279,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, config.dim, bias=False)
         self.gelu = config.hidden_act == "gelu_pytorch_tanh"
 
-    def forward(self, x: Tensor, router_logits: list[Tensor] | None = None) -> Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(gated(self.gate_proj(x), self.up_proj(x), self.gelu))
 
 
@@ -316,11 +336,20 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """A mixture-of-experts MLP: the router (`gate`) scores the experts, each token goes to
-    its top `n_experts_per_token` by softmax probability, weighted by those probabilities
-    (renormalized to sum 1 when `norm_topk_prob`). Dropless: every token reaches its
-    experts. The router logits go to `router_logits`, for the training losses. A shared
-    expert (Qwen2-MoE) takes every token, its output scaled by sigmoid(shared_expert_gate)."""
+    """A mixture-of-experts MLP: the router (`gate`) scores the experts and each token goes
+    to its top `n_experts_per_token`. Softmax router: by probability, weighted by those
+    probabilities (renormalized to sum 1 when `norm_topk_prob`). Sigmoid router (DeepSeek-V3's,
+    GLM-4.5's): by sigmoid score plus the router's `e_score_correction_bias` (fp32, moved by
+    aux-loss-free balancing, not by gradients), among the experts of the best
+    `topk_expert_groups` groups (a group scores by the sum of its best two), weighted by the
+    unbiased scores (renormalized when `norm_topk_prob`) times `routed_scaling_factor`; the
+    router runs in fp32, as transformers keeps it. Dropless: every token reaches its experts.
+    While `sink` is a list (the model's forward with labels sets it), each forward appends
+    its router logits and chosen experts to it, for the training losses and the balance — an
+    attribute, not an argument: FSDP2 rebuilds a sharded layer's argument containers, and an
+    activation-checkpointing recompute must not append twice. A shared expert takes every
+    token, its output scaled by sigmoid(shared_expert_gate) when the family gates it
+    (Qwen2-MoE)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -328,13 +357,24 @@ class MoE(nn.Module):
         self.experts = Experts(config.n_experts, config.dim, config.moe_ffn_hidden_dim,
                                config.hidden_act == "gelu_pytorch_tanh")
         self.top_k, self.normalize = config.n_experts_per_token, config.norm_topk_prob
-        if config.shared_expert_dim:
-            self.shared_expert = MLP(config, config.shared_expert_dim)
-            self.shared_expert_gate = nn.Linear(config.dim, 1, bias=False)
+        self.sigmoid = config.sigmoid_router
+        if self.sigmoid:
+            self.gate.register_buffer("e_score_correction_bias",
+                                      torch.zeros(config.n_experts, dtype=torch.float32))
+            self.groups, self.topk_groups = config.n_expert_groups, config.topk_expert_groups
+            self.scaling = config.routed_scaling_factor
         self.shared = bool(config.shared_expert_dim)
+        if self.shared:
+            self.shared_expert = MLP(config, config.shared_expert_dim)
+        self.shared_gated = self.shared and config.shared_expert_gate
+        if self.shared_gated:
+            self.shared_expert_gate = nn.Linear(config.dim, 1, bias=False)
+        self.sink: list[Routing] | None = None
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(T, dim) -> router logits (T, E), the chosen experts (T, k) and their weights."""
+        if self.sigmoid:
+            return self._route_sigmoid(x)
         logits = self.gate(x)
         probs = torch.softmax(logits.float(), dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
@@ -342,14 +382,34 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return logits, experts, weights
 
-    def forward(self, x: Tensor, router_logits: list[Tensor] | None = None) -> Tensor:
+    def _route_sigmoid(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.gate.weight.float())
+        scores = logits.sigmoid()
+        choice = scores + self.gate.e_score_correction_bias.float()
+        if self.topk_groups < self.groups:
+            grouped = choice.view(choice.shape[0], self.groups, -1)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            kept = group_scores.topk(self.topk_groups, dim=-1).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).flatten(1)
+        experts = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if self.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return logits, experts, weights * self.scaling
+
+    def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])
         logits, experts, weights = self.route(flat)
-        if router_logits is not None:
-            router_logits.append(logits)
+        if self.sink is not None:
+            self.sink.append((logits, experts))
         out = self.experts(flat, experts, weights)
         if self.shared:
-            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+            shared = self.shared_expert(flat)
+            if self.shared_gated:
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
         return out.view_as(x)
 
 
@@ -372,17 +432,16 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(config) if config.is_moe_layer(layer_idx) else MLP(config)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache | None,
-                starts: Tensor | None = None,
-                router_logits: list[Tensor] | None = None) -> Tensor:
+                starts: Tensor | None = None) -> Tensor:
         attended = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, starts)
         if not self.sandwich:
             norm = self.post_attention_layernorm
             normed, x = add_rms_norm(attended, x, norm.scale(), norm.eps)  # one pass: add + norm
-            return x + self.mlp(normed, router_logits)
+            return x + self.mlp(normed)
         norm = self.pre_feedforward_layernorm
         normed, x = add_rms_norm(self.post_attention_layernorm(attended), x, norm.scale(),
                                  norm.eps)
-        return x + self.post_feedforward_layernorm(self.mlp(normed, router_logits))
+        return x + self.post_feedforward_layernorm(self.mlp(normed))
 
 
 class Decoder(nn.Module):
@@ -435,6 +494,8 @@ class Transformer(nn.Module):
             elif isinstance(module, Experts):
                 nn.init.normal_(module.gate_up_proj, mean=0.0, std=std)
                 nn.init.normal_(module.down_proj, mean=0.0, std=residual_std)
+            elif isinstance(module, MoE) and module.sigmoid:
+                nn.init.zeros_(module.gate.e_score_correction_bias)
         self.reset_rotary()
 
     def reset_rotary(self, device: torch.device | str | None = None) -> None:
@@ -483,12 +544,20 @@ class Transformer(nn.Module):
         rotations = self.model.rotary_emb(positions, x.dtype)
         local = self.model.rotary_emb_local
         local_rotations = rotations if local is None else local(positions, x.dtype)
-        router_logits: list[Tensor] | None = [] if self.config.n_experts else None
-        for layer in self.model.layers:
-            x = layer(x, *(local_rotations if layer.self_attn.local_rope else rotations),
-                      kv_cache, starts, router_logits)
-        router = (router_stats(router_logits, self.config.n_experts_per_token)
-                  if router_logits else None)
+        experts = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
+        routing: list[Routing] = []
+        for moe in experts if labels is not None else ():
+            moe.sink = routing
+        try:
+            for layer in self.model.layers:
+                x = layer(x, *(local_rotations if layer.self_attn.local_rope else rotations),
+                          kv_cache, starts)
+        finally:
+            for moe in experts:
+                moe.sink = None
+        router = (router_stats(routing, self.config.n_experts_per_token,
+                               balance_loss=not self.config.sigmoid_router)
+                  if routing else None)
         if logits_to_keep is not None:
             x = x[:, logits_to_keep]
         x = self.model.norm(x)
@@ -513,5 +582,6 @@ class Transformer(nn.Module):
         balance and z losses (transformers adds `router_aux_loss_coef · aux_loss` alike)."""
         if router is None:
             return loss
-        return (loss + self.config.router_aux_loss_coef * router.aux_loss
-                + self.config.router_z_loss_coef * router.z_loss)
+        if router.aux_loss is not None:
+            loss = loss + self.config.router_aux_loss_coef * router.aux_loss
+        return loss + self.config.router_z_loss_coef * router.z_loss

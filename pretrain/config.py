@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lathe.core.errors import ConfigError
 from lathe.model.config import ModelConfig
 from lathe.pretrain.runtime.config import TrainConfig
 
@@ -38,3 +39,14 @@ class DataSection:
 class PretrainConfig(TrainConfig):
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
+    # a sigmoid router's aux-loss-free balancing (DeepSeek-V3's γ, 0.001 there): how far
+    # each step moves an over- or under-loaded expert's selection bias; 0 leaves it alone
+    router_bias_update_speed: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        speed = self.router_bias_update_speed
+        if not isinstance(speed, (int, float)) or isinstance(speed, bool) \
+                or not 0 <= speed < float("inf"):
+            raise ConfigError(f"router_bias_update_speed={speed!r} must be a number >= 0 "
+                              "(DeepSeek-V3 used 0.001)")

@@ -27,16 +27,18 @@ from lathe.model.config import ModelConfig
 from lathe.model.transformer import Transformer
 from lathe.pretrain.config import PretrainConfig
 from lathe.pretrain.evaluate import sample_continuations, validation_metrics
+from lathe.pretrain.expert_balance import ExpertBiasBalancer
 from lathe.pretrain.runtime.trainer import Runtime, Work
 
 
-def lm_loss(model: nn.Module, batch: Tensor, z_loss: float,
-            separator: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def lm_loss(model: nn.Module, batch: Tensor, z_loss: float, separator: int | None = None,
+            balancer: ExpertBiasBalancer | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """Next-token cross-entropy on a (B, T + 1) window batch, plus optional z-loss
     (PaLM: z_loss · mean(logsumexp(logits)²) keeps the softmax normalizer near 1). With a
     `separator` (document masking) each document of a window attends only to itself; the
     token before a separator still predicts it, as the end of its document. A mixture of
-    experts' loss carries its router losses, and its router statistics are logged.
+    experts' loss carries its router losses, and its router statistics are logged (and
+    counted by the `balancer`, when its selection biases are being balanced).
 
     The whole window goes in with itself as labels. Without z-loss the head and loss are
     fused (`lathe.kernels.linear_cross_entropy`: on CUDA the (B·T × vocab) logits never
@@ -45,6 +47,8 @@ def lm_loss(model: nn.Module, batch: Tensor, z_loss: float,
     documents = None if separator is None else window_documents(batch, separator)
     out = model(batch, labels=batch, return_logits=bool(z_loss), documents=documents)
     metrics = {"loss": out.loss, **(out.router.metrics() if out.router is not None else {})}
+    if balancer is not None:
+        balancer.observe(out.router)
     if not z_loss:
         return out.loss, metrics
     z = torch.logsumexp(out.logits[:, :-1].float(), dim=-1).pow(2).mean()
@@ -72,6 +76,15 @@ def pretrain(config: PretrainConfig, resume: str = "never") -> dict[str, Any]:
         raise ConfigError(f"data.document_mask=true, but {config.data.shards} records no "
                           "bos_token_id to find documents by; rewrite the shards with "
                           "`lathe shards` or set data.document_mask=false")
+    balancer = None
+    if config.router_bias_update_speed:
+        if not model_config.sigmoid_router:
+            raise ConfigError(
+                f"router_bias_update_speed={config.router_bias_update_speed}: family="
+                f"{model_config.family!r} routes by softmax, with no selection bias to move; "
+                "pretrain a glm4_moe model (DeepSeek-V3's router) or balance with "
+                "model.overrides.router_aux_loss_coef")
+        balancer = ExpertBiasBalancer(config.router_bias_update_speed)
     tokens_per_step = (config.micro_batch_size * config.grad_accum_steps
                        * runtime.world_size * seq_len)
     total_steps = config.total_steps(tokens_per_step, model_config.num_params())
@@ -98,8 +111,11 @@ def pretrain(config: PretrainConfig, resume: str = "never") -> dict[str, Any]:
         batches = [train_loader.next_batch().to(runtime.device)
                    for _ in range(config.grad_accum_steps)]
         result = runtime.train_step(
-            batches, lambda m, b: lm_loss(m, b, config.precision.z_loss, separator),
+            batches, lambda m, b: lm_loss(m, b, config.precision.z_loss, separator, balancer),
             window_work)
+        if balancer is not None:
+            balancer.update(runtime.accelerator.unwrap_model(runtime.model),
+                            lambda t: runtime.accelerator.reduce(t, reduction="sum"))
         runtime.log_step(result)
         if runtime.should(config.eval.every):
             last_eval = validation_metrics(runtime.model, loader("val", seed=0),

@@ -5,10 +5,13 @@ weights, to compare runtimes on the same numbers), f16 or q8_0.
 
 Each family is written as the llama.cpp architecture its converter makes of it (`ARCHES`):
 llama, mistral and mixtral as `llama`; qwen2, qwen3, gemma2, gemma3, phi3, qwen2_moe
-(`qwen2moe`), qwen3_moe (`qwen3moe`) and olmoe as themselves (Phi-3's projections stay
-fused: `attn_qkv`, and gate and up as one `ffn_up`). A mixture of experts' router is
-`ffn_gate_inp`, its experts stacked `ffn_gate_exps`, `ffn_up_exps` and `ffn_down_exps`,
-Qwen2-MoE's shared expert `ffn_*_shexp` with its gate `ffn_gate_inp_shexp`. Layout facts
+(`qwen2moe`), qwen3_moe (`qwen3moe`), olmoe and glm4_moe (`glm4moe`) as themselves (Phi-3's
+projections stay fused: `attn_qkv`, and gate and up as one `ffn_up`). A mixture of experts'
+router is `ffn_gate_inp`, its experts stacked `ffn_gate_exps`, `ffn_up_exps` and
+`ffn_down_exps`, a shared expert `ffn_*_shexp` (Qwen2-MoE's gate `ffn_gate_inp_shexp`);
+GLM-4.5's sigmoid router's selection bias is `exp_probs_b`, its norm after attention
+`post_attention_norm`, and its routing (sigmoid gating, groups, weight scale, leading dense
+layers) goes in as keys. Layout facts
 that matter: llama.cpp's `llama` RoPE rotates adjacent pairs (2i, 2i + 1) while HF
 checkpoints rotate halves (i, i + d/2), so for it q_proj and k_proj rows are permuted per
 head (`permute_rope_rows`), as llama.cpp's own converter does; the other architectures
@@ -52,6 +55,8 @@ LAYER_NAMES = {
     "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+# GLM-4.5's: the MLP's input norm is named as the output of attention's
+GLM4_MOE_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_norm"}
 # Gemma's four norms a layer: the one after attention, and the MLP's before and after
 SANDWICH_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
                   "pre_feedforward_layernorm": "ffn_norm",
@@ -59,8 +64,10 @@ SANDWICH_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_nor
 # lathe family -> llama.cpp architecture
 ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
           "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3", "mixtral": "llama",
-          "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "qwen2_moe": "qwen2moe"}
-# whether llama.cpp's graph for an architecture renormalizes the top-k expert weights
+          "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "qwen2_moe": "qwen2moe",
+          "glm4_moe": "glm4moe"}
+# whether llama.cpp's graph for an architecture renormalizes the top-k expert weights (glm4moe
+# reads it from the file)
 EXPERT_WEIGHTS_NORM = {"llama": True, "qwen3moe": True, "olmoe": False, "qwen2moe": False}
 
 
@@ -72,16 +79,17 @@ def permute_rope_rows(weight: Tensor, n_heads: int) -> Tensor:
             .reshape(out_features, in_features))
 
 
-def gguf_tensor_name(name: str, sandwich: bool = False) -> str:
-    """llama.cpp's name for an HF parameter name (`sandwich`: Gemma's norm names)."""
+def gguf_tensor_name(name: str, names: dict[str, str] = LAYER_NAMES) -> str:
+    """llama.cpp's name for an HF parameter name, by the architecture's layer `names`."""
     fixed = {"model.embed_tokens.weight": "token_embd.weight",
              "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
     if name in fixed:
         return fixed[name]
     _, _, index, rest = name.split(".", 3)
+    if rest == "mlp.gate.e_score_correction_bias":
+        return f"blk.{index}.exp_probs_b.bias"
     module, _, kind = rest.rpartition(".") if rest.endswith((".weight", ".bias")) \
         else (rest, "", "weight")  # stacked experts are parameters of their own
-    names = SANDWICH_NAMES if sandwich else LAYER_NAMES
     if module not in names or kind not in ("weight", "bias"):
         raise CheckpointError(f"no GGUF name for parameter {name}")
     return f"blk.{index}.{names[module]}.{kind}"
@@ -92,6 +100,8 @@ def gguf_tensors(state: dict[str, Tensor], config: ModelConfig) -> dict[str, np.
     the `llama` architecture, Gemma's norms as 1 + w, Phi-3's projections fused."""
     out = {}
     permute = ARCHES[config.family] == "llama"
+    names = SANDWICH_NAMES if config.sandwich_norms else (
+        GLM4_MOE_NAMES if config.family == "glm4_moe" else LAYER_NAMES)
     for name, tensor in _split_gate_up(join_fused(state, config)).items():
         if name == "lm_head.weight" and config.tie_embeddings:
             continue
@@ -102,7 +112,7 @@ def gguf_tensors(state: dict[str, Tensor], config: ModelConfig) -> dict[str, np.
             tensor = permute_rope_rows(tensor, config.n_kv_heads)
         elif config.norm_unit_offset and "norm" in name:
             tensor = tensor + 1
-        out[gguf_tensor_name(name, config.sandwich_norms)] = tensor.numpy()
+        out[gguf_tensor_name(name, names)] = tensor.numpy()
     if config.rope_scaling is not None:
         plain = dataclasses.replace(config, rope_scaling=None)
         out["rope_freqs.weight"] = (rope_inv_freq(plain) / rope_inv_freq(config)).numpy()
@@ -149,7 +159,8 @@ def unwritable(config: ModelConfig) -> str | None:
         and "llama.cpp's gemma3 rotates its sliding layers with base 10000",
         arch == "gemma2" and not config.tie_embeddings
         and "llama.cpp's gemma2 ties its head to the embeddings",
-        config.n_experts and config.norm_topk_prob != EXPERT_WEIGHTS_NORM.get(arch)
+        config.n_experts and arch in EXPERT_WEIGHTS_NORM
+        and config.norm_topk_prob != EXPERT_WEIGHTS_NORM[arch]
         and f"llama.cpp's {arch} "
             f"{'does not renormalize' if config.norm_topk_prob else 'renormalizes'}"
             " the top-k expert weights",
@@ -157,7 +168,7 @@ def unwritable(config: ModelConfig) -> str | None:
         and "llama.cpp's olmoe clamps q, k and v before the q/k norms, transformers after them",
         arch == "olmoe" and config.n_kv_heads != config.n_heads
         and "llama.cpp's olmoe norms k over all n_heads heads: it takes no grouped KV heads",
-        config.moe_layers is not None and not all(config.moe_layers)
+        config.moe_layers is not None and not all(config.moe_layers) and arch != "glm4moe"
         and f"llama.cpp's {arch} has experts in every layer (no mlp_only_layers)",
     ]
     found = [reason for reason in reasons if reason]
@@ -250,6 +261,16 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f16") -> 
         writer.add_expert_weights_norm(config.norm_topk_prob)
         if config.shared_expert_dim:
             writer.add_expert_shared_feed_forward_length(config.shared_expert_dim)
+    if config.sigmoid_router:
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        writer.add_expert_weights_scale(config.routed_scaling_factor)
+        writer.add_expert_shared_count((config.shared_expert_dim or 0)
+                                       // config.moe_ffn_hidden_dim)
+        writer.add_leading_dense_block_count((config.moe_layers or [1]).count(0))
+        writer.add_nextn_predict_layers(0)
+        if config.topk_expert_groups < config.n_expert_groups:
+            writer.add_expert_group_count(config.n_expert_groups)
+            writer.add_expert_group_used_count(config.topk_expert_groups)
     if config.clip_qkv is not None:
         writer.add_clamp_kqv(config.clip_qkv)
     writer.add_vocab_size(config.vocab_size)

@@ -167,6 +167,17 @@ def test_cpu_gemm_takes_a_misaligned_weight_without_crashing():
               torch.float16)
 
 
+@pytest.mark.parametrize("k", [24, 40, 8])
+@pytest.mark.parametrize("rows", [1, 4, 40])
+def test_int8_cpu_matmul_of_a_width_torchs_gemm_cannot_take(rows, k):
+    """torch's CPU int8 GEMM computes wrong values (or crashes) for K not a multiple of 16,
+    as a narrow expert's down projection has: such a width takes the reference."""
+    g = torch.Generator().manual_seed(0)
+    q, scale = quantize_int8(torch.randn(64, k, generator=g))
+    x = torch.randn(rows, k, generator=g)
+    close(int8_matmul_cpu(x, q, scale), int8_matmul_reference(x, q, scale), torch.float16)
+
+
 @pytest.mark.skipif(shutil.which("c++") is None, reason="the native ops need a C++ compiler")
 def test_native_cpu_gemm_ops_equal_the_python_ones_and_a_compiled_graph_calls_them():
     """With lathe's native CPU kernels loaded, a compiled graph calls the GEMMs as C++ ops

@@ -75,6 +75,16 @@ FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2,
                                      "moe_intermediate_size": 32,
                                      "shared_expert_intermediate_size": 48}),
+    # GLM-4.5: DeepSeek-V3's router (sigmoid scores, a selection bias, the best 2 of 4 groups
+    # of experts, scaled weights), an ungated shared expert, a dense first layer, half of
+    # each head rotated, q/k norms and q/k/v biases
+    "glm4_moe": ("Glm4MoeConfig", {"head_dim": 16, "n_routed_experts": 8,
+                                   "num_experts_per_tok": 3, "moe_intermediate_size": 32,
+                                   "n_shared_experts": 2, "first_k_dense_replace": 1,
+                                   "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5,
+                                   "use_qk_norm": True, "attention_bias": True,
+                                   "num_hidden_layers": 3, "pad_token_id": 0,
+                                   "bos_token_id": 1, "eos_token_id": 2}),
 }
 SEQ = 96
 
@@ -103,6 +113,9 @@ def hf_model(name: str):
             router = getattr(layer.mlp, "gate", None)
             if router is not None:  # decisive routing: no near-tie between two experts
                 router.weight.normal_(0, 1)
+                bias = getattr(router, "e_score_correction_bias", None)
+                if bias is not None:  # a selection bias that changes the choice
+                    bias.normal_(0, 0.3)
     return model
 
 
@@ -134,7 +147,7 @@ def test_load_and_export_as_the_same_model_with_the_same_logits(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama-attention-bias", "mistral-window",
-                                  "gemma2", "gemma3", "phi3", "qwen3_moe", "olmoe"])
+                                  "gemma2", "gemma3", "phi3", "qwen3_moe", "olmoe", "glm4_moe"])
 def test_bf16_autocast_stays_close(tmp_path, name):
     hf = saved(name, tmp_path / "hf")
     ids = torch.randint(0, 256, (1, 32))
@@ -159,7 +172,7 @@ def greedy(hf, prompt: list[int], steps: int) -> list[int]:
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "smollm3", "mistral-window",
                                   "qwen2-window", "gemma2", "gemma3", "phi3", "phi3-window",
-                                  "mixtral", "qwen3_moe", "olmoe", "qwen2_moe"])
+                                  "mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe"])
 def test_the_engine_generates_what_transformers_computes(tmp_path, name):
     hf = saved(name, tmp_path / "hf")
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 40, 70)]
@@ -231,6 +244,10 @@ GGUF_FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2,
                                      "moe_intermediate_size": 32,
                                      "shared_expert_intermediate_size": 48}),
+    "glm4_moe": FAMILIES["glm4_moe"],
+    "glm4_moe-ungrouped": ("Glm4MoeConfig", {**FAMILIES["glm4_moe"][1], "n_group": 1,
+                                             "topk_group": 1, "use_qk_norm": False,
+                                             "attention_bias": False}),
 }
 
 
@@ -238,8 +255,8 @@ GGUF_FAMILIES = {
 def test_gguf_export_of_a_family_gives_llama_cpps_logits(tmp_path, name):
     """The file as llama.cpp's own architecture for the family (NEOX RoPE unpermuted, biases,
     q/k norms, Gemma's 1 + w norms, soft-caps and sliding layers, Phi-3's fused projections
-    and partial rotary) computes lathe's logits in llama.cpp, past the window (its KV cache
-    is f16: 2e-3 of the largest logit)."""
+    and partial rotary, GLM-4.5's biased sigmoid router in groups) computes lathe's logits in
+    llama.cpp, past the window (its KV cache is f16: 2e-3 of the largest logit)."""
     llama_cpp = pytest.importorskip("llama_cpp")
     config_class, extra = GGUF_FAMILIES[name]
     config = getattr(transformers, config_class)(**{**SHAPE, "vocab_size": 512, "pad_token_id": 0,
@@ -254,6 +271,9 @@ def test_gguf_export_of_a_family_gives_llama_cpps_logits(tmp_path, name):
                 parameter.normal_(0 if "gemma" in name else 1, 0.2)
             else:
                 parameter.normal_(0, 0.3)
+        for buffer_name, buffer in hf.named_buffers():
+            if buffer_name.endswith("e_score_correction_bias"):  # GLM-4.5's selection bias
+                buffer.normal_(0, 0.3)
     # named after its family: llama.cpp looks up Phi-3's special tokens when the model's
     # name says phi3, which this vocabulary lacks (the export renames it)
     folder = tmp_path / f"{name}-tiny"

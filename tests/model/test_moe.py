@@ -1,4 +1,5 @@
 """Mixtures of experts: the training loss with its load-balancing term is transformers' (fp32),
+a sigmoid router's (GLM-4.5) loss has no balance term and its loads count the biased choice,
 the grouped expert GEMMs compute what the per-expert loop does (forward and gradients), both
 checkpoint layouts load, a missing or mis-shaped expert is named, and configs a family's
 class cannot build are refused."""
@@ -31,6 +32,31 @@ def test_loss_and_balance_loss_are_transformers(tmp_path, name):
     assert float(got.router.aux_loss) == pytest.approx(float(expected.aux_loss), abs=1e-5)
     assert float(got.loss) == pytest.approx(float(expected.loss), abs=1e-4)
     assert float(got.router.load.sum()) == pytest.approx(1.0)
+
+
+def test_a_sigmoid_routers_loss_is_transformers_and_its_load_is_what_it_chose(tmp_path):
+    """GLM-4.5's class computes no balance loss: the loss is transformers' cross-entropy, and
+    the logged load counts the experts the biased, grouped choice took, layer by layer."""
+    hf = saved("glm4_moe", tmp_path / "hf")
+    ours = load_checkpoint(tmp_path / "hf")
+    ids = torch.randint(0, 256, (2, 40))
+    with torch.no_grad():
+        expected = hf(ids, labels=ids)
+        got = ours(ids, labels=ids)
+        layer = ours.model.layers[1].mlp
+        hidden = torch.randn(80, ours.config.dim)
+        _, chosen, _ = layer.route(hidden)
+    assert float(got.loss) == pytest.approx(float(expected.loss), abs=1e-4)
+    assert got.router.aux_loss is None and "router/aux_loss" not in got.router.metrics()
+    assert got.router.layer_load.shape == (2, 8)  # layer 0 is dense
+    assert got.router.layer_load.sum(dim=1).tolist() == [80 * 3] * 2
+    # the choice is the biased one: the experts the bias favours most are taken most
+    counts = torch.bincount(chosen.flatten(), minlength=8)
+    layer.gate.e_score_correction_bias.copy_(torch.tensor([5.0] + [0.0] * 7))
+    with torch.no_grad():
+        _, favoured, weights = layer.route(hidden)
+    assert (favoured == 0).any(dim=1).all() and counts[0] < 80
+    assert weights.sum(dim=1).allclose(torch.full((80,), 2.5))  # renormalized, then scaled
 
 
 def experts_layer(seed: int = 0):
@@ -128,6 +154,44 @@ def test_configs_a_family_cannot_build_are_refused(tmp_path):
         load_checkpoint(tmp_path / "hf")
 
 
+def test_a_sigmoid_routers_configs_its_class_cannot_build_are_refused():
+    glm = dict(family="glm4_moe", sigmoid_router=True, n_experts=8, router_aux_loss_coef=0.0)
+    with pytest.raises(ConfigError, match="glm4_moe'.s class computes no balance loss"):
+        ModelConfig(**{**glm, "router_aux_loss_coef": 0.01})
+    with pytest.raises(ConfigError, match="are a sigmoid router's"):
+        ModelConfig(family="qwen3_moe", qk_norm=True, n_experts=8, n_expert_groups=2)
+    with pytest.raises(ConfigError, match="must split into groups of at least 2"):
+        ModelConfig(**glm, n_expert_groups=3)
+    with pytest.raises(ConfigError, match="leaves fewer experts than n_experts_per_token=3"):
+        ModelConfig(**glm, n_expert_groups=4, topk_expert_groups=1, n_experts_per_token=3)
+    with pytest.raises(ConfigError, match="put the 0s first"):
+        ModelConfig(**glm, moe_layers=[1, 0, 1, 1])
+    with pytest.raises(ConfigError, match="a multiple of moe_ffn_hidden_dim=64"):
+        ModelConfig(**glm, moe_ffn_hidden_dim=64, shared_expert_dim=96)
+
+
+def test_a_new_glm4_moe_model_loads_in_transformers_with_its_logits(tmp_path):
+    """`lathe init --family glm4_moe`'s model (a shared expert, as GLM-4.5 has; a selection
+    bias, here moved off zero as balancing would) is a `Glm4MoeForCausalLM` with its logits."""
+    from lathe.model import save_checkpoint
+    config = ModelConfig.from_preset("tiny", family="glm4_moe", vocab_size=256)
+    assert (config.sigmoid_router, config.router_aux_loss_coef) == (True, 0.0)
+    assert config.shared_expert_dim == config.moe_ffn_hidden_dim
+    torch.manual_seed(0)
+    model = Transformer(config)
+    for layer in model.model.layers:
+        layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3)
+    save_checkpoint(model, tmp_path / "glm")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "glm",
+                                                           dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Glm4MoeForCausalLM"
+    assert sum(t.numel() for t in hf.state_dict().values()) == \
+        sum(t.numel() for t in model.state_dict().values())  # both hold the tied head
+    ids = torch.randint(0, 256, (1, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids).logits, atol=1e-4, rtol=0)
+
+
 def test_active_parameters_count_the_experts_a_token_uses():
     config = ModelConfig.from_preset("tiny", family="qwen3_moe", n_experts=8,
                                      n_experts_per_token=2, moe_ffn_hidden_dim=64,
@@ -144,8 +208,9 @@ def test_active_parameters_count_the_experts_a_token_uses():
 
 
 # int4's groups of 32 on this sharpened random model: 13% mean error (a broken expert: ~100%)
+@pytest.mark.parametrize("family", ["olmoe", "glm4_moe"])
 @pytest.mark.parametrize("mode, tolerance", [("int8", 0.02), ("int4", 0.2)])
-def test_quantized_experts_serve_close_to_full_precision(tmp_path, mode, tolerance):
+def test_quantized_experts_serve_close_to_full_precision(tmp_path, mode, tolerance, family):
     """Every linear and every expert quantized (routers kept): logits within the mode's
     mean error, the weights a fraction of the bytes, and a quantized checkpoint reloads to
     the same model."""
@@ -158,7 +223,7 @@ def test_quantized_experts_serve_close_to_full_precision(tmp_path, mode, toleran
     )
     from lathe.serve.sampling import SamplingParams
 
-    saved("olmoe", tmp_path / "hf")
+    saved(family, tmp_path / "hf")
     full = load_checkpoint(tmp_path / "hf")
     quantized = load_serving_model(tmp_path / "hf", quantize=mode, device="cpu")
     assert sum(isinstance(m, QuantizedExperts) for m in quantized.modules()) == 2

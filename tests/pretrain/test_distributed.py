@@ -177,19 +177,27 @@ def test_run_killed_at_each_phase_resumes(recipe, micro_batch_size, tolerance, c
 MOE_MODEL = {"family": "qwen3_moe", "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
              "max_seq_len": 64, "n_experts": 4, "n_experts_per_token": 2,
              "moe_ffn_hidden_dim": 64, "router_aux_loss_coef": 0.0}
+# GLM-4.5's router, its selection biases moved every step from the loads of both ranks
+BALANCED_MOE = {"model": {"preset": "tiny", "overrides": {
+    **MOE_MODEL, "family": "glm4_moe", "qk_norm": False, "sigmoid_router": True}},
+    "router_bias_update_speed": 0.01}
 
 
+@pytest.mark.parametrize("balanced", [False, True], ids=["qwen3_moe", "glm4_moe-balanced"])
 @pytest.mark.parametrize("recipe", ["cpu-fsdp2", "cpu-zero3"])
-def test_moe_on_two_sharded_processes_matches_one(recipe, corpus, tmp_path):
-    """A Qwen3-MoE, its stacked experts sharded like any parameter: the same losses as one
-    process, and the gathered export loads in transformers with lathe's logits. The balance
-    loss is off here: transformers computes it per forward, over the tokens of one
-    micro-batch on one rank, so it is not a sum that splits over ranks exactly."""
-    from transformers import Qwen3MoeForCausalLM
+def test_moe_on_two_sharded_processes_matches_one(recipe, balanced, corpus, tmp_path):
+    """A mixture of experts, its stacked experts sharded like any parameter: the same losses
+    as one process, and the gathered export loads in transformers with lathe's logits. The
+    balance loss is off here: transformers computes it per forward, over the tokens of one
+    micro-batch on one rank, so it is not a sum that splits over ranks exactly. The
+    aux-loss-free balance is a sum: its selection biases, updated from both ranks' loads,
+    end where one process's do."""
+    from transformers import AutoModelForCausalLM
 
     def moe(out: Path, micro_batch_size: int) -> dict:
-        return {**settings(corpus, out, micro_batch_size, steps=8),
-                "model": {"preset": "tiny", "overrides": MOE_MODEL}}
+        model = BALANCED_MOE if balanced else {
+            "model": {"preset": "tiny", "overrides": MOE_MODEL}}
+        return {**settings(corpus, out, micro_batch_size, steps=8), **model}
 
     one = tmp_path / "one"
     reset_accelerate()
@@ -200,11 +208,17 @@ def test_moe_on_two_sharded_processes_matches_one(recipe, corpus, tmp_path):
     assert sorted(twos) == list(range(1, 9))
     assert max(abs(ones[s] - twos[s]) for s in ones) < 1e-5
     ours = load_checkpoint(two / "final")
-    theirs = Qwen3MoeForCausalLM.from_pretrained(two / "final").eval()
+    theirs = AutoModelForCausalLM.from_pretrained(two / "final").eval()
     ids = torch.randint(0, ours.config.vocab_size, (2, 48), generator=torch.Generator()
                         .manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(ours(ids).logits, theirs(ids).logits, atol=1e-5, rtol=0)
+    if balanced:
+        from lathe.pretrain.expert_balance import selection_biases
+        alone = selection_biases(load_checkpoint(one / "final"))
+        for bias, reference_bias in zip(selection_biases(ours), alone, strict=True):
+            assert bias.abs().max() > 0
+            torch.testing.assert_close(bias, reference_bias, atol=1e-6, rtol=0)
 
 
 def test_killing_the_launcher_kills_every_rank(corpus, tmp_path):

@@ -47,9 +47,18 @@ def test_loss_falls_and_run_writes_everything(corpus, tmp_path, caplog):
     assert model.config.vocab_size == 512 and model.config.n_layers == 2
 
 
-def test_interrupted_run_resumes_bit_exact(corpus, tmp_path, monkeypatch):
+# a mixture of experts balanced without a loss: its selection biases, moved every step, are
+# resumable state too
+BALANCED_MOE = {"model.overrides": {"family": "glm4_moe", "dim": 64, "n_layers": 2,
+                                    "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64,
+                                    "n_experts": 4, "moe_ffn_hidden_dim": 64},
+                "router_bias_update_speed": 0.01}
+
+
+@pytest.mark.parametrize("model", [{}, BALANCED_MOE], ids=["dense", "glm4_moe-balanced"])
+def test_interrupted_run_resumes_bit_exact(corpus, tmp_path, monkeypatch, model):
     reference = tmp_path / "reference"
-    pretrain(build(run_config(corpus, reference)))
+    pretrain(build(run_config(corpus, reference, **model)))
 
     interrupted = tmp_path / "interrupted"
     real_step = Runtime.train_step
@@ -61,12 +70,12 @@ def test_interrupted_run_resumes_bit_exact(corpus, tmp_path, monkeypatch):
 
     monkeypatch.setattr(Runtime, "train_step", dies_at_step_7)
     with pytest.raises(KeyboardInterrupt):
-        pretrain(build(run_config(corpus, interrupted)))
+        pretrain(build(run_config(corpus, interrupted, **model)))
     assert max(step_losses(interrupted)) == 6
     monkeypatch.setattr(Runtime, "train_step", real_step)
     reset_accelerate()
 
-    pretrain(build(run_config(corpus, interrupted)), resume="auto")
+    pretrain(build(run_config(corpus, interrupted, **model)), resume="auto")
     assert step_losses(interrupted) == step_losses(reference)  # exact, steps 1..12
     assert step_losses(interrupted, "val/loss") == step_losses(reference, "val/loss")
     final_a = load_checkpoint(reference / "final").state_dict()
@@ -186,25 +195,74 @@ def test_document_masked_pretraining_learns(corpus, tmp_path):
     assert summary["val/loss"] < losses[1]
 
 
+MOE = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 64,
+       "n_experts": 4, "n_experts_per_token": 2, "moe_ffn_hidden_dim": 64}
+
+
+def late_min_load(out) -> list[float]:
+    """The least loaded expert's share × E over the last 10 of 40 steps (0: an expert of some
+    layer that no token reached; 1: even)."""
+    return [v for step, v in step_losses(out, "router/load_min").items() if step > 30]
+
+
 def test_moe_pretraining_learns_and_every_expert_gets_tokens(corpus, tmp_path):
     """A Qwen3-MoE model from scratch: the loss falls and, at this run's high learning
-    rate, the routers first crowd onto some experts and the balance loss (weighted 0.1)
-    brings every expert back into use by the end; the export is the family's checkpoint."""
+    rate, each layer's router first crowds onto two of its four experts (the least loaded
+    expert of some layer gets no token) and the balance loss, weighted 1, brings every
+    expert of every layer back into use; the export is the family's checkpoint."""
     out = tmp_path / "moe"
-    summary = pretrain(build(run_config(corpus, out, max_steps=16, **{
-        "model.overrides": {"family": "qwen3_moe", "dim": 64, "n_layers": 2, "n_heads": 4,
-                            "n_kv_heads": 2, "max_seq_len": 64, "n_experts": 4,
-                            "n_experts_per_token": 2, "moe_ffn_hidden_dim": 64,
-                            "router_aux_loss_coef": 0.1}})))
+    summary = pretrain(build(run_config(corpus, out, max_steps=40, **{
+        "model.overrides": {**MOE, "family": "qwen3_moe", "router_aux_loss_coef": 1.0}})))
     losses = step_losses(out)
-    assert losses[16] < losses[1] - 1.0
+    assert losses[40] < losses[1] - 2.0
     for name in ("router/aux_loss", "router/load_max", "router/load_min"):
         assert sorted(step_losses(out, name)) == sorted(losses), name
-    assert step_losses(out, "router/load_min")[16] > 0.5  # every expert in use again
+    assert min(step_losses(out, "router/load_min").values()) < 0.05  # crowded at first
+    assert min(late_min_load(out)) > 0.3
     assert all(v >= 1.0 for v in step_losses(out, "router/aux_loss").values())
     exported = load_checkpoint(out / "final")
     assert exported.config.family == "qwen3_moe" and exported.config.n_experts == 4
     assert summary["parameters"] == exported.config.num_params()
+
+
+def test_aux_loss_free_balancing_brings_every_expert_back(corpus, tmp_path):
+    """GLM-4.5's sigmoid router has no balance loss: unbalanced, each layer crowds onto two
+    experts and stays there (an expert's share ~0.1 of even at the end); with DeepSeek-V3's
+    selection-bias updates every expert of every layer is back in use while the loss falls,
+    and the moved biases are in the export, which transformers' class computes with."""
+    from transformers import AutoModelForCausalLM
+
+    from lathe.pretrain.expert_balance import selection_biases
+
+    def run(name: str, speed: float):
+        out = tmp_path / name
+        pretrain(build(run_config(corpus, out, max_steps=40, router_bias_update_speed=speed,
+                                  **{"model.overrides": {**MOE, "family": "glm4_moe"}})))
+        return out
+
+    plain, balanced = run("plain", 0.0), run("balanced", 0.01)
+    assert max(late_min_load(plain)) < 0.25
+    assert min(late_min_load(balanced)) > 0.4
+    assert step_losses(balanced)[40] < step_losses(balanced)[1] - 2.0
+    assert all(float(b.abs().max()) == 0 for b in selection_biases(
+        load_checkpoint(plain / "final")))
+    ours = load_checkpoint(balanced / "final")
+    biases = selection_biases(ours)
+    assert len(biases) == 2 and all(float(b.abs().max()) >= 0.1 for b in biases)
+    theirs = AutoModelForCausalLM.from_pretrained(balanced / "final").eval()
+    ids = torch.randint(0, ours.config.vocab_size, (2, 48),
+                        generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-5, rtol=0)
+
+
+def test_bias_balancing_of_a_model_without_a_selection_bias_is_refused(corpus, tmp_path):
+    with pytest.raises(ConfigError, match="family='qwen3_moe' routes by softmax, with no "
+                                          "selection bias to move"):
+        pretrain(build(run_config(corpus, tmp_path / "r", router_bias_update_speed=0.01, **{
+            "model.overrides": {**MOE, "family": "qwen3_moe"}})))
+    with pytest.raises(ConfigError, match="router_bias_update_speed=-0.1 must be a number"):
+        build(run_config(corpus, tmp_path / "r", router_bias_update_speed=-0.1))
 
 
 def test_seq_len_longer_than_the_model_is_refused(corpus, tmp_path):
