@@ -12,8 +12,11 @@ A mixture of experts' stacked experts are parameters, not linears: targeting gat
 up_proj or down_proj adapts them through peft's `target_parameters` (`experts.gate_up_proj`,
 whole, for either of the first two; `experts.down_proj`; a rank-r update per expert), as it
 adapts transformers' own MoE classes, so such an adapter loads in peft on the original class
-too. The engine's adapter slots
-serve linear adapters only; an expert adapter is served merged.
+too. On a mixture of experts those names mean the experts only, not a dense layer's MLP or a
+shared expert: peft on transformers 5 reads them so (it rewrites them into the experts'
+parameters, for adapters trained on transformers 4), and an adapter that also held the
+dense linears would not load as trained. The engine's adapter slots serve linear adapters
+only; an expert adapter is served merged.
 """
 
 from __future__ import annotations
@@ -90,11 +93,14 @@ class LoraSection:
 
     def peft_config(self, experts: bool = False) -> Any:
         """The `peft.LoraConfig` of this section; `experts`: the model is a mixture of
-        experts, whose stacked experts the MLP targets reach as parameters."""
+        experts, whose stacked experts — and only they — the MLP targets reach, as
+        parameters."""
+        mlp = {part for parts in EXPERT_PARAMETERS.values() for part in parts}
+        modules = [t for t in self.target_modules if not (experts and t in mlp)]
         return _peft().LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
-                          target_modules=list(self.target_modules), bias="none",
-                          target_parameters=self.expert_parameters() if experts else None,
-                          task_type="CAUSAL_LM")
+                                  target_modules=modules, bias="none",
+                                  target_parameters=self.expert_parameters() if experts
+                                  else None, task_type="CAUSAL_LM")
 
     def expert_parameters(self) -> list[str]:
         """The stacked expert parameters the MLP targets reach (peft `target_parameters`)."""
@@ -182,12 +188,6 @@ def save_adapter(model: nn.Module, section: LoraSection, path: str | Path,
     state = {name: tensor.detach().contiguous().cpu()
              for name, tensor in _peft().utils.get_peft_model_state_dict(model).items()}
     config = section.peft_config(has_experts(model))
-    if has_experts(model) and not any(flag == 0 for flag in model.config.moe_layers or [1]):
-        # no dense MLP: the MLP targets are the expert parameters alone (peft reads MLP
-        # names on transformers' MoE classes as the experts, at another rank)
-        config.target_modules = sorted(set(config.target_modules)
-                                       - {p for parts in EXPERT_PARAMETERS.values()
-                                          for p in parts})
     fused = FAMILIES[model.config.family].fused if isinstance(model, Transformer) else ()
     if fused:
         state, config.r, config.target_modules = fuse_adapter(state, section.r, fused,

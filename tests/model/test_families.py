@@ -187,8 +187,11 @@ def test_the_engine_generates_what_transformers_computes(tmp_path, name):
             greedy(hf, prompt, 32)
 
 
-def test_compiled_decode_steps_keep_the_sliding_window(tmp_path):
-    hf = saved("mistral-window", tmp_path / "hf")
+@pytest.mark.parametrize("name", ["mistral-window", "glm4_moe"])
+def test_compiled_decode_steps_keep_the_family(tmp_path, name):
+    """`lathe serve`'s default compiled decode steps compute transformers' tokens: past a
+    sliding window, and through a biased, grouped sigmoid router."""
+    hf = saved(name, tmp_path / "hf")
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 40)]
     engine = LLMEngine.from_checkpoint(tmp_path / "hf", EngineConfig(num_blocks=64,
                                                                      compile_decode=True))

@@ -154,6 +154,26 @@ def test_configs_a_family_cannot_build_are_refused(tmp_path):
         load_checkpoint(tmp_path / "hf")
 
 
+def test_a_glm_checkpoints_multi_token_prediction_layer_is_ignored(tmp_path):
+    """GLM-4.5's checkpoints carry a multi-token-prediction block as the layer after the
+    last (`num_nextn_predict_layers`), which its class does not build: a load skips it."""
+    saved("glm4_moe", tmp_path / "hf")
+    ids = torch.randint(0, 256, (1, 24))
+    with torch.no_grad():
+        expected = load_checkpoint(tmp_path / "hf")(ids).logits
+    file = tmp_path / "hf" / "model.safetensors"
+    state = load_file(file)
+    mtp = {name.replace("model.layers.2.", "model.layers.3."): tensor.clone()
+           for name, tensor in state.items() if name.startswith("model.layers.2.")}
+    mtp["model.layers.3.eh_proj.weight"] = torch.randn(64, 128)
+    save_file({**state, **mtp}, file, metadata={"format": "pt"})
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config,
+                                                             "num_nextn_predict_layers": 1}))
+    with torch.no_grad():
+        torch.testing.assert_close(load_checkpoint(tmp_path / "hf")(ids).logits, expected)
+
+
 def test_a_sigmoid_routers_configs_its_class_cannot_build_are_refused():
     glm = dict(family="glm4_moe", sigmoid_router=True, n_experts=8, router_aux_loss_coef=0.0)
     with pytest.raises(ConfigError, match="glm4_moe'.s class computes no balance loss"):
@@ -190,6 +210,13 @@ def test_a_new_glm4_moe_model_loads_in_transformers_with_its_logits(tmp_path):
     ids = torch.randint(0, 256, (1, 24))
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, model(ids).logits, atol=1e-4, rtol=0)
+    # loaded in bf16, the selection bias stays fp32, as transformers keeps it
+    bf16 = load_checkpoint(tmp_path / "glm", dtype=torch.bfloat16)
+    gate = bf16.model.layers[0].mlp.gate
+    assert gate.weight.dtype == torch.bfloat16
+    assert gate.e_score_correction_bias.dtype == torch.float32
+    torch.testing.assert_close(gate.e_score_correction_bias,
+                               model.model.layers[0].mlp.gate.e_score_correction_bias)
 
 
 def test_active_parameters_count_the_experts_a_token_uses():

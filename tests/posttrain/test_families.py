@@ -1,7 +1,7 @@
-"""Post-training Qwen2, Gemma 2, Phi-3 and Qwen3-MoE checkpoints that transformers wrote (with
-lathe's tokenizer, whose chat template the stages render): SFT and DPO steps with LoRA run, and the
-merged export loads in transformers as the original class with lathe's logits; the adapter
-folder loads in peft on that class."""
+"""Post-training Qwen2, Gemma 2, Phi-3, Qwen3-MoE and GLM-4.5-MoE checkpoints that
+transformers wrote (with lathe's tokenizer, whose chat template the stages render): SFT and
+DPO steps with LoRA run, and the merged export loads in transformers as the original class
+with lathe's logits; the adapter folder loads in peft on that class."""
 
 from __future__ import annotations
 
@@ -33,7 +33,14 @@ FAMILY_CONFIGS = {
     # target_parameters, as on transformers' class), the loss carries the balance loss
     "Qwen3Moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
                  "moe_intermediate_size": 32, "norm_topk_prob": True},
+    # DeepSeek-V3's router (no balance loss), a dense first layer and a shared expert, which
+    # the MLP targets adapt as the linears they are (transformers' `shared_experts`)
+    "Glm4Moe": {"head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                "n_group": 2, "topk_group": 1},
 }
+EXPERTS = {"Qwen3Moe": "model.layers.0.mlp.experts.gate_up_proj",
+           "Glm4Moe": "model.layers.1.mlp.experts.gate_up_proj"}
 
 
 @pytest.fixture(scope="module", params=FAMILY_CONFIGS)
@@ -80,8 +87,8 @@ def test_sft_and_dpo_with_lora_on_a_foreign_checkpoint(family_base, tmp_path):
     # the serving engine takes the adapter folder over the base as the merged checkpoint
     engine = LLMEngine.from_checkpoint(family_base, EngineConfig(num_blocks=64, max_loras=1,
                                                                  max_lora_rank=64))
-    if family == "Qwen3Moe":  # the experts were adapted too: merged, not in a slot
-        experts = "model.layers.0.mlp.experts.gate_up_proj"
+    if family in EXPERTS:  # the experts were adapted too: merged, not in a slot
+        experts = EXPERTS[family]
         assert not torch.equal(load_checkpoint(sft / "final").state_dict()[experts],
                                load_checkpoint(family_base).state_dict()[experts])
         with pytest.raises(CheckpointError, match="adapter slots do not serve"):
