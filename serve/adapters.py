@@ -10,6 +10,14 @@ while the gathered weights stay small (`GATHER_ELEMENTS`), else one matmul pair 
 adapter over its rows (SGMV's segments); over all rows when they share one adapter. Rows
 of the base model (slot -1) get nothing added.
 
+A compiled decode step (`lathe.serve.decode_graph`) cannot take a Python list of rows: it
+reads each row's slot from `row_slots`, a device tensor every projection shares, which the
+engine fills before the step (padding rows -1). The graph, one per batch bucket, computes
+for a bucket of at most `max_loras` rows each row's own (x Aᵀ) Bᵀ from gathered slots
+(BGMV), and for a larger one every slot's A over all rows then each row's own B, masked
+(the slots' weights read once, not once a row); adapters loaded or swapped later are read
+by the same graphs, as the base weights are.
+
 Adapters are peft folders (`adapter_config.json`, `adapter_model.safetensors`), read with
 safetensors only and checked against the base when loaded: every LoRA weight must name a
 projection the base has, with its shape, at a rank within `max_rank`; DoRA, biases and
@@ -84,7 +92,8 @@ class _Context:
 class MultiLoraLinear(nn.Module):
     """A base projection plus `slots` LoRA adapters, applied per token row."""
 
-    def __init__(self, base: nn.Module, slots: int, rank: int, context: _Context) -> None:
+    def __init__(self, base: nn.Module, slots: int, rank: int, context: _Context,
+                 row_slots: Tensor) -> None:
         super().__init__()
         self.base, self.context = base, context
         weight = next(base.parameters(), None) if not hasattr(base, "weight") else base.weight
@@ -99,9 +108,12 @@ class MultiLoraLinear(nn.Module):
         self.register_buffer("lora_b", torch.zeros(slots, rank, self.out_features, dtype=dtype,
                                                    device=device), persistent=False)
         self.register_buffer("scale", torch.zeros(slots, device=device), persistent=False)
+        self.register_buffer("row_slots", row_slots, persistent=False)  # one tensor for all
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.base(x)
+        if torch.compiler.is_compiling():
+            return self._static_rows(x, y)
         rows = self.context.rows
         if not rows:
             return y
@@ -125,6 +137,24 @@ class MultiLoraLinear(nn.Module):
             delta = (xs @ self.lora_a[slot]) @ self.lora_b[slot] * self.scale[slot]
             flat_y.index_add_(0, index, delta.to(flat_y.dtype))
         return y
+
+    def _static_rows(self, x: Tensor, y: Tensor) -> Tensor:
+        """A compiled decode step's adapters, by `row_slots` (see the module docstring)."""
+        flat_x = x.reshape(-1, self.in_features).to(self.lora_a.dtype)
+        index = self.row_slots[:flat_x.shape[0]]
+        slot = index.clamp(min=0)
+        weight = self.scale[slot] * (index >= 0)  # a base row adds nothing
+        slots, _, rank = self.lora_a.shape
+        if flat_x.shape[0] <= slots:  # each row's own A and B
+            h = torch.bmm(flat_x[:, None], self.lora_a[slot])
+            delta = torch.bmm(h, self.lora_b[slot])[:, 0]
+        else:  # every slot's A once, then each row's rank-r slice on its B
+            h = torch.einsum("ni,sir->nsr", flat_x, self.lora_a)
+            mine = torch.nn.functional.one_hot(slot, slots).to(h.dtype)
+            h = (h * mine[..., None]).view(-1, slots * rank)
+            delta = h @ self.lora_b.view(slots * rank, self.out_features)
+        delta = delta * weight[:, None]
+        return y + delta.to(y.dtype).view(y.shape)
 
     def load(self, slot: int, a: Tensor, b: Tensor, scale: float) -> None:
         self.clear(slot)
@@ -245,18 +275,23 @@ class AdapterSlots:
     least recently used one that no unfinished sequence holds; when every slot is held,
     the sequence waits."""
 
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int) -> None:
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int,
+                 max_rows: int = 256) -> None:
+        """`max_rows`: the most rows a compiled decode step has (its largest bucket)."""
         self.served = model.config.to_hf_config()
         if max_loras < 1 or max_rank < 1:
             raise AdapterError(f"max_loras={max_loras} and max_lora_rank={max_rank} must be "
                                ">= 1")
         self.max_loras, self.max_rank = max_loras, max_rank
         self.context = _Context()
+        device = model.model.embed_tokens.weight.device
+        self.row_slots = torch.full((max_rows,), -1, dtype=torch.long, device=device)
         self.layers: dict[str, MultiLoraLinear] = {}
         for name, module in list(model.named_modules()):
             for child_name, child in list(module.named_children()):
                 if child_name in ALL_LINEARS and not isinstance(child, MultiLoraLinear):
-                    wrapped = MultiLoraLinear(child, max_loras, max_rank, self.context)
+                    wrapped = MultiLoraLinear(child, max_loras, max_rank, self.context,
+                                              self.row_slots)
                     setattr(module, child_name, wrapped)
                     self.layers[f"{name}.{child_name}"] = wrapped
         self.loaded: dict[str, _Loaded] = {}
@@ -386,6 +421,9 @@ class AdapterSlots:
     def rows(self, slots: list[int], device: torch.device) -> Iterator[None]:
         """Within it, token row i of a forward belongs to adapter slot `slots[i]` (-1: the
         base alone)."""
+        if len(slots) <= len(self.row_slots):  # what a compiled decode step reads
+            padded = slots + [-1] * (len(self.row_slots) - len(slots))
+            self.row_slots.copy_(torch.tensor(padded), non_blocking=True)
         present = sorted(set(slots))
         if len(present) == 1:
             self.context.rows = [(present[0], None)] if present[0] >= 0 else None

@@ -32,9 +32,9 @@
     tok/s against the unconstrained run), time to first token for a schema never seen
     against the same schema again (compiled and cached), and llguidance's compile and
     per-token mask times beside xgrammar's (when installed) on the checkpoint's tokenizer;
-(g) LoRA adapters: the server at concurrency 16 with requests spread over 1, 4 and 16
-    distinct rank-16 adapters (random weights on every projection, `--max-loras 16`)
-    against the base alone on the same server.
+(g) LoRA adapters: the server (decode steps compiled, then eager) at concurrency 16 with
+    requests spread over 1, 4 and 16 distinct rank-16 adapters (random weights on every
+    projection, `--max-loras 16`) against the base alone on the same server.
 
 `--sections` picks which run (default: all that apply).
 
@@ -680,30 +680,34 @@ def random_adapters(checkpoint: Path, folder: Path, count: int) -> dict[str, Pat
 def adapter_section(checkpoint: Path, vocab: int, args: argparse.Namespace) -> list[str]:
     tmp = tempfile.TemporaryDirectory()
     adapters = random_adapters(checkpoint, Path(tmp.name), 16)
-    server, url = start_server(checkpoint, EngineConfig(max_loras=16, max_lora_rank=16),
-                               loras=adapters)
     load = random_prompts(64, 32, 128, vocab, seed=16)
 
     def spread(count: int) -> Callable[[int], dict]:
         return lambda i: {"model": f"lora{i % count}"} if count else {}
-    # warm-up: kernels compiled (Triton autotunes per shape) and every adapter in its slot,
-    # so the first timed row is not charged for them
-    for count in (0, 16):
-        asyncio.run(load_test(url, load[:32], args.server_tokens, 16, spread(count)))
-    rows, baseline = [], None
-    for count in (0, 1, 4, 16):
-        r = asyncio.run(load_test(url, load, args.server_tokens, 16, spread(count)))
-        baseline = baseline or r["tok_s"]
-        rows.append(f"| {count or 'base alone'} | {r['tok_s']:,.0f} | "
-                    f"{r['tok_s'] / baseline:.2f}× | {r['ttft50']:,.0f} / {r['ttft99']:,.0f} |")
-        print(rows[-1], flush=True)
-    server.should_exit = True
+    rows = []
+    for compiled in (True, False):
+        server, url = start_server(checkpoint, EngineConfig(
+            max_loras=16, max_lora_rank=16, compile_decode=compiled), loras=adapters)
+        # warm-up: kernels compiled (Triton autotunes per shape) and every adapter in its
+        # slot, so the first timed row is not charged for them
+        for count in (0, 16):
+            asyncio.run(load_test(url, load[:32], args.server_tokens, 16, spread(count)))
+        baseline = None
+        for count in (0, 1, 4, 16):
+            r = asyncio.run(load_test(url, load, args.server_tokens, 16, spread(count)))
+            baseline = baseline or r["tok_s"]
+            rows.append(f"| {'compiled' if compiled else 'eager'} | {count or 'base alone'} | "
+                        f"{r['tok_s']:,.0f} | {r['tok_s'] / baseline:.2f}× | "
+                        f"{r['ttft50']:,.0f} / {r['ttft99']:,.0f} |")
+            print(rows[-1], flush=True)
+        server.should_exit = True
     tmp.cleanup()
     return [f"### (g) LoRA adapters: concurrency 16, 64 streaming /v1/completions requests, "
             f"prompts of 32–128 tokens, {args.server_tokens} output tokens each, spread over "
-            "N rank-16 adapters on every projection", "",
-            "| adapters | output tok/s | vs base | TTFT p50 / p99 (ms) |",
-            "|---:|---:|---:|---:|", *rows, ""]
+            "N rank-16 adapters on every projection; decode steps compiled (the default) and "
+            "eager (`--enforce-eager`)", "",
+            "| decode steps | adapters | output tok/s | vs base | TTFT p50 / p99 (ms) |",
+            "|---|---:|---:|---:|---:|", *rows, ""]
 
 
 def decode_section(checkpoint: Path, prompt: list[int], device: torch.device,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -184,13 +183,9 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         raise ConfigError(f"--max-loras={max_loras} holds fewer adapters than the {len(loras)} "
                           "--lora given; raise it")
     engine = _engine_config(args)
-    if max_loras and engine.compile_decode:
-        print("lathe serve: LoRA adapters are served by the eager step; decode steps run "
-              "eagerly", file=sys.stderr)
     try:
         engine = dataclasses.replace(engine, max_loras=max_loras,
-                                     max_lora_rank=args.max_lora_rank,
-                                     compile_decode=engine.compile_decode and not max_loras)
+                                     max_lora_rank=args.max_lora_rank)
     except ConfigError as error:
         raise ConfigError(str(error).replace("max_loras=", "--max-loras=").replace(
             "max_lora_rank=", "--max-lora-rank=")) from None

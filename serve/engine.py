@@ -42,7 +42,7 @@ from lathe.model.checkpoint import CheckpointError, read_eos_ids
 from lathe.model.transformer import Transformer
 from lathe.serve.adapters import AdapterError, AdapterSlots
 from lathe.serve.block_manager import BlockManager
-from lathe.serve.decode_graph import Progress
+from lathe.serve.decode_graph import Progress, batch_buckets
 from lathe.serve.logprobs import TokenLogprob, requested_logprobs, token_logprobs
 from lathe.serve.model_runner import ModelRunner, select_rows
 from lathe.serve.outputs import Completion, CompletionOutput, OutputProcessor, Pick, SequenceDelta
@@ -100,9 +100,6 @@ class EngineConfig:
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ConfigError(f"max_loras={self.max_loras} must be >= 0 and max_lora_rank="
                               f"{self.max_lora_rank} >= 1")
-        if self.max_loras and self.compile_decode:
-            raise ConfigError("LoRA adapters (max_loras > 0) are served by the eager step; "
-                              "drop compile_decode")
         if self.decode_steps > 1 and self.speculative is not None:
             raise ConfigError(f"decode_steps={self.decode_steps} cannot be combined with "
                               "speculative decoding, which already emits several tokens a "
@@ -131,7 +128,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, block_size)
         self.slabs = KVSlabs(model.config, num_blocks, block_size, self.device, dtype)
         lookahead = speculative.num_speculative_tokens if speculative else 0
-        self.adapters = AdapterSlots(model, self.config.max_loras, self.config.max_lora_rank) \
+        self.adapters = AdapterSlots(model, self.config.max_loras, self.config.max_lora_rank,
+                                     batch_buckets(self.config.max_num_seqs)[-1]) \
             if self.config.max_loras else None
         # the callback is the adapters', not a method of the engine: no reference cycle, so
         # a dropped engine frees its KV cache at once (on a GPU, before the next one is sized)

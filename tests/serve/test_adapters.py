@@ -68,14 +68,21 @@ def generate(engine: LLMEngine, requests: list[tuple[str, str | None]], tokens: 
     return [out[i] for i in ids]
 
 
-@pytest.mark.parametrize(("decode_steps", "gather_rows"), [(1, 1 << 23), (4, 1 << 23), (1, 0)])
+@pytest.mark.parametrize(("decode_steps", "gather_rows", "compiled"), [
+    (1, 1 << 23, False), (4, 1 << 23, False), (1, 0, False), (1, 1 << 23, True),
+    (4, 1 << 23, True)])
 def test_mixed_adapters_in_one_batch_equal_their_merged_checkpoints(checkpoint, adapters,
                                                                     decode_steps, gather_rows,
-                                                                    monkeypatch):
-    """Gathered per row (BGMV) or looped per adapter (segments), multi-step or not."""
+                                                                    compiled, monkeypatch):
+    """Gathered per row (BGMV) or looped per adapter (segments), multi-step or not; and in
+    compiled decode steps, whose buckets of up to 2 rows (the slots) gather each row's
+    adapter and larger ones read every slot once — all built at warm-up."""
     monkeypatch.setattr("lathe.serve.adapters.GATHER_ELEMENTS", gather_rows)
     folders, merged = adapters
-    engine = served(checkpoint, folders, decode_steps=decode_steps)
+    engine = served(checkpoint, folders, decode_steps=decode_steps, compile_decode=compiled,
+                    max_num_seqs=16)
+    if compiled:
+        engine.warm_up()
     requests = [(p, a) for p in PROMPTS for a in (None, "small", "large")]
     mixed = generate(engine, requests)
     alone = {None: LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=256)),
@@ -88,6 +95,8 @@ def test_mixed_adapters_in_one_batch_equal_their_merged_checkpoints(checkpoint, 
                                    atol=1e-4, rtol=0)
     assert len({tuple(t) for t, _ in mixed[:3]}) == 3  # the adapters do change the output
     assert engine.block_manager.usage == 0
+    if compiled:
+        assert engine.runner.graphs.steps > 0 and engine.runner.graphs.late == 0
 
 
 def test_no_prefix_cache_block_is_shared_across_adapters(checkpoint, adapters):
