@@ -218,6 +218,9 @@ def _glm4_moe_read(hf: dict[str, Any]) -> dict[str, Any]:
           "n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
           "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
           **{k: v for k, v in hf.items() if v is not None}}
+    for key in ("first_k_dense_replace", "n_shared_experts"):  # counts that build widths
+        if not isinstance(hf[key], int) or isinstance(hf[key], bool) or hf[key] < 0:
+            raise ConfigError(f"config.json: {key}={hf[key]!r} must be an integer >= 0")
     dense = hf["first_k_dense_replace"]
     layers = [int(i >= dense) for i in range(hf["num_hidden_layers"])]
     width = hf["moe_intermediate_size"]
@@ -226,7 +229,7 @@ def _glm4_moe_read(hf: dict[str, Any]) -> dict[str, Any]:
             "norm_topk_prob": bool(hf["norm_topk_prob"]), "router_aux_loss_coef": 0.0,
             "shared_expert_dim": hf["n_shared_experts"] * width or None,
             "n_expert_groups": hf["n_group"], "topk_expert_groups": hf["topk_group"],
-            "routed_scaling_factor": float(hf["routed_scaling_factor"])}
+            "routed_scaling_factor": hf["routed_scaling_factor"]}
 
 
 def _glm4_moe_written(config: Any) -> dict[str, Any]:

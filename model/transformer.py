@@ -544,9 +544,10 @@ class Transformer(nn.Module):
         rotations = self.model.rotary_emb(positions, x.dtype)
         local = self.model.rotary_emb_local
         local_rotations = rotations if local is None else local(positions, x.dtype)
-        experts = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
-        routing: list[Routing] = []
-        for moe in experts if labels is not None else ():
+        routing: list[Routing] = []  # the MoE layers' routing, for the loss (with labels)
+        experts = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)] \
+            if labels is not None and self.config.n_experts else []
+        for moe in experts:
             moe.sink = routing
         try:
             for layer in self.model.layers:

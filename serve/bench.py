@@ -82,7 +82,7 @@ from lathe.serve.speculative import SpeculativeConfig
 ROOT = Path(__file__).resolve().parents[1]
 # timed passes per measurement, the best reported: on a shared machine one pass moves by ±30%
 REPEATS = 3
-PROMPT_TOKENS = (32, 128)  # (b)'s prompt lengths, shortest and longest
+PROMPT_TOKENS = (32, 128)  # the servers' prompt lengths in (b) and (g), shortest and longest
 
 
 def random_prompts(n: int, low: int, high: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -678,32 +678,36 @@ def random_adapters(checkpoint: Path, folder: Path, count: int) -> dict[str, Pat
 
 
 def adapter_section(checkpoint: Path, vocab: int, args: argparse.Namespace) -> list[str]:
-    tmp = tempfile.TemporaryDirectory()
-    adapters = random_adapters(checkpoint, Path(tmp.name), 16)
-    load = random_prompts(64, 32, 128, vocab, seed=16)
+    load = random_prompts(64, *PROMPT_TOKENS, vocab, seed=16)
 
     def spread(count: int) -> Callable[[int], dict]:
         return lambda i: {"model": f"lora{i % count}"} if count else {}
     rows = []
-    for compiled in (True, False):
-        server, url = start_server(checkpoint, EngineConfig(
-            max_loras=16, max_lora_rank=16, compile_decode=compiled), loras=adapters)
-        # warm-up: kernels compiled (Triton autotunes per shape) and every adapter in its
-        # slot, so the first timed row is not charged for them
-        for count in (0, 16):
-            asyncio.run(load_test(url, load[:32], args.server_tokens, 16, spread(count)))
-        baseline = None
-        for count in (0, 1, 4, 16):
-            r = asyncio.run(load_test(url, load, args.server_tokens, 16, spread(count)))
-            baseline = baseline or r["tok_s"]
-            rows.append(f"| {'compiled' if compiled else 'eager'} | {count or 'base alone'} | "
-                        f"{r['tok_s']:,.0f} | {r['tok_s'] / baseline:.2f}× | "
-                        f"{r['ttft50']:,.0f} / {r['ttft99']:,.0f} |")
-            print(rows[-1], flush=True)
-        server.should_exit = True
-    tmp.cleanup()
+    with tempfile.TemporaryDirectory(prefix="lathe-bench-") as tmp:
+        adapters = random_adapters(checkpoint, Path(tmp), 16)
+        for compiled in (True, False):
+            server, url = start_server(checkpoint, EngineConfig(
+                max_loras=16, max_lora_rank=16, compile_decode=compiled), loras=adapters)
+            try:
+                # warm-up: kernels compiled (Triton autotunes per shape) and every adapter
+                # in its slot, so the first timed row is not charged for them
+                for count in (0, 16):
+                    asyncio.run(load_test(url, load[:32], args.server_tokens, 16,
+                                          spread(count)))
+                baseline = None
+                for count in (0, 1, 4, 16):
+                    r = asyncio.run(load_test(url, load, args.server_tokens, 16, spread(count)))
+                    baseline = baseline or r["tok_s"]
+                    rows.append(f"| {'compiled' if compiled else 'eager'} | "
+                                f"{count or 'base alone'} | {r['tok_s']:,.0f} | "
+                                f"{r['tok_s'] / baseline:.2f}× | "
+                                f"{r['ttft50']:,.0f} / {r['ttft99']:,.0f} |")
+                    print(rows[-1], flush=True)
+            finally:
+                server.should_exit = True
     return [f"### (g) LoRA adapters: concurrency 16, 64 streaming /v1/completions requests, "
-            f"prompts of 32–128 tokens, {args.server_tokens} output tokens each, spread over "
+            f"prompts of {PROMPT_TOKENS[0]}–{PROMPT_TOKENS[1]} tokens, {args.server_tokens} "
+            "output tokens each, spread over "
             "N rank-16 adapters on every projection; decode steps compiled (the default) and "
             "eager (`--enforce-eager`)", "",
             "| decode steps | adapters | output tok/s | vs base | TTFT p50 / p99 (ms) |",

@@ -261,13 +261,13 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f16") -> 
         writer.add_expert_weights_norm(config.norm_topk_prob)
         if config.shared_expert_dim:
             writer.add_expert_shared_feed_forward_length(config.shared_expert_dim)
-    if config.sigmoid_router:
+    if config.sigmoid_router:  # GLM-4.5's keys, as its config.json has them
+        hf = config.to_hf_config()
         writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
         writer.add_expert_weights_scale(config.routed_scaling_factor)
-        writer.add_expert_shared_count((config.shared_expert_dim or 0)
-                                       // config.moe_ffn_hidden_dim)
-        writer.add_leading_dense_block_count((config.moe_layers or [1]).count(0))
-        writer.add_nextn_predict_layers(0)
+        writer.add_expert_shared_count(hf["n_shared_experts"])
+        writer.add_leading_dense_block_count(hf["first_k_dense_replace"])
+        writer.add_nextn_predict_layers(hf["num_nextn_predict_layers"])
         if config.topk_expert_groups < config.n_expert_groups:
             writer.add_expert_group_count(config.n_expert_groups)
             writer.add_expert_group_used_count(config.topk_expert_groups)

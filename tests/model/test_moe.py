@@ -188,6 +188,14 @@ def test_a_sigmoid_routers_configs_its_class_cannot_build_are_refused():
         ModelConfig(**glm, moe_layers=[1, 0, 1, 1])
     with pytest.raises(ConfigError, match="a multiple of moe_ffn_hidden_dim=64"):
         ModelConfig(**glm, moe_ffn_hidden_dim=64, shared_expert_dim=96)
+    hf = {"model_type": "glm4_moe", "vocab_size": 64, "hidden_size": 64, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "intermediate_size": 128, "n_routed_experts": 4,
+          "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    for key, value in (("first_k_dense_replace", "1"), ("n_shared_experts", "2")):
+        with pytest.raises(ConfigError, match=f"{key}='{value}' must be an integer >= 0"):
+            ModelConfig.from_hf_config({**hf, key: value})
+    with pytest.raises(ConfigError, match="routed_scaling_factor='x' must be a number > 0"):
+        ModelConfig.from_hf_config({**hf, "routed_scaling_factor": "x"})
 
 
 def test_a_new_glm4_moe_model_loads_in_transformers_with_its_logits(tmp_path):
