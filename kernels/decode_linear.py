@@ -1,7 +1,7 @@
 """The linear layers of a CPU decode step at a few rows: `lathe::decode_linear_cpu` for
-float32 weights and `lathe::decode_linear_int8_cpu` for serving's int8 weights with a
-per-output scale (csrc/decode_linear_cpu.cpp), each taking one to `MAX_GROUP` weights that
-read the same x, beside the reference `F.linear`.
+float32, bfloat16 and float16 weights and `lathe::decode_linear_int8_cpu` for serving's int8
+weights with a per-output scale (csrc/decode_linear_cpu.cpp), each taking one to `MAX_GROUP`
+weights that read the same float32 x, beside the reference `F.linear`.
 
 At a few rows BLAS's GEMM costs a fixed ~2 µs a call, most of a small layer's time, and
 streams a large weight (the LM head) at a fraction of what two cores read; the float32 op
@@ -12,6 +12,14 @@ through `lathe.kernels.decode_linear_pass` (float32) and `lathe.kernels.quant_ma
 (int8); an eager serving model through `DecodeLinear`, the `nn.Linear` its float32
 projections become (`use_decode_linears`), which takes the native op for a step's few rows
 at inference and `F.linear` for everything else.
+
+Half weights serve a float32 model on the CPU (`lathe.serve.half_weights`): a decode step is
+a stream over the weights, and bf16 or fp16 halves the bytes. Their float32 rows take the
+native op at every row count, prefill's too: it widens the weights in registers, or on a CPU
+with AVX-512 BF16 meets bf16 weights with x rounded to bf16 (32 products an instruction),
+which keeps pace with oneDNN's bf16 GEMM up to 128 rows (85% of it at 512) and, unlike it,
+sums and returns float32; torch's fp16 GEMM is 4× slower than float32's here. One product for
+every step also gives a prefill, a chunk and a decode step the same numbers.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ from lathe.kernels.dispatch import opaque_op, use_cpu_kernel
 # project's 2-core AMD machine: 20-60% of MKL's time at 1-8 rows, 70% at 16 and 80-85% at
 # 32 (`python -m lathe.kernels.bench`); at 64 rows they are level
 MAX_ROWS = 32
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)  # weights the native op widens
 
 
 def decode_linear_reference(x: Tensor, weights: list[Tensor]) -> list[Tensor]:
@@ -88,18 +98,20 @@ def decode_linear_int8_cpu(x: Tensor, weights: list[tuple[Tensor, Tensor]]) -> l
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x @ weight.T (+ bias) for inference: up to MAX_ROWS float32 rows on the CPU through
-    the native op (it has no backward: only where autograd is off); training, more rows,
-    other devices and dtypes, and a graph being compiled (whose pass groups the linears
-    that share an input) through `F.linear`."""
+    """x @ weight.T (+ bias) for inference. Float32 rows on the CPU take the native op where
+    autograd is off (it has no backward): for a float32 weight up to MAX_ROWS rows, outside
+    a graph being compiled (whose pass groups the linears that share an input); for a half
+    weight always. Everything else goes through `F.linear`, a half weight widened to x's
+    dtype."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if (1 <= rows <= MAX_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    if (rows >= 1 and x.dtype == torch.float32 and not torch.is_grad_enabled()
+            and (weight.dtype in HALF_DTYPES or weight.dtype == torch.float32
+                 and rows <= MAX_ROWS and not torch.compiler.is_compiling())
             and cpu_kernels_loaded() and use_cpu_kernel("decode_linear", x)):
         y = decode_linear_cpu(x.reshape(rows, x.shape[-1]), [weight])[0]
         y = y.view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
-    return F.linear(x, weight, bias)
+    return F.linear(x, weight.to(x.dtype), bias)
 
 
 class DecodeLinear(nn.Linear):

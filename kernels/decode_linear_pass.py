@@ -5,8 +5,9 @@ same x.
 The pass (`DecodeLinearPass`, inductor's `post_grad_custom_post_pass`, as vLLM installs
 its own fusions) rewrites each `mm(x, permute(w, [1, 0]))` of a float32 graph whose x has
 at most `MAX_ROWS` rows — what `F.linear` lowers to — into `lathe::decode_linear_cpu`, and
-joins the int8 ops a quantized model's linears traced to (`lathe::decode_linear_int8_cpu`)
-the same way; the graph then calls them without Python. `lathe.serve.decode_graph`
+joins the native ops a model's half linears (bf16, fp16) and quantized ones traced to
+(`lathe::decode_linear_cpu`, `lathe::decode_linear_int8_cpu`) the same way; the graph then
+calls them without Python. `lathe.serve.decode_graph`
 installs it on CPU when the native kernels are loaded and `decode_linear` is enabled.
 Its own module: it imports inductor (~1.1 s), which eager serving never needs.
 """
@@ -36,6 +37,7 @@ def _linear_weight(node: torch.fx.Node) -> torch.fx.Node | None:
 
 
 def _fits(value: object, rows: int | None = None) -> bool:
+    """A 2-d float32 CPU tensor (of at most `rows` rows)."""
     return (isinstance(value, Tensor) and value.dim() == 2 and value.dtype == torch.float32
             and value.device.type == "cpu" and (rows is None or value.shape[0] <= rows))
 
@@ -54,28 +56,32 @@ def _source(x: torch.fx.Node) -> tuple[torch.fx.Node, tuple[int, ...]]:
 
 
 class _Linear(NamedTuple):
-    node: torch.fx.Node  # the mm, or the single int8 op
+    node: torch.fx.Node  # the mm, or the single native op
     weights: tuple[torch.fx.Node, ...]  # (weight,) or (int8 weight, scale)
-    int8: bool
+    ops: list  # the native ops by group size it joins
+    mm: bool  # whether `node` is an mm (not yet a native op)
 
 
 def _linear(node: torch.fx.Node) -> _Linear | None:
     """`node` as a few-row linear the pass moves or joins, if it is one."""
     if node.target is INT8_GROUP_OPS[0]:
         x, q, scale = node.args
-        return _Linear(node, (q, scale), True) if _fits(x.meta.get("val"), MAX_ROWS) else None
+        return _Linear(node, (q, scale), INT8_GROUP_OPS, False) \
+            if _fits(x.meta.get("val"), MAX_ROWS) else None
+    if node.target is GROUP_OPS[0]:  # a half weight's, traced as the op
+        return _Linear(node, (node.args[1],), GROUP_OPS, False)
     weight = _linear_weight(node)
     if (weight is not None and _fits(node.args[0].meta.get("val"), MAX_ROWS)
             and _fits(weight.meta.get("val")) and weight.meta["val"].is_contiguous()):
-        return _Linear(node, (weight,), False)
+        return _Linear(node, (weight,), GROUP_OPS, True)
     return None
 
 
 class DecodeLinearPass(CustomGraphPass):
     """Rewrite a graph's few-row float32 linears into `lathe::decode_linear_cpu`, and join
-    its int8 ones, one call for all the linears of a kind that read the same x (vLLM fuses
-    q/k/v and gate/up into one weight for the same reason; here the weights stay as they
-    are)."""
+    its half and int8 ones, one call for all the linears of a weight dtype that read the same
+    x (vLLM fuses q/k/v and gate/up into one weight for the same reason; here the weights
+    stay as they are)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         order = {node: i for i, node in enumerate(graph.nodes)}
@@ -83,7 +89,8 @@ class DecodeLinearPass(CustomGraphPass):
         for node in graph.nodes:
             linear = _linear(node)
             if linear is not None:
-                groups.setdefault((linear.int8, *_source(node.args[0])), []).append(linear)
+                dtype = getattr(linear.weights[0].meta.get("val"), "dtype", None)
+                groups.setdefault((dtype, *_source(node.args[0])), []).append(linear)
         for linears in groups.values():
             first = linears[0].node
             # the call goes where the group's first linear was: a weight made after it (not
@@ -92,14 +99,13 @@ class DecodeLinearPass(CustomGraphPass):
                       if all(order[w] < order[first] for w in linear.weights)]
             parts = [joined[i:i + MAX_GROUP] for i in range(0, len(joined), MAX_GROUP)]
             for part in parts + [[linear] for linear in linears if linear not in joined]:
-                if not (len(part) == 1 and part[0].int8):  # already its own op
+                if len(part) > 1 or part[0].mm:  # else already its own op
                     self._replace(graph, first.args[0], part)
 
     @staticmethod
     def _replace(graph: torch.fx.Graph, x: torch.fx.Node, linears: list[_Linear]) -> None:
-        ops = INT8_GROUP_OPS if linears[0].int8 else GROUP_OPS
         with graph.inserting_before(linears[0].node):
-            call = graph.call_function(ops[len(linears) - 1],
+            call = graph.call_function(linears[0].ops[len(linears) - 1],
                                        (x, *[w for linear in linears for w in linear.weights]))
         if len(linears) == 1:
             call.meta.update(linears[0].node.meta)
@@ -112,7 +118,7 @@ class DecodeLinearPass(CustomGraphPass):
                 out.meta.update(linear.node.meta)
                 linear.node.replace_all_uses_with(out)
         for linear in linears:
-            transposed = None if linear.int8 else linear.node.args[1]
+            transposed = linear.node.args[1] if linear.mm else None
             graph.erase_node(linear.node)
             if transposed is not None and not transposed.users:
                 graph.erase_node(transposed)

@@ -81,9 +81,9 @@ def cache_root() -> Path:
 def _source_digest() -> str:
     """A digest of the sources a decode graph is traced from: the model, its kernels (native
     sources included), this module's batch view, and the serving wrappers of its linears
-    (quantized, LoRA slots)."""
+    (quantized, LoRA slots) and embedding (half weights)."""
     here = Path(__file__).parent
-    files = [Path(__file__), here / "quant.py", here / "adapters.py"]
+    files = [Path(__file__), here / "quant.py", here / "adapters.py", here / "half_weights.py"]
     for package in (lathe.model, lathe.kernels):
         files += sorted(path for path in Path(package.__file__).parent.rglob("*")
                         if path.suffix in (".py", ".cpp", ".h") and path.is_file())

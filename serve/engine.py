@@ -43,6 +43,7 @@ from lathe.model.transformer import Transformer
 from lathe.serve.adapters import AdapterError, AdapterSlots
 from lathe.serve.block_manager import BlockManager
 from lathe.serve.decode_graph import Progress, batch_buckets
+from lathe.serve.half_weights import activation_dtype
 from lathe.serve.logprobs import TokenLogprob, requested_logprobs, token_logprobs
 from lathe.serve.model_runner import ModelRunner, select_rows
 from lathe.serve.outputs import Completion, CompletionOutput, OutputProcessor, Pick, SequenceDelta
@@ -111,7 +112,7 @@ class LLMEngine:
                  config: EngineConfig | None = None,
                  eos_token_ids: Iterable[int] = (), kv_dtype: torch.dtype | None = None,
                  draft_model: Transformer | None = None) -> None:
-        """`kv_dtype`: the KV cache's dtype, by default the weights'; a training stage
+        """`kv_dtype`: the KV cache's dtype, by default the activations'; a training stage
         passes its autocast dtype (see `lathe.pretrain.runtime.precision`). `draft_model`: the
         proposer of `config.speculative` with method "draft"."""
         configure_kernels()  # which kernels its steps take, chosen once, here
@@ -119,8 +120,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.eos_token_ids = set(eos_token_ids)
-        weight = model.model.embed_tokens.weight
-        self.device, dtype = weight.device, kv_dtype or weight.dtype
+        self.device = model.model.embed_tokens.weight.device
+        dtype = kv_dtype or activation_dtype(model)
         speculative = self.config.speculative
         _check_draft(model, draft_model, speculative)
         num_blocks = self.config.num_blocks or self._blocks_in_budget(dtype, draft_model)

@@ -31,7 +31,8 @@ from torch import Tensor, nn
 
 from lathe.core.atomic import atomic_directory
 from lathe.core.checkpoint_files import checkpoint_file, read_json_object
-from lathe.kernels.decode_linear import use_decode_linears
+from lathe.core.errors import ConfigError
+from lathe.kernels.decode_linear import HALF_DTYPES, use_decode_linears
 from lathe.kernels.dispatch import use_cpu_kernel
 from lathe.kernels.quant_matmul import (
     int4_matmul,
@@ -51,6 +52,7 @@ from lathe.model.checkpoint import (
     read_model_config,
 )
 from lathe.model.transformer import Experts, MoE, Transformer, gated, run_each_expert
+from lathe.serve.half_weights import use_half_weights
 
 QuantMode = Literal["int8", "int4"]
 
@@ -235,14 +237,29 @@ def load_serving_model(path: str | Path, quantize: QuantMode | None = None,
                        group_size: int = 128, dtype: torch.dtype | None = None,
                        device: torch.device | str | None = None) -> Transformer:
     """A checkpoint ready to serve: a quantized checkpoint as written, or a plain one,
-    optionally quantized at load. On the GPU when there is one, unless `device` says. Its
-    full-precision linears are `DecodeLinear`s: on the CPU a decode step's few float32 rows
-    take lathe's native op (1.6× the single-stream tokens/s of BLAS's on a 88M model)."""
+    optionally quantized at load. On the GPU when there is one, unless `device` says; there
+    `dtype` (default: the checkpoint's) is every weight's and the activations'. On the CPU
+    the activations are float32: a bf16 or fp16 checkpoint (or `dtype` bf16/fp16) keeps its
+    linears and embedding in half precision (`lathe.serve.half_weights`), `dtype` float32
+    or `quantize` makes the rest float32. Its full-precision linears are `DecodeLinear`s:
+    on the CPU a decode step's few float32 rows take lathe's native op (1.6× the
+    single-stream tokens/s of BLAS's on a 88M model; 2× that again with bf16 weights)."""
     device = torch.device(device if device is not None else
                           "cuda" if torch.cuda.is_available() else "cpu")
     quant = quantization_config(path)
     if quant is None:
-        model = load_checkpoint(path, dtype=dtype, device=device)
+        if device.type != "cpu":
+            model = load_checkpoint(path, dtype=dtype, device=device)
+        else:
+            if dtype in HALF_DTYPES and quantize is not None:
+                raise ConfigError(f"dtype {str(dtype).removeprefix('torch.')} is for a model "
+                                  f"served unquantized; with quantize {quantize} the weights "
+                                  "that stay are float32 — drop one of them")
+            model = load_checkpoint(path, device=device, dtype=torch.float32 if (
+                quantize is not None or dtype == torch.float32) else None)
+            half = dtype if dtype is not None else model.model.embed_tokens.weight.dtype
+            if half in HALF_DTYPES:
+                use_half_weights(model, half)
         if quantize is not None:
             quantize_linears(model, quantize, group_size)
             _release_checkpoint_file(model)

@@ -1,20 +1,28 @@
-// y_i = x · w_iᵀ (· scale_i), for the few rows of a decode step on CPU and one or more
-// weights that read the same x: the implementations of `lathe::decode_linear_cpu` (float32
-// weights) and `lathe::decode_linear_int8_cpu` (int8 weights with a float32 scale per output
-// feature, serving's weight-only int8), whose schemas, fakes and graph pass are in
+// y_i = x · w_iᵀ (· scale_i), for the few float32 rows of a decode step on CPU and one or
+// more weights that read the same x: the implementations of `lathe::decode_linear_cpu`
+// (float32, bfloat16 or float16 weights, the half ones widened to float32 in registers) and
+// `lathe::decode_linear_int8_cpu` (int8 weights with a float32 scale per output feature,
+// serving's weight-only int8), whose schemas, fakes and graph pass are in
 // lathe/kernels/decode_linear.py. At a few rows, BLAS's GEMM pays a fixed cost per call that
 // is most of the time for a small model's layers, and streams a large weight (the LM head)
 // at a fraction of the rate two cores can read it; torch's int8 GEMM takes bf16 rows and
 // pays the same fixed cost. Here each task takes a range of output features, four weight
-// rows at a time, against one x row (float32) or four (int8): each weight vector is loaded
-// (and, for int8, widened to float) once for the tile's rows, and each x vector once for the
-// four features, into register sums that are reduced only at the end.
+// rows at a time, against one x row (float32) or four (the others): each weight vector is
+// loaded (and, but for float32, widened to float) once for the tile's rows, and each x vector once for the
+// four features, into register sums that are reduced only at the end. On a CPU with AVX-512
+// BF16 a bf16 weight instead meets x rounded to bf16 once a call, 32 products an instruction
+// (`vdpbf16ps`): widening a bf16 vector costs three instructions for its 16 products, which
+// held the 88M model's layers to 15 GB/s of weights at one row (27 GB/s for float32's).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -37,6 +45,16 @@ inline Vec load(const float* p, int64_t count) {
 template <>
 inline Vec load(const int8_t* p, int64_t count) {
   return at::vec::convert<float>(at::vec::Vectorized<int8_t>::loadu(p, count));
+}
+
+template <>
+inline Vec load(const at::BFloat16* p, int64_t count) {
+  return at::vec::convert<float>(at::vec::Vectorized<at::BFloat16>::loadu(p, count));
+}
+
+template <>
+inline Vec load(const at::Half* p, int64_t count) {
+  return at::vec::convert<float>(at::vec::Vectorized<at::Half>::loadu(p, count));
 }
 
 inline float sum(const Vec& v) {
@@ -83,13 +101,13 @@ inline void tile(const float* x, const W* w, int64_t in_features, const float* s
 }
 
 // x rows per tile. A float32 weight vector costs one load, and its x rows are best read one
-// at a time (tiles of four took 5-15% longer at 4-32 rows); an int8 one costs a load and two
-// conversions, which a tile of four rows shares (16 × 128 → 4096: 134 µs, against 207 µs
-// in tiles of one)
+// at a time (tiles of four took 5-15% longer at 4-32 rows); an int8 or half one costs a load
+// and conversions, which a tile of four rows shares (int8, 16 × 128 → 4096: 134 µs, against
+// 207 µs in tiles of one)
 template <typename W>
-constexpr int kTileRows = 1;
+constexpr int kTileRows = 4;
 template <>
-constexpr int kTileRows<int8_t> = 4;
+constexpr int kTileRows<float> = 1;
 
 template <int F, int K, typename W>
 void rows_of(const float* x, int64_t rows, const W* w, int64_t in_features, const float* scale,
@@ -132,6 +150,78 @@ void features_any(const float* x, int64_t rows, const W* w, const float* scale, 
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// built for every AVX-512 machine, taken where the CPU has BF16 (Zen 4, Cooper Lake, Sapphire
+// Rapids and later)
+#define LATHE_DPBF16 __attribute__((target("avx512bf16,avx512bw,avx512f,avx512vl")))
+
+bool has_avx512_bf16() {
+  static const bool yes = __builtin_cpu_supports("avx512bf16");
+  return yes;
+}
+
+// out[r, f] for R bf16 x rows and F bf16 weight rows, over k inputs
+template <int R, int F>
+LATHE_DPBF16 inline void tile_dpbf16(const uint16_t* x, const uint16_t* w, int64_t k,
+                                     float* out, int64_t out_features) {
+  __m512 acc[R][F];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int f = 0; f < F; ++f) acc[r][f] = _mm512_setzero_ps();
+  const auto step = [&](int64_t i, __mmask32 mask) LATHE_DPBF16 {
+    __m512i wv[F];
+#pragma GCC unroll 4
+    for (int f = 0; f < F; ++f) {
+      wv[f] = _mm512_maskz_loadu_epi16(mask, w + f * k + i);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (F + f) * k + i), _MM_HINT_T0);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_maskz_loadu_epi16(mask, x + r * k + i);
+#pragma GCC unroll 4
+      for (int f = 0; f < F; ++f)
+        acc[r][f] = _mm512_dpbf16_ps(acc[r][f], (__m512bh)xv, (__m512bh)wv[f]);
+    }
+  };
+  int64_t i = 0;
+  for (; i + 32 <= k; i += 32) step(i, ~__mmask32(0));
+  if (i < k) step(i, (__mmask32(1) << (k - i)) - 1);
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int f = 0; f < F; ++f) out[r * out_features + f] = _mm512_reduce_add_ps(acc[r][f]);
+}
+
+template <int F>
+LATHE_DPBF16 inline void rows_dpbf16(const uint16_t* x, int64_t rows, const uint16_t* w,
+                                     int64_t k, float* out, int64_t out_features) {
+  int64_t m = 0;
+  for (; m + 4 <= rows; m += 4) tile_dpbf16<4, F>(x + m * k, w, k, out + m * out_features,
+                                                  out_features);
+  const uint16_t* xm = x + m * k;
+  float* om = out + m * out_features;
+  switch (rows - m) {
+    case 3: tile_dpbf16<3, F>(xm, w, k, om, out_features); break;
+    case 2: tile_dpbf16<2, F>(xm, w, k, om, out_features); break;
+    case 1: tile_dpbf16<1, F>(xm, w, k, om, out_features); break;
+    default: break;
+  }
+}
+
+LATHE_DPBF16 void features_dpbf16(const uint16_t* x, int64_t rows, const uint16_t* w, float* out,
+                                  int64_t out_features, int64_t k, int64_t begin, int64_t end) {
+  int64_t n = begin;
+  for (; n + 4 <= end; n += 4) rows_dpbf16<4>(x, rows, w + n * k, k, out + n, out_features);
+  for (; n < end; ++n) rows_dpbf16<1>(x, rows, w + n * k, k, out + n, out_features);
+}
+#else
+bool has_avx512_bf16() { return false; }
+
+void features_dpbf16(const uint16_t*, int64_t, const uint16_t*, float*, int64_t, int64_t,
+                     int64_t, int64_t) {}
+#endif
+
 // y_i = x · w_iᵀ (· scale_i) for every weight of `weights` (the linears of one decode step
 // that read the same x: q, k and v; gate and up) in one parallel loop over all their output
 // features: a compiled graph pays the dispatcher and the thread pool once for the group.
@@ -146,13 +236,19 @@ std::vector<at::Tensor> linears(const char* op, const at::Tensor& x_in,
   const int64_t rows = x.size(0), in_features = x.size(1);
   std::vector<at::Tensor> weights, scales, outs;
   std::vector<int64_t> starts{0};  // where each weight's features begin in the joint range
+  const at::ScalarType kind = quantized ? at::kChar
+                              : weights_in.empty() ? at::kFloat : weights_in[0].scalar_type();
+  TORCH_CHECK(quantized || kind == at::kFloat || kind == at::kBFloat16 || kind == at::kHalf,
+              op, ": takes float32, bfloat16 or float16 weights, got ", kind);
   for (size_t i = 0; i < weights_in.size(); ++i) {
     const at::Tensor& weight = weights_in[i];
     TORCH_CHECK(weight.dim() == 2 && weight.size(1) == in_features, op,
                 ": each weight must be (out_features, ", in_features, "), got ",
                 weight.sizes());
-    TORCH_CHECK(weight.scalar_type() == (quantized ? at::kChar : at::kFloat), op, ": takes ",
-                quantized ? "int8" : "float32", " weights, got ", weight.scalar_type());
+    TORCH_CHECK(!quantized || weight.scalar_type() == kind, op, ": takes int8 weights, got ",
+                weight.scalar_type());
+    TORCH_CHECK(weight.scalar_type() == kind, op, ": takes float32, bfloat16 or float16 "
+                "weights, all of one dtype; got ", weight.scalar_type(), " after ", kind);
     if (quantized) {
       const at::Tensor& scale = scales_in[i];
       TORCH_CHECK(scale.dim() == 1 && scale.size(0) == weight.size(0) &&
@@ -166,6 +262,8 @@ std::vector<at::Tensor> linears(const char* op, const at::Tensor& x_in,
     starts.push_back(starts.back() + weight.size(0));
   }
   const float* x_data = x.data_ptr<float>();
+  const bool dpbf16 = kind == at::kBFloat16 && has_avx512_bf16();
+  const at::Tensor x_bf16 = dpbf16 ? x.to(at::kBFloat16) : at::Tensor();
   // ~32K multiply-adds a task at least: a small layer stays on one thread
   const int64_t grain = std::max<int64_t>(64, 32768 / std::max<int64_t>(1, in_features * rows));
   at::parallel_for(0, starts.back(), grain, [&](int64_t begin, int64_t end) {
@@ -175,12 +273,30 @@ std::vector<at::Tensor> linears(const char* op, const at::Tensor& x_in,
       if (lo >= hi) continue;
       float* out = outs[i].data_ptr<float>();
       const int64_t out_features = weights[i].size(0);
-      if (quantized)
-        features_any(x_data, rows, weights[i].data_ptr<int8_t>(), scales[i].data_ptr<float>(),
-                     out, out_features, in_features, lo, hi);
-      else
-        features_any(x_data, rows, weights[i].data_ptr<float>(), nullptr, out, out_features,
-                     in_features, lo, hi);
+      const void* w = weights[i].data_ptr();
+      const float* scale = quantized ? scales[i].data_ptr<float>() : nullptr;
+      switch (kind) {
+        case at::kChar:
+          features_any(x_data, rows, static_cast<const int8_t*>(w), scale, out, out_features,
+                       in_features, lo, hi);
+          break;
+        case at::kBFloat16:
+          if (dpbf16)
+            features_dpbf16(static_cast<const uint16_t*>(x_bf16.data_ptr()), rows,
+                            static_cast<const uint16_t*>(w), out, out_features, in_features, lo,
+                            hi);
+          else
+            features_any(x_data, rows, static_cast<const at::BFloat16*>(w), scale, out,
+                         out_features, in_features, lo, hi);
+          break;
+        case at::kHalf:
+          features_any(x_data, rows, static_cast<const at::Half*>(w), scale, out, out_features,
+                       in_features, lo, hi);
+          break;
+        default:
+          features_any(x_data, rows, static_cast<const float*>(w), scale, out, out_features,
+                       in_features, lo, hi);
+      }
     }
   });
   return outs;

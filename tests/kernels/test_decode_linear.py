@@ -1,12 +1,13 @@
-"""The few-row CPU linears (csrc/decode_linear_cpu.cpp) against their references, float32
-and int8 weights, one weight or several at once, and the graph pass that routes a compiled
-graph's linears to them: only float32 ones of at most MAX_ROWS rows (the rest stay on
-BLAS), one call for the linears of a kind that read the same x. Tolerance 1e-5 relative
-(the sums are reordered)."""
+"""The few-row CPU linears (csrc/decode_linear_cpu.cpp) against their references, float32,
+bf16, fp16 and int8 weights, one weight or several at once, and the graph pass that routes a
+compiled graph's linears to them: only float32 ones of at most MAX_ROWS rows (the rest stay
+on BLAS), one call for the linears of a weight dtype that read the same x. Tolerance 1e-5
+relative (the sums are reordered)."""
 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 from lathe.kernels.cpu_native import load_cpu_kernels
 from lathe.kernels.decode_linear import (
     MAX_ROWS,
+    DecodeLinear,
     decode_linear_cpu,
     decode_linear_int8_cpu,
     decode_linear_reference,
@@ -65,6 +67,50 @@ def test_strided_inputs_are_read_as_their_values():
                                decode_linear_reference(x, weights), atol=1e-4, rtol=1e-5)
 
 
+def rounds_x_to_bf16() -> bool:
+    """Whether this CPU multiplies bf16 weights by x rounded to bf16 (AVX-512 BF16's dot
+    products) rather than widening the weights."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512_bf16" in flags
+
+
+def half_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x · wᵀ as the native op defines it, in float64."""
+    if weight.dtype == torch.bfloat16 and rounds_x_to_bf16():
+        x = x.bfloat16()
+    return torch.nn.functional.linear(x.double(), weight.double()).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 32])
+@pytest.mark.parametrize("sizes, in_features", [([64], 128), ([4099], 768), ([130, 7], 256),
+                                                ([128, 64, 64], 128), ([7], 352),
+                                                ([33, 5, 2], 24), ([9], 40)])
+def test_half_weights_match_the_widened_reference(dtype, rows, sizes, in_features):
+    """Tiles of four rows and every remainder, feature counts that are not multiples of four,
+    in_features that are not whole vectors (24, 40, 352: neither 16 nor 32 wide)."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=g)
+    weights = [torch.randn(size, in_features, generator=g).to(dtype) for size in sizes]
+    out = decode_linear_cpu(x, weights)
+    assert [(y.dtype, tuple(y.shape)) for y in out] == [(torch.float32, (rows, size))
+                                                         for size in sizes]
+    torch.testing.assert_close(out, [half_reference(x, w) for w in weights], atol=1e-4,
+                               rtol=1e-5)
+
+
+def test_bf16_weights_lose_only_what_rounding_x_loses():
+    """Against the exact product, the error is x's bf16 rounding (2^-9 relative a value) and
+    no more: well below what rounding the weights to bf16 cost in the first place."""
+    g = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(3, 768, generator=g), torch.randn(512, 768, generator=g)
+    exact = torch.nn.functional.linear(x.double(), weight.double())
+    ours = decode_linear_cpu(x, [weight.bfloat16()])[0].double()
+    weight_rounding = (torch.nn.functional.linear(x.double(), weight.bfloat16().double())
+                       - exact).abs().max()
+    assert (ours - exact).abs().max() < 2 * weight_rounding
+
+
 def int8_weights(sizes, in_features, g):
     return [quantize_int8(torch.randn(size, in_features, generator=g)) for size in sizes]
 
@@ -103,6 +149,9 @@ def test_int8_operands_of_the_wrong_kind_are_refused(weights, message):
     (torch.zeros(2, 8), [torch.zeros(4, 8), torch.zeros(3, 7)], "must be"),
     (torch.zeros(2, 8, dtype=torch.float64), [torch.zeros(4, 8)], "float32"),
     (torch.zeros(2, 8), [torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.float64)], "float32"),
+    (torch.zeros(2, 8), [torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.bfloat16)],
+     "all of one dtype; got BFloat16 after Float"),
+    (torch.zeros(2, 8), [torch.zeros(4, 8, dtype=torch.int8)], "float16 weights"),
 ])
 def test_wrong_shapes_and_dtypes_are_refused(x, weights, message):
     with pytest.raises(RuntimeError, match=message):
@@ -171,6 +220,25 @@ def test_the_pass_makes_one_call_for_linears_that_share_their_input():
     assert calls == {"lathe::decode_linear3_cpu": 1, "lathe::decode_linear_cpu": 1}
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_pass_makes_one_call_for_half_linears_that_share_their_input(dtype):
+    """A float32 model's half linears trace to the native op (`linear`); q, k and v become
+    one call under the C++ wrapper, and no graph widens a weight."""
+    from lathe.kernels.decode_linear import linear
+
+    g = torch.Generator().manual_seed(0)
+    wq, wk, wv = (torch.randn(size, 64, generator=g).to(dtype) for size in (64, 32, 32))
+    wo = torch.randn(64, 96, generator=g).to(dtype)
+
+    def block(x):
+        q, k, v = linear(x, wq), linear(x, wk), linear(x, wv)
+        return linear(torch.cat([q, k + v], dim=-1), wo)
+
+    with torch.no_grad():
+        calls = lathe_calls_of_compiled(block, torch.randn(1, 3, 64, generator=g))
+    assert calls == {"lathe::decode_linear3_cpu": 1, "lathe::decode_linear_cpu": 1}
+
+
 def test_the_pass_makes_one_call_for_int8_linears_that_share_their_input():
     """A quantized model's few-row float32 linears trace to the native int8 op; q, k and v
     become one call, and gate and up another, under the C++ wrapper."""
@@ -225,6 +293,26 @@ def test_decode_linear_takes_the_native_op_for_a_few_rows_at_inference(shape, bi
     y = layer(x)  # autograd on: F.linear, whose backward exists
     y.sum().backward()
     assert native_calls == [] and layer.weight.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 4, 5, MAX_ROWS + 1, 80])
+def test_a_half_linear_of_float32_rows_takes_the_native_op_at_any_row_count(dtype, rows,
+                                                                            native_calls):
+    """A prefill's rows as a decode step's: float32 out, the float32 bias added; with
+    autograd on, `F.linear` on the widened weight."""
+    torch.manual_seed(rows)
+    layer = DecodeLinear(768, 96, bias=True)
+    layer.weight.data = layer.weight.data.to(dtype)
+    x = torch.randn(rows, 768)
+    with torch.no_grad():
+        y = layer(x)
+    assert native_calls == [(rows, 768)] and y.dtype == torch.float32
+    torch.testing.assert_close(y, half_reference(x, layer.weight) + layer.bias, atol=1e-4,
+                               rtol=1e-5)
+    native_calls.clear()
+    layer(x).sum().backward()
+    assert native_calls == [] and layer.bias.grad is not None
 
 
 def test_use_decode_linears_keeps_parameters_and_spares_other_modules():
