@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
+import torch
 
 from lathe.data.chat_encoding import chat_encoder
 from lathe.data.tool_runner import ToolRunner
@@ -37,8 +38,8 @@ class ChatBackend(Protocol):
 
 class LocalChat:
     def __init__(self, checkpoint: Path, quantize: QuantMode | None = None,
-                 chat_template: Path | None = None) -> None:
-        self.engine = LLMEngine.from_checkpoint(checkpoint, quantize=quantize)
+                 chat_template: Path | None = None, dtype: torch.dtype | None = None) -> None:
+        self.engine = LLMEngine.from_checkpoint(checkpoint, quantize=quantize, dtype=dtype)
         self.encoder = chat_encoder(checkpoint, chat_template, tokenizer=self.engine.tokenizer)
 
     def reply(self, messages: list[dict[str, str]], sampling: dict[str, Any]) -> Iterator[str]:

@@ -9,6 +9,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from lathe.core.errors import ConfigError
 from lathe.data.chat_template import read_template_file
 from lathe.model.checkpoint import read_model_config
@@ -18,11 +20,18 @@ from lathe.serve.engine import DEFAULT_KV_MB, EngineConfig
 from lathe.serve.speculative import SpeculativeConfig
 from lathe.serve.tool_calls import PARSERS
 
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+DTYPE_HELP = ("the weights' dtype (auto: the checkpoint's). On a GPU the activations' too; on "
+              "the CPU activations are float32 and bfloat16/float16 keep the linears and the "
+              "embedding in half precision, halving the bytes a decode step reads")
+
 
 def _engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--quantize", choices=["int8", "int4"],
                        help="weight-only quantization applied at load")
+    group.add_argument("--dtype", choices=list(DTYPES), default="auto", help=DTYPE_HELP)
     group.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     group.add_argument("--max-num-batched-tokens", type=int,
                        default=EngineConfig.max_num_batched_tokens)
@@ -196,7 +205,8 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     config = ServerConfig(checkpoint=args.checkpoint, host=args.host, port=args.port,
                           api_key=args.api_key, protect_metrics=args.protect_metrics,
                           served_model_name=args.served_model_name,
-                          quantize=args.quantize, max_waiting=args.max_waiting,
+                          quantize=args.quantize, dtype=DTYPES[args.dtype],
+                          max_waiting=args.max_waiting,
                           max_body_bytes=args.max_body_bytes,
                           template_seconds=args.template_timeout,
                           chat_template=args.chat_template,
@@ -222,6 +232,8 @@ def chat_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--api-key", default=os.environ.get("LATHE_API_KEY"))
     parser.add_argument("--model", help="model id on the server (default: its first)")
     parser.add_argument("--quantize", choices=["int8", "int4"], help="local checkpoints only")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="auto",
+                        help="local checkpoints: " + DTYPE_HELP)
     parser.add_argument("--chat-template", type=Path, metavar="FILE",
                         help="local checkpoints: a Jinja chat template used in place of "
                              "the checkpoint's")
@@ -250,16 +262,18 @@ def chat_main(argv: Sequence[str] | None = None) -> int:
     except SamplingError as error:
         raise ConfigError(str(error).replace("_", "-", 1)) from None
     if args.target.startswith(("http://", "https://")):
-        if args.chat_template is not None or args.quantize is not None:
-            raise ConfigError("--chat-template and --quantize are for a local checkpoint; a "
-                              "server renders with its own (lathe serve --chat-template)")
+        if args.chat_template is not None or args.quantize is not None or args.dtype != "auto":
+            raise ConfigError("--chat-template, --quantize and --dtype are for a local "
+                              "checkpoint; a server renders with its own (lathe serve "
+                              "--chat-template) and holds its own weights")
         backend = RemoteChat(args.target, args.api_key, args.model, tools)
     else:
         if tools is not None:
             raise ConfigError("--tools and --tool are for a server (lathe serve "
                               "--tool-call-parser ...); a local checkpoint chats without tools")
         read_model_config(args.target)
-        backend = LocalChat(Path(args.target), args.quantize, args.chat_template)
+        backend = LocalChat(Path(args.target), args.quantize, args.chat_template,
+                            DTYPES[args.dtype])
     if args.prompt is not None:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": args.prompt}]

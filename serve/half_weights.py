@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lathe.kernels.decode_linear import HALF_DTYPES
+from lathe.kernels.decode_linear import HALF_DTYPES, use_decode_linears
 from lathe.model.transformer import MoE, Transformer
 
 
@@ -32,7 +32,8 @@ class WidenedEmbedding(nn.Embedding):
 @torch.no_grad()
 def use_half_weights(model: Transformer, dtype: torch.dtype) -> None:
     """In place: `model`'s linear weights and embedding table in `dtype` (bf16 or fp16),
-    every other floating tensor in float32; its embedding a `WidenedEmbedding`."""
+    every other floating tensor in float32; its embedding a `WidenedEmbedding`, its linears
+    `DecodeLinear`s (a plain `nn.Linear` takes no float32 x times a half weight)."""
     if dtype not in HALF_DTYPES:
         raise ValueError(f"half weights are bfloat16 or float16, not {dtype}")
     half = {id(model.model.embed_tokens.weight)}
@@ -46,6 +47,7 @@ def use_half_weights(model: Transformer, dtype: torch.dtype) -> None:
         if tensor.is_floating_point():
             tensor.data = tensor.data.to(dtype if id(tensor) in half else torch.float32)
     model.model.embed_tokens.__class__ = WidenedEmbedding
+    use_decode_linears(model)
 
 
 def activation_dtype(model: Transformer) -> torch.dtype:

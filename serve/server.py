@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -81,6 +82,7 @@ class ServerConfig:
     protect_metrics: bool = False  # /metrics needs the API key too
     served_model_name: str | None = None
     quantize: QuantMode | None = None
+    dtype: torch.dtype | None = None  # the weights' (None: the checkpoint's; see --dtype)
     max_waiting: int = 256
     max_body_bytes: int = 1 << 20
     template_seconds: float = 2.0  # a chat template's render limit (a request fails past it)
@@ -195,7 +197,8 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
     tool_parser = tool_call_parser(config.tool_call_parser) \
         if config.tool_call_parser is not None else None
     load = load or (lambda: LLMEngine.from_checkpoint(config.checkpoint, config.engine,
-                                                      quantize=config.quantize))
+                                                      quantize=config.quantize,
+                                                      dtype=config.dtype))
 
     async def load_engine() -> None:
         thread = EngineThread()  # every torch op of the server runs on it, loading included
