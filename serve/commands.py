@@ -312,7 +312,7 @@ def export_main(argv: Sequence[str] | None = None) -> int:
                         help="--format quantized: weight-only scheme")
     parser.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128],
                         help="--format quantized, int4: input columns per scale")
-    parser.add_argument("--dtype", choices=["f32", "f16", "q8_0"], default="f16",
+    parser.add_argument("--dtype", choices=["f32", "f16", "bf16", "q8_0"], default="f16",
                         help="--format gguf: tensor type of the weight matrices")
     parser.add_argument("--eval-text", type=Path,
                         help="--format quantized: report perplexity on this text file "

@@ -1,7 +1,7 @@
 """A checkpoint as one GGUF file for llama.cpp (and Ollama, LM Studio), written with the
 `gguf` package: the architecture's hyper-parameters, the byte-level BPE vocabulary, merges,
 special tokens and chat template, and every tensor under llama.cpp's name in f32 (the exact
-weights, to compare runtimes on the same numbers), f16 or q8_0.
+weights, to compare runtimes on the same numbers), f16, bf16 or q8_0.
 
 Each family is written as the llama.cpp architecture its converter makes of it (`ARCHES`):
 llama, mistral and mixtral as `llama`; qwen2, qwen3, gemma2, gemma3, phi3, qwen2_moe
@@ -42,7 +42,9 @@ from lathe.model.families import join_fused
 from lathe.model.transformer import rope_inv_freq
 
 FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-              "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+              "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+# the matrices' GGML types the `gguf` package rounds them to (f16 is a numpy dtype)
+ROUNDED = {"bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0}
 LAYER_NAMES = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -291,10 +293,10 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f16") -> 
         writer.add_chat_template(template)
 
     for name, array in gguf_tensors(model.state_dict(), config).items():
-        quantize = dtype == "q8_0" and array.ndim == 2 and array.shape[1] % 32 == 0
-        if quantize:
-            q8_0 = gguf.GGMLQuantizationType.Q8_0
-            writer.add_tensor(name, gguf.quants.quantize(array, q8_0), raw_dtype=q8_0)
+        # q8_0 rounds rows in blocks of 32 (narrower ones stay f16, as llama.cpp's converter)
+        if dtype in ROUNDED and array.ndim == 2 and (dtype != "q8_0" or array.shape[1] % 32 == 0):
+            kind = ROUNDED[dtype]
+            writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
         elif array.ndim == 1 or dtype == "f32":
             writer.add_tensor(name, array.astype(np.float32))  # norms stay f32, as llama.cpp
         else:

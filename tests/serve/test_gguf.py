@@ -110,15 +110,15 @@ def unpermute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.reshape(n_heads, out // n_heads // 2, 2, inp).transpose(1, 2).reshape(out, inp)
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "q8_0"])
 def test_gguf_logits_match_lathe_on_many_tokens(sharpened, tmp_path, dtype):
     """The reference forward over the file equals lathe's forward on the same weights
-    (for q8_0: lathe given the file's dequantized weights, which stay within 1% of the
+    (for bf16 and q8_0: lathe given the file's rounded weights, which stay within 1% of the
     originals), to 2e-4 of the largest logit."""
     path, model = sharpened
     out = export_gguf(path, tmp_path / f"model-{dtype}.gguf", dtype=dtype)
     fields, tensors = read_gguf(out)
-    if dtype == "q8_0":
+    if dtype in ("bf16", "q8_0"):
         model = with_gguf_weights(load_checkpoint(path), tensors)
     ids = torch.randint(0, model.config.vocab_size, (24,),
                         generator=torch.Generator().manual_seed(0))
@@ -127,9 +127,10 @@ def test_gguf_logits_match_lathe_on_many_tokens(sharpened, tmp_path, dtype):
         got = gguf_forward(fields, tensors, ids.tolist())
     scale = expected.abs().max()
     assert (got - expected).abs().max() / scale < (1e-5 if dtype == "f32" else 2e-4)
-    if dtype == "f32":
-        assert {t.tensor_type for t in gguf.GGUFReader(str(out)).tensors} == {
-            gguf.GGMLQuantizationType.F32}
+    kinds = {t.tensor_type for t in gguf.GGUFReader(str(out)).tensors}
+    if dtype in ("f32", "bf16"):
+        assert kinds == {gguf.GGMLQuantizationType.F32, *(
+            [gguf.GGMLQuantizationType.BF16] if dtype == "bf16" else [])}
     if dtype == "f16":
         # the same forward on un-permuted q/k (HF layout read as llama.cpp's) is far off
         wrong = dict(tensors)

@@ -159,3 +159,20 @@ def test_compiled_decode_over_half_weights_picks_eager_tokens():
     assert compiled.runner.graphs.steps > 0 and compiled.runner.graphs.late == 0
     calls = {event.key for event in prof.key_averages()}
     assert {"lathe::decode_linear3_cpu", "lathe::decode_linear2_cpu"} <= calls
+
+
+def test_lathe_serve_and_chat_take_dtype(checkpoint, monkeypatch):
+    """`--dtype` reaches the server's engine as a torch dtype (auto: None, the checkpoint's);
+    a chat against a server, whose weights are its own, refuses it."""
+    import lathe.serve.server
+    from lathe.serve.commands import chat_main, serve_main
+
+    configs = []
+    monkeypatch.setattr(lathe.serve.server, "run", lambda config, level: configs.append(config))
+    for dtype in ("auto", "bfloat16", "float32"):
+        serve_main([str(checkpoint), "--dtype", dtype])
+    assert [c.dtype for c in configs] == [None, torch.bfloat16, torch.float32]
+    with pytest.raises(ConfigError, match="--dtype are for a local checkpoint"):
+        chat_main(["http://127.0.0.1:9", "--dtype", "bfloat16", "--prompt", "hi"])
+    with pytest.raises(SystemExit):
+        serve_main([str(checkpoint), "--dtype", "bf16"])
