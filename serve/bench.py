@@ -8,12 +8,14 @@
     `generate()` with left-padded batches, on the same checkpoint, in interleaved rounds;
 (b) servers under load, each started as a user starts it: `lathe serve` (compiled decode
     steps, warmed up) and `lathe serve --enforce-eager`, and llama.cpp's `llama-server` on
-    the f32 GGUF of the same weights when the binary is on PATH (`--server-weights int8`:
-    both lathe servers with --quantize int8, llama-server on q8_0; llama.cpp builds it with
+    the f32 GGUF of the same weights when the binary is on PATH (`--server-weights bf16`:
+    both lathe servers with --dtype bfloat16, llama-server on the bf16 GGUF; `int8`: both
+    with --quantize int8, llama-server on q8_0; llama.cpp builds it with
     `cmake -B build -DLLAMA_CURL=OFF && cmake --build build --target llama-server`); a
     streaming client at concurrency 1, 4, 16 and 64, reporting output tok/s, time to first
     token and inter-token latency (p50 / p99, as `vllm bench serve` defines them);
-(c) single-stream decode tok/s for fp32, int8 and int4 weights, eager, with decode steps
+(c) single-stream decode tok/s for the checkpoint's weights, bf16 (on the CPU: half
+    weights, float32 compute), int8 and int4, eager, with decode steps
     compiled (`EngineConfig.compile_decode`: CUDA graphs on a GPU) and compiled with
     multi-step decoding (`EngineConfig.decode_steps`), and the memory bandwidth it
     implies (weight bytes streamed per token × tok/s) as a fraction of this machine's
@@ -274,15 +276,16 @@ def streamed_bytes(model: torch.nn.Module) -> int:
 
 
 def decode_speed(checkpoint: Path, quantize: str | None, prompt: list[int],
-                 new_tokens: int, device: torch.device,
-                 config: EngineConfig | None = None) -> tuple[float, int, str]:
+                 new_tokens: int, device: torch.device, config: EngineConfig | None = None,
+                 dtype: torch.dtype | None = None) -> tuple[float, int, str]:
     """Best decode tok/s of one sequence, the weight bytes a step streams, and the name of
     the weights' format (the quantization, or the unquantized dtype)."""
     # a KV cache the one sequence's size: engines built one after another in one process
     # then never wait on the last one's memory (on a GPU the default takes 90% of it)
     blocks = 2 * -(-(len(prompt) + new_tokens) // EngineConfig.block_size)
     config = dataclasses.replace(config or EngineConfig(), num_blocks=blocks)
-    engine = LLMEngine.from_checkpoint(checkpoint, config, quantize=quantize, device=device)
+    engine = LLMEngine.from_checkpoint(checkpoint, config, quantize=quantize, dtype=dtype,
+                                       device=device)
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     # warm up over the whole workload: a compiled engine compiles per table width, which
     # the context reaches only as it grows
@@ -296,7 +299,7 @@ def decode_speed(checkpoint: Path, quantize: str | None, prompt: list[int],
         while engine.has_unfinished():
             tokens += sum(len(delta.token_ids) for delta in engine.step())
         best = max(best, tokens / (time.perf_counter() - start))
-    weights = quantize or str(engine.model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+    weights = quantize or str(engine.model.lm_head.weight.dtype).removeprefix("torch.")
     return best, streamed_bytes(engine.model), weights
 
 
@@ -451,19 +454,24 @@ def server_process(command: list[str], url: str, log: Path) -> subprocess.Popen:
     raise SystemExit(f"{command[0]} {why}:\n{log.read_text()[-2000:]}")
 
 
+# (b)'s `--server-weights`: lathe serve's flags, and the GGUF type llama-server reads
+SERVER_WEIGHTS = {"f32": ([], "f32"), "bf16": (["--dtype", "bfloat16"], "bf16"),
+                  "int8": (["--quantize", "int8"], "q8_0")}
+
+
 def server_commands(checkpoint: Path, folder: Path, args: argparse.Namespace,
                     ) -> dict[str, tuple[list[str], str]]:
     """The servers (b) compares, each a command line and its URL: `lathe serve` as
-    started by default and with --enforce-eager (with `--server-weights int8`, both with
-    --quantize int8), and, when a `llama-server` binary is on PATH and the checkpoint has a
-    tokenizer, llama.cpp's server on the GGUF of the same weights (f32, or q8_0 beside int8)
+    started by default and with --enforce-eager (with `--server-weights`'s flags), and, when
+    a `llama-server` binary is on PATH and the checkpoint has a tokenizer, llama.cpp's server
+    on the GGUF of the same weights (`SERVER_WEIGHTS`)
     with as many slots as the bench's highest concurrency (each holding a prompt and its
     output) and the same threads."""
     commands = {}
-    quantize = [] if args.server_weights == "f32" else ["--quantize", args.server_weights]
-    for name, flags in (("lathe serve", quantize), ("lathe serve --enforce-eager",
-                                                    [*quantize, "--enforce-eager"])):
-        name = " ".join([name, *quantize])
+    weights, gguf_type = SERVER_WEIGHTS[args.server_weights]
+    for name, flags in (("lathe serve", weights), ("lathe serve --enforce-eager",
+                                                   [*weights, "--enforce-eager"])):
+        name = " ".join([name, *weights])
         port = free_port()
         commands[name] = ([sys.executable, "-m", "lathe.core", "serve", str(checkpoint),
                            "--port", str(port), "--served-model-name", "bench",
@@ -474,7 +482,6 @@ def server_commands(checkpoint: Path, folder: Path, args: argparse.Namespace,
         print("(b) llama-server row skipped: no llama-server on PATH, or no tokenizer.json")
         return commands
     from lathe.serve.gguf_export import export_gguf
-    gguf_type = {"f32": "f32", "int8": "q8_0"}[args.server_weights]
     gguf = export_gguf(checkpoint, folder / "model.gguf", gguf_type)
     slots, port, threads = max(args.concurrency), free_port(), str(torch.get_num_threads())
     commands[f"llama-server {gguf_type}"] = ([
@@ -723,20 +730,22 @@ def decode_section(checkpoint: Path, prompt: list[int], device: torch.device,
     configs = {"": EngineConfig(), ", compiled": EngineConfig(compile_decode=True),
                f", compiled, {args.decode_steps} passes a step": EngineConfig(
                    compile_decode=True, decode_steps=args.decode_steps)}
-    for quantize in (None, "int8", "int4"):
+    for quantize, dtype in ((None, None), (None, torch.bfloat16), ("int8", None),
+                            ("int4", None)):
         ppl = ""
         if eval_ids is not None:
-            ppl = f"{perplexity(load_serving_model(checkpoint, quantize=quantize), eval_ids):.3f}"
+            served = load_serving_model(checkpoint, quantize=quantize, dtype=dtype)
+            ppl = f"{perplexity(served, eval_ids):.3f}"
         for variant, config in configs.items():
             tok_s, nbytes, weights = decode_speed(checkpoint, quantize, prompt,
-                                                  args.decode_tokens, device, config)
+                                                  args.decode_tokens, device, config, dtype)
             implied = tok_s * nbytes
             name = weights + variant
             rows.append(f"| {name} | {nbytes / 2**20:.1f} | {tok_s:,.1f} | "
                         f"{implied / 1e9:.2f} | {implied / bandwidth:.1%} | "
                         f"{'—' if config.compile_decode or not ppl else ppl} |")
             print(rows[-1], flush=True)
-            if quantize is None:
+            if quantize is None and dtype is None:
                 fp32_bytes = nbytes
     if device.type == "cpu" and (checkpoint / "tokenizer.json").is_file():
         row = llama_cpp_row(checkpoint, prompt, args.decode_tokens, fp32_bytes, bandwidth)
@@ -815,9 +824,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server-tokens", type=int, default=32)
     parser.add_argument("--server-rounds", type=int, default=2,
                         help="(b): load rounds per server and concurrency, the best kept")
-    parser.add_argument("--server-weights", choices=["f32", "int8"], default="f32",
-                        help="(b): the servers' weights (int8: lathe's --quantize int8 "
-                             "against llama-server's q8_0)")
+    parser.add_argument("--server-weights", choices=list(SERVER_WEIGHTS), default="f32",
+                        help="(b): the servers' weights (bf16: lathe's --dtype bfloat16 "
+                             "against llama-server's bf16 GGUF; int8: --quantize int8 against "
+                             "q8_0)")
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--decode-steps", type=int, default=8,
                         help="(a), (c): forward passes per step of the multi-step rows")

@@ -1,5 +1,12 @@
-"""Keeping freed host memory mapped, so that an engine's per-step temporaries on CPU stop
-faulting their pages in again every step.
+"""Host memory for serving on the CPU: weights held in huge pages, and freed memory kept
+mapped, so that an engine's per-step temporaries stop faulting their pages in every step.
+
+A decode step reads every weight once, so each 4 KiB page costs a TLB miss a token, and in a
+virtual machine (two-level page tables) a miss is a long walk: the native linears of the 88M
+model streamed bf16 weights at 31 GB/s from 4 KiB pages and 60 GB/s from 2 MiB ones (a
+decode step's linears 5.8 → 4.2 ms). `hold_in_huge_pages` copies a model's tensors into one
+mapping that asks the kernel for transparent huge pages (`MADV_HUGEPAGE`, which Linux's
+default `madvise` mode honours); elsewhere the advice is a no-op and the copy only packs them.
 
 glibc's malloc hands an allocation above its mmap threshold (128 KiB, raised as such
 blocks are freed) a fresh mapping and unmaps it when freed, and returns the top of its
@@ -19,12 +26,52 @@ from __future__ import annotations
 import ctypes
 import sys
 
+import torch
+from torch import nn
+
 # glibc's malloc.h
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD = 32 << 20  # glibc's ceiling for it on 64-bit (HEAP_MAX_SIZE / 2)
 TRIM_THRESHOLD = 1 << 30
 
 _retained = False
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # Linux's mman.h
+_ALIGN = 64  # each tensor's start: a cache line, and what torch's CPU GEMMs need
+
+
+@torch.no_grad()
+def hold_in_huge_pages(model: nn.Module) -> int:
+    """Copy every CPU parameter and buffer of `model` into one block of memory advised to
+    be backed by huge pages, in place (tied tensors stay tied; the copies also drop any view
+    of a memory-mapped checkpoint file); returns the bytes moved."""
+    tensors: dict[tuple, list[torch.Tensor]] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.device.type == "cpu" and tensor.numel():
+            key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+            tensors.setdefault(key, []).append(tensor)
+    sizes = [-(-group[0].numel() * group[0].element_size() // _ALIGN) * _ALIGN
+             for group in tensors.values()]
+    total = sum(sizes)
+    if not total:
+        return 0
+    block = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)
+    start = -block.data_ptr() % HUGE_PAGE
+    if sys.platform.startswith("linux"):  # before the copies touch (and so allocate) pages
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(block.data_ptr() + start),
+                                  ctypes.c_size_t(-(-total // HUGE_PAGE) * HUGE_PAGE),
+                                  _MADV_HUGEPAGE)
+    offset = start
+    for group, size in zip(tensors.values(), sizes, strict=True):
+        first = group[0]
+        packed = block[offset:offset + first.numel() * first.element_size()]
+        packed = packed.view(first.dtype).view(first.shape)
+        packed.copy_(first)
+        for tensor in group:
+            tensor.data = packed
+        offset += size
+    return total
 
 
 def retain_freed_memory() -> bool:

@@ -53,6 +53,7 @@ from lathe.model.checkpoint import (
 )
 from lathe.model.transformer import Experts, MoE, Transformer, gated, run_each_expert
 from lathe.serve.half_weights import use_half_weights
+from lathe.serve.host_memory import hold_in_huge_pages
 
 QuantMode = Literal["int8", "int4"]
 
@@ -222,17 +223,6 @@ def save_quantized_checkpoint(source: str | Path, out: str | Path, mode: QuantMo
     return Path(out)
 
 
-@torch.no_grad()
-def _release_checkpoint_file(model: nn.Module) -> None:
-    """Copy the tensors quantization kept (embeddings, norms, scales) out of the
-    checkpoint's memory-mapped safetensors file: while one of them views it, the whole
-    mapping stays, and quantizing has read — made resident — every full-precision page
-    (the 88M model at int8: 819 MiB resident, 478 MiB once released, for 97 MiB of weights)."""
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if tensor.device.type == "cpu":
-            tensor.data = tensor.data.clone()
-
-
 def load_serving_model(path: str | Path, quantize: QuantMode | None = None,
                        group_size: int = 128, dtype: torch.dtype | None = None,
                        device: torch.device | str | None = None) -> Transformer:
@@ -241,9 +231,10 @@ def load_serving_model(path: str | Path, quantize: QuantMode | None = None,
     `dtype` (default: the checkpoint's) is every weight's and the activations'. On the CPU
     the activations are float32: a bf16 or fp16 checkpoint (or `dtype` bf16/fp16) keeps its
     linears and embedding in half precision (`lathe.serve.half_weights`), `dtype` float32
-    or `quantize` makes the rest float32. Its full-precision linears are `DecodeLinear`s:
-    on the CPU a decode step's few float32 rows take lathe's native op (1.6× the
-    single-stream tokens/s of BLAS's on a 88M model; 2× that again with bf16 weights)."""
+    or `quantize` makes the rest float32, and the weights are held in huge pages
+    (`lathe.serve.host_memory`). Its full-precision linears are `DecodeLinear`s: on the
+    CPU a float32 decode step's few rows take lathe's native op (1.6× the single-stream
+    tokens/s of BLAS's on a 88M model), and every row of a half one."""
     device = torch.device(device if device is not None else
                           "cuda" if torch.cuda.is_available() else "cpu")
     quant = quantization_config(path)
@@ -262,9 +253,7 @@ def load_serving_model(path: str | Path, quantize: QuantMode | None = None,
                 use_half_weights(model, half)
         if quantize is not None:
             quantize_linears(model, quantize, group_size)
-            _release_checkpoint_file(model)
-        use_decode_linears(model)
-        return model
+        return _ready(model)
     if quantize is not None and quantize != quant["mode"]:
         raise CheckpointError(f"{path} is already quantized to {quant['mode']}; "
                               f"drop --quantize {quantize} or start from the full checkpoint")
@@ -272,9 +261,6 @@ def load_serving_model(path: str | Path, quantize: QuantMode | None = None,
         model = Transformer(read_model_config(path))
     quantize_linears(model, quant["mode"], quant["group_size"])
     state = load_safetensors(checkpoint_file(path, WEIGHTS_FILE), device)
-    # packed weights get allocations of their own: a tensor viewed out of the file may be
-    # misaligned for torch's CPU int8/int4 GEMMs
-    state = {k: v if v.is_floating_point() else v.clone() for k, v in state.items()}
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     expected = model.state_dict()
@@ -291,8 +277,18 @@ def load_serving_model(path: str | Path, quantize: QuantMode | None = None,
                               f"{', '.join(wrong[:4])}")
     model.load_state_dict(state, assign=True)
     model.reset_rotary(device)
+    return _ready(model.eval())
+
+
+def _ready(model: Transformer) -> Transformer:
+    """The last steps of every load: on the CPU the weights move into huge pages (out of
+    the checkpoint's memory-mapped file, whose every page quantizing has read — the 88M model
+    at int8 was 819 MiB resident with the mapping kept, 478 MiB without — and 64-byte
+    aligned, which torch's int8/int4 GEMMs need); the linears become `DecodeLinear`s."""
+    if model.lm_head.weight.device.type == "cpu":
+        hold_in_huge_pages(model)
     use_decode_linears(model)
-    return model.eval()
+    return model
 
 
 @torch.inference_mode()

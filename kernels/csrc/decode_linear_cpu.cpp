@@ -29,6 +29,8 @@
 #include <tuple>
 #include <vector>
 
+
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -172,10 +174,7 @@ LATHE_DPBF16 inline void tile_dpbf16(const uint16_t* x, const uint16_t* w, int64
   const auto step = [&](int64_t i, __mmask32 mask) LATHE_DPBF16 {
     __m512i wv[F];
 #pragma GCC unroll 4
-    for (int f = 0; f < F; ++f) {
-      wv[f] = _mm512_maskz_loadu_epi16(mask, w + f * k + i);
-      _mm_prefetch(reinterpret_cast<const char*>(w + (F + f) * k + i), _MM_HINT_T0);
-    }
+    for (int f = 0; f < F; ++f) wv[f] = _mm512_maskz_loadu_epi16(mask, w + f * k + i);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m512i xv = _mm512_maskz_loadu_epi16(mask, x + r * k + i);
@@ -209,8 +208,33 @@ LATHE_DPBF16 inline void rows_dpbf16(const uint16_t* x, int64_t rows, const uint
   }
 }
 
+// x · w for one x row and one weight row, four sums in flight: the weight streams through
+// in address order, which the hardware prefetcher follows best
+LATHE_DPBF16 inline float dot_dpbf16(const uint16_t* x, const uint16_t* w, int64_t k) {
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                   _mm512_setzero_ps()};
+  int64_t i = 0;
+  for (; i + 128 <= k; i += 128) {
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u)
+      acc[u] = _mm512_dpbf16_ps(acc[u], (__m512bh)_mm512_loadu_si512(x + i + 32 * u),
+                                (__m512bh)_mm512_loadu_si512(w + i + 32 * u));
+  }
+  for (; i < k; i += 32) {
+    const __mmask32 mask = k - i >= 32 ? ~__mmask32(0) : (__mmask32(1) << (k - i)) - 1;
+    acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + i),
+                              (__m512bh)_mm512_maskz_loadu_epi16(mask, w + i));
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]),
+                                            _mm512_add_ps(acc[2], acc[3])));
+}
+
 LATHE_DPBF16 void features_dpbf16(const uint16_t* x, int64_t rows, const uint16_t* w, float* out,
                                   int64_t out_features, int64_t k, int64_t begin, int64_t end) {
+  if (rows == 1) {
+    for (int64_t n = begin; n < end; ++n) out[n] = dot_dpbf16(x, w + n * k, k);
+    return;
+  }
   int64_t n = begin;
   for (; n + 4 <= end; n += 4) rows_dpbf16<4>(x, rows, w + n * k, k, out + n, out_features);
   for (; n < end; ++n) rows_dpbf16<1>(x, rows, w + n * k, k, out + n, out_features);

@@ -176,3 +176,22 @@ def test_lathe_serve_and_chat_take_dtype(checkpoint, monkeypatch):
         chat_main(["http://127.0.0.1:9", "--dtype", "bfloat16", "--prompt", "hi"])
     with pytest.raises(SystemExit):
         serve_main([str(checkpoint), "--dtype", "bf16"])
+
+
+def test_weights_held_in_huge_pages_keep_their_values_and_ties():
+    """Every tensor moves into one block, 64-byte aligned, values and tied weights kept; the
+    block's start is a huge page's, so the kernel can back it with 2 MiB pages."""
+    from lathe.serve.host_memory import HUGE_PAGE, hold_in_huge_pages
+
+    model = tiny_model(vocab_size=256, tie_embeddings=True)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    moved = hold_in_huge_pages(model)
+    tensors = [*model.parameters(), *model.buffers()]
+    assert moved >= sum(t.numel() * t.element_size() for t in model.parameters())
+    assert all(t.data_ptr() % 64 == 0 for t in tensors)
+    assert min(t.data_ptr() for t in tensors) % HUGE_PAGE == 0
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert all(torch.equal(before[name], t) for name, t in model.state_dict().items())
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)  # still one tensor after the move
+    assert torch.equal(model.model.embed_tokens.weight, before["model.embed_tokens.weight"] + 1)
