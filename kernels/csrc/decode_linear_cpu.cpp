@@ -131,10 +131,37 @@ void rows_of(const float* x, int64_t rows, const W* w, int64_t in_features, cons
   }
 }
 
+// x · w for one x row and one weight row, four sums in flight: one x row reads each weight
+// row whole, in address order, which the hardware prefetcher follows best (tiles of four
+// weight rows read four places at once: 27 GB/s of float32 weights against 34 from huge
+// pages on the 88M model's layers)
+template <int K, typename W>
+inline float dot(const float* x, const W* w, int64_t in_features) {
+  const int64_t k = Width<K>::get(in_features);
+  Vec acc[4] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
+  int64_t i = 0;
+  for (; i + 4 * kLanes <= k; i += 4 * kLanes) {
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u)
+      acc[u] = at::vec::fmadd(Vec::loadu(x + i + u * kLanes), load(w + i + u * kLanes, kLanes),
+                              acc[u]);
+  }
+  for (; i < k; i += kLanes) {
+    const int64_t count = std::min<int64_t>(kLanes, k - i);
+    acc[0] = at::vec::fmadd(load(x + i, count), load(w + i, count), acc[0]);
+  }
+  return sum((acc[0] + acc[1]) + (acc[2] + acc[3]));
+}
+
 template <int K, typename W>
 void features(const float* x, int64_t rows, const W* w, const float* scale, float* out,
               int64_t out_features, int64_t in_features, int64_t begin, int64_t end) {
   const int64_t k = Width<K>::get(in_features);
+  if (rows == 1) {
+    for (int64_t n = begin; n < end; ++n)
+      out[n] = scale ? dot<K>(x, w + n * k, k) * scale[n] : dot<K>(x, w + n * k, k);
+    return;
+  }
   int64_t n = begin;
   for (; n + 4 <= end; n += 4)
     rows_of<4, K>(x, rows, w + n * k, k, scale ? scale + n : nullptr, out + n, out_features);
