@@ -235,8 +235,7 @@ LATHE_DPBF16 inline void rows_dpbf16(const uint16_t* x, int64_t rows, const uint
   }
 }
 
-// x · w for one x row and one weight row, four sums in flight: the weight streams through
-// in address order, which the hardware prefetcher follows best
+// `dot` for bf16 x and weight rows, 32 products an instruction
 LATHE_DPBF16 inline float dot_dpbf16(const uint16_t* x, const uint16_t* w, int64_t k) {
   __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
                    _mm512_setzero_ps()};
@@ -266,11 +265,6 @@ LATHE_DPBF16 void features_dpbf16(const uint16_t* x, int64_t rows, const uint16_
   for (; n + 4 <= end; n += 4) rows_dpbf16<4>(x, rows, w + n * k, k, out + n, out_features);
   for (; n < end; ++n) rows_dpbf16<1>(x, rows, w + n * k, k, out + n, out_features);
 }
-#else
-bool has_avx512_bf16() { return false; }
-
-void features_dpbf16(const uint16_t*, int64_t, const uint16_t*, float*, int64_t, int64_t,
-                     int64_t, int64_t) {}
 #endif
 
 // y_i = x · w_iᵀ (· scale_i) for every weight of `weights` (the linears of one decode step
@@ -313,7 +307,11 @@ std::vector<at::Tensor> linears(const char* op, const at::Tensor& x_in,
     starts.push_back(starts.back() + weight.size(0));
   }
   const float* x_data = x.data_ptr<float>();
+#if defined(CPU_CAPABILITY_AVX512)
   const bool dpbf16 = kind == at::kBFloat16 && has_avx512_bf16();
+#else
+  const bool dpbf16 = false;
+#endif
   const at::Tensor x_bf16 = dpbf16 ? x.to(at::kBFloat16) : at::Tensor();
   // ~32K multiply-adds a task at least: a small layer stays on one thread
   const int64_t grain = std::max<int64_t>(64, 32768 / std::max<int64_t>(1, in_features * rows));
@@ -332,13 +330,16 @@ std::vector<at::Tensor> linears(const char* op, const at::Tensor& x_in,
                        in_features, lo, hi);
           break;
         case at::kBFloat16:
-          if (dpbf16)
+#if defined(CPU_CAPABILITY_AVX512)
+          if (dpbf16) {
             features_dpbf16(static_cast<const uint16_t*>(x_bf16.data_ptr()), rows,
                             static_cast<const uint16_t*>(w), out, out_features, in_features, lo,
                             hi);
-          else
-            features_any(x_data, rows, static_cast<const at::BFloat16*>(w), scale, out,
-                         out_features, in_features, lo, hi);
+            break;
+          }
+#endif
+          features_any(x_data, rows, static_cast<const at::BFloat16*>(w), scale, out,
+                       out_features, in_features, lo, hi);
           break;
         case at::kHalf:
           features_any(x_data, rows, static_cast<const at::Half*>(w), scale, out, out_features,
