@@ -54,6 +54,7 @@ from lathe.model.lora import (
     expert_adapters,
     split_fused_pairs,
 )
+from lathe.serve.half_weights import activation_dtype
 from lathe.serve.sequence import Sequence
 
 # (slot, the token rows that slot's adapter applies to; None: every row of the forward)
@@ -93,12 +94,12 @@ class MultiLoraLinear(nn.Module):
     """A base projection plus `slots` LoRA adapters, applied per token row."""
 
     def __init__(self, base: nn.Module, slots: int, rank: int, context: _Context,
-                 row_slots: Tensor) -> None:
+                 row_slots: Tensor, dtype: torch.dtype) -> None:
+        """`dtype`: the adapters', the activations' (a quantized or half base's weights are
+        not)."""
         super().__init__()
         self.base, self.context = base, context
         weight = next(base.parameters(), None) if not hasattr(base, "weight") else base.weight
-        dtype = weight.dtype if weight is not None and weight.is_floating_point() \
-            else torch.float32
         device = weight.device if weight is not None else None
         self.in_features, self.out_features = base.in_features, base.out_features
         # stored transposed (Aᵀ: in × rank, Bᵀ: rank × out), so each matmul reads a
@@ -284,14 +285,14 @@ class AdapterSlots:
                                ">= 1")
         self.max_loras, self.max_rank = max_loras, max_rank
         self.context = _Context()
-        device = model.model.embed_tokens.weight.device
+        device, dtype = model.model.embed_tokens.weight.device, activation_dtype(model)
         self.row_slots = torch.full((max_rows,), -1, dtype=torch.long, device=device)
         self.layers: dict[str, MultiLoraLinear] = {}
         for name, module in list(model.named_modules()):
             for child_name, child in list(module.named_children()):
                 if child_name in ALL_LINEARS and not isinstance(child, MultiLoraLinear):
                     wrapped = MultiLoraLinear(child, max_loras, max_rank, self.context,
-                                              self.row_slots)
+                                              self.row_slots, dtype)
                     setattr(module, child_name, wrapped)
                     self.layers[f"{name}.{child_name}"] = wrapped
         self.loaded: dict[str, _Loaded] = {}
