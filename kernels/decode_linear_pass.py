@@ -64,10 +64,8 @@ class _Linear(NamedTuple):
 
 def _linear(node: torch.fx.Node) -> _Linear | None:
     """`node` as a few-row linear the pass moves or joins, if it is one."""
-    if node.target is INT8_GROUP_OPS[0]:
-        x, q, scale = node.args
-        return _Linear(node, (q, scale), INT8_GROUP_OPS, False) \
-            if _fits(x.meta.get("val"), MAX_ROWS) else None
+    if node.target is INT8_GROUP_OPS[0]:  # an int8 weight's, traced as the op
+        return _Linear(node, node.args[1:], INT8_GROUP_OPS, False)
     if node.target is GROUP_OPS[0]:  # a half weight's, traced as the op
         return _Linear(node, (node.args[1],), GROUP_OPS, False)
     weight = _linear_weight(node)

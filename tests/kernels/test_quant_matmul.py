@@ -182,7 +182,7 @@ def test_int8_cpu_matmul_of_a_width_torchs_gemm_cannot_take(rows, k):
 def test_native_cpu_gemm_ops_equal_the_python_ones_and_a_compiled_graph_calls_them():
     """With lathe's native CPU kernels loaded, a compiled graph calls the GEMMs as C++ ops
     (no interpreter per call): the same results as the Python ops, misaligned weight
-    included; float32 rows of a decode step (at most MAX_ROWS) take the native int8 op."""
+    included; float32 rows, a prefill's too, take the native int8 op, bf16 ones torch's GEMM."""
     from lathe.kernels import quant_matmul
     from lathe.kernels.cpu_native import load_cpu_kernels
     assert load_cpu_kernels()
@@ -204,8 +204,10 @@ def test_native_cpu_gemm_ops_equal_the_python_ones_and_a_compiled_graph_calls_th
         graphs.append(gm)
         return gm.forward
 
-    for rows, int8_op in ((3, "decode_linear_int8_cpu"), (MAX_ROWS + 1, "int8_matmul_cpu_native")):
-        x = torch.randn(2, rows, 128, generator=g)
+    for rows, dtype, int8_op in ((3, torch.float32, "decode_linear_int8_cpu"),
+                                 (MAX_ROWS + 1, torch.float32, "decode_linear_int8_cpu"),
+                                 (3, torch.bfloat16, "int8_matmul_cpu_native")):
+        x = torch.randn(2, rows, 128, generator=g).to(dtype)
         compiled = torch.compile(lambda x: int8_matmul_cpu(x, q, scale)
                                  + int4_matmul_cpu(x, *pack), backend=record, fullgraph=True)
         torch.testing.assert_close(compiled(x), int8_matmul_cpu(x, q, scale)
