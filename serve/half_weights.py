@@ -6,10 +6,11 @@ bytes; the activations, norms, attention and KV cache are a sliver of them. Here
 weights and the embedding table (which a tied LM head shares) stay in half precision, and
 everything else — norms, biases, a mixture's router and stacked experts, the residual stream —
 in float32, as llama.cpp computes an f16 or bf16 GGUF. The linears' matmuls are
-`lathe.kernels.decode_linear.linear`'s (the native op widens a decode step's weights in
-registers; a prefill's GEMM runs on bf16 activations); the embedding widens the rows it
-looks up. A mixture's stacked experts stay float32: their grouped GEMM takes one dtype, and
-widening every expert each step would cost more than the bytes saved.
+`lathe.kernels.decode_linear.linear`'s: the native op at every row count, prefill's too
+(AVX-512 BF16 dot products on x rounded to bf16 where the CPU has them, else the weights
+widened in registers); the embedding widens the rows it looks up. A mixture's stacked
+experts stay float32: their grouped GEMM takes one dtype, and widening every expert each
+step would cost more than the bytes saved.
 """
 
 from __future__ import annotations
