@@ -1,10 +1,10 @@
-"""Streaming access to one `LLMEngine` from asyncio code (the server, GRPO rollouts).
+"""Streaming access to one `LLMEngine` from asyncio code (the server).
 
-A single background task owns the engine: between steps it applies the requests added
-and aborted since the last one, then runs `step()` on the engine thread (the forward pass
-must not block the event loop, and all torch work stays on one thread: `EngineThread`) and
-routes each `SequenceDelta` to its request's queue. No engine state is touched from two
-threads at once, so the engine needs no locks.
+The engine lives on its `EngineThread`, which steps it back to back while it has work:
+before each step it applies the requests added and aborted since the last one (handed over
+in thread-safe queues), and after it posts the step's `SequenceDelta`s to the event loop,
+which routes each to its request's queue. Engine state is touched on the engine thread
+only (the event loop reads counters), so the engine needs no locks.
 
 Failures are kept to their scope. A request the engine refuses when it is added fails
 alone: its stream raises the error. A failing `step()` leaves the engine's state unknown,
@@ -15,9 +15,9 @@ so the engine is *dead* (as vLLM's EngineDeadError): every open stream and every
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 
 from lathe.serve.adapters import AdapterError
@@ -37,32 +37,32 @@ class EngineDead(RuntimeError):
     """The engine loop failed; no request can be served until the process restarts."""
 
 
+# a request handed to the engine thread: id, prompt, sampling, adapter
+_Add = tuple[str, list[int], SamplingParams, str | None]
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_waiting: int = 256,
-                 on_step: Callable[[list[SequenceDelta], float], None] | None = None,
                  thread: EngineThread | None = None) -> None:
         """`thread`: the one the engine was built on (the server's), else a new one."""
         self.engine = engine
         self.thread = thread or EngineThread()
         self.max_waiting = max_waiting
-        self.on_step = on_step  # called with each step's deltas and its duration
         self._queues: dict[str, asyncio.Queue[SequenceDelta | BaseException]] = {}
-        self._pending_adds: list[tuple[str, list[int], SamplingParams, str | None]] = []
-        self._pending_aborts: list[str] = []
-        self._wake = asyncio.Event()
+        # deques: appended on the event loop, taken on the engine thread
+        self._pending_adds: collections.deque[_Add] = collections.deque()
+        self._pending_aborts: collections.deque[str] = collections.deque()
         self._ids = itertools.count()
-        self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.dead: EngineDead | None = None
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        """Start stepping (call on the event loop that reads the results)."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self.thread.set_stepper(self._step)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
         self.thread.close()
 
     @property
@@ -85,7 +85,7 @@ class AsyncEngine:
         request_id = request_id or f"async-{next(self._ids)}"
         self._queues[request_id] = asyncio.Queue()
         self._pending_adds.append((request_id, prompt_ids, params, adapter))
-        self._wake.set()
+        self.thread.wake()
         return request_id
 
     @property
@@ -94,18 +94,19 @@ class AsyncEngine:
         return self.engine.adapters.names if self.engine.adapters is not None else []
 
     async def add_adapter(self, name: str, path: str) -> None:
-        """Load an adapter (read and checked off the event loop); running requests go on."""
+        """Load an adapter (read and checked on the engine thread, between steps); running
+        requests go on."""
         await self.thread.run(self.engine.add_adapter, name, path)
 
-    def remove_adapter(self, name: str) -> None:
-        """Unload an adapter; requests already running on it finish on it."""
-        self.engine.remove_adapter(name)
+    async def remove_adapter(self, name: str) -> None:
+        """Unload an adapter (between steps); requests already running on it finish on it."""
+        await self.thread.run(self.engine.remove_adapter, name)
 
     def abort(self, request_id: str) -> None:
         """Abort a submitted request whose results nobody will read."""
         self._queues.pop(request_id, None)
         self._pending_aborts.append(request_id)
-        self._wake.set()
+        self.thread.wake()
 
     async def results(self, request_id: str, n: int) -> AsyncIterator[SequenceDelta]:
         """Deltas of the request's n sequences until all have finished. Leaving early (a
@@ -120,10 +121,10 @@ class AsyncEngine:
                 unfinished -= delta.finish_reason is not None
                 yield delta
         finally:
-            self._queues.pop(request_id, None)
             if unfinished:
-                self._pending_aborts.append(request_id)
-                self._wake.set()
+                self.abort(request_id)
+            else:
+                self._queues.pop(request_id, None)
 
     async def stream(self, prompt_ids: list[int],
                      params: SamplingParams) -> AsyncIterator[SequenceDelta]:
@@ -132,44 +133,67 @@ class AsyncEngine:
         async for delta in self.results(request_id, params.n):
             yield delta
 
-    async def _run(self) -> None:
+    # on the engine thread ---------------------------------------------------------------
+
+    def _step(self) -> bool:
+        """Apply what arrived, run one step and post its deltas to the event loop: whether
+        the engine has work left."""
         try:
-            while True:
-                self._apply_pending()
-                if not self.engine.has_unfinished():
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
-                start = time.perf_counter()
-                deltas = await self.thread.run(self.engine.step)
-                if self.on_step is not None:
-                    self.on_step(deltas, time.perf_counter() - start)
-                for delta in deltas:
-                    queue = self._queues.get(delta.request_id)
-                    if queue is not None:  # a sequence that failed alone fails its request
-                        queue.put_nowait(delta if delta.error is None
-                                         else RequestError(delta.error))
-        except Exception as error:  # fail every open stream and every later request
-            self.dead = EngineDead(f"the engine failed and must be restarted: "
-                                   f"{type(error).__name__}: {error}")
-            self.dead.__cause__ = error
-            log.exception("engine loop failed; failing every request from now on")
-            for queue in self._queues.values():
-                queue.put_nowait(self.dead)
-            self._pending_adds.clear()
+            self._apply_pending()
+            if not self.engine.has_unfinished():
+                return False
+            deltas = self.engine.step()
+        except Exception as error:  # the engine's state is unknown: fail everything
+            self.thread.set_stepper(None)
+            self._post(self._die, error)
+            return False
+        if deltas:
+            self._post(self._route, deltas)
+        return True
 
     def _apply_pending(self) -> None:
-        aborts, self._pending_aborts = set(self._pending_aborts), []
-        adds, self._pending_adds = self._pending_adds, []
+        aborts = set()
+        while self._pending_aborts:
+            aborts.add(self._pending_aborts.popleft())
         for request_id in aborts:
             self.engine.abort(request_id)
-        for request_id, prompt_ids, params, adapter in adds:
+        while self._pending_adds:
+            request_id, prompt_ids, params, adapter = self._pending_adds.popleft()
             if request_id in aborts:
                 continue
             try:
                 self.engine.add_request(prompt_ids, params, request_id, adapter)
             except Exception as error:  # this request fails alone
                 self.engine.abort(request_id)
-                queue = self._queues.get(request_id)
-                if queue is not None:
-                    queue.put_nowait(error)
+                self._post(self._route_error, request_id, error)
+
+    def _post(self, callback: Callable[..., None], *args: object) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the event loop has closed: nobody is left to tell
+            pass
+
+    # on the event loop ------------------------------------------------------------------
+
+    def _route(self, deltas: list[SequenceDelta]) -> None:
+        for delta in deltas:
+            queue = self._queues.get(delta.request_id)
+            if queue is not None:  # a sequence that failed alone fails its request
+                queue.put_nowait(delta if delta.error is None else RequestError(delta.error))
+
+    def _route_error(self, request_id: str, error: Exception) -> None:
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(error)
+
+    def _die(self, error: Exception) -> None:
+        """Fail every open stream and every later request."""
+        self.dead = EngineDead(f"the engine failed and must be restarted: "
+                               f"{type(error).__name__}: {error}")
+        self.dead.__cause__ = error
+        log.error("engine loop failed; failing every request from now on",
+                  exc_info=(type(error), error, error.__traceback__))
+        for queue in self._queues.values():
+            queue.put_nowait(self.dead)
+        self._pending_adds.clear()

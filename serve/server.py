@@ -346,7 +346,7 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
     async def unload_lora_adapter(body: LoraAdapterRequest) -> Response:
         engine = ready()
         try:
-            engine.remove_adapter(body.lora_name)
+            await engine.remove_adapter(body.lora_name)
         except AdapterError as error:
             raise APIError(404, str(error), param="lora_name",
                            code="model_not_found") from None
@@ -631,6 +631,14 @@ async def _unless_disconnected(request: Request, work: Any) -> bool:
 
 async def _merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
     """Interleave several async iterators as (which, item); closing this closes them all."""
+    if len(streams) == 1:  # no task and queue between a lone stream and its reader
+        stream = streams[0]
+        try:
+            async for item in stream:
+                yield 0, item
+        finally:
+            await stream.aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
