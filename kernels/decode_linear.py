@@ -24,6 +24,8 @@ every step also gives a prefill, a chunk and a decode step the same numbers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -119,6 +121,29 @@ class DecodeLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias)
+
+
+def bound_linear(module: nn.Module) -> Callable[[Tensor], Tensor]:
+    """`module`'s forward for inference, with the choice `linear` makes on every call made
+    once where it can be: for a bias-free float32 or half `DecodeLinear` on the CPU whose op
+    is on, a function that hands float32 rows (all of a half weight's, up to `MAX_ROWS` of a
+    float32 one's) straight to the native op; else the module itself. For a hot call
+    outside a compiled graph — a compiled serving step's LM head, where choosing again each
+    call was ~20 µs of the README model's 230 µs step."""
+    weight = getattr(module, "weight", None)
+    if (type(module) is not DecodeLinear or module.bias is not None or weight is None
+            or weight.device.type != "cpu" or not cpu_kernels_loaded()
+            or not use_cpu_kernel("decode_linear", weight)
+            or weight.dtype not in (torch.float32, *HALF_DTYPES)):
+        return module
+    op, max_rows = GROUP_OPS[0], 1 << 62 if weight.dtype in HALF_DTYPES else MAX_ROWS
+
+    def forward(x: Tensor) -> Tensor:
+        if (x.dtype == torch.float32 and x.dim() == 2 and 1 <= x.shape[0] <= max_rows
+                and not torch.is_grad_enabled()):
+            return op(x, module.weight)
+        return module(x)
+    return forward
 
 
 def use_decode_linears(model: nn.Module) -> int:

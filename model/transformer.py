@@ -57,6 +57,7 @@ class CausalLMOutput(NamedTuple):
     logits: Tensor | None
     loss: Tensor | None  # with labels; a mixture of experts adds its router losses
     router: RouterStats | None = None  # with labels, a mixture of experts' routing
+    hidden: Tensor | None = None  # with head=False: the final norm's output
 
 
 class RouterStats(NamedTuple):
@@ -508,7 +509,8 @@ class Transformer(nn.Module):
     def forward(self, input_ids: Tensor, labels: Tensor | None = None,
                 positions: Tensor | None = None, kv_cache: KVCache | None = None,
                 logits_to_keep: Tensor | None = None,
-                return_logits: bool = True, documents: Tensor | None = None) -> CausalLMOutput:
+                return_logits: bool = True, documents: Tensor | None = None,
+                head: bool = True) -> CausalLMOutput:
         """Logits (B, T, vocab) for `input_ids` (B, T), and the loss when `labels` are given.
 
         `labels` align with `input_ids` (HF convention): position t's logits are scored
@@ -517,7 +519,10 @@ class Transformer(nn.Module):
         (indices along T) computes the LM head only there — serving needs one row per
         sequence, not one per prompt token. With labels and `return_logits=False` the
         loss goes through `lathe.kernels.linear_cross_entropy`, which on CUDA never holds
-        the full (B·T × vocab) logits; `logits` is then None.
+        the full (B·T × vocab) logits; `logits` is then None. With `head=False` the LM head
+        is left out: `hidden` holds the final norm's output, whose rows the caller passes to
+        `compute_logits` — a compiled serving step computes the head only on the rows it
+        samples, as vLLM's does.
 
         `documents` (B, T): packed rows, several documents per row, each a contiguous run
         of one id. Attention stays inside each document and positions restart at each
@@ -562,14 +567,14 @@ class Transformer(nn.Module):
         if logits_to_keep is not None:
             x = x[:, logits_to_keep]
         x = self.model.norm(x)
-        cap = self.config.final_softcap
-        if labels is not None and not return_logits and self.fused_loss and cap is None:
+        if not head:
+            return CausalLMOutput(None, None, router, x)
+        if (labels is not None and not return_logits and self.fused_loss
+                and self.config.final_softcap is None):
             loss = linear_cross_entropy(x[:, :-1].flatten(0, 1), self.lm_head.weight,
                                         labels[:, 1:].flatten(), IGNORE_INDEX)
             return CausalLMOutput(None, self._with_router_losses(loss, router), router)
-        logits = self.lm_head(x)
-        if cap is not None:  # Gemma 2: logits -> cap * tanh(logits / cap)
-            logits = torch.tanh(logits / cap) * cap
+        logits = self.compute_logits(x)
         loss = None
         if labels is not None:
             loss = self._with_router_losses(F.cross_entropy(
@@ -577,6 +582,15 @@ class Transformer(nn.Module):
                 ignore_index=IGNORE_INDEX,
             ), router)
         return CausalLMOutput(logits, loss, router)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """The LM head over final-norm outputs (`hidden`, (..., dim)), soft-capped where the
+        family caps them (Gemma 2: logits -> cap * tanh(logits / cap))."""
+        logits = self.lm_head(hidden)
+        cap = self.config.final_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def _with_router_losses(self, loss: Tensor, router: RouterStats | None) -> Tensor:
         """The training loss: cross-entropy plus, for a mixture of experts, its weighted

@@ -23,9 +23,12 @@ blocks that holds the step's longest context: at batch 16 a full 512-position ta
 the README model more than the whole eager step.
 
 Padding rows write their K/V to the slabs' scratch slot (past the last block, owned by no
-sequence) and attend over it alone; their logits are dropped. Prefill, mixed and
-speculative steps stay eager: their shapes change every step. Weights are read, not
-frozen into the graph, so `LLMEngine.load_weights` (GRPO's refresh) needs no recompile.
+sequence) and attend over it alone; their logits are dropped. A row is a token, not a
+sequence: where every token of a step attends through its block table (on CPU, prefill
+chunks and verified drafts over short contexts as well as decodes — see
+`lathe.serve.model_runner`), the step runs through the same graphs, in calls of the largest
+bucket when it has more tokens; other steps stay eager. Weights are read, not frozen into
+the graph, so `LLMEngine.load_weights` (GRPO's refresh) needs no recompile.
 
 `warm_up` builds every shape before the first request (a server's /health stays 503 until
 it is done), so that no step under load pays a compile; `late` counts the graphs built
@@ -209,12 +212,13 @@ class DecodeGraphs:
     def _forward(self, ids: Tensor, positions: Tensor, slots: Tensor, tables: Tensor,
                  lens: Tensor) -> Tensor:
         view = StaticDecodeBatch(self.slabs, positions, slots, tables, lens)
-        return self.model(ids[None], kv_cache=view).logits[0]
+        return self.model(ids[None], kv_cache=view, head=False).hidden[0]
 
     def run(self, ids: Tensor, positions: Tensor, slots: Tensor, tables: Tensor,
             lens: Tensor) -> Tensor:
-        """Logits (B, vocab) of a B-row decode step (all arguments (B,) but `tables`,
-        (B, a `width` bucket)), computed at the bucket's padded size."""
+        """The final norm's output (B, dim) of a B-row step (all arguments (B,) but
+        `tables`, (B, a `width` bucket)), computed at the bucket's padded size; the LM head
+        is the caller's (`Transformer.compute_logits`), on the rows it keeps."""
         batch = ids.shape[0]
         size = self.bucket(batch)
         if size is None:

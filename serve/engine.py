@@ -137,8 +137,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, lookahead,
                                    None if self.adapters is None else self.adapters.admit)
+        # a compiled step reads each row's adapter slot from one tensor the largest bucket
+        # long, so with adapters a step runs compiled only within one bucket
         self.runner = ModelRunner(model, self.slabs, self.device, self.config.max_num_seqs,
-                                  compile_decode=self.config.compile_decode)
+                                  compile_decode=self.config.compile_decode,
+                                  max_static_rows=None if self.adapters is None
+                                  else len(self.adapters.row_slots))
         draft_slabs = None if draft_model is None else KVSlabs(
             draft_model.config, num_blocks, block_size, self.device, dtype)
         self.speculator = None if speculative is None else Speculator(

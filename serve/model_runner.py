@@ -13,8 +13,10 @@ their context through the same rows; on CPU a short one instead attends token by
 through them in the native paged kernel, beside the step's decodes. A draft model runs
 through the same rows on its own slabs: its KV lives in the target's block ids, so it is
 paged, shared and freed with them.
-With `compile_decode`, a decode-only step of the target runs through
-`lathe.serve.decode_graph` instead: the same rows, at a compiled static shape. On CPU the
+With `compile_decode`, a step of the target whose every token attends through its block
+table — decodes, and on CPU those short prefill chunks and drafts — runs through
+`lathe.serve.decode_graph` instead: the same rows, a token each, at compiled static shapes
+(a 4-token prompt of the README model: 0.37 ms against ~1.3 ms eager). On CPU the
 runner loads lathe's native kernels: paged decode attention that reads the slabs in
 place, few-row linears, the greedy pick, and the quantized GEMMs as ops a compiled step
 calls without Python; and it has glibc keep freed memory mapped
@@ -30,6 +32,7 @@ import torch
 from torch import Tensor
 
 from lathe.kernels.cpu_native import load_cpu_kernels, native_inference
+from lathe.kernels.decode_linear import bound_linear
 from lathe.kernels.paged_attention import native_paged_decode
 from lathe.model.transformer import Transformer
 from lathe.serve.decode_graph import DecodeGraphs, StaticDecodeBatch
@@ -62,8 +65,12 @@ def select_rows(tensor: Tensor, rows: list[int]) -> Tensor:
 
 class ModelRunner:
     def __init__(self, model: Transformer, slabs: KVSlabs, device: torch.device,
-                 rows: int = 64, compile_decode: bool = False) -> None:
+                 rows: int = 64, compile_decode: bool = False,
+                 max_static_rows: int | None = None) -> None:
+        """`max_static_rows`: the most tokens a compiled step may have (None: any number, in
+        several calls past the largest bucket)."""
         self.model, self.slabs, self.device = model, slabs, device
+        self.max_static_rows = max_static_rows if max_static_rows is not None else 1 << 62
         if device.type == "cpu":  # paged decode attention, and the GEMMs' graph ops
             load_cpu_kernels()
             retain_freed_memory()  # a step's temporaries reuse the last step's pages
@@ -74,6 +81,9 @@ class ModelRunner:
                               slabs.scratch_slot // self.block_size)
         self.graphs = DecodeGraphs(model, slabs, rows, self.max_blocks) \
             if compile_decode else None
+        # the LM head of a compiled step, over its kept rows outside the graph (as vLLM's)
+        self.head = model.compute_logits if model.config.final_softcap is not None \
+            else bound_linear(model.lm_head)
         self.tables = torch.zeros(rows, self.max_blocks, dtype=torch.long, device=device)
         self.rows: dict[Sequence, int] = {}
         self.written: list[list[int]] = [[] for _ in range(rows)]  # host copy of each row
@@ -117,10 +127,7 @@ class ModelRunner:
         if self._static(items, slabs):
             return self._prepare_static(items)
         slabs = slabs or self.slabs
-        k_slab = slabs.k[0]
-        # the longest context a prefill chunk attends token by token over (none off CPU)
-        paged_context = PAGED_PREFILL_BYTES // (2 * k_slab[0].nbytes) \
-            if native_paged_decode(k_slab) else 0
+        paged_context = self._paged_context(slabs)
         paged = [len(tokens) == 1 or start + len(tokens) <= paged_context
                  for _, start, tokens in items]
         ids: list[int] = []
@@ -162,31 +169,46 @@ class ModelRunner:
         view = PagedBatch(slabs, positions, slots, num_paged, tables, lens, spans)
         return torch.tensor([ids], device=device), view, starts
 
+    def _paged_context(self, slabs: KVSlabs) -> int:
+        """The longest context a prefill chunk attends token by token over (none off CPU)."""
+        k_slab = slabs.k[0]
+        return PAGED_PREFILL_BYTES // (2 * k_slab[0].nbytes) if native_paged_decode(k_slab) \
+            else 0
+
     def _static(self, items: Seq[StepItem], slabs: KVSlabs | None) -> bool:
-        """Whether a step takes the compiled decode path: the target's, decodes only, and
-        no more of them than the largest bucket."""
-        return (self.graphs is not None and slabs is None
-                and all(len(tokens) == 1 for _, _, tokens in items)
-                and self.graphs.bucket(len(items)) is not None)
+        """Whether a step takes the compiled path: the target's, with every token attending
+        through its block table — decodes, and on CPU short prefill chunks and verified
+        drafts as well — and, with `max_static_rows`, no more tokens than that."""
+        if self.graphs is None or slabs is not None:
+            return False
+        if all(len(tokens) == 1 for _, _, tokens in items):
+            return self.graphs.bucket(len(items)) is not None
+        context = self._paged_context(self.slabs)
+        return (sum(len(tokens) for _, _, tokens in items) <= self.max_static_rows
+                and all(start + len(tokens) <= context for _, start, tokens in items))
 
     def _prepare_static(self, items: Seq[StepItem]) -> tuple[Tensor, StaticDecodeBatch,
                                                              list[int]]:
-        """A decode-only step's inputs, computed on the host and sent as one tensor (a
-        handful of small device ops per step would cost as much as a small model's layer)."""
+        """A compiled step's inputs, a row per token, computed on the host and sent as one
+        tensor (a handful of small device ops per step would cost as much as a small model's
+        layer)."""
         size = self.block_size
-        rows, ids, positions, slots = [], [], [], []
+        rows, ids, positions, slots, starts = [], [], [], [], []
         for seq, start, tokens in items:
-            rows.append(self._row(seq))
-            ids.append(tokens[0])
-            positions.append(start)
-            slots.append(seq.table.blocks[start // size] * size + start % size)
+            row, blocks = self._row(seq), seq.table.blocks
+            starts.append(len(ids))
+            for at, token in enumerate(tokens, start):
+                rows.append(row)
+                ids.append(token)
+                positions.append(at)
+                slots.append(blocks[at // size] * size + at % size)
         lens = [position + 1 for position in positions]
         inputs = torch.tensor([ids, positions, slots, lens], device=self.device)
         assert self.graphs is not None
         width = self.graphs.width(max(positions) // size + 1)
         tables = select_rows(self.tables, rows)[:, :width]
         view = StaticDecodeBatch(self.slabs, inputs[1], inputs[2], tables, inputs[3])
-        return inputs[:1], view, list(range(len(items)))
+        return inputs[:1], view, starts
 
     def prepare_decodes(self, items: Seq[StepItem], steps: int,
                         ) -> tuple[Tensor, list[PagedBatch | StaticDecodeBatch]]:
@@ -217,9 +239,33 @@ class ModelRunner:
         """Logits of the step's rows `keep` (position indices into the token row), from
         `model` (by default the target)."""
         if isinstance(view, StaticDecodeBatch):
-            assert self.graphs is not None and model is None
-            return select_rows(self.graphs.run(ids[0], view.positions, view.slots,
-                                               view.tables, view.lens), keep)
+            assert model is None
+            return self._run_static(ids[0], view, keep)
         with native_inference():
             return (model or self.model)(ids, kv_cache=view, logits_to_keep=torch.tensor(
                 keep, device=self.device, dtype=torch.long)).logits[0]
+
+    def _run_static(self, ids: Tensor, view: StaticDecodeBatch, keep: list[int]) -> Tensor:
+        """A compiled step's logits of rows `keep`: the graphs give the final hidden states,
+        in calls of the largest bucket's rows, in row order, when the step has more (each
+        call writes its tokens' K/V before they attend, so a sequence's later tokens see its
+        earlier ones, as in one call); the LM head runs on the kept rows alone."""
+        assert self.graphs is not None
+        largest, total = self.graphs.buckets[-1], ids.shape[0]
+        if total <= largest:
+            return self.head(select_rows(self.graphs.run(
+                ids, view.positions, view.slots, view.tables, view.lens), keep))
+        order = sorted(range(len(keep)), key=keep.__getitem__)
+        parts = []
+        for begin in range(0, total, largest):
+            end = min(begin + largest, total)
+            wanted = [keep[i] - begin for i in order if begin <= keep[i] < end]
+            hidden = self.graphs.run(ids[begin:end], view.positions[begin:end],
+                                     view.slots[begin:end], view.tables[begin:end],
+                                     view.lens[begin:end])
+            if wanted:
+                parts.append(select_rows(hidden, wanted))
+        if not parts:
+            return self.head(hidden[:0])
+        kept = torch.cat(parts)[torch.tensor(order, device=ids.device).argsort()]
+        return self.head(kept)

@@ -327,3 +327,30 @@ def test_use_decode_linears_keeps_parameters_and_spares_other_modules():
     assert [type(m) for m in model] == [DecodeLinear, Wrapped, torch.nn.LayerNorm]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert set(before) == set(model.state_dict())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_bound_linear_calls_the_op_where_the_layer_would(dtype):
+    """`bound_linear` (a compiled step's LM head) gives the layer's own outputs: the native
+    op for float32 rows at inference (up to MAX_ROWS of a float32 weight, any number of a
+    half one), the layer itself for more rows, under autograd, and for a weight it binds
+    after being handed a new one; a biased layer or a plain nn.Linear is returned as is."""
+    from lathe.kernels.decode_linear import bound_linear
+
+    torch.manual_seed(0)
+    layer = DecodeLinear(64, 48, bias=False)
+    layer.weight.data = layer.weight.data.to(dtype)
+    forward = bound_linear(layer)
+    assert forward is not layer
+    for rows in (1, 7, MAX_ROWS, MAX_ROWS + 9):
+        x = torch.randn(rows, 64)
+        with torch.no_grad():
+            torch.testing.assert_close(forward(x), layer(x), atol=1e-5, rtol=1e-5)
+    x = torch.randn(3, 64, requires_grad=True)
+    forward(x).sum().backward()
+    assert x.grad is not None
+    layer.weight = torch.nn.Parameter(torch.randn(48, 64).to(dtype))  # a reloaded head
+    with torch.no_grad():
+        torch.testing.assert_close(forward(x), layer(x), atol=1e-5, rtol=1e-5)
+    biased, plain = DecodeLinear(64, 48), torch.nn.Linear(64, 48, bias=False)
+    assert bound_linear(biased) is biased and bound_linear(plain) is plain

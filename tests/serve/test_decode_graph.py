@@ -108,6 +108,55 @@ def test_compiled_decode_matches_eager_token_for_token():
 
 
 @pytest.mark.slow
+def test_prefill_chunks_run_compiled_in_calls_of_the_largest_bucket():
+    """On CPU, prompts whose context is short attend token by token through the block
+    table, so their prefill is a compiled step too: a 10-token prompt is three calls of
+    the largest bucket's 4 rows (4 + 4 + 2), and its tokens and log-probs — every prompt
+    position's and the sampled ones' — are eager's."""
+    from lathe.kernels.cpu_native import load_cpu_kernels
+    if not load_cpu_kernels():
+        pytest.skip("the native CPU kernels did not build")
+    eager, compiled = engine_pair(serve_model(256))
+    warmed(compiled)
+    scored = SamplingParams(max_tokens=1, temperature=0, logprobs=3, prompt_logprobs=2)
+    batch = prompts([10])
+    calls = compiled.runner.graphs.steps
+    want, got = eager.generate(batch, scored)[0], compiled.generate(batch, scored)[0]
+    assert compiled.runner.graphs.steps - calls == 3
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    pairs = list(zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:], strict=True))
+    pairs += list(zip(got.outputs[0].logprobs, want.outputs[0].logprobs, strict=True))
+    assert len(pairs) == 10
+    for mine, theirs in pairs:
+        assert mine.token_id == theirs.token_id
+        assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+        assert [t for t, _ in mine.top] == [t for t, _ in theirs.top]
+        assert [v for _, v in mine.top] == pytest.approx([v for _, v in theirs.top], abs=1e-4)
+
+    # a mixed step (two prompts beside a decode) whose kept rows span the calls
+    params = [SamplingParams(max_tokens=m, temperature=0) for m in (6, 3, 3)]
+    batch = prompts([2, 7, 5], seed=3)
+    want = [r.outputs[0].token_ids for r in eager.generate(batch, params)]
+    assert [r.outputs[0].token_ids for r in compiled.generate(batch, params)] == want
+    assert compiled.runner.graphs.late == 0
+
+
+@pytest.mark.slow
+def test_with_adapters_a_compiled_step_stays_within_one_bucket():
+    """Each row's adapter slot is read from a tensor the largest bucket long: with LoRA
+    slots, a prefill over it runs eager, one within it compiled."""
+    from lathe.kernels.cpu_native import load_cpu_kernels
+    if not load_cpu_kernels():
+        pytest.skip("the native CPU kernels did not build")
+    _, compiled = engine_pair(serve_model(256), max_loras=1)
+    greedy = SamplingParams(max_tokens=1, temperature=0)
+    compiled.generate(prompts([10]), greedy)
+    assert compiled.runner.graphs.steps == 0
+    compiled.generate(prompts([3]), greedy)
+    assert compiled.runner.graphs.steps == 1
+
+
+@pytest.mark.slow
 def test_a_second_start_loads_its_graphs_from_the_cache(tmp_path, monkeypatch, caplog):
     """Two engines on models of one shape but different weights: the second compiles
     nothing and decodes its own weights; a damaged cache file is compiled again."""
@@ -133,7 +182,8 @@ def test_a_second_start_loads_its_graphs_from_the_cache(tmp_path, monkeypatch, c
     # an engine that never warmed up finds warm-up's graphs
     lazy = engine_pair(other)[1]
     assert [r.outputs[0].token_ids for r in lazy.generate(batch, greedy)] == want
-    assert lazy.runner.graphs.built == {"cached": 1}  # its 3-row steps: bucket 4
+    # its prefill (17 tokens: bucket 32) and its 3-row decode steps (bucket 4)
+    assert lazy.runner.graphs.built == {"cached": 2}
 
     files[0].write_bytes(b"not a compiled graph")
     third = warmed(engine_pair(other)[1])
