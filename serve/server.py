@@ -270,7 +270,9 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
         return error_response(500, f"internal error: {type(error).__name__}",
                               kind="internal_server_error")
 
-    def authorize(request: Request) -> None:
+    # async: FastAPI runs a plain function dependency on its thread pool, a thread hop
+    # (and a GIL hand-over) in front of every request
+    async def authorize(request: Request) -> None:
         if config.api_key is None:
             return
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
