@@ -42,8 +42,9 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpu-memory-utilization", type=float,
                        default=EngineConfig.gpu_memory_utilization)
     group.add_argument("--enforce-eager", action="store_true",
-                       help="run every step eagerly; by default decode-only steps run "
-                            "compiled, one graph per batch-size bucket (CUDA graphs on CUDA), "
+                       help="run every step eagerly; by default decode steps (and on "
+                            "CPU short prefills) run compiled, one graph per batch-size "
+                            "bucket (CUDA graphs on CUDA), "
                             "all built before /health turns ok and, off CUDA, cached across "
                             "starts under $LATHE_CACHE_DIR (default ~/.cache/lathe)")
     group.add_argument("--decode-steps", type=int, default=EngineConfig.decode_steps,

@@ -76,7 +76,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     speculative: SpeculativeConfig | None = None
-    # decode-only steps through `lathe.serve.decode_graph`: compiled once per batch bucket
+    # decode steps (on CPU, short prefills and drafts too: steps whose every token attends
+    # through its block table) through `lathe.serve.decode_graph`: compiled once per bucket
     # (CUDA graphs on CUDA; off CUDA also per context-width bucket, and cached across
     # starts); `LLMEngine.warm_up` builds them all, or each shape's first step pays its
     # compile. Off by default here, where an engine may live for one evaluation (a training
