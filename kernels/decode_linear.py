@@ -99,6 +99,15 @@ def decode_linear_int8_cpu(x: Tensor, weights: list[tuple[Tensor, Tensor]]) -> l
                     [t for pair in weights for t in pair])
 
 
+def _native_rows(weight: Tensor) -> int:
+    """How many float32 rows the native op takes against `weight` at inference: any number
+    for a half weight, up to MAX_ROWS for a float32 one (BLAS is level past it), none for a
+    weight of another dtype."""
+    if weight.dtype in HALF_DTYPES:
+        return 1 << 62
+    return MAX_ROWS if weight.dtype == torch.float32 else 0
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x @ weight.T (+ bias) for inference. Float32 rows on the CPU take the native op where
     autograd is off (it has no backward): for a float32 weight up to MAX_ROWS rows, outside
@@ -106,9 +115,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     weight always. Everything else goes through `F.linear`, a half weight widened to x's
     dtype."""
     rows = x.numel() // max(x.shape[-1], 1)
-    if (rows >= 1 and x.dtype == torch.float32 and not torch.is_grad_enabled()
-            and (weight.dtype in HALF_DTYPES or weight.dtype == torch.float32
-                 and rows <= MAX_ROWS and not torch.compiler.is_compiling())
+    if (1 <= rows <= _native_rows(weight) and x.dtype == torch.float32
+            and not torch.is_grad_enabled()
+            and (weight.dtype in HALF_DTYPES or not torch.compiler.is_compiling())
             and cpu_kernels_loaded() and use_cpu_kernel("decode_linear", x)):
         y = decode_linear_cpu(x.reshape(rows, x.shape[-1]), [weight])[0]
         y = y.view(*x.shape[:-1], weight.shape[0])
@@ -130,13 +139,13 @@ def bound_linear(module: nn.Module) -> Callable[[Tensor], Tensor]:
     float32 one's) straight to the native op; else the module itself. For a hot call
     outside a compiled graph — a compiled serving step's LM head, where choosing again each
     call was ~20 µs of the README model's 230 µs step."""
-    weight = getattr(module, "weight", None)
-    if (type(module) is not DecodeLinear or module.bias is not None or weight is None
-            or weight.device.type != "cpu" or not cpu_kernels_loaded()
-            or not use_cpu_kernel("decode_linear", weight)
-            or weight.dtype not in (torch.float32, *HALF_DTYPES)):
+    if type(module) is not DecodeLinear or module.bias is not None:
         return module
-    op, max_rows = GROUP_OPS[0], 1 << 62 if weight.dtype in HALF_DTYPES else MAX_ROWS
+    weight, op = module.weight, GROUP_OPS[0]
+    max_rows = _native_rows(weight)
+    if (not max_rows or weight.device.type != "cpu" or not cpu_kernels_loaded()
+            or not use_cpu_kernel("decode_linear", weight)):
+        return module
 
     def forward(x: Tensor) -> Tensor:
         if (x.dtype == torch.float32 and x.dim() == 2 and 1 <= x.shape[0] <= max_rows

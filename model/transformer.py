@@ -530,6 +530,9 @@ class Transformer(nn.Module):
         loss too when each document's first label is -100: else the previous document's
         last token predicts it).
         """
+        if labels is not None and not head:
+            raise ValueError("head=False returns the final hidden states and no loss; pass "
+                             "labels only with the LM head (head=True)")
         starts = None
         if documents is not None:
             if kv_cache is not None:

@@ -29,7 +29,8 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 # called on the engine thread between jobs: True while it has more work (call it again at
-# once), False when idle (the thread sleeps until a job or `wake`)
+# once), False when idle (the thread sleeps until a job or `wake`); it must not raise (the
+# thread would end): it reports its own failures, as `AsyncEngine` fails its streams
 Stepper = Callable[[], bool]
 
 

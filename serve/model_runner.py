@@ -16,7 +16,7 @@ paged, shared and freed with them.
 With `compile_decode`, a step of the target whose every token attends through its block
 table — decodes, and on CPU those short prefill chunks and drafts — runs through
 `lathe.serve.decode_graph` instead: the same rows, a token each, at compiled static shapes
-(a 4-token prompt of the README model: 0.37 ms against ~1.3 ms eager). On CPU the
+(a 4-token prompt's first step on the README model: 0.38 ms against 1.30 ms eager). On CPU the
 runner loads lathe's native kernels: paged decode attention that reads the slabs in
 place, few-row linears, the greedy pick, and the quantized GEMMs as ops a compiled step
 calls without Python; and it has glibc keep freed memory mapped

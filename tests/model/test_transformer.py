@@ -207,3 +207,18 @@ def test_an_fp32_cache_serves_bf16_activations(kernels, monkeypatch):
         fp32_cache = generate(model, prompt, 4, kv_dtype=torch.float32)
         bf16_cache = generate(model, prompt, 4, kv_dtype=torch.bfloat16)
     assert fp32_cache.shape == bf16_cache.shape == (2, 4)
+
+
+def test_head_false_gives_the_hidden_states_compute_logits_maps_to_the_logits():
+    """A compiled serving step stops at the final norm and applies the head to the rows it
+    keeps: `compute_logits` of those states is the full forward's logits; labels without
+    the head (no loss to compute) are refused by name."""
+    model = tiny_model().eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    with torch.no_grad():
+        out = model(ids, head=False)
+        assert out.logits is None and out.hidden.shape == (2, 9, model.config.dim)
+        torch.testing.assert_close(model.compute_logits(out.hidden[:, 3:5]),
+                                   model(ids).logits[:, 3:5])
+    with pytest.raises(ValueError, match="head=False"):
+        model(ids, labels=ids, head=False)

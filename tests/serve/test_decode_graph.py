@@ -142,6 +142,23 @@ def test_prefill_chunks_run_compiled_in_calls_of_the_largest_bucket():
 
 
 @pytest.mark.slow
+def test_compiled_prefill_under_bf16_autocast_stays_close_to_eager():
+    """A training stage's engine may run under bf16 autocast: its prefill still goes through
+    the graphs (traced under autocast) and its prompt log-probs stay within bf16's error of
+    the eager engine's under the same autocast."""
+    from lathe.kernels.cpu_native import load_cpu_kernels
+    if not load_cpu_kernels():
+        pytest.skip("the native CPU kernels did not build")
+    eager, compiled = engine_pair(serve_model(256))
+    scored = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = eager.generate(prompts([10]), scored)[0].prompt_logprobs[1:]
+        got = compiled.generate(prompts([10]), scored)[0].prompt_logprobs[1:]
+    assert compiled.runner.graphs.steps >= 3  # 4 + 4 + 2 rows
+    assert [g.logprob for g in got] == pytest.approx([w.logprob for w in want], abs=0.1)
+
+
+@pytest.mark.slow
 def test_with_adapters_a_compiled_step_stays_within_one_bucket():
     """Each row's adapter slot is read from a tensor the largest bucket long: with LoRA
     slots, a prefill over it runs eager, one within it compiled."""
