@@ -232,6 +232,7 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f16") -> 
     generation = json.loads((checkpoint / "generation_config.json").read_text()) \
         if (checkpoint / "generation_config.json").is_file() else {}
 
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     writer = gguf.GGUFWriter(str(tmp), ARCHES[config.family])
     tokens, token_types, merges = _vocabulary(checkpoint, config.vocab_size)

@@ -143,7 +143,8 @@ def test_gguf_logits_match_lathe_on_many_tokens(sharpened, tmp_path, dtype):
 
 
 def test_gguf_carries_hyperparameters_vocabulary_and_special_tokens(checkpoint, tmp_path):
-    fields, tensors = read_gguf(export_gguf(checkpoint, tmp_path / "m.gguf"))
+    # into a folder that does not exist yet, as `lathe export --out new/m.gguf` asks
+    fields, tensors = read_gguf(export_gguf(checkpoint, tmp_path / "new" / "m.gguf"))
     model = load_checkpoint(checkpoint)
     config = model.config
     assert fields["general.architecture"] == "llama"
