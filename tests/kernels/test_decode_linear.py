@@ -82,13 +82,15 @@ def half_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 32, 77])
 @pytest.mark.parametrize("sizes, in_features", [([64], 128), ([4099], 768), ([130, 7], 256),
                                                 ([128, 64, 64], 128), ([7], 352),
                                                 ([33, 5, 2], 24), ([9], 40)])
 def test_half_weights_match_the_widened_reference(dtype, rows, sizes, in_features):
     """Tiles of four rows and every remainder, feature counts that are not multiples of four,
-    in_features that are not whole vectors (24, 40, 352: neither 16 nor 32 wide)."""
+    in_features that are not whole vectors (24, 40, 352: neither 16 nor 32 wide); on a CPU
+    with AMX, bf16 weights at 17 rows and more go through its tiles (blocks of 32 features
+    and 32 rows: 4099 and 130 features and 17 and 77 rows leave partial ones)."""
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_features, generator=g)
     weights = [torch.randn(size, in_features, generator=g).to(dtype) for size in sizes]
@@ -97,6 +99,20 @@ def test_half_weights_match_the_widened_reference(dtype, rows, sizes, in_feature
                                                          for size in sizes]
     torch.testing.assert_close(out, [half_reference(x, w) for w in weights], atol=1e-4,
                                rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_weights_give_a_row_the_same_numbers_at_any_row_count(dtype):
+    """A prefill's rows and a decode step's one row meet the same weights in the same
+    products (AMX tiles from 16 rows where the CPU has them, AVX-512 dot products below):
+    only the order of the float32 sums may differ."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(48, 768, generator=g)
+    weights = [torch.randn(size, 768, generator=g).to(dtype) for size in (2048, 96)]
+    together = decode_linear_cpu(x, weights)
+    alone = [torch.cat(parts) for parts in zip(*(decode_linear_cpu(x[i:i + 1], weights)
+                                                 for i in range(len(x))), strict=True)]
+    torch.testing.assert_close(together, alone, atol=1e-4, rtol=1e-5)
 
 
 def test_bf16_weights_lose_only_what_rounding_x_loses():

@@ -63,7 +63,8 @@ def test_a_half_checkpoint_serves_half_weights_and_float32_activations(tmp_path,
     """Through the native linears, as the engine runs them: the logits of a prompt and of
     one decoded row are transformers' float32 forward on the same half weights (1e-3 of
     the error computing in the checkpoint's dtype makes) — but where this CPU's bf16 dot
-    products round each linear's input to bf16, which costs about half that error."""
+    products (or AMX tiles) round each linear's input to bf16, which costs about half
+    that error."""
     assert load_cpu_kernels()
     hf_llama(tmp_path, dtype, tie)
     model = load_serving_model(tmp_path, device="cpu")
@@ -78,10 +79,16 @@ def test_a_half_checkpoint_serves_half_weights_and_float32_activations(tmp_path,
         ours = model(ids).logits
         step = model(ids[:, :1]).logits
     assert ours.dtype == torch.float32
-    torch.testing.assert_close(step[0, 0], ours[0, 0], atol=1e-4, rtol=1e-4)
     error, dtype_error = (ours - exact).abs().max(), (in_dtype - exact).abs().max()
     rounded = dtype == torch.bfloat16 and rounds_x_to_bf16()
     assert error < (0.7 if rounded else 1e-3) * dtype_error, (error, dtype_error)
+    # a decode step's row meets the weights in the prefill's products; where x is rounded to
+    # bf16, a last-bit difference upstream (AMX sums a prefill's rows in another order) can
+    # move a rounding, so there it is as close to exact, not the same to the bit
+    if rounded:
+        assert (step[0, 0] - exact[0, 0]).abs().max() < 0.7 * dtype_error
+    else:
+        torch.testing.assert_close(step[0, 0], ours[0, 0], atol=1e-4, rtol=1e-4)
 
 
 def test_dtype_float32_serves_a_bf16_checkpoint_in_float32(tmp_path):
