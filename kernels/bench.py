@@ -3,9 +3,9 @@
 `liger-kernel` is installed) — forward and forward+backward time, the forward's achieved
 GB/s (memory-bound kernels) or TFLOP/s (matmul-bound ones), and peak memory above the
 inputs. Without a CUDA GPU it times the native CPU kernels (paged decode attention, the
-few-row float32 and int8 linears, the greedy pick, the element-wise layers of a prefill)
-against their references instead. The
-table is printed and appended to docs/benchmarks-history.md (`--no-write` only prints
+few-row float32 and int8 linears, the bf16 linear from a decode step's rows to a prefill's,
+the greedy pick, the element-wise layers of a prefill) against their references instead.
+The table is printed and appended to docs/benchmarks-history.md (`--no-write` only prints
 it; docs/benchmarks.md holds the current figure of each area).
 """
 
@@ -434,6 +434,32 @@ def cpu_int8_linear_cases(shapes: list[tuple[int, int, int]]) -> list[Case]:
     return result
 
 
+# (rows, in, out): the 88M model's gate projection at a decode step, a decode batch, a
+# prefill chunk and the default token budget
+CPU_BF16_LINEAR_SHAPES = [(1, 768, 2048), (16, 768, 2048), (64, 768, 2048), (512, 768, 2048)]
+
+
+def cpu_bf16_linear_cases(shapes: list[tuple[int, int, int]]) -> list[Case]:
+    """The native linear of float32 rows and a bf16 weight (AVX-512 BF16 dot products, AMX
+    tiles from 16 rows where the CPU has them) against oneDNN's bf16 GEMM on the same rows
+    (rounded to bf16 and the output widened back: the casts are timed with it) and float32
+    BLAS on the weight widened once: TFLOP/s."""
+    result = []
+    for rows, in_features, out_features in shapes:
+        x = torch.randn(rows, in_features)
+        weight = torch.randn(out_features, in_features).bfloat16()
+        widened = weight.float()
+        result.append(Case(
+            f"decode_linear bf16, {rows} × {in_features} → {out_features}", "TFLOP/s",
+            2 * rows * in_features * out_features, {
+                "native C++": lambda x=x, w=weight: decode_linear_cpu(x, [w])[0],
+                "torch (oneDNN bf16 GEMM)": lambda x=x, w=weight: F.linear(x.bfloat16(),
+                                                                         w).float(),
+                "torch (float32 BLAS)": lambda x=x, w=widened: F.linear(x, w)},
+            backward=False))
+    return result
+
+
 # (rows, vocab): greedy picks of the README model's decode buckets, and Llama 3's vocabulary
 CPU_ARGMAX_SHAPES = [(1, 4096), (16, 4096), (64, 4096), (16, 128256)]
 
@@ -560,6 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         int8_shapes = [shape for shape in CPU_LINEAR_SHAPES if shape[0] <= MAX_ROWS]
         print(run_cpu(cpu_paged_cases(CPU_PAGED_SHAPES) + cpu_linear_cases(CPU_LINEAR_SHAPES)
                       + cpu_int8_linear_cases(int8_shapes)
+                      + cpu_bf16_linear_cases(CPU_BF16_LINEAR_SHAPES)
                       + cpu_argmax_cases(CPU_ARGMAX_SHAPES)
                       + cpu_elementwise_cases(CPU_PREFILL_SHAPES), write))
         return 0

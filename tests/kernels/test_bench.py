@@ -47,6 +47,10 @@ def test_on_cpu_the_native_kernels_are_timed_against_their_references():
     results = {name: fn() for name, fn in linears[0].impls.items()}
     torch.testing.assert_close(results["native C++"], results["torch (F.linear, BLAS)"],
                                atol=1e-4, rtol=1e-5)
+    half = bench.cpu_bf16_linear_cases([(20, 64, 40)])  # AMX's rows, where the CPU has it
+    results = {name: fn() for name, fn in half[0].impls.items()}
+    for other in ("torch (oneDNN bf16 GEMM)", "torch (float32 BLAS)"):
+        torch.testing.assert_close(results["native C++"], results[other], atol=0.05, rtol=0.02)
     picks = bench.cpu_argmax_cases([(3, 100)])
     results = {name: fn() for name, fn in picks[0].impls.items()}
     assert torch.equal(results["native C++"], results["torch.argmax"])
@@ -56,9 +60,9 @@ def test_on_cpu_the_native_kernels_are_timed_against_their_references():
         results = {name: bench._outputs(fn()) for name, fn in case.impls.items()}
         for got, expected in zip(results["native C++"], results["torch (eager)"], strict=True):
             torch.testing.assert_close(got, expected)
-    table = bench.run_cpu(cases + linears + picks + layers, write=False)
+    table = bench.run_cpu(cases + linears + half + picks + layers, write=False)
     rows = [line for line in table.splitlines()
             if line.startswith(("| paged_decode", "| decode_linear", "| argmax", "| rms_norm",
                                 "| add_rms_norm", "| swiglu", "| rope"))]
-    assert len(rows) == 16 and all(float(row.split("|")[3].replace(",", "")) > 0
+    assert len(rows) == 19 and all(float(row.split("|")[3].replace(",", "")) > 0
                                    for row in rows)
