@@ -104,7 +104,9 @@ CPU_PAGED_SHAPES = [PagedShape(1, 4, 2, 32, 128), PagedShape(16, 4, 2, 32, 128),
 @dataclass
 class Case:
     name: str
-    unit: str  # "GB/s" (work = bytes the forward must move) or "TFLOP/s" (work = flops)
+    # "GB/s" (work = bytes the forward must move), or "TFLOP/s" on a GPU and "GFLOP/s" on
+    # the CPU (work = flops)
+    unit: str
     work: float
     impls: dict[str, Callable[[], Tensor | tuple[Tensor, ...]]] = field(default_factory=dict)
     backward: bool = True
@@ -443,14 +445,14 @@ def cpu_bf16_linear_cases(shapes: list[tuple[int, int, int]]) -> list[Case]:
     """The native linear of float32 rows and a bf16 weight (AVX-512 BF16 dot products, AMX
     tiles from 16 rows where the CPU has them) against oneDNN's bf16 GEMM on the same rows
     (rounded to bf16 and the output widened back: the casts are timed with it) and float32
-    BLAS on the weight widened once: TFLOP/s."""
+    BLAS on the weight widened once: GFLOP/s."""
     result = []
     for rows, in_features, out_features in shapes:
         x = torch.randn(rows, in_features)
         weight = torch.randn(out_features, in_features).bfloat16()
         widened = weight.float()
         result.append(Case(
-            f"decode_linear bf16, {rows} × {in_features} → {out_features}", "TFLOP/s",
+            f"decode_linear bf16, {rows} × {in_features} → {out_features}", "GFLOP/s",
             2 * rows * in_features * out_features, {
                 "native C++": lambda x=x, w=weight: decode_linear_cpu(x, [w])[0],
                 "torch (oneDNN bf16 GEMM)": lambda x=x, w=weight: F.linear(x.bfloat16(),
@@ -549,7 +551,7 @@ def run_cpu(cases: list[Case], write: bool) -> str:
                                     num_threads=torch.get_num_threads())
             seconds = timer.blocked_autorange(min_run_time=0.2).median
             lines.append(f"| {case.name} | {impl} | {seconds * 1e6:,.1f} | "
-                         f"{case.work / seconds / 1e9:,.1f} |")
+                         f"{case.work / seconds / 1e9:,.1f} {case.unit} |")
             print(lines[-1], flush=True)
     table = "\n".join([
         f"## Kernels on CPU — {datetime.date.today()} — {platform.machine()}, "
@@ -557,8 +559,9 @@ def run_cpu(cases: list[Case], write: bool) -> str:
         "Command: `python -m lathe.kernels.bench` without a GPU — fp32; paged decode over "
         "16-token blocks scattered over the pool; rate: the K/V (paged decode), weight "
         "(linear; int8 bytes for int8 weights) or logit (argmax) bytes a call must read, or "
-        "the activations an element-wise layer must read and write, per second.", "",
-        "| case | implementation | µs | GB/s |", "|---|---|---:|---:|", *lines, ""])
+        "the activations an element-wise layer must read and write, per second; for the bf16 "
+        "linear, its multiply-adds × 2 per second.", "",
+        "| case | implementation | µs | rate |", "|---|---|---:|---:|", *lines, ""])
     if write:
         _append_to_benchmarks(table)
     return table
