@@ -35,6 +35,11 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     group.add_argument("--max-num-batched-tokens", type=int,
                        default=EngineConfig.max_num_batched_tokens)
+    group.add_argument("--max-decode-stall", type=float, default=4.0,
+                       help="with streams decoding, a step lasts at most this many "
+                            "decode-only steps: new prompts' prefill is cut into chunks that "
+                            "fit, by the engine's running estimate of each step's cost "
+                            "(0: off; prefills then take the whole --max-num-batched-tokens)")
     group.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     group.add_argument("--kv-cache-memory-mb", type=float,
                        help="KV budget off-GPU (default: what --max-num-seqs sequences of "
@@ -102,10 +107,12 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                             gpu_memory_utilization=args.gpu_memory_utilization,
                             max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens,
+                            max_decode_stall=args.max_decode_stall,
                             speculative=speculative, compile_decode=not args.enforce_eager,
                             decode_steps=args.decode_steps)
     except ConfigError as error:  # in the flags' spelling
         raise ConfigError(str(error).replace("decode_steps=", "--decode-steps=").replace(
+            "max_decode_stall=", "--max-decode-stall=").replace(
             "drop speculative", "drop --speculative/--draft")) from None
 
 

@@ -50,7 +50,7 @@ from lathe.serve.outputs import Completion, CompletionOutput, OutputProcessor, P
 from lathe.serve.paged_cache import KVSlabs
 from lathe.serve.quant import QuantMode, is_quantized, load_serving_model, weight_bytes
 from lathe.serve.sampling import SamplingBatch, SamplingParams, SamplingRow, sample
-from lathe.serve.scheduler import ScheduledBatch, Scheduler
+from lathe.serve.scheduler import ScheduledBatch, Scheduler, StepCost
 from lathe.serve.sequence import Sequence, Status
 from lathe.serve.speculative import Draft, SpeculativeConfig, Speculator
 from lathe.serve.structured import Constraints, GrammarError, constrain
@@ -75,6 +75,13 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # on CUDA: fraction of device memory to fill
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # with decodes running, a step lasts at most this many decode-only steps: its prefill
+    # tokens are cut to what fits by the engine's running estimate of both costs
+    # (`lathe.serve.scheduler.StepCost`), a block's worth at least, so a burst of new prompts
+    # stalls the running streams by that much, not by a whole token budget of prefill
+    # (Sarathi-Serve). 0: off, prefills take the whole budget — here, where an offline batch
+    # wants throughput; `lathe serve` sets 4
+    max_decode_stall: float = 0.0
     speculative: SpeculativeConfig | None = None
     # decode steps (on CPU, short prefills and drafts too: steps whose every token attends
     # through its block table) through `lathe.serve.decode_graph`: compiled once per bucket
@@ -96,6 +103,9 @@ class EngineConfig:
     max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
+        if self.max_decode_stall != 0 and not self.max_decode_stall > 1:
+            raise ConfigError(f"max_decode_stall={self.max_decode_stall} must be 0 (off) or "
+                              "more than 1 (a step that decodes lasts at least a decode step)")
         if self.decode_steps < 1:
             raise ConfigError(f"decode_steps={self.decode_steps} must be >= 1 (1: one "
                               "forward pass per step)")
@@ -138,6 +148,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, lookahead,
                                    None if self.adapters is None else self.adapters.admit)
+        self.step_cost = StepCost(self.config.max_decode_stall, block_size)
         # a compiled step reads each row's adapter slot from one tensor the largest bucket
         # long, so with adapters a step runs compiled only within one bucket
         self.runner = ModelRunner(model, self.slabs, self.device, self.config.max_num_seqs,
@@ -370,12 +381,16 @@ class LLMEngine:
     # under autocast, which fails in inference mode
     @torch.no_grad()
     def step(self) -> list[SequenceDelta]:
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(self.step_cost.prefill_cap())
         if not batch.items:
             return []
         steps = self._decode_steps(batch)
-        picks = self._run_decodes([seq for seq, _ in batch.items], steps) if steps > 1 \
-            else self._run(batch)
+        if steps > 1:
+            picks = self._run_decodes([seq for seq, _ in batch.items], steps)
+        else:
+            start = time.perf_counter()
+            picks = self._run(batch)
+            self.step_cost.observe(batch, time.perf_counter() - start)
         for seq, _ in batch.items:
             new = [token for token, _ in picks.get(seq, [])]
             computed = seq.num_computed + max(len(new) - 1, 0)  # accepted drafts, later steps

@@ -7,6 +7,12 @@ a decode cannot get a block, the most recently admitted running sequence is pree
 by recompute — its blocks are freed and it goes back to the head of the waiting queue,
 keeping the tokens it generated — so the oldest requests always make progress.
 
+With decodes running, a step may also hold its prefills to `prefill_cap` tokens (Sarathi-Serve's
+stall-free batching): `StepCost` estimates from the steps the engine times how many prefill
+tokens keep a step within a multiple of a decode-only step, so that a burst of new prompts
+stretches the running streams' next token by that much at most, not by a whole token budget
+of prefill.
+
 With speculative decoding a decode may also get lookahead slots — blocks and token budget
 for up to `num_lookahead_slots` draft tokens — when they are free; lookahead never
 preempts anyone, so a full cache only makes speculation shorter. Multi-step decoding
@@ -29,10 +35,51 @@ class ScheduledBatch:
 
     items: list[tuple[Sequence, int]]
     lookahead: dict[Sequence, int] = field(default_factory=dict)  # draft tokens room, per decode
+    decodes: int = 0  # how many of the items are decodes (the first ones)
 
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.items)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(n for _, n in self.items[self.decodes:])
+
+
+class StepCost:
+    """Running estimates of what an engine step costs on this model and machine — a
+    decode-only step's seconds, and the seconds each prefill token adds — and from them the
+    prefill tokens a step that carries decodes may take so that it lasts at most
+    `max_stall` decode-only steps (at least `min_tokens`; None until both are known or with
+    `max_stall` 0)."""
+
+    SMOOTHING = 0.2  # weight of the newest step in the running averages
+    MIN_SAMPLE = 16  # prefill tokens a step needs to measure a token's cost
+
+    def __init__(self, max_stall: float, min_tokens: int) -> None:
+        self.max_stall = max_stall
+        self.min_tokens = min_tokens
+        self.decode_seconds: float | None = None
+        self.token_seconds: float | None = None
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.SMOOTHING * (new - old)
+
+    def observe(self, batch: ScheduledBatch, seconds: float) -> None:
+        """Account one timed step of one forward pass."""
+        prefill = batch.prefill_tokens
+        if prefill == 0:
+            self.decode_seconds = self._average(self.decode_seconds, seconds)
+        elif self.decode_seconds is not None and prefill >= self.MIN_SAMPLE:
+            # a step without decodes still pays the weights' pass a decode step pays
+            self.token_seconds = self._average(
+                self.token_seconds, max(seconds - self.decode_seconds, 0.0) / prefill)
+
+    def prefill_cap(self) -> int | None:
+        if not self.max_stall or self.decode_seconds is None or not self.token_seconds:
+            return None
+        room = (self.max_stall - 1) * self.decode_seconds / self.token_seconds
+        return max(self.min_tokens, int(room))
 
 
 class Scheduler:
@@ -56,7 +103,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, prefill_cap: int | None = None) -> ScheduledBatch:
+        """The next step: every decode, then prefills within the token budget — and within
+        `prefill_cap` tokens when the step has decodes."""
         items: list[tuple[Sequence, int]] = []
         lookahead: dict[Sequence, int] = {}
         budget = self.max_num_batched_tokens
@@ -69,6 +118,9 @@ class Scheduler:
                 if self.num_lookahead_slots and budget:
                     lookahead[seq] = self.reserve(seq, min(self.num_lookahead_slots, budget))
                     budget -= lookahead[seq]
+        decodes = len(items)
+        if decodes and prefill_cap is not None:
+            budget = min(budget, prefill_cap)
         for seq in self.running:
             if seq.num_uncomputed > 1 and budget > 0:
                 count = min(seq.num_uncomputed, budget)
@@ -87,7 +139,7 @@ class Scheduler:
             count = min(seq.num_uncomputed, budget)
             items.append((seq, count))
             budget -= count
-        return ScheduledBatch(items, lookahead)
+        return ScheduledBatch(items, lookahead, decodes)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence (EOS, stop, length or abort) and release its blocks."""
