@@ -385,12 +385,10 @@ class LLMEngine:
         if not batch.items:
             return []
         steps = self._decode_steps(batch)
-        if steps > 1:
-            picks = self._run_decodes([seq for seq, _ in batch.items], steps)
-        else:
-            start = time.perf_counter()
-            picks = self._run(batch)
-            self.step_cost.observe(batch, time.perf_counter() - start)
+        start = time.perf_counter()
+        picks = self._run_decodes([seq for seq, _ in batch.items], steps) if steps > 1 \
+            else self._run(batch)
+        self.step_cost.observe(batch, (time.perf_counter() - start) / steps)
         for seq, _ in batch.items:
             new = [token for token, _ in picks.get(seq, [])]
             computed = seq.num_computed + max(len(new) - 1, 0)  # accepted drafts, later steps

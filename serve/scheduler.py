@@ -66,7 +66,7 @@ class StepCost:
         return new if old is None else old + self.SMOOTHING * (new - old)
 
     def observe(self, batch: ScheduledBatch, seconds: float) -> None:
-        """Account one timed step of one forward pass."""
+        """Account one timed step (a forward pass's share of a multi-step one)."""
         prefill = batch.prefill_tokens
         if prefill == 0:
             self.decode_seconds = self._average(self.decode_seconds, seconds)
