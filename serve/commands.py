@@ -35,11 +35,16 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     group.add_argument("--max-num-batched-tokens", type=int,
                        default=EngineConfig.max_num_batched_tokens)
-    group.add_argument("--max-decode-stall", type=float, default=4.0,
+    group.add_argument("--max-decode-stall", type=float,
+                       default=EngineConfig.max_decode_stall,
                        help="with streams decoding, a step lasts at most this many "
                             "decode-only steps: new prompts' prefill is cut into chunks that "
-                            "fit, by the engine's running estimate of each step's cost "
-                            "(0: off; prefills then take the whole --max-num-batched-tokens)")
+                            "fit, by the engine's running estimate of each step's cost. "
+                            "Smoother streams, later first tokens: on an 88M model at 16 "
+                            "concurrent requests, 4 cut the inter-token p99 from 312 to 144 "
+                            "ms but doubled the time-to-first-token p99 and lost 27%% of "
+                            "the throughput. 0 (default): off, prefills take the whole "
+                            "--max-num-batched-tokens")
     group.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     group.add_argument("--kv-cache-memory-mb", type=float,
                        help="KV budget off-GPU (default: what --max-num-seqs sequences of "

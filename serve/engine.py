@@ -79,8 +79,9 @@ class EngineConfig:
     # tokens are cut to what fits by the engine's running estimate of both costs
     # (`lathe.serve.scheduler.StepCost`), a block's worth at least, so a burst of new prompts
     # stalls the running streams by that much, not by a whole token budget of prefill
-    # (Sarathi-Serve). 0: off, prefills take the whole budget — here, where an offline batch
-    # wants throughput; `lathe serve` sets 4
+    # (Sarathi-Serve). It trades first tokens and throughput for smoother streams (88M model,
+    # 16 concurrent requests, 4: inter-token p99 312 -> 144 ms, time-to-first-token p99
+    # 1.2 -> 2.4 s, 27% fewer tokens a second), so 0, off: prefills take the whole budget
     max_decode_stall: float = 0.0
     speculative: SpeculativeConfig | None = None
     # decode steps (on CPU, short prefills and drafts too: steps whose every token attends

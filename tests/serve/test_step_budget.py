@@ -99,12 +99,11 @@ def test_max_decode_stall_is_refused_where_it_cannot_mean_anything(checkpoint):
         serve_main([str(checkpoint), "--max-decode-stall", "1"])
 
 
-def test_lathe_serve_bounds_the_stall_unless_told_otherwise(checkpoint, monkeypatch):
-    """On by default in the server (4 decode steps), off offline and with 0."""
+def test_lathe_serve_bounds_the_stall_when_asked(checkpoint, monkeypatch):
+    """Off by default (it costs first tokens and throughput), on with the flag."""
     import lathe.serve.server
     configs = []
     monkeypatch.setattr(lathe.serve.server, "run", lambda config, level: configs.append(config))
     serve_main([str(checkpoint), "--enforce-eager"])
-    serve_main([str(checkpoint), "--enforce-eager", "--max-decode-stall", "0"])
-    assert [c.engine.max_decode_stall for c in configs] == [4.0, 0.0]
-    assert EngineConfig().max_decode_stall == 0
+    serve_main([str(checkpoint), "--enforce-eager", "--max-decode-stall", "4"])
+    assert [c.engine.max_decode_stall for c in configs] == [0.0, 4.0]
