@@ -25,6 +25,14 @@
 
 #if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
+#endif
+
+// AMX intrinsics came with GCC 11 and clang 12, and the tile state is asked of Linux: other
+// builds leave the AMX path out and keep the rest
+#if defined(CPU_CAPABILITY_AVX512) && defined(__linux__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define LATHE_WITH_AMX 1
+#include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -271,6 +279,7 @@ LATHE_DPBF16 void features_dpbf16(const uint16_t* x, int64_t rows, const uint16_
   for (; n < end; ++n) rows_dpbf16<1>(x, rows, w + n * k, k, out + n, out_features);
 }
 
+#if defined(LATHE_WITH_AMX)
 // AMX (Sapphire Rapids and later): a tile multiply takes 16 × 32 bf16 of one operand and
 // 16 × 32 of the other, 16 × 16 × 32 products an instruction against AVX-512 BF16's 32, so
 // from kAmxMinRows rows on a bf16 weight meets x there. The products are the same as
@@ -287,9 +296,13 @@ constexpr int64_t kAmxBlock = 32;  // features and x rows per block: 2 × 2 tile
 // whether this process may use AMX tiles: the CPU has them and Linux granted the tile state
 // (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, once, for every thread of the process)
 bool has_amx_bf16() {
-  static const bool yes = __builtin_cpu_supports("amx-bf16") &&
-                          syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                  18 /* XFEATURE_XTILEDATA */) == 0;
+  static const bool yes = [] {
+    unsigned eax, ebx, ecx, edx;  // CPUID 7.0: EDX bit 22 AMX-BF16, bit 24 AMX-TILE
+    return __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && (edx >> 22 & 1) &&
+           (edx >> 24 & 1) &&
+           syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                   18 /* XFEATURE_XTILEDATA */) == 0;
+  }();
   return yes;
 }
 
@@ -357,6 +370,7 @@ LATHE_AMX void features_amx(const uint16_t* pairs, const uint16_t* x, int64_t ro
   _tile_release();
   if (n < end) features_dpbf16(x, rows, w, out, out_features, k, n, end);
 }
+#endif  // LATHE_WITH_AMX
 #endif
 
 // y_i = x · w_iᵀ (· scale_i) for every weight of `weights` (the linears of one decode step
@@ -405,7 +419,7 @@ std::vector<at::Tensor> linears(const char* op, const at::Tensor& x_in,
   const bool dpbf16 = false;
 #endif
   const at::Tensor x_bf16 = dpbf16 ? x.to(at::kBFloat16) : at::Tensor();
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(LATHE_WITH_AMX)
   const bool amx = dpbf16 && rows >= kAmxMinRows && in_features % 32 == 0 && has_amx_bf16();
   const at::Tensor pairs = amx ? pack_pairs(x_bf16) : at::Tensor();
   if (amx) {  // tasks of whole blocks of each weight's features
