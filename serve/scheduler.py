@@ -71,7 +71,8 @@ class StepCost:
         if prefill == 0:
             self.decode_seconds = self._average(self.decode_seconds, seconds)
         elif self.decode_seconds is not None and prefill >= self.MIN_SAMPLE:
-            # a step without decodes still pays the weights' pass a decode step pays
+            # what the step took beyond a decode-only step is its prefill's (one without
+            # decodes pays the weights' pass all the same)
             self.token_seconds = self._average(
                 self.token_seconds, max(seconds - self.decode_seconds, 0.0) / prefill)
 
