@@ -9,9 +9,8 @@ in float32, as llama.cpp computes an f16 or bf16 GGUF. The linears' matmuls are
 `lathe.kernels.decode_linear.linear`'s: the native op at every row count, prefill's too
 (AVX-512 BF16 dot products on x rounded to bf16 where the CPU has them, AMX tiles from 16
 rows where it has those, else the weights widened in registers); the embedding widens the
-rows it looks up. A mixture's stacked
-experts stay float32: their grouped GEMM takes one dtype, and widening every expert each
-step would cost more than the bytes saved.
+rows it looks up. A mixture's stacked experts stay float32: their grouped GEMM takes one
+dtype, and widening every expert each step would cost more than the bytes saved.
 """
 
 from __future__ import annotations

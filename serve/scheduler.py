@@ -66,7 +66,10 @@ class StepCost:
         return new if old is None else old + self.SMOOTHING * (new - old)
 
     def observe(self, batch: ScheduledBatch, seconds: float) -> None:
-        """Account one timed step (a forward pass's share of a multi-step one)."""
+        """Account one timed step (a forward pass's share of a multi-step one); nothing
+        when the budget is off."""
+        if not self.max_stall:
+            return
         prefill = batch.prefill_tokens
         if prefill == 0:
             self.decode_seconds = self._average(self.decode_seconds, seconds)

@@ -314,11 +314,14 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// x (rows, k) bf16 as AMX's second operand: pairs[k / 2][m][2], m padded with zeros to a
-// multiple of kAmxBlock
+// x rows rounded up to whole blocks
+inline int64_t padded_rows(int64_t rows) { return (rows + kAmxBlock - 1) / kAmxBlock * kAmxBlock; }
+
+// x (rows, k) bf16 as AMX's second operand: pairs[k / 2][m][2], m padded with zeros to
+// `padded_rows`
 at::Tensor pack_pairs(const at::Tensor& x_bf16) {
   const int64_t rows = x_bf16.size(0), k = x_bf16.size(1);
-  const int64_t padded = (rows + kAmxBlock - 1) / kAmxBlock * kAmxBlock;
+  const int64_t padded = padded_rows(rows);
   at::Tensor pairs = at::zeros({k / 2, padded, 2}, x_bf16.options());
   pairs.narrow(1, 0, rows).copy_(x_bf16.view({rows, k / 2, 2}).transpose(0, 1));
   return pairs;
@@ -363,7 +366,7 @@ LATHE_AMX void features_amx(const uint16_t* pairs, const uint16_t* x, int64_t ro
   TileConfig config;
   for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
   _tile_loadconfig(&config);
-  const int64_t padded = (rows + kAmxBlock - 1) / kAmxBlock * kAmxBlock;
+  const int64_t padded = padded_rows(rows);
   int64_t n = begin;
   for (; n + kAmxBlock <= end; n += kAmxBlock)
     block_amx(pairs, rows, padded, w, k, out, out_features, n);

@@ -36,9 +36,10 @@ def test_the_cap_is_what_keeps_a_step_within_the_stall_it_allows():
     cost.observe(batch(8, 0), 0.020)  # decode steps grow slower: the average follows
     assert cost.decode_seconds == pytest.approx(0.012)
     assert cost.prefill_cap() == 72
-    cost.observe(batch(8, 100), 1.0)  # a very slow prefill: never below min_tokens
-    cost.token_seconds = 1.0
-    assert cost.prefill_cap() == 16
+    slow = StepCost(max_stall=4, min_tokens=16)  # a very slow prefill: never below min_tokens
+    slow.observe(batch(8, 0), 0.010)
+    slow.observe(batch(8, 100), 10.0)
+    assert slow.prefill_cap() == 16
     off = StepCost(max_stall=0, min_tokens=16)
     off.observe(batch(8, 0), 0.010)
     off.observe(batch(8, 100), 0.060)
