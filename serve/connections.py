@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import resource
+import signal
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -141,10 +141,16 @@ def uvicorn_config(app: Any, host: str, port: int, limits: ConnectionLimits,
 
 class LatheServer(uvicorn.Server):
     """uvicorn's server, but any second SIGTERM or SIGINT exits at once (uvicorn's own
-    forces only a second SIGINT, and then still waits for its shutdown steps)."""
+    forces only a second SIGINT, and then still waits for its shutdown steps).
+
+    "At once" is the kernel's default action: the first signal puts SIGTERM and SIGINT back
+    to it. A Python handler for the second signal would run only when the main thread next
+    holds the GIL, which a busy engine thread can delay by seconds on a loaded machine."""
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.should_exit:
-            log.warning("second signal %d: exiting now", sig)
-            os._exit(128 + sig)
+        if not self.should_exit:
+            for handled in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(handled, signal.SIG_DFL)
+            log.warning("signal %d: draining requests for up to %.3g s; a second signal "
+                        "exits at once", sig, self.config.timeout_graceful_shutdown or 0)
         super().handle_exit(sig, frame)

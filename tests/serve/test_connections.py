@@ -4,13 +4,12 @@ deadlines, past the connection cap only /health answers (within a second), and a
 
 from __future__ import annotations
 
-import os
+import re
 import resource
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -131,55 +130,73 @@ def serve_process(checkpoint: Path, *flags: str) -> tuple[subprocess.Popen, str]
         time.sleep(0.1)
 
 
-def load(url: str, streams: int) -> list[threading.Thread]:
-    def stream() -> None:
-        try:
-            with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
-                    **BODY, "max_tokens": 250, "ignore_eos": True, "stream": True}) as response:
-                for _ in response.iter_lines():
-                    pass
-        except httpx.TransportError:
-            pass  # cut off by the shutdown
+STREAMS = """
+import sys, threading, httpx
+def stream():
+    try:
+        with httpx.stream("POST", sys.argv[1] + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": "The", "max_tokens": 250, "ignore_eos": True,
+                "stream": True}) as response:
+            for _ in response.iter_lines():
+                pass
+    except httpx.TransportError:
+        pass  # cut off by the shutdown
+threads = [threading.Thread(target=stream) for _ in range(int(sys.argv[2]))]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+"""
 
-    threads = [threading.Thread(target=stream) for _ in range(streams)]
-    for thread in threads:
-        thread.start()
-    return threads
+
+def load(url: str, streams: int) -> subprocess.Popen:
+    """`streams` streaming completions from a process of their own (in the test's process
+    their threads would compete for its GIL and delay the clock that times the server),
+    returned once the server runs them all."""
+    loader = subprocess.Popen([sys.executable, "-c", STREAMS, url, str(streams)])
+    deadline = time.monotonic() + 60
+    while admitted(url) < streams:
+        assert loader.poll() is None and time.monotonic() < deadline, "the streams did not start"
+        time.sleep(0.05)
+    return loader
+
+
+def admitted(url: str) -> int:
+    """Requests the server is running or holds waiting, from its /metrics."""
+    found = re.findall(r"^lathe:num_requests_(?:running|waiting)(?:\{.*\})? (\S+)$",
+                       httpx.get(f"{url}/metrics", timeout=5).text, re.MULTILINE)
+    return int(sum(float(value) for value in found))
 
 
 @pytest.mark.slow
 def test_shutdown_drains_for_a_bounded_time_and_a_second_signal_exits_at_once(checkpoint):
-    process, url = serve_process(checkpoint, "--shutdown-timeout", "0.5")
+    process, url = serve_process(checkpoint, "--shutdown-timeout", "0.5", "--enforce-eager")
+    streams = load(url, 48)
     try:
-        streams = load(url, 48)
-        time.sleep(0.5)
         start = time.monotonic()
         process.send_signal(signal.SIGTERM)
         output = process.communicate(timeout=15)[0]
         assert time.monotonic() - start < 5, output
         assert "Cancel" in output and "timeout graceful shutdown exceeded" in output
         assert process.returncode == -signal.SIGTERM, output  # uvicorn re-raises the signal
-        for thread in streams:
-            thread.join(timeout=10)
-            assert not thread.is_alive()
+        assert streams.wait(timeout=10) == 0  # every stream ended
 
-        process, url = serve_process(checkpoint, "--shutdown-timeout", "30")
+        process, url = serve_process(checkpoint, "--shutdown-timeout", "30", "--enforce-eager")
         streams = load(url, 48)
-        time.sleep(0.5)
         process.send_signal(signal.SIGTERM)
         time.sleep(0.2)
         start = time.monotonic()
         process.send_signal(signal.SIGTERM)
         output = process.communicate(timeout=15)[0]
         assert time.monotonic() - start < 1.0, output
-        assert process.returncode == 128 + signal.SIGTERM, output
-        assert "second signal" in output
-        for thread in streams:
-            thread.join(timeout=10)
+        assert process.returncode == -signal.SIGTERM, output  # the kernel's default action
+        assert "draining requests for up to 30 s; a second signal exits at once" in output
+        assert streams.wait(timeout=10) == 0
     finally:
-        if process.poll() is None:
-            os.kill(process.pid, signal.SIGKILL)
-            process.wait()
+        for child in (process, streams):
+            if child.poll() is None:
+                child.kill()
+                child.wait()
 
 
 def test_the_cap_fits_the_file_limit():
