@@ -84,14 +84,30 @@ class ShuffledBatches(Generic[T]):
         g = torch.Generator().manual_seed(self.seed * 1000 + epoch)
         return torch.randperm(len(self.examples), generator=g).tolist()
 
-    def next(self) -> list[T]:
+    def _advance(self) -> list[int]:
+        """The indices of the next step's examples, all ranks' shares in rank order."""
         step = self.micro_batch * self.world_size
         if self.index + step > len(self.examples):
             self.epoch, self.index = self.epoch + 1, 0
         order = self._order(self.epoch)[self.index:self.index + step]
         self.index += step
+        return order
+
+    def next(self) -> list[T]:
+        order = self._advance()
         mine = order[self.rank * self.micro_batch:(self.rank + 1) * self.micro_batch]
         return [self.examples[i] for i in mine]
+
+    def drawn_by(self, micro_batches: int) -> list[T]:
+        """Every example, on all ranks and each once, that the first `micro_batches` calls
+        of `next` of a fresh run draw: all a run of that length (resumed or not) trains on."""
+        probe = ShuffledBatches(self.examples, self.micro_batch, self.seed, 0, self.world_size)
+        drawn: dict[int, None] = {}
+        for _ in range(micro_batches):
+            if len(drawn) == len(self.examples):
+                break
+            drawn.update(dict.fromkeys(probe._advance()))
+        return [self.examples[i] for i in drawn]
 
     def taken(self) -> list[T]:
         """Every example the steps so far drew, on all ranks (an epoch ends where the next

@@ -4,7 +4,8 @@ frozen reference, without a reward model.
 
 Read top to bottom: config -> runtime -> policy (± LoRA) -> tokenized pairs (prompts fitted
 to max_prompt_length) -> the runtime wraps the policy -> reference log-probs, computed once
-before any update and cached with each pair: by the wrapped policy itself (under LoRA with
+before any update for every pair the run's steps will draw (not the whole dataset when the
+run is shorter than an epoch) and cached with each pair: by the wrapped policy itself (under LoRA with
 its adapters disabled), so they share its precision and sharding and no second copy is
 loaded, or by a `reference` checkpoint prepared the same way -> loop
 (sigmoid or IPO loss, plus `rpo_alpha` × the chosen replies' NLL; chosen/rejected rewards,
@@ -55,7 +56,7 @@ from lathe.pretrain.runtime.trainer import Runtime
 class Pair:
     chosen: tuple[list[int], list[int]]  # ids, labels (-100 on the prompt)
     rejected: tuple[list[int], list[int]]
-    reference: tuple[float, float] = (0.0, 0.0)  # reference log-probs of chosen, rejected
+    reference: tuple[float, float] | None = None  # reference log-probs of chosen, rejected
 
 
 def tokenize_pairs(encoder: ChatEncoder, rows: list[PreferenceRow], max_len: int,
@@ -77,14 +78,22 @@ def tokenize_pairs(encoder: ChatEncoder, rows: list[PreferenceRow], max_len: int
     return pairs
 
 
-def collate(pairs: list[Pair], pad_token: int, device: torch.device) -> dict[str, Any]:
+def collate_sides(pairs: list[Pair], pad_token: int, device: torch.device) -> dict[str, Any]:
     """Chosen rows then rejected rows, padded together for one forward pass."""
     sides = [p.chosen for p in pairs] + [p.rejected for p in pairs]
     return {"ids": pad([s[0] for s in sides], pad_token).to(device),
             "lengths": [len(s[0]) for s in sides],
-            "labels": pad([s[1] for s in sides], IGNORE_INDEX).to(device),
-            "reference": torch.tensor([p.reference[0] for p in pairs]
-                                      + [p.reference[1] for p in pairs], device=device)}
+            "labels": pad([s[1] for s in sides], IGNORE_INDEX).to(device)}
+
+
+def collate(pairs: list[Pair], pad_token: int, device: torch.device) -> dict[str, Any]:
+    """`collate_sides` with the pairs' cached reference log-probs."""
+    missing = sum(p.reference is None for p in pairs)
+    if missing:
+        raise RuntimeError(f"{missing} of {len(pairs)} pairs have no reference log-probs: "
+                           "attach_reference must see every pair the run draws")
+    return collate_sides(pairs, pad_token, device) | {"reference": torch.tensor(
+        [p.reference[0] for p in pairs] + [p.reference[1] for p in pairs], device=device)}
 
 
 def sequence_logprobs(model: nn.Module, batch: dict[str, Tensor], mean: bool) -> Tensor:
@@ -137,7 +146,7 @@ def attach_reference(model: nn.Module, pairs: list[Pair], mean: bool, micro_batc
     model.eval()
     for start in range(0, len(pairs), micro_batch):
         chunk = pairs[start:start + micro_batch]
-        logps = sequence_logprobs(model, collate(chunk, pad_token, device), mean).tolist()
+        logps = sequence_logprobs(model, collate_sides(chunk, pad_token, device), mean).tolist()
         for pair, chosen, rejected in zip(chunk, logps[:len(chunk)], logps[len(chunk):],
                                           strict=True):
             pair.reference = (chosen, rejected)
@@ -210,8 +219,10 @@ def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
                           * runtime.world_size * mean_len)
     total_steps = config.total_steps(tokens_per_step, model_config.num_params())
     runtime.prepare(model, total_steps)
+    # only the pairs this run's steps draw: a run shorter than an epoch needs no more
+    drawn = batches.drawn_by(total_steps * config.grad_accum_steps)
     with reference_model(runtime, config) as reference, runtime.autocast():
-        attach_reference(reference, train + heldout, mean, config.micro_batch_size, pad_token,
+        attach_reference(reference, drawn + heldout, mean, config.micro_batch_size, pad_token,
                          runtime.device)
     restored = runtime.start(config, resume)
     if restored is not None:
@@ -221,7 +232,8 @@ def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
     runtime.print(f"dpo: {len(train):,} pairs, {len(heldout)} held out, beta {config.beta}, "
                   f"{config.loss} loss"
                   + (f" + {config.rpo_alpha} × chosen NLL" if config.rpo_alpha else "")
-                  + f", {total_steps} steps; reference log-probs cached"
+                  + f", {total_steps} steps; reference log-probs cached for the "
+                  + f"{len(drawn):,} pairs they draw"
                   + (" (adapters disabled)" if config.lora.enabled else "")
                   + f"; {encoder.name}; {fit.report()}")
 

@@ -18,7 +18,7 @@ from lathe.data.tasks import task_examples
 from lathe.model import load_checkpoint
 from lathe.model.lora import load_adapter
 from lathe.model.transformer import IGNORE_INDEX
-from lathe.posttrain.common import PromptFit
+from lathe.posttrain.common import PromptFit, ShuffledBatches
 from lathe.posttrain.dpo import tokenize_pairs
 from tests import processes
 from tests.posttrain.conftest import quick
@@ -81,15 +81,29 @@ def preference_files(folder: Path) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_dpo_raises_heldout_preference_accuracy(base, tmp_path, lora):
+def test_dpo_raises_heldout_preference_accuracy(base, tmp_path, lora, capsys):
     out, files = tmp_path / "dpo", preference_files(tmp_path)
     overrides = {"optim.lr": 3e-3 if lora else 1e-3, "eval.every": 20, "beta": 0.1,
                  "lora.enabled": str(lora).lower(), "data.train": files["train"],
-                 "data.eval": files["test"]}
+                 "data.eval": files["test"], "micro_batch_size": 4}
     assert main(["dpo", *quick(out, base, max_steps=20, **overrides)]) == 0
+    # 20 steps of 4 pairs, under half of the 200: only those get reference log-probs
+    assert "reference log-probs cached for the 80 pairs they draw" in capsys.readouterr().out
     accuracy = summary(out)["preference_accuracy"]
     assert accuracy[0] == 0.0  # policy = reference: no margin yet
     assert accuracy[-1] > 0.6
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_drawn_by_is_what_the_steps_of_every_rank_draw(world_size):
+    examples = [f"example {i}" for i in range(23)]
+    for micro_batches in (1, 3, 4, 9, 100):  # from 3 (world_size 2) steps an epoch
+        ranks = [ShuffledBatches(examples, 3, 5, rank, world_size) for rank in range(world_size)]
+        drawn = {row for _ in range(micro_batches) for batches in ranks
+                 for row in batches.next()}
+        listed = ranks[-1].drawn_by(micro_batches)  # from any rank, at any position
+        assert len(listed) == len(set(listed)) and set(listed) == drawn
+    assert sorted(ranks[0].drawn_by(100)) == sorted(examples)  # later epochs draw the rest
 
 
 def digit_share(completion: str, reference: str) -> float:
