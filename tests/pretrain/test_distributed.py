@@ -128,6 +128,10 @@ KILLS = [
     ("save-shard@16@1", 8, "removing .step-00000016.tmp"),
     ("save-rotate@16", 16, "removing .step-00000008.old"),
 ]
+# The publish protocol the kills probe is lathe's, the same for every ZeRO stage; ZeRO-3
+# (its parameters sharded too) goes through all of them, ZeRO-1 and -2 resume once from a
+# save whose parts are half written, which reads back each stage's own files.
+STAGE_KILLS = {"cpu-zero1": KILLS[4:5], "cpu-zero2": KILLS[4:5]}
 
 
 @pytest.mark.parametrize(("recipe", "micro_batch_size", "tolerance"), [
@@ -140,14 +144,14 @@ KILLS = [
 ])
 def test_run_killed_at_each_phase_resumes(recipe, micro_batch_size, tolerance, corpus,
                                           tmp_path, reference, two_process_runs):
-    """After six kills and resumes, the losses, evals and final weights are the
+    """After each kill and resume, the losses, evals and final weights are the
     uninterrupted run's, and no partial state is left."""
     uninterrupted = reference if recipe == "cpu" else two_process_runs[recipe]
     out = tmp_path / "killed"
     config = settings(corpus, out, micro_batch_size)
     config["checkpoint"] = {"every": EVERY, "keep_last": 1}
     resume, expected_message = "never", None
-    for failpoint, newest, message in KILLS:
+    for failpoint, newest, message in STAGE_KILLS.get(recipe, KILLS):
         if recipe == "cpu":  # one process: rank 0 is every rank
             failpoint = "@".join(failpoint.split("@")[:2])
         output = run(command(recipe, config, resume), failpoint)
