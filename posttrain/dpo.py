@@ -5,9 +5,9 @@ frozen reference, without a reward model.
 Read top to bottom: config -> runtime -> policy (± LoRA) -> tokenized pairs (prompts fitted
 to max_prompt_length) -> the runtime wraps the policy -> reference log-probs, computed once
 before any update for every pair the run's steps will draw (not the whole dataset when the
-run is shorter than an epoch) and cached with each pair: by the wrapped policy itself (under LoRA with
-its adapters disabled), so they share its precision and sharding and no second copy is
-loaded, or by a `reference` checkpoint prepared the same way -> loop
+run is shorter than an epoch) and cached with each pair: by the wrapped policy itself
+(under LoRA with its adapters disabled), so they share its precision and sharding and no
+second copy is loaded, or by a `reference` checkpoint prepared the same way -> loop
 (sigmoid or IPO loss, plus `rpo_alpha` × the chosen replies' NLL; chosen/rejected rewards,
 margins, accuracy) -> held-out preference
 accuracy and task accuracy -> export -> summary.
