@@ -3,8 +3,11 @@
 The engine lives on its `EngineThread`, which steps it back to back while it has work:
 before each step it applies the requests added and aborted since the last one (handed over
 in thread-safe queues), and after it posts the step's `SequenceDelta`s to the event loop,
-which routes each to its request's queue. Engine state is touched on the engine thread
-only (the event loop reads counters), so the engine needs no locks.
+which routes each to its request's `DeltaQueue`. Engine state is touched on the engine
+thread only (the event loop reads counters), so the engine needs no locks. A reader that
+falls behind the engine takes the deltas waiting for one sequence as one (as vLLM's output
+collector does): a stream then sends one event for several steps' tokens instead of
+spending the event loop's time on an event per token while the engine runs ahead.
 
 Failures are kept to their scope. A request the engine refuses when it is added fails
 alone: its stream raises the error. A failing `step()` leaves the engine's state unknown,
@@ -41,6 +44,33 @@ class EngineDead(RuntimeError):
 _Add = tuple[str, list[int], SamplingParams, str | None]
 
 
+class DeltaQueue:
+    """One request's deltas (or the error that ends it), posted on the event loop and read
+    by its stream: `get` joins the deltas waiting for one sequence (`SequenceDelta.then`)."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[SequenceDelta | BaseException] = collections.deque()
+        self._ready = asyncio.Event()
+
+    def put_nowait(self, item: SequenceDelta | BaseException) -> None:
+        self._items.append(item)
+        self._ready.set()
+
+    async def get(self) -> SequenceDelta | BaseException:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
+        while isinstance(item, SequenceDelta) and self._items \
+                and isinstance(self._items[0], SequenceDelta):
+            joined = item.then(self._items[0])
+            if joined is None:
+                break
+            item = joined
+            self._items.popleft()
+        return item
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_waiting: int = 256,
                  thread: EngineThread | None = None) -> None:
@@ -48,7 +78,7 @@ class AsyncEngine:
         self.engine = engine
         self.thread = thread or EngineThread()
         self.max_waiting = max_waiting
-        self._queues: dict[str, asyncio.Queue[SequenceDelta | BaseException]] = {}
+        self._queues: dict[str, DeltaQueue] = {}
         # deques: appended on the event loop, taken on the engine thread
         self._pending_adds: collections.deque[_Add] = collections.deque()
         self._pending_aborts: collections.deque[str] = collections.deque()
@@ -83,7 +113,7 @@ class AsyncEngine:
             raise QueueFull(f"{self.num_waiting} requests are already waiting "
                             f"(max_waiting={self.max_waiting}); retry later")
         request_id = request_id or f"async-{next(self._ids)}"
-        self._queues[request_id] = asyncio.Queue()
+        self._queues[request_id] = DeltaQueue()
         self._pending_adds.append((request_id, prompt_ids, params, adapter))
         self.thread.wake()
         return request_id

@@ -34,6 +34,17 @@ class SequenceDelta:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None  # why the sequence failed alone (finish_reason "error")
 
+    def then(self, later: SequenceDelta) -> SequenceDelta | None:
+        """This delta and the same sequence's next as one (what a client reading both at
+        once sees), or None where they do not join: another sequence, or this one ended."""
+        if (later.request_id, later.index) != (self.request_id, self.index) \
+                or self.finish_reason is not None or later.prompt_logprobs is not None:
+            return None
+        return SequenceDelta(self.request_id, self.index, self.token_ids + later.token_ids,
+                             self.text + later.text, self.logprobs + later.logprobs,
+                             later.finish_reason, later.num_prompt_tokens,
+                             later.num_cached_tokens, self.prompt_logprobs, later.error)
+
 
 @dataclass
 class CompletionOutput:

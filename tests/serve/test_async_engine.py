@@ -1,0 +1,79 @@
+"""A request's deltas between the engine thread and its stream: a reader that falls behind
+takes the deltas waiting for one sequence as one, and the tokens, text and log-probs it
+reads add up to the same completion as a reader that keeps up."""
+
+from __future__ import annotations
+
+import asyncio
+
+from lathe.serve.async_engine import AsyncEngine, DeltaQueue
+from lathe.serve.engine import EngineConfig, LLMEngine, RequestError
+from lathe.serve.logprobs import TokenLogprob
+from lathe.serve.outputs import SequenceDelta
+from lathe.serve.sampling import SamplingParams
+
+
+def delta(index: int, token: int, finish: str | None = None, request: str = "r",
+          prompt_logprobs: list | None = None) -> SequenceDelta:
+    return SequenceDelta(request, index, [token], f"<{token}>",
+                         [TokenLogprob(token, -float(token), [])], finish, 5, 0,
+                         prompt_logprobs)
+
+
+def test_then_joins_the_same_sequence_until_it_ends():
+    first = delta(0, 1, prompt_logprobs=[None])
+    joined = first.then(delta(0, 2)).then(delta(0, 3, "length"))
+    assert joined.token_ids == [1, 2, 3] and joined.text == "<1><2><3>"
+    assert [lp.token_id for lp in joined.logprobs] == [1, 2, 3]
+    assert joined.finish_reason == "length" and joined.prompt_logprobs == [None]
+    assert first.token_ids == [1]  # the parts are left as they were
+    assert first.then(delta(1, 2)) is None  # another of the request's n sequences
+    assert first.then(delta(0, 2, request="other")) is None
+    assert joined.then(delta(0, 4)) is None  # it ended
+    assert delta(0, 1).then(delta(0, 2, prompt_logprobs=[None])) is None
+
+
+def test_a_queue_read_late_gives_each_sequences_waiting_deltas_as_one():
+    async def main() -> list:
+        queue = DeltaQueue()
+        error = RequestError("failed alone")
+        for item in (delta(0, 1), delta(0, 2), delta(1, 7), delta(0, 3), delta(0, 4, "stop"),
+                     delta(1, 8), error):
+            queue.put_nowait(item)
+        read = [await queue.get() for _ in range(5)]
+        waiter = asyncio.ensure_future(queue.get())
+        await asyncio.sleep(0)
+        assert not waiter.done()  # empty: get waits for the next put
+        queue.put_nowait(delta(1, 9, "length"))
+        return read + [await waiter]
+
+    read = asyncio.run(main())
+    assert [(d.index, d.token_ids) for d in read[:4]] == [(0, [1, 2]), (1, [7]), (0, [3, 4]),
+                                                          (1, [8])]
+    assert isinstance(read[4], RequestError)
+    assert read[5].token_ids == [9] and read[5].finish_reason == "length"
+
+
+def test_a_slow_reader_gets_fewer_events_and_the_same_completion(checkpoint):
+    engine = LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=64))
+    prompt = engine.encode("The river flows past the old mill")
+    params = SamplingParams(max_tokens=40, temperature=0, logprobs=1, ignore_eos=True)
+    want = engine.generate([prompt], params)[0].outputs[0]
+
+    async def read(pause: float) -> list[SequenceDelta]:
+        served = AsyncEngine(engine)
+        served.start()
+        deltas = []
+        async for item in served.stream(prompt, params):
+            deltas.append(item)
+            await asyncio.sleep(pause)
+        await served.stop()
+        return deltas
+
+    for pause in (0.0, 0.02):
+        deltas = asyncio.run(read(pause))
+        assert [t for d in deltas for t in d.token_ids] == want.token_ids
+        assert "".join(d.text for d in deltas) == want.text
+        assert [lp.token_id for d in deltas for lp in d.logprobs] == want.token_ids
+        assert deltas[-1].finish_reason == "length"
+    assert len(deltas) < len(want.token_ids) // 2  # 20 ms a read: steps pile up between
