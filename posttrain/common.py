@@ -79,17 +79,24 @@ class ShuffledBatches(Generic[T]):
         self.examples, self.micro_batch, self.seed = examples, micro_batch, seed
         self.rank, self.world_size = rank, world_size
         self.epoch, self.index = 0, 0
+        self._drawn_order: tuple[int, list[int]] | None = None  # (epoch, its order)
 
     def _order(self, epoch: int) -> list[int]:
         g = torch.Generator().manual_seed(self.seed * 1000 + epoch)
         return torch.randperm(len(self.examples), generator=g).tolist()
+
+    def _epoch_order(self) -> list[int]:
+        """`_order(self.epoch)`, shuffled once an epoch rather than once a step."""
+        if self._drawn_order is None or self._drawn_order[0] != self.epoch:
+            self._drawn_order = (self.epoch, self._order(self.epoch))
+        return self._drawn_order[1]
 
     def _advance(self) -> list[int]:
         """The indices of the next step's examples, all ranks' shares in rank order."""
         step = self.micro_batch * self.world_size
         if self.index + step > len(self.examples):
             self.epoch, self.index = self.epoch + 1, 0
-        order = self._order(self.epoch)[self.index:self.index + step]
+        order = self._epoch_order()[self.index:self.index + step]
         self.index += step
         return order
 

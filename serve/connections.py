@@ -151,6 +151,7 @@ class LatheServer(uvicorn.Server):
         if not self.should_exit:
             for handled in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(handled, signal.SIG_DFL)
-            log.warning("signal %d: draining requests for up to %.3g s; a second signal "
-                        "exits at once", sig, self.config.timeout_graceful_shutdown or 0)
+            drain = self.config.timeout_graceful_shutdown
+            log.warning("signal %d: draining requests %s; a second signal exits at once", sig,
+                        "until they end" if drain is None else f"for up to {drain:.3g} s")
         super().handle_exit(sig, frame)

@@ -4,6 +4,7 @@ deadlines, past the connection cap only /health answers (within a second), and a
 
 from __future__ import annotations
 
+import json
 import re
 import resource
 import signal
@@ -131,12 +132,11 @@ def serve_process(checkpoint: Path, *flags: str) -> tuple[subprocess.Popen, str]
 
 
 STREAMS = """
-import sys, threading, httpx
+import json, sys, threading, httpx
 def stream():
     try:
-        with httpx.stream("POST", sys.argv[1] + "/v1/completions", timeout=60, json={
-                "model": "tiny", "prompt": "The", "max_tokens": 250, "ignore_eos": True,
-                "stream": True}) as response:
+        with httpx.stream("POST", sys.argv[1] + "/v1/completions", timeout=60,
+                          json=json.loads(sys.argv[3])) as response:
             for _ in response.iter_lines():
                 pass
     except httpx.TransportError:
@@ -153,7 +153,9 @@ def load(url: str, streams: int) -> subprocess.Popen:
     """`streams` streaming completions from a process of their own (in the test's process
     their threads would compete for its GIL and delay the clock that times the server),
     returned once the server runs them all."""
-    loader = subprocess.Popen([sys.executable, "-c", STREAMS, url, str(streams)])
+    body = {**BODY, "max_tokens": 250, "ignore_eos": True, "stream": True}
+    loader = subprocess.Popen([sys.executable, "-c", STREAMS, url, str(streams),
+                               json.dumps(body)])
     deadline = time.monotonic() + 60
     while admitted(url) < streams:
         assert loader.poll() is None and time.monotonic() < deadline, "the streams did not start"
@@ -171,8 +173,9 @@ def admitted(url: str) -> int:
 @pytest.mark.slow
 def test_shutdown_drains_for_a_bounded_time_and_a_second_signal_exits_at_once(checkpoint):
     process, url = serve_process(checkpoint, "--shutdown-timeout", "0.5", "--enforce-eager")
-    streams = load(url, 48)
+    streams = None
     try:
+        streams = load(url, 48)
         start = time.monotonic()
         process.send_signal(signal.SIGTERM)
         output = process.communicate(timeout=15)[0]
@@ -194,7 +197,7 @@ def test_shutdown_drains_for_a_bounded_time_and_a_second_signal_exits_at_once(ch
         assert streams.wait(timeout=10) == 0
     finally:
         for child in (process, streams):
-            if child.poll() is None:
+            if child is not None and child.poll() is None:
                 child.kill()
                 child.wait()
 
