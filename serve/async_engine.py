@@ -6,8 +6,9 @@ in thread-safe queues), and after it posts the step's `SequenceDelta`s to the ev
 which routes each to its request's `DeltaQueue`. Engine state is touched on the engine
 thread only (the event loop reads counters), so the engine needs no locks. A reader that
 falls behind the engine takes the deltas waiting for one sequence as one (as vLLM's output
-collector does): a stream then sends one event for several steps' tokens instead of
-spending the event loop's time on an event per token while the engine runs ahead.
+collector does), for each of a request's n sequences: a stream then sends one event for
+several steps' tokens of a sequence instead of spending the event loop's time on an event
+per token while the engine runs ahead.
 
 Failures are kept to their scope. A request the engine refuses when it is added fails
 alone: its stream raises the error. A failing `step()` leaves the engine's state unknown,
@@ -61,13 +62,25 @@ class DeltaQueue:
             self._ready.clear()
             await self._ready.wait()
         item = self._items.popleft()
-        while isinstance(item, SequenceDelta) and self._items \
-                and isinstance(self._items[0], SequenceDelta):
-            joined = item.then(self._items[0])
+        return self._joined(item) if isinstance(item, SequenceDelta) else item
+
+    def _joined(self, item: SequenceDelta) -> SequenceDelta:
+        """`item` and the later deltas of its sequence that wait behind it, as one: the
+        request's other sequences' deltas keep their order and their places ahead of what
+        is left; the scan ends at an error (nothing behind one is read before it) or at the
+        first delta of the sequence that does not join (`SequenceDelta.then`)."""
+        passed: list[SequenceDelta] = []
+        while self._items and isinstance(self._items[0], SequenceDelta):
+            later = self._items.popleft()
+            if (later.request_id, later.index) != (item.request_id, item.index):
+                passed.append(later)
+                continue
+            joined = item.then(later)
             if joined is None:
+                self._items.appendleft(later)
                 break
             item = joined
-            self._items.popleft()
+        self._items.extendleft(reversed(passed))
         return item
 
 

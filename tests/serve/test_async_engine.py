@@ -38,9 +38,10 @@ def test_a_queue_read_late_gives_each_sequences_waiting_deltas_as_one():
         queue = DeltaQueue()
         error = RequestError("failed alone")
         for item in (delta(0, 1), delta(0, 2), delta(1, 7), delta(0, 3), delta(0, 4, "stop"),
-                     delta(1, 8), error):
+                     delta(1, 8), error, delta(1, 10)):
             queue.put_nowait(item)
-        read = [await queue.get() for _ in range(5)]
+        read = [await queue.get() for _ in range(3)]
+        read.append(await queue.get())
         waiter = asyncio.ensure_future(queue.get())
         await asyncio.sleep(0)
         assert not waiter.done()  # empty: get waits for the next put
@@ -48,10 +49,25 @@ def test_a_queue_read_late_gives_each_sequences_waiting_deltas_as_one():
         return read + [await waiter]
 
     read = asyncio.run(main())
-    assert [(d.index, d.token_ids) for d in read[:4]] == [(0, [1, 2]), (1, [7]), (0, [3, 4]),
-                                                          (1, [8])]
-    assert isinstance(read[4], RequestError)
-    assert read[5].token_ids == [9] and read[5].finish_reason == "length"
+    # each sequence's waiting deltas as one, the other sequence's passed over in order
+    assert [(d.index, d.token_ids, d.finish_reason) for d in read[:2]] == [
+        (0, [1, 2, 3, 4], "stop"), (1, [7, 8], None)]
+    assert isinstance(read[2], RequestError)  # nothing behind an error is read before it
+    assert read[3].token_ids == [10]
+    assert read[4].token_ids == [9] and read[4].finish_reason == "length"
+
+
+def test_a_delta_that_does_not_join_keeps_the_order_of_what_follows():
+    async def main() -> list:
+        queue = DeltaQueue()
+        for item in (delta(0, 1), delta(1, 7), delta(0, 2, prompt_logprobs=[None]),
+                     delta(1, 8), delta(0, 3)):
+            queue.put_nowait(item)
+        return [await queue.get() for _ in range(3)]
+
+    read = asyncio.run(main())
+    assert [(d.index, d.token_ids) for d in read] == [(0, [1]), (1, [7, 8]), (0, [2, 3])]
+    assert read[2].prompt_logprobs == [None]
 
 
 def test_a_slow_reader_gets_fewer_events_and_the_same_completion(checkpoint):
@@ -77,3 +93,28 @@ def test_a_slow_reader_gets_fewer_events_and_the_same_completion(checkpoint):
         assert [lp.token_id for d in deltas for lp in d.logprobs] == want.token_ids
         assert deltas[-1].finish_reason == "length"
     assert len(deltas) < len(want.token_ids) // 2  # 20 ms a read: steps pile up between
+
+
+def test_a_slow_reader_of_n_sequences_gets_each_ones_tokens_joined(checkpoint):
+    engine = LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=64))
+    prompt = engine.encode("The river flows past the old mill")
+    params = SamplingParams(n=3, max_tokens=30, temperature=1.0, seed=11, ignore_eos=True)
+    want = [output.token_ids for output in engine.generate([prompt], params)[0].outputs]
+
+    async def read(pause: float) -> list[SequenceDelta]:
+        served = AsyncEngine(engine)
+        served.start()
+        deltas = []
+        async for item in served.stream(prompt, params):
+            deltas.append(item)
+            await asyncio.sleep(pause)
+        await served.stop()
+        return deltas
+
+    for pause in (0.0, 0.02):
+        deltas = asyncio.run(read(pause))
+        assert [[t for d in deltas if d.index == i for t in d.token_ids]
+                for i in range(3)] == want
+        assert [d.finish_reason for d in deltas if d.finish_reason] == ["length"] * 3
+    assert len(want) == 3 and len(set(map(tuple, want))) > 1  # seeded: three samples
+    assert len(deltas) < sum(map(len, want)) // 2
