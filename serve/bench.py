@@ -13,7 +13,9 @@
     with --quantize int8, llama-server on q8_0; llama.cpp builds it with
     `cmake -B build -DLLAMA_CURL=OFF && cmake --build build --target llama-server`); a
     streaming client at concurrency 1, 4, 16 and 64, reporting output tok/s, time to first
-    token and inter-token latency (p50 / p99, as `vllm bench serve` defines them);
+    token and inter-token latency (p50 / p99, as `vllm bench serve` defines them): all
+    servers up at once, measured in turn in interleaved rounds, each round's ratio against
+    the baseline measured beside it;
 (c) single-stream decode tok/s for the checkpoint's weights, bf16 (on the CPU: half
     weights, float32 compute), int8 and int4, eager, with decode steps
     compiled (`EngineConfig.compile_decode`: CUDA graphs on a GPU) and compiled with
@@ -493,29 +495,40 @@ def server_commands(checkpoint: Path, folder: Path, args: argparse.Namespace,
 
 
 def load_servers(checkpoint: Path, vocab: int, folder: Path, args: argparse.Namespace,
-                 ) -> dict[tuple[str, int], dict[str, float]]:
-    """Each server of `server_commands`, one at a time (each has the cores), under load at
-    each concurrency: the best of `--server-rounds` rounds, by (server, concurrency)."""
-    results: dict[tuple[str, int], dict[str, float]] = {}
-    for index, (name, (command, url)) in enumerate(
-            server_commands(checkpoint, folder, args).items()):
-        started = time.perf_counter()
-        process = server_process(command, url, folder / f"server-{index}.log")
-        print(f"(b) {name}: healthy after {time.perf_counter() - started:.1f} s", flush=True)
-        try:
-            for concurrency in args.concurrency:
-                best = None
-                for round_ in range(args.server_rounds):
-                    # new prompts each round: a prompt seen before would be a prefix-cache hit
-                    load = random_prompts(max(2 * concurrency, 8), *PROMPT_TOKENS, vocab,
-                                          seed=1000 * round_ + concurrency)
-                    r = asyncio.run(load_test(url, load, args.server_tokens, concurrency))
-                    best = r if best is None or r["tok_s"] > best["tok_s"] else best
-                results[name, concurrency] = best
-                print(f"(b) {name}, concurrency {concurrency}: {best['tok_s']:,.0f} tok/s",
-                      flush=True)
-        finally:
+                 ) -> dict[tuple[str, int], list[dict[str, float]]]:
+    """The servers of `server_commands`, all up at once (each started and timed alone),
+    under load at each concurrency in `--server-rounds` interleaved rounds: in a round each
+    server in turn, on the round's prompts (new each round: a prompt seen before would be a
+    prefix-cache hit), after one request of its own to wake it; the others sit idle. This
+    machine's speed drifts by tens of percent over minutes, so a server measured minutes
+    after another can win or lose by the drift alone; the rounds of one server and its
+    baseline are taken seconds apart. Each round's figures, by (server, concurrency)."""
+    results: dict[tuple[str, int], list[dict[str, float]]] = {}
+    servers: dict[str, tuple[str, subprocess.Popen]] = {}
+    try:
+        for index, (name, (command, url)) in enumerate(
+                server_commands(checkpoint, folder, args).items()):
+            started = time.perf_counter()
+            servers[name] = url, server_process(command, url, folder / f"server-{index}.log")
+            print(f"(b) {name}: healthy after {time.perf_counter() - started:.1f} s",
+                  flush=True)
+        for concurrency in args.concurrency:
+            for round_ in range(args.server_rounds):
+                load = random_prompts(max(2 * concurrency, 8), *PROMPT_TOKENS, vocab,
+                                      seed=1000 * round_ + concurrency)
+                for index, (name, (url, _)) in enumerate(servers.items()):
+                    wake = random_prompts(1, *PROMPT_TOKENS, vocab,
+                                          seed=10**6 + 1000 * round_ + 100 * index + concurrency)
+                    asyncio.run(load_test(url, wake, 4, 1))
+                    results.setdefault((name, concurrency), []).append(
+                        asyncio.run(load_test(url, load, args.server_tokens, concurrency)))
+            print(f"(b) concurrency {concurrency}: " + ", ".join(
+                f"{name} {statistics.median(r['tok_s'] for r in results[name, concurrency]):,.0f}"
+                for name in servers) + " tok/s", flush=True)
+    finally:
+        for _, process in servers.values():
             process.terminate()
+        for _, process in servers.values():
             process.wait(timeout=60)
     return results
 
@@ -528,16 +541,24 @@ def server_section(checkpoint: Path, vocab: int, args: argparse.Namespace) -> li
     rows = []
     for concurrency in args.concurrency:
         for name in servers:
-            r = results[name, concurrency]
-            ratio = "" if baseline is None else \
-                f"{r['tok_s'] / results[baseline, concurrency]['tok_s']:.2f}×"
-            rows.append(f"| {concurrency} | {name} | {r['requests']} | {r['tok_s']:,.0f} | "
-                        f"{ratio} | {r['ttft50']:,.0f} / {r['ttft99']:,.0f} | "
-                        f"{r['itl50']:,.1f} / {r['itl99']:,.1f} |")
+            rounds = results[name, concurrency]
+
+            def median(key: str, rounds: list[dict[str, float]] = rounds) -> float:
+                return statistics.median(r[key] for r in rounds)
+            ratio = ""
+            if baseline is not None:  # round by round: each against the baseline beside it
+                ratios = [r["tok_s"] / b["tok_s"]
+                          for r, b in zip(rounds, results[baseline, concurrency], strict=True)]
+                ratio = f"{statistics.median(ratios):.2f}× ({min(ratios):.2f}–{max(ratios):.2f})"
+            rows.append(f"| {concurrency} | {name} | {rounds[0]['requests']} | "
+                        f"{median('tok_s'):,.0f} | {ratio} | "
+                        f"{median('ttft50'):,.0f} / {median('ttft99'):,.0f} | "
+                        f"{median('itl50'):,.1f} / {median('itl99'):,.1f} |")
     return [f"### (b) Servers under load: streaming /v1/completions, prompts of "
             f"{PROMPT_TOKENS[0]}–{PROMPT_TOKENS[1]} tokens, {args.server_tokens} output tokens "
-            "each, the best of "
-            f"{args.server_rounds} rounds, {torch.get_num_threads()} threads", "",
+            f"each; medians of {args.server_rounds} interleaved rounds (the ratio: each "
+            "round's against the baseline's in the same round; in brackets the lowest and "
+            f"highest), {torch.get_num_threads()} threads", "",
             "| concurrency | server | requests | output tok/s | vs llama-server | "
             "TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |",
             "|---:|---|---:|---:|---:|---:|---:|", *rows, ""]
@@ -822,8 +843,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--server-tokens", type=int, default=32)
-    parser.add_argument("--server-rounds", type=int, default=2,
-                        help="(b): load rounds per server and concurrency, the best kept")
+    parser.add_argument("--server-rounds", type=int, default=5,
+                        help="(b): interleaved load rounds per concurrency (medians kept)")
     parser.add_argument("--server-weights", choices=list(SERVER_WEIGHTS), default="f32",
                         help="(b): the servers' weights (bf16: lathe's --dtype bfloat16 "
                              "against llama-server's bf16 GGUF; int8: --quantize int8 against "
