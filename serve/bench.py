@@ -542,18 +542,16 @@ def server_section(checkpoint: Path, vocab: int, args: argparse.Namespace) -> li
     for concurrency in args.concurrency:
         for name in servers:
             rounds = results[name, concurrency]
-
-            def median(key: str, rounds: list[dict[str, float]] = rounds) -> float:
-                return statistics.median(r[key] for r in rounds)
+            median = {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
             ratio = ""
             if baseline is not None:  # round by round: each against the baseline beside it
                 ratios = [r["tok_s"] / b["tok_s"]
                           for r, b in zip(rounds, results[baseline, concurrency], strict=True)]
                 ratio = f"{statistics.median(ratios):.2f}× ({min(ratios):.2f}–{max(ratios):.2f})"
             rows.append(f"| {concurrency} | {name} | {rounds[0]['requests']} | "
-                        f"{median('tok_s'):,.0f} | {ratio} | "
-                        f"{median('ttft50'):,.0f} / {median('ttft99'):,.0f} | "
-                        f"{median('itl50'):,.1f} / {median('itl99'):,.1f} |")
+                        f"{median['tok_s']:,.0f} | {ratio} | "
+                        f"{median['ttft50']:,.0f} / {median['ttft99']:,.0f} | "
+                        f"{median['itl50']:,.1f} / {median['itl99']:,.1f} |")
     return [f"### (b) Servers under load: streaming /v1/completions, prompts of "
             f"{PROMPT_TOKENS[0]}–{PROMPT_TOKENS[1]} tokens, {args.server_tokens} output tokens "
             f"each; medians of {args.server_rounds} interleaved rounds (the ratio: each "

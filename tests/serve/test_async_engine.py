@@ -70,24 +70,27 @@ def test_a_delta_that_does_not_join_keeps_the_order_of_what_follows():
     assert read[2].prompt_logprobs == [None]
 
 
+async def read(engine: LLMEngine, prompt: list[int], params: SamplingParams,
+               pause: float) -> list[SequenceDelta]:
+    """A request's deltas through an `AsyncEngine`, read with `pause` seconds after each."""
+    served = AsyncEngine(engine)
+    served.start()
+    deltas = []
+    async for item in served.stream(prompt, params):
+        deltas.append(item)
+        await asyncio.sleep(pause)
+    await served.stop()
+    return deltas
+
+
 def test_a_slow_reader_gets_fewer_events_and_the_same_completion(checkpoint):
     engine = LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=64))
     prompt = engine.encode("The river flows past the old mill")
     params = SamplingParams(max_tokens=40, temperature=0, logprobs=1, ignore_eos=True)
     want = engine.generate([prompt], params)[0].outputs[0]
 
-    async def read(pause: float) -> list[SequenceDelta]:
-        served = AsyncEngine(engine)
-        served.start()
-        deltas = []
-        async for item in served.stream(prompt, params):
-            deltas.append(item)
-            await asyncio.sleep(pause)
-        await served.stop()
-        return deltas
-
     for pause in (0.0, 0.02):
-        deltas = asyncio.run(read(pause))
+        deltas = asyncio.run(read(engine, prompt, params, pause))
         assert [t for d in deltas for t in d.token_ids] == want.token_ids
         assert "".join(d.text for d in deltas) == want.text
         assert [lp.token_id for d in deltas for lp in d.logprobs] == want.token_ids
@@ -101,18 +104,8 @@ def test_a_slow_reader_of_n_sequences_gets_each_ones_tokens_joined(checkpoint):
     params = SamplingParams(n=3, max_tokens=30, temperature=1.0, seed=11, ignore_eos=True)
     want = [output.token_ids for output in engine.generate([prompt], params)[0].outputs]
 
-    async def read(pause: float) -> list[SequenceDelta]:
-        served = AsyncEngine(engine)
-        served.start()
-        deltas = []
-        async for item in served.stream(prompt, params):
-            deltas.append(item)
-            await asyncio.sleep(pause)
-        await served.stop()
-        return deltas
-
     for pause in (0.0, 0.02):
-        deltas = asyncio.run(read(pause))
+        deltas = asyncio.run(read(engine, prompt, params, pause))
         assert [[t for d in deltas if d.index == i for t in d.token_ids]
                 for i in range(3)] == want
         assert [d.finish_reason for d in deltas if d.finish_reason] == ["length"] * 3
