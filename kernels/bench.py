@@ -301,9 +301,10 @@ def _document_attention_case(s: Sizes, device: str, dtype: torch.dtype, compile:
 
 
 def cases(sizes: Sizes, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
-          compile: bool = True) -> list[Case]:
-    """Every kernel's case at `sizes`; every implementation in a case computes the same."""
-    return [
+          compile: bool = True, only: list[str] | None = None) -> list[Case]:
+    """Every kernel's case at `sizes` (or those whose name contains a word of `only`); every
+    implementation in a case computes the same."""
+    every = [
         *_norm_cases(sizes, device, dtype, compile),
         _rope_case(sizes, device, dtype, compile),
         _cross_entropy_case(sizes, device, dtype, compile),
@@ -315,6 +316,7 @@ def cases(sizes: Sizes, device: str = "cuda", dtype: torch.dtype = torch.bfloat1
         _paged_case("paged_decode, one long sequence", 1, sizes.long_context, sizes, device,
                     dtype, compile),
     ]
+    return [case for case in every if not only or any(word in case.name for word in only)]
 
 
 def _outputs(result: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
@@ -343,9 +345,9 @@ def measure(fn: Callable, backward: bool) -> tuple[float, float | None, float]:
     return forward, both, (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
-def run(sizes: Sizes, write: bool) -> str:
+def run(sizes: Sizes, write: bool, only: list[str] | None = None) -> str:
     lines = []
-    for case in cases(sizes):
+    for case in cases(sizes, only=only):
         for impl, fn in case.impls.items():
             try:
                 forward, both, peak = measure(fn, case.backward)
@@ -578,8 +580,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in vars(defaults).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
     parser.add_argument("--no-write", dest="write", action="store_false")
+    parser.add_argument("--only", type=lambda text: text.split(","), default=None,
+                        help="on a GPU, only the kernels whose name contains one of these "
+                             "comma-separated words, e.g. 'attention,paged'")
     args = vars(parser.parse_args(argv))
-    write = args.pop("write")
+    write, only = args.pop("write"), args.pop("only")
     if not torch.cuda.is_available():
         if not load_cpu_kernels():
             print("lathe.kernels.bench measures Triton kernels on a CUDA GPU, none is "
@@ -593,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
                       + cpu_argmax_cases(CPU_ARGMAX_SHAPES)
                       + cpu_elementwise_cases(CPU_PREFILL_SHAPES), write))
         return 0
-    print(run(Sizes(**args), write))
+    print(run(Sizes(**args), write, only))
     return 0
 
 

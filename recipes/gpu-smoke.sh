@@ -94,8 +94,11 @@ step distill lathe distill --config recipes/distill/e2e.yaml --out_dir "$OUT/dis
 
 serve_burst() {
     # The interpreter itself, not the `lathe` function's subshell, so that `kill` reaches
-    # the server and its KV cache's GPU memory is free for the steps after this one.
-    "$PY" -m lathe.core serve "$OUT/sft/final" --port "$PORT" --log-level warning &
+    # the server and its KV cache's GPU memory is free for the steps after this one. A fixed
+    # KV budget (the burst needs a few MiB) rather than 90% of the card, so that tests can
+    # share the GPU with it.
+    "$PY" -m lathe.core serve "$OUT/sft/final" --port "$PORT" --log-level warning \
+        --kv-cache-memory-mb 1024 &
     local server=$!
     "$PY" - "$PORT" <<'PY'
 import asyncio, sys, time

@@ -47,8 +47,10 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
                             "--max-num-batched-tokens")
     group.add_argument("--block-size", type=int, default=EngineConfig.block_size)
     group.add_argument("--kv-cache-memory-mb", type=float,
-                       help="KV budget off-GPU (default: what --max-num-seqs sequences of "
-                            f"the model's full length take, at most {DEFAULT_KV_MB} MiB)")
+                       help="KV budget, on a GPU too (default: on a GPU, the share "
+                            "--gpu-memory-utilization leaves; off it, what --max-num-seqs "
+                            "sequences of the model's full length take, at most "
+                            f"{DEFAULT_KV_MB} MiB)")
     group.add_argument("--gpu-memory-utilization", type=float,
                        default=EngineConfig.gpu_memory_utilization)
     group.add_argument("--enforce-eager", action="store_true",

@@ -68,11 +68,12 @@ class RequestError(ValueError):
 class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None  # default: sized from the memory budget below
-    # KV budget off-GPU; by default what max_num_seqs sequences of the model's full length
-    # take, at most DEFAULT_KV_MB (a budget too small for the batch preempts under load:
-    # 256 MiB held 22 of 64 concurrent 160-token requests on a 88M model)
+    # KV budget, on any device (vLLM's kv_cache_memory_bytes). Unset: on CUDA the share of
+    # the card gpu_memory_utilization leaves; off-GPU what max_num_seqs sequences of the
+    # model's full length take, at most DEFAULT_KV_MB (a budget too small for the batch
+    # preempts under load: 256 MiB held 22 of 64 concurrent 160-token requests on a 88M model)
     kv_cache_memory_mb: float | None = None
-    gpu_memory_utilization: float = 0.9  # on CUDA: fraction of device memory to fill
+    gpu_memory_utilization: float = 0.9  # on CUDA, kv_cache_memory_mb unset: fraction to fill
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     # with decodes running, a step lasts at most this many decode-only steps: its prefill
@@ -206,7 +207,10 @@ class LLMEngine:
         """Blocks that fit the KV budget (a draft model's KV takes its share per block)."""
         per_block = sum(KVSlabs.bytes_per_block(m.config, self.config.block_size, dtype)
                         for m in (self.model, draft) if m is not None)
-        if self.device.type == "cuda":
+        on_gpu_share = self.device.type == "cuda" and self.config.kv_cache_memory_mb is None
+        if self.config.kv_cache_memory_mb is not None:  # a set budget wins, on a GPU too
+            budget = self.config.kv_cache_memory_mb * 2**20
+        elif self.device.type == "cuda":
             gc.collect()  # an engine dropped but held in a reference cycle frees its cache now
             free, total = torch.cuda.mem_get_info(self.device)
             # what torch's caching allocator holds unused (an earlier engine's freed cache,
@@ -214,8 +218,6 @@ class LLMEngine:
             free += (torch.cuda.memory_reserved(self.device)
                      - torch.cuda.memory_allocated(self.device))
             budget = free - (1 - self.config.gpu_memory_utilization) * total
-        elif self.config.kv_cache_memory_mb is not None:
-            budget = self.config.kv_cache_memory_mb * 2**20
         else:
             per_sequence = -(-self.model.config.max_seq_len // self.config.block_size)
             budget = min(DEFAULT_KV_MB * 2**20,
@@ -226,8 +228,7 @@ class LLMEngine:
                      f"gpu_memory_utilization={self.config.gpu_memory_utilization} keeps "
                      f"{(1 - self.config.gpu_memory_utilization) * total / 2**30:.1f} GiB back; "
                      "free the memory another model or engine holds, or raise "
-                     "gpu_memory_utilization") if self.device.type == "cuda" else \
-                "raise kv_cache_memory_mb"
+                     "gpu_memory_utilization") if on_gpu_share else "raise kv_cache_memory_mb"
             raise RequestError(f"the KV-cache budget ({budget / 2**20:.0f} MiB) holds no block "
                                f"of {per_block / 2**20:.2f} MiB: {where}")
         return blocks

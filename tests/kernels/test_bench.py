@@ -32,6 +32,15 @@ def test_every_implementation_in_a_case_computes_the_same():
             bench._step(case.impls["triton"], backward=True)()
 
 
+def test_only_picks_the_cases_whose_name_holds_one_of_its_words():
+    picked = bench.cases(TINY, device=DEVICE, dtype=torch.float32, compile=False,
+                         only=["attention", "paged"])
+    assert [case.name for case in picked] == [
+        "causal_attention", "causal_attention, packed documents", "paged_decode",
+        "paged_decode, one long sequence"]
+    assert len(bench.cases(TINY, device=DEVICE, dtype=torch.float32, compile=False)) > 4
+
+
 def test_on_cpu_the_native_kernels_are_timed_against_their_references():
     from lathe.kernels.cpu_native import load_cpu_kernels
     if not load_cpu_kernels():

@@ -331,3 +331,14 @@ def test_the_default_kv_budget_holds_max_num_seqs_full_sequences_up_to_a_cap(mon
     given = LLMEngine(model, config=EngineConfig(max_num_seqs=3, kv_cache_memory_mb=(
         8 * per_block / 2**20)))
     assert len(given.block_manager.blocks) == 7  # the slabs' scratch block is in the budget
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_a_set_kv_budget_sizes_the_cache_instead_of_the_cards_share():
+    model = serve_model(256).cuda()
+    share = LLMEngine(model, config=EngineConfig(max_num_seqs=3))
+    per_block = share.slabs.nbytes // (len(share.block_manager.blocks) + 1)
+    assert len(share.block_manager.blocks) > 1000  # 90% of a card: far beyond 3 sequences
+    del share
+    given = LLMEngine(model, config=EngineConfig(kv_cache_memory_mb=8 * per_block / 2**20))
+    assert len(given.block_manager.blocks) == 7
