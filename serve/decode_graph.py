@@ -59,7 +59,7 @@ from torch import Tensor
 
 import lathe.kernels
 import lathe.model
-from lathe.kernels import PLAIN, AttentionVariant, paged_decode
+from lathe.kernels import AttentionVariant, paged_decode
 from lathe.kernels.cpu_native import cpu_kernels_loaded
 from lathe.kernels.dispatch import policy, use_cpu_kernel
 from lathe.kernels.paged_attention import native_paged_decode
@@ -119,8 +119,11 @@ class StaticDecodeBatch:
     def prepare(self, input_ids: Tensor, positions: Tensor | None) -> Tensor:
         return self.positions[None]
 
+    # `variant` has no default: this view is made inside the compiled step, and dynamo
+    # (torch 2.11, the CUDA path) cannot wrap a default of a method of an object made there
+    # ("SourcelessBuilder ... AttentionVariant"), so every CUDA-graph step failed to trace
     def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor,
-               variant: AttentionVariant = PLAIN) -> Tensor:
+               variant: AttentionVariant) -> Tensor:
         k_slab, v_slab = self.slabs.k[layer_idx], self.slabs.v[layer_idx]
         k_slab.index_copy_(0, self.slots, k[0].transpose(0, 1).to(k_slab.dtype))
         v_slab.index_copy_(0, self.slots, v[0].transpose(0, 1).to(v_slab.dtype))
