@@ -128,18 +128,20 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, variant: AttentionVariant 
     sliding window, another scale, soft-capped scores; those take the reference), within
     each query's document when `document_starts` is given (packed rows).
 
-    A chunk after cached context (Sq < Sk: chunked prefill, verification of drafts) may
-    take the Triton kernel on CUDA, where SDPA needs an explicit mask; the defaults table
-    leaves it off until that case is measured (`LATHE_KERNELS_ENABLE=causal_attention`).
     Square causal attention (training, a first prefill) takes SDPA everywhere: its
-    FlashAttention backend beat the kernel on an H100 (852 vs 1,376 µs forward+backward in
-    bf16; docs/benchmarks.md). Packed rows take the kernel where it is on: it skips the
-    tiles between documents that masked SDPA computes."""
+    FlashAttention backend beats the kernel (807 vs 1,326 µs forward+backward in bf16 on an
+    H200; docs/benchmarks.md). Two cases may take the Triton kernel on CUDA, each under its
+    own name in the defaults table: a chunk after cached context (Sq < Sk: chunked prefill,
+    verification of drafts; `causal_attention`), where SDPA needs an explicit mask, and
+    packed rows (`document_attention`), where the kernel skips the tiles between documents
+    that masked SDPA computes."""
     check_same_dtype("causal_attention", q=q, k=k, v=v)
     if document_starts is not None:
         check_shapes(q, k, v, document_starts)
-    kernel_case = q.shape[2] < k.shape[2] or document_starts is not None
-    if variant == PLAIN and kernel_case and use_triton("causal_attention", q):
+        kernel = "document_attention"
+    else:
+        kernel = "causal_attention" if q.shape[2] < k.shape[2] else None
+    if variant == PLAIN and kernel is not None and use_triton(kernel, q):
         from lathe.kernels.attention_triton import causal_attention_triton
         return causal_attention_triton(q, k, v, document_starts)
     return causal_attention_reference(q, k, v, variant, document_starts)

@@ -24,8 +24,8 @@ class Default:
     command: str
 
 
-H100 = "2026-11-24, NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, bf16"
 H200 = "2026-11-26, NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, bf16"
+H200_LATE = "2026-11-27, NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0, bf16"
 CPU = "2026-11-25, AMD EPYC (AVX-512), 2 threads, torch 2.13.0+cpu, float32"
 CPU_LATE = "2026-11-24 (late), x86_64, 2 threads, torch 2.13.0+cpu, float32"
 CPU_NOW = ("2026-11-26, AMD EPYC (AVX-512), 2 threads, torch 2.13.0+cpu, float32, cores "
@@ -54,9 +54,16 @@ DEFAULTS: dict[tuple[str, str], Default] = {
         False, "8192 x 2048 -> 128256, forward+backward 110,731 us; torch.compile 21,170 "
         "(same 2.5 GiB peak), Liger 29,830, eager 30,737 (12.0 GiB)", H200, BENCH),
     ("causal_attention", "cuda"): Default(
-        False, "4 x 2048 tokens, 32/8 heads of 64, forward+backward 1,376 us; SDPA 852, "
-        "torch.compile 862 (square attention; chunks after cached context and packed rows of "
-        "documents, the cases dispatched to it, not measured)", H100, BENCH),
+        False, "4 x 2048 tokens, 32/8 heads of 64, square, forward+backward 1,326 us; SDPA "
+        "808, torch.compile 808 (H100: 1,376 against 852) — square attention takes SDPA "
+        "whatever this says; the case dispatched here, a chunk after cached context, is not "
+        "measured", H200_LATE, BENCH),
+    ("document_attention", "cuda"): Default(
+        False, "4 rows of 2048 tokens packed with documents of 1/16 to 1/4 of a row, 32/8 "
+        "heads of 64, forward+backward 1,260 us; SDPA under the block-diagonal mask 2,021, "
+        "torch.compile 1,917; forward 121 against 642 and 531 — a win, off until a GPU run "
+        "with it on passes recipes/gpu-smoke.sh and a packed training run",
+        H200_LATE, BENCH + " --only attention"),
     ("int8_matmul", "cuda"): Default(
         True, "32 x 2048 -> 8192, 51.9 us; torch.compile 102.0, eager dequantize + matmul "
         "141.3; 1 row 51.6 against 90.7 and 141.4 (dense bf16, which it does not replace: "
@@ -65,8 +72,9 @@ DEFAULTS: dict[tuple[str, str], Default] = {
         True, "32 x 2048 -> 8192, 24.7 us; torch.compile 86.3, eager dequantize + matmul "
         "232.3; 1 row 42.9 against 146.0 and 232.4 (dense bf16: 16.8)", H200, BENCH),
     ("paged_decode", "cuda"): Default(
-        True, "32 x 2,048 tokens, 90 us; torch.compile 158, gather + SDPA 181; one 32k "
-        "sequence 63 against 112 and 115", H100, BENCH),
+        True, "32 x 2,048 tokens, 51 us; torch.compile 113, gather + SDPA 157; one 32k "
+        "sequence 70 against 146 and 294 (H100: 90 against 158 and 181)", H200_LATE,
+        BENCH + " --only paged"),
     ("rms_norm", "cpu"): Default(
         True, "1440 tokens of 128, 13.1 us; torch.compile 51.1, eager 56.5", CPU, BENCH),
     ("add_rms_norm", "cpu"): Default(

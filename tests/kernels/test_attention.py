@@ -165,6 +165,28 @@ def test_model_prefill_chunks_and_decode_through_the_kernel_match_kernels_off(mo
     torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
+def test_packed_rows_and_chunks_after_context_are_switched_by_their_own_names(monkeypatch):
+    """Each case the kernel takes has its own entry (measured apart): turning one off leaves
+    the other on the kernel."""
+    import lathe.kernels.attention_triton as attention_triton
+    enable_kernels(monkeypatch)
+    calls = []
+    kernel = attention_triton.causal_attention_triton
+    monkeypatch.setattr(attention_triton, "causal_attention_triton",
+                        lambda *args: calls.append("packed" if args[3] is not None
+                                                   else "chunk") or kernel(*args))
+    q, k, v = qkv(1, 4, 2, 24, 24, 16, torch.float32)
+    starts = document_starts(row_documents((3, 9, 12)))
+    with kernels_off("document_attention"):
+        causal_attention(q, k, v, document_starts=starts)
+        causal_attention(q[:, :, 8:], k, v)
+    assert calls == ["chunk"]
+    with kernels_off("causal_attention"):
+        causal_attention(q, k, v, document_starts=starts)
+        causal_attention(q[:, :, 8:], k, v)
+    assert calls == ["chunk", "packed"]
+
+
 @pytest.mark.parametrize("kernels", ["0", "force"])
 def test_mixed_dtypes_are_refused_on_every_device(kernels, monkeypatch):
     """`tl.dot` refuses bf16 q against fp32 k/v on a GPU; the dispatch refuses it everywhere,
