@@ -170,8 +170,11 @@ class DecodeGraphs:
                 # imported here: it imports inductor (~1.2 s), which an eager engine never needs
                 from lathe.kernels.decode_linear_pass import DecodeLinearPass
                 options["post_grad_custom_post_pass"] = DecodeLinearPass()
-            self._compiler = torch.compile(self._forward, fullgraph=True, dynamic=False,
-                                           options=options)
+            # torch 2.11 attaches `aot_compile` to the compiled function only under this
+            # switch (on by default from 2.13); without it the engine served eagerly
+            with torch._dynamo.config.patch(enable_aot_compile=True):
+                self._compiler = torch.compile(self._forward, fullgraph=True, dynamic=False,
+                                               options=options)
             self._options = sorted(options)
 
     @property
