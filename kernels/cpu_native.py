@@ -23,6 +23,12 @@ takes ~20-90 s once (2 cores). It cannot hang a start:
   (600; `LATHE_KERNEL_BUILD_WAIT` overrides it).
 - The build happens in a private folder and the library is published by one rename, so
   nobody ever loads half a library.
+- Before it is published, a process of its own loads it and calls an op with an input it
+  refuses, which must raise: on one GPU machine's toolchain (Ubuntu 24.04's GCC 13.3,
+  torch 2.11) every extension built there died of SIGSEGV formatting a TORCH_CHECK
+  message, so a refused input would have killed a server instead of failing a request. A
+  library that fails this is not used, and the verdict is kept in the folder
+  (`refused.txt`), so later starts fall back at once instead of building again.
 - Failing, or waiting too long, warns once and keeps the PyTorch reference paths;
   `build_status()` says what a start is waiting for meanwhile (the server's /health shows it).
 """
@@ -33,6 +39,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -43,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from lathe.core.atomic import atomic_file
 from lathe.core.errors import ConfigError
 from lathe.kernels.dispatch import opaque_op, use_cpu_kernel
 
@@ -65,6 +73,18 @@ _ISA_FLAGS = {
 
 BUILD_WAIT_SECONDS = 600.0  # how long a start waits for another process's build
 LIBRARY = "lathe_cpu_kernels"
+REFUSED = "refused.txt"  # in a build folder: why its library is not used
+# run as `python -c ERROR_PATH_PROBE LIBRARY`: exits 0 when a refused input raises
+ERROR_PATH_PROBE = """
+import sys, torch
+from lathe.kernels.argmax import argmax_cpu
+torch.ops.load_library(sys.argv[1])
+try:
+    argmax_cpu(torch.zeros(1, 1, dtype=torch.float64))
+except RuntimeError:
+    sys.exit(0)
+sys.exit("argmax_cpu took a float64 input it must refuse")
+"""
 
 _loaded: bool | None = None  # None: not tried yet
 _status: str | None = None  # what loading is busy with, for /health
@@ -81,7 +101,8 @@ def load_cpu_kernels() -> bool:
         # it shares torch's threads (and `torch.set_num_threads`)
         cflags = ["-O3", "-ffast-math", "-fopenmp", *_ISA_FLAGS.get(isa, [])]
         try:
-            build_library(build_folder(isa, cflags), _SOURCES, cflags, ["-fopenmp"])
+            build_library(build_folder(isa, cflags), _SOURCES, cflags, ["-fopenmp"],
+                          ERROR_PATH_PROBE)
             _loaded = True
             _check_threads()
         except (RuntimeError, OSError, ImportError, TimeoutError) as error:
@@ -126,25 +147,31 @@ def stale_torch_build_locks() -> list[Path]:
 
 
 def build_library(folder: Path, sources: list[Path], cflags: list[str],
-                  ldflags: list[str]) -> None:
+                  ldflags: list[str], probe: str | None = None) -> None:
     """Load `folder`'s published library into this process, building it first (once, by
-    one process, under `folder/build.lock`) when it is not there."""
+    one process, under `folder/build.lock`) when it is not there; with `probe`, Python code
+    run on the built library in a process of its own, which must exit 0 for the library to
+    be published (RuntimeError otherwise, now and on every later call)."""
     global _status
     library = folder / f"{LIBRARY}.so"
+    if (folder / REFUSED).is_file():
+        raise RuntimeError(f"{(folder / REFUSED).read_text().strip()} (delete {folder} to "
+                           "build it again)")
     if not library.is_file():
         folder.mkdir(parents=True, exist_ok=True)
         with build_lock(folder / "build.lock", _build_wait()):
             if not library.is_file():
                 _status = f"building lathe's native CPU kernels into {folder} (once, ~1 min)"
                 print(f"lathe: {_status}", file=sys.stderr, flush=True)
-                _build(folder, library, sources, cflags, ldflags)
+                _build(folder, library, sources, cflags, ldflags, probe)
                 return  # the build loaded it
     torch.ops.load_library(str(library))
 
 
 def _build(folder: Path, library: Path, sources: list[Path], cflags: list[str],
-           ldflags: list[str]) -> None:
-    """Build in a private folder (loading the result), then publish it by one rename."""
+           ldflags: list[str], probe: str | None) -> None:
+    """Build in a private folder (loading the result), check it with `probe`, then publish
+    it by one rename."""
     from torch.utils import cpp_extension
 
     for leftover in folder.glob("build-*"):  # of builds that died holding the lock
@@ -155,9 +182,27 @@ def _build(folder: Path, library: Path, sources: list[Path], cflags: list[str],
                            extra_cflags=cflags, extra_ldflags=ldflags,
                            build_directory=str(private), is_python_module=False,
                            verbose=False)
+        if probe is not None:
+            _check(private / f"{LIBRARY}.so", probe, folder)
         os.replace(private / f"{LIBRARY}.so", library)
     finally:
         shutil.rmtree(private, ignore_errors=True)
+
+
+def _check(built: Path, probe: str, folder: Path) -> None:
+    """Run `probe` on `built` in a process of its own; if it fails, record why in the
+    folder's REFUSED file and raise."""
+    result = subprocess.run([sys.executable, "-c", probe, str(built)], capture_output=True,
+                            text=True, timeout=300)
+    if result.returncode == 0:
+        return
+    how = (f"killed by signal {-result.returncode}" if result.returncode < 0 else
+           f"exit {result.returncode}: {(result.stderr.strip().splitlines() or [''])[-1]}")
+    reason = (f"the native CPU kernels built in {folder} failed their check in a process of "
+              f"their own ({how}): an op given an input it refuses must raise")
+    with atomic_file(folder / REFUSED) as tmp:
+        tmp.write_text(reason + "\n")
+    raise RuntimeError(reason)
 
 
 def _build_wait() -> float:

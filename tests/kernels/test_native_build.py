@@ -69,6 +69,32 @@ def test_a_live_builder_is_waited_for_only_so_long(tmp_path):
         holder.wait()
 
 
+def test_a_library_that_fails_its_check_is_not_published_nor_built_again(tmp_path,
+                                                                          monkeypatch):
+    """A build whose check process dies (as every extension built by one GPU machine's
+    toolchain died on its first refused input) is recorded as refused; the next start
+    raises at once instead of building it again, and a passing check publishes."""
+    from torch.utils import cpp_extension
+    builds = []
+
+    def fake_load(name, sources, build_directory, **_):  # the compiler's part, not tested
+        builds.append(name)
+        Path(build_directory, f"{name}.so").write_bytes(b"not a real library")
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: None)
+    folder = tmp_path / "cpu-test"
+    dies = "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"
+    with pytest.raises(RuntimeError, match="killed by signal 11"):
+        cpu_native.build_library(folder, [], [], [], dies)
+    assert builds == [cpu_native.LIBRARY] and not (folder / f"{cpu_native.LIBRARY}.so").exists()
+    with pytest.raises(RuntimeError, match=f"signal 11.*delete {folder}"):
+        cpu_native.build_library(folder, [], [], [], dies)
+    assert len(builds) == 1
+    passes = "import sys, pathlib; sys.exit(not pathlib.Path(sys.argv[1]).is_file())"
+    cpu_native.build_library(tmp_path / "cpu-other", [], [], [], passes)
+    assert (tmp_path / "cpu-other" / f"{cpu_native.LIBRARY}.so").is_file()
+
+
 def test_environments_torch_versions_and_flags_build_apart(monkeypatch):
     here = build_folder("AVX2", ["-O3"])
     assert build_folder("AVX2", ["-O3"]) == here
