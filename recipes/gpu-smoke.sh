@@ -144,8 +144,10 @@ kernels() {
     fi
 }
 step kernel-tests kernels
-# decode steps captured as CUDA graphs against eager, token for token
-step decode-graphs "$PY" -m pytest -q tests/serve/test_decode_graph.py
+# decode steps captured as CUDA graphs against eager, token for token, and the engine's KV
+# budget on a GPU (the file's CPU tests are CI's: on a GPU machine they only cost minutes)
+step decode-graphs "$PY" -m pytest -q tests/serve/test_decode_graph.py tests/serve/test_engine.py \
+    -k cuda
 
 if [ $failed -eq 0 ]; then echo "gpu-smoke: all steps passed"; else echo "gpu-smoke: FAILED"; fi
 exit $failed
