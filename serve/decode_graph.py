@@ -36,9 +36,9 @@ after it. Off CUDA each compiled graph is saved under `cache_root()` (the user's
 as inductor's; torch deserializes it) keyed by everything the graph was traced from — torch
 and Python versions, the CPU's ISA, the sources of lathe's model, its kernels and this
 module, the module tree with every tensor's shape and dtype, the KV slabs' layout, the
-kernel policy, the compile options, grad and autocast mode, the bucket — so a second start
-loads each graph in milliseconds instead of compiling it; a file that does not load is
-compiled again and overwritten.
+kernel policy, the compile options, the thread count, grad and autocast mode, the bucket —
+so a second start loads each graph in milliseconds instead of compiling it; a file that
+does not load is compiled again and overwritten.
 """
 
 from __future__ import annotations
@@ -305,5 +305,7 @@ class DecodeGraphs:
                      # sorted: a frozenset's order changes from one process to the next
                      sorted((device, sorted(on)) for device, on in kernels.on.items()),
                      kernels.force, cpu_kernels_loaded(), self._options,
-                     torch.get_default_dtype(), torch.is_grad_enabled(),
+                     # inductor writes the thread count into the graph's parallel loops
+                     torch.get_num_threads(), torch.get_default_dtype(),
+                     torch.is_grad_enabled(),
                      torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))

@@ -209,6 +209,20 @@ def test_a_second_start_loads_its_graphs_from_the_cache(tmp_path, monkeypatch, c
     assert files[0].read_bytes() != b"not a compiled graph"
 
 
+def test_a_cached_graph_is_keyed_by_the_thread_count_it_was_compiled_for():
+    """Inductor writes the thread count into a CPU graph's parallel loops: a graph compiled
+    in a 2-thread process and loaded by a 1-thread one would still run on 2."""
+    graphs = engine_pair(serve_model(256))[1].runner.graphs
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = graphs._describe()
+        torch.set_num_threads(2)
+        assert graphs._describe() != one
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.slow
 def test_a_graph_built_after_warm_up_is_counted_late(tmp_path, monkeypatch):
     monkeypatch.setenv("LATHE_CACHE_DIR", str(tmp_path))
