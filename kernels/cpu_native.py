@@ -27,7 +27,7 @@ takes ~20-90 s once (2 cores). It cannot hang a start:
   refuses, which must raise: on one GPU machine's toolchain (Ubuntu 24.04's GCC 13.3,
   torch 2.11) every extension built there died of SIGSEGV formatting a TORCH_CHECK
   message, so a refused input would have killed a server instead of failing a request. A
-  library that fails this is not used, and the verdict is kept in the folder
+  library that fails this is not used; when it crashed, the verdict is kept in the folder
   (`refused.txt`), so later starts fall back at once instead of building again.
 - Failing, or waiting too long, warns once and keeps the PyTorch reference paths;
   `build_status()` says what a start is waiting for meanwhile (the server's /health shows it).
@@ -39,6 +39,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -74,8 +75,9 @@ _ISA_FLAGS = {
 BUILD_WAIT_SECONDS = 600.0  # how long a start waits for another process's build
 LIBRARY = "lathe_cpu_kernels"
 REFUSED = "refused.txt"  # in a build folder: why its library is not used
+PROBE_VERDICT = "argmax_cpu took a float64 input it must refuse"
 # run as `python -c ERROR_PATH_PROBE LIBRARY`: exits 0 when a refused input raises
-ERROR_PATH_PROBE = """
+ERROR_PATH_PROBE = f"""
 import sys, torch
 from lathe.kernels.argmax import argmax_cpu
 torch.ops.load_library(sys.argv[1])
@@ -83,8 +85,10 @@ try:
     argmax_cpu(torch.zeros(1, 1, dtype=torch.float64))
 except RuntimeError:
     sys.exit(0)
-sys.exit("argmax_cpu took a float64 input it must refuse")
+sys.exit({PROBE_VERDICT!r})
 """
+# the signals of a process that crashed, as opposed to one killed from outside
+CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGABRT, signal.SIGFPE}
 
 _loaded: bool | None = None  # None: not tried yet
 _status: str | None = None  # what loading is busy with, for /health
@@ -190,18 +194,27 @@ def _build(folder: Path, library: Path, sources: list[Path], cflags: list[str],
 
 
 def _check(built: Path, probe: str, folder: Path) -> None:
-    """Run `probe` on `built` in a process of its own; if it fails, record why in the
-    folder's REFUSED file and raise."""
-    result = subprocess.run([sys.executable, "-c", probe, str(built)], capture_output=True,
-                            text=True, timeout=300)
+    """Run `probe` on `built` in a process of its own and raise if it fails. A crash (a
+    fatal signal) or the probe's own verdict is recorded in the folder's REFUSED file: the
+    same build would fail again. A kill from outside (the OOM killer), a timeout or an
+    import failure is not: the next start builds and checks again."""
+    try:
+        result = subprocess.run([sys.executable, "-c", probe, str(built)],
+                                capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"the check of the native CPU kernels built in {folder} gave no "
+                           "answer in 300 s") from None
     if result.returncode == 0:
         return
-    how = (f"killed by signal {-result.returncode}" if result.returncode < 0 else
-           f"exit {result.returncode}: {(result.stderr.strip().splitlines() or [''])[-1]}")
+    last = (result.stderr.strip().splitlines() or [""])[-1]
+    crashed = -result.returncode in CRASH_SIGNALS
+    how = f"killed by signal {-result.returncode}" if result.returncode < 0 else \
+        f"exit {result.returncode}: {last}"
     reason = (f"the native CPU kernels built in {folder} failed their check in a process of "
               f"their own ({how}): an op given an input it refuses must raise")
-    with atomic_file(folder / REFUSED) as tmp:
-        tmp.write_text(reason + "\n")
+    if crashed or last == PROBE_VERDICT:
+        with atomic_file(folder / REFUSED) as tmp:
+            tmp.write_text(reason + "\n")
     raise RuntimeError(reason)
 
 

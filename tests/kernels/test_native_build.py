@@ -90,6 +90,14 @@ def test_a_library_that_fails_its_check_is_not_published_nor_built_again(tmp_pat
     with pytest.raises(RuntimeError, match=f"signal 11.*delete {folder}"):
         cpu_native.build_library(folder, [], [], [], dies)
     assert len(builds) == 1
+    killed = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"  # the OOM killer
+    with pytest.raises(RuntimeError, match="killed by signal 9"):
+        cpu_native.build_library(tmp_path / "cpu-killed", [], [], [], killed)
+    assert not (tmp_path / "cpu-killed" / cpu_native.REFUSED).exists()  # tried again later
+    verdict = f"import sys; sys.exit({cpu_native.PROBE_VERDICT!r})"
+    with pytest.raises(RuntimeError, match="must refuse"):
+        cpu_native.build_library(tmp_path / "cpu-accepts", [], [], [], verdict)
+    assert (tmp_path / "cpu-accepts" / cpu_native.REFUSED).exists()
     passes = "import sys, pathlib; sys.exit(not pathlib.Path(sys.argv[1]).is_file())"
     cpu_native.build_library(tmp_path / "cpu-other", [], [], [], passes)
     assert (tmp_path / "cpu-other" / f"{cpu_native.LIBRARY}.so").is_file()
