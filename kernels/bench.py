@@ -316,7 +316,12 @@ def cases(sizes: Sizes, device: str = "cuda", dtype: torch.dtype = torch.bfloat1
         _paged_case("paged_decode, one long sequence", 1, sizes.long_context, sizes, device,
                     dtype, compile),
     ]
-    return [case for case in every if not only or any(word in case.name for word in only)]
+    return picked(every, only)
+
+
+def picked(cases: list[Case], only: list[str] | None) -> list[Case]:
+    """The cases whose name contains one of the words of `only` (all of them without it)."""
+    return [case for case in cases if not only or any(word in case.name for word in only)]
 
 
 def _outputs(result: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
@@ -581,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
     parser.add_argument("--no-write", dest="write", action="store_false")
     parser.add_argument("--only", type=lambda text: text.split(","), default=None,
-                        help="on a GPU, only the kernels whose name contains one of these "
+                        help="only the kernels whose name contains one of these "
                              "comma-separated words, e.g. 'attention,paged'")
     args = vars(parser.parse_args(argv))
     write, only = args.pop("write"), args.pop("only")
@@ -592,11 +597,12 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         print("No CUDA GPU here: timing the native CPU kernels instead of Triton's.")
         int8_shapes = [shape for shape in CPU_LINEAR_SHAPES if shape[0] <= MAX_ROWS]
-        print(run_cpu(cpu_paged_cases(CPU_PAGED_SHAPES) + cpu_linear_cases(CPU_LINEAR_SHAPES)
-                      + cpu_int8_linear_cases(int8_shapes)
-                      + cpu_bf16_linear_cases(CPU_BF16_LINEAR_SHAPES)
-                      + cpu_argmax_cases(CPU_ARGMAX_SHAPES)
-                      + cpu_elementwise_cases(CPU_PREFILL_SHAPES), write))
+        print(run_cpu(picked(cpu_paged_cases(CPU_PAGED_SHAPES)
+                             + cpu_linear_cases(CPU_LINEAR_SHAPES)
+                             + cpu_int8_linear_cases(int8_shapes)
+                             + cpu_bf16_linear_cases(CPU_BF16_LINEAR_SHAPES)
+                             + cpu_argmax_cases(CPU_ARGMAX_SHAPES)
+                             + cpu_elementwise_cases(CPU_PREFILL_SHAPES), only), write))
         return 0
     print(run(Sizes(**args), write, only))
     return 0

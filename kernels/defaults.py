@@ -57,7 +57,7 @@ DEFAULTS: dict[tuple[str, str], Default] = {
         False, "4 x 2048 tokens, 32/8 heads of 64, square, forward+backward 1,326 us; SDPA "
         "808, torch.compile 808 (H100: 1,376 against 852) — square attention takes SDPA "
         "whatever this says; the case dispatched here, a chunk after cached context, is not "
-        "measured", H200_LATE, BENCH),
+        "measured", H200_LATE, BENCH + " --only attention"),
     ("document_attention", "cuda"): Default(
         False, "4 rows of 2048 tokens packed with documents of 1/16 to 1/4 of a row, 32/8 "
         "heads of 64, forward+backward 1,260 us; SDPA under the block-diagonal mask 2,021, "

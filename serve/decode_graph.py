@@ -171,8 +171,11 @@ class DecodeGraphs:
                 from lathe.kernels.decode_linear_pass import DecodeLinearPass
                 options["post_grad_custom_post_pass"] = DecodeLinearPass()
             # torch 2.11 attaches `aot_compile` to the compiled function only under this
-            # switch (on by default from 2.13); without it the engine served eagerly
-            with torch._dynamo.config.patch(enable_aot_compile=True):
+            # switch (on by default from 2.13); without it the engine served eagerly. A torch
+            # older than the switch has no aot_compile: warm-up then falls back to eager
+            aot = {"enable_aot_compile": True} if hasattr(torch._dynamo.config,
+                                                          "enable_aot_compile") else {}
+            with torch._dynamo.config.patch(**aot):
                 self._compiler = torch.compile(self._forward, fullgraph=True, dynamic=False,
                                                options=options)
             self._options = sorted(options)
