@@ -1,19 +1,21 @@
-"""Streaming access to one `LLMEngine` from asyncio code (the server).
+"""Streaming access to one engine core (`lathe.serve.engine_core`) from asyncio code: the
+server's front end.
 
-The engine lives on its `EngineThread`, which steps it back to back while it has work:
-before each step it applies the requests added and aborted since the last one (handed over
-in thread-safe queues), and after it posts the step's `SequenceDelta`s to the event loop,
-which routes each to its request's `DeltaQueue`. Engine state is touched on the engine
-thread only (the event loop reads counters), so the engine needs no locks. A reader that
-falls behind the engine takes the deltas waiting for one sequence as one (as vLLM's output
-collector does), for each of a request's n sequences: a stream then sends one event for
-several steps' tokens of a sequence instead of spending the event loop's time on an event
-per token while the engine runs ahead.
+`AsyncEngine.launch` starts the core — in a process of its own, or for `load` on a thread
+of this process — and waits until it has loaded and warmed up. Requests are checked here
+(`RequestLimits`, a structured output's grammar) so that a bad one fails at once, then sent
+to the core; the core's `SequenceDelta`s are read off its pipe by the event loop itself
+(`add_reader`: no thread between them) and routed to each request's `DeltaQueue`. A reader
+that falls behind the engine takes the deltas waiting for one sequence as one (as vLLM's
+output collector does), for each of a request's n sequences: a stream then sends one event
+for several steps' tokens of a sequence instead of spending the event loop's time on an
+event per token while the engine runs ahead.
 
-Failures are kept to their scope. A request the engine refuses when it is added fails
-alone: its stream raises the error. A failing `step()` leaves the engine's state unknown,
-so the engine is *dead* (as vLLM's EngineDeadError): every open stream and every later
-`submit` raises `EngineDead` at once, and the server's /health turns 503 — nothing hangs.
+Failures are kept to their scope. A request the core refuses when it is added fails
+alone: its stream raises the error. A failed step, or a core that exits (a fatal signal,
+the OOM killer), leaves the engine's state unknown, so the engine is *dead* (as vLLM's
+EngineDeadError): every open stream and every later `submit` raises `EngineDead` at once,
+and the server's /health turns 503 — nothing hangs.
 """
 
 from __future__ import annotations
@@ -22,13 +24,41 @@ import asyncio
 import collections
 import itertools
 import logging
+import multiprocessing
+import threading
 from collections.abc import AsyncIterator, Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from tokenizers import Tokenizer
 
 from lathe.serve.adapters import AdapterError
-from lathe.serve.engine import LLMEngine, RequestError
-from lathe.serve.engine_thread import EngineThread
+from lathe.serve.engine import (
+    LLMEngine,
+    RequestError,
+    compile_structured,
+    structured_constraints,
+)
+from lathe.serve.engine_core import (
+    ABORT,
+    ADD,
+    CALL,
+    CLOSE,
+    DEAD,
+    DELTAS,
+    FAILED,
+    READY,
+    REJECTED,
+    REPLY,
+    STATUS,
+    EngineSpec,
+    ModelInfo,
+    process_main,
+    serve_engine,
+)
 from lathe.serve.outputs import SequenceDelta
 from lathe.serve.sampling import SamplingParams
+from lathe.serve.structured import Constraints, StructuredOutput
 
 log = logging.getLogger("lathe.serve")
 
@@ -39,10 +69,6 @@ class QueueFull(RuntimeError):
 
 class EngineDead(RuntimeError):
     """The engine loop failed; no request can be served until the process restarts."""
-
-
-# a request handed to the engine thread: id, prompt, sampling, adapter
-_Add = tuple[str, list[int], SamplingParams, str | None]
 
 
 class DeltaQueue:
@@ -85,32 +111,114 @@ class DeltaQueue:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int = 256,
-                 thread: EngineThread | None = None) -> None:
-        """`thread`: the one the engine was built on (the server's), else a new one."""
-        self.engine = engine
-        self.thread = thread or EngineThread()
+    """The front end's handle on one engine core: `launch` it, `submit` requests and read
+    their `results`, load and unload adapters, read its `stats`."""
+
+    def __init__(self, commands: Connection, events: Connection,
+                 core: multiprocessing.process.BaseProcess | threading.Thread,
+                 max_waiting: int, status: Callable[[str], None]) -> None:
+        self._commands, self._events, self._core = commands, events, core
         self.max_waiting = max_waiting
+        self._status = status
+        self._loop = asyncio.get_running_loop()
+        self._ready: asyncio.Future[ModelInfo] = self._loop.create_future()
         self._queues: dict[str, DeltaQueue] = {}
-        # deques: appended on the event loop, taken on the engine thread
-        self._pending_adds: collections.deque[_Add] = collections.deque()
-        self._pending_aborts: collections.deque[str] = collections.deque()
+        self._unstarted: set[str] = set()  # submitted, no output yet
+        self._calls: dict[int, asyncio.Future[None]] = {}
         self._ids = itertools.count()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._adapters: dict[str, str] = {}
+        self._constraints: Constraints | None = None
+        self._closed = False
+        self._failed = False  # the load failed (launch raises it)
+        self.info: ModelInfo | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.stats: dict[str, float] | None = None  # the core's last `LLMEngine.stats()`
         self.dead: EngineDead | None = None
+        self._loop.add_reader(events.fileno(), self._on_events)
 
-    def start(self) -> None:
-        """Start stepping (call on the event loop that reads the results)."""
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop()
-            self.thread.set_stepper(self._step)
+    @classmethod
+    async def launch(cls, spec: EngineSpec | None = None, *,
+                     load: Callable[[], LLMEngine] | None = None,
+                     loras: dict[str, Path] | None = None, max_waiting: int = 256,
+                     status: Callable[[str], None] = lambda text: None) -> AsyncEngine:
+        """Start an engine core and wait until it serves: on `spec` in a process of its own,
+        or on a thread of this process with `load` (an engine built here: tests, embedding).
+        `loras`: adapters to load at start (name -> folder); `status`: told what the start
+        waits for. Raises what the load raised (the core has then ended)."""
+        if (spec is None) == (load is None):
+            raise TypeError("AsyncEngine.launch takes a spec or a load, one of them")
+        loras = dict(loras or {})
+        core_commands, commands = multiprocessing.Pipe(duplex=False)
+        events, core_events = multiprocessing.Pipe(duplex=False)
+        core: multiprocessing.process.BaseProcess | threading.Thread
+        if spec is not None:
+            # spawn: a fork would copy this process's OpenMP and CUDA state mid-flight
+            core = multiprocessing.get_context("spawn").Process(
+                target=process_main, args=(spec, loras, core_commands, core_events),
+                name="lathe-engine-core", daemon=True)
+            core.start()
+            core_commands.close()  # the core's ends are its own: its exit closes the pipe
+            core_events.close()
+        else:
+            core = threading.Thread(target=serve_engine,
+                                    args=(load, loras, core_commands, core_events),
+                                    name="lathe-engine", daemon=True)
+            core.start()
+        engine = cls(commands, events, core, max_waiting, status)
+        try:
+            engine.info = await engine._ready
+        except BaseException:
+            await engine.stop()
+            raise
+        engine._adapters = dict(engine.info.adapters)
+        if engine.info.tokenizer is not None:
+            engine.tokenizer = Tokenizer.from_str(engine.info.tokenizer)
+        return engine
 
-    async def stop(self) -> None:
-        self.thread.close()
+    @property
+    def max_model_len(self) -> int:
+        assert self.info is not None
+        return self.info.limits.max_model_len
 
     @property
     def num_waiting(self) -> int:
-        return self.engine.num_waiting + len(self._pending_adds)
+        """Requests submitted that have had no output yet (waiting or in their prefill)."""
+        return len(self._unstarted)
+
+    @property
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters requests may name."""
+        return list(self._adapters)
+
+    def adapter_path(self, name: str) -> str:
+        return self._adapters[name]
+
+    @property
+    def constraints(self) -> Constraints:
+        """Structured-output grammars, compiled here to check a request before it is sent
+        (the core compiles its own)."""
+        if self._constraints is None:
+            assert self.info is not None
+            self._constraints = structured_constraints(
+                self.tokenizer, self.info.limits.vocab_size, self.info.eos_token_ids)
+        return self._constraints
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError("this checkpoint has no tokenizer.json: send token ids, not text")
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise `RequestError` for a request the engine could never complete."""
+        assert self.info is not None
+        self.info.limits.check(prompt_ids, params)
+        if params.structured is not None:
+            compile_structured(self.constraints, params.structured)
+
+    def compile(self, spec: StructuredOutput) -> None:
+        """Compile a structured output (`GrammarError`, or `RequestError` where this
+        checkpoint cannot have one); a thread may call it."""
+        self.constraints.compile(spec)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                request_id: str | None = None, adapter: str | None = None) -> str:
@@ -119,37 +227,38 @@ class AsyncEngine:
         deltas with `results`."""
         if self.dead is not None:
             raise self.dead
-        self.engine.validate(prompt_ids, params)
-        if adapter is not None and adapter not in self.adapter_names:
+        self.validate(prompt_ids, params)
+        if adapter is not None and adapter not in self._adapters:
             raise AdapterError(f"no adapter named {adapter!r} is loaded")
         if self.num_waiting >= self.max_waiting:
             raise QueueFull(f"{self.num_waiting} requests are already waiting "
                             f"(max_waiting={self.max_waiting}); retry later")
         request_id = request_id or f"async-{next(self._ids)}"
+        self._send((ADD, request_id, prompt_ids, params, adapter))
         self._queues[request_id] = DeltaQueue()
-        self._pending_adds.append((request_id, prompt_ids, params, adapter))
-        self.thread.wake()
+        self._unstarted.add(request_id)
         return request_id
 
-    @property
-    def adapter_names(self) -> list[str]:
-        """The LoRA adapters requests may name."""
-        return self.engine.adapters.names if self.engine.adapters is not None else []
-
-    async def add_adapter(self, name: str, path: str) -> None:
-        """Load an adapter (read and checked on the engine thread, between steps); running
-        requests go on."""
-        await self.thread.run(self.engine.add_adapter, name, path)
+    async def add_adapter(self, name: str, path: str | Path) -> None:
+        """Load an adapter (read and checked by the core, between steps); running requests
+        go on."""
+        await self._call("add_adapter", name, path)
+        self._adapters[name] = str(path)
 
     async def remove_adapter(self, name: str) -> None:
         """Unload an adapter (between steps); requests already running on it finish on it."""
-        await self.thread.run(self.engine.remove_adapter, name)
+        await self._call("remove_adapter", name)
+        self._adapters.pop(name, None)
 
     def abort(self, request_id: str) -> None:
         """Abort a submitted request whose results nobody will read."""
         self._queues.pop(request_id, None)
-        self._pending_aborts.append(request_id)
-        self.thread.wake()
+        self._unstarted.discard(request_id)
+        if self.dead is None and not self._closed:
+            try:
+                self._send((ABORT, request_id))
+            except EngineDead:  # nothing left to abort
+                pass
 
     async def results(self, request_id: str, n: int) -> AsyncIterator[SequenceDelta]:
         """Deltas of the request's n sequences until all have finished. Leaving early (a
@@ -176,67 +285,122 @@ class AsyncEngine:
         async for delta in self.results(request_id, params.n):
             yield delta
 
-    # on the engine thread ---------------------------------------------------------------
-
-    def _step(self) -> bool:
-        """Apply what arrived, run one step and post its deltas to the event loop: whether
-        the engine has work left."""
+    async def stop(self) -> None:
+        """Stop the core (after the step under way) and wait for it to end."""
+        if self._closed:
+            return
+        self._closed = True
+        self._loop.remove_reader(self._events.fileno())
         try:
-            self._apply_pending()
-            if not self.engine.has_unfinished():
-                return False
-            deltas = self.engine.step()
-        except Exception as error:  # the engine's state is unknown: fail everything
-            self.thread.set_stepper(None)
-            self._post(self._die, error)
-            return False
-        if deltas:
-            self._post(self._route, deltas)
-        return True
-
-    def _apply_pending(self) -> None:
-        aborts = set()
-        while self._pending_aborts:
-            aborts.add(self._pending_aborts.popleft())
-        for request_id in aborts:
-            self.engine.abort(request_id)
-        while self._pending_adds:
-            request_id, prompt_ids, params, adapter = self._pending_adds.popleft()
-            if request_id in aborts:
-                continue
-            try:
-                self.engine.add_request(prompt_ids, params, request_id, adapter)
-            except Exception as error:  # this request fails alone
-                self.engine.abort(request_id)
-                self._post(self._route_error, request_id, error)
-
-    def _post(self, callback: Callable[..., None], *args: object) -> None:
-        assert self._loop is not None
-        try:
-            self._loop.call_soon_threadsafe(callback, *args)
-        except RuntimeError:  # the event loop has closed: nobody is left to tell
+            self._commands.send((CLOSE,))
+        except OSError:
             pass
+        self._commands.close()
+        await asyncio.to_thread(self._join)
+        self._events.close()
 
-    # on the event loop ------------------------------------------------------------------
+    def _join(self) -> None:
+        process = isinstance(self._core, multiprocessing.process.BaseProcess)
+        if process and self.info is None:  # still loading: it reads no message until ready
+            self._core.kill()
+        self._core.join(timeout=30)
+        if process and self._core.is_alive():
+            log.warning("the engine core did not stop within 30 s; killing it")
+            self._core.kill()
+            self._core.join(timeout=5)
 
-    def _route(self, deltas: list[SequenceDelta]) -> None:
-        for delta in deltas:
-            queue = self._queues.get(delta.request_id)
-            if queue is not None:  # a sequence that failed alone fails its request
-                queue.put_nowait(delta if delta.error is None else RequestError(delta.error))
+    # the core's messages, read on the event loop -----------------------------------------
 
-    def _route_error(self, request_id: str, error: Exception) -> None:
-        queue = self._queues.get(request_id)
-        if queue is not None:
-            queue.put_nowait(error)
+    def _send(self, message: tuple) -> None:
+        if self._closed:
+            raise EngineDead("the engine has been stopped")
+        try:
+            self._commands.send(message)
+        except (OSError, ValueError):  # the core is gone (its exit is read next)
+            self._lost()
+            raise self.dead or EngineDead("the engine core is gone") from None
 
-    def _die(self, error: Exception) -> None:
-        """Fail every open stream and every later request."""
-        self.dead = EngineDead(f"the engine failed and must be restarted: "
-                               f"{type(error).__name__}: {error}")
-        self.dead.__cause__ = error
-        log.error("engine loop failed; failing every request from now on",
-                  exc_info=(type(error), error, error.__traceback__))
+    async def _call(self, method: str, *args: object) -> None:
+        if self.dead is not None:
+            raise self.dead
+        call_id = next(self._ids)
+        future = self._calls[call_id] = self._loop.create_future()
+        try:
+            self._send((CALL, call_id, method, args))
+        except EngineDead:
+            self._calls.pop(call_id, None)
+            raise
+        await future
+
+    def _on_events(self) -> None:
+        try:
+            while self._events.poll():
+                self._handle(self._events.recv())
+        except (EOFError, OSError):
+            self._lost()
+
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == DELTAS:
+            _, deltas, stats = message
+            if stats is not None:
+                self.stats = stats
+            for delta in deltas:
+                self._unstarted.discard(delta.request_id)
+                queue = self._queues.get(delta.request_id)
+                if queue is not None:  # a sequence that failed alone fails its request
+                    queue.put_nowait(delta if delta.error is None
+                                     else RequestError(delta.error))
+        elif kind == REJECTED:
+            _, request_id, error = message
+            self._unstarted.discard(request_id)
+            queue = self._queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(error)
+        elif kind == REPLY:
+            _, call_id, error = message
+            future = self._calls.pop(call_id, None)
+            if future is not None and not future.done():
+                if error is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(error)
+        elif kind == STATUS:
+            self._status(message[1])
+        elif kind == READY:
+            self._ready.set_result(message[1])
+        elif kind == FAILED:
+            self._failed = True
+            if not self._ready.done():
+                self._ready.set_exception(message[1])
+        elif kind == DEAD:
+            self._die(message[1])
+
+    def _lost(self) -> None:
+        """The core's pipe closed: it has ended, and not because it was told to."""
+        if self._closed or self._failed or self.dead is not None:
+            return
+        if isinstance(self._core, multiprocessing.process.BaseProcess):
+            self._core.join(timeout=1)
+            code = self._core.exitcode
+            how = (f"exit code {code}" if code is None or code >= 0
+                   else f"signal {-code}: a crash, or the OOM killer")
+            self._die(f"the engine core process ended ({how})")
+        else:
+            self._die("the engine core thread ended")
+
+    def _die(self, reason: str) -> None:
+        """Fail every open stream, call and later request."""
+        self.dead = EngineDead(f"the engine failed and must be restarted: {reason}")
+        if not self._closed:
+            self._loop.remove_reader(self._events.fileno())
+        if not self._ready.done():
+            self._ready.set_exception(self.dead)
+            return
+        log.error("%s; failing every request from now on", self.dead)
         for queue in self._queues.values():
             queue.put_nowait(self.dead)
-        self._pending_adds.clear()
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(self.dead)
+        self._calls.clear()

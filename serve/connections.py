@@ -145,7 +145,8 @@ class LatheServer(uvicorn.Server):
 
     "At once" is the kernel's default action: the first signal puts SIGTERM and SIGINT back
     to it. A Python handler for the second signal would run only when the main thread next
-    holds the GIL, which a busy engine thread can delay by seconds on a loaded machine."""
+    holds the GIL, which a busy thread (an engine core run in this process) can delay by
+    seconds on a loaded machine."""
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.should_exit:

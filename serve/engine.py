@@ -53,7 +53,7 @@ from lathe.serve.sampling import SamplingBatch, SamplingParams, SamplingRow, sam
 from lathe.serve.scheduler import ScheduledBatch, Scheduler, StepCost
 from lathe.serve.sequence import Sequence, Status
 from lathe.serve.speculative import Draft, SpeculativeConfig, Speculator
-from lathe.serve.structured import Constraints, GrammarError, constrain
+from lathe.serve.structured import Constraints, GrammarError, StructuredOutput, constrain
 
 log = logging.getLogger("lathe.serve")
 
@@ -62,6 +62,70 @@ DEFAULT_KV_MB = 2048  # the largest KV budget off-GPU when none is given (vLLM's
 
 class RequestError(ValueError):
     """A request the engine cannot serve as given (the message names field and limit)."""
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What every request must fit to be served by one engine: its vocabulary, context
+    length, KV cache and tokenizer. Checked by the engine and, before a request crosses to
+    the engine core's process, by the server's front end (`lathe.serve.async_engine`)."""
+
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    has_tokenizer: bool
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise `RequestError` for a request that could never complete (a structured
+        output's grammar is checked by whoever holds the `Constraints`)."""
+        vocab = self.vocab_size
+        if not prompt_ids:
+            raise RequestError("prompt is empty: give at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                               f"[0, {vocab})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                f"prompt has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens} "
+                f"({total} in all); shorten the prompt or lower max_tokens")
+        blocks = -(-total // self.block_size)
+        if blocks > self.num_blocks:
+            raise RequestError(f"prompt + max_tokens = {total} tokens need {blocks} KV blocks but "
+                               f"the cache has {self.num_blocks}; lower max_tokens "
+                               "or give the engine a larger KV budget")
+        if params.stop and not self.has_tokenizer:
+            raise RequestError("stop strings need a tokenizer; this checkpoint has none "
+                               "(use stop_token_ids)")
+        outside = [t for t in params.logit_bias if not 0 <= t < vocab]
+        if outside:
+            raise RequestError(f"logit_bias token ids {outside[:5]} are outside the "
+                               f"vocabulary [0, {vocab})")
+        if params.structured is not None and params.ignore_eos:
+            raise RequestError("ignore_eos cannot be combined with a structured output, "
+                               "which ends at EOS once complete")
+
+
+def structured_constraints(tokenizer: Tokenizer | None, vocab_size: int,
+                           eos_token_ids: Iterable[int]) -> Constraints:
+    """The structured-output matchers over a checkpoint's tokenizer; `RequestError` where
+    the checkpoint cannot have them."""
+    eos = set(eos_token_ids)
+    if tokenizer is None or not eos:
+        raise RequestError("structured outputs need the checkpoint's tokenizer.json and an "
+                           "EOS token id; this checkpoint lacks one")
+    return Constraints(tokenizer, vocab_size, eos)
+
+
+def compile_structured(constraints: Constraints, spec: StructuredOutput) -> None:
+    """Compile `spec` (cached in `constraints`); `RequestError` when it does not."""
+    try:
+        constraints.compile(spec)
+    except GrammarError as error:
+        raise RequestError(f"the structured output does not compile: {error}") from None
 
 
 @dataclass
@@ -239,12 +303,8 @@ class LLMEngine:
         use: llguidance reads the whole vocabulary)."""
         with self._constraints_lock:
             if self._constraints is None:
-                if self.tokenizer is None or not self.eos_token_ids:
-                    raise RequestError("structured outputs need the checkpoint's "
-                                       "tokenizer.json and an EOS token id; this checkpoint "
-                                       "lacks one")
-                self._constraints = Constraints(self.tokenizer, self.model.config.vocab_size,
-                                                self.eos_token_ids)
+                self._constraints = structured_constraints(
+                    self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
             return self._constraints
 
     # requests ---------------------------------------------------------------------------
@@ -254,42 +314,18 @@ class LLMEngine:
             raise RequestError("this checkpoint has no tokenizer.json: send token ids, not text")
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    @property
+    def limits(self) -> RequestLimits:
+        """What a request must fit to be served here (also checked by a server's front end)."""
+        return RequestLimits(self.model.config.vocab_size, self.max_model_len,
+                             self.block_manager.block_size, len(self.block_manager.blocks),
+                             self.tokenizer is not None)
+
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise `RequestError` for a request this engine could never complete."""
-        vocab = self.model.config.vocab_size
-        if not prompt_ids:
-            raise RequestError("prompt is empty: give at least one token")
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary "
-                               f"[0, {vocab})")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise RequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the "
-                f"prompt has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens} "
-                f"({total} in all); shorten the prompt or lower max_tokens")
-        blocks = self.block_manager.blocks_needed(total)
-        if blocks > len(self.block_manager.blocks):
-            raise RequestError(f"prompt + max_tokens = {total} tokens need {blocks} KV blocks but "
-                               f"the cache has {len(self.block_manager.blocks)}; lower max_tokens "
-                               "or give the engine a larger KV budget")
-        if params.stop and self.tokenizer is None:
-            raise RequestError("stop strings need a tokenizer; this checkpoint has none "
-                               "(use stop_token_ids)")
-        outside = [t for t in params.logit_bias if not 0 <= t < vocab]
-        if outside:
-            raise RequestError(f"logit_bias token ids {outside[:5]} are outside the "
-                               f"vocabulary [0, {vocab})")
+        self.limits.check(prompt_ids, params)
         if params.structured is not None:
-            if params.ignore_eos:
-                raise RequestError("ignore_eos cannot be combined with a structured output, "
-                                   "which ends at EOS once complete")
-            try:
-                self.constraints.compile(params.structured)
-            except GrammarError as error:
-                raise RequestError(f"the structured output does not compile: {error}") \
-                    from None
+            compile_structured(self.constraints, params.structured)
 
     def add_adapter(self, name: str, path: str | Path) -> None:
         """Load a LoRA adapter folder into a free slot, to be named by requests."""

@@ -2,9 +2,10 @@
 
 Engine state — requests running and waiting, KV-cache usage, prefix-cache queries and
 hits, preemptions, prompt and generation tokens, and under speculative decoding the draft
-tokens proposed and accepted — is read from the engine at scrape
-time; latency histograms (time to first token, inter-token latency, end-to-end) are
-observed by the server as each request streams.
+tokens proposed and accepted — is the engine core's last report (`LLMEngine.stats()`, sent
+with its output at most every 50 ms while it is busy and once when it goes idle); latency
+histograms (time to first token, inter-token latency, end-to-end) are observed by the
+server as each request streams.
 """
 
 from __future__ import annotations
@@ -16,21 +17,18 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from lathe.serve.engine import LLMEngine
-
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0)
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: Callable[[], LLMEngine | None], model: str) -> None:
-        self.engine, self.model = engine, model
+    def __init__(self, stats: Callable[[], dict[str, float] | None], model: str) -> None:
+        self.stats, self.model = stats, model
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        engine = self.engine()
-        if engine is None:
+        stats = self.stats()
+        if stats is None:
             return
-        stats = engine.stats()
         for name, key, help_ in (
                 ("num_requests_running", "num_running", "Sequences in the running batch."),
                 ("num_requests_waiting", "num_waiting", "Sequences waiting to be admitted."),
@@ -84,10 +82,11 @@ class _EngineCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, engine: Callable[[], LLMEngine | None], model: str) -> None:
+    def __init__(self, stats: Callable[[], dict[str, float] | None], model: str) -> None:
+        """`stats`: the engine's counters now (`LLMEngine.stats()`), None before it runs."""
         self.registry = CollectorRegistry()
         self.model = model
-        self.registry.register(_EngineCollector(engine, model))
+        self.registry.register(_EngineCollector(stats, model))
 
         def histogram(name: str, help_: str) -> Histogram:
             return Histogram(f"lathe:{name}", help_, ["model_name"], registry=self.registry,

@@ -44,7 +44,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lathe.data.chat_template import ChatTemplateError, read_chat_template
 from lathe.data.template_worker import TemplateWorker
-from lathe.kernels.cpu_native import build_status
 from lathe.model.checkpoint import CheckpointError
 from lathe.serve.adapters import AdapterError
 from lathe.serve.async_engine import AsyncEngine, EngineDead, QueueFull
@@ -55,7 +54,7 @@ from lathe.serve.connections import (
     uvicorn_config,
 )
 from lathe.serve.engine import EngineConfig, LLMEngine, RequestError
-from lathe.serve.engine_thread import EngineThread
+from lathe.serve.engine_core import EngineSpec, freeze_startup_heap
 from lathe.serve.metrics import RequestTimer, ServerMetrics
 from lathe.serve.outputs import CompletionOutput
 from lathe.serve.protocol import (
@@ -91,6 +90,7 @@ class ServerConfig:
     grammar_seconds: float = 5.0  # a structured output's compile limit (a 400 past it)
     tool_call_parser: str | None = None  # how the model writes tool calls (tool_calls.PARSERS)
     loras: dict[str, Path] = field(default_factory=dict)  # LoRA adapters loaded at start
+    engine_threads: int | None = None  # the engine core's intra-op threads (see engine_core)
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -173,13 +173,14 @@ class _State:
         self.warming: str | None = None  # how far the decode steps' warm-up is
 
 
-def warm_up_progress(state: _State) -> Callable[[int, int], None]:
-    """Reports each compiled decode step built at warm-up, in the log and in /health."""
+def start_progress(state: _State) -> Callable[[str], None]:
+    """Reports what the engine core's start waits for (a native kernel build, each compiled
+    decode step built at warm-up), in the log and in /health."""
     start = time.monotonic()
 
-    def progress(done: int, total: int) -> None:
-        state.warming = f"warming up: {done}/{total} compiled decode steps built"
-        log.info("%s (%.1f s)", state.warming, time.monotonic() - start)
+    def progress(status: str) -> None:
+        state.warming = status
+        log.info("%s (%.1f s)", status, time.monotonic() - start)
     return progress
 
 
@@ -191,23 +192,24 @@ def run(config: ServerConfig, log_level: str = "info") -> None:
 
 
 def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None) -> FastAPI:
-    """The app; the engine loads in the background after startup (`load` overrides how)."""
+    """The app; the engine core starts in the background after startup, in a process of its
+    own — or, given `load` (an engine built in this process: tests, embedding), on a thread
+    of this one."""
     state = _State()
     name = config.model_name
-    metrics = ServerMetrics(lambda: state.engine.engine if state.engine else None, name)
+    metrics = ServerMetrics(lambda: state.engine.stats if state.engine else None, name)
     tool_parser = tool_call_parser(config.tool_call_parser) \
         if config.tool_call_parser is not None else None
-    load = load or (lambda: LLMEngine.from_checkpoint(config.checkpoint, config.engine,
-                                                      quantize=config.quantize,
-                                                      dtype=config.dtype))
+    spec = None if load is not None else EngineSpec(config.checkpoint, config.engine,
+                                                    config.quantize, config.dtype,
+                                                    config.engine_threads)
 
     async def load_engine() -> None:
-        thread = EngineThread()  # every torch op of the server runs on it, loading included
+        engine = None
         try:
-            engine = await thread.run(load)
-            for adapter, folder in config.loras.items():
-                await thread.run(engine.add_adapter, adapter, folder)
-            await thread.run(engine.warm_up, warm_up_progress(state))
+            engine = await AsyncEngine.launch(spec, load=load, loras=config.loras,
+                                              max_waiting=config.max_waiting,
+                                              status=start_progress(state))
             try:
                 template = TemplateWorker(
                     *read_chat_template(config.checkpoint, config.chat_template),
@@ -226,13 +228,14 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
                 log.error("cannot serve %s: %s; shutting down", config.checkpoint, error)
             else:
                 log.exception("loading %s failed; shutting down", config.checkpoint)
-            thread.close()
+            if engine is not None:
+                await engine.stop()
             os.kill(os.getpid(), signal.SIGTERM)
             return
         freeze_startup_heap()
-        state.engine = AsyncEngine(engine, config.max_waiting, thread=thread)
-        state.engine.start()
-        log.info("serving %s as %r", config.checkpoint, name)
+        state.engine = engine
+        log.info("serving %s as %r (engine core: %d intra-op threads)", config.checkpoint,
+                 name, engine.info.threads)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -302,7 +305,7 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
         if state.engine is None:
             if state.load_error is not None:
                 return JSONResponse({"status": state.load_error}, status_code=503)
-            return JSONResponse({"status": "loading", "detail": build_status() or state.warming
+            return JSONResponse({"status": "loading", "detail": state.warming
                                  or f"loading {config.checkpoint}"}, status_code=503)
         if state.engine.dead is not None:
             return JSONResponse({"status": str(state.engine.dead)}, status_code=503)
@@ -324,10 +327,10 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": created, "owned_by": "lathe",
             "root": str(config.checkpoint), "parent": None,
-            "max_model_len": engine.engine.max_model_len}] + [{
+            "max_model_len": engine.max_model_len}] + [{
                 "id": adapter, "object": "model", "created": created, "owned_by": "lathe",
-                "root": str(engine.engine.adapters.loaded[adapter].adapter.path),
-                "parent": name, "max_model_len": engine.engine.max_model_len}
+                "root": engine.adapter_path(adapter),
+                "parent": name, "max_model_len": engine.max_model_len}
                 for adapter in engine.adapter_names]}
 
     @app.post("/v1/load_lora_adapter", dependencies=[Depends(authorize)])
@@ -369,7 +372,7 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
             return None
         field, spec = structured
         try:
-            await asyncio.wait_for(asyncio.to_thread(engine.engine.constraints.compile, spec),
+            await asyncio.wait_for(asyncio.to_thread(engine.compile, spec),
                                    config.grammar_seconds)
         except TimeoutError:
             raise APIError(400, f"{field}: did not compile within {config.grammar_seconds:g} "
@@ -384,8 +387,8 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
         engine = ready(body.model)
         structured = await compile_structured(engine, body.structured_output())
         given = _prompt_list(body.prompt)
-        prompts = _prompt_ids(engine.engine, given)
-        window = engine.engine.max_model_len
+        prompts = _prompt_ids(engine, given)
+        window = engine.max_model_len
         # echo with max_tokens=0 scores the prompt: one token is generated and dropped
         score_only = body.echo and body.max_tokens == 0
         logprobs = body.logprobs
@@ -400,7 +403,7 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
                   for p in prompts]
         echoes = [Echo(g if isinstance(g, str) else None, ids) for g, ids in zip(
             given, prompts, strict=True)] if body.echo else None
-        builder = ResponseBuilder("completion", name, engine.engine.tokenizer)
+        builder = ResponseBuilder("completion", name, engine.tokenizer)
         return await _respond(request, engine, metrics, builder, body, prompts, params,
                               logprobs is not None, echoes, score_only)
 
@@ -433,14 +436,14 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
                 raise APIError(400, "this checkpoint's chat template does not render tools, "
                                     "so the model would never see them; serve it with a "
                                     "template that does (--chat-template)", param="tools")
-            prompt = engine.engine.encode(text)
+            prompt = engine.encode(text)
         except (ProtocolError, ChatTemplateError, RequestError) as error:
             raise APIError(400, str(error), param="messages") from None
         max_tokens = body.completion_budget
         if max_tokens is None:
-            max_tokens = max(engine.engine.max_model_len - len(prompt), 1)
+            max_tokens = max(engine.max_model_len - len(prompt), 1)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        builder = ResponseBuilder("chat", name, engine.engine.tokenizer,
+        builder = ResponseBuilder("chat", name, engine.tokenizer,
                                   plan.parser if plan is not None else None)
         return await _respond(request, engine, metrics, builder, body, [prompt],
                               [_params(body, max_tokens, logprobs, None, structured)],
@@ -482,7 +485,7 @@ def _prompt_list(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _prompt_ids(engine: LLMEngine, prompts: list[str | list[int]]) -> list[list[int]]:
+def _prompt_ids(engine: AsyncEngine, prompts: list[str | list[int]]) -> list[list[int]]:
     if not prompts:
         raise APIError(400, "prompt is an empty list; give a string, strings or token ids",
                        param="prompt")
@@ -523,7 +526,7 @@ async def _respond(request: Request, engine: AsyncEngine, metrics: ServerMetrics
     adapter = body.model if body.model in engine.adapter_names else None
     try:
         for prompt, p in zip(prompts, params, strict=True):
-            engine.engine.validate(prompt, p)
+            engine.validate(prompt, p)
         for prompt, p in zip(prompts, params, strict=True):
             request_ids.append(engine.submit(prompt, p, adapter=adapter))
     except AdapterError as error:  # unloaded since the request arrived
@@ -541,7 +544,7 @@ async def _respond(request: Request, engine: AsyncEngine, metrics: ServerMetrics
                        else "prompt") from None
     if adapter is not None:
         metrics.adapter_requests.labels(metrics.model, adapter).inc(len(request_ids))
-    tokenizer = engine.engine.tokenizer
+    tokenizer = engine.tokenizer
     for echo in echoes or []:  # token-id prompts echo as their decoded (now validated) ids
         if echo.text is None:
             echo.text = tokenizer.decode(echo.token_ids, skip_special_tokens=False) \
@@ -612,16 +615,6 @@ async def _respond(request: Request, engine: AsyncEngine, metrics: ServerMetrics
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
-
-
-def freeze_startup_heap() -> None:
-    """Move every object alive once the server is ready (torch, the model, its compiled
-    graphs: ~420,000 on the README model) out of the garbage collector's reach, as vLLM's
-    engine does: a full collection walks them all — 220-280 ms on the README model's
-    server on a 2-core CPU, a stall of every stream in flight whenever the oldest
-    generation's turn comes — and ~0 ms once they are frozen."""
-    gc.collect()
-    gc.freeze()
 
 
 async def _unless_disconnected(request: Request, work: Any) -> bool:

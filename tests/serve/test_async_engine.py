@@ -1,4 +1,4 @@
-"""A request's deltas between the engine thread and its stream: a reader that falls behind
+"""A request's deltas between the engine core and its stream: a reader that falls behind
 takes the deltas waiting for one sequence as one, and the tokens, text and log-probs it
 reads add up to the same completion as a reader that keeps up."""
 
@@ -73,8 +73,7 @@ def test_a_delta_that_does_not_join_keeps_the_order_of_what_follows():
 async def read(engine: LLMEngine, prompt: list[int], params: SamplingParams,
                pause: float) -> list[SequenceDelta]:
     """A request's deltas through an `AsyncEngine`, read with `pause` seconds after each."""
-    served = AsyncEngine(engine)
-    served.start()
+    served = await AsyncEngine.launch(load=lambda: engine)
     deltas = []
     async for item in served.stream(prompt, params):
         deltas.append(item)

@@ -1,0 +1,280 @@
+"""The engine core: one `LLMEngine` stepped back to back by the one thread that does all
+of its torch work, fed and read through a pair of pipes — by default in a process of its
+own beside the HTTP server, as vLLM's engine core runs beside its API server.
+
+Why a process: the server's front end (HTTP, JSON, each stream's events) and the engine's
+step are both Python, and in one process they take turns on the GIL, so every token paid
+for both in series. On the README model (a step of ~0.5 ms) one stream lost ~0.5 ms a token
+to the front end's share and to the hand-overs (py-spy: the engine thread waiting to retake
+the GIL after waking the event loop). In a process of its own the engine steps while the
+front end streams the last step's tokens. A core that dies (a fatal signal, the OOM killer)
+takes no HTTP connection down with it: the front end sees its pipe close and fails every
+stream with `EngineDead`.
+
+Why one thread does the engine's torch work (loading, adapters, steps): each thread that
+enters an ATen parallel region gets an OpenMP team of its own, and on a CPU two teams
+contend for the same cores even when one is idle (88M model, int8: steps on a thread other
+than the one that built the model ran at ~1.55 CPU-seconds per wall second and 20–25%
+slower; built and stepped on one thread, 2.0). A second thread here only reads the pipe.
+
+The messages (tuples, pickled by `multiprocessing`'s pipes; both ends are this package):
+
+- front end → core: `(ADD, request_id, prompt_ids, params, adapter)`, `(ABORT, request_id)`,
+  `(CALL, call_id, method, args)` for the adapter methods in `CALLS`, `(CLOSE,)`.
+- core → front end: `(STATUS, text)` while loading, then `(READY, ModelInfo)` or
+  `(FAILED, error)`; while serving `(DELTAS, deltas, stats)` after each step that produced
+  output (stats: `LLMEngine.stats()` at most every `STATS_SECONDS`, and with the step that
+  leaves it idle; else None), `(REJECTED, request_id, error)`, `(REPLY, call_id, error)`, and
+  `(DEAD, message)` when a step fails (the engine's state is then unknown, so the core ends).
+
+The core ends at `CLOSE` or when the front end's pipe closes (the front end gone, however
+it went); a core in a process of its own ignores SIGINT (a terminal's Ctrl-C reaches the
+whole process group) and is stopped by its front end.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import logging
+import os
+import pickle
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+from lathe.kernels.cpu_native import build_status
+from lathe.model.checkpoint import CheckpointError
+from lathe.serve.engine import EngineConfig, LLMEngine, RequestLimits
+from lathe.serve.quant import QuantMode
+
+log = logging.getLogger("lathe.serve")
+
+ADD, ABORT, CALL, CLOSE = "add", "abort", "call", "close"
+STATUS, READY, FAILED, DELTAS, REJECTED, REPLY, DEAD = (
+    "status", "ready", "failed", "deltas", "rejected", "reply", "dead")
+CALLS = ("add_adapter", "remove_adapter")  # the engine methods a front end may call
+STATS_SECONDS = 0.05  # how stale the front end's /metrics may be while the engine is busy
+STATUS_SECONDS = 0.5  # how often a loading core reports what it waits for
+# below this many bytes of weights a CPU decode step is mostly CPython, not weight reads
+# (~1.6 ms of them at ~20 GB/s, against ~0.3 ms of the front end's own work per token)
+SMALL_WEIGHTS = 32 * 2**20
+
+
+@dataclass
+class EngineSpec:
+    """How a core builds its engine: it crosses to the core's process, so plain data."""
+
+    checkpoint: Path
+    config: EngineConfig = field(default_factory=EngineConfig)
+    quantize: QuantMode | None = None
+    dtype: torch.dtype | None = None  # the weights' (None: the checkpoint's)
+    threads: int | None = None  # intra-op threads (None: `engine_threads` chooses)
+
+    def load(self) -> LLMEngine:
+        engine = LLMEngine.from_checkpoint(self.checkpoint, self.config,
+                                           quantize=self.quantize, dtype=self.dtype)
+        torch.set_num_threads(engine_threads(engine, self.threads))
+        return engine
+
+
+def engine_threads(engine: LLMEngine, asked: int | None) -> int:
+    """The intra-op threads of a core in a process of its own: `asked`, else torch's
+    (its cores, or OMP_NUM_THREADS) — but one fewer on a CPU when the model's weights are
+    small, so that the front end keeps a core. A small model's step is mostly CPython, which
+    a second thread hardly shortens, while that thread's spinning takes the core the front
+    end streams on: on 2 cores the README model (5 MB) served 12-26% more tokens a second to
+    one stream and 29-34% more to 16 on one thread than on two, the 88M one (352 MB) half
+    as many."""
+    if asked is not None:
+        return asked
+    threads = torch.get_num_threads()
+    if engine.device.type != "cpu" or "OMP_NUM_THREADS" in os.environ or threads < 2:
+        return threads
+    return threads - 1 if engine.memory["weight_bytes"] < SMALL_WEIGHTS else threads
+
+
+@dataclass
+class ModelInfo:
+    """What the front end needs of a loaded engine to take requests without asking it."""
+
+    limits: RequestLimits
+    tokenizer: str | None  # the tokenizer's JSON
+    eos_token_ids: list[int]
+    adapters: dict[str, str]  # the adapters loaded at start: name -> folder
+    threads: int  # the core's intra-op threads
+
+
+def portable(error: BaseException) -> BaseException:
+    """`error` as it can cross the pipe: itself when it pickles, else a RuntimeError that
+    names it."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive once serving starts (torch, the model, its compiled graphs:
+    ~420,000 on the README model) out of the garbage collector's reach, as vLLM's engine
+    does: a full collection walks them all — 220-280 ms on the README model on a 2-core CPU,
+    a stall of every stream in flight whenever the oldest generation's turn comes — and
+    ~0 ms once they are frozen. `gc.unfreeze()` at the end gives them back (else extensions
+    report them as leaks at exit)."""
+    gc.collect()
+    gc.freeze()
+
+
+class EngineCore:
+    """The loop: apply what the front end sent, step while there is work, post the output."""
+
+    def __init__(self, engine: LLMEngine, send: Callable[[tuple], None]) -> None:
+        self.engine = engine
+        self.send = send
+        self.inbox: collections.deque[tuple] = collections.deque()
+        self.wake = threading.Event()
+        self._stats_at = 0.0
+        self._stale = False  # the front end's stats predate what happened since
+
+    def read(self, commands: Connection) -> None:
+        """Take the front end's messages as they come (a thread of their own: the core never
+        stops reading, so neither side can block the other on a full pipe)."""
+        def reader() -> None:
+            while True:
+                try:
+                    message = commands.recv()
+                except (EOFError, OSError):  # the front end is gone
+                    message = (CLOSE,)
+                self.inbox.append(message)
+                self.wake.set()
+                if message[0] == CLOSE:
+                    return
+        threading.Thread(target=reader, name="lathe-engine-inbox", daemon=True).start()
+
+    def run(self) -> None:
+        """Until `CLOSE`, or a step fails (posted as `DEAD`)."""
+        while True:
+            self.wake.clear()  # before looking for work: a message after this wakes the wait
+            while self.inbox:
+                if not self._apply(self.inbox.popleft()):
+                    return
+            if not self.engine.has_unfinished():
+                if self._stale:
+                    self._stale = False
+                    self.send((DELTAS, [], self.engine.stats()))
+                self.wake.wait()
+                continue
+            try:
+                deltas = self.engine.step()
+            except Exception as error:
+                log.exception("an engine step failed; the engine core stops")
+                self.send((DEAD, f"{type(error).__name__}: {error}"))
+                return
+            self._stale = True
+            now = time.monotonic()
+            stats = None
+            if now - self._stats_at >= STATS_SECONDS or not self.engine.has_unfinished():
+                stats, self._stats_at = self.engine.stats(), now
+            if deltas or stats is not None:
+                self.send((DELTAS, deltas, stats))
+
+    def _apply(self, message: tuple) -> bool:
+        """One message from the front end; False at `CLOSE`."""
+        kind = message[0]
+        self._stale = True
+        if kind == ADD:
+            _, request_id, prompt_ids, params, adapter = message
+            try:
+                self.engine.add_request(prompt_ids, params, request_id, adapter)
+            except Exception as error:  # this request fails alone
+                self.engine.abort(request_id)
+                self.send((REJECTED, request_id, portable(error)))
+        elif kind == ABORT:
+            self.engine.abort(message[1])
+        elif kind == CALL:
+            _, call_id, method, args = message
+            try:
+                if method not in CALLS:
+                    raise ValueError(f"the engine core takes no call {method!r}")
+                getattr(self.engine, method)(*args)
+            except Exception as error:
+                self.send((REPLY, call_id, portable(error)))
+            else:
+                self.send((REPLY, call_id, None))
+        elif kind == CLOSE:
+            return False
+        return True
+
+
+def serve_engine(load: Callable[[], LLMEngine], loras: dict[str, Path],
+                 commands: Connection, events: Connection) -> None:
+    """Build the engine (`load`, the adapters, the warm-up), report it ready and serve the
+    front end's messages until told to stop; this thread then owns all of its torch work."""
+    lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        with lock:  # the loading reporter sends too
+            events.send(message)
+
+    loading = threading.Event()
+    reporter = threading.Thread(target=_report_loading, args=(send, loading),
+                                name="lathe-engine-loading", daemon=True)
+    reporter.start()
+    try:
+        try:
+            engine = load()
+            for name, folder in loras.items():
+                engine.add_adapter(name, folder)
+
+            def warming(done: int, total: int) -> None:
+                send((STATUS, f"warming up: {done}/{total} compiled decode steps built"))
+            engine.warm_up(warming)
+        except Exception as error:
+            if not isinstance(error, CheckpointError):
+                log.exception("loading the engine failed")
+            loading.set()
+            send((FAILED, portable(error)))
+            return
+        finally:
+            loading.set()
+            reporter.join()
+        info = ModelInfo(engine.limits, engine.tokenizer.to_str()
+                         if engine.tokenizer is not None else None,
+                         sorted(engine.eos_token_ids),
+                         {name: str(folder) for name, folder in loras.items()},
+                         torch.get_num_threads())
+        core = EngineCore(engine, send)
+        core.read(commands)
+        freeze_startup_heap()
+        send((DELTAS, [], engine.stats()))  # /metrics has the engine's state from the start
+        send((READY, info))
+        core.run()
+    except (BrokenPipeError, EOFError, OSError):  # the front end is gone: nobody to tell
+        pass
+    finally:
+        events.close()
+        gc.unfreeze()
+
+
+def _report_loading(send: Callable[[tuple], None], loading: threading.Event) -> None:
+    """While the engine loads, what it waits for (a native kernel build, say) as STATUS."""
+    said = None
+    while not loading.wait(STATUS_SECONDS):
+        status = build_status()
+        if status is not None and status != said:
+            said = status
+            send((STATUS, status))
+
+
+def process_main(spec: EngineSpec, loras: dict[str, Path], commands: Connection,
+                 events: Connection) -> None:
+    """The core's process: `serve_engine` on `spec`."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when it ends
+    serve_engine(spec.load, loras, commands, events)
