@@ -25,6 +25,7 @@ import collections
 import itertools
 import logging
 import multiprocessing
+import os
 import threading
 from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
@@ -154,7 +155,8 @@ class AsyncEngine:
         if spec is not None:
             # spawn: a fork would copy this process's OpenMP and CUDA state mid-flight
             core = multiprocessing.get_context("spawn").Process(
-                target=process_main, args=(spec, loras, core_commands, core_events),
+                target=process_main,
+                args=(spec, loras, core_commands, core_events, os.getpid()),
                 name="lathe-engine-core", daemon=True)
             core.start()
             core_commands.close()  # the core's ends are its own: its exit closes the pipe

@@ -35,11 +35,13 @@ whole process group) and is stopped by its front end.
 from __future__ import annotations
 
 import collections
+import ctypes
 import gc
 import logging
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -65,6 +67,7 @@ STATUS_SECONDS = 0.5  # how often a loading core reports what it waits for
 # below this many bytes of weights a CPU decode step is mostly CPython, not weight reads
 # (~1.6 ms of them at ~20 GB/s, against ~0.3 ms of the front end's own work per token)
 SMALL_WEIGHTS = 32 * 2**20
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 @dataclass
@@ -274,7 +277,21 @@ def _report_loading(send: Callable[[tuple], None], loading: threading.Event) -> 
 
 
 def process_main(spec: EngineSpec, loras: dict[str, Path], commands: Connection,
-                 events: Connection) -> None:
-    """The core's process: `serve_engine` on `spec`."""
+                 events: Connection, front_end: int) -> None:
+    """The core's process: `serve_engine` on `spec`, for the front end of pid `front_end`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when it ends
+    _end_with(front_end)
     serve_engine(spec.load, loras, commands, events)
+
+
+def _end_with(front_end: int) -> None:
+    """Have the kernel kill this process when its front end dies (Linux; strictly, when
+    the front end's thread that started it ends). A closed pipe ends a serving core at its
+    next message, but a loading one reads none: without this a core whose front end was
+    killed would go on compiling for minutes."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != front_end:  # it died before the request was made
+        os._exit(1)

@@ -8,6 +8,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -124,3 +127,39 @@ def test_the_core_process_computes_on_the_threads_asked(checkpoint):
         await engine.stop()
         return engine.info.threads
     assert asyncio.run(main()) == 2  # a model this small would get one fewer by default
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_front_end_killed_while_its_core_loads_leaves_no_core_behind(checkpoint):
+    front_end = textwrap.dedent(f"""
+        import asyncio, multiprocessing
+        from lathe.serve.async_engine import AsyncEngine
+        from lathe.serve.engine_core import EngineSpec
+
+        async def main():
+            asyncio.ensure_future(AsyncEngine.launch(EngineSpec({str(checkpoint)!r})))
+            while not multiprocessing.active_children():
+                await asyncio.sleep(0.01)
+            print(multiprocessing.active_children()[0].pid, flush=True)
+            await asyncio.sleep(60)
+
+        if __name__ == "__main__":
+            asyncio.run(main())
+    """)
+    process = subprocess.Popen([sys.executable, "-c", front_end], stdout=subprocess.PIPE,
+                               text=True)
+    core = int(process.stdout.readline())
+    process.kill()
+    process.wait()
+    deadline = time.monotonic() + 20
+    while os.path.exists(f"/proc/{core}") and "Z" not in _state(core):
+        assert time.monotonic() < deadline, "the core outlived its front end"
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "Z"
