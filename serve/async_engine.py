@@ -145,7 +145,8 @@ class AsyncEngine:
         """Start an engine core and wait until it serves: on `spec` in a process of its own,
         or on a thread of this process with `load` (an engine built here: tests, embedding).
         `loras`: adapters to load at start (name -> folder); `status`: told what the start
-        waits for. Raises what the load raised (the core has then ended)."""
+        waits for. Raises what the load raised (the core has then ended). The core's process
+        is spawned, so a script that calls this needs `if __name__ == "__main__":`."""
         if (spec is None) == (load is None):
             raise TypeError("AsyncEngine.launch takes a spec or a load, one of them")
         loras = dict(loras or {})
@@ -293,6 +294,10 @@ class AsyncEngine:
             return
         self._closed = True
         self._loop.remove_reader(self._events.fileno())
+        for future in self._calls.values():  # no reply will come
+            if not future.done():
+                future.set_exception(EngineDead("the engine has been stopped"))
+        self._calls.clear()
         try:
             self._commands.send((CLOSE,))
         except OSError:
