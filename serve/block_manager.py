@@ -48,6 +48,10 @@ class OutOfBlocks(RuntimeError):
     """The pool has too few free blocks; the scheduler must wait or preempt."""
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks of `block_size` tokens that hold `num_tokens`."""
+    return -(-num_tokens // block_size)
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int = 16) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -69,7 +73,7 @@ class BlockManager:
         return 1 - len(self.free) / len(self.blocks)
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def can_allocate(self, token_ids: Sequence[int], use_cache: bool = True,
                      root: int = NO_HASH) -> bool:

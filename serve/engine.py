@@ -41,7 +41,7 @@ from lathe.kernels import configure_kernels
 from lathe.model.checkpoint import CheckpointError, read_eos_ids
 from lathe.model.transformer import Transformer
 from lathe.serve.adapters import AdapterError, AdapterSlots
-from lathe.serve.block_manager import BlockManager
+from lathe.serve.block_manager import BlockManager, blocks_for
 from lathe.serve.decode_graph import Progress, batch_buckets
 from lathe.serve.half_weights import activation_dtype
 from lathe.serve.logprobs import TokenLogprob, requested_logprobs, token_logprobs
@@ -92,7 +92,7 @@ class RequestLimits:
                 f"this model's maximum context length is {self.max_model_len} tokens, but the "
                 f"prompt has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens} "
                 f"({total} in all); shorten the prompt or lower max_tokens")
-        blocks = -(-total // self.block_size)
+        blocks = blocks_for(total, self.block_size)
         if blocks > self.num_blocks:
             raise RequestError(f"prompt + max_tokens = {total} tokens need {blocks} KV blocks but "
                                f"the cache has {self.num_blocks}; lower max_tokens "

@@ -99,8 +99,7 @@ def test_a_core_whose_front_end_is_gone_ends(checkpoint):
         engine._commands.close()  # as the front end's death closes it: no CLOSE sent
         await asyncio.to_thread(core.join, 30)
         assert core.exitcode == 0
-        engine._closed = True
-        engine._loop.remove_reader(engine._events.fileno())
+        await engine.stop()
     asyncio.run(main())
 
 
