@@ -1,4 +1,5 @@
-"""Shared test setup: Triton's CPU interpreter, offline hubs, two threads, seeded torch."""
+"""Shared test setup: Triton's CPU interpreter, offline hubs, two threads shared among the
+pytest-xdist workers, seeded torch."""
 
 import os
 
@@ -13,7 +14,10 @@ import torch  # noqa: E402
 
 from tests.builders import reset_accelerate  # noqa: E402
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Two intra-op threads, split among the workers: two workers each spinning two OpenMP threads
+# on two cores slowed some tests sixfold. Tests of threaded paths set their own count.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // WORKERS))
 
 
 @pytest.fixture(scope="session", autouse=True)

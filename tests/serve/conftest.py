@@ -76,7 +76,8 @@ def served(checkpoint, **config) -> Iterator[str]:
 
 
 def wait_healthy(url: str) -> None:
-    deadline = time.monotonic() + 60
+    # a compiled engine's warm-up takes ~40 s here, more beside the other test worker
+    deadline = time.monotonic() + 240
     while httpx.get(f"{url}/health").status_code != 200:
         assert time.monotonic() < deadline, "model did not load"
         time.sleep(0.05)
