@@ -14,7 +14,10 @@ import hashlib
 import json
 import multiprocessing
 import struct
+import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -117,11 +120,21 @@ def build_shards(input_dir: str | Path, tokenizer_dir: str | Path, output: str |
     start = time.perf_counter()
     output.mkdir(parents=True, exist_ok=True)
     results = []
-    with multiprocessing.get_context("spawn").Pool(max(1, num_proc)) as pool, \
+    # an executor, not multiprocessing.Pool: a worker that dies (killed, out of memory, or
+    # never started) fails the build here, where Pool would start another and wait forever
+    with ProcessPoolExecutor(max(1, num_proc), multiprocessing.get_context("spawn")) as pool, \
             progress_bar(total=len(jobs), unit="part", desc="shards", enabled=progress) as bar:
-        for result in pool.imap(_tokenize_part, jobs):
-            results.append(result)
-            bar.update()
+        try:
+            for result in pool.map(_tokenize_part, jobs):
+                results.append(result)
+                bar.update()
+        except BrokenProcessPool as error:
+            main = getattr(sys.modules["__main__"], "__file__", None)
+            raise RuntimeError(
+                f"a tokenizing worker died ({error}): killed or out of memory, or the script "
+                f"that called build_shards ({main}) lacks `if __name__ == \"__main__\":` "
+                "(the workers are spawned and import it); the partial shards in "
+                f"{str(output)!r} are not published") from error
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(tokenizer_file))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -55,6 +57,22 @@ def shard_dir(tmp_path_factory):
     build_shards(root / "clean", root / "tok", root / "out", val_fraction=0.1, num_proc=2,
                  progress=False)
     return root, tokenizer
+
+
+def test_a_worker_that_never_starts_fails_the_build_instead_of_hanging_it(shard_dir, tmp_path):
+    """A script without the `__main__` guard: each spawned worker imports it and dies
+    starting its own pool. The build raises, naming the guard, where a multiprocessing.Pool
+    starts workers forever."""
+    root, _ = shard_dir
+    script = tmp_path / "unguarded.py"
+    script.write_text("from lathe.data.shards import build_shards\n"
+                      f"build_shards({str(root / 'clean')!r}, {str(root / 'tok')!r}, "
+                      f"{str(tmp_path / 'out')!r}, num_proc=2, progress=False)\n")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=120, cwd=tmp_path)
+    assert result.returncode != 0
+    assert "lacks `if __name__ == \"__main__\":`" in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "out" / "meta.json").exists()
 
 
 def test_shards_hold_every_document_with_separators(shard_dir):
