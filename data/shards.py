@@ -122,7 +122,8 @@ def build_shards(input_dir: str | Path, tokenizer_dir: str | Path, output: str |
     results = []
     # an executor, not multiprocessing.Pool: a worker that dies (killed, out of memory, or
     # never started) fails the build here, where Pool would start another and wait forever
-    with ProcessPoolExecutor(max(1, num_proc), multiprocessing.get_context("spawn")) as pool, \
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max(1, num_proc), mp_context=spawn) as pool, \
             progress_bar(total=len(jobs), unit="part", desc="shards", enabled=progress) as bar:
         try:
             for result in pool.map(_tokenize_part, jobs):

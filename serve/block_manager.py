@@ -52,6 +52,7 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     """Blocks of `block_size` tokens that hold `num_tokens`."""
     return -(-num_tokens // block_size)
 
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int = 16) -> None:
         if num_blocks < 1 or block_size < 1:
