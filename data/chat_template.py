@@ -39,11 +39,16 @@ from lathe.core.checkpoint_files import checkpoint_file, read_json_object
 from lathe.core.errors import CheckpointError, ConfigError
 
 CHECK_MESSAGES = [{"role": "user", "content": "Hi"}]  # what every chat template must render
+# a template written for tool use may need tools to render at all (Hermes-3's tool_use)
+CHECK_TOOLS = [{"type": "function", "function": {
+    "name": "get_time", "description": "The time now.",
+    "parameters": {"type": "object", "properties": {}}}}]
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                        "cls_token", "mask_token")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # the first is standard
 # what a template is always given by its caller; extra template variables may not replace them
-TEMPLATE_ARGUMENTS = ("messages", "tools", "documents", "add_generation_prompt")
+TEMPLATE_ARGUMENTS = ("messages", "tools", "documents", "add_generation_prompt",
+                      "continue_final_message")
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 Spans = list[tuple[int, int]]
@@ -197,6 +202,23 @@ def read_template_file(file: str | Path) -> str:
     return text
 
 
+def continue_final(text: str, messages: list[Mapping[str, Any]]) -> str:
+    """`text` (a rendered chat) cut right after the last message's content — or its
+    stripped content, for templates that trim (Llama 3's) — as transformers does."""
+    final = messages[-1].get("content") if messages else None
+    if isinstance(final, list):
+        final = "".join(part.get("text", "") for part in final if isinstance(part, dict))
+    if not isinstance(final, str) or not final.strip():
+        raise ChatTemplateError("continue_final_message needs a last message with text to "
+                                "continue")
+    for piece in (final, final.strip()):
+        at = text.rfind(piece)
+        if at >= 0:
+            return text[:at + len(piece)]
+    raise ChatTemplateError("continue_final_message: the chat template does not render the "
+                            "last message's content, so there is nothing to continue")
+
+
 class ChatTemplate:
     """One compiled chat template and the special tokens it renders with."""
 
@@ -225,11 +247,15 @@ class ChatTemplate:
 
     def render(self, messages: list[Mapping[str, Any]], add_generation_prompt: bool = True,
                tools: list[dict[str, Any]] | None = None,
-               documents: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+               documents: list[dict[str, Any]] | None = None,
+               continue_final_message: bool = False, **kwargs: Any) -> str:
         """The chat's text; `ChatTemplateError` when the template refuses the messages or
-        fails on them (a template is code: whatever it raises fails this call only)."""
-        return self._render(False, messages, add_generation_prompt, tools, documents,
+        fails on them (a template is code: whatever it raises fails this call only).
+        `continue_final_message`: the text ends where the last message's content does, so
+        the model carries that message on (transformers' `apply_chat_template` rule)."""
+        text = self._render(False, messages, add_generation_prompt, tools, documents,
                             kwargs)[0]
+        return continue_final(text, messages) if continue_final_message else text
 
     def render_with_spans(self, messages: list[Mapping[str, Any]],
                           add_generation_prompt: bool = False,

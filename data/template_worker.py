@@ -20,9 +20,10 @@ from typing import Any
 
 from lathe.core.errors import CheckpointError
 from lathe.core.worker_pool import WorkerError, WorkerPool, WorkerTimeout, limit_memory, serve_lines
-from lathe.data.chat_template import CHECK_MESSAGES, ChatTemplate, ChatTemplateError
+from lathe.data.chat_template import CHECK_MESSAGES, CHECK_TOOLS, ChatTemplate, ChatTemplateError
 
 RENDER_SECONDS = 2.0
+REQUEST_TEMPLATES = 16  # templates sent with requests, kept compiled in each child
 MAX_OUTPUT_CHARS = 1 << 20
 MEMORY_BYTES = 1 << 30
 
@@ -44,14 +45,17 @@ class TemplateWorker:
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                tools: list[dict[str, Any]] | None = None,
-               documents: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+               documents: list[dict[str, Any]] | None = None, template: str | None = None,
+               **kwargs: Any) -> str:
         """The prompt text (`ChatTemplate.render`'s arguments); `ChatTemplateError` when the
         template refuses or fails on the messages, runs past the time limit, or renders
-        more than `max_chars`."""
+        more than `max_chars`. `template`: a template of the request's own, rendered in
+        place of the checkpoint's (with its special tokens)."""
         try:
             answer = self.pool.call({"messages": messages,
                                      "add_generation_prompt": add_generation_prompt,
-                                     "tools": tools, "documents": documents, "kwargs": kwargs},
+                                     "tools": tools, "documents": documents, "kwargs": kwargs,
+                                     "template": template},
                                     self.seconds, 6 * self.max_chars + 4096)
         except WorkerTimeout:
             raise ChatTemplateError(
@@ -65,12 +69,16 @@ class TemplateWorker:
 
     def check(self) -> None:
         """Raise `CheckpointError` unless the template renders one user message within the
-        limits (run once at load, so a broken template is reported there)."""
+        limits, with no tools or, for a template written for tool use, with one (run once
+        at load, so a broken template is reported there)."""
         try:
             self.render(CHECK_MESSAGES)
         except ChatTemplateError as error:
-            raise CheckpointError(f"its chat template cannot render one user message: "
-                                  f"{error}") from None
+            try:
+                self.render(CHECK_MESSAGES, tools=CHECK_TOOLS)
+            except ChatTemplateError:
+                raise CheckpointError(f"its chat template cannot render one user message: "
+                                      f"{error}") from None
 
     def close(self) -> None:
         """Stop every child (renders still running fail)."""
@@ -80,16 +88,34 @@ class TemplateWorker:
 def _setup(message: dict[str, Any]) -> dict[str, Any]:
     try:
         return {"template": ChatTemplate(message["template"], message["special_tokens"]),
+                "special_tokens": message["special_tokens"], "requested": {},
                 "max_chars": message["max_chars"]}
     except MemoryError:
         raise CheckpointError("the chat template does not parse: out of memory") from None
 
 
+def _template(state: dict[str, Any], source: str | None) -> ChatTemplate:
+    """The checkpoint's template, or a request's own (compiled once, the latest few kept)."""
+    if source is None:
+        return state["template"]
+    requested: dict[str, ChatTemplate] = state["requested"]
+    template = requested.pop(source, None)
+    if template is None:
+        try:
+            template = ChatTemplate(source, state["special_tokens"])
+        except (CheckpointError, MemoryError) as error:
+            raise ChatTemplateError(f"the request's chat_template: {error}") from None
+        if len(requested) >= REQUEST_TEMPLATES:
+            requested.pop(next(iter(requested)))
+    requested[source] = template
+    return template
+
+
 def _render(state: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
     try:
-        text = state["template"].render(request["messages"], request["add_generation_prompt"],
-                                        request["tools"], request["documents"],
-                                        **request["kwargs"])
+        template = _template(state, request.get("template"))
+        text = template.render(request["messages"], request["add_generation_prompt"],
+                               request["tools"], request["documents"], **request["kwargs"])
     except ChatTemplateError as error:
         return {"error": str(error)}
     if len(text) > state["max_chars"]:

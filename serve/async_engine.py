@@ -206,10 +206,12 @@ class AsyncEngine:
                 self.tokenizer, self.info.limits.vocab_size, self.info.eos_token_ids)
         return self._constraints
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """`text` as token ids; `add_special_tokens`: with what the tokenizer's post-processor
+        adds (a BOS), as a completions prompt takes by default."""
         if self.tokenizer is None:
             raise RequestError("this checkpoint has no tokenizer.json: send token ids, not text")
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise `RequestError` for a request the engine could never complete."""

@@ -17,6 +17,7 @@ from lathe.model.checkpoint import read_model_config
 from lathe.serve.connections import ConnectionLimits
 from lathe.serve.decode_graph import cache_root
 from lathe.serve.engine import DEFAULT_KV_MB, EngineConfig
+from lathe.serve.reasoning import REASONING_PARSERS
 from lathe.serve.speculative import SpeculativeConfig
 from lathe.serve.tool_calls import PARSERS
 
@@ -191,6 +192,15 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                         help="how this model writes tool calls (hermes: Qwen2.5/Qwen3/"
                              "Hermes <tool_call>; llama3_json: Llama 3.1+; mistral: "
                              "[TOOL_CALLS]); without it only tool_choice=none is served")
+    parser.add_argument("--max-tool-calls", type=int, default=8,
+                        help="calls one reply may make when tool_choice is \"required\"")
+    parser.add_argument("--reasoning-parser", choices=(*REASONING_PARSERS, "none"),
+                        help="how this model writes its reasoning, split into "
+                             "reasoning_content (qwen3, deepseek_r1: <think> blocks; default: "
+                             "qwen3 when the chat template renders </think>, else none)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="let requests bring their own chat_template (rendered with the "
+                             "same time and memory limits)")
     _engine_flags(parser)
     args = parser.parse_args(argv)
     if args.chat_template is not None:
@@ -201,6 +211,8 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     read_model_config(args.checkpoint)  # fail before binding a port on a wrong path
     if args.engine_threads is not None and args.engine_threads < 1:
         raise ConfigError(f"--engine-threads={args.engine_threads} must be >= 1")
+    if args.max_tool_calls < 1:
+        raise ConfigError(f"--max-tool-calls={args.max_tool_calls} must be >= 1")
     if args.max_connections < 1:
         raise ConfigError(f"--max-connections={args.max_connections} must be >= 1")
     for flag in ("header_timeout", "body_timeout", "keep_alive_timeout", "shutdown_timeout",
@@ -234,7 +246,11 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                           template_seconds=args.template_timeout,
                           chat_template=args.chat_template,
                           grammar_seconds=args.grammar_timeout,
-                          tool_call_parser=args.tool_call_parser, loras=loras,
+                          tool_call_parser=args.tool_call_parser,
+                          max_tool_calls=args.max_tool_calls,
+                          reasoning_parser=args.reasoning_parser,
+                          trust_request_chat_template=args.trust_request_chat_template,
+                          loras=loras,
                           engine_threads=args.engine_threads,
                           limits=limits, engine=engine)
     run(config, args.log_level)

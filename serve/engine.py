@@ -20,6 +20,7 @@ deltas.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import itertools
 import logging
@@ -100,10 +101,13 @@ class RequestLimits:
         if params.stop and not self.has_tokenizer:
             raise RequestError("stop strings need a tokenizer; this checkpoint has none "
                                "(use stop_token_ids)")
-        outside = [t for t in params.logit_bias if not 0 <= t < vocab]
-        if outside:
-            raise RequestError(f"logit_bias token ids {outside[:5]} are outside the "
-                               f"vocabulary [0, {vocab})")
+        for name, ids in (("logit_bias", list(params.logit_bias)),
+                          ("allowed_token_ids", params.allowed_token_ids or []),
+                          ("bad_words", [t for word in params.bad_words_ids for t in word])):
+            outside = [t for t in ids if not 0 <= t < vocab]
+            if outside:
+                raise RequestError(f"{name} token ids {outside[:5]} are outside the "
+                                   f"vocabulary [0, {vocab})")
         if params.structured is not None and params.ignore_eos:
             raise RequestError("ignore_eos cannot be combined with a structured output, "
                                "which ends at EOS once complete")
@@ -309,10 +313,12 @@ class LLMEngine:
 
     # requests ---------------------------------------------------------------------------
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """`text` as token ids; `add_special_tokens`: with what the tokenizer's post-processor
+        adds (a BOS), as a completions prompt takes by default."""
         if self.tokenizer is None:
             raise RequestError("this checkpoint has no tokenizer.json: send token ids, not text")
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     @property
     def limits(self) -> RequestLimits:
@@ -356,6 +362,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_ids, params)
+        if params.min_tokens:
+            params = dataclasses.replace(params, min_tokens_stop_ids=tuple(sorted(
+                self.eos_token_ids | set(params.stop_token_ids))))
         if adapter is not None and (self.adapters is None or adapter not in
                                     self.adapters.names):
             raise AdapterError(f"no adapter named {adapter!r} is loaded")

@@ -18,16 +18,19 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the most likely tokens at this position, best first
+    rank: int | None = None  # 1 + how many tokens were more likely (where computed)
 
 
 def token_logprobs(logits: Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
     """Each row's log-probability of its token and its `top` most likely tokens (fp32)."""
     rows = torch.log_softmax(logits.float(), dim=-1)
-    chosen = rows.gather(1, torch.tensor(tokens, device=rows.device)[:, None])[:, 0].tolist()
+    chosen = rows.gather(1, torch.tensor(tokens, device=rows.device)[:, None])
+    ranks = ((rows > chosen).sum(dim=1) + 1).tolist()
     best = rows.topk(top) if top else None
     return [TokenLogprob(token, value, [] if best is None else list(zip(
-        best.indices[i].tolist(), best.values[i].tolist(), strict=True)))
-        for i, (token, value) in enumerate(zip(tokens, chosen, strict=True))]
+        best.indices[i].tolist(), best.values[i].tolist(), strict=True)), rank)
+        for i, (token, value, rank) in enumerate(zip(tokens, chosen[:, 0].tolist(), ranks,
+                                                     strict=True))]
 
 
 def sampled_logprobs(logits: Tensor, tokens: list[int],

@@ -1,7 +1,8 @@
 """What a request sees of its sequences: each step's `SequenceDelta` (tokens, text,
 log-probs, finish reason) and the `Completion` they add up to, and the `OutputProcessor`
-that makes deltas from sampled tokens — incremental detokenization, stop strings across
-token boundaries, stop tokens, EOS, max_tokens and the context limit."""
+that makes deltas from sampled tokens — incremental detokenization (special tokens kept
+or skipped as the request asks), stop strings across token boundaries (not before
+`min_tokens`), stop tokens, EOS, max_tokens and the context limit."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from tokenizers import Tokenizer
 
 from lathe.serve.detokenize import IncrementalDetokenizer
 from lathe.serve.logprobs import TokenLogprob
+from lathe.serve.sampling import SamplingParams
 from lathe.serve.sequence import Sequence
 from lathe.serve.stop import StopMatcher
 
@@ -72,9 +74,10 @@ class Completion:
 class _TextState:
     """Detokenizer and stop-string matcher of one sequence."""
 
-    def __init__(self, tokenizer: Tokenizer | None, stop: list[str]) -> None:
-        self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
-        self.stop = StopMatcher(stop)
+    def __init__(self, tokenizer: Tokenizer | None, params: SamplingParams) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens) \
+            if tokenizer is not None else None
+        self.stop = StopMatcher(params.stop, params.include_stop_str_in_output)
 
 
 class OutputProcessor:
@@ -86,7 +89,7 @@ class OutputProcessor:
         self.generation_tokens_total = 0
 
     def add(self, seq: Sequence) -> None:
-        self._text[seq] = _TextState(self.tokenizer, seq.params.stop)
+        self._text[seq] = _TextState(self.tokenizer, seq.params)
 
     def remove(self, seq: Sequence) -> None:
         self._text.pop(seq, None)
@@ -109,7 +112,8 @@ class OutputProcessor:
                                                   and not params.ignore_eos):
                 reason = "stop"
             if state.detokenizer is not None and not special:
-                text += state.stop.feed(state.detokenizer.step(token))
+                armed = len(seq.output_ids) >= params.min_tokens
+                text += state.stop.feed(state.detokenizer.step(token), armed)
                 if state.stop.stopped:
                     reason = "stop"
             if reason is None and (len(seq.output_ids) >= params.max_tokens

@@ -1,11 +1,19 @@
 """OpenAI request bodies (pydantic) and the response and chunk JSON the server sends.
 
 Field names and defaults follow OpenAI's API (completions default to 16 tokens, chat to
-the rest of the context window; a null field means its default); vLLM's extras top_k,
-min_p, repetition_penalty, stop_token_ids and ignore_eos are accepted too, and structured
-outputs as OpenAI's `response_format` (`json_object`, `json_schema`) or vLLM's
-`guided_json`, `guided_regex`, `guided_choice` and `guided_grammar` (Lark or GBNF), one
-per request. Every number
+the rest of the context window; a null field means its default); vLLM's extras are taken
+with vLLM's meaning (docs/openai-api.md lists every field and lathe's answer): top_k,
+min_p, repetition_penalty, stop_token_ids, ignore_eos, min_tokens, bad_words,
+allowed_token_ids, include_stop_str_in_output, skip_special_tokens, prompt_logprobs,
+truncate_prompt_tokens, return_token_ids, request_id, priority (0 only: this server
+schedules first come, first served), and for chat add_generation_prompt,
+continue_final_message, add_special_tokens, chat_template, documents, reasoning_effort and
+include_reasoning. Structured outputs come as OpenAI's `response_format` (`json_object`,
+`json_schema`, and vLLM's `structural_tag`), vLLM's `structured_outputs` (json, regex,
+choice, grammar, json_object, structural_tag) or its older `guided_json`, `guided_regex`,
+`guided_choice` and `guided_grammar` (Lark or GBNF), one per request. A regex is
+llguidance's (Rust's syntax): `\\d` and `\\w` match any Unicode digit or letter, as in
+Python's `re` — write `[0-9]` for ASCII digits. Every number
 in a body is bounded here, by the schema, from one table (`sampling.BOUNDS`, which
 `SamplingParams` checks too): a value outside is a 400 naming the field, the value and
 the range, before anything reaches the engine's tensors.
@@ -38,16 +46,26 @@ from lathe.data.chat_template import TEMPLATE_ARGUMENTS
 from lathe.data.messages import Message, MessageError, normalize_message, normalize_tools
 from lathe.serve.logprobs import TokenLogprob
 from lathe.serve.outputs import CompletionOutput
+from lathe.serve.replies import (
+    ReplyFormat,
+    ReplyStream,
+    reasoning_tokens,
+    whole_reply,
+)
 from lathe.serve.sampling import (
     BOUNDS,
+    INT32_MAX,
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_STOP,
+    MAX_STOP_CHARS,
     MAX_STOP_TOKEN_IDS,
     Bound,
     SamplingParams,
 )
-from lathe.serve.structured import GrammarError, StructuredOutput
-from lathe.serve.tool_calls import PARSERS, ToolCall, ToolCallParser, ToolStream
+from lathe.serve.structured import GrammarError, Literals, StructuredOutput
+from lathe.serve.tool_calls import PARSERS, ToolCallParser
 
 
 class ProtocolError(ValueError):
@@ -129,12 +147,57 @@ def _schema_text(schema: Any, where: str) -> str:
     return json.dumps(schema)
 
 
-def _response_format(value: dict[str, Any]) -> StructuredOutput | None:
+def structural_tag(value: Any, where: str, literals: Literals) -> StructuredOutput:
+    """vLLM's structural tag (`{"type": "structural_tag", "structures": [{"begin", "schema",
+    "end"}], "triggers": [...]}`, as an object or its JSON text): free text in which each
+    trigger starts one of the structures beginning with it, whose body must match its
+    schema. Markers are spelled as the tokenizer has them (`literals`)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (json.JSONDecodeError, RecursionError) as error:
+            raise ProtocolError(f"{where}: not JSON ({error or 'nested too deeply'})",
+                                where.split(".")[0]) from None
+    param = where.split(".")[0]
+    structures = value.get("structures") if isinstance(value, dict) else None
+    triggers = value.get("triggers") if isinstance(value, dict) else None
+    if not (isinstance(structures, list) and structures and isinstance(triggers, list)
+            and triggers and all(isinstance(t, str) and t for t in triggers)):
+        raise ProtocolError(f"{where} must be {{\"type\": \"structural_tag\", \"structures\": "
+                            "[{\"begin\", \"schema\", \"end\"}, ...], \"triggers\": [...]}",
+                            param)
+    rules, tags = [], []
+    for i, item in enumerate(structures):
+        at = f"{where}.structures[{i}]"
+        if not (isinstance(item, dict) and isinstance(item.get("begin"), str)
+                and isinstance(item.get("end"), str) and isinstance(item.get("schema"), dict)):
+            raise ProtocolError(f"{at} must be {{\"begin\": str, \"schema\": {{...}}, "
+                                "\"end\": str}", param)
+        trigger = next((t for t in triggers if item["begin"].startswith(t)), None)
+        if trigger is None:
+            raise ProtocolError(f"{at}.begin {item['begin']!r} starts with none of the "
+                                "triggers", param)
+        body = (f"{literals(item['begin'][len(trigger):])} %json {json.dumps(item['schema'])} "
+                f"{literals(item['end'])}")
+        if trigger in literals.added:  # a token: the text before it stays free
+            rules.append(f"tag_{i}: TEXT {literals(trigger)} {body}")
+        else:  # a text trigger: lazily matched where the free text first contains it
+            rules += [f"tag_{i}_trigger[lazy]: TEXT {json.dumps(trigger)}",
+                      f"tag_{i}: tag_{i}_trigger {body}"]
+        tags.append(f"tag_{i}")
+    grammar = "\n".join(["%llguidance {}", f"start: ({' | '.join(tags)})* TEXT",
+                         "TEXT: /(.|\\n)*/", *rules])
+    return StructuredOutput(grammar=grammar)
+
+
+def _response_format(value: dict[str, Any], literals: Literals) -> StructuredOutput | None:
     kind = value.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
         return StructuredOutput(json='{"type": "object"}')
+    if kind == "structural_tag":
+        return structural_tag(value, "response_format", literals)
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
@@ -147,7 +210,7 @@ def _response_format(value: dict[str, Any]) -> StructuredOutput | None:
         except GrammarError as error:
             raise ProtocolError(f"response_format: {error}", "response_format") from None
     raise ProtocolError(f"response_format.type {kind!r} is not one of text, json_object, "
-                        "json_schema", "response_format")
+                        "json_schema, structural_tag", "response_format")
 
 
 def _guided_json(value: dict[str, Any] | str) -> StructuredOutput:
@@ -164,6 +227,48 @@ def _guided_choice(value: list[str]) -> StructuredOutput:
 
 def _guided_grammar(value: str) -> StructuredOutput:
     return StructuredOutput(grammar=value)
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (≥ 0.12): one constraint. `disable_any_whitespace` is
+    what lathe always does (compact JSON), so only its default is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool | None = None
+
+    def spec(self, literals: Literals) -> StructuredOutput:
+        given = [name for name in ("json", "regex", "choice", "grammar", "structural_tag")
+                 if getattr(self, "json_" if name == "json" else name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ProtocolError(f"structured_outputs takes exactly one of json, regex, choice, "
+                                f"grammar, json_object, structural_tag; got "
+                                f"{', '.join(given) or 'none'}", "structured_outputs")
+        if self.disable_any_whitespace is False:
+            raise ProtocolError("structured_outputs.disable_any_whitespace=false: this server "
+                                "always writes compact JSON; leave it out",
+                                "structured_outputs")
+        kind = given[0]
+        where = f"structured_outputs.{kind}"
+        try:
+            if kind == "json":
+                return StructuredOutput(json=_schema_text(self.json_, where))
+            if kind == "json_object":
+                return StructuredOutput(json='{"type": "object"}')
+            if kind == "structural_tag":
+                return structural_tag(self.structural_tag, where, literals)
+            if kind == "choice":
+                return StructuredOutput(choice=tuple(self.choice or ()))
+            return StructuredOutput(**{kind: getattr(self, kind)})
+        except GrammarError as error:
+            raise ProtocolError(f"{where}: {error}", "structured_outputs") from None
 
 
 class StreamOptions(BaseModel):
@@ -197,6 +302,23 @@ class _Request(BaseModel):
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
     guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    min_tokens: _bounded(int, "min_tokens") | None = None
+    bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
+                         Field(max_length=MAX_BAD_WORDS)] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(
+        min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # only slow (Python) tokenizers put spaces there; a tokenizer.json never does (vLLM too)
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: _bounded(int, "prompt_logprobs") | None = None
+    # keep the prompt's last k tokens (-1: as many as the context holds)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    return_token_ids: bool = False
+    priority: Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)] = 0
+    request_id: Annotated[str, Field(min_length=1, max_length=128,
+                                     pattern=r"^[A-Za-z0-9._:-]+$")] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -223,16 +345,22 @@ class _Request(BaseModel):
                                     "support it; remove it", shown)
             if not accepted(value):
                 raise ProtocolError(f"{name}: {reason}", name)
-        self.structured_output()  # a malformed constraint is refused here, named
+        if self.priority != 0:
+            raise ProtocolError(f"priority={self.priority}: priority scheduling is not "
+                                "enabled on this server (it serves first come, first "
+                                "served); send 0 or leave it out", "priority")
 
-    def structured_output(self) -> tuple[str, StructuredOutput] | None:
-        """The request's constraint and the field that gave it; `ProtocolError` naming the
-        field when it is malformed or a second one is given."""
+    def structured_output(self, literals: Literals) -> tuple[str, StructuredOutput] | None:
+        """The request's constraint and the field that gave it (markers spelled by
+        `literals`); `ProtocolError` naming the field when it is malformed or a second one
+        is given."""
         given = []
         if self.response_format is not None:
-            spec = _response_format(self.response_format)
+            spec = _response_format(self.response_format, literals)
             if spec is not None:
                 given.append(("response_format", spec))
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", self.structured_outputs.spec(literals)))
         for name, make in (("guided_json", _guided_json), ("guided_regex", _guided_regex),
                            ("guided_choice", _guided_choice),
                            ("guided_grammar", _guided_grammar)):
@@ -250,18 +378,28 @@ class _Request(BaseModel):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None,
-                        structured: StructuredOutput | None = None) -> SamplingParams:
-        """The engine's parameters (raises `SamplingError` naming a field out of range)."""
+                        structured: StructuredOutput | None = None,
+                        bad_words_ids: list[list[int]] | None = None,
+                        skip_special_tokens: bool | None = None) -> SamplingParams:
+        """The engine's parameters (raises `SamplingError` naming a field out of range).
+        `bad_words_ids`: the request's bad words as the tokenizer spells them;
+        `skip_special_tokens`: the request's, unless a tool or reasoning parser needs the
+        markers it reads kept."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         given = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "n": self.n,
-            "stop_token_ids": self.stop_token_ids, "logit_bias": self.logit_bias}
+            "stop_token_ids": self.stop_token_ids, "logit_bias": self.logit_bias,
+            "min_tokens": self.min_tokens, "allowed_token_ids": self.allowed_token_ids}
         return SamplingParams(
             max_tokens=max_tokens, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured,
+            bad_words_ids=bad_words_ids or [],
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens if skip_special_tokens is None
+            else skip_special_tokens,
             **{name: value for name, value in given.items() if value is not None})
 
 
@@ -271,6 +409,7 @@ class CompletionRequest(_Request):
     logprobs: _bounded(int, "logprobs") | None = None
     echo: bool = False
     best_of: _bounded(int, "n") | None = None
+    add_special_tokens: bool = True  # a text prompt gets the tokenizer's BOS and the like
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -311,6 +450,7 @@ class ToolPlan:
     tools: list[dict[str, Any]]
     parser: ToolCallParser | None
     structured: StructuredOutput | None
+    named: bool = False  # tool_choice named the function (OpenAI then finishes with "stop")
 
 
 class ChatCompletionRequest(_Request):
@@ -324,6 +464,13 @@ class ChatCompletionRequest(_Request):
     top_logprobs: _bounded(int, "logprobs") | None = None
     # extra chat template variables (vLLM's), e.g. {"enable_thinking": false} for Qwen3
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # the template writes BOS and the like itself
+    chat_template: Annotated[str, Field(max_length=1 << 16)] | None = None
+    documents: Annotated[list[dict[str, Any]], Field(max_length=1024)] | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    include_reasoning: bool = True
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -333,13 +480,25 @@ class ChatCompletionRequest(_Request):
             if key in TEMPLATE_ARGUMENTS:
                 raise ProtocolError(f"chat_template_kwargs.{key}: the server sets {key!r} "
                                     "itself; remove it", "chat_template_kwargs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ProtocolError("continue_final_message and add_generation_prompt cannot both "
+                                "be true: set add_generation_prompt=false to continue the last "
+                                "message", "continue_final_message")
 
     def template_kwargs(self) -> dict[str, Any]:
-        return dict(self.chat_template_kwargs or {})
+        """The template's variables beyond messages and tools: chat_template_kwargs, then
+        reasoning_effort (read by templates such as gpt-oss's)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+        return kwargs
 
-    def tool_plan(self, parser: ToolCallParser | None) -> ToolPlan | None:
+    def tool_plan(self, parser: ToolCallParser | None, literals: Literals,
+                  max_tool_calls: int) -> ToolPlan | None:
         """The request's tools and `tool_choice` (default "auto" with tools, as OpenAI's),
-        checked; None without tools. `parser`: the server's `--tool-call-parser`."""
+        checked; None without tools. `parser`: the server's `--tool-call-parser`;
+        `literals`: how its grammar spells markers; `max_tool_calls`: how many calls a
+        forced reply may make (one without parallel calls)."""
         choice = self.tool_choice
         if not self.tools:
             if choice not in (None, "none"):
@@ -375,7 +534,8 @@ class ChatCompletionRequest(_Request):
         forced = tools if choice == "required" else [t for t in tools
                                                      if t["function"]["name"] == name]
         several = choice == "required" and self.parallel_tool_calls is not False
-        return ToolPlan(tools, parser, parser.grammar(forced, several))
+        return ToolPlan(tools, parser, parser.grammar(forced, max_tool_calls if several else 1,
+                                                      literals), named=choice != "required")
 
     @property
     def completion_budget(self) -> int | None:
@@ -461,27 +621,76 @@ def chat_logprobs(tokenizer: Tokenizer | None, logprobs: list[TokenLogprob]) -> 
                          "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs]}
 
 
+def prompt_logprobs_json(tokenizer: Tokenizer | None,
+                         entries: list[TokenLogprob | None]) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first) its own and its top
+    tokens' {logprob, rank, decoded_token}, keyed by token id."""
+    def entry(lp: TokenLogprob) -> dict[str, Any]:
+        ranked = {lp.token_id: (lp.logprob, lp.rank)}
+        for rank, (token, value) in enumerate(lp.top, start=1):
+            ranked.setdefault(token, (value, rank))
+        return {str(token): {"logprob": value, "rank": rank,
+                             "decoded_token": _token_text(tokenizer, token)}
+                for token, (value, rank) in ranked.items()}
+    return [None if lp is None else entry(lp) for lp in entries]
+
+
+@dataclass
+class ResponseOptions:
+    """What a request asked of its response bodies beyond the choices' text. `prompts`:
+    each prompt's token ids (n choices each); `reply`: how chat choices are read
+    (reasoning, tool calls); `request_id`: the client's, put in the response id."""
+
+    prompts: list[list[int]]
+    n: int = 1
+    return_token_ids: bool = False
+    want_prompt_logprobs: bool = False
+    reply: ReplyFormat = ReplyFormat()
+    include_reasoning: bool = True
+    request_id: str | None = None
+
+
 class ResponseBuilder:
     """Response and chunk bodies of one request (shared id, creation time and model)."""
 
     def __init__(self, kind: Literal["completion", "chat"], model: str,
-                 tokenizer: Tokenizer | None, tool_parser: ToolCallParser | None = None) -> None:
-        """`tool_parser`: read tool calls out of chat choices (their text becomes calls)."""
-        self.kind, self.model, self.tokenizer = kind, model, tokenizer
-        self.id = new_id("cmpl" if kind == "completion" else "chatcmpl")
+                 tokenizer: Tokenizer | None, options: ResponseOptions) -> None:
+        self.kind, self.model, self.tokenizer, self.options = kind, model, tokenizer, options
+        prefix = "cmpl" if kind == "completion" else "chatcmpl"
+        self.id = f"{prefix}-{options.request_id}" if options.request_id else new_id(prefix)
         self.created = int(time.time())
-        self.tool_parser = tool_parser
-        self._streams: dict[int, ToolStream] = {}
+        self.prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}  # by prompt index
+        self._streams: dict[int, ReplyStream] = {}
+        self._token_ids: dict[int, list[int]] = {}  # streamed choices' tokens (usage)
 
     def _envelope(self, obj: str, choices: list, **extra: Any) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
+    def _prompt_extras(self, prompt_index: int) -> dict[str, Any]:
+        """A completions choice's prompt_token_ids and prompt_logprobs, where asked for."""
+        extras: dict[str, Any] = {}
+        if self.options.return_token_ids:
+            extras["prompt_token_ids"] = self.options.prompts[prompt_index]
+        if self.options.want_prompt_logprobs and prompt_index in self.prompt_logprobs:
+            extras["prompt_logprobs"] = prompt_logprobs_json(
+                self.tokenizer, self.prompt_logprobs[prompt_index])
+        return extras
+
+    def _usage(self, prompt_tokens: int, completion_tokens: int,
+               reasoning: int | None) -> dict[str, Any]:
+        counted = usage(prompt_tokens, completion_tokens)
+        if reasoning is not None:
+            counted["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        return counted
+
     def response(self, outputs: list[CompletionOutput], want_logprobs: bool,
                  prompt_tokens: int, echoes: list[Echo | None] | None = None) -> dict[str, Any]:
         """`echoes[i]`: the prompt to put in front of choice i (completions with echo)."""
         completion_tokens = sum(len(o.token_ids) for o in outputs)
-        choices = []
+        form = self.options.reply
+        choices, reasoned = [], 0
+        ids = self.options.return_token_ids
         for i, o in enumerate(outputs):
             if self.kind == "completion":
                 echo = echoes[i] if echoes else None
@@ -489,49 +698,79 @@ class ResponseBuilder:
                     if want_logprobs else None
                 text = ((echo.text or "") if echo else "") + o.text
                 choices.append({"index": o.index, "text": text, "logprobs": logprobs,
-                                "finish_reason": o.finish_reason})
-            else:
-                logprobs = chat_logprobs(self.tokenizer, o.logprobs) if want_logprobs else None
-                message: dict[str, Any] = {"role": "assistant", "content": o.text}
-                finish_reason = o.finish_reason
-                content, calls = self.tool_parser.split(o.text) if self.tool_parser else (
-                    o.text, [])
-                if calls:
-                    message = {"role": "assistant", "content": content or None,
-                               "tool_calls": [call.to_openai() for call in calls]}
-                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-                choices.append({"index": o.index, "logprobs": logprobs,
-                                "finish_reason": finish_reason, "message": message})
-        obj = "text_completion" if self.kind == "completion" else "chat.completion"
-        return self._envelope(obj, choices, usage=usage(prompt_tokens, completion_tokens))
+                                "finish_reason": o.finish_reason,
+                                **({"token_ids": o.token_ids} if ids else {}),
+                                **self._prompt_extras(i // self.options.n)})
+                continue
+            logprobs = chat_logprobs(self.tokenizer, o.logprobs) if want_logprobs else None
+            reply = whole_reply(form, o.text, o.finish_reason)
+            reasoned += reasoning_tokens(self.tokenizer, o.token_ids, reply.reasoning)
+            message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+            if form.reasoning is not None and self.options.include_reasoning:
+                message["reasoning_content"] = reply.reasoning or None
+            if reply.calls:
+                message["content"] = reply.content or None
+                message["tool_calls"] = [call.to_openai() for call in reply.calls]
+            choices.append({"index": o.index, "logprobs": logprobs,
+                            "finish_reason": reply.finish_reason, "message": message,
+                            **({"token_ids": o.token_ids} if ids else {})})
+        if self.kind == "completion":
+            return self._envelope("text_completion", choices,
+                                  usage=usage(prompt_tokens, completion_tokens))
+        extra: dict[str, Any] = {}
+        if ids:
+            extra["prompt_token_ids"] = self.options.prompts[0]
+        if self.options.want_prompt_logprobs and 0 in self.prompt_logprobs:
+            extra["prompt_logprobs"] = prompt_logprobs_json(self.tokenizer,
+                                                            self.prompt_logprobs[0])
+        return self._envelope("chat.completion", choices, **extra, usage=self._usage(
+            prompt_tokens, completion_tokens, reasoned if form.reasoning else None))
 
-    def chunk(self, index: int, text: str, logprobs: list[TokenLogprob] | None,
-              finish_reason: str | None, first: bool = False,
-              echo: Echo | None = None) -> dict[str, Any]:
+    def chunk(self, index: int, text: str, token_ids: list[int],
+              logprobs: list[TokenLogprob] | None, finish_reason: str | None,
+              first: bool = False, echo: Echo | None = None) -> dict[str, Any]:
+        ids = {"token_ids": token_ids} if self.options.return_token_ids else {}
         if self.kind == "completion":
             choice = {"index": index, "text": ((echo.text or "") if echo else "") + text,
                       "finish_reason": finish_reason,
                       "logprobs": None if logprobs is None
-                      else completion_logprobs(self.tokenizer, logprobs, echo=echo)}
+                      else completion_logprobs(self.tokenizer, logprobs, echo=echo), **ids,
+                      **(self._prompt_extras(index // self.options.n) if first else {})}
             return self._envelope("text_completion", [choice])
-        calls: list[ToolCall] = []
-        if self.tool_parser is not None:  # a call's text is held back and sent as the call
-            stream = self._streams.setdefault(index, ToolStream(self.tool_parser))
-            text = stream.feed(text)
-            if finish_reason is not None:
-                rest, calls = stream.finish()
-                text += rest
-                finish_reason = "tool_calls" if calls and finish_reason == "stop" \
-                    else finish_reason
+        form = self.options.reply
+        stream = self._streams.setdefault(index, ReplyStream(form))
+        self._token_ids.setdefault(index, []).extend(token_ids)
+        reasoning, text = stream.feed(text)
+        calls = []
+        if finish_reason is not None:
+            end = stream.finish(finish_reason)
+            reasoning, text = reasoning + (end.reasoning or ""), text + end.content
+            calls, finish_reason = end.calls, end.finish_reason
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else \
             ({"content": text} if text else {})
+        if reasoning and self.options.include_reasoning:
+            delta["reasoning_content"] = reasoning
         if calls:
             delta["tool_calls"] = [call.to_openai(i) for i, call in enumerate(calls)]
         choice = {"index": index, "delta": delta, "finish_reason": finish_reason,
                   "logprobs": None if logprobs is None
-                  else chat_logprobs(self.tokenizer, logprobs)}
-        return self._envelope("chat.completion.chunk", [choice])
+                  else chat_logprobs(self.tokenizer, logprobs), **ids}
+        extra: dict[str, Any] = {}
+        if first and self.options.return_token_ids:
+            extra["prompt_token_ids"] = self.options.prompts[0]
+        if first and self.options.want_prompt_logprobs and 0 in self.prompt_logprobs:
+            extra["prompt_logprobs"] = prompt_logprobs_json(self.tokenizer,
+                                                            self.prompt_logprobs[0])
+        return self._envelope("chat.completion.chunk", [choice], **extra)
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
-        return self._envelope(obj, [], usage=usage(prompt_tokens, completion_tokens))
+        if self.kind == "completion":
+            return self._envelope("text_completion", [],
+                                  usage=usage(prompt_tokens, completion_tokens))
+        reasoned = None
+        if self.options.reply.reasoning is not None:
+            reasoned = sum(reasoning_tokens(self.tokenizer, self._token_ids.get(i, []),
+                                            stream.reasoning)
+                           for i, stream in self._streams.items())
+        return self._envelope("chat.completion.chunk", [], usage=self._usage(
+            prompt_tokens, completion_tokens, reasoned))

@@ -2,7 +2,10 @@
 transforms and draw that pick one token for every row of a step at once.
 
 A request with a structured output (`lathe.serve.structured`) has its disallowed tokens
-at -inf before anything else. Then, as in vLLM and HF: penalties on the raw logits
+at -inf before anything else; so, as in vLLM, do the tokens outside `allowed_token_ids`,
+the last token of a `bad_words` sequence whose other tokens the output ends with, and EOS
+and the stop tokens while the output is shorter than `min_tokens`. Then, as in vLLM and
+HF: penalties on the raw logits
 (repetition divides positive logits and multiplies negative ones for every token seen in
 prompt or output; presence and frequency subtract per output token), then the request's
 `logit_bias`, then temperature, then top-k, top-p and min-p masks (-inf), then a draw —
@@ -45,6 +48,9 @@ INT32_MAX = 2**31 - 1
 MAX_STOP, MAX_STOP_CHARS = 16, 256  # stop matching runs per generated token
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024
+MAX_BAD_WORDS = 256  # token sequences a request bans, each at most MAX_BAD_WORD_TOKENS
+MAX_BAD_WORD_TOKENS = 64
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
 MAX_LOGPROBS = 20
 # Below this a temperature means greedy, as in vLLM: dividing logits by 1e-40 overflows
 # them to inf, and their softmax is NaN.
@@ -73,6 +79,7 @@ class Bound:
 # mean (vLLM's limits); the server's request schema and `SamplingParams` both check these.
 BOUNDS: dict[str, Bound] = {
     "max_tokens": Bound(1, INT32_MAX),
+    "min_tokens": Bound(0, INT32_MAX),
     "temperature": Bound(0, 2),
     "top_p": Bound(0, 1, low_open=True),
     "top_k": Bound(-1, INT32_MAX),  # -1 or 0: off
@@ -111,6 +118,13 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-N log-probabilities per prompt token
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to logits
     structured: StructuredOutput | None = None  # what the output must match
+    min_tokens: int = 0  # EOS, stop tokens and stop strings are held off until this many
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # token sequences banned
+    allowed_token_ids: list[int] | None = None  # None: all; else only these may be drawn
+    include_stop_str_in_output: bool = False  # a matched stop string ends the text
+    skip_special_tokens: bool = True  # special tokens left out of the text
+    # what min_tokens holds back: the engine's EOS ids and stop_token_ids (the engine fills it)
+    min_tokens_stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name, bound in BOUNDS.items():
@@ -130,6 +144,19 @@ class SamplingParams:
             _refuse("logit_bias", self.logit_bias,
                     f"a map of at most {MAX_LOGIT_BIAS} token ids to a bias "
                     f"{BOUNDS['logit_bias']}")
+        if self.min_tokens > self.max_tokens:
+            _refuse("min_tokens", self.min_tokens, f"at most max_tokens ({self.max_tokens})")
+        if not (len(self.bad_words_ids) <= MAX_BAD_WORDS and all(
+                isinstance(ids, list) and 0 < len(ids) <= MAX_BAD_WORD_TOKENS
+                and all(_number(t) and token_id.holds(t) for t in ids)
+                for ids in self.bad_words_ids)):
+            _refuse("bad_words", self.bad_words_ids,
+                    f"at most {MAX_BAD_WORDS} words of 1 to {MAX_BAD_WORD_TOKENS} tokens each")
+        if self.allowed_token_ids is not None and not (
+                0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS
+                and all(_number(t) and token_id.holds(t) for t in self.allowed_token_ids)):
+            _refuse("allowed_token_ids", self.allowed_token_ids,
+                    f"1 to {MAX_ALLOWED_TOKEN_IDS} token ids, each {token_id}")
         if not (len(self.stop) <= MAX_STOP and all(
                 isinstance(text, str) and len(text) <= MAX_STOP_CHARS for text in self.stop)):
             _refuse("stop", self.stop,
@@ -143,9 +170,11 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether penalties or a logit bias change the logits before sampling."""
+        """Whether penalties, a logit bias or banned tokens change the logits before
+        sampling (and so depend on the tokens drawn so far)."""
         return bool(self.repetition_penalty != 1.0 or self.presence_penalty
-                    or self.frequency_penalty or self.logit_bias)
+                    or self.frequency_penalty or self.logit_bias or self.min_tokens
+                    or self.bad_words_ids or self.allowed_token_ids is not None)
 
     @property
     def plain_greedy(self) -> bool:
@@ -213,8 +242,26 @@ def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return logits
 
 
+def banned_tokens(params: SamplingParams, output_ids: Sequence[int]) -> list[int]:
+    """The tokens a row may not draw next: EOS and stop tokens before `min_tokens`, and
+    the last token of each bad word whose earlier tokens end the output (vLLM's rules)."""
+    banned = list(params.min_tokens_stop_ids) if len(output_ids) < params.min_tokens else []
+    for word in params.bad_words_ids:
+        prefix = word[:-1]
+        if not prefix or list(output_ids[len(output_ids) - len(prefix):]) == prefix:
+            banned.append(word[-1])
+    return banned
+
+
 def _penalize_row(logits: Tensor, params: SamplingParams, prompt_ids: Sequence[int],
                   output_ids: Sequence[int]) -> Tensor:
+    if params.allowed_token_ids is not None:
+        keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        keep[torch.tensor(params.allowed_token_ids, device=logits.device)] = True
+        logits.masked_fill_(~keep, float("-inf"))
+    banned = banned_tokens(params, output_ids)
+    if banned:
+        logits[torch.tensor(banned, device=logits.device)] = float("-inf")
     if params.repetition_penalty != 1.0 and (prompt_ids or output_ids):
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), device=logits.device)
         values = logits[seen]

@@ -3,10 +3,12 @@
 `run` serves it within `connections`' limits (header, body and idle deadlines, a
 connection cap past which only /health answers, a bounded drain at shutdown).
 
-Routes: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (JSON or
-Server-Sent Events), `GET /health` (503 until the model has loaded and its compiled decode
-steps are warmed up, saying what the start waits for, and for good once the engine has
-failed) and `GET /metrics` (Prometheus).
+Routes: `GET /v1/models` (and `/v1/models/{id}`), `POST /v1/completions`,
+`POST /v1/chat/completions` (JSON or Server-Sent Events), `GET /health` (503 until the
+model has loaded and its compiled decode steps are warmed up, saying what the start waits
+for, and for good once the engine has failed) and `GET /metrics` (Prometheus). Chat
+replies have their reasoning split off (`--reasoning-parser`) and their tool calls read
+(`--tool-call-parser`) by `lathe.serve.replies`.
 Every error is OpenAI's error JSON: 400 for invalid or unsupported input (naming the
 field), 401 without the configured API key, 404 for an unknown model or path, 413 for a
 body over the limit (counted on the bytes read, chunked or not), 429 when the waiting
@@ -42,7 +44,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lathe.data.chat_template import ChatTemplateError, read_chat_template
+from lathe.data.chat_template import CHECK_TOOLS, ChatTemplateError, read_chat_template
 from lathe.data.template_worker import TemplateWorker
 from lathe.model.checkpoint import CheckpointError
 from lathe.serve.adapters import AdapterError
@@ -64,10 +66,13 @@ from lathe.serve.protocol import (
     LoraAdapterRequest,
     ProtocolError,
     ResponseBuilder,
+    ResponseOptions,
 )
 from lathe.serve.quant import QuantMode
+from lathe.serve.reasoning import ReasoningParser, reasoning_parser, template_reasoning_parser
+from lathe.serve.replies import ReplyFormat
 from lathe.serve.sampling import SamplingError, SamplingParams
-from lathe.serve.structured import GrammarError, StructuredOutput
+from lathe.serve.structured import GrammarError, Literals, StructuredOutput
 from lathe.serve.tool_calls import tool_call_parser
 
 log = logging.getLogger("lathe.serve")
@@ -89,6 +94,11 @@ class ServerConfig:
     chat_template: Path | None = None  # a Jinja file served in place of the checkpoint's
     grammar_seconds: float = 5.0  # a structured output's compile limit (a 400 past it)
     tool_call_parser: str | None = None  # how the model writes tool calls (tool_calls.PARSERS)
+    max_tool_calls: int = 8  # calls one forced reply may make (tool_choice "required")
+    # how the model writes its reasoning (reasoning.REASONING_PARSERS); None: what the chat
+    # template implies (`<think>` blocks for one that renders them), "none": no split
+    reasoning_parser: str | None = None
+    trust_request_chat_template: bool = False  # requests may bring their own chat template
     loras: dict[str, Path] = field(default_factory=dict)  # LoRA adapters loaded at start
     engine_threads: int | None = None  # the engine core's intra-op threads (see engine_core)
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
@@ -171,6 +181,8 @@ class _State:
         self.no_template: str = "this checkpoint has no chat template; use /v1/completions"
         self.load_error: str | None = None
         self.warming: str | None = None  # how far the decode steps' warm-up is
+        self.literals = Literals({})  # how grammars spell markers (the tokenizer's added tokens)
+        self.reasoning: ReasoningParser | None = None
 
 
 def start_progress(state: _State) -> Callable[[str], None]:
@@ -200,6 +212,10 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
     metrics = ServerMetrics(lambda: state.engine.stats if state.engine else None, name)
     tool_parser = tool_call_parser(config.tool_call_parser) \
         if config.tool_call_parser is not None else None
+    if config.max_tool_calls < 1:
+        raise ValueError(f"--max-tool-calls {config.max_tool_calls}: give at least 1")
+    named_reasoning = reasoning_parser(config.reasoning_parser) \
+        if config.reasoning_parser not in (None, "none") else None
     spec = None if load is not None else EngineSpec(config.checkpoint, config.engine,
                                                     config.quantize, config.dtype,
                                                     config.engine_threads)
@@ -210,10 +226,14 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
             engine = await AsyncEngine.launch(spec, load=load, loras=config.loras,
                                               max_waiting=config.max_waiting,
                                               status=start_progress(state))
+            state.literals = Literals.of(engine.tokenizer)
             try:
-                template = TemplateWorker(
-                    *read_chat_template(config.checkpoint, config.chat_template),
-                    seconds=config.template_seconds)
+                source, special_tokens = read_chat_template(config.checkpoint,
+                                                            config.chat_template)
+                state.reasoning = named_reasoning if config.reasoning_parser is not None \
+                    else template_reasoning_parser(source)
+                template = TemplateWorker(source, special_tokens,
+                                          seconds=config.template_seconds)
                 state.template = template
                 await asyncio.to_thread(template.check)
             except ValueError as error:
@@ -333,6 +353,11 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
                 "parent": name, "max_model_len": engine.max_model_len}
                 for adapter in engine.adapter_names]}
 
+    @app.get("/v1/models/{model:path}", dependencies=[Depends(authorize)])
+    async def model_card(model: str) -> dict[str, Any]:
+        ready(model)
+        return next(card for card in (await models())["data"] if card["id"] == model)
+
     @app.post("/v1/load_lora_adapter", dependencies=[Depends(authorize)])
     async def load_lora_adapter(body: LoraAdapterRequest) -> Response:
         engine = ready()
@@ -385,25 +410,31 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _supported(body)
         engine = ready(body.model)
-        structured = await compile_structured(engine, body.structured_output())
+        structured = await compile_structured(engine, _structured(body, state.literals))
         given = _prompt_list(body.prompt)
-        prompts = _prompt_ids(engine, given)
+        prompts = [_truncated(engine, p, body.truncate_prompt_tokens)
+                   for p in _prompt_ids(engine, given, body.add_special_tokens)]
         window = engine.max_model_len
         # echo with max_tokens=0 scores the prompt: one token is generated and dropped
         score_only = body.echo and body.max_tokens == 0
         logprobs = body.logprobs
-        prompt_logprobs = logprobs if body.echo else None
+        prompt_logprobs = body.prompt_logprobs if body.prompt_logprobs is not None \
+            else logprobs if body.echo else None
 
         def budget(prompt: list[int]) -> int:
             if score_only:
                 return 1
             return body.max_tokens if body.max_tokens is not None else window - len(prompt)
 
-        params = [_params(body, budget(p), logprobs, prompt_logprobs, structured)
+        bad_words = _bad_words(engine, body)
+        params = [_params(body, budget(p), logprobs, prompt_logprobs, structured, bad_words)
                   for p in prompts]
-        echoes = [Echo(g if isinstance(g, str) else None, ids) for g, ids in zip(
-            given, prompts, strict=True)] if body.echo else None
-        builder = ResponseBuilder("completion", name, engine.tokenizer)
+        echoes = [Echo(g if isinstance(g, str) and not body.truncate_prompt_tokens else None,
+                       ids) for g, ids in zip(given, prompts, strict=True)] \
+            if body.echo else None
+        builder = ResponseBuilder("completion", name, engine.tokenizer, ResponseOptions(
+            prompts, params[0].n, body.return_token_ids, body.prompt_logprobs is not None,
+            request_id=body.request_id))
         return await _respond(request, engine, metrics, builder, body, prompts, params,
                               logprobs is not None, echoes, score_only)
 
@@ -413,11 +444,15 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
         engine = ready(body.model)
         if state.template is None:
             raise APIError(400, state.no_template)
+        if body.chat_template is not None and not config.trust_request_chat_template:
+            raise APIError(400, "chat_template: this server renders its own chat template "
+                                "only; start it with --trust-request-chat-template to take "
+                                "templates from requests", param="chat_template")
         try:
-            plan = body.tool_plan(tool_parser)
+            plan = body.tool_plan(tool_parser, state.literals, config.max_tool_calls)
         except ProtocolError as error:
             raise APIError(400, str(error), param=error.param) from None
-        asked = body.structured_output()
+        asked = _structured(body, state.literals)
         if plan is not None and plan.structured is not None:
             if asked is not None:
                 raise APIError(400, f"tool_choice forces a tool call, which {asked[0]} "
@@ -428,25 +463,46 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
         tools = plan.tools if plan is not None else None
         try:
             messages = body.chat()
-            render = state.template.render
-            kwargs = body.template_kwargs()
-            text = await asyncio.to_thread(render, messages, True, tools, None, **kwargs)
-            if tools and text == await asyncio.to_thread(render, messages, True, None, None,
-                                                         **kwargs):
+            kwargs = {**body.template_kwargs(), "template": body.chat_template,
+                      "continue_final_message": body.continue_final_message}
+
+            def render(with_tools: list[dict[str, Any]] | None) -> str:
+                return state.template.render(messages, body.add_generation_prompt, with_tools,
+                                             body.documents, **kwargs)
+            text = await asyncio.to_thread(render, tools)
+            if tools and text == await asyncio.to_thread(render, None):
                 raise APIError(400, "this checkpoint's chat template does not render tools, "
                                     "so the model would never see them; serve it with a "
                                     "template that does (--chat-template)", param="tools")
-            prompt = engine.encode(text)
-        except (ProtocolError, ChatTemplateError, RequestError) as error:
+        except ChatTemplateError as error:
+            if tools is None and await asyncio.to_thread(_renders_with_tools, render):
+                raise APIError(400, f"this chat template needs tools to render ({error}); "
+                                    "send tools, or serve another template (--chat-template)",
+                               param="messages") from None
+            raise APIError(400, str(error), param="messages") from None
+        except ProtocolError as error:
+            raise APIError(400, str(error), param="messages") from None
+        try:
+            prompt = _truncated(engine, engine.encode(text, body.add_special_tokens),
+                                body.truncate_prompt_tokens)
+        except RequestError as error:
             raise APIError(400, str(error), param="messages") from None
         max_tokens = body.completion_budget
         if max_tokens is None:
             max_tokens = max(engine.max_model_len - len(prompt), 1)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        builder = ResponseBuilder("chat", name, engine.tokenizer,
-                                  plan.parser if plan is not None else None)
-        return await _respond(request, engine, metrics, builder, body, [prompt],
-                              [_params(body, max_tokens, logprobs, None, structured)],
+        reasoning = state.reasoning
+        reply = ReplyFormat(reasoning, reasoning is not None and reasoning.starts_inside(text),
+                            plan.parser if plan is not None else None,
+                            plan is not None and plan.named)
+        # the parsers read markers that may be special tokens (Mistral's [TOOL_CALLS])
+        keep_markers = reply.tools is not None or reply.reasoning is not None
+        params = _params(body, max_tokens, logprobs, body.prompt_logprobs, structured,
+                         _bad_words(engine, body), False if keep_markers else None)
+        builder = ResponseBuilder("chat", name, engine.tokenizer, ResponseOptions(
+            [prompt], params.n, body.return_token_ids, body.prompt_logprobs is not None,
+            reply, body.include_reasoning, body.request_id))
+        return await _respond(request, engine, metrics, builder, body, [prompt], [params],
                               bool(body.logprobs))
 
     return app
@@ -460,6 +516,9 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     members, the one that got furthest rather than a plain type mismatch — with the
     field's path (no body, no union-member tags); a value out of bounds with its range."""
     error = max(errors, key=lambda e: (not e["type"].endswith("_type"), len(e["loc"])))
+    if error["type"] == "json_invalid":  # its loc is the character offset, not a field
+        return f"the body is not valid JSON: {error['msg']} at character {error['loc'][-1]}", \
+            None
     where = ".".join(str(part) for part in error["loc"] if part != "body" and not (
         isinstance(part, str) and ("[" in part or part in _UNION_TAGS)))
     if error["type"] == "out_of_bounds":
@@ -467,6 +526,52 @@ def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         value = value if len(value) <= 40 else value[:37] + "..."
         return f"{where}={value} {error['msg']}", where
     return (f"{where}: {error['msg']}" if where else error["msg"]), where or None
+
+
+def _renders_with_tools(render: Callable[[list[dict[str, Any]] | None], str]) -> bool:
+    try:
+        render(CHECK_TOOLS)
+    except ChatTemplateError:
+        return False
+    return True
+
+
+def _structured(body: CompletionRequest | ChatCompletionRequest,
+                literals: Literals) -> tuple[str, StructuredOutput] | None:
+    try:
+        return body.structured_output(literals)
+    except ProtocolError as error:
+        raise APIError(400, str(error), param=error.param) from None
+
+
+def _truncated(engine: AsyncEngine, prompt: list[int], keep: int | None) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: as many as
+    the context window holds)."""
+    if keep is None:
+        return prompt
+    keep = engine.max_model_len if keep == -1 else keep
+    if keep == 0:
+        raise APIError(400, "truncate_prompt_tokens=0 would leave no prompt; give at least 1 "
+                            "(or -1 for the context window)", param="truncate_prompt_tokens")
+    return prompt[-keep:]
+
+
+def _bad_words(engine: AsyncEngine, body: CompletionRequest | ChatCompletionRequest,
+               ) -> list[list[int]]:
+    """vLLM's `bad_words` as token sequences: each word as it starts a text and, where
+    that differs and is as long, after a space."""
+    if not body.bad_words:
+        return []
+    if engine.tokenizer is None:
+        raise APIError(400, "bad_words need the checkpoint's tokenizer", param="bad_words")
+    sequences = []
+    for word in body.bad_words:
+        bare = engine.encode(word.lstrip())
+        spaced = engine.encode(" " + word.lstrip())
+        sequences.append(bare)
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            sequences.append(spaced)
+    return [ids for ids in sequences if ids]
 
 
 def _supported(body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -485,21 +590,26 @@ def _prompt_list(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _prompt_ids(engine: AsyncEngine, prompts: list[str | list[int]]) -> list[list[int]]:
+def _prompt_ids(engine: AsyncEngine, prompts: list[str | list[int]],
+                add_special_tokens: bool) -> list[list[int]]:
     if not prompts:
         raise APIError(400, "prompt is an empty list; give a string, strings or token ids",
                        param="prompt")
     try:
-        return [engine.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return [engine.encode(p, add_special_tokens) if isinstance(p, str) else list(p)
+                for p in prompts]
     except RequestError as error:
         raise APIError(400, str(error), param="prompt") from None
 
 
 def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
             logprobs: int | None, prompt_logprobs: int | None = None,
-            structured: StructuredOutput | None = None) -> SamplingParams:
+            structured: StructuredOutput | None = None,
+            bad_words_ids: list[list[int]] | None = None,
+            skip_special_tokens: bool | None = None) -> SamplingParams:
     try:
-        return body.sampling_params(max_tokens, logprobs, prompt_logprobs, structured)
+        return body.sampling_params(max_tokens, logprobs, prompt_logprobs, structured,
+                                    bad_words_ids, skip_special_tokens)
     except SamplingError as error:
         raise APIError(400, str(error), param=str(error).split("=")[0]) from None
 
@@ -561,8 +671,10 @@ async def _respond(request: Request, engine: AsyncEngine, metrics: ServerMetrics
         """The delta as the client sees it: echo's prompt log-probs kept, and with
         `score_only` its generated token dropped."""
         echo = choice_echo(prompt_index)
-        if echo is not None and delta.prompt_logprobs is not None:
-            echo.logprobs = delta.prompt_logprobs
+        if delta.prompt_logprobs is not None:
+            builder.prompt_logprobs[prompt_index] = delta.prompt_logprobs
+            if echo is not None:
+                echo.logprobs = delta.prompt_logprobs
         if score_only:
             delta.token_ids, delta.text, delta.logprobs = [], "", []
         return delta
@@ -599,7 +711,7 @@ async def _respond(request: Request, engine: AsyncEngine, metrics: ServerMetrics
                     timer.token(index)
                 completion_tokens += len(delta.token_ids)
                 first = index not in started
-                chunk = builder.chunk(index, delta.text,
+                chunk = builder.chunk(index, delta.text, delta.token_ids,
                                       delta.logprobs if want_logprobs else None,
                                       delta.finish_reason, first=first,
                                       echo=choice_echo(prompt_index) if first else None)

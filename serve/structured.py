@@ -24,9 +24,10 @@ comes first.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +99,40 @@ class StructuredOutput:
                 raise GrammarError(f"the GBNF grammar does not convert to Lark: "
                                    f"{error}") from None
         return LLMatcher.grammar_from_lark(lark)
+
+
+class Literals:
+    """How a grammar spells literal text over one tokenizer: each added token in the text
+    (Qwen's `<tool_call>`, Mistral's `[TOOL_CALLS]`, Llama's `<|python_tag|>`) as that token
+    (`<[id]>`), the rest as quoted text. llguidance treats every added token as special,
+    so a quoted `"<tool_call>"` would admit the token in the mask and then refuse it."""
+
+    def __init__(self, added: Mapping[str, int]) -> None:
+        self.added = dict(added)
+        self._pattern = re.compile("|".join(re.escape(text) for text in sorted(
+            self.added, key=len, reverse=True))) if self.added else None
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer | None) -> Literals:
+        """The added tokens of `tokenizer` (none without one)."""
+        if tokenizer is None:
+            return cls({})
+        return cls({token.content: token_id
+                    for token_id, token in tokenizer.get_added_tokens_decoder().items()})
+
+    def __call__(self, text: str) -> str:
+        """`text` as a Lark sequence (`""` when empty)."""
+        if self._pattern is None:
+            return json.dumps(text)
+        parts, at = [], 0
+        for match in self._pattern.finditer(text):
+            if match.start() > at:
+                parts.append(json.dumps(text[at:match.start()]))
+            parts.append(f"<[{self.added[match.group()]}]>")
+            at = match.end()
+        if at < len(text) or not parts:
+            parts.append(json.dumps(text[at:]))
+        return " ".join(parts)
 
 
 class Constraints:

@@ -7,20 +7,28 @@ see now and the calls it gets at the end.
   \\n</tool_call>`, one block per call;
 - llama3_json (Llama 3.1+): the reply is a JSON object `{"name": ..., "parameters": {...}}`
   (after `<|python_tag|>` or not), several separated by `;`;
-- mistral: `[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}`.
+- mistral: `[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}`; its
+  templates take only call ids of 9 letters and digits, so its calls get such ids.
 
-Output that does not parse as calls stays text (vLLM does the same): a model that opens a
-call and writes junk gets its junk back as content, never a crash.
+A grammar spells each marker as the tokenizer does (`structured.Literals`): Qwen's
+`<tool_call>` and Mistral's `[TOOL_CALLS]` are added tokens, which the matcher takes only
+as tokens. Forcing admits at most `max_calls` calls; a reply cut by max_tokens keeps the
+calls it completed and drops the one it was writing (vLLM does the same). A tool marked
+`strict` gets OpenAI's strict semantics: no object in its arguments takes keys beyond its
+properties. Output that does not parse as calls stays text (vLLM does the same): a model
+that opens a call and writes junk gets its junk back as content, never a crash.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
+import string
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from lathe.serve.structured import StructuredOutput
+from lathe.serve.structured import Literals, StructuredOutput
 
 PARSERS = ("hermes", "llama3_json", "mistral")
 
@@ -40,28 +48,37 @@ class ToolCall:
         return call if index is None else {"index": index, **call}
 
 
-def _call(obj: Any, arguments_key: str) -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    arguments = obj.get(arguments_key, {})
-    if not isinstance(arguments, dict):
-        return None
-    return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
-
-
-def _json_objects(text: str) -> list[Any] | None:
-    """The JSON values `text` holds one after another (separated by whitespace or `;`)."""
+def _json_values(text: str, separators: str) -> tuple[list[Any], str]:
+    """The JSON values at the head of `text`, one after another with `separators` between
+    them, and the rest of `text` from the first that does not parse ("" when all do)."""
     decoder, values, at = json.JSONDecoder(), [], 0
     while True:
-        while at < len(text) and text[at] in " \t\r\n;":
+        while at < len(text) and text[at] in separators:
             at += 1
         if at == len(text):
-            return values
+            return values, ""
         try:
             value, at = decoder.raw_decode(text, at)
         except (json.JSONDecodeError, RecursionError):
-            return None
+            return values, text[at:]
         values.append(value)
+
+
+def strict_schema(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on every object schema that does not
+    set it (OpenAI's `strict: true`), through properties, items, combinators and $defs."""
+    if isinstance(schema, list):
+        return [strict_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: strict_schema(value) if key not in ("properties", "$defs", "definitions",
+                                                       "patternProperties")
+              else {name: strict_schema(sub) for name, sub in value.items()}
+              if isinstance(value, dict) else value for key, value in schema.items()}
+    if (schema.get("type") == "object" or "properties" in schema) \
+            and "additionalProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
 
 
 class ToolCallParser:
@@ -73,12 +90,26 @@ class ToolCallParser:
     at_start = False
     arguments_key = "arguments"
 
-    def split(self, text: str) -> tuple[str, list[ToolCall]]:
-        """The reply's text and its calls; ([text], []) when no call parses."""
+    def new_id(self) -> str:
+        return f"call_{uuid.uuid4().hex[:24]}"
+
+    def call(self, obj: Any) -> ToolCall | None:
+        """The call `obj` (a parsed JSON value) spells, if it is one."""
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        arguments = obj.get(self.arguments_key, {})
+        if not isinstance(arguments, dict):
+            return None
+        return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False), self.new_id())
+
+    def split(self, text: str, truncated: bool = False) -> tuple[str, list[ToolCall]]:
+        """The reply's text and its calls; ([text], []) when no call parses. `truncated`:
+        the reply was cut (max_tokens), so a last call left unfinished is dropped and the
+        complete ones before it kept."""
         start = self.opening(text)
         if start is None:
             return text, []
-        calls = self.parse_calls(text[start:])
+        calls = self.parse_calls(text[start:], truncated)
         if not calls:
             return text, []
         return text[:start].rstrip(), calls
@@ -100,50 +131,68 @@ class ToolCallParser:
         return max((k for m in self.markers for k in range(1, len(m))
                     if text.endswith(m[:k])), default=0)
 
-    def parse_calls(self, text: str) -> list[ToolCall]:
+    def parse_calls(self, text: str, truncated: bool) -> list[ToolCall]:
+        """The calls `text` (from the first marker on) holds; [] unless it is calls only
+        (but for an unfinished last one when `truncated`)."""
         raise NotImplementedError
 
-    def grammar(self, tools: list[dict[str, Any]], several: bool) -> StructuredOutput:
-        """A Lark grammar (llguidance's, with `%json` schemas) whose every sentence is a
-        well-formed call, or one or more with `several`, of one of `tools`, its arguments
-        valid against the tool's parameters."""
+    def grammar(self, tools: list[dict[str, Any]], max_calls: int,
+                literals: Literals) -> StructuredOutput:
+        """A Lark grammar (llguidance's, with `%json` schemas) whose every sentence is one
+        to `max_calls` well-formed calls of `tools`, their arguments valid against the
+        tool's parameters, markers spelled by `literals`."""
         raise NotImplementedError
+
+    def _calls(self, values: list[Any]) -> list[ToolCall]:
+        calls = [self.call(v) for v in values]
+        return calls if calls and all(calls) else []
 
     def _call_schema(self, tools: list[dict[str, Any]]) -> str:
+        def arguments(function: dict[str, Any]) -> Any:
+            schema = function.get("parameters") or {"type": "object"}
+            return strict_schema(schema) if function.get("strict") else schema
         options = [{"type": "object", "additionalProperties": False,
                     "required": ["name", self.arguments_key],
                     "properties": {"name": {"const": t["function"]["name"]},
-                                   self.arguments_key: t["function"].get(
-                                       "parameters") or {"type": "object"}}}
+                                   self.arguments_key: arguments(t["function"])}}
                    for t in tools]
         schema = options[0] if len(options) == 1 else {"anyOf": options}
         # compact JSON: a model may not pad a call with whitespace until max_tokens
         return json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}})
 
 
+def _repeat(call: str, separator: str, max_calls: int) -> str:
+    return f"{call} ({separator} {call}){{0,{max_calls - 1}}}" if max_calls > 1 else call
+
+
 class HermesParser(ToolCallParser):
     name = "hermes"
     markers = ("<tool_call>",)
 
-    def parse_calls(self, text: str) -> list[ToolCall]:
+    def parse_calls(self, text: str, truncated: bool) -> list[ToolCall]:
         calls, rest = [], text
         while rest.strip():
             rest = rest.lstrip()
             if not rest.startswith("<tool_call>"):
+                if truncated and "<tool_call>".startswith(rest):
+                    break  # cut inside the next call's marker
                 return []  # text after the calls: the reply is not (only) calls
             body, closed, rest = rest[len("<tool_call>"):].partition("</tool_call>")
-            values = _json_objects(body) if closed else None
-            call = _call(values[0], "arguments") if values and len(values) == 1 else None
+            if not closed and truncated:
+                break
+            values, junk = _json_values(body, " \t\r\n") if closed else ([], body)
+            call = self.call(values[0]) if len(values) == 1 and not junk else None
             if call is None:
                 return []
             calls.append(call)
         return calls
 
-    def grammar(self, tools: list[dict[str, Any]], several: bool) -> StructuredOutput:
-        repeat = ' ("\\n" call)*' if several else ""
+    def grammar(self, tools: list[dict[str, Any]], max_calls: int,
+                literals: Literals) -> StructuredOutput:
         return StructuredOutput(grammar=(
-            f"start: call{repeat}\n"
-            'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
+            f"start: {_repeat('call', literals(chr(10)), max_calls)}\n"
+            f"call: {literals('<tool_call>' + chr(10))} body "
+            f"{literals(chr(10) + '</tool_call>')}\n"
             f"body: %json {self._call_schema(tools)}\n"))
 
 
@@ -153,14 +202,13 @@ class Llama3JsonParser(ToolCallParser):
     at_start = True
     arguments_key = "parameters"
 
-    def parse_calls(self, text: str) -> list[ToolCall]:
-        values = _json_objects(text.removeprefix("<|python_tag|>"))
-        calls = [_call(v, "parameters") for v in values or []]
-        return calls if calls and all(calls) else []
+    def parse_calls(self, text: str, truncated: bool) -> list[ToolCall]:
+        values, rest = _json_values(text.removeprefix("<|python_tag|>"), " \t\r\n;")
+        return self._calls(values) if not rest or truncated else []
 
-    def grammar(self, tools: list[dict[str, Any]], several: bool) -> StructuredOutput:
-        repeat = ' ("; " call)*' if several else ""
-        return StructuredOutput(grammar=(f"start: call{repeat}\n"
+    def grammar(self, tools: list[dict[str, Any]], max_calls: int,
+                literals: Literals) -> StructuredOutput:
+        return StructuredOutput(grammar=(f"start: {_repeat('call', literals('; '), max_calls)}\n"
                                          f"call: %json {self._call_schema(tools)}\n"))
 
 
@@ -168,21 +216,25 @@ class MistralParser(ToolCallParser):
     name = "mistral"
     markers = ("[TOOL_CALLS]",)
 
-    def parse_calls(self, text: str) -> list[ToolCall]:
-        values = _json_objects(text.removeprefix("[TOOL_CALLS]"))
-        if not values or len(values) != 1 or not isinstance(values[0], list):
-            return []
-        calls = [_call(v, "arguments") for v in values[0]]
-        return calls if calls and all(calls) else []
+    def new_id(self) -> str:
+        """Mistral's templates refuse any call id but 9 letters and digits."""
+        alphabet = string.ascii_letters + string.digits
+        return "".join(secrets.choice(alphabet) for _ in range(9))
 
-    def grammar(self, tools: list[dict[str, Any]], several: bool) -> StructuredOutput:
+    def parse_calls(self, text: str, truncated: bool) -> list[ToolCall]:
+        body = text.removeprefix("[TOOL_CALLS]").lstrip()
+        if not body.startswith("["):
+            return []
+        values, rest = _json_values(body[1:], " \t\r\n,")
+        return self._calls(values) if rest.strip() == "]" or truncated else []
+
+    def grammar(self, tools: list[dict[str, Any]], max_calls: int,
+                literals: Literals) -> StructuredOutput:
         items = json.loads(self._call_schema(tools))
-        array: dict[str, Any] = {"type": "array", "minItems": 1,
+        array: dict[str, Any] = {"type": "array", "minItems": 1, "maxItems": max_calls,
                                  "x-guidance": items.pop("x-guidance"), "items": items}
-        if not several:
-            array["maxItems"] = 1
-        schema = json.dumps(array)
-        return StructuredOutput(grammar=f'start: "[TOOL_CALLS]" calls\ncalls: %json {schema}\n')
+        return StructuredOutput(grammar=f"start: {literals('[TOOL_CALLS]')} calls\n"
+                                        f"calls: %json {json.dumps(array)}\n")
 
 
 def tool_call_parser(name: str) -> ToolCallParser:
@@ -214,8 +266,8 @@ class ToolStream:
         out, self.sent = self.text[self.sent:max(end, self.sent)], max(end, self.sent)
         return out
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        content, calls = self.parser.split(self.text)
+    def finish(self, truncated: bool = False) -> tuple[str, list[ToolCall]]:
+        content, calls = self.parser.split(self.text, truncated)
         if calls:
             return content[self.sent:] if len(content) > self.sent else "", calls
         return self.text[self.sent:], []

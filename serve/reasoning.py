@@ -1,0 +1,105 @@
+"""Reasoning output: the thinking a model writes between `<think>` and `</think>` (Qwen3,
+DeepSeek-R1, SmolLM3, GLM-4.5) split from its answer, as vLLM's `--reasoning-parser` does —
+`reasoning_content` beside `content` in a chat response, and as deltas of their own when
+streamed.
+
+Where a reply starts is read off the rendered prompt: a template that ends its generation
+prompt inside an open `<think>` (DeepSeek-R1, Qwen3's thinking-only models) has the reply
+start in reasoning; one that closed it (Qwen3 with `enable_thinking: false`) or never
+opened it has the reply start in its answer, unless the reply itself opens with `<think>`.
+The `deepseek_r1` parser has every reply start in reasoning (R1's first templates left the
+opening tag to the model). A reply cut before `</think>` is all reasoning, streamed or not,
+so the streamed deltas always add up to the unstreamed message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+START, END = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    """`always_starts_inside`: every reply starts in reasoning (deepseek_r1)."""
+
+    name: str
+    always_starts_inside: bool = False
+
+    def starts_inside(self, prompt: str) -> bool:
+        """Whether a reply to the rendered `prompt` starts in reasoning."""
+        return self.always_starts_inside or prompt.rfind(START) > prompt.rfind(END)
+
+    def split(self, text: str, inside: bool) -> tuple[str | None, str]:
+        """(reasoning, content) of a whole reply; reasoning None when it has none."""
+        stream = ReasoningStream(self, inside)
+        reasoning, content = stream.feed(text)
+        rest_reasoning, rest_content = stream.finish()
+        if not stream.reasoned:
+            return None, content + rest_content
+        return reasoning + rest_reasoning, content + rest_content
+
+
+def reasoning_parser(name: str) -> ReasoningParser:
+    if name not in REASONING_PARSERS:
+        raise ValueError(f"--reasoning-parser {name!r}: choose one of "
+                         f"{', '.join(REASONING_PARSERS)}")
+    return ReasoningParser(name, always_starts_inside=name == "deepseek_r1")
+
+
+def template_reasoning_parser(template: str) -> ReasoningParser | None:
+    """The parser a chat template implies when none is named: `qwen3` for one that
+    renders `</think>` (its model thinks in `<think>` blocks), else None."""
+    return reasoning_parser("qwen3") if END in template else None
+
+
+def _held(text: str, marker: str) -> int:
+    """How many trailing characters of `text` may begin `marker`."""
+    return max((k for k in range(1, len(marker)) if text.endswith(marker[:k])), default=0)
+
+
+class ReasoningStream:
+    """One reply's text split as it arrives: `feed` returns the (reasoning, content) a
+    client may see now, holding back what may still be the start of a marker; `finish`
+    returns the rest."""
+
+    def __init__(self, parser: ReasoningParser, inside: bool) -> None:
+        self.inside = inside
+        self.reasoned = inside  # the reply has reasoning (it may be empty)
+        self.opening = True  # no non-space text yet: a `<think>` here opens reasoning
+        self.pending = ""
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        self.pending += delta
+        reasoning, content = "", ""
+        while self.pending:
+            if self.opening:
+                stripped = self.pending.lstrip()
+                if stripped.startswith(START):
+                    self.inside = self.reasoned = True
+                    self.pending = stripped[len(START):]
+                    self.opening = False
+                    continue
+                if START.startswith(stripped):
+                    break  # whitespace, or the start of `<think>`: wait
+                self.opening = False
+            if not self.inside:
+                content, self.pending = content + self.pending, ""
+                break
+            end = self.pending.find(END)
+            if end >= 0:
+                reasoning += self.pending[:end]
+                self.pending = self.pending[end + len(END):]
+                self.inside = False
+                continue
+            keep = _held(self.pending, END)
+            reasoning += self.pending[:len(self.pending) - keep]
+            self.pending = self.pending[len(self.pending) - keep:]
+            break
+        return reasoning, content
+
+    def finish(self) -> tuple[str, str]:
+        """What was held back: reasoning if the reply ended inside it, else content."""
+        rest, self.pending = self.pending, ""
+        return (rest, "") if self.inside else ("", rest)
