@@ -50,8 +50,8 @@ def reasoning_parser(name: str) -> ReasoningParser:
 
 def template_reasoning_parser(template: str) -> ReasoningParser | None:
     """The parser a chat template implies when none is named: `qwen3` for one that
-    renders `</think>` (its model thinks in `<think>` blocks), else None."""
-    return reasoning_parser("qwen3") if END in template else None
+    renders `<think>` or `</think>` (its model thinks in such blocks), else None."""
+    return reasoning_parser("qwen3") if START in template or END in template else None
 
 
 def _held(text: str, marker: str) -> int:

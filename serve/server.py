@@ -470,7 +470,7 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
                 return state.template.render(messages, body.add_generation_prompt, with_tools,
                                              body.documents, **kwargs)
             text = await asyncio.to_thread(render, tools)
-            if tools and text == await asyncio.to_thread(render, None):
+            if tools and not await asyncio.to_thread(_shows_tools, render, text):
                 raise APIError(400, "this checkpoint's chat template does not render tools, "
                                     "so the model would never see them; serve it with a "
                                     "template that does (--chat-template)", param="tools")
@@ -534,6 +534,15 @@ def _renders_with_tools(render: Callable[[list[dict[str, Any]] | None], str]) ->
     except ChatTemplateError:
         return False
     return True
+
+
+def _shows_tools(render: Callable[[list[dict[str, Any]] | None], str], text: str) -> bool:
+    """Whether `text`, rendered with tools, differs from the chat rendered without them
+    (a template that fails without tools surely shows them)."""
+    try:
+        return render(None) != text
+    except ChatTemplateError:
+        return True
 
 
 def _structured(body: CompletionRequest | ChatCompletionRequest,

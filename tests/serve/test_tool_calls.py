@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from lathe.model import load_checkpoint, save_checkpoint
+from lathe.serve.structured import Literals
 from lathe.serve.tool_calls import ToolStream, tool_call_parser
 from tests.builders import serve_model
 from tests.data.chat_templates import CHATML, plain
@@ -179,10 +180,11 @@ def test_grammars_admit_the_calls_their_parser_reads(checkpoint):
     from lathe.serve.sampling import SamplingParams
 
     engine = LLMEngine.from_checkpoint(checkpoint)
+    literals = Literals.of(engine.tokenizer)
     for family in sorted(CALLS):
         parser = tool_call_parser(family)
-        params = [SamplingParams(max_tokens=120, temperature=1.0, seed=s,
-                                 structured=parser.grammar(TOOLS, several=s % 2 == 1))
+        params = [SamplingParams(max_tokens=120, temperature=1.0, seed=s, structured=parser.grammar(
+                      TOOLS, 4 if s % 2 else 1, literals))
                   for s in range(8)]
         done = [d.outputs[0] for d in engine.generate(["The river"] * 8, params)]
         finished = [output for output in done if output.finish_reason == "stop"]
