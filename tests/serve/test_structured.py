@@ -16,7 +16,7 @@ from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.protocol import ChatCompletionRequest, ProtocolError
 from lathe.serve.sampling import SamplingParams
 from lathe.serve.speculative import SpeculativeConfig
-from lathe.serve.structured import MAX_SPEC_CHARS, StructuredOutput
+from lathe.serve.structured import Literals, MAX_SPEC_CHARS, StructuredOutput
 from tests.builders import serve_model
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "n", "tags"],
@@ -147,7 +147,7 @@ def test_a_schema_past_the_size_limit_is_refused_by_name():
     schema = {"type": "object", "description": "x" * MAX_SPEC_CHARS}
     request = ChatCompletionRequest(model="tiny", messages=MESSAGES, guided_json=schema)
     with pytest.raises(ProtocolError, match="guided_json: the json constraint has") as caught:
-        request.check_supported()
+        request.structured_output(Literals({}))
     assert caught.value.param == "guided_json"
 
 
