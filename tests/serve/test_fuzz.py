@@ -64,6 +64,17 @@ SHARED = {
     "guided_regex": typed(st.one_of(texts, st.sampled_from(["[0-9]+", "(+", "a{999999}"]))),
     "guided_choice": typed(st.lists(texts, max_size=5)),
     "guided_grammar": typed(st.one_of(texts, st.just('start: "a"+'))),
+    "structured_outputs": typed(st.dictionaries(st.sampled_from(
+        ["json", "regex", "choice", "grammar", "json_object", "structural_tag",
+         "disable_any_whitespace", "whitespace_pattern"]), junk, max_size=3)),
+    "min_tokens": typed(integers), "bad_words": typed(st.lists(texts, max_size=4)),
+    "allowed_token_ids": typed(token_lists), "prompt_logprobs": typed(integers),
+    "include_stop_str_in_output": typed(st.booleans()),
+    "skip_special_tokens": typed(st.booleans()),
+    "spaces_between_special_tokens": typed(st.booleans()),
+    "truncate_prompt_tokens": typed(integers), "return_token_ids": typed(st.booleans()),
+    "priority": typed(integers), "request_id": typed(texts),
+    "add_special_tokens": typed(st.booleans()),
 }
 COMPLETION = {
     **SHARED, "prompt": typed(st.one_of(texts, st.lists(texts, max_size=3), token_lists,
@@ -81,6 +92,11 @@ CHAT = {
     "logprobs": typed(st.booleans()), "top_logprobs": typed(integers),
     "tools": junk, "tool_choice": junk, "parallel_tool_calls": typed(st.booleans()),
     "chat_template_kwargs": typed(st.dictionaries(texts, junk, max_size=4)),
+    "add_generation_prompt": typed(st.booleans()),
+    "continue_final_message": typed(st.booleans()), "chat_template": typed(texts),
+    "documents": typed(st.lists(st.dictionaries(texts, texts, max_size=2), max_size=2)),
+    "reasoning_effort": typed(st.sampled_from(["low", "high", "extreme"])),
+    "include_reasoning": typed(st.booleans()),
 }
 
 

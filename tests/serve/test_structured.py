@@ -16,7 +16,7 @@ from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.protocol import ChatCompletionRequest, ProtocolError
 from lathe.serve.sampling import SamplingParams
 from lathe.serve.speculative import SpeculativeConfig
-from lathe.serve.structured import Literals, MAX_SPEC_CHARS, StructuredOutput
+from lathe.serve.structured import MAX_SPEC_CHARS, Literals, StructuredOutput
 from tests.builders import serve_model
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "n", "tags"],
