@@ -135,13 +135,19 @@ _ONLY_UNUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
 MAX_CHOICES = 1024
 
 
+def _json_value(value: Any, where: str) -> Any:
+    """`value`, parsed when it came as JSON text; `ProtocolError` naming `where` if not JSON."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except (json.JSONDecodeError, RecursionError) as error:
+        raise ProtocolError(f"{where}: not JSON ({error or 'nested too deeply'})",
+                            where.split(".")[0]) from None
+
+
 def _schema_text(schema: Any, where: str) -> str:
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except (json.JSONDecodeError, RecursionError) as error:
-            raise ProtocolError(f"{where}: not JSON ({error or 'nested too deeply'})",
-                                where.split(".")[0]) from None
+    schema = _json_value(schema, where)
     if not isinstance(schema, dict):
         raise ProtocolError(f"{where} must be a JSON schema object", where.split(".")[0])
     return json.dumps(schema)
@@ -152,12 +158,7 @@ def structural_tag(value: Any, where: str, literals: Literals) -> StructuredOutp
     "end"}], "triggers": [...]}`, as an object or its JSON text): free text in which each
     trigger starts one of the structures beginning with it, whose body must match its
     schema. Markers are spelled as the tokenizer has them (`literals`)."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except (json.JSONDecodeError, RecursionError) as error:
-            raise ProtocolError(f"{where}: not JSON ({error or 'nested too deeply'})",
-                                where.split(".")[0]) from None
+    value = _json_value(value, where)
     param = where.split(".")[0]
     structures = value.get("structures") if isinstance(value, dict) else None
     triggers = value.get("triggers") if isinstance(value, dict) else None
