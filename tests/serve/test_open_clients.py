@@ -8,6 +8,7 @@ against its vLLM meaning."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
@@ -92,6 +93,16 @@ def load(path, **config):
     return lambda: LLMEngine.from_checkpoint(path, EngineConfig(num_blocks=256, **config))
 
 
+@contextlib.contextmanager
+def client_with(checkpoint, name: str, template: str, **config):
+    """The official client of a server on `checkpoint` rendering `template` (written to
+    `name` beside it), `config` its other `ServerConfig` fields."""
+    path = checkpoint.parent / name
+    path.write_text(template)
+    with served(checkpoint, load=load(checkpoint), chat_template=path, **config) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+
 @pytest.fixture(scope="module")
 def hermes(qwen_checkpoint):
     with served(qwen_checkpoint, load=load(qwen_checkpoint), tool_call_parser="hermes",
@@ -127,11 +138,9 @@ def streamed(client, **request) -> tuple[str, str, list, str, list]:
 def test_forced_calls_on_added_token_markers_work_for_every_parser(qwen_checkpoint, family):
     """20 seeds, required (one call, then parallel) and named, streamed and not: every
     reply is calls whose arguments validate (strict `add` takes no extra keys)."""
-    template = qwen_checkpoint.parent / f"{family}.jinja"
-    template.write_text(plain(CHATML) if family != "mistral" else MISTRAL_TOOLS)
-    with served(qwen_checkpoint, load=load(qwen_checkpoint), tool_call_parser=family,
-                chat_template=template, max_tool_calls=3) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    template = plain(CHATML) if family != "mistral" else MISTRAL_TOOLS
+    with client_with(qwen_checkpoint, f"{family}.jinja", template, tool_call_parser=family,
+                     max_tool_calls=3) as client:
         for seed in range(20):
             request = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=200,
                            temperature=1.0, seed=seed, parallel_tool_calls=seed % 2 == 1,
@@ -172,11 +181,8 @@ def test_a_truncated_parallel_reply_returns_its_complete_calls(hermes):
 
 
 def test_the_mistral_template_takes_the_call_ids_back(qwen_checkpoint):
-    template = qwen_checkpoint.parent / "mistral-roundtrip.jinja"
-    template.write_text(MISTRAL_TOOLS)
-    with served(qwen_checkpoint, load=load(qwen_checkpoint), tool_call_parser="mistral",
-                chat_template=template) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    with client_with(qwen_checkpoint, "mistral-roundtrip.jinja", MISTRAL_TOOLS,
+                     tool_call_parser="mistral") as client:
         first = client.chat.completions.create(
             model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
             parallel_tool_calls=False, max_tokens=60, seed=0).choices[0].message
@@ -189,11 +195,8 @@ def test_the_mistral_template_takes_the_call_ids_back(qwen_checkpoint):
 
 
 def test_a_template_that_needs_tools_keeps_chat_on(qwen_checkpoint):
-    template = qwen_checkpoint.parent / "tools-only.jinja"
-    template.write_text(TOOLS_ONLY)
-    with served(qwen_checkpoint, load=load(qwen_checkpoint), tool_call_parser="hermes",
-                chat_template=template) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    with client_with(qwen_checkpoint, "tools-only.jinja", TOOLS_ONLY,
+                     tool_call_parser="hermes") as client:
         reply = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS,
                                                tool_choice="required", max_tokens=60, seed=0)
         assert reply.choices[0].message.tool_calls
