@@ -108,7 +108,7 @@ def measure(model: Transformer, examples: list[Example], dataset: Dataset, packe
             "rows": per_step, "width": slots / steps / per_step}
 
 
-def run(steps: int, warmup: int, write: bool) -> str:
+def run(steps: int, warmup: int, write: bool, only: list[str] | None = None) -> str:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = readme_checkpoint(Path(tmp))
@@ -120,6 +120,8 @@ def run(steps: int, warmup: int, write: bool) -> str:
         ]
         rows = []
         for dataset in datasets:
+            if only and not dataset.label.startswith(tuple(only)):
+                continue
             examples = tokenize(encoder, dataset.chats, dataset.max_len)
             lengths = [len(e.ids) for e in examples]
             results = {}

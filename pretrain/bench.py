@@ -147,16 +147,16 @@ def cases(device: torch.device) -> list[Case]:
     ]
 
 
-def run(steps: int, warmup: int, write: bool) -> str:
+def run(steps: int, warmup: int, write: bool, only: list[str] | None = None) -> str:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
     peaks = {fp8: peak_flops(device, fp8=fp8) for fp8 in (False, True)}  # measured once
-    for case in cases(device):
+    for case in picked(cases(device), only):
         model, config = build(case, device)
         with contextlib.nullcontext() if case.kernels else kernels_off():
             seconds = train_steps(model, case, config, device, steps, warmup)
         tokens_per_s = case.batch * case.seq_len / seconds
-        peak, source = peaks[case.fp8]
+        peak = peaks[case.fp8][0]
         mfu = tokens_per_s * config.flops_per_token(case.seq_len) / peak
         memory = (f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f}"
                   if device.type == "cuda" else "—")
@@ -176,7 +176,8 @@ def run(steps: int, warmup: int, write: bool) -> str:
         "Command: `python -m lathe.pretrain.bench`",
         "",
         f"Same loop for both implementations: AdamW, clip 1.0, next-token loss, {steps} timed "
-        f"steps after {warmup} warmup. MFU against {source}.",
+        f"steps after {warmup} warmup. MFU against {peaks[False][1]} (FP8 rows: "
+        f"{peaks[True][1]}).",
         "",
         "| setting | model | params | batch | tokens/s | MFU | peak GiB |",
         "|---|---|---:|---:|---:|---:|---:|",
@@ -186,21 +187,30 @@ def run(steps: int, warmup: int, write: bool) -> str:
     return table
 
 
+def picked(cases: list[Case], only: list[str] | None) -> list[Case]:
+    """The cases whose label starts with one of the words of `only` (all of them without it)."""
+    return [case for case in cases if not only or case.label.startswith(tuple(only))]
+
+
 def append_history(table: str) -> None:
     """Add a bench's table to docs/benchmarks-history.md."""
     with (ROOT / "docs" / "benchmarks-history.md").open("a") as f:
         f.write("\n" + table)
 
 
-def training_bench_main(prog: str, run: Callable[[int, int, bool], str], steps: int,
-                        warmup: int, argv: list[str] | None) -> int:
-    """The command line of a training-throughput bench: --steps, --warmup, --no-write."""
+def training_bench_main(prog: str, run: Callable[[int, int, bool, list[str] | None], str],
+                        steps: int, warmup: int, argv: list[str] | None) -> int:
+    """The command line of a training-throughput bench: --steps, --warmup, --no-write,
+    --only."""
     parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--warmup", type=int, default=warmup)
     parser.add_argument("--no-write", action="store_true", help="do not append to docs/")
+    parser.add_argument("--only", type=lambda text: text.split(","), default=None,
+                        help="only the rows whose label starts with one of these "
+                             "comma-separated words, e.g. '1b' (the 1B cases on a GPU)")
     args = parser.parse_args(argv)
-    print(run(args.steps, args.warmup, not args.no_write))
+    print(run(args.steps, args.warmup, not args.no_write, args.only))
     return 0
 
 

@@ -1,45 +1,119 @@
 #!/usr/bin/env bash
-# The whole GPU path in a few minutes on one CUDA GPU: data, pretraining in bf16 (eval,
-# export), with compile and FP8, killed mid-save and resumed, SFT (full and LoRA), DPO,
-# GRPO, distillation, `lathe serve` under a burst of concurrent requests, the Triton
-# kernel tests compiled, and decode steps captured as CUDA graphs. One line per step, PASS
-# or FAIL, each step's log under $OUT; exits non-zero if any step failed. W&B is off (--logging.report_to=none), so wandb,
-# deepspeed and datasets need not be installed.
+# The whole GPU path on one CUDA GPU: data, pretraining in bf16 (eval, export), with compile
+# and FP8, killed mid-save and resumed, SFT (full, LoRA and QLoRA), DPO, GRPO, GRPO with tool
+# rollouts, distillation, `lathe serve` (HTTP front end and engine core, two processes) under
+# a burst of concurrent requests, the Triton kernel tests compiled, and decode steps
+# captured as CUDA graphs. One line per step, PASS, FAIL, SKIP or BLOCKED (a step it needs
+# failed), each step's log under $OUT; exits non-zero if any step failed or was blocked. W&B
+# is off (--logging.report_to=none), so wandb, deepspeed and datasets need not be installed.
 #
-#   bash recipes/gpu-smoke.sh            # OUT=runs/gpu-smoke, PYTHON=python
+#   bash recipes/gpu-smoke.sh            # OUT=runs/gpu-smoke, PYTHON=python, JOBS=1
 #   SKIP="kill-and-resume kernel-tests" bash recipes/gpu-smoke.sh   # those steps print SKIP
-# (a step that needs a skipped step's output, such as sft after pretrain-bf16, then fails)
+#   JOBS=4 bash recipes/gpu-smoke.sh     # up to 4 steps at once, each as soon as its needs pass
+#   PASSED="data kernel-tests" bash recipes/gpu-smoke.sh  # passed before: DONE, not rerun
+# A step starts once every step it needs has passed (or was skipped: a skipped step's
+# output is then missing, and a step that reads it fails). A PASSED step runs again when a
+# step still to run needs its output. The steps are small, so several share one GPU; their
+# times are not figures to compare.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu-smoke}
 PY=${PYTHON:-python}
 PORT=${PORT:-8766}
+JOBS=${JOBS:-1}
 export WANDB_MODE=disabled TRITON_INTERPRET=0
 "$PY" -c "import torch; assert torch.cuda.is_available()" 2>/dev/null || {
     echo "recipes/gpu-smoke.sh needs a CUDA GPU (torch.cuda.is_available() is False)" >&2
     exit 2; }
 rm -rf "$OUT" && mkdir -p "$OUT"
-failed=0
 
-step() {  # step NAME COMMAND... : run it, log it, print PASS/FAIL with its time
-    local name=$1 start=$SECONDS
-    shift
-    if [[ " ${SKIP:-} " == *" $name "* ]]; then
-        printf 'SKIP  %-22s\n' "$name"
-        return
-    fi
-    if "$@" > "$OUT/$name.log" 2>&1; then
-        printf 'PASS  %-22s %4ss\n' "$name" $((SECONDS - start))
-    else
-        printf 'FAIL  %-22s %4ss  (see %s)\n' "$name" $((SECONDS - start)) "$OUT/$name.log"
-        failed=1
-    fi
+names=()
+declare -A needs runner state pid_step started
+step() {  # step NAME "NEEDED STEPS" FUNCTION : declare a step; run_steps runs them
+    names+=("$1")
+    needs[$1]=$2
+    runner[$1]=$3
+}
+
+report() {  # report NAME VERDICT [SECONDS]
+    case $2 in
+        PASS) printf 'PASS     %-22s %4ss\n' "$1" "$3" ;;
+        FAIL) printf 'FAIL     %-22s %4ss  (see %s)\n' "$1" "$3" "$OUT/$1.log" ;;
+        *) printf '%-8s %-22s\n' "$2" "$1" ;;  # SKIP, DONE or BLOCKED
+    esac
+}
+
+ready() {  # ready NAME: 0 when every needed step passed or was skipped, 1 when one is still
+    local need   # to come, 2 when one failed or was blocked
+    for need in ${needs[$1]}; do
+        case ${state[$need]} in
+            pass|skip) ;;
+            fail|blocked) return 2 ;;
+            *) return 1 ;;
+        esac
+    done
+}
+
+wanted() {  # the steps to run: all but SKIP's and PASSED's, and every step those need
+    local name need i
+    for name in "${names[@]}"; do
+        [[ " ${SKIP:-} ${PASSED:-} " == *" $name "* ]] || want[$name]=1
+    done
+    for ((i = ${#names[@]} - 1; i >= 0; i--)); do  # a step is declared after what it needs
+        name=${names[i]}
+        [ -n "${want[$name]:-}" ] || continue
+        for need in ${needs[$name]}; do want[$need]=1; done
+    done
+}
+
+run_steps() {
+    local name running=0 done_pid verdict
+    declare -A want
+    wanted
+    for name in "${names[@]}"; do state[$name]=pending; done
+    while :; do
+        for name in "${names[@]}"; do
+            [ "${state[$name]}" = pending ] || continue
+            if [ -z "${want[$name]:-}" ]; then
+                state[$name]=skip
+                if [[ " ${SKIP:-} " == *" $name "* ]]; then report "$name" SKIP
+                else report "$name" DONE; fi
+                continue
+            fi
+            ready "$name"
+            case $? in
+                2) state[$name]=blocked; report "$name" BLOCKED; continue ;;
+                1) continue ;;
+            esac
+            [ "$running" -lt "$JOBS" ] || continue
+            "${runner[$name]}" > "$OUT/$name.log" 2>&1 &
+            pid_step[$!]=$name
+            started[$name]=$SECONDS
+            state[$name]=running
+            running=$((running + 1))
+        done
+        [ "$running" -gt 0 ] || break
+        wait -n -p done_pid
+        verdict=$?
+        name=${pid_step[$done_pid]}
+        running=$((running - 1))
+        if [ "$verdict" -eq 0 ]; then
+            state[$name]=pass; report "$name" PASS $((SECONDS - ${started[$name]}))
+        else
+            state[$name]=fail; report "$name" FAIL $((SECONDS - ${started[$name]}))
+        fi
+    done
+    for name in "${names[@]}"; do
+        case ${state[$name]} in fail|blocked) return 1 ;; esac
+    done
 }
 
 lathe() { "$PY" -m lathe.core "$@"; }
 launch() { "$PY" -m accelerate.commands.launch --config_file recipes/accelerate/gpu.yaml "$@"; }
 quiet=(--logging.report_to=none --logging.progress=false)
 post=("${quiet[@]}" --task_eval.examples=32 --eval.batches=2)
+BASE=$OUT/pretrain/final
+SFT=$OUT/sft/final
 
 data() {
     lathe clean --recipe recipes/data/stdlib.yaml --input stdlib --output "$OUT/clean" &&
@@ -47,7 +121,6 @@ data() {
         --output "$OUT/tokenizer" &&
     lathe shards --input "$OUT/clean" --tokenizer "$OUT/tokenizer" --output "$OUT/shards"
 }
-step data data
 
 pretrain() {  # pretrain OUT_NAME EXTRA... : nano on the shards, bf16 from the launch config
     local out=$1
@@ -62,13 +135,11 @@ bf16() {
     pretrain pretrain && exported "$OUT/pretrain" &&
     grep -q '"mixed_precision": "bf16"' "$OUT/pretrain/summary.json"
 }
-step pretrain-bf16 bf16
 
 compile_fp8() {
     pretrain pretrain-fp8 --precision.compile=true --precision.fp8=true &&
     exported "$OUT/pretrain-fp8" && grep -q '"fp8_layers"' "$OUT/pretrain-fp8/summary.json"
 }
-step pretrain-compile-fp8 compile_fp8
 
 kill_and_resume() {  # killed while saving step 40, so the resume starts from step 20
     local killed=$OUT/pretrain-resume.killed.log resumed=$OUT/pretrain-resume.resumed.log
@@ -78,26 +149,47 @@ kill_and_resume() {  # killed while saving step 40, so the resume starts from st
     pretrain pretrain-resume --precision.compile=true --resume auto > "$resumed" 2>&1 &&
     grep -q 'resumed from step 20' "$resumed" && exported "$OUT/pretrain-resume"
 }
-step kill-and-resume kill_and_resume
 
-BASE=$OUT/pretrain/final
-step sft lathe sft --config recipes/sft/e2e.yaml --out_dir "$OUT/sft" --model "$BASE" \
-    --max_steps=60 --eval.every=30 "${post[@]}"
-step sft-lora lathe sft --config recipes/sft/e2e.yaml --out_dir "$OUT/sft-lora" \
-    --model "$BASE" --max_steps=30 --eval.every=30 --lora.enabled=true --lora.r=16 "${post[@]}"
-step dpo lathe dpo --config recipes/dpo/e2e.yaml --out_dir "$OUT/dpo" --model "$OUT/sft/final" \
-    --max_steps=30 --eval.every=30 --data.limit=512 "${post[@]}"
-step grpo lathe grpo --config recipes/grpo/e2e.yaml --out_dir "$OUT/grpo" \
-    --model "$OUT/sft/final" --max_steps=6 --eval.every=6 --beta=0.04 "${post[@]}"
-step distill lathe distill --config recipes/distill/e2e.yaml --out_dir "$OUT/distill" \
-    --model "$BASE" --teacher "$OUT/sft/final" --max_steps=30 --eval.every=30 "${post[@]}"
+sft() {
+    lathe sft --config recipes/sft/e2e.yaml --out_dir "$OUT/sft" --model "$BASE" \
+        --max_steps=60 --eval.every=30 "${post[@]}"
+}
+sft_lora() {
+    lathe sft --config recipes/sft/e2e.yaml --out_dir "$OUT/sft-lora" --model "$BASE" \
+        --max_steps=30 --eval.every=30 --lora.enabled=true --lora.r=16 "${post[@]}"
+}
+qlora() {  # the base in 4-bit NF4 (bitsandbytes), adapters exported merged and on their own
+    lathe sft --config recipes/sft/e2e.yaml --out_dir "$OUT/sft-qlora" --model "$BASE" \
+        --max_steps=30 --eval.every=30 --lora.enabled=true --lora.qlora=true --lora.r=16 \
+        "${post[@]}" && exported "$OUT/sft-qlora" && test -d "$OUT/sft-qlora/final-adapter"
+}
+dpo() {
+    lathe dpo --config recipes/dpo/e2e.yaml --out_dir "$OUT/dpo" --model "$SFT" \
+        --max_steps=30 --eval.every=30 --data.limit=512 "${post[@]}"
+}
+grpo() {
+    lathe grpo --config recipes/grpo/e2e.yaml --out_dir "$OUT/grpo" --model "$SFT" \
+        --max_steps=6 --eval.every=6 --beta=0.04 "${post[@]}"
+}
+sft_tools() {
+    lathe sft --config recipes/sft/tools.yaml --out_dir "$OUT/sft-tools" --model "$SFT" \
+        --max_steps=40 --eval.every=40 "${post[@]}"
+}
+grpo_tools() {  # multi-turn episodes: the calculator runs in a bounded child process
+    lathe grpo --config recipes/grpo/tools.yaml --out_dir "$OUT/grpo-tools" \
+        --model "$OUT/sft-tools/final" --max_steps=4 --eval.every=4 "${post[@]}"
+}
+distill() {
+    lathe distill --config recipes/distill/e2e.yaml --out_dir "$OUT/distill" \
+        --model "$BASE" --teacher "$SFT" --max_steps=30 --eval.every=30 "${post[@]}"
+}
 
 serve_burst() {
     # The interpreter itself, not the `lathe` function's subshell, so that `kill` reaches
     # the server and its KV cache's GPU memory is free for the steps after this one. A fixed
-    # KV budget (the burst needs a few MiB) rather than 90% of the card, so that tests can
-    # share the GPU with it.
-    "$PY" -m lathe.core serve "$OUT/sft/final" --port "$PORT" --log-level warning \
+    # KV budget (the burst needs a few MiB) rather than 90% of the card, so that other
+    # steps can share the GPU with it. The engine core runs in a process of its own.
+    "$PY" -m lathe.core serve "$SFT" --port "$PORT" --log-level warning \
         --kv-cache-memory-mb 1024 &
     local server=$!
     "$PY" - "$PORT" <<'PY'
@@ -105,6 +197,7 @@ import asyncio, sys, time
 import httpx
 url = f"http://127.0.0.1:{sys.argv[1]}"
 deadline = time.monotonic() + 600  # the start captures a CUDA graph per batch bucket
+started = time.monotonic()
 while time.monotonic() < deadline:
     try:
         if httpx.get(f"{url}/health").status_code == 200:
@@ -114,6 +207,7 @@ while time.monotonic() < deadline:
     time.sleep(0.2)
 else:
     sys.exit("lathe serve did not become healthy")
+print(f"healthy after {time.monotonic() - started:.1f}s")
 
 async def one(client, i):
     r = await client.post(f"{url}/v1/chat/completions", json={
@@ -134,20 +228,39 @@ PY
     kill "$server" && wait "$server"
     return $status
 }
-step serve-burst serve_burst
 
-kernels() {
-    if "$PY" -c "import xdist" 2>/dev/null; then
-        "$PY" -m pytest -q -n 12 tests/kernels
-    else
-        "$PY" -m pytest -q tests/kernels
-    fi
+workers() { "$PY" -c "import xdist" 2>/dev/null && echo "-n ${TEST_WORKERS:-8}"; }
+kernel_tests() {
+    # shellcheck disable=SC2046  # workers prints nothing or two words
+    "$PY" -m pytest -q -rfE $(workers) tests/kernels
 }
-step kernel-tests kernels
 # decode steps captured as CUDA graphs against eager, token for token, and the engine's KV
 # budget on a GPU (the file's CPU tests are CI's: on a GPU machine they only cost minutes)
-step decode-graphs "$PY" -m pytest -q tests/serve/test_decode_graph.py tests/serve/test_engine.py \
-    -k cuda
+decode_graphs() {
+    "$PY" -m pytest -q -rfE tests/serve/test_decode_graph.py tests/serve/test_engine.py -k cuda
+}
+qlora_tests() { "$PY" -m pytest -q -rfE tests/posttrain/test_qlora.py; }
 
-if [ $failed -eq 0 ]; then echo "gpu-smoke: all steps passed"; else echo "gpu-smoke: FAILED"; fi
-exit $failed
+step data "" data
+step pretrain-bf16 "data" bf16
+step pretrain-compile-fp8 "data" compile_fp8
+step kill-and-resume "data" kill_and_resume
+step sft "pretrain-bf16" sft
+step sft-lora "pretrain-bf16" sft_lora
+step qlora "pretrain-bf16" qlora
+step distill "pretrain-bf16 sft" distill
+step dpo "sft" dpo
+step grpo "sft" grpo
+step serve-burst "sft" serve_burst
+step sft-tools "sft" sft_tools
+step grpo-tools "sft-tools" grpo_tools
+step kernel-tests "" kernel_tests
+step decode-graphs "" decode_graphs
+step qlora-tests "" qlora_tests
+
+if run_steps; then
+    echo "gpu-smoke: all steps passed"
+else
+    echo "gpu-smoke: FAILED"
+    exit 1
+fi

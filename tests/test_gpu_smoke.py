@@ -1,5 +1,6 @@
-"""`recipes/gpu-smoke.sh` is for a CUDA machine: without one it says so and exits 2 before
-touching anything (on a GPU, run it by hand: it is not part of CI)."""
+"""`recipes/gpu-smoke.sh` and `recipes/gpu-check.sh` are for a CUDA machine: without one each
+says so and exits 2 before touching anything (on a GPU, run them by hand: they are not part
+of CI)."""
 
 import sys
 from pathlib import Path
@@ -13,11 +14,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script really runs")
-def test_gpu_smoke_refuses_without_a_gpu(tmp_path):
+@pytest.mark.parametrize("script", ["gpu-smoke.sh", "gpu-check.sh"])
+def test_gpu_scripts_refuse_without_a_gpu(script, tmp_path):
     out = tmp_path / "smoke"
-    result = processes.run(["bash", str(ROOT / "recipes" / "gpu-smoke.sh")], timeout=60,
+    result = processes.run(["bash", str(ROOT / "recipes" / script)], timeout=60,
                            check=False, env={"OUT": str(out), "PYTHON": sys.executable,
-                                             "PATH": "/usr/bin:/bin"})
+                                             "COMMIT": "0" * 40, "PATH": "/usr/bin:/bin"})
     assert result.returncode == 2, result.stdout + result.stderr
     assert "needs a CUDA GPU" in result.stderr
     assert not out.exists()
