@@ -1,6 +1,10 @@
 """The Triton int8 and int4 weight-only GEMMs, autotuned per row bucket
 (`lathe.kernels.quant_matmul` holds the references, the CPU paths and the dispatch, and
-imports this module only on the Triton path).
+imports this module only on the Triton path). A compiled graph calls each GEMM whole, as the
+op `lathe::int8_matmul_triton` / `lathe::int4_matmul_triton`, instead of tracing the
+autotuned launch: dynamo (torch 2.11) fails on the second launch of one autotuned kernel in a
+graph ("ListVariable ... is already tracked for mutation", the autotuner's configs), and a
+decode step launches it once per projection.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from torch import Tensor
 
 from lathe.kernels.dispatch import (
     dot_precision,
+    opaque_op,
     tuning_configs,
 )
 
@@ -106,7 +111,7 @@ def _int4_matmul(X, P, S, MIN, Y, M, N, K, GROUP, ROWS, PRECISION: tl.constexpr,
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def int8_matmul_triton(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+def _int8_launch(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     (m, k), n = x2.shape, q.shape[0]
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
@@ -115,7 +120,7 @@ def int8_matmul_triton(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     return y.view(*x.shape[:-1], n)
 
 
-def int4_matmul_triton(x: Tensor, packed: Tensor, scale: Tensor, minimum: Tensor) -> Tensor:
+def _int4_launch(x: Tensor, packed: Tensor, scale: Tensor, minimum: Tensor) -> Tensor:
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     (m, k), n = x2.shape, packed.shape[0]
     group = k // scale.shape[1]
@@ -126,3 +131,24 @@ def int4_matmul_triton(x: Tensor, packed: Tensor, scale: Tensor, minimum: Tensor
                               minimum.contiguous(), y, m, n, k, group, row_bucket(m),
                               PRECISION=dot_precision(x.dtype))
     return y.view(*x.shape[:-1], n)
+
+
+_int8_op = opaque_op("int8_matmul_triton", "(Tensor x, Tensor q, Tensor scale) -> Tensor",
+                     _int8_launch,
+                     lambda x, q, scale: x.new_empty(*x.shape[:-1], q.shape[0]))
+_int4_op = opaque_op(
+    "int4_matmul_triton", "(Tensor x, Tensor packed, Tensor scale, Tensor minimum) -> Tensor",
+    _int4_launch,
+    lambda x, packed, scale, minimum: x.new_empty(*x.shape[:-1], packed.shape[0]))
+
+
+def int8_matmul_triton(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    """x @ dequantize(q, scale).T; inside a compiled graph, one opaque op."""
+    launch = _int8_op if torch.compiler.is_compiling() else _int8_launch
+    return launch(x, q, scale)
+
+
+def int4_matmul_triton(x: Tensor, packed: Tensor, scale: Tensor, minimum: Tensor) -> Tensor:
+    """x @ dequantize(packed, scale, minimum).T; inside a compiled graph, one opaque op."""
+    launch = _int4_op if torch.compiler.is_compiling() else _int4_launch
+    return launch(x, packed, scale, minimum)

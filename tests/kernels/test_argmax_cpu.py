@@ -15,8 +15,9 @@ from lathe.kernels.argmax import argmax_cpu, greedy_argmax
 from lathe.kernels.cpu_native import load_cpu_kernels
 from lathe.kernels.dispatch import kernels_off
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None,
-                                reason="the native kernels need a C++ compiler")
+pytestmark = [pytest.mark.native_cpu,
+              pytest.mark.skipif(shutil.which("c++") is None,
+                                 reason="the native kernels need a C++ compiler")]
 
 
 @pytest.fixture(scope="module", autouse=True)

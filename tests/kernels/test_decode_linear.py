@@ -25,8 +25,9 @@ from lathe.kernels.decode_linear_pass import DecodeLinearPass
 from lathe.kernels.quant_matmul import int8_matmul_cpu, int8_matmul_reference
 from lathe.serve.quant import quantize_int8
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None,
-                                reason="the native kernels need a C++ compiler")
+pytestmark = [pytest.mark.native_cpu,
+              pytest.mark.skipif(shutil.which("c++") is None,
+                                 reason="the native kernels need a C++ compiler")]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -23,8 +23,9 @@ rmsnorm = importlib.import_module("lathe.kernels.rmsnorm")
 swiglu = importlib.import_module("lathe.kernels.swiglu")
 rope = importlib.import_module("lathe.kernels.rope")
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None,
-                                reason="the native kernels need a C++ compiler")
+pytestmark = [pytest.mark.native_cpu,
+              pytest.mark.skipif(shutil.which("c++") is None,
+                                 reason="the native kernels need a C++ compiler")]
 
 NATIVE_OPS = ("lathe::rms_norm_cpu", "lathe::add_rms_norm_cpu", "lathe::swiglu_cpu",
               "lathe::rope_cpu")

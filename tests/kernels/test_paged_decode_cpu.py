@@ -17,8 +17,9 @@ from lathe.kernels import cpu_native
 from lathe.kernels.dispatch import kernels_off
 from lathe.kernels.paged_attention import paged_decode, paged_decode_cpu, paged_decode_reference
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None,
-                                reason="the native kernels need a C++ compiler")
+pytestmark = [pytest.mark.native_cpu,
+              pytest.mark.skipif(shutil.which("c++") is None,
+                                 reason="the native kernels need a C++ compiler")]
 
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3),
              torch.bfloat16: (1.5e-2, 1.5e-2)}
