@@ -38,7 +38,7 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 PROVENANCE_FILE = "lathe.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
-DEFAULT_SAMPLING = {"do_sample": True, "temperature": 0.7, "top_p": 0.9}
+SPECIAL_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 # config.json fields read as numbers, and the type each must have
@@ -66,7 +66,10 @@ def save_checkpoint(model: Transformer, path: str | Path, tokenizer: str | Path 
 
     `tokenizer` is a folder holding at least `tokenizer.json` (as written by
     `lathe tokenizer train` or `save_pretrained`); its files are copied in and its
-    bos/eos/pad tokens set the ids in config.json and generation_config.json.
+    bos/eos/pad tokens set the ids in config.json and generation_config.json. When it is
+    a checkpoint (a stage's source model), its generation_config.json is kept as it was —
+    an instruct model's list of end-of-turn ids and its sampling defaults — and its
+    config.json's bos/eos/pad ids win over the tokenizer's single tokens.
     `chat_template` (Jinja source) replaces the template those files carry, in
     tokenizer_config.json where transformers, vLLM and lathe read it.
     `provenance` (stage, steps, data, metrics, ...) goes to lathe.json. Weights are
@@ -74,6 +77,10 @@ def save_checkpoint(model: Transformer, path: str | Path, tokenizer: str | Path 
     """
     config = model.config
     special_ids = _special_token_ids(Path(tokenizer), config) if tokenizer is not None else {}
+    generation = dict(special_ids)
+    if tokenizer is not None:
+        special_ids.update(_source_fields(Path(tokenizer) / CONFIG_FILE, SPECIAL_ID_FIELDS))
+        generation = {**special_ids, **_source_fields(Path(tokenizer) / GENERATION_CONFIG_FILE)}
     state = unstack_experts(join_fused({
         name: tensor.detach().contiguous()
         for name, tensor in model.state_dict().items()
@@ -86,7 +93,7 @@ def save_checkpoint(model: Transformer, path: str | Path, tokenizer: str | Path 
         hf_config = config.to_hf_config()
         hf_config.update(torch_dtype=str(dtype).removeprefix("torch."), **special_ids)
         _write_json(tmp / CONFIG_FILE, hf_config)
-        _write_json(tmp / GENERATION_CONFIG_FILE, {**special_ids, **DEFAULT_SAMPLING})
+        _write_json(tmp / GENERATION_CONFIG_FILE, generation)
         if tokenizer is not None:
             for name in TOKENIZER_FILES:
                 if (Path(tokenizer) / name).is_file():
@@ -308,6 +315,15 @@ def _check_state_dict(model: Transformer, state: dict[str, torch.Tensor], path: 
             f"{path}: weights do not match config.json — " + "; ".join(problems)
             + ". Was the folder written for a different model shape?"
         )
+
+
+def _source_fields(file: Path, names: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """The fields of a source checkpoint's JSON file (only `names` when given; nothing when
+    the file is absent)."""
+    if not file.is_file():
+        return {}
+    fields = read_json_object(file)
+    return {k: v for k, v in fields.items() if names is None or k in names}
 
 
 def _special_token_ids(tokenizer_dir: Path, config: ModelConfig) -> dict[str, int]:

@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 import lathe.model.checkpoint as checkpoint_module
 from lathe.data.tokenizer import load_tokenizer
 from lathe.model import CheckpointError, load_checkpoint, save_checkpoint
+from lathe.model.checkpoint import read_eos_ids
 from tests.builders import build_tokenizer, tiny_model
 
 
@@ -137,7 +138,27 @@ def test_tokenizer_files_and_special_ids_travel_with_the_checkpoint(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     generation = json.loads((folder / "generation_config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (0, 1, 2)
-    assert generation["eos_token_id"] == 1 and generation["bos_token_id"] == 0
+    assert generation == {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}  # no
+    # sampling defaults invented for a model lathe creates
+
+
+def test_an_export_keeps_its_source_checkpoints_end_of_turn_ids_and_sampling(tmp_path):
+    """An instruct model lists several end ids (Phi-3.5 [32007, 32001, 32000], Gemma [1,
+    106]) where its tokenizer names one eos_token: a stage's export, whose tokenizer folder
+    is the source checkpoint, keeps the list and the source's sampling defaults, or the
+    fine-tuned model never stops at the end of its turn."""
+    source = tmp_path / "source"
+    save_checkpoint(tiny_model(vocab_size=320), source, tokenizer=build_tokenizer(tmp_path / "t"))
+    generation = {"bos_token_id": 0, "eos_token_id": [1, 7, 9], "pad_token_id": 2,
+                  "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                  "transformers_version": "4.51.0"}
+    (source / "generation_config.json").write_text(json.dumps(generation))
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "eos_token_id": [1, 7]}))
+    save_checkpoint(tiny_model(vocab_size=320), tmp_path / "export", tokenizer=source)
+    assert json.loads((tmp_path / "export" / "generation_config.json").read_text()) == generation
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["eos_token_id"] == [1, 7]
+    assert read_eos_ids(tmp_path / "export", 320) == [1, 7, 9]
 
 
 def test_tokenizer_larger_than_the_vocab_is_refused(tmp_path):
