@@ -15,6 +15,8 @@ from lathe.model.lora import LoraSection
 from lathe.pretrain.runtime.config import TrainConfig
 from lathe.serve.tool_calls import PARSERS
 
+TASK_EVAL_EXAMPLES = 64  # held-out prompts when the stage trains on lathe's tasks
+
 
 @dataclass
 class TaskEvalConfig:
@@ -22,13 +24,18 @@ class TaskEvalConfig:
 
     prompts: str = "task:arithmetic"  # task:NAME (its test split) or a prompt .jsonl
     task: str = "arithmetic"  # the verifier: arithmetic | arithmetic3 | arithmetic3x3 | stdlib_qa
-    examples: int = 64
+    # 0 turns it off; unset: 64 when the stage trains on lathe's tasks (task:NAME), off when
+    # it trains on your own data, which lathe's arithmetic says nothing about
+    examples: int | None = None
     max_tokens: int = 12
     # stop training once held-out accuracy reaches this (Lightning's stopping_threshold),
     # e.g. to hand a partly-trained SFT model to RL; checked at every evaluation
     stop_at: float | None = None
 
     def __post_init__(self) -> None:
+        if self.examples is not None and self.examples < 0:
+            raise ConfigError(f"task_eval.examples={self.examples}: a count of held-out "
+                              "prompts, or 0 to turn the evaluation off")
         if self.stop_at is not None and not 0 < self.stop_at <= 1:
             raise ConfigError(f"task_eval.stop_at={self.stop_at}: an accuracy in (0, 1], "
                               "or null to train for max_steps")
@@ -76,6 +83,16 @@ class PosttrainConfig(TrainConfig):
             if key in TEMPLATE_ARGUMENTS:
                 raise ConfigError(f"chat_template_kwargs.{key}: lathe sets {key!r} itself; "
                                   "remove it")
+        if self.task_eval.examples is None:
+            own = [s for s in self.training_sources() if not s.startswith("task:")]
+            self.task_eval.examples = 0 if own else TASK_EVAL_EXAMPLES
+        if self.task_eval.stop_at is not None and not self.task_eval.examples:
+            raise ConfigError(f"task_eval.stop_at={self.task_eval.stop_at} needs the held-out "
+                              "evaluation: set task_eval.examples (it is off on your own data)")
+
+    def training_sources(self) -> list[str]:
+        """The sources the stage trains on (task:NAME, files, hf:NAME)."""
+        raise NotImplementedError
 
 
 @dataclass
@@ -97,6 +114,10 @@ class ChatStageConfig(PosttrainConfig):
     """A stage that trains on chats: SFT and distillation."""
 
     data: ChatDataConfig = field(default_factory=ChatDataConfig)
+
+    def training_sources(self) -> list[str]:
+        train = self.data.train
+        return [train] if isinstance(train, str) else [part.source for part in train]
 
 
 @dataclass
@@ -134,6 +155,9 @@ class DPOConfig(PosttrainConfig):
         if self.rpo_alpha < 0:
             raise ConfigError(f"rpo_alpha={self.rpo_alpha} must be >= 0 (0: plain DPO; TRL "
                               "suggests 1.0)")
+
+    def training_sources(self) -> list[str]:
+        return [self.data.train]
 
 
 @dataclass
@@ -180,3 +204,6 @@ class GRPOConfig(PosttrainConfig):
             raise ConfigError(f"epsilon={self.epsilon} must be in (0, 1)")
         if self.beta < 0:
             raise ConfigError(f"beta={self.beta} must be >= 0")
+
+    def training_sources(self) -> list[str]:
+        return [self.prompts]

@@ -37,6 +37,7 @@ from lathe.posttrain.common import (
     evaluate_task,
     finish_stage,
     load_policy,
+    percent,
     rank_batches,
     stage_history,
     stage_main,
@@ -219,7 +220,8 @@ def distill(config: DistillConfig, resume: str = "never") -> dict[str, Any]:
     summary["teacher_accuracy"] = evaluator(teacher.model())["accuracy"]
     write_json(Path(config.out_dir) / "summary.json", summary)
     print(f"done: distill ({config.mode}); held-out {config.task_eval.task} accuracy: student "
-          f"{summary['student_accuracy']:.1%}, teacher {summary['teacher_accuracy']:.1%}")
+          f"{percent(summary['student_accuracy'])}, teacher "
+          f"{percent(summary['teacher_accuracy'])}")
     return summary
 
 

@@ -39,6 +39,7 @@ from lathe.posttrain.common import (
     load_policy,
     pad,
     pad_id,
+    percent,
     rank_batches,
     sequence_work,
     stage_history,
@@ -251,7 +252,7 @@ def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
         runtime.print(f"step {runtime.step}: held-out preference accuracy "
                       f"{metrics['eval/preference_accuracy']:.1%} (loss "
                       f"{metrics['eval/dpo_loss']:.4f}), {config.task_eval.task} accuracy "
-                      f"{accuracy:.1%}")
+                      f"{percent(accuracy)}")
         return stop_reached(runtime, config.task_eval, accuracy)
 
     if restored is None:
@@ -268,7 +269,7 @@ def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
         print(f"done: dpo {runtime.step} steps in {summary['seconds']:.0f}s; held-out preference "
               f"accuracy {history['preference_accuracy'][0]:.1%} -> "
               f"{history['preference_accuracy'][-1]:.1%}, task accuracy "
-              f"{history['accuracy'][0]:.1%} -> {history['accuracy'][-1]:.1%}\n"
+              f"{percent(history['accuracy'][0])} -> {percent(history['accuracy'][-1])}\n"
               f"checkpoint: {summary['final']}")
     return summary
 

@@ -50,6 +50,7 @@ from lathe.posttrain.common import (
     load_policy,
     pad,
     pad_id,
+    percent,
     sequence_work,
     stage_history,
     stage_main,
@@ -377,7 +378,7 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
             history["heldout_accuracy"].append(accuracy)
             runtime.print(f"step {runtime.step}: reward {rollout_metrics['reward/mean']:.3f}, "
                           f"rollout accuracy {rollout_metrics['train/accuracy']:.1%}, "
-                          f"held-out accuracy {accuracy:.1%}")
+                          f"held-out accuracy {percent(accuracy)}")
             if stop_reached(runtime, config.task_eval, accuracy):
                 break
         if runtime.should(config.checkpoint.every):
@@ -390,8 +391,8 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
         first, last = history["reward"][:5], history["reward"][-5:]
         print(f"done: grpo {runtime.step} steps in {summary['seconds']:.0f}s; mean reward "
               f"{sum(first) / len(first):.3f} (first 5 batches) -> {sum(last) / len(last):.3f} "
-              f"(last 5), held-out accuracy {history['heldout_accuracy'][0]:.1%} -> "
-              f"{history['heldout_accuracy'][-1]:.1%}\ncheckpoint: {summary['final']}")
+              f"(last 5), held-out accuracy {percent(history['heldout_accuracy'][0])} -> "
+              f"{percent(history['heldout_accuracy'][-1])}\ncheckpoint: {summary['final']}")
     return summary
 
 

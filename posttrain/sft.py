@@ -22,6 +22,7 @@ from lathe.posttrain.common import (
     evaluate_task,
     finish_stage,
     load_policy,
+    percent,
     rank_batches,
     stage_history,
     stage_main,
@@ -78,7 +79,7 @@ def sft(config: SFTConfig, resume: str = "never") -> dict[str, Any]:
         history["heldout_loss"].append(loss)
         history["accuracy"].append(accuracy)
         runtime.print(f"step {runtime.step}: held-out assistant loss {loss:.4f}, "
-                      f"{config.task_eval.task} accuracy {accuracy:.1%}")
+                      f"{config.task_eval.task} accuracy {percent(accuracy)}")
         return stop_reached(runtime, config.task_eval, accuracy)
 
     if run.restored is None:
@@ -91,7 +92,7 @@ def sft(config: SFTConfig, resume: str = "never") -> dict[str, Any]:
     if runtime.is_main:
         print(f"done: sft {runtime.step} steps in {summary['seconds']:.0f}s; held-out assistant "
               f"loss {history['heldout_loss'][0]:.4f} -> {history['heldout_loss'][-1]:.4f}, "
-              f"accuracy {history['accuracy'][0]:.1%} -> {history['accuracy'][-1]:.1%}"
+              f"accuracy {percent(history['accuracy'][0])} -> {percent(history['accuracy'][-1])}"
               + sources_line(summary["sources"]) + f"\ncheckpoint: {summary['final']}")
     return summary
 

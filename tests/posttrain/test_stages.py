@@ -4,6 +4,7 @@ LoRA exports merge exactly, and SFT/DPO run on 2 CPU processes."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -66,6 +67,39 @@ def test_sft_stops_once_heldout_accuracy_reaches_stop_at(base, tmp_path, capsys)
     assert (out / "final" / "model.safetensors").is_file()
     assert main(["sft", *quick(tmp_path / "bad", base, **{"task_eval.stop_at": 1.5})]) == 2
     assert "task_eval.stop_at=1.5: an accuracy in (0, 1]" in capsys.readouterr().err
+
+
+def test_the_held_out_task_is_off_on_your_own_data_and_when_examples_is_0(base, tmp_path,
+                                                                          capsys):
+    """A model fine-tuned on a user's chats is not scored on lathe's arithmetic unless asked:
+    unset, task_eval.examples is 64 on task:NAME data and 0 (off) on anything else; an
+    explicit 0 turns it off on tasks too, and stop_at without it is refused."""
+    from lathe.core.config import from_dict
+    from lathe.posttrain.config import GRPOConfig, SFTConfig
+
+    assert SFTConfig().task_eval.examples == 64
+    assert from_dict(SFTConfig, {"data": {"train": "my_chats.jsonl"}}).task_eval.examples == 0
+    assert from_dict(SFTConfig, {"data": {"train": [{"source": "task:arithmetic"}, {
+        "source": "hf:org/chats"}]}}).task_eval.examples == 0
+    assert from_dict(GRPOConfig, {"prompts": "task:arithmetic3+arithmetic3x3"}
+                     ).task_eval.examples == 64
+    chats = tmp_path / "chats.jsonl"
+    chat = {"messages": [{"role": "user", "content": "Say hi."},
+                         {"role": "assistant", "content": "hi"}]}
+    chats.write_text((json.dumps(chat) + "\n") * 8)
+    own = [arg for arg in quick(tmp_path / "own", base, max_steps=2, micro_batch_size=4,
+                                **{"data.train": chats, "data.eval": chats})
+           if not arg.startswith("--task_eval.examples")]
+    assert main(["sft", *own]) == 0
+    printed = capsys.readouterr().out
+    assert "arithmetic accuracy off" in printed and "accuracy off -> off" in printed
+    assert all(math.isnan(a) for a in summary(tmp_path / "own")["accuracy"])
+    assert main(["sft", *quick(tmp_path / "zero", base, max_steps=2, **{
+        "task_eval.examples": 0})]) == 0
+    assert "accuracy off -> off" in capsys.readouterr().out
+    assert main(["sft", *quick(tmp_path / "bad", base, **{"task_eval.examples": 0,
+                                                           "task_eval.stop_at": 0.5})]) == 2
+    assert "task_eval.stop_at=0.5 needs the held-out evaluation" in capsys.readouterr().err
 
 
 def preference_files(folder: Path) -> dict[str, Path]:
