@@ -1,6 +1,7 @@
 """A checkpoint as one GGUF file for llama.cpp (and Ollama, LM Studio), written with the
-`gguf` package: the architecture's hyper-parameters, the byte-level BPE vocabulary, merges,
-special tokens and chat template, and every tensor under llama.cpp's name in f32 (the exact
+`gguf` package: the architecture's hyper-parameters, the vocabulary as llama.cpp tokenizes
+it (`lathe.serve.gguf_vocab`: byte-level BPE or SentencePiece, end-of-turn ids), the chat
+template, and every tensor under llama.cpp's name in f32 (the exact
 weights, to compare runtimes on the same numbers), f16, bf16 or q8_0.
 
 Each family is written as the llama.cpp architecture its converter makes of it (`ARCHES`):
@@ -25,7 +26,6 @@ match, or the export refuses it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from pathlib import Path
 
@@ -35,11 +35,11 @@ import torch
 from torch import Tensor
 
 from lathe.data.chat_template import checkpoint_chat_template
-from lathe.data.tokenizer import split_pattern
 from lathe.model.checkpoint import CheckpointError, load_checkpoint
 from lathe.model.config import ModelConfig
 from lathe.model.families import join_fused
 from lathe.model.transformer import rope_inv_freq
+from lathe.serve.gguf_vocab import gguf_vocabulary
 
 FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
               "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
@@ -191,32 +191,6 @@ def _model_name(name: str, tokens: list[str]) -> str:
     return name
 
 
-def _vocabulary(checkpoint: Path, vocab_size: int) -> tuple[list[str], list[int], list[str]]:
-    data = json.loads((checkpoint / "tokenizer.json").read_text())
-    by_id = {i: token for token, i in data["model"]["vocab"].items()}
-    types = {i: gguf.TokenType.NORMAL for i in by_id}
-    for added in data.get("added_tokens", []):
-        by_id[added["id"]] = added["content"]
-        types[added["id"]] = (gguf.TokenType.CONTROL if added.get("special")
-                              else gguf.TokenType.USER_DEFINED)
-    tokens, token_types = [], []
-    for i in range(vocab_size):  # the model's rows past the tokenizer's size stay unused
-        tokens.append(by_id.get(i, f"[PAD{i}]"))
-        token_types.append(int(types.get(i, gguf.TokenType.UNUSED)))
-    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"].get("merges", [])]
-    return tokens, token_types, merges
-
-
-def _pre_tokenizer(checkpoint: Path) -> str:
-    """llama.cpp's name for the pre-tokenization regex: lathe's with numbers split in
-    groups of up to 3 digits is Llama-3's ("llama-bpe"), one digit at a time is Qwen2's."""
-    text = (checkpoint / "tokenizer.json").read_text()
-    for digits, name in ((3, "llama-bpe"), (1, "qwen2")):
-        if json.dumps(split_pattern(digits))[1:-1] in text:
-            return name
-    return "default"
-
-
 def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f16") -> Path:
     checkpoint, out = Path(checkpoint), Path(out)
     if dtype not in FILE_TYPES:
@@ -229,14 +203,12 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f16") -> 
     refusal = unwritable(config)
     if refusal is not None:
         raise CheckpointError(f"{checkpoint}: {refusal}")
-    generation = json.loads((checkpoint / "generation_config.json").read_text()) \
-        if (checkpoint / "generation_config.json").is_file() else {}
+    vocabulary = gguf_vocabulary(checkpoint, config.vocab_size, config.family)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     writer = gguf.GGUFWriter(str(tmp), ARCHES[config.family])
-    tokens, token_types, merges = _vocabulary(checkpoint, config.vocab_size)
-    writer.add_name(_model_name(checkpoint.resolve().name, tokens))
+    writer.add_name(_model_name(checkpoint.resolve().name, vocabulary.tokens))
     writer.add_context_length(config.max_seq_len)
     writer.add_embedding_length(config.dim)
     writer.add_block_count(config.n_layers)
@@ -278,18 +250,7 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f16") -> 
         writer.add_clamp_kqv(config.clip_qkv)
     writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(FILE_TYPES[dtype])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(_pre_tokenizer(checkpoint))
-    writer.add_token_list(tokens)
-    writer.add_token_types(token_types)
-    writer.add_token_merges(merges)
-    for role, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
-                      ("pad", writer.add_pad_token_id)):
-        token_id = generation.get(f"{role}_token_id")
-        if isinstance(token_id, int):
-            add(token_id)
-    # lathe tokenizes as transformers does, adding no BOS: a template writes it if wanted
-    writer.add_add_bos_token(False)
+    vocabulary.write(writer)
     if (template := checkpoint_chat_template(checkpoint)) is not None:
         writer.add_chat_template(template)
 

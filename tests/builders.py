@@ -50,3 +50,73 @@ def build_tokenizer(folder: Path, vocab_size: int = 300) -> Path:
         "bos_token": specials[0], "eos_token": specials[1], "pad_token": specials[2],
     }))
     return folder
+
+
+# text in several scripts, code and odd spacing: what a tokenizer must round-trip
+MULTILINGUAL = ("Hello world, this is a test.\nÉtudiant naïve café — 東京タワー 北京 "
+                "Привет мир! مرحبا 🙂🚀  tabs\tand   spaces\n\n")
+CODE = "def add(a, b):\n    return a + b  # 12345 + 678\n\nprint(add(1, 2))\n"
+_CORPUS = [MULTILINGUAL, CODE, "the quick brown fox jumps over the lazy dog",
+           "numbers 2026 and 3.14159", "Élan vital, über alles, señor"]
+
+
+def build_sentencepiece_tokenizer(folder: Path, end_of_turn: str = "<end_of_turn>") -> Path:
+    """The shape of Llama 2's, Mistral's and Gemma's tokenizer.json: BPE over "▁"-spaced
+    pieces with `<0xNN>` byte fallback (ids 3-258, after <unk> <s> </s>), a "▁" prepended to
+    the text, `add_bos_token` true, and an end-of-turn special after the pieces."""
+    from tokenizers import normalizers, processors
+
+    trainer = trainers.BpeTrainer(vocab_size=400, show_progress=False, max_token_length=8)
+    draft = Tokenizer(models.BPE(unk_token="<unk>"))
+    draft.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                             normalizers.Replace(" ", "▁")])
+    # trained on words, as SentencePiece splits on whitespace; the file has no pre-tokenizer
+    draft.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+    draft.train_from_iterator(_CORPUS * 10, trainer)
+    trained = json.loads(draft.to_str())["model"]
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {token: i for i, token in enumerate(
+        specials + [f"<0x{b:02X}>" for b in range(256)]
+        + [t for t, _ in sorted(trained["vocab"].items(), key=lambda kv: kv[1])
+           if t not in specials])}
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
+    tokenizer = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True,
+                                     fuse_unk=True))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                                 normalizers.Replace(" ", "▁")])
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                           decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tokenizer.add_special_tokens(specials + [end_of_turn])
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "LlamaTokenizerFast", "add_bos_token": True, "add_eos_token": False,
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<unk>"}))
+    return folder
+
+
+def build_qwen_tokenizer(folder: Path) -> Path:
+    """The shape of Qwen2.5's and Qwen3's tokenizer.json: byte-level BPE behind Qwen's own
+    regex (single digits, spelled `\\p{N}`), `<|endoftext|>`, `<|im_start|>` and
+    `<|im_end|>` as specials and `<tool_call>` as an added non-special token; no BOS."""
+    tokenizer = Tokenizer(models.BPE())
+    qwen_regex = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}"
+                  r"\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+    from tokenizers import Regex
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(qwen_regex), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(_CORPUS * 10, trainer)
+    tokenizer.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tokenizer.add_tokens(["<tool_call>"])
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "Qwen2TokenizerFast", "add_bos_token": False, "bos_token": None,
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
+    return folder

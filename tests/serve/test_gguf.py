@@ -7,6 +7,8 @@ many tokens, so a wrong q/k layout — invisible at position 0 — changes the l
 
 from __future__ import annotations
 
+import json
+
 import gguf
 import numpy as np
 import pytest
@@ -14,6 +16,13 @@ import torch
 
 from lathe.model import load_checkpoint, save_checkpoint
 from lathe.serve.gguf_export import export_gguf
+from tests.builders import (
+    CODE,
+    MULTILINGUAL,
+    build_qwen_tokenizer,
+    build_sentencepiece_tokenizer,
+    tiny_model,
+)
 
 
 def read_gguf(path):
@@ -165,10 +174,91 @@ def test_gguf_carries_hyperparameters_vocabulary_and_special_tokens(checkpoint, 
 
 
 def test_pre_tokenizer_names_follow_the_digit_grouping(tmp_path):
+    """lathe's regex with 3-digit groups is Llama 3's, with single digits Qwen2's (spelled
+    `\\p{N}{1,1}`, read as Qwen's `\\p{N}`); any other grouping has no llama.cpp name and
+    is refused rather than split differently there."""
     from lathe.data.tokenizer import save_tokenizer, train_tokenizer
-    from lathe.serve.gguf_export import _pre_tokenizer
+    from lathe.model import CheckpointError
+    from lathe.serve.gguf_vocab import gguf_vocabulary
     texts = ["x = 12345 + 678", "def f(): return 42"] * 20
-    for digits, name in ((3, "llama-bpe"), (1, "qwen2"), (2, "default")):
+    for digits, name in ((3, "llama-bpe"), (1, "qwen2")):
         save_tokenizer(train_tokenizer(texts, 300, max_digits=digits, show_progress=False),
                        tmp_path / str(digits))
-        assert _pre_tokenizer(tmp_path / str(digits)) == name
+        assert gguf_vocabulary(tmp_path / str(digits), 300, "llama").pre == name
+    assert gguf_vocabulary(tmp_path / "3", 300, "glm4_moe").pre == "glm4"
+    save_tokenizer(train_tokenizer(texts, 300, max_digits=2, show_progress=False), tmp_path / "2")
+    with pytest.raises(CheckpointError, match=r"is not one llama.cpp knows"):
+        gguf_vocabulary(tmp_path / "2", 300, "llama")
+
+
+def exported_with(tokenizer_folder, tmp_path, generation: dict):
+    """A tiny model with `tokenizer_folder`'s tokenizer and `generation` as its
+    generation_config.json, exported to GGUF (f32)."""
+    folder = save_checkpoint(tiny_model(vocab_size=512), tmp_path / "ck",
+                             tokenizer=tokenizer_folder)
+    (folder / "generation_config.json").write_text(json.dumps(generation))
+    return folder, export_gguf(folder, tmp_path / "m.gguf", dtype="f32")
+
+
+def test_a_sentencepiece_vocabulary_is_written_as_llamas_with_scores_bytes_and_end_ids(
+        tmp_path):
+    """Llama 2's, Mistral's and Gemma's shape: the `llama` tokenizer model, each piece scored
+    by the rank of the merge that makes it, byte pieces typed BYTE, "▁" prepended, BOS
+    added as the tokenizer adds it, and both end ids of the generation config (eos, eot)."""
+    from tokenizers import Tokenizer
+    tok = build_sentencepiece_tokenizer(tmp_path / "tok")
+    turn_end = Tokenizer.from_file(str(tok / "tokenizer.json")).token_to_id("<end_of_turn>")
+    _, out = exported_with(tok, tmp_path, {"bos_token_id": 1, "eos_token_id": [2, turn_end]})
+    fields, _ = read_gguf(out)
+    hf = json.loads((tok / "tokenizer.json").read_text())
+    assert fields["tokenizer.ggml.model"] == "llama" and "tokenizer.ggml.pre" not in fields
+    tokens, types = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.token_type"]
+    scores = fields["tokenizer.ggml.scores"]
+    assert tokens[3] == "<0x00>" and types[3] == gguf.TokenType.BYTE
+    assert (types[0], types[1], types[turn_end]) == (
+        gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL)
+    first, second = ("".join(m) for m in hf["model"]["merges"][:2])  # (left, right) pairs
+    assert scores[tokens.index(first)] == 0 and scores[tokens.index(second)] == -1
+    assert fields["tokenizer.ggml.add_space_prefix"] and fields["tokenizer.ggml.add_bos_token"]
+    assert (fields["tokenizer.ggml.bos_token_id"], fields["tokenizer.ggml.eos_token_id"],
+            fields["tokenizer.ggml.eot_token_id"], fields["tokenizer.ggml.unknown_token_id"]
+            ) == (1, 2, turn_end, 0)
+
+
+def test_a_qwen_vocabulary_names_qwens_pre_tokenizer_and_every_end_id(tmp_path):
+    """Qwen's regex spelled as Qwen spells it is `qwen2` (it was `default`, so llama.cpp split
+    code and newlines differently); its two end ids (<|im_end|>, <|endoftext|>) are eos and
+    eot (a GGUF with no EOS made llama.cpp stop on token 11); more than three are refused."""
+    from tokenizers import Tokenizer
+    tok = build_qwen_tokenizer(tmp_path / "tok")
+    ids = Tokenizer.from_file(str(tok / "tokenizer.json"))
+    im_end, text_end = ids.token_to_id("<|im_end|>"), ids.token_to_id("<|endoftext|>")
+    _, out = exported_with(tok, tmp_path, {"eos_token_id": [text_end, im_end]})
+    fields, _ = read_gguf(out)
+    assert (fields["tokenizer.ggml.model"], fields["tokenizer.ggml.pre"]) == ("gpt2", "qwen2")
+    assert (fields["tokenizer.ggml.eos_token_id"], fields["tokenizer.ggml.eot_token_id"]) == (
+        im_end, text_end)  # the tokenizer's eos_token first
+    assert fields["tokenizer.ggml.token_type"][ids.token_to_id("<tool_call>")] == \
+        gguf.TokenType.USER_DEFINED
+    assert not fields["tokenizer.ggml.add_bos_token"]
+    from lathe.model import CheckpointError
+    with pytest.raises(CheckpointError, match="4 end-of-sequence ids"):
+        exported_with(tok, tmp_path / "many", {"eos_token_id": [text_end, im_end, 5, 6]})
+
+
+@pytest.mark.parametrize("shape", ["sentencepiece", "qwen"])
+def test_llama_cpp_tokenizes_and_detokenizes_the_export_as_hf_does(shape, tmp_path):
+    """The file's text, not only its ids: llama.cpp's own tokenizer (llama-cpp-python, where
+    built) splits a multilingual text, code and characters the vocabulary lacks (byte
+    fallback) into HF's ids, and turns HF's ids back into HF's text."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from tokenizers import Tokenizer
+    build = build_sentencepiece_tokenizer if shape == "sentencepiece" else build_qwen_tokenizer
+    tok = build(tmp_path / "tok")
+    _, out = exported_with(tok, tmp_path, {})
+    hf = Tokenizer.from_file(str(tok / "tokenizer.json"))
+    runtime = llama_cpp.Llama(str(out), vocab_only=True, verbose=False)
+    for text in (MULTILINGUAL, CODE, "unseen: ∑ ж ß → ok"):
+        ids = hf.encode(text).ids
+        assert runtime.tokenize(text.encode(), add_bos=True) == ids, text
+        assert runtime.detokenize(ids).decode() == hf.decode(ids), text
