@@ -1,5 +1,7 @@
 """Reading a checkpoint folder's files safely: which file a name may stand for (the
-symlink policy) and JSON files as objects, each failure one `CheckpointError`.
+symlink policy), JSON files as objects and the end-of-sequence ids of
+generation_config.json (what the model stops on, which serving and the chat renderer's
+masks both need), each failure one `CheckpointError`.
 
 Symlink policy. A checkpoint folder is often a snapshot of the Hugging Face cache, whose
 files are links into the repository's blob store (`models--org--name/snapshots/REV/
@@ -79,3 +81,18 @@ def read_json_object(file: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise CheckpointError(f"{file}: must hold a JSON object, not a {type(data).__name__}")
     return data
+
+
+def read_eos_ids(path: str | Path, vocab_size: int) -> list[int]:
+    """The end-of-sequence ids in a checkpoint's generation_config.json (an id or a list of
+    them; none when the file or the field is absent), each checked against the vocabulary."""
+    file = checkpoint_file(path, "generation_config.json")
+    eos = read_json_object(file).get("eos_token_id") if file.is_file() else None
+    if eos is None:
+        return []
+    ids = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+    if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
+                          for t in ids):
+        raise CheckpointError(f"{file}: eos_token_id={eos!r} must be a token id in "
+                              f"[0, {vocab_size}) or a non-empty list of them")
+    return ids

@@ -15,7 +15,12 @@ The assistant mask comes from the template, by one of two rules:
   rendering (a template that rewrites earlier turns depending on later ones, as Qwen3's
   drops earlier reasoning, fails the check). Text a template writes only where a
   conversation ends (Phi-3's end-of-text token) and whitespace after a turn's end are
-  left out: generation stops at the turn's end token and never writes them.
+  left out: generation stops at the turn's end token and never writes them. A turn that
+  ends where the next one starts (GLM's: the assistant stops by writing `<|user|>` or
+  `<|observation|>`, end ids of its generation config) takes that end token into its span,
+  and a conversation that ends on such a turn gets the end token the template would
+  write next — as the `{% generation %}` versions of those templates place it — or the
+  model would never learn to end its turn.
 A token is in the mask when it overlaps a span (transformers' rule). A conversation for
 which neither rule gives a mask is an error naming the template and the fix, never an
 all-zero mask.
@@ -29,6 +34,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from lathe.core.checkpoint_files import read_eos_ids
 from lathe.core.errors import ConfigError
 from lathe.data.chat_template import REASONING_FIELDS, ChatTemplate, ChatTemplateError, Spans
 from lathe.data.formats import Chat, Tools
@@ -61,9 +67,13 @@ class ChatEncoder:
     `name` says which template in errors ("the chat template of runs/sft/final")."""
 
     def __init__(self, tokenizer: Tokenizer, template: ChatTemplate, name: str,
-                 template_kwargs: dict[str, Any] | None = None) -> None:
+                 template_kwargs: dict[str, Any] | None = None,
+                 end_ids: Sequence[int] = ()) -> None:
         self.tokenizer, self.template, self.name = tokenizer, template, name
         self.kwargs = dict(template_kwargs or {})
+        # the end-of-turn tokens as text, longest first (one may start with another)
+        self.ends = sorted({text for text in map(tokenizer.id_to_token, end_ids) if text},
+                           key=len, reverse=True)
 
     def render(self, messages: list[Message], tools: Tools = None,
                add_generation_prompt: bool = True) -> str:
@@ -134,7 +144,37 @@ class ChatEncoder:
                 spans.append((len(before), end))
         if not spans:
             raise self._unmaskable(chat, "its assistant messages render as nothing")
-        return full, spans
+        if messages[-1]["role"] == "assistant" and not full[spans[-1][1]:].strip():
+            closed = full[:spans[-1][1]]
+            if tail := self._next_turn_end(messages, tools, closed):
+                full = closed + tail
+                spans[-1] = (spans[-1][0], len(full))
+            return full, [(s, self._through_end(full, e)) for s, e in spans[:-1]] + spans[-1:]
+        return full, [(s, self._through_end(full, e)) for s, e in spans]
+
+    def _ending(self, text: str) -> str | None:
+        """The end token `text` starts with after whitespace (with the whitespace)."""
+        stripped = text.lstrip()
+        token = next((t for t in self.ends if stripped.startswith(t)), None)
+        return None if token is None else text[:len(text) - len(stripped) + len(token)]
+
+    def _through_end(self, full: str, end: int) -> int:
+        """An earlier turn's span end moved past the end token that opens the next turn,
+        when the span does not close with one itself."""
+        if any(full[:end].endswith(token) for token in self.ends):
+            return end
+        ending = self._ending(full[end:])
+        return end if ending is None else end + len(ending)
+
+    def _next_turn_end(self, messages: list[Message], tools: Tools, closed: str) -> str:
+        """The end token a conversation that ends on an assistant turn lacks (`closed`: its
+        text through that turn): what the template writes when a user turn follows, if that
+        is an end token ("" otherwise)."""
+        if not self.ends or any(closed.endswith(token) for token in self.ends):
+            return ""
+        probe = self.render([*messages, {"role": "user", "content": "."}], tools,
+                            add_generation_prompt=False)
+        return self._ending(probe[len(closed):]) or "" if probe.startswith(closed) else ""
 
     def _through(self, messages: list[Message], tools: Tools) -> str:
         """The conversation rendered through its last message, less what the template
@@ -184,10 +224,11 @@ class ChatEncoder:
 def chat_encoder(checkpoint: str | Path, template_file: str | Path | None = None,
                  template_kwargs: dict[str, Any] | None = None,
                  tokenizer: Tokenizer | None = None) -> ChatEncoder:
-    """The encoder of a checkpoint: its tokenizer (unless given) and its chat template, or
-    the Jinja file `template_file` in its place."""
+    """The encoder of a checkpoint: its tokenizer (unless given), its chat template (or the
+    Jinja file `template_file` in its place) and its end ids."""
     template = ChatTemplate.from_checkpoint(checkpoint, template_file)
     name = (f"chat_template={str(template_file)!r}" if template_file is not None
             else f"the chat template of {checkpoint}")
-    return ChatEncoder(tokenizer if tokenizer is not None else load_tokenizer(checkpoint),
-                       template, name, template_kwargs)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(checkpoint)
+    ends = read_eos_ids(checkpoint, tokenizer.get_vocab_size(with_added_tokens=True))
+    return ChatEncoder(tokenizer, template, name, template_kwargs, ends)

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from lathe.core.atomic import atomic_directory
-from lathe.core.checkpoint_files import checkpoint_file, read_json_object
+from lathe.core.checkpoint_files import checkpoint_file, read_eos_ids, read_json_object
 from lathe.core.errors import CheckpointError, ConfigError
 from lathe.model.config import ModelConfig
 from lathe.model.families import join_fused, split_fused, stack_experts, unstack_experts
@@ -218,21 +218,6 @@ def check_memory(config: ModelConfig, path: Path, device: torch.device,
         f"{path / CONFIG_FILE}: {culprit} describes {config.num_params():,} parameters, "
         f"{need / 2**30:,.1f} GiB at {width * 8} bits, but {device} has {have / 2**30:,.1f} GiB "
         "available; the config is corrupt or the model needs a larger machine")
-
-
-def read_eos_ids(path: str | Path, vocab_size: int) -> list[int]:
-    """The end-of-sequence ids in a checkpoint's generation_config.json (an id or a list of
-    them; none when the file or the field is absent), each checked against the vocabulary."""
-    file = checkpoint_file(path, GENERATION_CONFIG_FILE)
-    eos = read_json_object(file).get("eos_token_id") if file.is_file() else None
-    if eos is None:
-        return []
-    ids = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
-    if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size
-                          for t in ids):
-        raise CheckpointError(f"{file}: eos_token_id={eos!r} must be a token id in "
-                              f"[0, {vocab_size}) or a non-empty list of them")
-    return ids
 
 
 def read_model_config(path: str | Path) -> ModelConfig:

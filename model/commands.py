@@ -11,12 +11,12 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from lathe.core.checkpoint_files import read_eos_ids
 from lathe.core.config import parse_overrides
 from lathe.core.errors import ConfigError
 from lathe.model.checkpoint import (
     CheckpointError,
     load_checkpoint,
-    read_eos_ids,
     save_checkpoint,
 )
 from lathe.model.config import PRESETS, ModelConfig

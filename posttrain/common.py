@@ -19,17 +19,13 @@ from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from lathe.core.atomic import write_json
+from lathe.core.checkpoint_files import read_eos_ids
 from lathe.core.config import load_config, to_dict
 from lathe.core.errors import ConfigError
 from lathe.data.chat_encoding import ChatEncoder, chat_encoder
 from lathe.data.chat_template import read_template_file
 from lathe.data.formats import load_prompt_dataset
-from lathe.model.checkpoint import (
-    OpenCheckpoint,
-    load_checkpoint,
-    read_eos_ids,
-    save_checkpoint,
-)
+from lathe.model.checkpoint import OpenCheckpoint, load_checkpoint, save_checkpoint
 from lathe.model.config import ModelConfig
 from lathe.model.lora import LoraSection, apply_lora, load_adapter, merge_lora, save_adapter
 from lathe.model.transformer import IGNORE_INDEX, Transformer

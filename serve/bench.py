@@ -633,8 +633,8 @@ def grammar_library_rows(checkpoint: Path, vocab: int) -> list[str]:
     xgrammar, the alternative vLLM and SGLang default to, when it is installed."""
     import random
 
+    from lathe.core.checkpoint_files import read_eos_ids
     from lathe.data.tokenizer import load_tokenizer
-    from lathe.model.checkpoint import read_eos_ids
 
     tokenizer, eos = load_tokenizer(checkpoint), sorted(read_eos_ids(checkpoint, vocab))
     words = (vocab + 31) // 32

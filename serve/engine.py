@@ -34,12 +34,12 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from lathe.core.checkpoint_files import checkpoint_file
+from lathe.core.checkpoint_files import checkpoint_file, read_eos_ids
 from lathe.core.errors import ConfigError
 from lathe.core.reporting import progress_bar
 from lathe.data.tokenizer import load_tokenizer, vocabulary_difference
 from lathe.kernels import configure_kernels
-from lathe.model.checkpoint import CheckpointError, read_eos_ids
+from lathe.model.checkpoint import CheckpointError
 from lathe.model.transformer import Transformer
 from lathe.serve.adapters import AdapterError, AdapterSlots
 from lathe.serve.block_manager import BlockManager, blocks_for

@@ -135,6 +135,44 @@ MISTRAL = (
     "{%- endfor %}"
 )
 
+# GLM-4.5: no end-of-turn token; an assistant turn ends where the next turn's opener
+# starts (<|user|>, or <|observation|> before tool results), and those openers are end ids
+# of its generation config. The shipped template writes each opener in the turn it opens;
+# its generation-block version moves the opener into the assistant turn before it (and
+# writes <|user|> after a last assistant turn), as TRL's training templates place it.
+GLM4_TURNS = (
+    "{{- '[gMASK]<sop>' }}"
+    "{%- if tools %}{{- '<|system|>\n# Tools\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' + tool | tojson }}{%- endfor %}"
+    "{{- '\n</tools>' }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}"
+    "{%- if OPENS_USER %}{{- '<|user|>' }}{%- endif %}{{- '\n' + m.content }}"
+    "{%- elif m.role == 'system' %}{{- '<|system|>\n' + m.content }}"
+    "{%- elif m.role == 'assistant' %}"
+    "{{- '<|assistant|>' }}" + GEN + "{{- '\n<think></think>\n' + (m.content or '') }}"
+    "{%- for call in m.tool_calls or [] %}"
+    "{{- '\n<tool_call>' + call.function.name }}"
+    "{%- for k, v in call.function.arguments.items() %}"
+    "{{- '\n<arg_key>' + k + '</arg_key>\n<arg_value>' + v | tojson + '</arg_value>' }}"
+    "{%- endfor %}{{- '\n</tool_call>' }}"
+    "{%- endfor %}"
+    "ASSISTANT_END" + END +
+    "{%- elif m.role == 'tool' %}"
+    "{%- if OPENS_TOOL %}{{- '<|observation|>' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + m.content + '\n</tool_response>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}"
+)
+AFTER_ASSISTANT = "(loop.first or messages[loop.index0 - 1].role != 'assistant')"
+GLM4 = (GLM4_TURNS.replace("OPENS_USER", AFTER_ASSISTANT).replace("OPENS_TOOL", AFTER_ASSISTANT)
+        .replace("ASSISTANT_END", "{%- if m.tool_calls %}{{- '<|observation|>' }}"
+                                  "{%- else %}{{- '<|user|>' }}{%- endif %}"))
+GLM4_SHIPPED = (GLM4_TURNS.replace("OPENS_USER", "true")
+                .replace("OPENS_TOOL", "(messages[loop.index0 - 1].role != 'tool')")
+                .replace("ASSISTANT_END", "").replace(GEN, "").replace(END, ""))
+
 FAMILIES = {
     # name: (template, bos, eos)
     "chatml": (CHATML, None, "<|im_end|>"),
@@ -143,17 +181,24 @@ FAMILIES = {
     "gemma": (GEMMA, "<bos>", "<end_of_turn>"),
     "phi3": (PHI3, None, "<|endoftext|>"),
     "mistral": (MISTRAL, "<s>", "</s>"),
+    "glm4": (GLM4, None, "<|endoftext|>"),
 }
+# generation_config.json's end ids, where they are more than the eos_token
+END_TOKENS = {"glm4": ["<|endoftext|>", "<|user|>", "<|observation|>"],
+              "phi3": ["<|end|>", "<|endoftext|>"]}
 
 SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>",
                   "</tool_call>", "<|begin_of_text|>", "<|start_header_id|>",
                   "<|end_header_id|>", "<|eot_id|>", "<bos>", "<start_of_turn>",
                   "<end_of_turn>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>",
-                  "<|endoftext|>", "<s>", "</s>", "[INST]", "[/INST]"]
+                  "<|endoftext|>", "<s>", "</s>", "[INST]", "[/INST]", "[gMASK]", "<sop>",
+                  "<|observation|>"]
 
 
 def plain(template: str) -> str:
     """The template without its generation blocks, as a checkpoint would ship it."""
+    if template == GLM4:
+        return GLM4_SHIPPED
     return template.replace(GEN, "").replace(END, "")
 
 

@@ -18,7 +18,13 @@ from lathe.data.chat_template import ChatTemplate
 from lathe.data.formats import Chat, load_chat_dataset
 from lathe.data.template_worker import TemplateWorker
 from lathe.data.tokenizer import train_tokenizer
-from tests.data.chat_templates import FAMILIES, SPECIAL_TOKENS, plain, trained_text
+from tests.data.chat_templates import (
+    END_TOKENS,
+    FAMILIES,
+    SPECIAL_TOKENS,
+    plain,
+    trained_text,
+)
 from tests.data.corpus import prose
 
 SYSTEM = {"role": "system", "content": "You answer briefly."}
@@ -53,6 +59,7 @@ CASES = [
     ("gemma", SINGLE, True), ("gemma", MULTI, True),
     ("phi3", SINGLE, True), ("phi3", MULTI, True),
     ("mistral", SINGLE, True), ("mistral", NO_SYSTEM, True), ("mistral", MULTI, False),
+    ("glm4", SINGLE, True), ("glm4", MULTI, True), ("glm4", TOOL_CHAT, True),
 ]
 
 
@@ -70,10 +77,11 @@ def specials(family: str) -> dict[str, str]:
 
 
 def encoder(tokenizer: Tokenizer, family: str, blocks: bool, **kwargs) -> ChatEncoder:
-    template = FAMILIES[family][0]
+    template, _, eos = FAMILIES[family]
+    ends = [tokenizer.token_to_id(token) for token in END_TOKENS.get(family, [eos])]
     return ChatEncoder(tokenizer, ChatTemplate(template if blocks else plain(template),
                                                specials(family)), f"the {family} template",
-                       kwargs)
+                       kwargs, ends)
 
 
 def transformers_encoding(tokenizer: Tokenizer, family: str, chat: Chat,

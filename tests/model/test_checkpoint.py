@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 import lathe.model.checkpoint as checkpoint_module
 from lathe.data.tokenizer import load_tokenizer
 from lathe.model import CheckpointError, load_checkpoint, save_checkpoint
-from lathe.model.checkpoint import read_eos_ids
+from lathe.core.checkpoint_files import read_eos_ids
 from tests.builders import build_tokenizer, tiny_model
 
 
