@@ -243,8 +243,8 @@ def read_model_config(path: str | Path) -> ModelConfig:
         raise CheckpointError(f"{file}: the field {error} is missing") from None
     except (TypeError, AttributeError, ZeroDivisionError, OverflowError) as error:
         raise CheckpointError(f"{file}: {error}") from None
-    except ConfigError as error:
-        raise CheckpointError(f"{file}: {error}") from None
+    except ConfigError as error:  # its messages name config.json already: said once
+        raise CheckpointError(f"{file}: {str(error).removeprefix(CONFIG_FILE + ': ')}") from None
 
 
 def _weight_files(path: Path) -> list[Path]:

@@ -462,18 +462,22 @@ def fresh_switches(family: str, n_layers: int, head_dim: int,
     switches, Gemma's activation, caps, query scale and alternating sliding layers, and a
     mixture of experts' 8 experts, 2 per token, of the dense MLP's width (top-k weights
     renormalized but for OLMoE, as Qwen3-30B-A3B and OLMoE-1B-7B do; GLM-4.5's sigmoid router
-    without a balance loss, as its class has none, and one shared expert of the experts'
-    `expert_width`, as GLM-4.5 has)."""
+    without a balance loss, as its class has none), and for a family with a shared expert
+    (Qwen2-MoE, GLM-4.5) one of the experts' `expert_width`, which transformers' classes
+    always build."""
     if family not in FAMILIES:
         raise ConfigError(f"family={family!r} is not one lathe takes; choose one of "
                           f"{', '.join(FAMILIES)}")
     switches = {name: value for name, value in
                 FAMILIES[family].switches({"attention_bias": False}).items() if value}
-    if FAMILIES[family].experts is not None:
-        sigmoid = {"router_aux_loss_coef": 0.0, "shared_expert_dim": expert_width} \
-            if switches.get("sigmoid_router") else {}
+    experts = FAMILIES[family].experts
+    if experts is not None:
+        sigmoid = {"router_aux_loss_coef": 0.0} if switches.get("sigmoid_router") else {}
+        # transformers' class always builds the shared expert of a family that has one
+        shared = {"shared_expert_dim": expert_width} if "shared_expert" in experts.options \
+            else {}
         return {**switches, "n_experts": 8, "n_experts_per_token": 2,
-                "norm_topk_prob": family != "olmoe", **sigmoid}
+                "norm_topk_prob": family != "olmoe", **sigmoid, **shared}
     if family not in ("gemma2", "gemma3_text"):
         return switches
     every = 2 if family == "gemma2" else 6

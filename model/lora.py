@@ -366,7 +366,8 @@ def merge_lora(model: Transformer) -> Transformer:
         for name, child in list(parent.named_children()):
             if isinstance(child, base):
                 while isinstance(child, base):
-                    child.merge()
+                    if not child.merged:  # merging an outer wrapper can merge the inner
+                        child.merge()
                     child = child.base_layer
                 setattr(parent, name, child)
     for parameter in model.parameters():

@@ -174,7 +174,7 @@ def unwritable(config: ModelConfig) -> str | None:
         and f"llama.cpp's {arch} has experts in every layer (no mlp_only_layers)",
     ]
     found = [reason for reason in reasons if reason]
-    return f"a {config.family} model: {'; '.join(found)}" if found else None
+    return f"this {config.family} model: {'; '.join(found)}" if found else None
 
 
 # llama.cpp sets token attributes by the model's *name*: one that contains "phi3" or

@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import lathe.model.checkpoint as checkpoint_module
+from lathe.core.checkpoint_files import read_eos_ids
 from lathe.data.tokenizer import load_tokenizer
 from lathe.model import CheckpointError, load_checkpoint, save_checkpoint
-from lathe.core.checkpoint_files import read_eos_ids
 from tests.builders import build_tokenizer, tiny_model
 
 
@@ -282,3 +282,13 @@ def test_a_hugging_face_cache_snapshot_loads_through_its_blob_links(tmp_path):
         (snapshot / file.name).symlink_to(f"../../blobs/blob{i}")
     assert_same_weights(load_checkpoint(snapshot), tiny_model(vocab_size=320))
     assert load_tokenizer(snapshot).get_vocab_size() == load_tokenizer(source).get_vocab_size()
+
+
+def test_a_config_error_names_config_json_once(tmp_path):
+    save_checkpoint(tiny_model(), tmp_path / "ck")
+    config = json.loads((tmp_path / "ck" / "config.json").read_text())
+    (tmp_path / "ck" / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
+    with pytest.raises(CheckpointError) as raised:
+        load_checkpoint(tmp_path / "ck")
+    assert str(raised.value).count("config.json") == 1, raised.value
+    assert "config.json: model_type='bert' is not supported" in str(raised.value)

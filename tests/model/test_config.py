@@ -180,19 +180,23 @@ def test_missing_or_malformed_recipe(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3",
-                                    "gemma2", "gemma3_text"])
+                                    "gemma2", "gemma3_text", "mixtral", "qwen3_moe", "olmoe",
+                                    "qwen2_moe", "glm4_moe"])
 def test_a_preset_of_any_family_is_what_its_transformers_class_builds(family, tmp_path):
     """`lathe init --family F --preset P`: the preset's shape with the family's switches,
-    exported as that family's class with lathe's logits."""
+    exported as that family's class with lathe's logits and every weight it builds (a
+    Qwen2-MoE without its shared expert loaded with a MISSING report)."""
     transformers = pytest.importorskip("transformers")
     from lathe.model import Transformer, save_checkpoint
     config = ModelConfig.from_preset("tiny", family=family, vocab_size=128, n_layers=2)
     torch.manual_seed(0)
     model = Transformer(config).eval()
     save_checkpoint(model, tmp_path / family)
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / family,
-                                                               dtype=torch.float32).eval()
+    theirs, loading = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / family, dtype=torch.float32, output_loading_info=True)
+    theirs.eval()
     assert theirs.config.model_type == family
+    assert not loading["missing_keys"] and not loading["unexpected_keys"], loading
     ids = torch.randint(0, 128, (1, 40))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, theirs(ids).logits, atol=1e-4, rtol=1e-4)

@@ -300,6 +300,7 @@ def test_compiled_decode_and_speculation_serve_a_moe_as_eager_does(tmp_path):
         **base, speculative=SpeculativeConfig("draft", 3)), draft_model=draft)) == eager
 
 
+@pytest.mark.filterwarnings("error:All adapters are already merged")  # said after every run
 def test_lora_adapts_the_stacked_experts_and_merges_exactly(tmp_path):
     """gate_proj/up_proj and down_proj targets reach a MoE's stacked experts (peft's
     target_parameters, a rank-r update per expert): the adapter saves and reloads exactly,
