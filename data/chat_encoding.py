@@ -12,8 +12,14 @@ The assistant mask comes from the template, by one of two rules:
 - it has none: each assistant message's span is what rendering the conversation through
   that message adds to rendering it up to the message with the generation prompt —
   checked, for every assistant message, to be a prefix of the whole conversation's
-  rendering (a template that rewrites earlier turns depending on later ones, as Qwen3's
-  drops earlier reasoning, fails the check). Text a template writes only where a
+  rendering. A template that rewrites an earlier turn once later ones follow (Qwen3 drops
+  the reasoning of turns before the last user message) fails that check; the turn is then
+  found in the whole rendering instead: it is what changes when the message is replaced
+  by a marker, from where the rendering up to it ends (or, when earlier turns changed too,
+  right after the template's generation prompt) — the turn as the conversation shows it,
+  as the templates' `{% generation %}` versions train it. A template that moves text
+  between turns with no generation prompt to anchor on (Mistral's system prompt joins the
+  last user message) is refused. Text a template writes only where a
   conversation ends (Phi-3's end-of-text token) and whitespace after a turn's end are
   left out: generation stops at the turn's end token and never writes them. A turn that
   ends where the next one starts (GLM's: the assistant stops by writing `<|user|>` or
@@ -28,6 +34,7 @@ all-zero mask.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +49,8 @@ from lathe.data.messages import Message
 from lathe.data.tokenizer import load_tokenizer
 
 _REASONING = frozenset(REASONING_FIELDS)
+# stand-ins for an assistant message, to find where a template renders it
+MARKS = ("\u2063lathe-mark-a\u2063", "\u2063lathe-mark-b\u2063")
 
 
 class ChatMaskError(ConfigError):
@@ -134,14 +143,15 @@ class ChatEncoder:
                 continue
             before = self.render(messages[:i], tools) if i else ""
             through = self._through(messages[:i + 1], tools)
-            if not (through.startswith(before) and full.startswith(through)):
+            if through.startswith(before) and full.startswith(through):
+                span = (len(before), len(before) + len(through[len(before):].rstrip()))
+            elif not (span := self._located_span(messages, i, tools, full)):
                 raise self._unmaskable(chat, f"rendering the conversation through message {i} "
-                                             "is not a prefix of rendering all of it (the "
-                                             "template changes a turn depending on what "
-                                             "follows)")
-            end = len(before) + len(through[len(before):].rstrip())
-            if end > len(before):
-                spans.append((len(before), end))
+                                             "is not a prefix of rendering all of it, nor is "
+                                             "the message found in it (the template changes "
+                                             "a turn depending on what follows)")
+            if span[1] > span[0]:
+                spans.append(span)
         if not spans:
             raise self._unmaskable(chat, "its assistant messages render as nothing")
         if messages[-1]["role"] == "assistant" and not full[spans[-1][1]:].strip():
@@ -151,6 +161,39 @@ class ChatEncoder:
                 spans[-1] = (spans[-1][0], len(full))
             return full, [(s, self._through_end(full, e)) for s, e in spans[:-1]] + spans[-1:]
         return full, [(s, self._through_end(full, e)) for s, e in spans]
+
+    def _located_span(self, messages: list[Message], i: int, tools: Tools,
+                      full: str) -> tuple[int, int] | None:
+        """Where assistant message `i` is in the whole conversation's rendering, for a
+        template that renders it (or the turns before it) differently once later turns
+        follow — Qwen3 drops the reasoning of turns before the last user message: what
+        changes when the message is replaced by a marker (the same place for two markers,
+        each rendered once). It starts where the rendering up to the message ends when that
+        is a prefix, else right after the template's generation prompt. None when the
+        template does not render the message in one such place."""
+        found = []
+        for mark in MARKS:
+            marked = [*messages[:i], {"role": "assistant", "content": mark}, *messages[i + 1:]]
+            other = self.render(marked, tools, add_generation_prompt=False)
+            suffix = len(os.path.commonprefix([full[::-1], other[::-1]]))
+            prefix = len(os.path.commonprefix([full, other]))
+            if other.count(mark) != 1 or mark not in other[prefix:len(other) - suffix]:
+                return None
+            found.append((prefix, len(full) - suffix))
+        (start, end), before = found[0], self.render(messages[:i], tools) if i else ""
+        if found[0] != found[1] or end <= start:
+            return None
+        if full.startswith(before):
+            return (len(before), end) if start >= len(before) else None
+        header = self._generation_prompt(messages[:i], tools)
+        return (start, end) if header and full[:start].endswith(header) else None
+
+    def _generation_prompt(self, messages: list[Message], tools: Tools) -> str:
+        """What the template adds to open an assistant turn ("" when it adds nothing or
+        rewrites the conversation instead)."""
+        opened = self.render(messages, tools)
+        closed = self.render(messages, tools, add_generation_prompt=False)
+        return opened[len(closed):] if opened.startswith(closed) else ""
 
     def _ending(self, text: str) -> str | None:
         """The end token `text` starts with after whitespace (with the whitespace)."""

@@ -42,10 +42,17 @@ CHATML = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-# Qwen3: ChatML with reasoning; a turn after the last user message shows its <think> block
-# (an empty one when it is the last turn), earlier turns drop theirs; enable_thinking=false
-# puts an empty block in the generation prompt
+# Qwen3: ChatML with reasoning and Qwen2.5's tools; a turn after the last user message
+# (tool results are not one) shows its <think> block (an empty one when it is the last
+# turn), earlier turns drop theirs; enable_thinking=false puts an empty block in the
+# generation prompt
 QWEN3 = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' + (messages[0].content + '\\n\\n' if messages[0].role == "
+    "'system' else '') + '# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- set ns = namespace(last_user=-1) %}"
     "{%- for message in messages %}"
     "{%- if message.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}"
@@ -56,8 +63,16 @@ QWEN3 = (
     "{%- if loop.index0 > ns.last_user and (loop.last or message.reasoning_content) %}"
     "{{- '<think>\\n' + (message.reasoning_content or '') + '\\n</think>\\n\\n' }}"
     "{%- endif %}"
-    "{{- message.content + '<|im_end|>' }}" + END + "{{- '\\n' }}"
-    "{%- else %}"
+    "{{- message.content or '' }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' "
+    "+ call.function.arguments | tojson + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>' }}" + END + "{{- '\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content "
+    "+ '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- elif not (message.role == 'system' and tools) %}"
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- endfor %}"

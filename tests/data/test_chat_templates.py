@@ -49,12 +49,27 @@ REASONING = Chat([{"role": "user", "content": "What is 2 + 3?"},
                   {"role": "assistant", "content": "5",
                    "reasoning_content": "Two and three make five."}], where="reasoning")
 
+# Qwen3's hard case: reasoning in an earlier turn, which the template drops once a later
+# user message follows, and in the last one, which it shows
+MULTI_REASONING = Chat([MULTI.messages[1], {**MULTI.messages[2], "reasoning_content": "Rivers."},
+                        MULTI.messages[3], {**MULTI.messages[4], "reasoning_content": "Sky."}],
+                       where="multi reasoning")
+
+# and with tools: a call and an answer that reason, then a second question
+TOOL_TURNS = Chat([{**m, "reasoning_content": "Let me add."} if m["role"] == "assistant" else m
+                   for m in TOOL_CHAT.messages]
+                  + [{"role": "user", "content": "And 4 + 4?"},
+                     {"role": "assistant", "content": "8.", "reasoning_content": "Easy."}],
+                  TOOLS, "tool turns")
+
 # what the template without generation blocks gives: the same tokens as transformers on
 # the template with them, or a refusal (the template rewrites a turn depending on what
-# follows: Qwen3 drops earlier reasoning, Mistral moves the system prompt to the last turn)
+# follows, where the turn cannot be found in the whole rendering: Mistral moves the system
+# prompt to the last turn)
 CASES = [
     ("chatml", SINGLE, True), ("chatml", MULTI, True), ("chatml", TOOL_CHAT, True),
-    ("qwen3", SINGLE, True), ("qwen3", REASONING, True), ("qwen3", MULTI, False),
+    ("qwen3", SINGLE, True), ("qwen3", REASONING, True), ("qwen3", MULTI, True),
+    ("qwen3", MULTI_REASONING, True), ("qwen3", TOOL_CHAT, True), ("qwen3", TOOL_TURNS, True),
     ("llama3", SINGLE, True), ("llama3", MULTI, True),
     ("gemma", SINGLE, True), ("gemma", MULTI, True),
     ("phi3", SINGLE, True), ("phi3", MULTI, True),

@@ -14,7 +14,7 @@ from lathe.core.cli import main
 from lathe.data.chat_template import ChatTemplate
 from lathe.data.tasks import task_examples
 from lathe.model import ModelConfig, Transformer, load_checkpoint, save_checkpoint
-from tests.data.chat_templates import CHATML, QWEN3, plain
+from tests.data.chat_templates import CHATML, MISTRAL, plain
 from tests.posttrain.conftest import quick
 
 TOOLS = [{"type": "function", "function": {"name": "add"}}]
@@ -88,11 +88,14 @@ def test_dpo_and_grpo_render_through_the_given_template(long_base, tmp_path, sta
 
 
 def test_a_template_that_gives_no_mask_stops_sft_at_start(base, tmp_path, capsys):
+    """Mistral's moves the system prompt into the last user turn: an earlier assistant turn
+    can be found neither by rendering turn by turn nor after a generation prompt."""
     chats = tmp_path / "multi.jsonl"
-    turns = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"},
+    turns = [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"},
              {"role": "user", "content": "And 3 + 3?"}, {"role": "assistant", "content": "6"}]
     chats.write_text(json.dumps({"messages": turns}) + "\n")
-    template = template_file(tmp_path, plain(QWEN3))
+    template = template_file(tmp_path, plain(MISTRAL))
     assert main(["sft", *quick(tmp_path / "sft", base, max_steps=1, **{
         "data.train": chats, "chat_template": template})]) != 0
     error = capsys.readouterr().err
