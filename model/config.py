@@ -15,7 +15,7 @@ from lathe.core.config import from_dict
 from lathe.core.errors import ConfigError
 from lathe.model.families import FAMILIES, family_switches, fresh_switches
 
-ROPE_TYPES = ("llama3", "linear", "yarn")
+ROPE_TYPES = ("llama3", "linear", "yarn", "longrope")
 LAYER_TYPES = ("sliding_attention", "full_attention")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # HF's names for the gated MLP's activation
 
@@ -30,7 +30,11 @@ class RopeScaling:
     - "yarn": YaRN (Qwen2.5's long context): frequencies ramp from interpolated to
       extrapolated between the dimensions that turn `beta_slow` and `beta_fast` times over
       `original_max_seq_len`, and cos/sin are scaled by `attention_factor` (by default
-      0.1 ln(factor) + 1, or the ratio of `mscale` to `mscale_all_dim` versions of it).
+      0.1 ln(factor) + 1, or the ratio of `mscale` to `mscale_all_dim` versions of it);
+    - "longrope": LongRoPE (Phi-3.5, Phi-4-mini): each frequency divided by its own factor,
+      `short_factor` while a forward's positions stay within `original_max_seq_len`,
+      `long_factor` once one passes it (transformers' rule: per forward, whole), and cos/sin
+      scaled by `attention_factor` (by default sqrt(1 + ln(factor) / ln(original))).
     """
 
     factor: float = 8.0
@@ -44,13 +48,19 @@ class RopeScaling:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    short_factor: list[float] | None = None
+    long_factor: list[float] | None = None
 
     def cos_sin_scale(self) -> float:
-        """What cos and sin are multiplied by (YaRN's attention factor; 1 otherwise)."""
-        if self.rope_type != "yarn":
+        """What cos and sin are multiplied by (YaRN's and LongRoPE's attention factor; 1
+        otherwise)."""
+        if self.rope_type not in ("yarn", "longrope"):
             return 1.0
         if self.attention_factor is not None:
             return self.attention_factor
+        if self.rope_type == "longrope":
+            return 1.0 if self.factor <= 1 else math.sqrt(
+                1 + math.log(self.factor) / math.log(self.original_max_seq_len))
 
         def mscale(scale: float, m: float = 1.0) -> float:
             return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -386,6 +396,14 @@ class ModelConfig:
                     f"{scaling.high_freq_factor} must exceed low_freq_factor="
                     f"{scaling.low_freq_factor}"
                 )
+            for name in ("short_factor", "long_factor"):
+                factors = getattr(scaling, name)
+                if scaling.rope_type == "longrope" and (
+                        not isinstance(factors, list) or len(factors) != self.rotary_dim // 2
+                        or not all(isinstance(f, (int, float)) and f > 0 for f in factors)):
+                    raise ConfigError(
+                        f"ModelConfig.rope_scaling.{name}: LongRoPE needs one positive factor "
+                        f"per rotated frequency ({self.rotary_dim // 2}), got {factors!r}")
 
     @property
     def rotary_dim(self) -> int:
@@ -484,6 +502,13 @@ class ModelConfig:
             }
         elif scaling is not None and scaling.rope_type == "linear":
             rope_scaling = {"rope_type": "linear", "factor": scaling.factor}
+        elif scaling is not None and scaling.rope_type == "longrope":
+            rope_scaling = {"rope_type": "longrope", "factor": scaling.factor,
+                            "original_max_position_embeddings": scaling.original_max_seq_len,
+                            "short_factor": scaling.short_factor,
+                            "long_factor": scaling.long_factor, **(
+                                {"attention_factor": scaling.attention_factor}
+                                if scaling.attention_factor is not None else {})}
         elif scaling is not None:
             rope_scaling = {"rope_type": "yarn", "factor": scaling.factor,
                             "original_max_position_embeddings": scaling.original_max_seq_len,
@@ -568,10 +593,19 @@ class ModelConfig:
         if rope_type not in ("default", *ROPE_TYPES):
             raise ConfigError(
                 f"config.json: rope type {rope_type!r} is not supported (only 'default', "
-                f"{', '.join(repr(t) for t in ROPE_TYPES)}; dynamic NTK and longrope change "
-                "with the sequence length)")
+                f"{', '.join(repr(t) for t in ROPE_TYPES)}; dynamic NTK changes the "
+                "frequencies of cached keys as the sequence grows)")
         scaling = None
-        if rope_type == "llama3":
+        positions = hf.get("max_position_embeddings", 2048)
+        if rope_type == "longrope":
+            original = rope.get("original_max_position_embeddings") \
+                or hf.get("original_max_position_embeddings") or positions
+            scaling = RopeScaling(
+                factor=rope.get("factor") or positions / original, rope_type="longrope",
+                original_max_seq_len=original, attention_factor=rope.get("attention_factor"),
+                short_factor=[float(f) for f in rope["short_factor"]],
+                long_factor=[float(f) for f in rope["long_factor"]])
+        elif rope_type == "llama3":
             scaling = RopeScaling(
                 factor=rope["factor"],
                 low_freq_factor=rope["low_freq_factor"],
@@ -581,7 +615,6 @@ class ModelConfig:
         elif rope_type == "linear":
             scaling = RopeScaling(factor=rope["factor"], rope_type="linear")
         elif rope_type == "yarn":
-            positions = hf.get("max_position_embeddings", 2048)
             original = rope.get("original_max_position_embeddings") or positions
             scaling = RopeScaling(
                 factor=rope.get("factor") or positions / original, rope_type="yarn",

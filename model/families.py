@@ -284,7 +284,9 @@ FAMILIES: dict[str, Family] = {
     "phi3": Family(
         "Phi3ForCausalLM", lambda hf: {}, _mistral_window,
         lambda c: {"sliding_window": c.sliding_window, "partial_rotary_factor":
-                   c.partial_rotary_factor, "original_max_position_embeddings": c.max_seq_len,
+                   c.partial_rotary_factor, "original_max_position_embeddings":
+                   c.rope_scaling.original_max_seq_len if c.rope_scaling is not None
+                   and c.rope_scaling.rope_type == "longrope" else c.max_seq_len,
                    "resid_pdrop": 0.0, "embd_pdrop": 0.0},
         sliding="all", takes=("partial_rotary_factor",), fused=tuple(FUSED)),
     "gemma2": Family(

@@ -135,12 +135,14 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.scale(), self.eps)
 
 
-def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> Tensor:
+def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None,
+                  long: bool = False) -> Tensor:
     """Inverse frequencies theta^(-2i/d), scaled as `config.rope_scaling` says.
 
     Llama-3 scaling leaves wavelengths shorter than original_len / high_freq_factor
     alone, divides those longer than original_len / low_freq_factor by `factor`, and
-    interpolates smoothly in between. Linear divides them all; YaRN see `_yarn`.
+    interpolates smoothly in between. Linear divides them all; YaRN see `_yarn`. LongRoPE
+    divides each by its own factor, the long ones with `long`.
     """
     d = config.rotary_dim
     inv_freq = 1.0 / config.rope_theta ** (
@@ -149,6 +151,9 @@ def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None)
     s = config.rope_scaling
     if s is None:
         return inv_freq
+    if s.rope_type == "longrope":
+        factors = s.long_factor if long else s.short_factor
+        return inv_freq / torch.tensor(factors, dtype=torch.float32, device=device)
     if s.rope_type == "linear":
         return inv_freq / s.factor
     if s.rope_type == "yarn":
@@ -185,22 +190,34 @@ def _yarn(inv_freq: Tensor, s: RopeScaling, d: int, theta: float) -> Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for given positions, recomputed per forward from `inv_freq`."""
+    """cos/sin tables for given positions, recomputed per forward from `inv_freq` (LongRoPE:
+    from `long_inv_freq` instead when a position of the forward passes the original
+    context, as transformers switches, without a host sync)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         scaling = config.rope_scaling
+        self.longrope = scaling is not None and scaling.rope_type == "longrope"
+        self._register_frequencies(None)  # on the default device (meta under a meta init)
         self.scale = scaling.cos_sin_scale() if scaling is not None else 1.0
 
     def reset_parameters(self, device: torch.device | str | None = None) -> None:
-        """Recompute the (non-persistent) frequency buffer, e.g. after meta-device init."""
-        device = self.inv_freq.device if device is None else device
+        """Recompute the (non-persistent) frequency buffers, e.g. after meta-device init."""
+        self._register_frequencies(self.inv_freq.device if device is None else device)
+
+    def _register_frequencies(self, device: torch.device | str | None) -> None:
         self.register_buffer("inv_freq", rope_inv_freq(self.config, device), persistent=False)
+        if self.longrope:
+            self.register_buffer("long_inv_freq", rope_inv_freq(self.config, device, long=True),
+                                 persistent=False)
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq
+        inv_freq = self.inv_freq
+        if self.longrope:
+            original = self.config.rope_scaling.original_max_seq_len
+            inv_freq = torch.where(positions.max() >= original, self.long_inv_freq, inv_freq)
+        freqs = positions[..., None].float() * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
         if self.scale == 1.0:
             return angles.cos().to(dtype), angles.sin().to(dtype)

@@ -343,6 +343,39 @@ def test_rope_scalings_give_transformers_logits_and_export_back(tmp_path, rope):
         assert (again(ids).logits - expected).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("partial", [1.0, 0.75])  # Phi-3.5-mini, Phi-4-mini
+def test_longrope_gives_transformers_logits_within_and_past_the_original_context(tmp_path,
+                                                                                  partial):
+    """LongRoPE as Phi-3.5 and Phi-4-mini ship it (`type: longrope` beside a top-level
+    original_max_position_embeddings): short factors within the original context, long ones
+    for a forward that passes it, cos/sin scaled by sqrt(1 + ln(256/64) / ln 64); exported
+    back as the same config."""
+    rotated = int(16 * partial) // 2
+    g = torch.Generator().manual_seed(0)
+    rope = {"type": "longrope", "short_factor": (1 + torch.rand(rotated, generator=g)).tolist(),
+            "long_factor": (1 + 8 * torch.rand(rotated, generator=g)).tolist()}
+    config = transformers.Phi3Config(**{**SHAPE, "rope_scaling": rope, "rope_theta": 10000.0,
+                                        "original_max_position_embeddings": 64,
+                                        "partial_rotary_factor": partial,
+                                        "pad_token_id": 0})
+    torch.manual_seed(0)
+    hf = transformers.Phi3ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.qkv_proj.weight.mul_(8)
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_checkpoint(tmp_path / "hf")
+    assert ours.config.rope_scaling.rope_type == "longrope"
+    with torch.no_grad():
+        for length in (40, 200):  # within the original 64 positions, and past them
+            ids = torch.randint(0, 256, (1, length), generator=g)
+            assert (ours(ids).logits - hf(ids).logits).abs().max() <= 1e-4, length
+        save_checkpoint(ours, tmp_path / "lathe")
+        again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lathe",
+                                                                  dtype=torch.float32).eval()
+        assert (again(ids).logits - hf(ids).logits).abs().max() <= 1e-4
+
+
 def test_rope_that_changes_with_the_sequence_is_refused(tmp_path):
     from lathe.model import CheckpointError
     from lathe.model.checkpoint import read_model_config
