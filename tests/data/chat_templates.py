@@ -9,6 +9,20 @@ from tokenizers import Tokenizer
 
 GEN, END = "{% generation %}", "{% endgeneration %}"
 
+# Qwen's assistant turn after its header (the content, calls as <tool_call> JSON, the end)
+# and its tool results inside a user turn
+QWEN_CALLS = (
+    "{{- message.content or '' }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' "
+    "+ call.function.arguments | tojson + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>' }}" + END + "{{- '\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content "
+    "+ '\\n</tool_response><|im_end|>\\n' }}"
+)
+
 # Qwen2.5: ChatML turns, a default system prompt, tools listed in the system turn, calls as
 # <tool_call> JSON, tool results inside a user turn
 CHATML = (
@@ -27,16 +41,7 @@ CHATML = (
     "{%- elif message.role == 'user' %}"
     "{{- '<|im_start|>user\\n' + message.content + '<|im_end|>\\n' }}"
     "{%- elif message.role == 'assistant' %}"
-    "{{- '<|im_start|>assistant\\n' }}" + GEN +
-    "{{- message.content or '' }}"
-    "{%- for call in message.tool_calls or [] %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' "
-    "+ call.function.arguments | tojson + '}\\n</tool_call>' }}"
-    "{%- endfor %}"
-    "{{- '<|im_end|>' }}" + END + "{{- '\\n' }}"
-    "{%- elif message.role == 'tool' %}"
-    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content "
-    "+ '\\n</tool_response><|im_end|>\\n' }}"
+    "{{- '<|im_start|>assistant\\n' }}" + GEN + QWEN_CALLS +
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
@@ -63,15 +68,7 @@ QWEN3 = (
     "{%- if loop.index0 > ns.last_user and (loop.last or message.reasoning_content) %}"
     "{{- '<think>\\n' + (message.reasoning_content or '') + '\\n</think>\\n\\n' }}"
     "{%- endif %}"
-    "{{- message.content or '' }}"
-    "{%- for call in message.tool_calls or [] %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' "
-    "+ call.function.arguments | tojson + '}\\n</tool_call>' }}"
-    "{%- endfor %}"
-    "{{- '<|im_end|>' }}" + END + "{{- '\\n' }}"
-    "{%- elif message.role == 'tool' %}"
-    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content "
-    "+ '\\n</tool_response><|im_end|>\\n' }}"
+    + QWEN_CALLS +
     "{%- elif not (message.role == 'system' and tools) %}"
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
     "{%- endif %}"
