@@ -60,10 +60,12 @@ _CORPUS = [MULTILINGUAL, CODE, "the quick brown fox jumps over the lazy dog",
            "numbers 2026 and 3.14159", "Élan vital, über alles, señor"]
 
 
-def build_sentencepiece_tokenizer(folder: Path, end_of_turn: str = "<end_of_turn>") -> Path:
+def build_sentencepiece_tokenizer(folder: Path, end_of_turn: str = "<end_of_turn>",
+                                  prepend: bool = True) -> Path:
     """The shape of Llama 2's, Mistral's and Gemma's tokenizer.json: BPE over "▁"-spaced
     pieces with `<0xNN>` byte fallback (ids 3-258, after <unk> <s> </s>), a "▁" prepended to
-    the text, `add_bos_token` true, and an end-of-turn special after the pieces."""
+    the text (not by Gemma's: `prepend=False`), `add_bos_token` true, and an end-of-turn
+    special after the pieces."""
     from tokenizers import normalizers, processors
 
     trainer = trainers.BpeTrainer(vocab_size=400, show_progress=False, max_token_length=8)
@@ -82,10 +84,11 @@ def build_sentencepiece_tokenizer(folder: Path, end_of_turn: str = "<end_of_turn
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
     tokenizer = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True,
                                      fuse_unk=True))
-    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
-                                                 normalizers.Replace(" ", "▁")])
+    tokenizer.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("▁")] * prepend + [normalizers.Replace(" ", "▁")])
     tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
-                                           decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+                                           decoders.Fuse()]
+                                          + [decoders.Strip(" ", 1, 0)] * prepend)
     tokenizer.add_special_tokens(specials + [end_of_turn])
     tokenizer.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])

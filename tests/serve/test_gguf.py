@@ -246,15 +246,16 @@ def test_a_qwen_vocabulary_names_qwens_pre_tokenizer_and_every_end_id(tmp_path):
         exported_with(tok, tmp_path / "many", {"eos_token_id": [text_end, im_end, 5, 6]})
 
 
-@pytest.mark.parametrize("shape", ["sentencepiece", "qwen"])
+@pytest.mark.parametrize("shape", ["llama2", "gemma", "qwen"])
 def test_llama_cpp_tokenizes_and_detokenizes_the_export_as_hf_does(shape, tmp_path):
     """The file's text, not only its ids: llama.cpp's own tokenizer (llama-cpp-python, where
     built) splits a multilingual text, code and characters the vocabulary lacks (byte
-    fallback) into HF's ids, and turns HF's ids back into HF's text."""
+    fallback) into HF's ids, and turns HF's ids back into HF's text — for SentencePiece with
+    a prepended "▁" (Llama 2, Mistral) and without (Gemma), and for Qwen's byte-level BPE."""
     llama_cpp = pytest.importorskip("llama_cpp")
     from tokenizers import Tokenizer
-    build = build_sentencepiece_tokenizer if shape == "sentencepiece" else build_qwen_tokenizer
-    tok = build(tmp_path / "tok")
+    tok = (build_qwen_tokenizer(tmp_path / "tok") if shape == "qwen" else
+           build_sentencepiece_tokenizer(tmp_path / "tok", prepend=shape == "llama2"))
     _, out = exported_with(tok, tmp_path, {})
     hf = Tokenizer.from_file(str(tok / "tokenizer.json"))
     runtime = llama_cpp.Llama(str(out), vocab_only=True, verbose=False)
