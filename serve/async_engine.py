@@ -199,11 +199,13 @@ class AsyncEngine:
     @property
     def constraints(self) -> Constraints:
         """Structured-output grammars, compiled here to check a request before it is sent
-        (the core compiles its own)."""
+        (the core compiles its own), each new one first in a child process, where a grammar
+        that crashes llguidance costs that request alone."""
         if self._constraints is None:
             assert self.info is not None
             self._constraints = structured_constraints(
-                self.tokenizer, self.info.limits.vocab_size, self.info.eos_token_ids)
+                self.tokenizer, self.info.limits.vocab_size, self.info.eos_token_ids,
+                checked=True)
         return self._constraints
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:

@@ -44,6 +44,7 @@ from lathe.model.transformer import Transformer
 from lathe.serve.adapters import AdapterError, AdapterSlots
 from lathe.serve.block_manager import BlockManager, blocks_for
 from lathe.serve.decode_graph import Progress, batch_buckets
+from lathe.serve.grammar_check import GrammarChecker
 from lathe.serve.half_weights import activation_dtype
 from lathe.serve.logprobs import TokenLogprob, requested_logprobs, token_logprobs
 from lathe.serve.model_runner import ModelRunner, select_rows
@@ -114,14 +115,16 @@ class RequestLimits:
 
 
 def structured_constraints(tokenizer: Tokenizer | None, vocab_size: int,
-                           eos_token_ids: Iterable[int]) -> Constraints:
+                           eos_token_ids: Iterable[int], checked: bool = False) -> Constraints:
     """The structured-output matchers over a checkpoint's tokenizer; `RequestError` where
-    the checkpoint cannot have them."""
+    the checkpoint cannot have them. `checked`: each new grammar is compiled in a child
+    process first (a server's gate: some grammars crash llguidance)."""
     eos = set(eos_token_ids)
     if tokenizer is None or not eos:
         raise RequestError("structured outputs need the checkpoint's tokenizer.json and an "
                            "EOS token id; this checkpoint lacks one")
-    return Constraints(tokenizer, vocab_size, eos)
+    checker = GrammarChecker(tokenizer.to_str(), vocab_size, sorted(eos)) if checked else None
+    return Constraints(tokenizer, vocab_size, eos, checker)
 
 
 def compile_structured(constraints: Constraints, spec: StructuredOutput) -> None:

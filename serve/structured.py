@@ -11,7 +11,9 @@ can roll a matcher back.
 
 `Constraints.compile` turns a `StructuredOutput` into a checked matcher (cached by the
 constraint, so repeated schemas cost nothing), raising `GrammarError` naming what is
-wrong; each sequence gets its own copy (`Constraints.start`). Each step `allowed_mask`
+wrong — with a `GrammarChecker` (the server's), after compiling it in a child process
+first, since some grammars crash llguidance's native compile; each sequence gets its own
+copy (`Constraints.start`). Each step `allowed_mask`
 gives the constrained rows' allowed tokens as a boolean (rows, vocab) tensor, and
 `advance` feeds each row the token it drew. Under speculative decoding a draft is cut to
 the prefix the grammar takes (`valid_prefix`) and verified against the masks along it
@@ -36,12 +38,10 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 from tokenizers import Tokenizer
 from torch import Tensor
 
+from lathe.serve.grammar_check import LIMITS, GrammarChecker, GrammarRefused
+
 MAX_SPEC_CHARS = 64 * 1024  # a schema, regex, grammar or choice list past this is refused
 CACHE_SIZE = 256
-# what one compile and one step may cost the matcher (llguidance's units: ~50k fuel/ms at
-# build, ~14k/ms per step; its defaults are 1M and 200k)
-LIMITS = dict(initial_lexer_fuel=2_000_000, step_lexer_fuel=400_000, max_grammar_size=500_000,
-              verbose_errors=False)
 
 
 def _fill(matcher: LLMatcher, row: Tensor) -> None:
@@ -139,10 +139,12 @@ class Constraints:
     """Compiled constraints over one tokenizer, and the matcher of each constrained sequence
     (keyed by whatever the engine uses for a sequence)."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Iterable[int]):
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Iterable[int],
+                 checker: GrammarChecker | None = None):
         self.vocab_size = vocab_size
         self.tokenizer = LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size,
                                      eos_token=sorted(eos_token_ids))
+        self.checker = checker  # compiles each new grammar in a child process first
         self.limits = LLParserLimits(**LIMITS)
         self._compiled: OrderedDict[StructuredOutput, LLMatcher] = OrderedDict()
         self._lock = threading.Lock()  # the server compiles in its threads, the engine reads
@@ -158,8 +160,13 @@ class Constraints:
             if compiled is not None:
                 self._compiled.move_to_end(spec)
                 return compiled.deep_copy()
-        matcher = LLMatcher(self.tokenizer, spec.llguidance_grammar(), log_level=0,
-                            limits=self.limits)
+        grammar = spec.llguidance_grammar()
+        if self.checker is not None:
+            try:
+                self.checker.check(grammar)
+            except GrammarRefused as error:
+                raise GrammarError(str(error)) from None
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         with self._lock:

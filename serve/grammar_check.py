@@ -1,0 +1,97 @@
+"""A request's constraint compiled first in a child process, so that no grammar can take the
+server down.
+
+llguidance builds a matcher in native code, and some inputs under every size limit crash
+it outright: a Lark grammar of a few thousand chained rules, a JSON schema chaining a
+thousand `$ref`s, tool parameters chaining `$anchor`s (SIGSEGV in `LLMatcher`'s
+construction — the whole front end, and the engine core with it). Before a constraint is
+compiled in the server's processes, `GrammarChecker.check` compiles it here, in a child
+that imports only llguidance, over the same tokenizer and limits: a crash, a compile past
+`seconds` or past `memory_bytes` costs that request a 400 and the child a restart. The
+compile is deterministic, so what passed here compiles the same in the server.
+
+A constraint checked once is remembered (by its grammar text), so a repeated schema pays
+the round trip once.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from lathe.core.worker_pool import WorkerError, WorkerPool, WorkerTimeout, limit_memory, serve_lines
+
+# what one compile and one step may cost the matcher (llguidance's units: ~50k fuel/ms at
+# build, ~14k/ms per step; its defaults are 1M and 200k)
+LIMITS = dict(initial_lexer_fuel=2_000_000, step_lexer_fuel=400_000, max_grammar_size=500_000,
+              verbose_errors=False)
+CHECK_SECONDS = 5.0
+MEMORY_BYTES = 2 << 30
+REMEMBERED = 1024  # grammars that passed, by their text
+
+
+class GrammarRefused(ValueError):
+    """The constraint does not compile, or compiling it crashed or ran past its limits."""
+
+
+class GrammarChecker:
+    """Compiles a grammar in a child process and says whether it compiles (thread-safe)."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int],
+                 seconds: float = CHECK_SECONDS, memory_bytes: int = MEMORY_BYTES,
+                 processes: int = 2) -> None:
+        self.seconds, self.memory_bytes = seconds, memory_bytes
+        self.pool = WorkerPool("lathe.serve.grammar_check", [str(memory_bytes)],
+                               {"tokenizer": tokenizer_json, "vocab_size": vocab_size,
+                                "eos_token_ids": sorted(eos_token_ids)}, processes,
+                               start_seconds=60.0)  # a large vocabulary takes a while
+        self._passed: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def check(self, grammar: str) -> None:
+        """Return when `grammar` (llguidance's text of it) compiles; `GrammarRefused` with
+        the reason otherwise."""
+        with self._lock:
+            if grammar in self._passed:
+                self._passed.move_to_end(grammar)
+                return
+        try:
+            answer = self.pool.call({"grammar": grammar}, self.seconds, 1 << 16)
+        except WorkerTimeout:
+            raise GrammarRefused(f"compiling it took more than {self.seconds:g} s or "
+                                 f"{self.memory_bytes >> 20} MiB; it was stopped") from None
+        except WorkerError as error:
+            raise GrammarRefused(f"it crashed the grammar compiler ({error}); simplify it "
+                                 "(fewer nested or chained rules and references)") from None
+        if "error" in answer:
+            raise GrammarRefused(answer["error"])
+        with self._lock:
+            self._passed[grammar] = None
+            while len(self._passed) > REMEMBERED:
+                self._passed.popitem(last=False)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def _setup(message: dict[str, Any]) -> dict[str, Any]:
+    from llguidance import LLParserLimits, LLTokenizer
+
+    return {"tokenizer": LLTokenizer(message["tokenizer"], n_vocab=message["vocab_size"],
+                                     eos_token=message["eos_token_ids"]),
+            "limits": LLParserLimits(**LIMITS)}
+
+
+def _check(state: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
+    from llguidance import LLMatcher
+
+    matcher = LLMatcher(state["tokenizer"], request["grammar"], log_level=0,
+                        limits=state["limits"])
+    return {"error": matcher.get_error()} if matcher.is_error() else {"ok": True}
+
+
+if __name__ == "__main__":
+    limit_memory(int(sys.argv[1]))
+    serve_lines(_setup, _check)
