@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from lathe.core.checkpoint_files import read_eos_ids
+from lathe.core.checkpoint_files import checkpoint_file, read_eos_ids
 from lathe.core.config import parse_overrides
 from lathe.core.errors import ConfigError
 from lathe.model.checkpoint import (
@@ -158,7 +158,14 @@ def _prompt_ids(args: argparse.Namespace, tokenizer: Tokenizer | None,
 
 
 def _checkpoint_tokenizer(path: Path) -> Tokenizer | None:
-    file = path / "tokenizer.json"
-    return Tokenizer.from_file(str(file)) if file.is_file() else None
+    """The checkpoint's tokenizer.json, if it has one (a link out of the folder refused)."""
+    file = checkpoint_file(path, "tokenizer.json")
+    if not file.is_file():
+        return None
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as error:  # the Rust loader raises a bare Exception
+        raise CheckpointError(f"{file}: not a tokenizer the `tokenizers` library loads "
+                              f"({error})") from None
 
 

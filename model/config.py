@@ -376,7 +376,7 @@ class ModelConfig:
                               "it needs layer_types to say which layers slide")
         for name in ("norm_eps", "rope_theta", "init_std"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value <= 0:
+            if not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ConfigError(f"ModelConfig.{name}={value!r} must be a positive number")
         scaling = self.rope_scaling
         if scaling is not None:

@@ -249,13 +249,17 @@ def test_a_config_nested_100k_deep_is_one_error(tmp_path):
         load_checkpoint(folder)
 
 
-def test_links_that_leave_the_folder_are_refused(tmp_path):
+def test_links_that_leave_the_folder_are_refused(tmp_path, capsys):
     folder = save_checkpoint(tiny_model(vocab_size=320), tmp_path / "ckpt",
                              tokenizer=build_tokenizer(tmp_path / "tok", vocab_size=300))
     (folder / "tokenizer.json").unlink()
     (folder / "tokenizer.json").symlink_to("/dev/zero")
     with pytest.raises(CheckpointError, match="tokenizer.json: is a link to /dev/zero"):
         load_tokenizer(folder)
+    from lathe.core.cli import main
+    assert main(["generate", str(folder), "--prompt", "hello", "--max-new-tokens", "2"]) != 0
+    error = capsys.readouterr().err
+    assert "tokenizer.json: is a link to /dev/zero" in error and "Traceback" not in error
     outside = tmp_path / "elsewhere.safetensors"
     (folder / "model.safetensors").rename(outside)
     (folder / "model.safetensors").symlink_to(outside)
@@ -292,3 +296,14 @@ def test_a_config_error_names_config_json_once(tmp_path):
         load_checkpoint(tmp_path / "ck")
     assert str(raised.value).count("config.json") == 1, raised.value
     assert "config.json: model_type='bert' is not supported" in str(raised.value)
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-1"])
+def test_a_rope_theta_that_is_not_a_positive_number_is_refused(tmp_path, value):
+    save_checkpoint(tiny_model(), tmp_path / "ck")
+    text = (tmp_path / "ck" / "config.json").read_text()
+    theta = json.dumps(json.loads(text)["rope_theta"])
+    (tmp_path / "ck" / "config.json").write_text(text.replace(
+        f'"rope_theta": {theta}', f'"rope_theta": {value}'))
+    with pytest.raises(CheckpointError, match="rope_theta=.* must be a positive number"):
+        load_checkpoint(tmp_path / "ck")
