@@ -64,6 +64,9 @@ Rows = list[tuple[int, Tensor | None]]
 # (rows × width × rank: a decode step's few rows, a small model's prefill); past it (a long
 # prefill of a wide model) they loop over the adapters (SGMV's segments)
 GATHER_ELEMENTS = 1 << 23
+# the largest |weight| and scale an adapter may hold: trained LoRA weights are below ~1, and
+# one past this (1e38 has been sent) overflows a bf16 row into Inf, and its neighbours' too
+MAX_WEIGHT = 1e3
 
 
 class AdapterError(ValueError):
@@ -254,8 +257,21 @@ def read_adapter(name: str, path: str | Path, layers: dict[str, MultiLoraLinear]
                 f"{weights_file}: {module} has A {tuple(a.shape)} and B {tuple(b.shape)}, but "
                 f"this base's {module} takes A ({rank}, {layer.in_features}) and B "
                 f"({layer.out_features}, {rank}); the adapter belongs to another base")
+        for label, tensor in (("A", a), ("B", b)):
+            if not torch.isfinite(tensor).all():
+                raise CheckpointError(f"{weights_file}: {module}'s LoRA {label} holds NaN or "
+                                      "Inf; every request on it would return garbage")
+            if tensor.abs().max() > MAX_WEIGHT:
+                raise CheckpointError(
+                    f"{weights_file}: {module}'s LoRA {label} holds a weight of magnitude "
+                    f"{tensor.abs().max().item():.3g}, past {MAX_WEIGHT:g}; trained LoRA "
+                    "weights are orders of magnitude smaller (it would overflow in bf16)")
         weights[module] = (a, b)
     scale = alpha / rank ** 0.5 if config.get("use_rslora") else alpha / rank
+    if not 0 < abs(scale) <= MAX_WEIGHT:
+        raise CheckpointError(f"{config_file}: lora_alpha={alpha!r} over r={rank} scales the "
+                              f"update by {scale:g}; a served adapter's scale is in "
+                              f"(0, {MAX_WEIGHT:g}]")
     return LoraAdapter(name, path, rank, float(scale), weights)
 
 
@@ -277,13 +293,15 @@ class AdapterSlots:
     the sequence waits."""
 
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int,
-                 max_rows: int = 256) -> None:
-        """`max_rows`: the most rows a compiled decode step has (its largest bucket)."""
+                 max_rows: int = 256, max_loaded: int | None = None) -> None:
+        """`max_rows`: the most rows a compiled decode step has (its largest bucket);
+        `max_loaded`: the most adapters held in host memory (None: no limit), past which
+        adding one unloads the least recently used idle one."""
         self.served = model.config.to_hf_config()
-        if max_loras < 1 or max_rank < 1:
-            raise AdapterError(f"max_loras={max_loras} and max_lora_rank={max_rank} must be "
-                               ">= 1")
-        self.max_loras, self.max_rank = max_loras, max_rank
+        if max_loras < 1 or max_rank < 1 or (max_loaded is not None and max_loaded < 1):
+            raise AdapterError(f"max_loras={max_loras}, max_lora_rank={max_rank} and "
+                               f"max_loaded_loras={max_loaded} must be >= 1")
+        self.max_loras, self.max_rank, self.max_loaded = max_loras, max_rank, max_loaded
         self.context = _Context()
         device, dtype = model.model.embed_tokens.weight.device, activation_dtype(model)
         self.row_slots = torch.full((max_rows,), -1, dtype=torch.long, device=device)
@@ -319,8 +337,22 @@ class AdapterSlots:
             if name in self.loaded:  # a retiring one still in use keeps its old entry
                 raise AdapterError(f"the adapter {name!r} is being unloaded while requests "
                                    "finish on it; load it again once they have")
+            if self.max_loaded is not None and len(self.names) >= self.max_loaded:
+                self._evict_idle()
             self.loaded[name] = _Loaded(adapter, hash(("lora", name, next(self._clock))))
         return adapter
+
+    def _evict_idle(self) -> None:
+        """Unload the least recently used adapter no sequence holds (under the lock), or
+        refuse when every one is in use."""
+        idle = sorted((entry.last_used, name) for name, entry in self.loaded.items()
+                      if not entry.retiring and entry.users == 0)
+        if not idle:
+            raise AdapterError(f"{self.max_loaded} adapters are loaded (max_loaded_loras) and "
+                               "all are in use; unload one or retry later")
+        entry = self.loaded[idle[0][1]]
+        entry.retiring = True
+        self._drop_if_done(idle[0][1], entry)
 
     def put(self, name: str, weights: dict[str, tuple[Tensor, Tensor]], scale: float) -> None:
         """Hold in-memory adapter weights (module name -> (A, B)) under `name`, replacing

@@ -248,9 +248,9 @@ class AsyncEngine:
 
     async def add_adapter(self, name: str, path: str | Path) -> None:
         """Load an adapter (read and checked by the core, between steps); running requests
-        go on."""
-        await self._call("add_adapter", name, path)
-        self._adapters[name] = str(path)
+        go on. Those the core unloaded to make room (max_loaded_loras) are forgotten here."""
+        loaded = await self._call("add_adapter", name, path)
+        self._adapters = {held: self._adapters.get(held, str(path)) for held in loaded}
 
     async def remove_adapter(self, name: str) -> None:
         """Unload an adapter (between steps); requests already running on it finish on it."""
@@ -331,7 +331,7 @@ class AsyncEngine:
             self._lost()
             raise self.dead or EngineDead("the engine core is gone") from None
 
-    async def _call(self, method: str, *args: object) -> None:
+    async def _call(self, method: str, *args: object) -> object:
         if self.dead is not None:
             raise self.dead
         call_id = next(self._ids)
@@ -341,7 +341,7 @@ class AsyncEngine:
         except EngineDead:
             self._calls.pop(call_id, None)
             raise
-        await future
+        return await future
 
     def _on_events(self) -> None:
         try:
@@ -369,11 +369,11 @@ class AsyncEngine:
             if queue is not None:
                 queue.put_nowait(error)
         elif kind == REPLY:
-            _, call_id, error = message
+            _, call_id, error, result = message
             future = self._calls.pop(call_id, None)
             if future is not None and not future.done():
                 if error is None:
-                    future.set_result(None)
+                    future.set_result(result)
                 else:
                     future.set_exception(error)
         elif kind == STATUS:

@@ -188,6 +188,15 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                             "/v1/load_lora_adapter (default: the number of --lora)")
     group.add_argument("--max-lora-rank", type=int, default=EngineConfig.max_lora_rank,
                        help="the highest adapter rank a slot takes")
+    group.add_argument("--max-loaded-loras", type=int,
+                       help="adapters held in host memory; loading one more unloads the least "
+                            "recently used idle one (default: no limit)")
+    group.add_argument("--lora-root", action="append", default=[], type=Path, metavar="DIR",
+                       help="a folder /v1/load_lora_adapter may load adapters from; repeatable "
+                            "(none: loading at run time is off)")
+    group.add_argument("--allow-unauthenticated-lora-loading", action="store_true",
+                       help="let /v1/load_lora_adapter run without --api-key (it is refused "
+                            "then: anyone reaching the port could load adapters)")
     parser.add_argument("--tool-call-parser", choices=PARSERS,
                         help="how this model writes tool calls (hermes: Qwen2.5/Qwen3/"
                              "Hermes <tool_call>; llama3_json: Llama 3.1+; mistral: "
@@ -226,10 +235,18 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     if max_loras < len(loras):
         raise ConfigError(f"--max-loras={max_loras} holds fewer adapters than the {len(loras)} "
                           "--lora given; raise it")
+    if args.max_loaded_loras is not None and args.max_loaded_loras < max(len(loras), 1):
+        raise ConfigError(f"--max-loaded-loras={args.max_loaded_loras} holds fewer adapters "
+                          f"than the {len(loras)} --lora given (and at least 1); raise it")
+    for root in args.lora_root:
+        if not root.is_dir():
+            raise ConfigError(f"--lora-root {root}: not a folder; give the folder adapters "
+                              "are loaded from")
     engine = _engine_config(args)
     try:
         engine = dataclasses.replace(engine, max_loras=max_loras,
-                                     max_lora_rank=args.max_lora_rank)
+                                     max_lora_rank=args.max_lora_rank,
+                                     max_loaded_loras=args.max_loaded_loras)
     except ConfigError as error:
         raise ConfigError(str(error).replace("max_loras=", "--max-loras=").replace(
             "max_lora_rank=", "--max-lora-rank=")) from None
@@ -250,7 +267,9 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                           max_tool_calls=args.max_tool_calls,
                           reasoning_parser=args.reasoning_parser,
                           trust_request_chat_template=args.trust_request_chat_template,
-                          loras=loras,
+                          loras=loras, lora_roots=args.lora_root,
+                          allow_unauthenticated_lora_loading=(
+                              args.allow_unauthenticated_lora_loading),
                           engine_threads=args.engine_threads,
                           limits=limits, engine=engine)
     run(config, args.log_level)

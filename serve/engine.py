@@ -174,6 +174,9 @@ class EngineConfig:
     # held at once (0: none) and the highest rank a slot takes
     max_loras: int = 0
     max_lora_rank: int = 16
+    # adapters held in host memory (None: no limit); loading one more unloads the least
+    # recently used idle one
+    max_loaded_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_decode_stall != 0 and not self.max_decode_stall > 1:
@@ -185,6 +188,9 @@ class EngineConfig:
         if self.max_loras < 0 or self.max_lora_rank < 1:
             raise ConfigError(f"max_loras={self.max_loras} must be >= 0 and max_lora_rank="
                               f"{self.max_lora_rank} >= 1")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < 1:
+            raise ConfigError(f"max_loaded_loras={self.max_loaded_loras} must be >= 1 (or "
+                              "None: no limit)")
         if self.decode_steps > 1 and self.speculative is not None:
             raise ConfigError(f"decode_steps={self.decode_steps} cannot be combined with "
                               "speculative decoding, which already emits several tokens a "
@@ -214,7 +220,8 @@ class LLMEngine:
         self.slabs = KVSlabs(model.config, num_blocks, block_size, self.device, dtype)
         lookahead = speculative.num_speculative_tokens if speculative else 0
         self.adapters = AdapterSlots(model, self.config.max_loras, self.config.max_lora_rank,
-                                     batch_buckets(self.config.max_num_seqs)[-1]) \
+                                     batch_buckets(self.config.max_num_seqs)[-1],
+                                     self.config.max_loaded_loras) \
             if self.config.max_loras else None
         # the callback is the adapters', not a method of the engine: no reference cycle, so
         # a dropped engine frees its KV cache at once (on a GPU, before the next one is sized)
@@ -336,12 +343,14 @@ class LLMEngine:
         if params.structured is not None:
             compile_structured(self.constraints, params.structured)
 
-    def add_adapter(self, name: str, path: str | Path) -> None:
-        """Load a LoRA adapter folder into a free slot, to be named by requests."""
+    def add_adapter(self, name: str, path: str | Path) -> list[str]:
+        """Load a LoRA adapter folder, to be named by requests; the names loaded after it
+        (one idle adapter may have been unloaded to make room: max_loaded_loras)."""
         if self.adapters is None:
             raise AdapterError("this engine serves no adapters: start it with max_loras > 0 "
                                "(lathe serve --max-loras N)")
         self.adapters.add(name, path)
+        return self.adapters.names
 
     def put_adapter(self, name: str, weights: dict[str, tuple[Tensor, Tensor]],
                     scale: float) -> None:

@@ -24,8 +24,9 @@ The messages (tuples, pickled by `multiprocessing`'s pipes; both ends are this p
 - core → front end: `(STATUS, text)` while loading, then `(READY, ModelInfo)` or
   `(FAILED, error)`; while serving `(DELTAS, deltas, stats)` after each step that produced
   output (stats: `LLMEngine.stats()` at most every `STATS_SECONDS`, and with the step that
-  leaves it idle; else None), `(REJECTED, request_id, error)`, `(REPLY, call_id, error)`, and
-  `(DEAD, message)` when a step fails (the engine's state is then unknown, so the core ends).
+  leaves it idle; else None), `(REJECTED, request_id, error)`, `(REPLY, call_id, error,
+  result)`, and `(DEAD, message)` when a step fails (the engine's state is then unknown, so
+  the core ends).
 
 The core ends at `CLOSE` or when the front end's pipe closes (the front end gone, however
 it went); a core in a process of its own ignores SIGINT (a terminal's Ctrl-C reaches the
@@ -206,11 +207,11 @@ class EngineCore:
             try:
                 if method not in CALLS:
                     raise ValueError(f"the engine core takes no call {method!r}")
-                getattr(self.engine, method)(*args)
+                result = getattr(self.engine, method)(*args)
             except Exception as error:
-                self.send((REPLY, call_id, portable(error)))
+                self.send((REPLY, call_id, portable(error), None))
             else:
-                self.send((REPLY, call_id, None))
+                self.send((REPLY, call_id, None, result))
         elif kind == CLOSE:
             return False
         return True

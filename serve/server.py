@@ -100,6 +100,10 @@ class ServerConfig:
     reasoning_parser: str | None = None
     trust_request_chat_template: bool = False  # requests may bring their own chat template
     loras: dict[str, Path] = field(default_factory=dict)  # LoRA adapters loaded at start
+    # folders /v1/load_lora_adapter may load from (none: loading at run time is off); it
+    # needs api_key too, unless allow_unauthenticated_lora_loading
+    lora_roots: list[Path] = field(default_factory=list)
+    allow_unauthenticated_lora_loading: bool = False
     engine_threads: int | None = None  # the engine core's intra-op threads (see engine_core)
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -361,14 +365,27 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
     @app.post("/v1/load_lora_adapter", dependencies=[Depends(authorize)])
     async def load_lora_adapter(body: LoraAdapterRequest) -> Response:
         engine = ready()
+        if config.api_key is None and not config.allow_unauthenticated_lora_loading:
+            raise APIError(403, "loading adapters at run time needs the server's --api-key "
+                                "(or, on a trusted network, --allow-unauthenticated-lora-"
+                                "loading)", code="lora_loading_disabled")
+        if not config.lora_roots:
+            raise APIError(403, "loading adapters at run time is off: start the server with "
+                                "--lora-root DIR, the folder adapters may be loaded from",
+                           code="lora_loading_disabled")
         if body.lora_path is None:
             raise APIError(400, "lora_path is required: the adapter folder to load",
                            param="lora_path")
+        path = Path(body.lora_path).resolve()
+        if not any(path.is_relative_to(root.resolve()) for root in config.lora_roots):
+            raise APIError(403, f"lora_path {body.lora_path!r} is not inside a --lora-root ("
+                                + ", ".join(str(root) for root in config.lora_roots) + ")",
+                           param="lora_path", code="lora_path_not_allowed")
         if body.lora_name == name:
             raise APIError(400, f"lora_name `{name}` is the base model's name; choose another",
                            param="lora_name")
         try:
-            await engine.add_adapter(body.lora_name, body.lora_path)
+            await engine.add_adapter(body.lora_name, str(path))
         except (AdapterError, CheckpointError) as error:
             raise APIError(400, str(error), param="lora_path") from None
         log.info("loaded LoRA adapter %r from %s", body.lora_name, body.lora_path)

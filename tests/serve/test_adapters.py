@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -188,7 +189,8 @@ def test_the_server_serves_adapters_by_model_name_and_loads_them_live(checkpoint
     folders, merged = adapters
     server, thread, url = start_server(
         checkpoint, loras={"small": folders["small"]},
-        engine=EngineConfig(num_blocks=256, max_loras=2))
+        engine=EngineConfig(num_blocks=256, max_loras=2),
+        lora_roots=[folders["large"].parent], allow_unauthenticated_lora_loading=True)
     try:
         wait_healthy(url)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
@@ -211,8 +213,11 @@ def test_the_server_serves_adapters_by_model_name_and_loads_them_live(checkpoint
         assert load.status_code == 200 and "added successfully" in load.text
         assert complete("large") != complete("small")
         bad = httpx.post(f"{url}/v1/load_lora_adapter",
-                         json={"lora_name": "third", "lora_path": str(checkpoint)})
+                         json={"lora_name": "third", "lora_path": str(merged["small"])})
         assert bad.status_code == 400 and "is not a LoRA adapter folder" in bad.text
+        outside = httpx.post(f"{url}/v1/load_lora_adapter",
+                             json={"lora_name": "third", "lora_path": str(checkpoint)})
+        assert outside.status_code == 403 and "is not inside a --lora-root" in outside.text
         with client.completions.create(model="small", prompt=PROMPTS[1], max_tokens=40,
                                        temperature=0, stream=True) as stream:
             first = next(iter(stream))  # running on "small" when it is unloaded
@@ -300,3 +305,64 @@ def test_adapters_over_a_half_base_run_in_float32(checkpoint, adapters):
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected_logprobs),
                                    atol=1e-2, rtol=0)
     assert len({tuple(t) for t, _ in mixed[:3]}) == 3
+
+
+def corrupted(folder: Path, to: Path, value: float) -> Path:
+    """A copy of an adapter folder with one of its B matrices set to `value`."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(folder, to)
+    tensors = load_file(to / "adapter_model.safetensors")
+    key = next(k for k in sorted(tensors) if k.endswith("lora_B.weight"))
+    tensors[key] = torch.full_like(tensors[key], value)
+    save_file(tensors, to / "adapter_model.safetensors")
+    return to
+
+
+def test_runtime_adapter_loading_is_keyed_rooted_checked_and_capped(checkpoint, adapters,
+                                                                    tmp_path):
+    """Without --api-key (the default) anyone reaching the port could load any server path:
+    refused unless --allow-unauthenticated-lora-loading; only inside --lora-root; NaN, Inf
+    or absurd weights refused at load (one such adapter made every later request return
+    ''); --max-loaded-loras unloads the least recently used idle adapter."""
+    import httpx
+
+    from tests.serve.conftest import API_KEY, start_server, wait_healthy
+
+    folders, _ = adapters
+    root = tmp_path / "root"
+    shutil.copytree(folders["small"], root / "small")
+    shutil.copytree(folders["large"], root / "large")
+    corrupted(folders["small"], root / "nan", float("nan"))
+    corrupted(folders["small"], root / "huge", 1e38)
+
+    def load(url: str, name: str, key: str | None = None) -> httpx.Response:
+        return httpx.post(f"{url}/v1/load_lora_adapter", headers={"Authorization": f"Bearer {key}"}
+                          if key else {}, json={"lora_name": name,
+                                                "lora_path": str(root / name)}, timeout=60)
+
+    engine = EngineConfig(num_blocks=256, max_loras=1, max_loaded_loras=1)
+    for settings, why in (({}, "needs the server's --api-key"),
+                          ({"api_key": API_KEY}, "start the server with --lora-root")):
+        server, thread, url = start_server(checkpoint, engine=engine, **settings)
+        try:
+            wait_healthy(url)
+            refused = load(url, "small", settings.get("api_key"))
+            assert refused.status_code == 403 and why in refused.text
+        finally:
+            server.should_exit = True
+            thread.join(timeout=10)
+    server, thread, url = start_server(checkpoint, engine=engine, api_key=API_KEY,
+                                       lora_roots=[root])
+    try:
+        wait_healthy(url)
+        assert load(url, "small").status_code == 401  # the key is checked first
+        for name, why in (("nan", "holds NaN or Inf"), ("huge", "holds a weight of magnitude")):
+            refused = load(url, name, API_KEY)
+            assert refused.status_code == 400 and why in refused.text
+        assert load(url, "small", API_KEY).status_code == 200
+        assert load(url, "large", API_KEY).status_code == 200  # unloads the idle "small"
+        models = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
+        assert {m["id"] for m in models.json()["data"]} == {"tiny", "large"}
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
