@@ -147,17 +147,18 @@ class MultiLoraLinear(nn.Module):
         flat_x = x.reshape(-1, self.in_features).to(self.lora_a.dtype)
         index = self.row_slots[:flat_x.shape[0]]
         slot = index.clamp(min=0)
-        weight = self.scale[slot] * (index >= 0)  # a base row adds nothing
         slots, _, rank = self.lora_a.shape
+        # rows are selected with `where`, never multiplied by a 0/1 mask: another slot's
+        # NaN or Inf times 0 is NaN, and would reach every row of the batch
         if flat_x.shape[0] <= slots:  # each row's own A and B
             h = torch.bmm(flat_x[:, None], self.lora_a[slot])
             delta = torch.bmm(h, self.lora_b[slot])[:, 0]
         else:  # every slot's A once, then each row's rank-r slice on its B
             h = torch.einsum("ni,sir->nsr", flat_x, self.lora_a)
-            mine = torch.nn.functional.one_hot(slot, slots).to(h.dtype)
-            h = (h * mine[..., None]).view(-1, slots * rank)
+            mine = torch.nn.functional.one_hot(slot, slots).bool()
+            h = torch.where(mine[..., None], h, 0).view(-1, slots * rank)
             delta = h @ self.lora_b.view(slots * rank, self.out_features)
-        delta = delta * weight[:, None]
+        delta = torch.where((index >= 0)[:, None], delta * self.scale[slot][:, None], 0)
         return y + delta.to(y.dtype).view(y.shape)
 
     def load(self, slot: int, a: Tensor, b: Tensor, scale: float) -> None:
