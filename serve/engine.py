@@ -88,7 +88,7 @@ class RequestLimits:
         if bad:
             raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary "
                                f"[0, {vocab})")
-        total = len(prompt_ids) + params.max_tokens
+        total = len(prompt_ids) + params.max_tokens - params.score_only
         if total > self.max_model_len:
             raise RequestError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the "

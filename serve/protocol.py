@@ -381,11 +381,12 @@ class _Request(BaseModel):
                         prompt_logprobs: int | None = None,
                         structured: StructuredOutput | None = None,
                         bad_words_ids: list[list[int]] | None = None,
-                        skip_special_tokens: bool | None = None) -> SamplingParams:
+                        skip_special_tokens: bool | None = None,
+                        score_only: bool = False) -> SamplingParams:
         """The engine's parameters (raises `SamplingError` naming a field out of range).
         `bad_words_ids`: the request's bad words as the tokenizer spells them;
         `skip_special_tokens`: the request's, unless a tool or reasoning parser needs the
-        markers it reads kept."""
+        markers it reads kept; `score_only`: echo with max_tokens=0."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         given = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
@@ -400,7 +401,7 @@ class _Request(BaseModel):
             bad_words_ids=bad_words_ids or [],
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens if skip_special_tokens is None
-            else skip_special_tokens,
+            else skip_special_tokens, score_only=score_only,
             **{name: value for name, value in given.items() if value is not None})
 
 

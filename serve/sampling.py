@@ -125,6 +125,9 @@ class SamplingParams:
     skip_special_tokens: bool = True  # special tokens left out of the text
     # what min_tokens holds back: the engine's EOS ids and stop_token_ids (the engine fills it)
     min_tokens_stop_ids: tuple[int, ...] = ()
+    # the prompt is scored (completions' echo with max_tokens=0): the one token drawn is
+    # dropped, and since it is never fed back it needs no position or KV slot
+    score_only: bool = False
 
     def __post_init__(self) -> None:
         for name, bound in BOUNDS.items():
@@ -144,6 +147,9 @@ class SamplingParams:
             _refuse("logit_bias", self.logit_bias,
                     f"a map of at most {MAX_LOGIT_BIAS} token ids to a bias "
                     f"{BOUNDS['logit_bias']}")
+        if self.score_only and self.max_tokens != 1:
+            _refuse("max_tokens", self.max_tokens, "1 when only the prompt is scored "
+                    "(score_only: the one token drawn is dropped)")
         if self.min_tokens > self.max_tokens:
             _refuse("min_tokens", self.min_tokens, f"at most max_tokens ({self.max_tokens})")
         if not (len(self.bad_words_ids) <= MAX_BAD_WORDS and all(

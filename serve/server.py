@@ -444,8 +444,8 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
             return body.max_tokens if body.max_tokens is not None else window - len(prompt)
 
         bad_words = _bad_words(engine, body)
-        params = [_params(body, budget(p), logprobs, prompt_logprobs, structured, bad_words)
-                  for p in prompts]
+        params = [_params(body, budget(p), logprobs, prompt_logprobs, structured, bad_words,
+                          score_only=score_only) for p in prompts]
         echoes = [Echo(g if isinstance(g, str) and not body.truncate_prompt_tokens else None,
                        ids) for g, ids in zip(given, prompts, strict=True)] \
             if body.echo else None
@@ -632,10 +632,11 @@ def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
             logprobs: int | None, prompt_logprobs: int | None = None,
             structured: StructuredOutput | None = None,
             bad_words_ids: list[list[int]] | None = None,
-            skip_special_tokens: bool | None = None) -> SamplingParams:
+            skip_special_tokens: bool | None = None, score_only: bool = False,
+            ) -> SamplingParams:
     try:
         return body.sampling_params(max_tokens, logprobs, prompt_logprobs, structured,
-                                    bad_words_ids, skip_special_tokens)
+                                    bad_words_ids, skip_special_tokens, score_only)
     except SamplingError as error:
         raise APIError(400, str(error), param=str(error).split("=")[0]) from None
 

@@ -92,6 +92,23 @@ def test_echo_with_logprobs_returns_the_prompt_scored_as_lm_eval_reads_it(runnin
     assert text["choices"][0]["text"].startswith("The river")
 
 
+def test_echo_scores_a_prompt_of_the_whole_context(running):
+    """echo with max_tokens=0 only scores the prompt: one of exactly the context length is
+    served (the token drawn and dropped needs no position or KV slot), one token more is
+    not, and neither is generating one more token after it."""
+    engine = running.engine()
+    window = engine.max_model_len
+    prompt = (engine.encode("The river ran past the old mill. ") * window)[:window]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 0, "logprobs": 1, "echo": True}
+    scored = post(running, "/v1/completions", body)
+    assert scored.status_code == 200, scored.text
+    assert len(scored.json()["choices"][0]["logprobs"]["tokens"]) == window
+    for refused in ({**body, "prompt": prompt + prompt[:1]}, {**body, "max_tokens": 1}):
+        response = post(running, "/v1/completions", refused)
+        assert response.status_code == 400
+        assert "maximum context length" in response.json()["error"]["message"]
+
+
 def test_logprobs_zero_still_names_the_sampled_token(running):
     body = {"model": "tiny", "prompt": "The", "max_tokens": 3, "logprobs": 0}
     logprobs = post(running, "/v1/completions", body).json()["choices"][0]["logprobs"]
