@@ -430,7 +430,7 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
         structured = await compile_structured(engine, _structured(body, state.literals))
         given = _prompt_list(body.prompt)
         prompts = [_truncated(engine, p, body.truncate_prompt_tokens)
-                   for p in _prompt_ids(engine, given, body.add_special_tokens)]
+                   for p in await _prompt_ids(engine, given, body.add_special_tokens)]
         window = engine.max_model_len
         # echo with max_tokens=0 scores the prompt: one token is generated and dropped
         score_only = body.echo and body.max_tokens == 0
@@ -500,8 +500,8 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
         except ProtocolError as error:
             raise APIError(400, str(error), param="messages") from None
         try:
-            prompt = _truncated(engine, engine.encode(text, body.add_special_tokens),
-                                body.truncate_prompt_tokens)
+            prompt = _truncated(engine, await asyncio.to_thread(
+                engine.encode, text, body.add_special_tokens), body.truncate_prompt_tokens)
         except RequestError as error:
             raise APIError(400, str(error), param="messages") from None
         max_tokens = body.completion_budget
@@ -616,14 +616,16 @@ def _prompt_list(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _prompt_ids(engine: AsyncEngine, prompts: list[str | list[int]],
-                add_special_tokens: bool) -> list[list[int]]:
+async def _prompt_ids(engine: AsyncEngine, prompts: list[str | list[int]],
+                      add_special_tokens: bool) -> list[list[int]]:
+    """Each prompt as token ids, text tokenized off the event loop (a megabyte takes most of
+    a second)."""
     if not prompts:
         raise APIError(400, "prompt is an empty list; give a string, strings or token ids",
                        param="prompt")
     try:
-        return [engine.encode(p, add_special_tokens) if isinstance(p, str) else list(p)
-                for p in prompts]
+        return [await asyncio.to_thread(engine.encode, p, add_special_tokens)
+                if isinstance(p, str) else list(p) for p in prompts]
     except RequestError as error:
         raise APIError(400, str(error), param="prompt") from None
 

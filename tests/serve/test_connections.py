@@ -209,3 +209,35 @@ def test_the_cap_fits_the_file_limit():
     assert soft >= soft_before and (soft == hard or hard == resource.RLIM_INFINITY)
     assert 1 <= limits.max_connections <= soft // 2
     assert raise_file_limit(ConnectionLimits(max_connections=8)).max_connections == 8
+
+
+BIG_PROMPTS = """
+import sys, threading, httpx
+text = "The river ran past the old mill. " * 28000  # 0.92 MB, under the 1 MiB body limit
+def post():
+    httpx.post(sys.argv[1] + "/v1/completions", timeout=120,
+               json={"model": "tiny", "prompt": text, "max_tokens": 1})
+threads = [threading.Thread(target=post) for _ in range(int(sys.argv[2]))]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+"""
+
+
+@pytest.mark.parametrize("serving", [ConnectionLimits()], indirect=True)
+def test_megabyte_prompts_do_not_stall_the_event_loop(serving):
+    """Prompts are tokenized off the event loop, by a call that lets go of the GIL: four
+    ~1 MB prompts (each a 400: far past the context) leave /health answering within 0.5 s,
+    where tokenizing them on the loop froze it for seconds."""
+    sender = subprocess.Popen([sys.executable, "-c", BIG_PROMPTS, serving, "4"])
+    latencies = []
+    try:
+        while sender.poll() is None:
+            start = time.perf_counter()
+            assert httpx.get(f"{serving}/health", timeout=30).status_code == 200
+            latencies.append(time.perf_counter() - start)
+            time.sleep(0.05)
+    finally:
+        sender.wait(timeout=120)
+    assert len(latencies) > 5 and max(latencies) < 0.5, latencies
