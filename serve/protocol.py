@@ -536,8 +536,12 @@ class ChatCompletionRequest(_Request):
         forced = tools if choice == "required" else [t for t in tools
                                                      if t["function"]["name"] == name]
         several = choice == "required" and self.parallel_tool_calls is not False
-        return ToolPlan(tools, parser, parser.grammar(forced, max_tool_calls if several else 1,
-                                                      literals), named=choice != "required")
+        try:
+            grammar = parser.grammar(forced, max_tool_calls if several else 1, literals)
+        except GrammarError as error:
+            raise ProtocolError(f"tools: the grammar that forces a call to them cannot be "
+                                f"built: {error}; send fewer or smaller tools", "tools") from None
+        return ToolPlan(tools, parser, grammar, named=choice != "required")
 
     @property
     def completion_budget(self) -> int | None:

@@ -234,3 +234,20 @@ def test_lathe_chat_runs_the_calls_and_sends_their_results_back(tool_server, mon
                           "content": str(arguments["a"] + arguments["b"])}
         assert f"[add -> {result['content']}]" in "".join(written)
     assert "stopped after" in written[-1]
+
+
+def test_forcing_a_call_to_tools_past_the_grammar_limit_is_a_400_naming_tools():
+    """`required` over tools whose schemas pass 64 KiB: the forcing grammar cannot be built;
+    a 400 naming `tools` (it was a 500 that closed the connection)."""
+    from lathe.serve.protocol import ChatCompletionRequest, ProtocolError
+
+    tools = [{"type": "function", "function": {
+        "name": f"tool_{i}", "description": "x" * 2000,
+        "parameters": {"type": "object", "properties": {
+            f"p{j}": {"type": "string", "description": "y" * 200} for j in range(10)}}}}
+        for i in range(40)]
+    body = ChatCompletionRequest(model="tiny", tools=tools, tool_choice="required",
+                                 messages=[{"role": "user", "content": "Go."}])
+    with pytest.raises(ProtocolError, match="tools: the grammar that forces a call") as raised:
+        body.tool_plan(tool_call_parser("hermes"), Literals({}), 8)
+    assert raised.value.param == "tools"
