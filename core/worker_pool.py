@@ -5,8 +5,9 @@ runs in a child started as `python -m MODULE ARGS...`: the caller waits at most 
 seconds it gives, then the child is killed and replaced on next use, so a loop, a hang
 or a crash costs one request, never the caller. Requests and answers cross the pipe as
 JSON lines; nothing is unpickled. The child reads a setup line first and answers it
-(`{"ready": true}` or `{"error": ...}`); a child whose parent dies reads the end of its
-input and exits. `call` may be made from several threads: each takes an idle child.
+(`{"ready": true}` or `{"error": ...}`); a child whose parent dies is killed with it (on
+Linux), or else reads the end of its input and exits. `call` may be made from several
+threads: each takes an idle child.
 """
 
 from __future__ import annotations
@@ -136,11 +137,26 @@ def limit_memory(memory_bytes: int) -> None:
         pass  # no address-space limit on this platform; the time limit still holds
 
 
+def die_with_parent() -> None:
+    """Have the kernel kill this process when its parent dies (Linux's PR_SET_PDEATHSIG):
+    a child busy in a render or a tool never reads the end of its input, and outlived a
+    parent killed with SIGKILL, spinning on as an orphan."""
+    parent = os.getppid()
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+    if os.getppid() != parent:  # the parent died before the request took
+        os._exit(1)
+
+
 def serve_lines(setup: Any, answer_one: Any) -> None:
     """The child's side: `setup(message) -> state` (raising to refuse, its text the error),
     then one answer per request line, `answer_one(state, request) -> dict`. The answers
     go out on the stdout the child started with; fds 1 and 2 are pointed at /dev/null
-    first, so nothing the child's code prints can corrupt the pipe."""
+    first, so nothing the child's code prints can corrupt the pipe. The child dies with
+    its parent (`die_with_parent`)."""
+    die_with_parent()
     stdin = sys.stdin.buffer
     answers = os.fdopen(os.dup(1), "wb")
     devnull = os.open(os.devnull, os.O_WRONLY)

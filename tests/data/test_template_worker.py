@@ -79,3 +79,52 @@ def test_check_refuses_a_template_that_cannot_serve_within_limits(template, reas
             worker.check()
     finally:
         worker.close()
+
+
+PARENT = """
+import sys, threading
+from lathe.data.template_worker import TemplateWorker
+worker = TemplateWorker(sys.argv[1], {}, seconds=600)
+threading.Thread(target=worker.render, args=([{"role": "user", "content": "x"}],),
+                 daemon=True).start()
+threading.Event().wait()
+"""
+
+
+def test_a_busy_child_dies_with_its_parent():
+    """A child stuck in a render never reads the end of its input: killed with SIGKILL, its
+    parent must not leave it spinning on as an orphan."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, SPIN])
+    try:
+        deadline = time.monotonic() + 30
+        children: list[int] = []
+        while not children:
+            assert time.monotonic() < deadline, "the parent started no child"
+            time.sleep(0.2)
+            found = subprocess.run(["pgrep", "-P", str(parent.pid)], capture_output=True,
+                                   text=True).stdout.split()
+            children = [int(pid) for pid in found]
+        time.sleep(1.0)  # the child takes the render and spins
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    deadline = time.monotonic() + 1.0
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = [pid for pid in children if _alive(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "a template worker outlived its parent by more than a second"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
