@@ -135,6 +135,8 @@ class AsyncEngine:
         self.tokenizer: Tokenizer | None = None
         self.stats: dict[str, float] | None = None  # the core's last `LLMEngine.stats()`
         self.dead: EngineDead | None = None
+        # called once when the engine dies while serving (a server exits on it)
+        self.on_death: Callable[[EngineDead], None] | None = None
         self._loop.add_reader(events.fileno(), self._on_events)
 
     @classmethod
@@ -417,3 +419,5 @@ class AsyncEngine:
             if not future.done():
                 future.set_exception(self.dead)
         self._calls.clear()
+        if self.on_death is not None:
+            self.on_death(self.dead)

@@ -44,6 +44,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lathe.core.errors import LatheError
 from lathe.data.chat_template import CHECK_TOOLS, ChatTemplateError, read_chat_template
 from lathe.data.template_worker import TemplateWorker
 from lathe.model.checkpoint import CheckpointError
@@ -201,10 +202,16 @@ def start_progress(state: _State) -> Callable[[str], None]:
 
 
 def run(config: ServerConfig, log_level: str = "info") -> None:
-    """Serve until SIGTERM or SIGINT, within the connection limits (see `connections`)."""
+    """Serve until SIGTERM or SIGINT, within the connection limits (see `connections`) —
+    or until the engine core dies: a server that can only answer 503 exits (non-zero,
+    `LatheError`), for its supervisor to restart it, as vLLM's does."""
     limits = raise_file_limit(config.limits)
-    LatheServer(uvicorn_config(build_app(config), config.host, config.port, limits,
-                               log_level)).run()
+    app = build_app(config)
+    server = LatheServer(uvicorn_config(app, config.host, config.port, limits, log_level))
+    app.state.on_engine_death = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if app.state.engine_death is not None:
+        raise LatheError(f"{app.state.engine_death}; the server has exited")
 
 
 def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None) -> FastAPI:
@@ -257,6 +264,7 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
             os.kill(os.getpid(), signal.SIGTERM)
             return
         freeze_startup_heap()
+        engine.on_death = died
         state.engine = engine
         log.info("serving %s as %r (engine core: %d intra-op threads)", config.checkpoint,
                  name, engine.info.threads)
@@ -276,6 +284,13 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
     app = FastAPI(title="lathe", lifespan=lifespan, docs_url=None if keyed else "/docs",
                   redoc_url=None if keyed else "/redoc",
                   openapi_url=None if keyed else "/openapi.json")
+    app.state.engine_death = None  # the engine's EngineDead, once it has died
+    app.state.on_engine_death = None  # what `run` does then: stop serving
+
+    def died(dead: EngineDead) -> None:
+        app.state.engine_death = dead
+        if app.state.on_engine_death is not None:
+            app.state.on_engine_death()
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
 
     @app.exception_handler(APIError)

@@ -162,3 +162,26 @@ def _state(pid: int) -> str:
             return stat.read().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
         return "Z"
+
+
+def test_a_server_whose_core_dies_exits_non_zero(checkpoint):
+    """`lathe serve` after its engine core is killed: every request would be a 503, so it
+    exits (non-zero, saying why) for its supervisor to restart it, instead of answering
+    503 forever."""
+    import subprocess
+
+    from tests.serve.test_connections import serve_process
+
+    process, url = serve_process(checkpoint, "--enforce-eager")
+    try:
+        cores = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True,
+                               text=True).stdout.split()
+        assert cores, "no engine core process"
+        for pid in cores:
+            os.kill(int(pid), signal.SIGKILL)
+        output, _ = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode not in (0, None), output
+    assert "the engine failed and must be restarted" in output
