@@ -10,6 +10,11 @@ that imports only llguidance, over the same tokenizer and limits: a crash, a com
 `seconds` or past `memory_bytes` costs that request a 400 and the child a restart. The
 compile is deterministic, so what passed here compiles the same in the server.
 
+llguidance builds its lexer lazily, at the first token mask, which the engine core computes
+inside a step: `(a{1000}){1000}` took 2 s there, and every request in the batch waited. The
+child computes that first mask too, and a constraint whose first mask takes more than
+`mask_seconds` is refused.
+
 A constraint checked once is remembered (by its grammar text), so a repeated schema pays
 the round trip once.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -28,6 +34,7 @@ from lathe.core.worker_pool import WorkerError, WorkerPool, WorkerTimeout, limit
 LIMITS = dict(initial_lexer_fuel=2_000_000, step_lexer_fuel=400_000, max_grammar_size=500_000,
               verbose_errors=False)
 CHECK_SECONDS = 5.0
+MASK_SECONDS = 0.5  # the most a constraint's first token mask may hold up an engine step
 MEMORY_BYTES = 2 << 30
 REMEMBERED = 1024  # grammars that passed, by their text
 
@@ -41,11 +48,12 @@ class GrammarChecker:
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int],
                  seconds: float = CHECK_SECONDS, memory_bytes: int = MEMORY_BYTES,
-                 processes: int = 2) -> None:
+                 processes: int = 2, mask_seconds: float = MASK_SECONDS) -> None:
         self.seconds, self.memory_bytes = seconds, memory_bytes
         self.pool = WorkerPool("lathe.serve.grammar_check", [str(memory_bytes)],
                                {"tokenizer": tokenizer_json, "vocab_size": vocab_size,
-                                "eos_token_ids": sorted(eos_token_ids)}, processes,
+                                "eos_token_ids": sorted(eos_token_ids),
+                                "mask_seconds": mask_seconds}, processes,
                                start_seconds=60.0)  # a large vocabulary takes a while
         self._passed: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
@@ -81,7 +89,7 @@ def _setup(message: dict[str, Any]) -> dict[str, Any]:
 
     return {"tokenizer": LLTokenizer(message["tokenizer"], n_vocab=message["vocab_size"],
                                      eos_token=message["eos_token_ids"]),
-            "limits": LLParserLimits(**LIMITS)}
+            "limits": LLParserLimits(**LIMITS), "mask_seconds": message["mask_seconds"]}
 
 
 def _check(state: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
@@ -89,6 +97,14 @@ def _check(state: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
 
     matcher = LLMatcher(state["tokenizer"], request["grammar"], log_level=0,
                         limits=state["limits"])
+    if not matcher.is_error():
+        start = time.perf_counter()
+        matcher.compute_bitmask()
+        took = time.perf_counter() - start
+        if took > state["mask_seconds"]:
+            return {"error": f"its first token mask took {took:.2f} s, more than "
+                             f"{state['mask_seconds']:g} s: every request in the batch would "
+                             "wait for it; simplify it (fewer or smaller repetitions)"}
     return {"error": matcher.get_error()} if matcher.is_error() else {"ok": True}
 
 

@@ -48,6 +48,8 @@ def test_grammars_that_crash_the_compiler_are_refused_and_the_checker_recovers(c
         checker.check(LLMatcher.grammar_from_lark('start: "yes" | "no"'))  # a new child
     with pytest.raises(GrammarRefused, match="unknown name"):
         checker.check(LLMatcher.grammar_from_lark("start: missing"))
+    with pytest.raises(GrammarRefused, match="its first token mask took .* every request"):
+        checker.check(LLMatcher.grammar_from_regex("(a{1000}){1000}"))  # 2 s in a step
     checker.check(LLMatcher.grammar_from_lark(chained_rules(100)))
 
 
