@@ -164,6 +164,11 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     group.add_argument("--max-connections", type=int, default=limits.max_connections,
                        help="open connections; past them only GET /health is answered, "
                             "the rest get 503")
+    group.add_argument("--max-connections-per-client", type=int,
+                       default=limits.max_connections_per_client,
+                       help="connections one client address may hold (0: half of "
+                            "--max-connections); past a cap the quietest idle connection is "
+                            "closed first")
     group.add_argument("--header-timeout", type=float, default=limits.header_seconds,
                        help="seconds a connection has to send a request's headers")
     group.add_argument("--body-timeout", type=float, default=limits.body_seconds,
@@ -228,8 +233,12 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                  "template_timeout", "grammar_timeout"):
         if not getattr(args, flag) > 0:
             raise ConfigError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be > 0")
+    if args.max_connections_per_client < 0:
+        raise ConfigError(f"--max-connections-per-client={args.max_connections_per_client} "
+                          "must be >= 0 (0: half of --max-connections)")
     limits = ConnectionLimits(args.max_connections, args.header_timeout, args.body_timeout,
-                              args.keep_alive_timeout, args.shutdown_timeout)
+                              args.keep_alive_timeout, args.shutdown_timeout,
+                              args.max_connections_per_client)
     loras = _lora_flags(args.lora)
     max_loras = len(loras) if args.max_loras is None else args.max_loras
     if max_loras < len(loras):

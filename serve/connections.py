@@ -7,8 +7,12 @@ bounds, a thousand idle sockets use up the process's file descriptors and every 
 deadlines) closes a connection whose request headers are not complete `header_seconds`
 after its first byte (or after it opened), or whose body is not complete `body_seconds`
 after its headers; a connection idle between requests closes after `idle_seconds`. Past
-`max_connections` open connections a new one is still read, with a one-second header
-deadline, but answers 503 to everything except GET /health, and is closed after it.
+`max_connections` open connections (or one client's share of them,
+`max_connections_per_client`) a new connection first closes the least recently active
+quiet one — open with no request under way, as a client hoarding sockets holds them — so
+idle sockets never keep a real request out; when every connection is at work, the new one
+is still read, with a one-second header deadline, but answers 503 to everything except
+GET /health, and is closed after it.
 
 `LatheServer` stops in bounds: the first SIGTERM or SIGINT stops accepting, lets
 requests in flight finish for up to `drain_seconds`, then cancels what is left (their
@@ -43,6 +47,12 @@ class ConnectionLimits:
     body_seconds: float = 30.0
     idle_seconds: float = 5.0
     drain_seconds: float = 10.0
+    # connections one client address may hold (0: half of max_connections)
+    max_connections_per_client: int = 0
+
+    @property
+    def per_client(self) -> int:
+        return self.max_connections_per_client or max(self.max_connections // 2, 1)
 
 
 def raise_file_limit(limits: ConnectionLimits) -> ConnectionLimits:
@@ -88,14 +98,45 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_made(transport)
         self._deadline: asyncio.TimerHandle | None = None
         self._reading: object = h11.IDLE  # the client's state when its last bytes came
-        if len(self.connections) > self.limits.max_connections:
+        self._active = self.loop.time()  # when it last opened or sent bytes
+        if self._over_cap():
             app = self.app
             self.app = lambda scope, receive, send: _health_only(app, scope, receive, send)
             self._arm(OVER_CAP_HEADER_SECONDS)
         else:
             self._arm(self.limits.header_seconds)
 
+    def _over_cap(self) -> bool:
+        """Whether this new connection goes past a cap that no quiet connection can be
+        closed to make room under: first its client's own (so one client cannot hold them
+        all), then the server's."""
+        peer = self.client[0] if self.client else None
+        mine = [c for c in self.connections if c is not self
+                and isinstance(c, GuardedH11Protocol) and c.client and c.client[0] == peer]
+        if len(mine) >= self.limits.per_client and not self._close_quietest(mine):
+            return True
+        others = [c for c in self.connections if c is not self]
+        return len(others) >= self.limits.max_connections and not self._close_quietest(others)
+
+    @staticmethod
+    def _close_quietest(connections: list) -> bool:
+        """Close the least recently active of `connections` that is quiet — no request
+        received or being answered, an idle or keep-alive socket — to make room; False when
+        every one is at work."""
+        quiet = [c for c in connections if isinstance(c, GuardedH11Protocol) and c._quiet()]
+        if not quiet:
+            return False
+        oldest = min(quiet, key=lambda c: c._active)
+        oldest.transport.close()
+        oldest.connections.discard(oldest)  # its slot is free now, not when the loop closes it
+        return True
+
+    def _quiet(self) -> bool:
+        return (self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE
+                and not self.conn.trailing_data[0] and not self.transport.is_closing())
+
     def data_received(self, data: bytes) -> None:
+        self._active = self.loop.time()
         super().data_received(data)
         state = self.conn.their_state
         if state is h11.IDLE and self._deadline is None:  # a new request's first bytes

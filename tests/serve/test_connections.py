@@ -55,10 +55,40 @@ def closed_by_server(sock: socket.socket, within: float) -> bool:
         return True
 
 
-@pytest.mark.parametrize("serving", [ConnectionLimits(max_connections=8, header_seconds=60)],
-                         indirect=True)
-def test_past_the_cap_health_answers_and_requests_get_503_within_a_second(serving):
-    idle = [open_socket(serving) for _ in range(20)]  # more than the cap, sending nothing
+def partial_request(url: str, source: str = "127.0.0.1") -> socket.socket:
+    """A socket from `source` that has sent half a request's headers: at work, not quiet."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.bind((source, 0))
+    sock.connect((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    return sock
+
+
+CAP = ConnectionLimits(max_connections=8, header_seconds=60)
+
+
+@pytest.mark.parametrize("serving", [CAP], indirect=True)
+def test_idle_sockets_never_keep_a_real_request_out(serving):
+    """A client hoarding silent sockets past the cap: each new connection closes the
+    least recently active quiet one, so real requests are served (33 of 36 were 503s)."""
+    idle = [open_socket(serving) for _ in range(20)]
+    try:
+        time.sleep(0.2)
+        for _ in range(5):
+            start = time.monotonic()
+            assert httpx.post(f"{serving}/v1/completions", json=BODY,
+                              timeout=5).status_code == 200
+            assert time.monotonic() - start < 1.0
+        assert sum(closed_by_server(sock, 0.01) for sock in idle) >= 20 - CAP.max_connections
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+@pytest.mark.parametrize("serving", [CAP], indirect=True)
+def test_past_the_cap_of_working_connections_health_answers_and_requests_get_503(serving):
+    busy = [partial_request(serving) for _ in range(CAP.max_connections)]
     try:
         time.sleep(0.2)
         start = time.monotonic()
@@ -69,12 +99,26 @@ def test_past_the_cap_health_answers_and_requests_get_503_within_a_second(servin
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert "too many open connections" in refused.json()["error"]["message"]
     finally:
-        for sock in idle:
+        for sock in busy:
             sock.close()
     deadline = time.monotonic() + 5
     while httpx.post(f"{serving}/v1/completions", json=BODY, timeout=5).status_code != 200:
-        assert time.monotonic() < deadline, "the cap did not free with the idle sockets"
+        assert time.monotonic() < deadline, "the cap did not free with the busy sockets"
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("serving", [CAP], indirect=True)
+def test_one_client_cannot_hold_every_connection(serving):
+    """Half-sent requests from one address (slowloris) hold at most its share of the cap:
+    another client is served."""
+    hog = [partial_request(serving, "127.0.0.2") for _ in range(3 * CAP.max_connections)]
+    try:
+        time.sleep(0.2)
+        client = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.1"))
+        assert client.post(f"{serving}/v1/completions", json=BODY, timeout=5).status_code == 200
+    finally:
+        for sock in hog:
+            sock.close()
 
 
 @pytest.mark.parametrize("serving", [ConnectionLimits(header_seconds=0.5, body_seconds=0.5)],
