@@ -99,11 +99,13 @@ class GuardedH11Protocol(H11Protocol):
         self._deadline: asyncio.TimerHandle | None = None
         self._reading: object = h11.IDLE  # the client's state when its last bytes came
         self._active = self.loop.time()  # when it last opened or sent bytes
+        self._admitted = False  # counted against the caps (one over them is not)
         if self._over_cap():
             app = self.app
             self.app = lambda scope, receive, send: _health_only(app, scope, receive, send)
             self._arm(OVER_CAP_HEADER_SECONDS)
         else:
+            self._admitted = True
             self._arm(self.limits.header_seconds)
 
     def _over_cap(self) -> bool:
@@ -111,11 +113,11 @@ class GuardedH11Protocol(H11Protocol):
         closed to make room under: first its client's own (so one client cannot hold them
         all), then the server's."""
         peer = self.client[0] if self.client else None
-        mine = [c for c in self.connections if c is not self
-                and isinstance(c, GuardedH11Protocol) and c.client and c.client[0] == peer]
+        others = [c for c in self.connections if isinstance(c, GuardedH11Protocol)
+                  and c is not self and c._admitted]
+        mine = [c for c in others if c.client and c.client[0] == peer]
         if len(mine) >= self.limits.per_client and not self._close_quietest(mine):
             return True
-        others = [c for c in self.connections if c is not self]
         return len(others) >= self.limits.max_connections and not self._close_quietest(others)
 
     @staticmethod
