@@ -5,8 +5,8 @@ runs in a child started as `python -m MODULE ARGS...`: the caller waits at most 
 seconds it gives, then the child is killed and replaced on next use, so a loop, a hang
 or a crash costs one request, never the caller. Requests and answers cross the pipe as
 JSON lines; nothing is unpickled. The child reads a setup line first and answers it
-(`{"ready": true}` or `{"error": ...}`); a child whose parent dies is killed with it (on
-Linux), or else reads the end of its input and exits. `call` may be made from several
+(`{"ready": true}` or `{"error": ...}`); a child whose parent dies exits within a fifth of
+a second, busy or not. `call` may be made from several
 threads: each takes an idle child.
 """
 
@@ -19,6 +19,7 @@ import queue
 import select
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -59,7 +60,8 @@ class _Child:
         self.process.kill()
         self.process.wait()
         for stream in (self.process.stdin, self.process.stdout):
-            stream.close()
+            with contextlib.suppress(OSError):  # unsent bytes to a dead child: a broken pipe
+                stream.close()
 
 
 class WorkerError(RuntimeError):
@@ -99,7 +101,12 @@ class WorkerPool:
                     child.kill()
                     child = None
                     raise WorkerError((ready or {}).get("error") or "did not start")
-            child.send(request)
+            try:
+                child.send(request)
+            except OSError:  # it died since its last answer: its pipe is closed
+                child.kill()
+                child = None
+                raise WorkerError("its process had exited; it is replaced") from None
             answer = child.receive(seconds, max_bytes)
             if answer is None:
                 code = None
@@ -137,17 +144,19 @@ def limit_memory(memory_bytes: int) -> None:
         pass  # no address-space limit on this platform; the time limit still holds
 
 
-def die_with_parent() -> None:
-    """Have the kernel kill this process when its parent dies (Linux's PR_SET_PDEATHSIG):
-    a child busy in a render or a tool never reads the end of its input, and outlived a
-    parent killed with SIGKILL, spinning on as an orphan."""
+def die_with_parent(every: float = 0.2) -> None:
+    """Exit when the parent process dies, checked every `every` seconds on a thread of its
+    own: a child busy in a render or a tool never reads the end of its input, and outlived a
+    parent killed with SIGKILL, spinning on as an orphan. (Not PR_SET_PDEATHSIG: it fires
+    when the parent *thread* ends, and children are started from short-lived threads.)"""
     parent = os.getppid()
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
-    if os.getppid() != parent:  # the parent died before the request took
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every)
         os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="die-with-parent").start()
 
 
 def serve_lines(setup: Any, answer_one: Any) -> None:

@@ -128,3 +128,32 @@ def _alive(pid: int) -> bool:
             return stat.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_child_started_from_a_thread_that_ended_keeps_serving(worker):
+    """Children are started from short-lived threads (a request's, a tool pool's): one must
+    outlive the thread that started it (PR_SET_PDEATHSIG killed it with that thread)."""
+    first = threading.Thread(target=worker.render, args=([{"role": "user", "content": "a"}],))
+    first.start()
+    first.join()
+    time.sleep(0.5)
+    assert worker.render([{"role": "user", "content": "b"}]) == "<s><user>b<assistant>"
+
+
+def test_a_child_that_died_between_calls_fails_one_call_and_is_replaced(worker):
+    import os
+    import signal
+    import subprocess
+
+    worker.render([{"role": "user", "content": "a"}])
+    for pid in subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "template_worker"],
+                              capture_output=True, text=True).stdout.split():
+        os.kill(int(pid), signal.SIGKILL)
+    time.sleep(0.2)
+    outcomes = []
+    for _ in range(3):  # a dead child's call fails as an error (not a BrokenPipeError)
+        try:
+            outcomes.append(worker.render([{"role": "user", "content": "b"}]))
+        except ChatTemplateError as error:
+            outcomes.append(str(error))
+    assert outcomes[-1] == "<s><user>b<assistant>"
