@@ -271,10 +271,11 @@ for thread in threads:
 
 @pytest.mark.parametrize("serving", [ConnectionLimits()], indirect=True)
 def test_megabyte_prompts_do_not_stall_the_event_loop(serving):
-    """Prompts are tokenized off the event loop, by a call that lets go of the GIL: four
+    """Prompts are tokenized off the event loop, by a call that lets go of the GIL: two
     ~1 MB prompts (each a 400: far past the context) leave /health answering within 0.5 s,
-    where tokenizing them on the loop froze it for seconds."""
-    sender = subprocess.Popen([sys.executable, "-c", BIG_PROMPTS, serving, "4"])
+    where tokenizing them on the loop froze it for 0.7 s each, one after the other (two,
+    not more: on a 2-core machine more threads than cores delay the loop by scheduling)."""
+    sender = subprocess.Popen([sys.executable, "-c", BIG_PROMPTS, serving, "2"])
     latencies = []
     try:
         while sender.poll() is None:
@@ -284,4 +285,4 @@ def test_megabyte_prompts_do_not_stall_the_event_loop(serving):
             time.sleep(0.05)
     finally:
         sender.wait(timeout=120)
-    assert len(latencies) > 5 and max(latencies) < 0.5, latencies
+    assert len(latencies) > 3 and max(latencies) < 0.5, latencies
