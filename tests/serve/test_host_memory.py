@@ -1,5 +1,5 @@
 """With freed memory retained, a loop that allocates and frees a step's large temporaries
-stops page-faulting after its first pass; with glibc's initial mmap threshold (128 KiB,
+stops page-faulting after its first passes; with glibc's initial mmap threshold (128 KiB,
 fixed here: how far glibc has raised it by a given step varies from run to run) it faults
 every pass."""
 
@@ -23,7 +23,8 @@ else:
 def step():  # a prefill's activations (512 x 352 floats each), alive together, then freed
     alive = [torch.ones(180_224) for _ in range(12)]
     del alive
-step()
+for _ in range(3):  # the heap grows to what a step needs over its first passes
+    step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(20):
     step()
