@@ -57,6 +57,11 @@ def _inner_parents(folder: str | Path, name: str) -> list[Path]:
     return [Path(folder).joinpath(*parts[:i + 1]) for i in range(len(parts))]
 
 
+def read_json_if_present(file: Path) -> dict[str, Any]:
+    """`read_json_object` of an optional file: an empty dict when it is absent."""
+    return read_json_object(file) if file.is_file() else {}
+
+
 def read_json_object(file: Path) -> dict[str, Any]:
     """A checkpoint's JSON file as a dict, or one `CheckpointError` saying what is wrong
     (unreadable, too large, not JSON, nested too deep, or not an object)."""
@@ -87,7 +92,7 @@ def read_eos_ids(path: str | Path, vocab_size: int) -> list[int]:
     """The end-of-sequence ids in a checkpoint's generation_config.json (an id or a list of
     them; none when the file or the field is absent), each checked against the vocabulary."""
     file = checkpoint_file(path, "generation_config.json")
-    eos = read_json_object(file).get("eos_token_id") if file.is_file() else None
+    eos = read_json_if_present(file).get("eos_token_id")
     if eos is None:
         return []
     ids = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []

@@ -6,8 +6,7 @@ seconds it gives, then the child is killed and replaced on next use, so a loop, 
 or a crash costs one request, never the caller. Requests and answers cross the pipe as
 JSON lines; nothing is unpickled. The child reads a setup line first and answers it
 (`{"ready": true}` or `{"error": ...}`); a child whose parent dies exits within a fifth of
-a second, busy or not. `call` may be made from several
-threads: each takes an idle child.
+a second, busy or not. `call` may be made from several threads: each takes an idle child.
 """
 
 from __future__ import annotations

@@ -145,7 +145,7 @@ class ChatEncoder:
             through = self._through(messages[:i + 1], tools)
             if through.startswith(before) and full.startswith(through):
                 span = (len(before), len(before) + len(through[len(before):].rstrip()))
-            elif not (span := self._located_span(messages, i, tools, full)):
+            elif not (span := self._located_span(messages, i, tools, full, before)):
                 raise self._unmaskable(chat, f"rendering the conversation through message {i} "
                                              "is not a prefix of rendering all of it, nor is "
                                              "the message found in it (the template changes "
@@ -162,15 +162,16 @@ class ChatEncoder:
             return full, [(s, self._through_end(full, e)) for s, e in spans[:-1]] + spans[-1:]
         return full, [(s, self._through_end(full, e)) for s, e in spans]
 
-    def _located_span(self, messages: list[Message], i: int, tools: Tools,
-                      full: str) -> tuple[int, int] | None:
+    def _located_span(self, messages: list[Message], i: int, tools: Tools, full: str,
+                      before: str) -> tuple[int, int] | None:
         """Where assistant message `i` is in the whole conversation's rendering, for a
         template that renders it (or the turns before it) differently once later turns
         follow — Qwen3 drops the reasoning of turns before the last user message: what
         changes when the message is replaced by a marker (the same place for two markers,
-        each rendered once). It starts where the rendering up to the message ends when that
-        is a prefix, else right after the template's generation prompt. None when the
-        template does not render the message in one such place."""
+        each rendered once). It starts where `before` (the rendering up to the message, with
+        the generation prompt) ends when that is a prefix, else right after the template's
+        generation prompt. None when the template does not render the message in one such
+        place."""
         found = []
         for mark in MARKS:
             marked = [*messages[:i], {"role": "assistant", "content": mark}, *messages[i + 1:]]
@@ -180,20 +181,15 @@ class ChatEncoder:
             if other.count(mark) != 1 or mark not in other[prefix:len(other) - suffix]:
                 return None
             found.append((prefix, len(full) - suffix))
-        (start, end), before = found[0], self.render(messages[:i], tools) if i else ""
+        start, end = found[0]
         if found[0] != found[1] or end <= start:
             return None
         if full.startswith(before):
             return (len(before), end) if start >= len(before) else None
-        header = self._generation_prompt(messages[:i], tools)
+        closed = self.render(messages[:i], tools, add_generation_prompt=False)
+        # the generation prompt: what the template adds to open an assistant turn
+        header = before[len(closed):] if before.startswith(closed) else ""
         return (start, end) if header and full[:start].endswith(header) else None
-
-    def _generation_prompt(self, messages: list[Message], tools: Tools) -> str:
-        """What the template adds to open an assistant turn ("" when it adds nothing or
-        rewrites the conversation instead)."""
-        opened = self.render(messages, tools)
-        closed = self.render(messages, tools, add_generation_prompt=False)
-        return opened[len(closed):] if opened.startswith(closed) else ""
 
     def _ending(self, text: str) -> str | None:
         """The end token `text` starts with after whitespace (with the whitespace)."""

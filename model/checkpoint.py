@@ -25,7 +25,12 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from lathe.core.atomic import atomic_directory
-from lathe.core.checkpoint_files import checkpoint_file, read_eos_ids, read_json_object
+from lathe.core.checkpoint_files import (
+    checkpoint_file,
+    read_eos_ids,
+    read_json_if_present,
+    read_json_object,
+)
 from lathe.core.errors import CheckpointError, ConfigError
 from lathe.model.config import ModelConfig
 from lathe.model.families import join_fused, split_fused, stack_experts, unstack_experts
@@ -305,9 +310,7 @@ def _check_state_dict(model: Transformer, state: dict[str, torch.Tensor], path: 
 def _source_fields(file: Path, names: tuple[str, ...] | None = None) -> dict[str, Any]:
     """The fields of a source checkpoint's JSON file (only `names` when given; nothing when
     the file is absent)."""
-    if not file.is_file():
-        return {}
-    fields = read_json_object(file)
+    fields = read_json_if_present(file)
     return {k: v for k, v in fields.items() if names is None or k in names}
 
 

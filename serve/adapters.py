@@ -32,6 +32,7 @@ under a reload of the same name).
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -259,14 +260,15 @@ def read_adapter(name: str, path: str | Path, layers: dict[str, MultiLoraLinear]
                 f"this base's {module} takes A ({rank}, {layer.in_features}) and B "
                 f"({layer.out_features}, {rank}); the adapter belongs to another base")
         for label, tensor in (("A", a), ("B", b)):
-            if not torch.isfinite(tensor).all():
+            largest = tensor.abs().max().item()
+            if not math.isfinite(largest):
                 raise CheckpointError(f"{weights_file}: {module}'s LoRA {label} holds NaN or "
                                       "Inf; every request on it would return garbage")
-            if tensor.abs().max() > MAX_WEIGHT:
+            if largest > MAX_WEIGHT:
                 raise CheckpointError(
                     f"{weights_file}: {module}'s LoRA {label} holds a weight of magnitude "
-                    f"{tensor.abs().max().item():.3g}, past {MAX_WEIGHT:g}; trained LoRA "
-                    "weights are orders of magnitude smaller (it would overflow in bf16)")
+                    f"{largest:.3g}, past {MAX_WEIGHT:g}; trained LoRA weights are orders of "
+                    "magnitude smaller (it would overflow in bf16)")
         weights[module] = (a, b)
     scale = alpha / rank ** 0.5 if config.get("use_rslora") else alpha / rank
     if not 0 < abs(scale) <= MAX_WEIGHT:

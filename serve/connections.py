@@ -121,11 +121,11 @@ class GuardedH11Protocol(H11Protocol):
         return len(others) >= self.limits.max_connections and not self._close_quietest(others)
 
     @staticmethod
-    def _close_quietest(connections: list) -> bool:
+    def _close_quietest(connections: list[GuardedH11Protocol]) -> bool:
         """Close the least recently active of `connections` that is quiet — no request
         received or being answered, an idle or keep-alive socket — to make room; False when
         every one is at work."""
-        quiet = [c for c in connections if isinstance(c, GuardedH11Protocol) and c._quiet()]
+        quiet = [c for c in connections if c._quiet()]
         if not quiet:
             return False
         oldest = min(quiet, key=lambda c: c._active)

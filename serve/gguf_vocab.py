@@ -28,7 +28,7 @@ from typing import Any
 
 import gguf
 
-from lathe.core.checkpoint_files import read_json_object
+from lathe.core.checkpoint_files import read_eos_ids, read_json_if_present, read_json_object
 from lathe.model.checkpoint import CheckpointError
 
 # HF's pre-tokenization regexes (as tokenizer.json spells them) and llama.cpp's name for each
@@ -84,7 +84,7 @@ def gguf_vocabulary(checkpoint: Path, vocab_size: int, family: str) -> GGUFVocab
     if model.get("type") != "BPE":
         raise CheckpointError(f"{checkpoint / 'tokenizer.json'}: a {model.get('type')} "
                               "tokenizer; the GGUF export writes BPE vocabularies only")
-    tokenizer_config = _json(checkpoint / "tokenizer_config.json")
+    tokenizer_config = read_json_if_present(checkpoint / "tokenizer_config.json")
     pieces, types = _pieces(data, vocab_size)
     spm = bool(model.get("byte_fallback"))
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
@@ -103,10 +103,6 @@ def gguf_vocabulary(checkpoint: Path, vocab_size: int, family: str) -> GGUFVocab
     vocabulary.special_ids = _special_ids(checkpoint, pieces, tokenizer_config, spm)
     vocabulary.add_bos = tokenizer_config.get("add_bos_token") is True
     return vocabulary
-
-
-def _json(file: Path) -> dict[str, Any]:
-    return read_json_object(file) if file.is_file() else {}
 
 
 def _pieces(data: dict[str, Any], vocab_size: int) -> tuple[list[str], list[int]]:
@@ -174,8 +170,9 @@ def _pre_tokenizer_name(data: dict[str, Any], checkpoint: Path) -> str:
 
 def _special_ids(checkpoint: Path, pieces: list[str], tokenizer_config: dict[str, Any],
                  spm: bool) -> dict[str, int]:
-    """bos, the end ids (eos, eot, eom), unk (SentencePiece) and pad; from
-    generation_config.json and config.json, the tokenizer's own tokens otherwise."""
+    """bos, unk (SentencePiece) and pad from generation_config.json or config.json, the
+    tokenizer's own tokens otherwise; the end ids (eos, eot, eom): generation_config.json's
+    and the tokenizer's eos_token."""
     index = {piece: i for i, piece in enumerate(pieces)}
 
     def token_id(role: str) -> int | None:
@@ -183,16 +180,15 @@ def _special_ids(checkpoint: Path, pieces: list[str], tokenizer_config: dict[str
         token = token.get("content") if isinstance(token, dict) else token
         return index.get(token) if isinstance(token, str) else None
 
-    generation = _json(checkpoint / "generation_config.json")
-    config = _json(checkpoint / "config.json")
+    generation = read_json_if_present(checkpoint / "generation_config.json")
+    config = read_json_if_present(checkpoint / "config.json")
     ids: dict[str, int] = {}
     for role in ("bos", "pad") + (("unk",) if spm else ()):
         value = generation.get(f"{role}_token_id", config.get(f"{role}_token_id"))
         value = value if isinstance(value, int) else token_id(role)
         if isinstance(value, int) and 0 <= value < len(pieces):
             ids[role] = value
-    ends = generation.get("eos_token_id", config.get("eos_token_id"))
-    ends = [ends] if isinstance(ends, int) else list(ends or [])
+    ends = read_eos_ids(checkpoint, len(pieces))
     named = token_id("eos")
     if named is not None and named not in ends:
         ends.insert(0, named)
@@ -201,10 +197,6 @@ def _special_ids(checkpoint: Path, pieces: list[str], tokenizer_config: dict[str
         raise CheckpointError(
             f"{checkpoint}: {len(ends)} end-of-sequence ids {ends}; a GGUF file names at most "
             f"{len(END_KINDS)} (eos, eot, eom), so llama.cpp would not stop on the rest")
-    for kind, end in zip(END_KINDS, ends, strict=False):
-        if not isinstance(end, int) or not 0 <= end < len(pieces):
-            raise CheckpointError(f"{checkpoint}: eos_token_id {end!r} is not a token id of "
-                                  f"its {len(pieces)}-row vocabulary")
-        ids[kind] = end
+    ids.update(zip(END_KINDS, ends, strict=False))
     return ids
 

@@ -15,16 +15,13 @@ inside a step: `(a{1000}){1000}` took 2 s there, and every request in the batch 
 child computes that first mask too, and a constraint whose first mask takes more than
 `mask_seconds` is refused.
 
-A constraint checked once is remembered (by its grammar text), so a repeated schema pays
-the round trip once.
+Only a constraint new to the server is checked: `Constraints` keeps what it compiled.
 """
 
 from __future__ import annotations
 
 import sys
-import threading
 import time
-from collections import OrderedDict
 from typing import Any
 
 from lathe.core.worker_pool import WorkerError, WorkerPool, WorkerTimeout, limit_memory, serve_lines
@@ -36,7 +33,6 @@ LIMITS = dict(initial_lexer_fuel=2_000_000, step_lexer_fuel=400_000, max_grammar
 CHECK_SECONDS = 5.0
 MASK_SECONDS = 0.5  # the most a constraint's first token mask may hold up an engine step
 MEMORY_BYTES = 2 << 30
-REMEMBERED = 1024  # grammars that passed, by their text
 
 
 class GrammarRefused(ValueError):
@@ -55,16 +51,10 @@ class GrammarChecker:
                                 "eos_token_ids": sorted(eos_token_ids),
                                 "mask_seconds": mask_seconds}, processes,
                                start_seconds=60.0)  # a large vocabulary takes a while
-        self._passed: OrderedDict[str, None] = OrderedDict()
-        self._lock = threading.Lock()
 
     def check(self, grammar: str) -> None:
         """Return when `grammar` (llguidance's text of it) compiles; `GrammarRefused` with
         the reason otherwise."""
-        with self._lock:
-            if grammar in self._passed:
-                self._passed.move_to_end(grammar)
-                return
         try:
             answer = self.pool.call({"grammar": grammar}, self.seconds, 1 << 16)
         except WorkerTimeout:
@@ -75,10 +65,6 @@ class GrammarChecker:
                                  "(fewer nested or chained rules and references)") from None
         if "error" in answer:
             raise GrammarRefused(answer["error"])
-        with self._lock:
-            self._passed[grammar] = None
-            while len(self._passed) > REMEMBERED:
-                self._passed.popitem(last=False)
 
     def close(self) -> None:
         self.pool.close()
