@@ -115,7 +115,7 @@ def apply_lora(model: Transformer, section: LoraSection) -> Transformer:
         quantize_base_4bit(model, section.target_modules)
     _peft().inject_adapter_in_model(section.peft_config(has_experts(model)), model)
     if "lm_head" in section.target_modules:
-        model.fused_loss = False  # the fused kernel would read the base weight alone
+        model.chunked_head = False  # the chunked head would read the base weight alone
     return model
 
 
@@ -372,5 +372,5 @@ def merge_lora(model: Transformer) -> Transformer:
                 setattr(parent, name, child)
     for parameter in model.parameters():
         parameter.requires_grad_(True)
-    model.fused_loss = True
+    model.chunked_head = True
     return model

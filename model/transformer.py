@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,20 @@ class CausalLMOutput(NamedTuple):
     loss: Tensor | None  # with labels; a mixture of experts adds its router losses
     router: RouterStats | None = None  # with labels, a mixture of experts' routing
     hidden: Tensor | None = None  # with head=False: the final norm's output
+    z: Tensor | None = None  # with labels: mean squared log-normalizer of the scored rows
+    head: Any = None  # with a head_op: what it computed
+
+
+class HeadOp(Protocol):
+    """What a training stage computes from the LM head's output, given to the forward so
+    that it runs where the head's weight is (inside the model's forward, as its wrappers
+    expect): `chunked` from the final hidden states (B, T, dim), the head's (vocab, dim)
+    weight and its soft cap, never holding the (B, T, vocab) logits; `from_logits` the same
+    from the logits, when the head is sharded or adapted."""
+
+    def chunked(self, hidden: Tensor, weight: Tensor, softcap: float | None) -> Any: ...
+
+    def from_logits(self, logits: Tensor) -> Any: ...
 
 
 class RouterStats(NamedTuple):
@@ -483,10 +497,10 @@ class Transformer(nn.Module):
         self.config = config
         self.model = Decoder(config)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
-        # Compute the head and the loss together when only the loss is asked for. Whoever
-        # shards the head's weight or wraps the head (the runtime, LoRA) turns this off:
-        # the fused kernel needs the whole, plain weight.
-        self.fused_loss = True
+        # Compute the head chunk by chunk with the loss (or a head op) when no logits are
+        # asked for. Whoever shards the head's weight or wraps the head (the runtime, LoRA)
+        # turns this off: the chunked paths read the whole, plain weight.
+        self.chunked_head = True
         self.tie_weights()
         if self.lm_head.weight.device.type != "meta":
             self.init_weights()
@@ -527,7 +541,8 @@ class Transformer(nn.Module):
                 positions: Tensor | None = None, kv_cache: KVCache | None = None,
                 logits_to_keep: Tensor | None = None,
                 return_logits: bool = True, documents: Tensor | None = None,
-                head: bool = True) -> CausalLMOutput:
+                head: bool = True, z_loss: float = 0.0,
+                head_op: HeadOp | None = None) -> CausalLMOutput:
         """Logits (B, T, vocab) for `input_ids` (B, T), and the loss when `labels` are given.
 
         `labels` align with `input_ids` (HF convention): position t's logits are scored
@@ -535,9 +550,13 @@ class Transformer(nn.Module):
         0..T-1, or to what the cache assigns when `kv_cache` is given. `logits_to_keep`
         (indices along T) computes the LM head only there — serving needs one row per
         sequence, not one per prompt token. With labels and `return_logits=False` the
-        loss goes through `lathe.kernels.linear_cross_entropy`, which on CUDA never holds
-        the full (B·T × vocab) logits; `logits` is then None. With `head=False` the LM head
-        is left out: `hidden` holds the final norm's output, whose rows the caller passes to
+        loss goes through `lathe.kernels.linear_cross_entropy`, which never holds the full
+        (B·T × vocab) logits; `logits` is then None. `z_loss` adds PaLM's z-loss to the
+        loss (z_loss · mean logsumexp², the mean itself in `z` when computed). With a
+        `head_op` the LM head's output goes to it (chunked likewise) and its result is
+        `head`; with labels too, that result is the loss (a mixture of experts' router
+        losses added). With `head=False` the LM head is left out: `hidden` holds the final
+        norm's output, whose rows the caller passes to
         `compute_logits` — a compiled serving step computes the head only on the rows it
         samples, as vLLM's does.
 
@@ -589,19 +608,28 @@ class Transformer(nn.Module):
         x = self.model.norm(x)
         if not head:
             return CausalLMOutput(None, None, router, x)
-        if (labels is not None and not return_logits and self.fused_loss
-                and self.config.final_softcap is None):
-            loss = linear_cross_entropy(x[:, :-1].flatten(0, 1), self.lm_head.weight,
-                                        labels[:, 1:].flatten(), IGNORE_INDEX)
-            return CausalLMOutput(None, self._with_router_losses(loss, router), router)
+        cap = self.config.final_softcap
+        if head_op is not None:
+            result = (head_op.chunked(x, self.lm_head.weight, cap) if self.chunked_head
+                      else head_op.from_logits(self.compute_logits(x)))
+            loss = None if labels is None else self._with_router_losses(result, router)
+            return CausalLMOutput(None, loss, router, head=result)
+        if labels is not None and not return_logits and self.chunked_head:
+            loss, z = linear_cross_entropy(x[:, :-1].flatten(0, 1), self.lm_head.weight,
+                                           labels[:, 1:].flatten(), IGNORE_INDEX,
+                                           softcap=cap, z_loss=z_loss)
+            return CausalLMOutput(None, self._with_router_losses(loss, router), router, z=z)
         logits = self.compute_logits(x)
-        loss = None
-        if labels is not None:
-            loss = self._with_router_losses(F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                ignore_index=IGNORE_INDEX,
-            ), router)
-        return CausalLMOutput(logits, loss, router)
+        if labels is None:
+            return CausalLMOutput(logits, None, router)
+        scored = logits[:, :-1].flatten(0, 1).float()
+        targets = labels[:, 1:].flatten()
+        loss, z = F.cross_entropy(scored, targets, ignore_index=IGNORE_INDEX), None
+        if z_loss:
+            valid = targets != IGNORE_INDEX
+            z = (torch.logsumexp(scored, -1).square() * valid).sum() / valid.sum().clamp(min=1)
+            loss = loss + z_loss * z
+        return CausalLMOutput(logits, self._with_router_losses(loss, router), router, z=z)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """The LM head over final-norm outputs (`hidden`, (..., dim)), soft-capped where the

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import torch
-import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
@@ -27,6 +26,7 @@ from lathe.data.chat_template import read_template_file
 from lathe.data.formats import load_prompt_dataset
 from lathe.model.checkpoint import OpenCheckpoint, load_checkpoint, save_checkpoint
 from lathe.model.config import ModelConfig
+from lathe.model.head_ops import LabelLogprobs
 from lathe.model.lora import LoraSection, apply_lora, load_adapter, merge_lora, save_adapter
 from lathe.model.transformer import IGNORE_INDEX, Transformer
 from lathe.posttrain.config import PosttrainConfig, TaskEvalConfig
@@ -221,11 +221,8 @@ def token_logprobs(model: nn.Module, input_ids: Tensor, labels: Tensor) -> tuple
 
     `labels` align with `input_ids` (position t is predicted from tokens < t); -100 skips.
     """
-    logits = model(input_ids).logits[:, :-1].float()
-    targets = labels[:, 1:]
-    mask = targets != -100
-    picked = -F.cross_entropy(logits.transpose(1, 2), targets.clamp(min=0), reduction="none")
-    return (picked * mask).sum(-1), mask.sum(-1)
+    picked = model(input_ids, head_op=LabelLogprobs(labels)).head
+    return picked.sum(-1), (labels[:, 1:] != IGNORE_INDEX).sum(-1)
 
 
 def generation_model(runtime: Runtime, lora: LoraSection) -> Transformer | None:

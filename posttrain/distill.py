@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -29,6 +30,7 @@ from lathe.data.chat_encoding import ChatEncoder, chat_encoder
 from lathe.data.formats import load_prompt_dataset
 from lathe.data.mixture import load_rows
 from lathe.data.tokenizer import load_tokenizer, vocabulary_difference
+from lathe.kernels.fused_ce import linear_reduce
 from lathe.model.checkpoint import OpenCheckpoint
 from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.chats import chat_work, collate, start_chat_run
@@ -73,11 +75,10 @@ class DistillConfig(ChatStageConfig):
             raise ConfigError(f"temperature={self.temperature} must be positive")
 
 
-def kd_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor,
-            kind: str = "forward_kl", temperature: float = 1.0,
-            beta: float = 0.5) -> Tensor:
-    """Per-token divergence between teacher and student at `temperature` (scaled by T²,
-    Hinton et al.), averaged over masked positions. (N, T, V) logits, (N, T) mask."""
+def kd_per_token(student_logits: Tensor, teacher_logits: Tensor, kind: str = "forward_kl",
+                 temperature: float = 1.0, beta: float = 0.5) -> Tensor:
+    """The divergence between teacher and student at each row of (..., V) logits, at
+    `temperature` and scaled by T² (Hinton et al.)."""
     s = F.log_softmax(student_logits.float() / temperature, dim=-1)
     t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
     if kind == "forward_kl":  # KL(teacher ‖ student): mode-covering
@@ -85,14 +86,83 @@ def kd_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor,
     elif kind == "reverse_kl":  # KL(student ‖ teacher): mode-seeking
         per_token = (s.exp() * (s - t)).sum(-1)
     elif kind == "jsd":  # β·KL(t ‖ m) + (1 − β)·KL(s ‖ m), m = β·t + (1 − β)·s
-        m = torch.logsumexp(torch.stack([t + torch.log(torch.tensor(beta)),
-                                         s + torch.log(torch.tensor(1 - beta))]), dim=0)
+        m = torch.logsumexp(torch.stack([t + math.log(beta), s + math.log(1 - beta)]), dim=0)
         per_token = (beta * (t.exp() * (t - m)).sum(-1)
                      + (1 - beta) * (s.exp() * (s - m)).sum(-1))
     else:
         raise ConfigError(f"loss={kind!r}: choose forward_kl, reverse_kl or jsd")
+    return per_token * temperature**2
+
+
+def kd_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor,
+            kind: str = "forward_kl", temperature: float = 1.0,
+            beta: float = 0.5) -> Tensor:
+    """Per-token divergence (`kd_per_token`) averaged over masked positions. (N, T, V)
+    logits, (N, T) mask."""
     mask = mask.float()
-    return (per_token * mask).sum() / mask.sum().clamp(min=1) * temperature**2
+    per_token = kd_per_token(student_logits, teacher_logits, kind, temperature, beta)
+    return (per_token * mask).sum() / mask.sum().clamp(min=1)
+
+
+TeacherRows = Callable[[slice], Tensor]
+
+
+def teacher_rows(runtime: Runtime, teacher: nn.Module, ids: Tensor,
+                 documents: Tensor | None = None) -> TeacherRows:
+    """The teacher's logits for a slice of the batch's scored positions (position t of row
+    b is b·(T − 1) + t). Its forward runs now; the logits of each slice are made when asked
+    for, from the final hidden states — unless the teacher is sharded, whose head only its
+    forward can apply: then they are made whole, once."""
+    with torch.no_grad(), runtime.autocast():
+        if runtime.shards_weights:
+            logits = teacher(ids, documents=documents).logits[:, :-1].flatten(0, 1)
+            return lambda rows: logits[rows]
+        hidden = teacher(ids, documents=documents, head=False).hidden[:, :-1].flatten(0, 1)
+    head = runtime.accelerator.unwrap_model(teacher)
+
+    def rows_logits(rows: slice) -> Tensor:
+        with torch.no_grad(), runtime.autocast():
+            return head.compute_logits(hidden[rows])
+    return rows_logits
+
+
+@dataclass
+class DistillationLoss:
+    """The student's loss on a (B, T) batch as a head op: `ce_weight` · cross-entropy +
+    (1 − `ce_weight`) · divergence from the teacher, both averaged over the labelled
+    positions, a chunk of rows at a time (neither model's (B, T, vocab) logits are held on
+    the chunked path). After a call, `parts` holds the two terms."""
+
+    labels: Tensor
+    teacher: TeacherRows
+    config: DistillConfig
+    parts: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+
+    def chunked(self, hidden: Tensor, weight: Tensor, softcap: float | None) -> Tensor:
+        return linear_reduce(hidden[:, :-1].flatten(0, 1), weight, self._rows(),
+                             softcap=softcap)
+
+    def from_logits(self, logits: Tensor) -> Tensor:
+        scored = logits[:, :-1].flatten(0, 1).float()
+        return self._rows()(scored, slice(0, scored.shape[0])).sum()
+
+    def _rows(self) -> Callable[[Tensor, slice], Tensor]:
+        targets = self.labels[:, 1:].flatten()
+        valid = targets != IGNORE_INDEX
+        count = valid.sum().clamp(min=1)
+        sums = torch.zeros(2, device=targets.device)
+        c = self.config
+        self.parts = {}
+
+        def rows_loss(logits: Tensor, rows: slice) -> Tensor:
+            mask, target = valid[rows], targets[rows].clamp(min=0)[:, None]
+            ce = (torch.logsumexp(logits, -1) - logits.gather(1, target)[:, 0]) * mask
+            kd = kd_per_token(logits, self.teacher(rows), c.loss, c.temperature,
+                              c.jsd_beta) * mask
+            sums.add_(torch.stack([ce.sum(), kd.sum()]).detach())
+            self.parts = {"ce": sums[0] / count, "kd": sums[1] / count}
+            return (c.ce_weight * ce + (1 - c.ce_weight) * kd) / count
+        return rows_loss
 
 
 def check_same_tokenizer(student: str, teacher: str) -> None:
@@ -122,28 +192,23 @@ def distill_logits(config: DistillConfig, teacher_checkpoint: OpenCheckpoint,
 
     def loss_fn(m: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
         ids, labels, documents = batch["ids"], batch["labels"], batch.get("documents")
-        out = m(ids, labels=labels, documents=documents)
-        with torch.no_grad(), runtime.autocast():
-            teacher_logits = teacher(ids, documents=documents).logits
-        mask = labels[:, 1:] != IGNORE_INDEX
-        kd = kd_loss(out.logits[:, :-1], teacher_logits[:, :-1], mask, config.loss,
-                     config.temperature, config.jsd_beta)
-        loss = config.ce_weight * out.loss + (1 - config.ce_weight) * kd
-        return loss, {"loss": loss, "ce": out.loss, "kd": kd}
+        op = DistillationLoss(labels, teacher_rows(runtime, teacher, ids, documents), config)
+        loss = m(ids, labels=labels, documents=documents, head_op=op).loss
+        return loss, {"loss": loss, **op.parts}
 
     @torch.no_grad()
     def heldout_kl() -> float:
         runtime.model.eval()
         sums = torch.zeros(2, device=runtime.device)
+        kl_only = dataclasses.replace(config, loss="forward_kl", temperature=1.0, ce_weight=0.0)
         for rows, counts in rank_batches(run.heldout, config.micro_batch_size, runtime.rank,
                                          runtime.world_size):
             batch = collate(rows, run.pad_token, runtime.device)
             ids, labels = batch["ids"], batch["labels"]
-            mask = (labels[:, 1:] != IGNORE_INDEX) & counts
-            with runtime.autocast():
-                teacher_logits = teacher(ids).logits
-            kl = kd_loss(runtime.model(ids).logits[:, :-1], teacher_logits[:, :-1], mask)
-            sums += torch.stack([kl * mask.sum(), mask.sum().float()])
+            labelled = (labels[:, 1:] != IGNORE_INDEX).sum() * counts
+            op = DistillationLoss(labels, teacher_rows(runtime, teacher, ids), kl_only)
+            kl = runtime.model(ids, head_op=op).head
+            sums += torch.stack([kl * labelled, labelled.float()])
         runtime.model.train()
         sums = runtime.accelerator.reduce(sums, reduction="sum")
         return float(sums[0] / sums[1])

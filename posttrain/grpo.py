@@ -33,6 +33,7 @@ from lathe.core.errors import ConfigError
 from lathe.data.chat_encoding import ChatEncoder
 from lathe.data.formats import PromptRow, load_prompt_dataset
 from lathe.model.checkpoint import OpenCheckpoint
+from lathe.model.head_ops import LabelLogprobs
 from lathe.model.lora import (
     AdapterMerger,
     adapter_pairs,
@@ -128,12 +129,8 @@ def per_token_logps(model: nn.Module, ids: Tensor, labels: Tensor,
                     temperature: float = 1.0) -> Tensor:
     """log p(label_t | tokens < t) per position of the (N, T) batch (0 where unlabelled),
     from logits / `temperature`: the distribution the rollouts were sampled from."""
-    logits = model(ids).logits[:, :-1].float()
-    if temperature > 0:
-        logits = logits / temperature
-    targets = labels[:, 1:]
-    logps = torch.log_softmax(logits, dim=-1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
-    return logps * (targets != IGNORE_INDEX)
+    op = LabelLogprobs(labels, temperature if temperature > 0 else 1.0)
+    return model(ids, head_op=op).head
 
 
 def collate(rollouts: list[Rollout], pad_token: int, device: torch.device) -> dict[str, Any]:

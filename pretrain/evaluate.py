@@ -13,13 +13,13 @@ import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import nn
 
 from lathe.data.chat import BOS
 from lathe.data.loader import PackedLoader, window_documents
 from lathe.model.generate import generate
+from lathe.model.head_ops import LabelLogprobs
 
 
 @torch.no_grad()
@@ -35,11 +35,9 @@ def validation_metrics(model: nn.Module, loader: PackedLoader, batches: int,
     byte_total = torch.zeros((), dtype=torch.float64, device=device)
     for _ in range(min(batches, loader.steps_per_epoch)):
         batch = loader.next_batch().to(device)
-        inputs = batch[:, :-1]
-        documents = None if separator is None else window_documents(inputs, separator)
-        logits = model(inputs, documents=documents).logits
+        documents = None if separator is None else window_documents(batch, separator)
+        nats = -model(batch, documents=documents, head_op=LabelLogprobs(batch)).head.flatten()
         targets = batch[:, 1:].flatten()
-        nats = F.cross_entropy(logits.flatten(0, 1).float(), targets, reduction="none")
         counted = lengths[targets] > 0
         sums += torch.stack([nats.sum(), torch.tensor(float(nats.numel()), device=device),
                              nats[counted].sum()]).double()

@@ -40,19 +40,19 @@ def lm_loss(model: nn.Module, batch: Tensor, z_loss: float, separator: int | Non
     experts' loss carries its router losses, and its router statistics are logged (and
     counted by the `balancer`, when its selection biases are being balanced).
 
-    The whole window goes in with itself as labels. Without z-loss the head and loss are
-    fused (`lathe.kernels.linear_cross_entropy`: on CUDA the (B·T × vocab) logits never
-    exist); the last position's hidden state is computed and dropped, which is causal-safe.
+    The whole window goes in with itself as labels; the head and the loss are computed
+    together chunk by chunk (`lathe.kernels.linear_cross_entropy`: the (B·T × vocab) logits
+    never exist); the last position's hidden state is computed and dropped, which is
+    causal-safe.
     """
     documents = None if separator is None else window_documents(batch, separator)
-    out = model(batch, labels=batch, return_logits=bool(z_loss), documents=documents)
+    out = model(batch, labels=batch, return_logits=False, z_loss=z_loss, documents=documents)
     metrics = {"loss": out.loss, **(out.router.metrics() if out.router is not None else {})}
     if balancer is not None:
         balancer.observe(out.router)
-    if not z_loss:
-        return out.loss, metrics
-    z = torch.logsumexp(out.logits[:, :-1].float(), dim=-1).pow(2).mean()
-    return out.loss + z_loss * z, {**metrics, "z_loss": z}
+    if z_loss:  # the logged loss stays the cross-entropy (with router losses)
+        metrics.update(loss=out.loss.detach() - z_loss * out.z, z_loss=out.z)
+    return out.loss, metrics
 
 
 def pretrain(config: PretrainConfig, resume: str = "never") -> dict[str, Any]:

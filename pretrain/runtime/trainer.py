@@ -150,7 +150,7 @@ class Runtime:
         if kind is DistributedType.DEEPSPEED:
             self._configure_deepspeed()
         if self.shards_weights:
-            model.fused_loss = False  # each rank holds a slice of the head, not the matrix
+            model.chunked_head = False  # each rank holds a slice of the head, not the matrix
         prepared = self.accelerator.prepare(model, *optimizers)
         self.model, self.optimizers = prepared[0], list(prepared[1:])
         peak, self.peak_source = peak_flops(self.device, fp8=self.config.precision.fp8)
@@ -179,6 +179,8 @@ class Runtime:
         other stages only cast it, as TRL does); otherwise it is moved to the device.
         Call its forward under `autocast()`; on sharded launches on every rank."""
         model.requires_grad_(False).eval()
+        if self.shards_weights:
+            model.chunked_head = False  # each rank holds a slice of the head, not the matrix
         kind = self.accelerator.distributed_type
         if kind is DistributedType.FSDP:
             return fsdp2_prepare_model(self.accelerator, model.to(self.device)).eval()
