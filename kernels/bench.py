@@ -32,7 +32,7 @@ from lathe.kernels.decode_linear import (
     decode_linear_int8_cpu,
     decode_linear_reference,
 )
-from lathe.kernels.fused_ce import linear_cross_entropy_reference
+from lathe.kernels.fused_ce import linear_cross_entropy, linear_cross_entropy_reference
 from lathe.kernels.fused_ce_triton import linear_cross_entropy_triton
 from lathe.kernels.paged_attention import paged_decode_cpu, paged_decode_reference
 from lathe.kernels.paged_attention_triton import paged_decode_triton
@@ -175,6 +175,7 @@ def _cross_entropy_case(s: Sizes, device: str, dtype: torch.dtype, compile: bool
     labels = torch.randint(0, s.vocab, (s.ce_rows,), device=device)
     case = Case("linear_cross_entropy", "TFLOP/s", 2 * s.ce_rows * s.dim * s.vocab, {
         "triton": lambda: linear_cross_entropy_triton(hidden, weight, labels, -100),
+        "chunked": lambda: linear_cross_entropy(hidden, weight, labels, -100)[0],
         "torch": lambda: linear_cross_entropy_reference(hidden, weight, labels, -100)})
     if compile:
         compiled = torch.compile(linear_cross_entropy_reference)

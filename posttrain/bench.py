@@ -16,9 +16,12 @@ Results are printed and appended to docs/benchmarks-history.md.
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
+import multiprocessing
 import platform
 import random
+import resource
 import tempfile
 import time
 from dataclasses import dataclass
@@ -108,7 +111,61 @@ def measure(model: Transformer, examples: list[Example], dataset: Dataset, packe
             "rows": per_step, "width": slots / steps / per_step}
 
 
+# a Qwen3-vocabulary model of two layers: the head is most of the step (the issue's case)
+VOCAB_MODEL = {"family": "qwen3", "vocab_size": 151_936, "n_layers": 2, "max_seq_len": 2048}
+VOCAB_MODES = ("no loss", "chunked", "whole logits")
+
+
+def vocab_step(mode: str, rows: int, seq_len: int, steps: int, warmup: int) -> dict[str, float]:
+    """One mode's SFT steps (AdamW) on the VOCAB_MODEL, in a fresh process: peak memory over
+    the process's before the model (CPU: RSS; CUDA: allocated) and tokens/s."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_preset("nano", **VOCAB_MODEL)).to(device).train()
+    model.chunked_head = mode != "whole logits"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    autocast = torch.bfloat16 if device.type == "cuda" else None
+    ids = torch.randint(0, VOCAB_MODEL["vocab_size"], (rows, seq_len), device=device)
+    batch = {"ids": ids, "labels": ids}
+    seconds = 0.0
+    for step in range(warmup + steps):
+        synchronize(device)
+        began = time.perf_counter()
+        with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+            loss = (model(ids, head=False).hidden.float().square().mean() if mode == "no loss"
+                    else sft_loss(model, batch)[0])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        synchronize(device)
+        if step >= warmup:
+            seconds += time.perf_counter() - began
+    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - start)
+    return {"peak_gib": peak / 2**30, "tokens_per_s": rows * seq_len * steps / seconds}
+
+
+def vocab_rows(steps: int, warmup: int, rows: int = 4, seq_len: int = 2048) -> list[str]:
+    """The large-vocabulary rows: each mode in its own process, so that peaks do not mix."""
+    context = multiprocessing.get_context("spawn")
+    results = {}
+    for mode in VOCAB_MODES:
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+            results[mode] = pool.submit(vocab_step, mode, rows, seq_len, steps, warmup).result()
+    base = results["no loss"]["peak_gib"]
+    reference = results["whole logits"]["tokens_per_s"]
+    lines = [f"| {mode} | {r['peak_gib']:.2f} | "
+             f"{r['peak_gib'] / base:.2f}× | {r['tokens_per_s']:,.0f} | "
+             f"{r['tokens_per_s'] / reference:.2f}× |" for mode, r in results.items()]
+    for line in lines:
+        print(line, flush=True)
+    return lines
+
+
 def run(steps: int, warmup: int, write: bool, only: list[str] | None = None) -> str:
+    if only == ["vocab"]:
+        return vocab_table(steps, warmup, write)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = readme_checkpoint(Path(tmp))
@@ -140,8 +197,7 @@ def run(steps: int, warmup: int, write: bool, only: list[str] | None = None) -> 
             speedup = results[True]["tokens_per_s"] / results[False]["tokens_per_s"]
             rows.append(f"| {dataset.label} | | packed ÷ padded | | | {speedup:.2f}× |")
             print(rows[-1], flush=True)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (
-        f"{platform.machine()}, {torch.get_num_threads()} threads")
+    name = device_name(device)
     precision = "bf16 autocast" if device.type == "cuda" else "fp32"
     table = "\n".join([
         f"## SFT packing — {datetime.date.today()} — {name}, torch {torch.__version__}, "
@@ -159,6 +215,36 @@ def run(steps: int, warmup: int, write: bool, only: list[str] | None = None) -> 
     if write:
         append_history(table)
     return table
+
+
+def vocab_table(steps: int, warmup: int, write: bool) -> str:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    lines = vocab_rows(steps, warmup)
+    table = "\n".join([
+        f"## SFT step on a 151,936-token vocabulary — {datetime.date.today()} — "
+        f"{device_name(device)}, torch {torch.__version__}",
+        "",
+        f"Command: `python -m lathe.posttrain.bench --only vocab --steps {steps} --warmup "
+        f"{warmup}`",
+        "",
+        "Qwen3 shape, nano width (dim 384), 2 layers, 4 × 2,048 tokens, AdamW. Modes: no "
+        "loss (the final hidden states' mean square, no head); chunked (`sft_loss` as lathe "
+        "runs it); whole logits (`sft_loss` with the head's (tokens × vocab) logits made "
+        "whole, as before the chunked head). Peak: "
+        + ("`torch.cuda.max_memory_allocated`." if device.type == "cuda" else
+           "the process's peak RSS above its size before the model."),
+        "",
+        "| mode | peak GiB | ÷ no loss | tokens/s | ÷ whole logits |",
+        "|---|---:|---:|---:|---:|",
+        *lines, ""])
+    if write:
+        append_history(table)
+    return table
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else (
+        f"{platform.machine()}, {torch.get_num_threads()} threads")
 
 
 def main(argv: list[str] | None = None) -> int:
