@@ -114,7 +114,7 @@ def teacher_rows(runtime: Runtime, teacher: nn.Module, ids: Tensor,
     for, from the final hidden states — unless the teacher is sharded, whose head only its
     forward can apply: then they are made whole, once."""
     with torch.no_grad(), runtime.autocast():
-        if runtime.shards_weights:
+        if not runtime.head_whole_in_forward:
             logits = teacher(ids, documents=documents).logits[:, :-1].flatten(0, 1)
             return lambda rows: logits[rows]
         hidden = teacher(ids, documents=documents, head=False).hidden[:, :-1].flatten(0, 1)
