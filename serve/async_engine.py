@@ -15,7 +15,9 @@ Failures are kept to their scope. A request the core refuses when it is added fa
 alone: its stream raises the error. A failed step, or a core that exits (a fatal signal,
 the OOM killer), leaves the engine's state unknown, so the engine is *dead* (as vLLM's
 EngineDeadError): every open stream and every later `submit` raises `EngineDead` at once,
-and the server's /health turns 503 — nothing hangs.
+and the server's /health turns 503 — nothing hangs. A server whose shutdown drain runs out
+ends its open requests with `ServerClosing` (`end_requests`), so that streams close with an
+error event rather than a cut connection.
 """
 
 from __future__ import annotations
@@ -70,6 +72,10 @@ class QueueFull(RuntimeError):
 
 class EngineDead(RuntimeError):
     """The engine loop failed; no request can be served until the process restarts."""
+
+
+class ServerClosing(RuntimeError):
+    """The server is shutting down and its drain time is up: the request is ended."""
 
 
 class DeltaQueue:
@@ -288,6 +294,14 @@ class AsyncEngine:
                 self.abort(request_id)
             else:
                 self._queues.pop(request_id, None)
+
+    def end_requests(self, reason: str) -> None:
+        """End every open request with `ServerClosing(reason)`: its stream raises it (and
+        aborts the request), so each client is told why instead of having its connection
+        cut."""
+        error = ServerClosing(reason)
+        for queue in self._queues.values():
+            queue.put_nowait(error)
 
     async def stream(self, prompt_ids: list[int],
                      params: SamplingParams) -> AsyncIterator[SequenceDelta]:

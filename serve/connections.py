@@ -15,8 +15,10 @@ is still read, with a one-second header deadline, but answers 503 to everything 
 GET /health, and is closed after it.
 
 `LatheServer` stops in bounds: the first SIGTERM or SIGINT stops accepting, lets
-requests in flight finish for up to `drain_seconds`, then cancels what is left (their
-streams end, their sequences are aborted); a second signal exits at once.
+requests in flight finish for up to `drain_seconds`, ends what is left at 80% of it (the
+app's `before_cut`: a stream's client gets an error event and `[DONE]`, a waiting one a
+503; their sequences are aborted), then cancels whatever still runs; a second signal exits
+at once.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import json
 import logging
 import resource
 import signal
+import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -190,6 +194,26 @@ class LatheServer(uvicorn.Server):
     to it. A Python handler for the second signal would run only when the main thread next
     holds the GIL, which a busy thread (an engine core run in this process) can delay by
     seconds on a loaded machine."""
+
+    def __init__(self, config: uvicorn.Config,
+                 before_cut: Callable[[], None] | None = None) -> None:
+        super().__init__(config)
+        self.before_cut = before_cut
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's shutdown, but `before_cut` is called when 80% of the drain time has
+        passed: the app then ends its open requests itself (an error event and `[DONE]` for
+        a stream, a 503 otherwise), which reach their clients before uvicorn's deadline
+        cancels whatever still runs and cuts its connection."""
+        drain = self.config.timeout_graceful_shutdown
+        timer = None
+        if drain is not None and self.before_cut is not None:
+            timer = asyncio.get_running_loop().call_later(0.8 * drain, self.before_cut)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.should_exit:

@@ -49,7 +49,7 @@ from lathe.data.chat_template import CHECK_TOOLS, ChatTemplateError, read_chat_t
 from lathe.data.template_worker import TemplateWorker
 from lathe.model.checkpoint import CheckpointError
 from lathe.serve.adapters import AdapterError
-from lathe.serve.async_engine import AsyncEngine, EngineDead, QueueFull
+from lathe.serve.async_engine import AsyncEngine, EngineDead, QueueFull, ServerClosing
 from lathe.serve.connections import (
     ConnectionLimits,
     LatheServer,
@@ -207,7 +207,8 @@ def run(config: ServerConfig, log_level: str = "info") -> None:
     `LatheError`), for its supervisor to restart it, as vLLM's does."""
     limits = raise_file_limit(config.limits)
     app = build_app(config)
-    server = LatheServer(uvicorn_config(app, config.host, config.port, limits, log_level))
+    server = LatheServer(uvicorn_config(app, config.host, config.port, limits, log_level),
+                         before_cut=app.state.end_requests)
     app.state.on_engine_death = lambda: setattr(server, "should_exit", True)
     server.run()
     if app.state.engine_death is not None:
@@ -286,6 +287,12 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
                   openapi_url=None if keyed else "/openapi.json")
     app.state.engine_death = None  # the engine's EngineDead, once it has died
     app.state.on_engine_death = None  # what `run` does then: stop serving
+
+    def end_requests() -> None:  # the shutdown's drain is about to run out
+        if state.engine is not None:
+            state.engine.end_requests("the server is shutting down and its drain time "
+                                      "(--shutdown-timeout) is up; retry on another server")
+    app.state.end_requests = end_requests
 
     def died(dead: EngineDead) -> None:
         app.state.engine_death = dead
@@ -662,7 +669,7 @@ def _api_error(error: BaseException) -> APIError:
     """What a failure while a request was being served tells its client."""
     if isinstance(error, RequestError):
         return APIError(400, str(error))
-    if isinstance(error, EngineDead):
+    if isinstance(error, EngineDead | ServerClosing):
         return APIError(503, str(error), kind="service_unavailable")
     log.error("request failed: %s: %s", type(error).__name__, error)
     return APIError(500, f"internal error: {type(error).__name__}",
