@@ -57,9 +57,14 @@ def _engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enforce-eager", action="store_true",
                        help="run every step eagerly; by default decode steps (and on "
                             "CPU short prefills) run compiled, one graph per batch-size "
-                            "bucket (CUDA graphs on CUDA), "
-                            "all built before /health turns ok and, off CUDA, cached across "
-                            "starts under $LATHE_CACHE_DIR (default ~/.cache/lathe)")
+                            "bucket (CUDA graphs on CUDA); off CUDA they are built in the "
+                            "background while the server already answers (eagerly, each "
+                            "batch size switching to its graphs once built) and cached "
+                            "across starts under $LATHE_CACHE_DIR (default ~/.cache/lathe); "
+                            "on CUDA, before /health turns ok")
+    group.add_argument("--compile-before-ready", action="store_true",
+                       help="build every compiled decode step before /health turns ok "
+                            "(no eager step after the start: for benchmarks)")
     group.add_argument("--decode-steps", type=int, default=EngineConfig.decode_steps,
                        help="multi-step decoding: forward passes a decode-only step runs "
                             "before scheduling and streaming again (output streams in runs "
@@ -117,6 +122,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                             max_num_batched_tokens=args.max_num_batched_tokens,
                             max_decode_stall=args.max_decode_stall,
                             speculative=speculative, compile_decode=not args.enforce_eager,
+                            compile_in_background=not args.compile_before_ready,
                             decode_steps=args.decode_steps)
     except ConfigError as error:  # in the flags' spelling
         raise ConfigError(str(error).replace("decode_steps=", "--decode-steps=").replace(

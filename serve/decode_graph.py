@@ -30,9 +30,15 @@ chunks and verified drafts over short contexts as well as decodes — see
 bucket when it has more tokens; other steps stay eager. Weights are read, not frozen into
 the graph, so `LLMEngine.load_weights` (GRPO's refresh) needs no recompile.
 
-`warm_up` builds every shape before the first request (a server's /health stays 503 until
-it is done), so that no step under load pays a compile; `late` counts the graphs built
-after it. Off CUDA each compiled graph is saved under `cache_root()` (the user's own cache,
+`warm_up` builds every shape before it returns, so that no step under load pays a compile;
+`late` counts the graphs built after it. Off CUDA `build_in_background` builds them on a
+thread of their own instead, smallest batch size first, while the engine serves eagerly (a
+server answers at once, not minutes later): a batch size's step runs compiled once every
+graph it calls is built (`ready_for`), and eagerly until then — no step waits on a compile.
+On CUDA the graphs are captured by the thread that replays them (cudagraph trees are
+per-thread), so there `build_in_background` builds them before it returns, as `warm_up`.
+
+Off CUDA each compiled graph is saved under `cache_root()` (the user's own cache,
 as inductor's; torch deserializes it) keyed by everything the graph was traced from — torch
 and Python versions, the CPU's ISA, the sources of lathe's model, its kernels and this
 module, the module tree with every tensor's shape and dtype, the KV slabs' layout, the
@@ -50,6 +56,7 @@ import logging
 import os
 import platform
 import sys
+import threading
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -142,6 +149,7 @@ class DecodeGraphs:
         self.built: Counter[str] = Counter()  # graphs by origin: "compiled", "cached"
         self.late = 0  # graphs built after `warm_up`: each a compile under load
         self.warm = False
+        self.ready: set[int] = set()  # batch buckets whose every width's graph is built
         self.cuda = cuda = slabs.k[0].device.type == "cuda"
         paged_kernel = cuda or native_paged_decode(slabs.k[0])
         self.widths = [max_blocks] if paged_kernel else width_buckets(max_blocks)
@@ -194,9 +202,55 @@ class DecodeGraphs:
             # CUDA graph trees run a new graph eagerly once and record it on the next call
             for _ in range(2 if self.cuda else 1):
                 self.run(*self._padding(size, width))
+            if width == self.widths[-1]:
+                self.ready.add(size)
             if progress is not None:
                 progress(done + 1, len(shapes))
         self.warm = True
+
+    def build_in_background(self, progress: Progress | None = None,
+                            failed: Callable[[Exception], None] | None = None) -> None:
+        """Off CUDA, build every shape's graph on a thread of its own (compiled, or loaded
+        from the cache, never run there) and return at once; each batch bucket joins `ready`
+        when its widths are all built. A failure stops the building (`failed` is told):
+        the buckets ready by then stay compiled, the rest run eagerly. On CUDA: `warm_up`."""
+        if self.cuda:
+            self.warm_up(progress)
+            return
+        threading.Thread(target=self._build_all, args=(progress, failed),
+                         name="lathe-decode-graphs", daemon=True).start()
+
+    @torch.no_grad()
+    def _build_all(self, progress: Progress | None,
+                   failed: Callable[[Exception], None] | None) -> None:
+        shapes = self.shapes
+        try:
+            for done, (size, width) in enumerate(shapes):
+                shape = (size, width)
+                if shape not in self._graphs:
+                    self._graphs[shape] = self._build(shape, self._padding(size, width))
+                if width == self.widths[-1]:
+                    self.ready.add(size)
+                if progress is not None:
+                    progress(done + 1, len(shapes))
+        except Exception as error:  # whatever the compiler stack raises
+            if failed is not None:
+                failed(error)
+            return
+        self.warm = True
+
+    def ready_for(self, rows: int) -> bool:
+        """Whether a step of `rows` tokens calls only built graphs (past the largest bucket
+        it runs as calls of that bucket, and one of the rest)."""
+        if self.warm:
+            return True
+        largest = self.buckets[-1]
+        if rows <= largest:
+            wanted = {self.bucket(rows)}
+        else:
+            rest = rows % largest
+            wanted = {largest, self.bucket(rest)} if rest else {largest}
+        return wanted <= self.ready
 
     def _padding(self, size: int, width: int) -> tuple[Tensor, ...]:
         """A step of `size` padding rows with a `width`-block table (no two arguments one

@@ -163,6 +163,10 @@ class EngineConfig:
     # compile. Off by default here, where an engine may live for one evaluation (a training
     # stage's); `lathe serve` turns it on unless --enforce-eager
     compile_decode: bool = False
+    # `LLMEngine.warm_up` off CUDA: build the compiled steps on a thread of their own while
+    # the engine serves eagerly, each batch size switching to its graphs once they are built
+    # (`lathe serve` does, unless --compile-before-ready), or build them all before returning
+    compile_in_background: bool = False
     # multi-step decoding (vLLM's num_scheduler_steps): a decode-only step runs up to this
     # many forward passes, each fed the last one's tokens, before the engine schedules,
     # detokenizes and streams again; what CPython spends per step is paid once per run of
@@ -677,18 +681,28 @@ class LLMEngine:
         return list(completions.values())
 
     def warm_up(self, progress: Progress | None = None) -> None:
-        """Build every compiled decode step now (compiled, or loaded from the cache), so
-        that none is compiled under load; nothing to do without `compile_decode`. Where
-        compiling fails (no C++ compiler for inductor, no Triton on a GPU) the engine
-        serves eagerly, with a warning, rather than not at all."""
-        if self.runner.graphs is None:
+        """Build every compiled decode step (compiled, or loaded from the cache), so that
+        none is compiled under load: now, or with `compile_in_background` on a thread while
+        the engine serves (`DecodeGraphs.build_in_background`); nothing to do without
+        `compile_decode`. Where compiling fails (no C++ compiler for inductor, no Triton on
+        a GPU) the engine serves eagerly, with a warning, rather than not at all."""
+        graphs = self.runner.graphs
+        if graphs is None:
             return
+
+        def failed(error: Exception) -> None:
+            log.warning("compiling the decode steps failed (%s: %s); serving eagerly, as "
+                        "with --enforce-eager%s", type(error).__name__, error,
+                        f" (but at batch sizes {sorted(graphs.ready)}, built by then)"
+                        if graphs.ready else "")
         try:
-            self.runner.graphs.warm_up(progress)
+            if self.config.compile_in_background:
+                graphs.build_in_background(progress, failed)
+            else:
+                graphs.warm_up(progress)
         except Exception as error:  # whatever the compiler stack raises
             self.runner.graphs = None
-            log.warning("compiling the decode steps failed (%s: %s); serving eagerly, as "
-                        "with --enforce-eager", type(error).__name__, error)
+            failed(error)
 
     def load_weights(self, state_dict: Mapping[str, Tensor]) -> None:
         """Swap in new weights (e.g. the policy after a GRPO update) between requests; the
@@ -734,7 +748,8 @@ class LLMEngine:
             return {}
         return {"decode_graphs_compiled": graphs.built["compiled"],
                 "decode_graphs_cached": graphs.built["cached"],
-                "decode_graphs_late": graphs.late}
+                "decode_graphs_late": graphs.late,
+                "decode_graphs_pending": len(graphs.shapes) - sum(graphs.built.values())}
 
     def speculation_stats(self) -> dict[str, float]:
         """The `Speculator`'s counters; empty without speculation."""

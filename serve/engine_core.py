@@ -147,6 +147,12 @@ class EngineCore:
         self._stats_at = 0.0
         self._stale = False  # the front end's stats predate what happened since
 
+    def poke(self) -> None:
+        """Have the loop send the front end fresh stats, idle or not (a compiled step built
+        in the background changed them)."""
+        self._stale = True
+        self.wake.set()
+
     def read(self, commands: Connection) -> None:
         """Take the front end's messages as they come (a thread of their own: the core never
         stops reading, so neither side can block the other on a full pipe)."""
@@ -220,7 +226,8 @@ class EngineCore:
 def serve_engine(load: Callable[[], LLMEngine], loras: dict[str, Path],
                  commands: Connection, events: Connection) -> None:
     """Build the engine (`load`, the adapters, the warm-up), report it ready and serve the
-    front end's messages until told to stop; this thread then owns all of its torch work."""
+    front end's messages until told to stop; this thread then owns all of its torch work
+    but the building of compiled steps in the background (`compile_in_background`)."""
     lock = threading.Lock()
 
     def send(message: tuple) -> None:
@@ -231,14 +238,17 @@ def serve_engine(load: Callable[[], LLMEngine], loras: dict[str, Path],
     reporter = threading.Thread(target=_report_loading, args=(send, loading),
                                 name="lathe-engine-loading", daemon=True)
     reporter.start()
+    core: EngineCore | None = None
     try:
         try:
             engine = load()
             for name, folder in loras.items():
                 engine.add_adapter(name, folder)
 
-            def warming(done: int, total: int) -> None:
+            def warming(done: int, total: int) -> None:  # also after READY, in the background
                 send((STATUS, f"warming up: {done}/{total} compiled decode steps built"))
+                if core is not None:
+                    core.poke()
             engine.warm_up(warming)
         except Exception as error:
             if not isinstance(error, CheckpointError):

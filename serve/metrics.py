@@ -50,7 +50,7 @@ class _EngineCollector(Collector):
         if "decode_graphs_late" in stats:
             counter = CounterMetricFamily(
                 "lathe:decode_graphs_built", "Compiled decode steps built, by origin: "
-                "compiled or loaded from the cache at warm-up, or compiled late, under load.",
+                "compiled or loaded from the cache (at warm-up or in the background).",
                 labels=["model_name", "origin"])
             counter.add_metric([self.model, "compiled"], stats["decode_graphs_compiled"])
             counter.add_metric([self.model, "cached"], stats["decode_graphs_cached"])
@@ -60,6 +60,12 @@ class _EngineCollector(Collector):
                                        labels=["model_name"])
             late.add_metric([self.model], stats["decode_graphs_late"])
             yield late
+            pending = GaugeMetricFamily("lathe:decode_graphs_pending", "Compiled decode "
+                                        "steps still being built in the background (their "
+                                        "batch sizes run eager meanwhile).",
+                                        labels=["model_name"])
+            pending.add_metric([self.model], stats["decode_graphs_pending"])
+            yield pending
         if "spec_decode_num_drafts" in stats:
             yield from self._speculation(stats)
 

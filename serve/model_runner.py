@@ -178,13 +178,16 @@ class ModelRunner:
     def _static(self, items: Seq[StepItem], slabs: KVSlabs | None) -> bool:
         """Whether a step takes the compiled path: the target's, with every token attending
         through its block table — decodes, and on CPU short prefill chunks and verified
-        drafts as well — and, with `max_static_rows`, no more tokens than that."""
+        drafts as well — and, with `max_static_rows`, no more tokens than that; and the
+        graphs it calls are built (while they build in the background, others run eager)."""
         if self.graphs is None or slabs is not None:
             return False
         if all(len(tokens) == 1 for _, _, tokens in items):
-            return self.graphs.bucket(len(items)) is not None
+            return (self.graphs.bucket(len(items)) is not None
+                    and self.graphs.ready_for(len(items)))
         context = self._paged_context(self.slabs)
-        return (sum(len(tokens) for _, _, tokens in items) <= self.max_static_rows
+        rows = sum(len(tokens) for _, _, tokens in items)
+        return (rows <= self.max_static_rows and self.graphs.ready_for(rows)
                 and all(start + len(tokens) <= context for _, start, tokens in items))
 
     def _prepare_static(self, items: Seq[StepItem]) -> tuple[Tensor, StaticDecodeBatch,

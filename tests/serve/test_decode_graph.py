@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -20,7 +22,7 @@ from lathe.serve.quant import quantize_linears
 from lathe.serve.sampling import SamplingParams
 from lathe.serve.speculative import SpeculativeConfig
 from tests.builders import serve_model
-from tests.serve.conftest import served
+from tests.serve.conftest import served, start_server, wait_healthy
 from tests.serve.test_engine import prompts
 
 
@@ -340,6 +342,59 @@ def test_the_server_warms_its_decode_steps_up_before_health_turns_ok(checkpoint,
                 "temperature": 0}, timeout=60).status_code, range(4)))
         assert answers == [200] * 4
         assert built() == before and before[("tiny",)] == 0
+
+
+@pytest.mark.slow
+def test_a_server_answers_while_its_graphs_build_and_then_runs_them(checkpoint, monkeypatch):
+    """`compile_in_background` (`lathe serve`'s default off CUDA): /health is ok before any
+    graph is built and requests are answered eagerly meanwhile, none waiting on a compile;
+    once the graphs are built the same greedy requests run through them, to the same
+    tokens; /metrics says how many are still pending."""
+    from lathe.serve.decode_graph import DecodeGraphs
+    gate = threading.Event()
+    build = DecodeGraphs._build
+
+    def held(self, shape, inputs):
+        assert gate.wait(timeout=120), "the test never opened the gate"
+        return build(self, shape, inputs)
+    monkeypatch.setattr(DecodeGraphs, "_build", held)
+    engines: list[LLMEngine] = []
+
+    def load() -> LLMEngine:
+        engines.append(LLMEngine.from_checkpoint(checkpoint, EngineConfig(
+            compile_decode=True, compile_in_background=True, max_num_seqs=4,
+            num_blocks=128)))
+        return engines[0]
+    server, thread, url = start_server(checkpoint, load)
+    try:
+        wait_healthy(url)
+        graphs = engines[0].runner.graphs
+        shapes = len(graphs.shapes)
+
+        def pending() -> float:
+            return next(sample.value for family in text_string_to_metric_families(
+                httpx.get(f"{url}/metrics").text) if family.name == "lathe:decode_graphs_pending"
+                for sample in family.samples)
+
+        def answers() -> list[str]:
+            with ThreadPoolExecutor(4) as pool:
+                return list(pool.map(lambda i: httpx.post(f"{url}/v1/completions", json={
+                    "model": "tiny", "prompt": f"story {i}", "max_tokens": 8,
+                    "temperature": 0}, timeout=60).json()["choices"][0]["text"], range(4)))
+        eager = answers()
+        assert pending() == shapes and graphs.steps == 0 and not graphs.ready
+        gate.set()
+        deadline = time.monotonic() + 240
+        while pending():  # the idle core sends fresh stats as each graph is built
+            assert time.monotonic() < deadline, "the graphs were not built"
+            time.sleep(0.1)
+        assert graphs.warm and graphs.ready == set(graphs.buckets) and graphs.late == 0
+        assert answers() == eager
+        assert graphs.steps > 0
+    finally:
+        gate.set()
+        server.should_exit = True
+        thread.join(timeout=10)
 
 
 def test_lathe_serve_compiles_decode_steps_unless_told_otherwise(checkpoint, monkeypatch):
