@@ -463,16 +463,17 @@ SERVER_WEIGHTS = {"f32": ([], "f32"), "bf16": (["--dtype", "bfloat16"], "bf16"),
 
 def server_commands(checkpoint: Path, folder: Path, args: argparse.Namespace,
                     ) -> dict[str, tuple[list[str], str]]:
-    """The servers (b) compares, each a command line and its URL: `lathe serve` as
-    started by default and with --enforce-eager (with `--server-weights`'s flags), and, when
+    """The servers (b) compares, each a command line and its URL: `lathe serve` compiled
+    (its graphs all built before it is healthy, so that no round runs eagerly while they
+    build) and with --enforce-eager (with `--server-weights`'s flags), and, when
     a `llama-server` binary is on PATH and the checkpoint has a tokenizer, llama.cpp's server
     on the GGUF of the same weights (`SERVER_WEIGHTS`)
     with as many slots as the bench's highest concurrency (each holding a prompt and its
     output) and the same threads."""
     commands = {}
     weights, gguf_type = SERVER_WEIGHTS[args.server_weights]
-    for name, flags in (("lathe serve", weights), ("lathe serve --enforce-eager",
-                                                   [*weights, "--enforce-eager"])):
+    for name, flags in (("lathe serve", [*weights, "--compile-before-ready"]),
+                        ("lathe serve --enforce-eager", [*weights, "--enforce-eager"])):
         name = " ".join([name, *weights])
         port = free_port()
         commands[name] = ([sys.executable, "-m", "lathe.core", "serve", str(checkpoint),

@@ -75,6 +75,8 @@ from lathe.serve.paged_cache import KVSlabs
 
 log = logging.getLogger("lathe.serve")
 
+BUILDING_SWITCH_SECONDS = 0.0002  # the GIL's switch interval while graphs build beside steps
+
 # reports a warm-up's progress: graphs built so far, graphs in all
 Progress = Callable[[int, int], None]
 
@@ -150,6 +152,9 @@ class DecodeGraphs:
         self.late = 0  # graphs built after `warm_up`: each a compile under load
         self.warm = False
         self.ready: set[int] = set()  # batch buckets whose every width's graph is built
+        # built in the background: until all are, only `ready` buckets run compiled (else
+        # a bucket's first step compiles it, as without a warm-up)
+        self.background = False
         self.cuda = cuda = slabs.k[0].device.type == "cuda"
         paged_kernel = cuda or native_paged_decode(slabs.k[0])
         self.widths = [max_blocks] if paged_kernel else width_buckets(max_blocks)
@@ -217,12 +222,25 @@ class DecodeGraphs:
         if self.cuda:
             self.warm_up(progress)
             return
+        self.background = True
         threading.Thread(target=self._build_all, args=(progress, failed),
                          name="lathe-decode-graphs", daemon=True).start()
 
     @torch.no_grad()
     def _build_all(self, progress: Progress | None,
                    failed: Callable[[Exception], None] | None) -> None:
+        # tracing holds the GIL for long stretches, and the serving thread gives it up
+        # around every op: at the default 5 ms switch interval it waited that long to get
+        # it back each time, and an eager step took seconds
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, BUILDING_SWITCH_SECONDS))
+        try:
+            self._build_shapes(progress, failed)
+        finally:
+            sys.setswitchinterval(interval)
+
+    def _build_shapes(self, progress: Progress | None,
+                      failed: Callable[[Exception], None] | None) -> None:
         shapes = self.shapes
         try:
             for done, (size, width) in enumerate(shapes):
@@ -242,7 +260,7 @@ class DecodeGraphs:
     def ready_for(self, rows: int) -> bool:
         """Whether a step of `rows` tokens calls only built graphs (past the largest bucket
         it runs as calls of that bucket, and one of the rest)."""
-        if self.warm:
+        if self.warm or not self.background:
             return True
         largest = self.buckets[-1]
         if rows <= largest:

@@ -397,6 +397,36 @@ def test_a_server_answers_while_its_graphs_build_and_then_runs_them(checkpoint, 
         thread.join(timeout=10)
 
 
+def test_a_background_build_that_fails_keeps_what_it_built_and_runs_the_rest_eager(
+        monkeypatch, caplog):
+    """A compile that fails in the background leaves the buckets built by then compiled and
+    the rest eager for good (never compiled under load); outputs equal eager's."""
+    from lathe.serve.decode_graph import DecodeGraphs
+    build = DecodeGraphs._build
+
+    def only_one_row(self, shape, inputs):
+        if shape[0] > 1:
+            raise RuntimeError("Compiler: g++ not found")
+        return build(self, shape, inputs)
+    monkeypatch.setattr(DecodeGraphs, "_build", only_one_row)
+    eager, compiled = engine_pair(serve_model(256), compile_in_background=True)
+    with caplog.at_level(logging.WARNING, logger="lathe.serve"):
+        compiled.warm_up()
+        deadline = time.monotonic() + 120
+        while "compiling the decode steps failed" not in caplog.text:
+            assert time.monotonic() < deadline, "the background build did not end"
+            time.sleep(0.05)
+    graphs = compiled.runner.graphs
+    assert "(but at batch sizes [1], built by then)" in caplog.text
+    assert graphs.ready == {1} and not graphs.warm
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    for batch in (prompts([5]), prompts([5, 7, 3, 9], seed=1)):
+        want = [r.outputs[0].token_ids for r in eager.generate(batch, greedy)]
+        assert [r.outputs[0].token_ids for r in compiled.generate(batch, greedy)] == want
+    # the one-row steps alone ran compiled: the five decodes after the first token
+    assert graphs.steps == 5 and graphs.late == 0
+
+
 def test_lathe_serve_compiles_decode_steps_unless_told_otherwise(checkpoint, monkeypatch):
     """Compiled by default, LoRA adapters too; --enforce-eager turns it off. Inductor's code
     is cached beside lathe's graphs."""
