@@ -38,7 +38,12 @@
     per-token mask times beside xgrammar's (when installed) on the checkpoint's tokenizer;
 (g) LoRA adapters: the server (decode steps compiled, then eager) at concurrency 16 with
     requests spread over 1, 4 and 16 distinct rank-16 adapters (random weights on every
-    projection, `--max-loras 16`) against the base alone on the same server.
+    projection, `--max-loras 16`) against the base alone on the same server;
+(h) start: seconds from `lathe serve` to its first answered completion (16 greedy tokens)
+    with empty caches (a fresh `$LATHE_CACHE_DIR` and inductor cache), as started by
+    default (compiled steps built in the background), with --enforce-eager and with
+    --compile-before-ready, with `--lora` flags (`--start-loras`) when given; and how long a
+    second request takes, while the default server's graphs are still building.
 
 `--sections` picks which run (default: all that apply).
 
@@ -56,6 +61,7 @@ import datetime
 import functools
 import json
 import math
+import os
 import platform
 import shutil
 import socket
@@ -415,6 +421,8 @@ def run(args: argparse.Namespace) -> str:
         sections += structured_section(checkpoint, vocab, args)
     if "g" in args.sections:
         sections += adapter_section(checkpoint, vocab, args)
+    if "h" in args.sections:
+        sections += start_section(checkpoint, args)
     if "e" in args.sections and args.draft is not None:
         spec_prompts = text_prompts(args.eval_shards, max(args.spec_batches), 64, vocab)
         rows = speculative_rows(checkpoint, args.draft, args.num_speculative_tokens,
@@ -436,6 +444,53 @@ def run(args: argparse.Namespace) -> str:
         with (ROOT / "docs" / "benchmarks-history.md").open("a") as f:
             f.write("\n" + table)
     return table
+
+
+def first_answers(command: list[str], url: str, env: dict[str, str]) -> tuple[float, float]:
+    """Seconds from starting `command` to its first answered completion, and the second
+    completion's own seconds."""
+    body = {"model": "bench", "prompt": [5, 6, 7], "max_tokens": 16, "temperature": 0}
+    started = time.perf_counter()
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    try:
+        while True:
+            if process.poll() is not None:
+                raise SystemExit(f"{' '.join(command)} exited ({process.returncode})")
+            try:
+                if httpx.post(f"{url}/v1/completions", json=body, timeout=900).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        first = time.perf_counter() - started
+        started = time.perf_counter()
+        httpx.post(f"{url}/v1/completions", json={**body, "prompt": [8, 6, 7]}, timeout=900)
+        return first, time.perf_counter() - started
+    finally:
+        process.terminate()
+        process.wait()
+
+
+def start_section(checkpoint: Path, args: argparse.Namespace) -> list[str]:
+    """(h): each start with caches of its own, empty."""
+    loras = [flag for spec in args.start_loras for flag in ("--lora", spec)]
+    rows = []
+    for flags in ([], ["--enforce-eager"], ["--compile-before-ready"]):
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "LATHE_CACHE_DIR": cache}
+            env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # lathe serve puts it under the former
+            port = free_port()
+            command = [sys.executable, "-m", "lathe.core", "serve", str(checkpoint), "--port",
+                       str(port), "--served-model-name", "bench", "--log-level", "warning",
+                       *loras, *flags]
+            first, second = first_answers(command, f"http://127.0.0.1:{port}", env)
+        rows.append(f"| {' '.join(['lathe serve', *flags])} | {first:.1f} | {second:.2f} |")
+        print(f"(h) {rows[-1]}", flush=True)
+    adapters = f", {len(args.start_loras)} LoRA adapters" if loras else ""
+    return [f"### (h) Start{adapters}: seconds to the first answer, empty caches", "",
+            "| server | first answer, s from start | second request, s |", "|---|---:|---:|",
+            *rows, ""]
 
 
 def server_process(command: list[str], url: str, log: Path) -> subprocess.Popen:
@@ -864,7 +919,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-speculative-tokens", type=int, default=4, help="(e)")
     parser.add_argument("--spec-batches", type=int, nargs="+", default=[1, 8], help="(e)")
     parser.add_argument("--spec-tokens", type=int, default=64, help="(e): new tokens each")
-    parser.add_argument("--sections", default="abcdefg",
+    parser.add_argument("--start-loras", nargs="*", default=[], metavar="NAME=FOLDER",
+                        help="(h): adapters every started server loads")
+    parser.add_argument("--sections", default="abcdefgh",
                         help="which sections run, e.g. 'ce' (d needs CUDA, e needs --draft, "
                              "f a --checkpoint with a tokenizer)")
     parser.add_argument("--no-write", dest="write", action="store_false",
