@@ -1,25 +1,40 @@
 """Tool calls run in child processes, each bounded in time, memory and output size.
 
 A tool is code the run did not write, called with arguments a model wrote. Each call goes
-to one of a few children (`lathe.core.worker_pool`) that imported the tools once: its
-arguments are validated against the signature there (pydantic), what it prints is kept
-off the pipe and capped, and its answer must be text or JSON. A tool that raises, exits,
-hangs past `seconds`, prints or returns more than `max_chars`, or returns something else
-gives a `ToolResult` whose content says so — a tool message the model reads — and a hung
-or dead child is replaced; the caller never crashes on a tool.
+to one of a few children (`lathe.core.worker_pool`) that imported the tools once, which
+forks a process for the call alone: its arguments are validated against the signature
+there (pydantic), what it prints is kept off the pipe and capped, and its answer must be
+text or JSON. The call's process holds none of the worker's pipes (a tool that writes to
+every descriptor it can find cannot answer another call), leads a process group of its own
+that is killed when the call ends (processes the tool started die with it) and dies with
+the worker. A tool that raises, exits, hangs past `seconds`, prints or returns more than
+`max_chars`, or returns something else gives a `ToolResult` whose content says so — a tool
+message the model reads — and a hung or dead child is replaced; the caller never crashes
+on a tool. (A tool that starts a new session escapes the group: that takes a container.)
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
+import select
+import signal
 import sys
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
-from lathe.core.worker_pool import WorkerError, WorkerPool, WorkerTimeout, limit_memory, serve_lines
+from lathe.core.worker_pool import (
+    WorkerError,
+    WorkerPool,
+    WorkerTimeout,
+    die_with_parent,
+    limit_memory,
+    serve_lines,
+)
 from lathe.data.tools import Tool
 
 TOOL_SECONDS = 5.0
@@ -61,8 +76,9 @@ class ToolRunner:
                 return _failed(f"the arguments of {name} are not JSON: {arguments[:200]!r}")
         if not isinstance(arguments, dict):
             return _failed(f"the arguments of {name} must be a JSON object")
-        try:
-            answer = self.pool.call({"name": name, "arguments": arguments}, self.seconds,
+        try:  # the worker stops the call at `seconds`; the pool's limit is the backstop
+            answer = self.pool.call({"name": name, "arguments": arguments,
+                                     "seconds": self.seconds}, self.seconds + 2,
                                     6 * self.max_chars + 4096)
         except WorkerTimeout:
             return _failed(f"{name} did not finish within {self.seconds:g} s; it was stopped")
@@ -124,6 +140,70 @@ def _validation_text(error: Any) -> str:
 
 
 def _call(state: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
+    """The worker's side of a call: fork its process, read its answer within the call's
+    time and size, then kill its process group."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        _run_forked(state, request, write_end)
+    os.close(write_end)
+    try:
+        os.setpgid(pid, pid)  # also in the child: whichever runs first
+    except OSError:  # it has already exited, or set it itself
+        pass
+    name, bound = request["name"], 6 * state["max_chars"] + 4096
+    deadline = time.monotonic() + request["seconds"]
+    data, answer = b"", None
+    try:
+        while len(data) <= bound:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([read_end], [], [], remaining)[0]:
+                answer = {"error": f"{name} did not finish within {request['seconds']:g} s; "
+                                   "it was stopped"}
+                break
+            chunk = os.read(read_end, 1 << 16)
+            if not chunk:
+                break
+            data += chunk
+        else:
+            answer = {"error": f"{name} wrote more than {bound:,} bytes of answer"}
+    finally:
+        os.close(read_end)
+        for kill in (os.killpg, os.kill):  # the group (what the tool started), its leader
+            try:
+                kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if answer is not None:
+        return answer
+    try:  # the last line: the tool may have written to its own pipe before it
+        answer = json.loads(data.rstrip(b"\n").rpartition(b"\n")[2])
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        answer = None
+    if not isinstance(answer, dict) or not ("content" in answer or "error" in answer):
+        how = f"exited (code {code})" if code >= 0 else f"was killed (signal {-code})"
+        return {"error": f"{name} {how} without answering"}
+    return answer
+
+
+def _run_forked(state: dict[str, Any], request: dict[str, Any], write_end: int) -> NoReturn:
+    """The call's own process: a group of its own, no descriptor of the worker's but the
+    answer's pipe, the tool's answer written there, then gone."""
+    try:
+        os.setpgid(0, 0)
+        die_with_parent()
+        os.dup2(os.open(os.devnull, os.O_RDWR), 0)  # the worker's requests are not its own
+        os.closerange(3, write_end)
+        os.closerange(write_end + 1, os.sysconf("SC_OPEN_MAX"))
+        payload = b"\n" + json.dumps(_answer(state, request)).encode() + b"\n"
+        with os.fdopen(write_end, "wb") as out:
+            out.write(payload)
+    finally:
+        os._exit(0)
+
+
+def _answer(state: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
     import pydantic
 
     name, limit = request["name"], state["max_chars"]

@@ -63,7 +63,7 @@ def test_calculator_refuses(expression, fragment):
 def runner():
     names = ["calculator"] + [f"{HERE}:{n}" for n in (
         "weather", "shout", "fails", "hangs", "floods", "writes_to_fd", "huge", "junk", "exits",
-        "counter")]
+        "counter", "writes_to_every_fd", "starts_a_sleeper")]
     with ToolRunner(load_tools(names), seconds=1.0) as runner:
         yield runner
 
@@ -108,3 +108,27 @@ def test_runner_stops_a_hanging_tool_in_time(runner):
 
 def test_a_tool_cannot_forge_answers_on_the_pipe(runner):
     assert runner.run("writes_to_fd", {}).content == "honest"
+
+
+def test_a_tool_cannot_reach_the_workers_pipes_to_answer_other_calls(runner):
+    for start in range(4):  # a forged line left on a pipe would be the next call's answer
+        assert runner.run("writes_to_every_fd", {}).content == "honest"
+        assert runner.run("counter", {"start": start}).content == str(start + 1)
+
+
+def gone(pid: int) -> bool:
+    """Whether `pid` has exited (a zombie not yet reaped counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def test_processes_a_tool_starts_die_with_its_call(runner):
+    pids = [int(runner.run("starts_a_sleeper", {}).content) for _ in range(2)]
+    deadline = time.monotonic() + 1
+    while not all(gone(pid) for pid in pids):
+        assert time.monotonic() < deadline, "a tool's child outlived its call"
+        time.sleep(0.02)
+    assert runner.run("counter", {"start": 1}).content == "2"

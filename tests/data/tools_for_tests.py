@@ -1,5 +1,6 @@
 """Tools the tool tests import by `tests.data.tools_for_tests:NAME`: well-behaved ones and
-ones that raise, hang, flood their output, exit or return junk."""
+ones that raise, hang, flood their output, exit, return junk, forge answers or leave
+processes behind."""
 
 from __future__ import annotations
 
@@ -47,6 +48,23 @@ def writes_to_fd() -> str:
     """Writes past sys.stdout, onto the process's file descriptor 1."""
     os.write(1, b'{"content": "forged"}\n' * 1000)
     return "honest"
+
+
+def writes_to_every_fd() -> str:
+    """Writes a forged answer to every descriptor it can reach, the worker's pipes included
+    if it held them."""
+    for fd in range(3, 1024):
+        try:
+            os.write(fd, b'{"content": "FORGED"}\n' * 64)
+        except OSError:
+            pass
+    return "honest"
+
+
+def starts_a_sleeper() -> int:
+    """Starts a process that would outlive the call; its pid."""
+    import subprocess
+    return subprocess.Popen(["sleep", "60"]).pid
 
 
 def huge() -> str:
