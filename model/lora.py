@@ -114,8 +114,10 @@ def apply_lora(model: Transformer, section: LoraSection) -> Transformer:
     if section.qlora:
         quantize_base_4bit(model, section.target_modules)
     _peft().inject_adapter_in_model(section.peft_config(has_experts(model)), model)
-    if "lm_head" in section.target_modules:
-        model.chunked_head = False  # the chunked head would read the base weight alone
+    if "lm_head" in section.target_modules and (section.dropout or section.qlora):
+        # the chunked head reads base + B·A (`Transformer.head_weight`): exact without
+        # dropout on the head's input, and only over a full-precision base
+        model.chunked_head = False
     return model
 
 

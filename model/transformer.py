@@ -498,8 +498,9 @@ class Transformer(nn.Module):
         self.model = Decoder(config)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
         # Compute the head chunk by chunk with the loss (or a head op) when no logits are
-        # asked for. Whoever shards the head's weight or wraps the head (the runtime, LoRA)
-        # turns this off: the chunked paths read the whole, plain weight.
+        # asked for. Whoever shards the head's weight (the runtime, under ZeRO-3) or wraps
+        # it in what `head_weight` cannot express (LoRA with dropout, QLoRA) turns this
+        # off: the chunked paths read the whole weight.
         self.chunked_head = True
         self.tie_weights()
         if self.lm_head.weight.device.type != "meta":
@@ -610,12 +611,12 @@ class Transformer(nn.Module):
             return CausalLMOutput(None, None, router, x)
         cap = self.config.final_softcap
         if head_op is not None:
-            result = (head_op.chunked(x, self.lm_head.weight, cap) if self.chunked_head
+            result = (head_op.chunked(x, self.head_weight(), cap) if self.chunked_head
                       else head_op.from_logits(self.compute_logits(x)))
             loss = None if labels is None else self._with_router_losses(result, router)
             return CausalLMOutput(None, loss, router, head=result)
         if labels is not None and not return_logits and self.chunked_head:
-            loss, z = linear_cross_entropy(x[:, :-1].flatten(0, 1), self.lm_head.weight,
+            loss, z = linear_cross_entropy(x[:, :-1].flatten(0, 1), self.head_weight(),
                                            labels[:, 1:].flatten(), IGNORE_INDEX,
                                            softcap=cap, z_loss=z_loss)
             return CausalLMOutput(None, self._with_router_losses(loss, router), router, z=z)
@@ -630,6 +631,21 @@ class Transformer(nn.Module):
             z = (torch.logsumexp(scored, -1).square() * valid).sum() / valid.sum().clamp(min=1)
             loss = loss + z_loss * z
         return CausalLMOutput(logits, self._with_router_losses(loss, router), router, z=z)
+
+    def head_weight(self) -> Tensor:
+        """The LM head's weight as the chunked paths read it: with LoRA adapters on the
+        head (peft's layer, unmerged and enabled), the base weight plus each active
+        adapter's scaled B·A — a (vocab, dim) tensor, where the logits are (tokens, vocab)."""
+        head = self.lm_head
+        if not hasattr(head, "base_layer"):
+            return head.weight
+        weight = head.base_layer.weight
+        if head.merged or head.disable_adapters:
+            return weight
+        for name in head.active_adapters:
+            if name in head.lora_A:
+                weight = weight + head.get_delta_weight(name)
+        return weight
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """The LM head over final-norm outputs (`hidden`, (..., dim)), soft-capped where the

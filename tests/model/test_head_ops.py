@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from lathe.model.head_ops import LabelLogprobs
+from lathe.model.lora import LoraSection, apply_lora
 from lathe.posttrain.distill import DistillationLoss, kd_loss
 from tests.builders import tiny_model
 
@@ -110,3 +111,23 @@ def test_the_distillation_loss_equals_ce_and_kd_from_the_logits(kind):
     torch.testing.assert_close(ops[0].parts["kd"], kd.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(chunked[0], 0.4 * out.loss.detach() + 0.6 * kd.detach(),
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_a_lora_adapted_head_is_chunked_as_base_plus_its_adapter(dropout):
+    """Without dropout the chunked head reads base + B·A (gradients reach A and B as through
+    the whole logits); with dropout on the head's input it cannot, and makes them whole."""
+    model = apply_lora(tiny_model(n_layers=1).train(), LoraSection(
+        enabled=True, r=4, alpha=8.0, dropout=dropout, target_modules=["q_proj", "lm_head"]))
+    assert model.chunked_head == (dropout == 0)
+    if dropout:
+        return
+    with torch.no_grad():  # B starts at zero: make the adapter count
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.1)
+    ids, labels = batch()
+    chunked, whole = both_paths(model, lambda m: m(ids, labels=labels,
+                                                   return_logits=False).loss)
+    assert_same(chunked, whole)
+    assert any("lm_head.lora_A" in name for name in chunked[1])
