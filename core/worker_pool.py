@@ -11,10 +11,11 @@ a second, busy or not. `call` may be made from several threads: each takes an id
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import itertools
 import json
 import os
-import queue
 import select
 import subprocess
 import sys
@@ -73,25 +74,30 @@ class WorkerTimeout(WorkerError):
 
 class WorkerPool:
     """`processes` children of `python -m module *args`, each started on first use with
-    the `setup` message."""
+    the `setup` message. A child that comes free goes to the waiting call whose `key` (a
+    client) has the fewest calls running, the earliest first among equals: one client's
+    burst of slow calls queues behind the other clients' calls instead of ahead of them."""
 
     def __init__(self, module: str, args: list[str], setup: dict[str, Any],
                  processes: int = 2, start_seconds: float = 10.0) -> None:
         self.argv = [sys.executable, "-m", module, *args]
         self.setup, self.start_seconds = setup, start_seconds
-        self._idle: queue.Queue[_Child | None] = queue.Queue()
-        for _ in range(processes):
-            self._idle.put(None)  # a slot; its child starts on first use
+        self._free: list[_Child | None] = [None] * processes  # None: starts on first use
+        self._turns = threading.Condition()
+        self._waiting: list[tuple[int, str]] = []  # (arrival, key) of each waiting call
+        self._running: collections.Counter[str] = collections.Counter()  # calls by key
+        self._arrivals = itertools.count()
         self._closed = False
 
-    def call(self, request: dict[str, Any], seconds: float, max_bytes: int) -> dict[str, Any]:
+    def call(self, request: dict[str, Any], seconds: float, max_bytes: int,
+             key: str = "") -> dict[str, Any]:
         """The answer to `request`; `WorkerError` when the pool is closed, a child does not
         start (its setup answer's error, if it gave one); `WorkerTimeout` when it does not
         answer within `seconds` and `max_bytes` (then it is killed, and replaced on next
-        use)."""
+        use). `key`: whose call it is, for the order in which waiting calls get a child."""
         if self._closed:
             raise WorkerError("shut down")
-        child = self._idle.get()
+        child = self._take(key)
         try:
             if child is None:
                 child = _Child(self.argv, self.setup)
@@ -120,16 +126,43 @@ class WorkerPool:
                                     "bytes; it was stopped")
             return answer
         finally:
-            self._idle.put(child)
+            self._give_back(child, key)
+
+    def _take(self, key: str) -> _Child | None:
+        """A free child (or a slot to start one in), when it is this call's turn."""
+        with self._turns:
+            turn = (next(self._arrivals), key)
+            self._waiting.append(turn)
+            try:
+                while not self._free or min(
+                        self._waiting, key=lambda t: (self._running[t[1]], t[0])) != turn:
+                    if self._closed:
+                        raise WorkerError("shut down")
+                    self._turns.wait()
+            finally:
+                self._waiting.remove(turn)
+            self._running[key] += 1
+            return self._free.pop()
+
+    def _give_back(self, child: _Child | None, key: str) -> None:
+        with self._turns:
+            if self._closed and child is not None:
+                child.kill()
+                child = None
+            self._free.append(child)
+            self._running[key] -= 1
+            if not self._running[key]:
+                del self._running[key]
+            self._turns.notify_all()
 
     def close(self) -> None:
-        """Stop every idle child (calls still running finish or fail on their own)."""
-        self._closed = True
-        while True:
-            try:
-                child = self._idle.get_nowait()
-            except queue.Empty:
-                return
+        """Stop every idle child, and each running one when its call ends; waiting calls
+        fail."""
+        with self._turns:
+            self._closed = True
+            free, self._free = self._free, []
+            self._turns.notify_all()  # waiting calls fail
+        for child in free:
             if child is not None:
                 child.kill()
 

@@ -46,17 +46,19 @@ class TemplateWorker:
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                tools: list[dict[str, Any]] | None = None,
                documents: list[dict[str, Any]] | None = None, template: str | None = None,
-               **kwargs: Any) -> str:
+               client: str = "", **kwargs: Any) -> str:
         """The prompt text (`ChatTemplate.render`'s arguments); `ChatTemplateError` when the
         template refuses or fails on the messages, runs past the time limit, or renders
         more than `max_chars`. `template`: a template of the request's own, rendered in
-        place of the checkpoint's (with its special tokens)."""
+        place of the checkpoint's (with its special tokens). `client`: who asks — while
+        every child is busy, the next free one goes to the client with the fewest renders
+        running, so one client's slow renders cannot hold the others back."""
         try:
             answer = self.pool.call({"messages": messages,
                                      "add_generation_prompt": add_generation_prompt,
                                      "tools": tools, "documents": documents, "kwargs": kwargs,
                                      "template": template},
-                                    self.seconds, 6 * self.max_chars + 4096)
+                                    self.seconds, 6 * self.max_chars + 4096, key=client)
         except WorkerTimeout:
             raise ChatTemplateError(
                 f"the chat template did not render these messages within {self.seconds:g} s "

@@ -505,9 +505,11 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
             kwargs = {**body.template_kwargs(), "template": body.chat_template,
                       "continue_final_message": body.continue_final_message}
 
+            client = request.client.host if request.client else ""
+
             def render(with_tools: list[dict[str, Any]] | None) -> str:
                 return state.template.render(messages, body.add_generation_prompt, with_tools,
-                                             body.documents, **kwargs)
+                                             body.documents, client=client, **kwargs)
             text = await asyncio.to_thread(render, tools)
             if tools and not await asyncio.to_thread(_shows_tools, render, text):
                 raise APIError(400, "this checkpoint's chat template does not render tools, "

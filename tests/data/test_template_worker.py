@@ -67,6 +67,26 @@ def test_a_looping_render_does_not_hold_up_other_renders(worker):
     assert not spinning.is_alive()
 
 
+def test_one_clients_burst_of_looping_renders_does_not_queue_ahead_of_another(worker):
+    """Eight looping renders from one client (1 s each, two children) would hold a render
+    that came after them for four rounds, first come first served; the other client's
+    render gets the first child that comes free."""
+    worker.render([{"role": "user", "content": "warm"}])
+    hogs = [threading.Thread(target=lambda: pytest.raises(
+        ChatTemplateError, worker.render, [{"role": "user", "content": "spin"}],
+        client="hog")) for _ in range(8)]
+    for hog in hogs:
+        hog.start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    assert worker.render([{"role": "user", "content": "ok"}], client="other") == \
+        "<s><user>ok<assistant>"
+    assert time.monotonic() - start < 2.5  # one render's limit and a child's restart
+    for hog in hogs:
+        hog.join(timeout=30)
+        assert not hog.is_alive()
+
+
 @pytest.mark.parametrize(("template", "reason"), [
     (SPIN + TEMPLATE, "cannot render one user message: the chat template did not render"),
     ("{% for %}", "does not parse"),
