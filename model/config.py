@@ -15,7 +15,7 @@ from lathe.core.config import from_dict
 from lathe.core.errors import ConfigError
 from lathe.model.families import FAMILIES, family_switches, fresh_switches
 
-ROPE_TYPES = ("llama3", "linear", "yarn", "longrope")
+ROPE_TYPES = ("llama3", "linear", "yarn", "longrope", "dynamic")
 LAYER_TYPES = ("sliding_attention", "full_attention")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # HF's names for the gated MLP's activation
 
@@ -34,7 +34,15 @@ class RopeScaling:
     - "longrope": LongRoPE (Phi-3.5, Phi-4-mini): each frequency divided by its own factor,
       `short_factor` while a forward's positions stay within `original_max_seq_len`,
       `long_factor` once one passes it (transformers' rule: per forward, whole), and cos/sin
-      scaled by `attention_factor` (by default sqrt(1 + ln(factor) / ln(original))).
+      scaled by `attention_factor` (by default sqrt(1 + ln(factor) / ln(original)));
+    - "dynamic": dynamic NTK — once a forward's positions pass `original_max_seq_len` (the
+      HF config's `max_position_embeddings`), the base becomes
+      theta · (factor · L / original − (factor − 1))^(d / (d − 2)) for L the forward's
+      largest position + 1 (transformers' rule for a fresh model; one that ran a longer
+      forward keeps that base until a forward falls back within `original`, where lathe
+      derives it from each forward alone; keys cached by earlier forwards keep the base they
+      were rotated with, as in transformers). The model's context is `original` × `factor`
+      (as vLLM serves it); exports write `original` back.
     """
 
     factor: float = 8.0
@@ -502,6 +510,8 @@ class ModelConfig:
             }
         elif scaling is not None and scaling.rope_type == "linear":
             rope_scaling = {"rope_type": "linear", "factor": scaling.factor}
+        elif scaling is not None and scaling.rope_type == "dynamic":
+            rope_scaling = {"rope_type": "dynamic", "factor": scaling.factor}
         elif scaling is not None and scaling.rope_type == "longrope":
             rope_scaling = {"rope_type": "longrope", "factor": scaling.factor,
                             "original_max_position_embeddings": scaling.original_max_seq_len,
@@ -529,7 +539,8 @@ class ModelConfig:
             "num_key_value_heads": self.n_kv_heads,
             "head_dim": self.head_dim,
             "hidden_act": self.hidden_act,
-            "max_position_embeddings": self.max_seq_len,
+            "max_position_embeddings": scaling.original_max_seq_len  # what "dynamic" scales
+            if scaling is not None and scaling.rope_type == "dynamic" else self.max_seq_len,
             "rms_norm_eps": self.norm_eps,
             "rope_theta": self.rope_theta,
             "rope_scaling": rope_scaling,
@@ -593,8 +604,7 @@ class ModelConfig:
         if rope_type not in ("default", *ROPE_TYPES):
             raise ConfigError(
                 f"config.json: rope type {rope_type!r} is not supported (only 'default', "
-                f"{', '.join(repr(t) for t in ROPE_TYPES)}; dynamic NTK changes the "
-                "frequencies of cached keys as the sequence grows)")
+                f"{', '.join(repr(t) for t in ROPE_TYPES)})")
         scaling = None
         positions = hf.get("max_position_embeddings", 2048)
         if rope_type == "longrope":
@@ -614,6 +624,10 @@ class ModelConfig:
             )
         elif rope_type == "linear":
             scaling = RopeScaling(factor=rope["factor"], rope_type="linear")
+        elif rope_type == "dynamic":
+            scaling = RopeScaling(factor=rope["factor"], rope_type="dynamic",
+                                  original_max_seq_len=positions)
+            positions = int(positions * max(rope["factor"], 1.0))
         elif rope_type == "yarn":
             original = rope.get("original_max_position_embeddings") or positions
             scaling = RopeScaling(
@@ -632,7 +646,7 @@ class ModelConfig:
             norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
-            max_seq_len=hf.get("max_position_embeddings", 2048),
+            max_seq_len=positions,
             tie_embeddings=hf.get("tie_word_embeddings", False),
             init_std=hf.get("initializer_range", 0.02),
             head_dim=head_dim,

@@ -163,7 +163,7 @@ def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None,
         torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d
     )
     s = config.rope_scaling
-    if s is None:
+    if s is None or s.rope_type == "dynamic":  # dynamic NTK stretches per forward
         return inv_freq
     if s.rope_type == "longrope":
         factors = s.long_factor if long else s.short_factor
@@ -206,7 +206,8 @@ def _yarn(inv_freq: Tensor, s: RopeScaling, d: int, theta: float) -> Tensor:
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for given positions, recomputed per forward from `inv_freq` (LongRoPE:
     from `long_inv_freq` instead when a position of the forward passes the original
-    context, as transformers switches, without a host sync)."""
+    context, as transformers switches; dynamic NTK: from frequencies of a base stretched to
+    the forward's length — both without a host sync)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -228,14 +229,28 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         inv_freq = self.inv_freq
+        scaling = self.config.rope_scaling
         if self.longrope:
-            original = self.config.rope_scaling.original_max_seq_len
+            original = scaling.original_max_seq_len
             inv_freq = torch.where(positions.max() >= original, self.long_inv_freq, inv_freq)
+        elif scaling is not None and scaling.rope_type == "dynamic":
+            inv_freq = self._dynamic_inv_freq(positions.max() + 1, scaling)
         freqs = positions[..., None].float() * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
         if self.scale == 1.0:
             return angles.cos().to(dtype), angles.sin().to(dtype)
         return (angles.cos() * self.scale).to(dtype), (angles.sin() * self.scale).to(dtype)
+
+
+    def _dynamic_inv_freq(self, length: Tensor, scaling: RopeScaling) -> Tensor:
+        """Dynamic NTK's frequencies for a forward whose longest row is `length` (a tensor:
+        no host sync), in transformers' arithmetic; the plain ones up to the original
+        context."""
+        d, original = self.config.rotary_dim, scaling.original_max_seq_len
+        stretch = scaling.factor * length.clamp(min=original) / original - (scaling.factor - 1)
+        base = self.config.rope_theta * stretch ** (d / (d - 2))
+        exponents = torch.arange(0, d, 2, dtype=torch.int64, device=length.device).float() / d
+        return torch.where(length > original, 1.0 / base ** exponents, self.inv_freq)
 
 
 class Attention(nn.Module):

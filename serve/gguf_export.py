@@ -142,7 +142,7 @@ def unwritable(config: ModelConfig) -> str | None:
     gemma_pattern = {"gemma2": 2, "gemma3": 6}.get(arch)
     reasons = [
         arch is None and f"{config.family} has no llama.cpp architecture here",
-        scaling is not None and scaling.rope_type in ("yarn", "longrope")
+        scaling is not None and scaling.rope_type in ("yarn", "longrope", "dynamic")
         and f"{scaling.rope_type} RoPE scaling is not written to GGUF yet",
         scaling is not None and scaling.rope_type == "linear" and arch == "llama"
         and "linear RoPE scaling of a llama model is not written to GGUF yet",

@@ -77,9 +77,9 @@ def test_hf_configs_lathe_cannot_run_are_refused():
     with pytest.raises(ConfigError, match="use_bidirectional_attention=True is not supported"):
         ModelConfig.from_hf_config({**hf, "model_type": "gemma3_text",
                                     "use_bidirectional_attention": True})
-    with pytest.raises(ConfigError, match="rope type 'dynamic' is not supported"):
-        ModelConfig.from_hf_config({**hf, "rope_scaling": {"rope_type": "dynamic",
-                                                           "factor": 2.0}})
+    with pytest.raises(ConfigError, match="rope type 'mrope' is not supported"):
+        ModelConfig.from_hf_config({**hf, "rope_scaling": {"rope_type": "mrope",
+                                                           "mrope_section": [2, 3, 3]}})
     with pytest.raises(ConfigError, match="LongRoPE needs one positive factor per rotated "
                                           "frequency"):
         ModelConfig.from_hf_config({**hf, "rope_scaling": {

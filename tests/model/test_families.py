@@ -376,15 +376,40 @@ def test_longrope_gives_transformers_logits_within_and_past_the_original_context
         assert (again(ids).logits - hf(ids).logits).abs().max() <= 1e-4
 
 
-def test_rope_that_changes_with_the_sequence_is_refused(tmp_path):
-    from lathe.model import CheckpointError
-    from lathe.model.checkpoint import read_model_config
-    hf = hf_model("qwen2")
-    hf.config.rope_scaling = {"rope_type": "dynamic", "factor": 2.0}
+def test_dynamic_ntk_gives_transformers_logits_within_and_past_the_original_context(tmp_path):
+    """Dynamic NTK (`rope_type: dynamic`, factor 4 over 64 positions): the plain base within
+    the 64, a base stretched to the forward's length past them, as a fresh transformers model
+    computes it (one that ran a longer forward before keeps that forward's base; lathe's
+    output does not depend on what ran before); the model serves 256 positions, and exports
+    back the config it came from."""
+    config = transformers.LlamaConfig(**{**SHAPE, "max_position_embeddings": 64,
+                                         "rope_scaling": {"rope_type": "dynamic", "factor": 4.0},
+                                         "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:  # sharper attention: positions matter more
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
     hf.save_pretrained(tmp_path / "hf")
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    config["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
-    config.pop("rope_parameters", None)
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="rope type 'dynamic' is not supported"):
-        read_model_config(tmp_path / "hf")
+    ours = load_checkpoint(tmp_path / "hf")
+    assert ours.config.rope_scaling.rope_type == "dynamic" and ours.config.max_seq_len == 256
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for length in (40, 200, 120):
+            ids = torch.randint(0, 256, (1, length), generator=g)
+            fresh = transformers.AutoModelForCausalLM.from_pretrained(
+                tmp_path / "hf", dtype=torch.float32).eval()
+            assert (ours(ids).logits - fresh(ids).logits).abs().max() <= 1e-4, length
+        plain = load_checkpoint(tmp_path / "hf")
+        plain.config.rope_scaling = None  # what a model without the stretch computes
+        assert (plain(ids).logits - fresh(ids).logits).abs().max() > 1e-2
+        save_checkpoint(ours, tmp_path / "lathe")
+        written = json.loads((tmp_path / "lathe" / "config.json").read_text())
+        assert written["max_position_embeddings"] == 64
+        assert written["rope_scaling"] == {"rope_type": "dynamic", "factor": 4.0}
+        again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lathe",
+                                                                  dtype=torch.float32).eval()
+        assert (again(ids).logits - fresh(ids).logits).abs().max() <= 1e-4
+
+
