@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from lathe.core.bench_history import add_history_arguments, history_folder, record
 from lathe.core.config import load_config
 from lathe.data.document import Document
 from lathe.data.pipeline import CleanConfig, Pipeline
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-proc", type=int, default=2)
     parser.add_argument("--minhash-docs", default="100000,1000000")
     parser.add_argument("--vocab-sizes", default="1024,4096,16384")
-    parser.add_argument("--no-write", action="store_true", help="do not append to docs/")
+    add_history_arguments(parser)
     args = parser.parse_args(argv)
     cpu = platform.processor() or platform.machine()
     lines = [f"## Data stage — {datetime.date.today()} — {cpu}, {os.cpu_count()} cores, "
@@ -218,12 +219,7 @@ def main(argv: list[str] | None = None) -> int:
          f"{mb / meta['seconds']:.2f} MB/s (num_proc={args.num_proc}, vocab {meta['vocab_size']})")
     print(f"(peak RSS of this process: "
           f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB)")
-    if not args.no_write:
-        path = ROOT / "docs" / "benchmarks-history.md"
-        path.parent.mkdir(exist_ok=True)
-        header = "" if path.exists() else "# Benchmarks\n\nAppended by the bench scripts.\n\n"
-        with open(path, "a") as f:
-            f.write(header + "\n".join(lines) + "\n\n")
+    record("\n".join(lines), history_folder(args))
     return 0
 
 

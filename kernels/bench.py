@@ -5,8 +5,8 @@ GB/s (memory-bound kernels) or TFLOP/s (matmul-bound ones), and peak memory abov
 inputs. Without a CUDA GPU it times the native CPU kernels (paged decode attention, the
 few-row float32 and int8 linears, the bf16 linear from a decode step's rows to a prefill's,
 the greedy pick, the element-wise layers of a prefill) against their references instead.
-The table is printed and appended to docs/benchmarks-history.md (`--no-write` only prints
-it; docs/benchmarks.md holds the current figure of each area).
+The table is printed and appended to the history in `--out` (`lathe.core.bench_history`;
+`--no-write` only prints it; `--out docs` from a checkout's root: the project's own).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lathe.core.bench_history import add_history_arguments, history_folder, record
 from lathe.kernels.argmax import argmax_cpu
 from lathe.kernels.attention import causal_attention_reference, document_starts
 from lathe.kernels.attention_triton import causal_attention_triton
@@ -54,8 +55,6 @@ from lathe.kernels.rope import rope_cpu, rope_reference
 from lathe.kernels.rope_triton import rope_triton
 from lathe.kernels.swiglu import swiglu_cpu, swiglu_reference
 from lathe.kernels.swiglu_triton import swiglu_triton
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -351,7 +350,7 @@ def measure(fn: Callable, backward: bool) -> tuple[float, float | None, float]:
     return forward, both, (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
-def run(sizes: Sizes, write: bool, only: list[str] | None = None) -> str:
+def run(sizes: Sizes, out: Path | None, only: list[str] | None = None) -> str:
     lines = []
     for case in cases(sizes, only=only):
         for impl, fn in case.impls.items():
@@ -381,8 +380,7 @@ def run(sizes: Sizes, write: bool, only: list[str] | None = None) -> str:
         "| kernel | implementation | forward µs | forward rate | forward+backward µs "
         "| peak MiB |",
         "|---|---|---:|---:|---:|---:|", *lines, ""])
-    if write:
-        _append_to_benchmarks(table)
+    record(table, out)
     return table
 
 
@@ -546,7 +544,7 @@ def cpu_elementwise_cases(shapes: list[PrefillShape], compile: bool = True) -> l
     return result
 
 
-def run_cpu(cases: list[Case], write: bool) -> str:
+def run_cpu(cases: list[Case], out: Path | None) -> str:
     """Median µs of each implementation (`torch.utils.benchmark`, which warms up and
     repeats), at this process's thread count."""
     from torch.utils import benchmark
@@ -570,14 +568,8 @@ def run_cpu(cases: list[Case], write: bool) -> str:
         "the activations an element-wise layer must read and write, per second; for the bf16 "
         "linear, its multiply-adds × 2 per second.", "",
         "| case | implementation | µs | rate |", "|---|---|---:|---:|", *lines, ""])
-    if write:
-        _append_to_benchmarks(table)
+    record(table, out)
     return table
-
-
-def _append_to_benchmarks(table: str) -> None:
-    with (ROOT / "docs" / "benchmarks-history.md").open("a") as f:
-        f.write("\n" + table)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -585,12 +577,14 @@ def main(argv: list[str] | None = None) -> int:
     defaults = Sizes()
     for name, value in vars(defaults).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
-    parser.add_argument("--no-write", dest="write", action="store_false")
+    add_history_arguments(parser)
     parser.add_argument("--only", type=lambda text: text.split(","), default=None,
                         help="only the kernels whose name contains one of these "
                              "comma-separated words, e.g. 'attention,paged'")
     args = vars(parser.parse_args(argv))
-    write, only = args.pop("write"), args.pop("only")
+    out = history_folder(argparse.Namespace(**args))
+    only = args.pop("only")
+    args.pop("out"), args.pop("no_write")
     if not torch.cuda.is_available():
         if not load_cpu_kernels():
             print("lathe.kernels.bench measures Triton kernels on a CUDA GPU, none is "
@@ -603,9 +597,9 @@ def main(argv: list[str] | None = None) -> int:
                              + cpu_int8_linear_cases(int8_shapes)
                              + cpu_bf16_linear_cases(CPU_BF16_LINEAR_SHAPES)
                              + cpu_argmax_cases(CPU_ARGMAX_SHAPES)
-                             + cpu_elementwise_cases(CPU_PREFILL_SHAPES), only), write))
+                             + cpu_elementwise_cases(CPU_PREFILL_SHAPES), only), out))
         return 0
-    print(run(Sizes(**args), write, only))
+    print(run(Sizes(**args), out, only))
     return 0
 
 

@@ -11,7 +11,7 @@ decreasing, each row as many rows a step as hold the same number of real tokens 
 average. Tokens/s counts real tokens only; padding is the share of computed positions
 that hold none. On CPU in fp32; on a GPU in bf16 autocast. The model is the README
 shape with random weights: throughput does not depend on them.
-Results are printed and appended to docs/benchmarks-history.md.
+Results are printed and appended to the history in `--out` (`lathe.core.bench_history`).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from lathe.core.bench_history import record
 from lathe.data.chat_encoding import chat_encoder
 from lathe.data.formats import Chat, load_chat_dataset
 from lathe.data.tasks import task_examples
@@ -40,7 +41,7 @@ from lathe.posttrain.chats import Example, collate, tokenize
 from lathe.posttrain.common import ShuffledBatches
 from lathe.posttrain.packing import best_fit_decreasing, collate_packed
 from lathe.posttrain.sft import sft_loss
-from lathe.pretrain.bench import append_history, synchronize, training_bench_main
+from lathe.pretrain.bench import synchronize, training_bench_main
 
 
 @dataclass
@@ -163,9 +164,9 @@ def vocab_rows(steps: int, warmup: int, rows: int = 4, seq_len: int = 2048) -> l
     return lines
 
 
-def run(steps: int, warmup: int, write: bool, only: list[str] | None = None) -> str:
+def run(steps: int, warmup: int, out: Path | None, only: list[str] | None = None) -> str:
     if only == ["vocab"]:
-        return vocab_table(steps, warmup, write)
+        return vocab_table(steps, warmup, out)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = readme_checkpoint(Path(tmp))
@@ -212,12 +213,11 @@ def run(steps: int, warmup: int, write: bool, only: list[str] | None = None) -> 
         "| data | tokens per chat | mode | rows × width | padding | tokens/s |",
         "|---|---|---|---:|---:|---:|",
         *rows, ""])
-    if write:
-        append_history(table)
+    record(table, out)
     return table
 
 
-def vocab_table(steps: int, warmup: int, write: bool) -> str:
+def vocab_table(steps: int, warmup: int, out: Path | None) -> str:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     lines = vocab_rows(steps, warmup)
     table = "\n".join([
@@ -237,8 +237,7 @@ def vocab_table(steps: int, warmup: int, write: bool) -> str:
         "| mode | peak GiB | ÷ no loss | tokens/s | ÷ whole logits |",
         "|---|---:|---:|---:|---:|",
         *lines, ""])
-    if write:
-        append_history(table)
+    record(table, out)
     return table
 
 

@@ -9,8 +9,8 @@ torch.compile and with torchao FP8, against the device's bf16 (or FP8) peak; pea
 shows what the fused kernels save. A mixture of experts (8 experts of half the MLP width, 2 a
 token) runs beside the dense model of the same active size, its experts through the grouped
 GEMM and through the per-expert loop; MFU counts active parameters.
-Results are printed and appended to docs/benchmarks-history.md (docs/benchmarks.md holds
-the current figure of each area).
+Results are printed and appended to the history in `--out` (`lathe.core.bench_history`;
+`--out docs` from a checkout's root: the project's own).
 """
 
 from __future__ import annotations
@@ -27,14 +27,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lathe.core.bench_history import add_history_arguments, history_folder, record
 from lathe.kernels import kernels_off
 from lathe.model.config import ModelConfig
 from lathe.model.transformer import Experts, Transformer
 from lathe.pretrain.runtime.converters import compile_blocks, convert_to_fp8, fp8_supported
 from lathe.pretrain.runtime.monitor import peak_flops
 from lathe.pretrain.train import lm_loss
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -147,7 +146,7 @@ def cases(device: torch.device) -> list[Case]:
     ]
 
 
-def run(steps: int, warmup: int, write: bool, only: list[str] | None = None) -> str:
+def run(steps: int, warmup: int, out: Path | None, only: list[str] | None = None) -> str:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
     peaks = {fp8: peak_flops(device, fp8=fp8) for fp8 in (False, True)}  # measured once
@@ -182,8 +181,7 @@ def run(steps: int, warmup: int, write: bool, only: list[str] | None = None) -> 
         "| setting | model | params | batch | tokens/s | MFU | peak GiB |",
         "|---|---|---:|---:|---:|---:|---:|",
         *rows, ""])
-    if write:
-        append_history(table)
+    record(table, out)
     return table
 
 
@@ -192,25 +190,20 @@ def picked(cases: list[Case], only: list[str] | None) -> list[Case]:
     return [case for case in cases if not only or case.label.startswith(tuple(only))]
 
 
-def append_history(table: str) -> None:
-    """Add a bench's table to docs/benchmarks-history.md."""
-    with (ROOT / "docs" / "benchmarks-history.md").open("a") as f:
-        f.write("\n" + table)
-
-
-def training_bench_main(prog: str, run: Callable[[int, int, bool, list[str] | None], str],
+def training_bench_main(prog: str,
+                        run: Callable[[int, int, Path | None, list[str] | None], str],
                         steps: int, warmup: int, argv: list[str] | None) -> int:
-    """The command line of a training-throughput bench: --steps, --warmup, --no-write,
-    --only."""
+    """The command line of a training-throughput bench: --steps, --warmup, --only and the
+    history's --out / --no-write."""
     parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--warmup", type=int, default=warmup)
-    parser.add_argument("--no-write", action="store_true", help="do not append to docs/")
+    add_history_arguments(parser)
     parser.add_argument("--only", type=lambda text: text.split(","), default=None,
                         help="only the rows whose label starts with one of these "
                              "comma-separated words, e.g. '1b' (the 1B cases on a GPU)")
     args = parser.parse_args(argv)
-    print(run(args.steps, args.warmup, not args.no_write, args.only))
+    print(run(args.steps, args.warmup, history_folder(args), args.only))
     return 0
 
 

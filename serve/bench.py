@@ -48,8 +48,8 @@
 `--sections` picks which run (default: all that apply).
 
 Without `--checkpoint` it benchmarks a randomly initialized `nano` model (token-id prompts).
-Tables are printed and appended to docs/benchmarks-history.md (docs/benchmarks.md holds
-the current figure of each area).
+Tables are printed and appended to the history in `--out` (`lathe.core.bench_history`;
+`--out docs` from a checkout's root: the project's own).
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from lathe.core.bench_history import add_history_arguments, history_folder, record
 from lathe.kernels import kernels_off
 from lathe.kernels.decode_linear import DecodeLinear
 from lathe.model.checkpoint import load_checkpoint, save_checkpoint
@@ -89,7 +90,6 @@ from lathe.serve.quant import load_serving_model, perplexity
 from lathe.serve.sampling import SamplingParams
 from lathe.serve.speculative import SpeculativeConfig
 
-ROOT = Path(__file__).resolve().parents[1]
 # timed passes per measurement, the best reported: on a shared machine one pass moves by ±30%
 REPEATS = 3
 PROMPT_TOKENS = (32, 128)  # the servers' prompt lengths in (b) and (g), shortest and longest
@@ -440,9 +440,7 @@ def run(args: argparse.Namespace) -> str:
     table = "\n".join([
         f"## Serving — {datetime.date.today()} — {name}, torch {torch.__version__}", "",
         f"Command: `python -m lathe.serve.bench` — checkpoint: {source}", "", *sections])
-    if args.write:
-        with (ROOT / "docs" / "benchmarks-history.md").open("a") as f:
-            f.write("\n" + table)
+    record(table, history_folder(args))
     return table
 
 
@@ -924,8 +922,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sections", default="abcdefgh",
                         help="which sections run, e.g. 'ce' (d needs CUDA, e needs --draft, "
                              "f a --checkpoint with a tokenizer)")
-    parser.add_argument("--no-write", dest="write", action="store_false",
-                        help="do not append to docs/benchmarks-history.md")
+    add_history_arguments(parser)
     print(run(parser.parse_args(argv)))
     return 0
 

@@ -69,7 +69,7 @@ def test_on_cpu_the_native_kernels_are_timed_against_their_references():
         results = {name: bench._outputs(fn()) for name, fn in case.impls.items()}
         for got, expected in zip(results["native C++"], results["torch (eager)"], strict=True):
             torch.testing.assert_close(got, expected)
-    table = bench.run_cpu(cases + linears + half + picks + layers, write=False)
+    table = bench.run_cpu(cases + linears + half + picks + layers, out=None)
     rows = [line for line in table.splitlines()
             if line.startswith(("| paged_decode", "| decode_linear", "| argmax", "| rms_norm",
                                 "| add_rms_norm", "| swiglu", "| rope"))]
