@@ -26,8 +26,8 @@ _DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def default_mixed_precision() -> str:
-    """The launch config's choice, else bf16 on CUDA and fp32 elsewhere (see NOTES: bf16
-    matmuls on CPUs without AMX are ~100x slower)."""
+    """The launch config's choice, else bf16 on CUDA and fp32 elsewhere (bf16 matmuls on
+    CPUs without AMX run ~100x slower than fp32 ones)."""
     return os.environ.get("ACCELERATE_MIXED_PRECISION") or (
         "bf16" if torch.cuda.is_available() else "no")
 

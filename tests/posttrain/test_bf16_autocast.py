@@ -1,7 +1,8 @@
 """Every post-training stage, a few steps under bf16 autocast, with the Triton kernels forced
 on (Triton's interpreter) and off: the dtype paths a GPU run takes — policy, reference, teacher,
 rollout engine, task evaluation's KV cache — so a bf16/fp32 mix fails here, not on the
-first GPU run. (The numbers mean nothing: the interpreter's bf16 is wrong, see NOTES.)"""
+first GPU run. (The numbers mean nothing: Triton's interpreter computes bf16 wrongly, so only
+the dtypes and that every stage runs are checked.)"""
 
 from __future__ import annotations
 
