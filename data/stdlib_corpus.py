@@ -105,11 +105,25 @@ def _routines_and_classes(module: types.ModuleType) -> types.ModuleType:
     return copy
 
 
+@functools.cache
+def _import_documented() -> None:
+    """Import every documented module, once per process, before any page is rendered: a
+    page shows what other modules did to its module (pyexpat's classes once xml.parsers
+    is imported, asynchat's data after asyncore), so pages rendered by workers that had
+    imported different modules before differed, and so did the stage counts of two runs
+    of one recipe."""
+    for name in documented_modules():
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+
+
 def render_pydoc(name: str) -> str:
     """The HTML page `pydoc -w NAME` would write, rendered in memory, the same in every
     run, worker and checkout: no process state (environment, argv, warning registries,
-    the main module's name), no memory addresses and no machine paths."""
+    the main module's name, which modules this process imported before), no memory
+    addresses and no machine paths."""
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        _import_documented()
         module = importlib.import_module(name)
         if module is sys:  # its data (path, stdin, meta_path, flags, ...) is process state
             module = _routines_and_classes(module)

@@ -153,6 +153,27 @@ def test_pydoc_pages_are_the_same_in_every_run_and_hold_no_environment(tmp_path)
     assert outputs[0] == outputs[1]
 
 
+def test_pydoc_pages_do_not_depend_on_what_the_worker_rendered_before(tmp_path):
+    """pyexpat's page shows its error class as xml.parsers.expat's once that is imported,
+    asynchat's data section depends on asyncore: a worker's earlier pages changed its later
+    ones, so two runs whose shards went to different workers read different documents (and
+    wrote different stage counts). Rendered in opposite orders, each page is the same."""
+    script = ("import hashlib, sys\n"
+              "from lathe.data.stdlib_corpus import render_pydoc\n"
+              "modules = ['xml', 'pyexpat', 'asyncore', 'asynchat']\n"
+              "order = modules if sys.argv[1] == 'forward' else modules[::-1]\n"
+              "pages = {m: hashlib.sha256(render_pydoc(m).encode()).hexdigest() for m in order}\n"
+              "print(sorted(pages.items()))\n")
+    (tmp_path / "render.py").write_text(script)
+    outputs = []
+    for order in ("forward", "backward"):
+        done = subprocess.run([sys.executable, str(tmp_path / "render.py"), order], text=True,
+                              capture_output=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        outputs.append(done.stdout)
+    assert outputs[0] == outputs[1]
+
+
 def test_pydoc_pages_do_not_depend_on_where_python_and_the_checkout_lie():
     """`site` shows the venv's prefix, `platform` the interpreter's path and every page the
     stdlib's location: two clones in different folders must still get one corpus."""
