@@ -24,6 +24,7 @@ are then off and /openapi.json needs the key.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import gc
 import hmac
 import json
@@ -77,6 +78,7 @@ from lathe.serve.structured import GrammarError, Literals, StructuredOutput
 from lathe.serve.tool_calls import tool_call_parser
 
 log = logging.getLogger("lathe.serve")
+RENDER_THREADS = 64  # chat-template renders waiting or running at once
 
 
 @dataclass
@@ -183,6 +185,11 @@ class _State:
     def __init__(self) -> None:
         self.engine: AsyncEngine | None = None
         self.template: TemplateWorker | None = None
+        # renders wait on the template workers, whose queue serves clients fairly: threads
+        # of their own, enough that a burst of one client's renders does not hold every
+        # thread of the loop's default executor (and queue other renders behind it there)
+        self.renders = concurrent.futures.ThreadPoolExecutor(RENDER_THREADS,
+                                                             thread_name_prefix="lathe-render")
         self.no_template: str = "this checkpoint has no chat template; use /v1/completions"
         self.load_error: str | None = None
         self.warming: str | None = None  # how far the decode steps' warm-up is
@@ -277,6 +284,7 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
         loader.cancel()
         if state.template is not None:
             state.template.close()
+        state.renders.shutdown(wait=False, cancel_futures=True)
         if state.engine is not None:
             await state.engine.stop()
         gc.unfreeze()  # the exit frees what the start froze (else extensions report leaks)
@@ -510,13 +518,16 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
             def render(with_tools: list[dict[str, Any]] | None) -> str:
                 return state.template.render(messages, body.add_generation_prompt, with_tools,
                                              body.documents, client=client, **kwargs)
-            text = await asyncio.to_thread(render, tools)
-            if tools and not await asyncio.to_thread(_shows_tools, render, text):
+            loop = asyncio.get_running_loop()
+            text = await loop.run_in_executor(state.renders, render, tools)
+            if tools and not await loop.run_in_executor(state.renders, _shows_tools, render,
+                                                        text):
                 raise APIError(400, "this checkpoint's chat template does not render tools, "
                                     "so the model would never see them; serve it with a "
                                     "template that does (--chat-template)", param="tools")
         except ChatTemplateError as error:
-            if tools is None and await asyncio.to_thread(_renders_with_tools, render):
+            if tools is None and await asyncio.get_running_loop().run_in_executor(
+                    state.renders, _renders_with_tools, render):
                 raise APIError(400, f"this chat template needs tools to render ({error}); "
                                     "send tools, or serve another template (--chat-template)",
                                param="messages") from None

@@ -10,6 +10,7 @@ import shutil
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -455,6 +456,37 @@ def test_a_template_looping_on_one_request_blocks_no_other_route(checkpoint, tmp
         spinning.join(timeout=30)
         assert result["response"].status_code == 400
         assert "did not render these messages within 1 s" in result["response"].text
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_one_clients_looping_renders_do_not_hold_up_another_clients_chat(checkpoint,
+                                                                          tmp_path):
+    """Eight looping renders from one address (1 s limit, two template workers) held a chat
+    that came after them for four rounds, first come first served; a chat from another
+    address (127.0.0.2) gets the first worker that comes free."""
+    gated = ("{% if messages[0].content == 'spin' %}" + SPIN + "{% endif %}"
+             "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:")
+    folder = broken_copy(checkpoint, tmp_path, "gated", set_template(gated))
+    server, thread, url = start_server(folder, template_seconds=1.0)
+    chat = {"model": "tiny", "max_tokens": 2}
+
+    def post(address: str, content: str) -> httpx.Response:
+        with httpx.Client(transport=httpx.HTTPTransport(local_address=address)) as client:
+            return client.post(f"{url}/v1/chat/completions", timeout=60, json={
+                **chat, "messages": [{"role": "user", "content": content}]})
+    try:
+        wait_healthy(url)
+        assert post("127.0.0.2", "Hi").status_code == 200  # both workers started
+        with ThreadPoolExecutor(8) as pool:
+            hogs = [pool.submit(post, "127.0.0.1", "spin") for _ in range(8)]
+            time.sleep(0.3)
+            start = time.monotonic()
+            other = post("127.0.0.2", "Hi")
+            waited = time.monotonic() - start
+            assert [hog.result().status_code for hog in hogs] == [400] * 8
+        assert other.status_code == 200 and waited < 2.5, waited
     finally:
         server.should_exit = True
         thread.join(timeout=10)
