@@ -93,14 +93,16 @@ def _compute_dtype(hidden: Tensor) -> torch.dtype:
     return hidden.dtype
 
 
-def _logits(h: Tensor, weight: Tensor, softcap: float | None) -> tuple[Tensor, Tensor | None]:
-    """A chunk's logits in fp32 (fp64 from fp64), and d(capped)/d(logits) when capped."""
+def _logits(h: Tensor, weight: Tensor, softcap: float | None,
+            slope: bool) -> tuple[Tensor, Tensor | None]:
+    """A chunk's logits in fp32 (fp64 from fp64), and d(capped)/d(logits) when capped and
+    `slope` is asked for (a backward needs it; it is one more chunk-sized tensor)."""
     logits = (h @ weight.T).to(torch.promote_types(h.dtype, torch.float32))
     if softcap is None:
         return logits, None
     capped = torch.tanh(logits.div_(softcap))
-    slope = 1 - capped.square()
-    return capped.mul_(softcap), slope
+    derivative = 1 - capped.square() if slope else None
+    return capped.mul_(softcap), derivative
 
 
 class _Head:
@@ -122,9 +124,10 @@ class _Head:
         n = self.hidden.shape[0]
         return [slice(start, min(start + self.chunk, n)) for start in range(0, n, self.chunk)]
 
-    def logits(self, rows: slice, softcap: float | None) -> tuple[Tensor, Tensor | None]:
+    def logits(self, rows: slice, softcap: float | None,
+               slope: bool) -> tuple[Tensor, Tensor | None]:
         with torch.autocast(self.hidden.device.type, enabled=False):
-            return _logits(self.hidden[rows], self.weight, softcap)
+            return _logits(self.hidden[rows], self.weight, softcap, slope)
 
     def backward(self, rows: slice, grad_logits: Tensor) -> None:
         with torch.autocast(self.hidden.device.type, enabled=False):
@@ -162,7 +165,7 @@ class _CrossEntropy(torch.autograd.Function):
         objective = torch.zeros((), device=hidden.device, dtype=head.math)
         z_total = torch.zeros_like(objective)
         for rows in head.chunks():
-            logits, slope = head.logits(rows, softcap)
+            logits, slope = head.logits(rows, softcap, slope=any(needs))
             valid, targets = _label_rows(labels[rows], ignore_index)
             picked = logits.gather(1, targets[:, None])[:, 0]
             grad, lse = _softmax_(logits)
@@ -194,7 +197,7 @@ class _Reduce(torch.autograd.Function):
         head = _Head(hidden, weight, chunk, needs, _compute_dtype(hidden))
         total = torch.zeros((), device=hidden.device, dtype=head.math)
         for rows in head.chunks():
-            logits, slope = head.logits(rows, softcap)
+            logits, slope = head.logits(rows, softcap, slope=any(needs))
             with torch.enable_grad():
                 logits.requires_grad_(any(needs))
                 value = row_function(logits, rows).sum()
@@ -228,7 +231,7 @@ class _TokenLogprobs(torch.autograd.Function):
         head = _Head(hidden, weight, chunk, (False, False), _compute_dtype(hidden))
         out = torch.empty(hidden.shape[0], device=hidden.device, dtype=head.math)
         for rows in head.chunks():
-            logits, _ = head.logits(rows, softcap)
+            logits, _ = head.logits(rows, softcap, slope=False)
             valid, targets = _label_rows(labels[rows], ignore_index)
             logits.div_(temperature)
             picked = logits.gather(1, targets[:, None])[:, 0]
@@ -243,7 +246,7 @@ class _TokenLogprobs(torch.autograd.Function):
         ignore_index, softcap, temperature, chunk, dtype = ctx.settings
         head = _Head(hidden, weight, chunk, ctx.needs_input_grad[:2], dtype)
         for rows in head.chunks():
-            logits, slope = head.logits(rows, softcap)
+            logits, slope = head.logits(rows, softcap, slope=True)
             valid, targets = _label_rows(labels[rows], ignore_index)
             g = grad_out[rows].to(head.math) * valid
             # d logp / d logits = (one-hot − softmax) / T

@@ -196,11 +196,13 @@ def distill_logits(config: DistillConfig, teacher_checkpoint: OpenCheckpoint,
         loss = m(ids, labels=labels, documents=documents, head_op=op).loss
         return loss, {"loss": loss, **op.parts}
 
+    # the held-out figure: KL(teacher ‖ student) at T=1 whatever the training loss
+    kl_only = dataclasses.replace(config, loss="forward_kl", temperature=1.0, ce_weight=0.0)
+
     @torch.no_grad()
     def heldout_kl() -> float:
         runtime.model.eval()
         sums = torch.zeros(2, device=runtime.device)
-        kl_only = dataclasses.replace(config, loss="forward_kl", temperature=1.0, ce_weight=0.0)
         for rows, counts in rank_batches(run.heldout, config.micro_batch_size, runtime.rank,
                                          runtime.world_size):
             batch = collate(rows, run.pad_token, runtime.device)
