@@ -18,9 +18,17 @@ from lathe.data.formats import Chat, load_chat_dataset
 from lathe.data.mixture import load_rows
 from lathe.model.config import ModelConfig
 from lathe.model.transformer import IGNORE_INDEX
-from lathe.posttrain.common import ShuffledBatches, label_count, pad, pad_id, sequence_work
+from lathe.posttrain.common import (
+    ShuffledBatches,
+    evaluation_cache_bytes,
+    label_count,
+    pad,
+    pad_id,
+    sequence_work,
+)
 from lathe.posttrain.config import ChatStageConfig
 from lathe.posttrain.packing import best_fit_decreasing, collate_packed
+from lathe.pretrain.runtime.memory_plan import Parallelism, StepShape
 from lathe.pretrain.runtime.trainer import Runtime, Work
 
 
@@ -134,11 +142,21 @@ def assistant_tokens(examples: list[Example]) -> str:
             f"({min(counts)}..{max(counts)})")
 
 
+def chat_shape(config: ChatStageConfig, model_config: ModelConfig, parallelism: Parallelism,
+               frozen_bytes: int = 0) -> StepShape:
+    """One micro-batch of a chat stage: rows of up to data.max_len tokens (padded to the
+    longest, or packed full), mean cross-entropy; `frozen_bytes` a teacher's weights."""
+    return StepShape(config.micro_batch_size, config.data.max_len, "loss",
+                     config.grad_accum_steps, frozen_bytes, evaluation_bytes=
+                     evaluation_cache_bytes(model_config, parallelism.mixed_precision),
+                     packed=config.data.packing)
+
+
 def start_chat_run(runtime: Runtime, config: ChatStageConfig, model: nn.Module,
-                   encoder: ChatEncoder,
-                   resume: str) -> ChatRun:
+                   encoder: ChatEncoder, resume: str, shape: StepShape) -> ChatRun:
     """Tokenize `config.data`'s training and held-out chats, size the run from their mean
-    length, prepare the runtime, and on resume restore the batch order (SFT, distillation)."""
+    length, prepare the runtime (its memory plan for `shape`), and on resume restore the
+    batch order (SFT, distillation)."""
     model_config, data = model.config, config.data
     if data.max_len > model_config.max_seq_len:
         raise ConfigError(f"data.max_len={data.max_len} exceeds the model's max_seq_len="
@@ -169,7 +187,7 @@ def start_chat_run(runtime: Runtime, config: ChatStageConfig, model: nn.Module,
     tokens_per_step = int(config.micro_batch_size * config.grad_accum_steps
                           * runtime.world_size * mean_len)
     total_steps = config.total_steps(tokens_per_step, model_config.num_params())
-    runtime.prepare(model, total_steps)
+    runtime.prepare(model, total_steps, shape)
     restored = runtime.start(config, resume)
     if restored is not None:
         batches.load_state_dict(restored["batches"])

@@ -31,9 +31,10 @@ from lathe.data.formats import load_prompt_dataset
 from lathe.data.mixture import load_rows
 from lathe.data.tokenizer import load_tokenizer, vocabulary_difference
 from lathe.kernels.fused_ce import linear_reduce
-from lathe.model.checkpoint import OpenCheckpoint
+from lathe.model.checkpoint import OpenCheckpoint, read_model_config
+from lathe.model.config import ModelConfig
 from lathe.model.transformer import IGNORE_INDEX
-from lathe.posttrain.chats import chat_work, collate, start_chat_run
+from lathe.posttrain.chats import chat_shape, chat_work, collate, start_chat_run
 from lathe.posttrain.common import (
     TaskEvaluator,
     evaluate_task,
@@ -48,6 +49,7 @@ from lathe.posttrain.common import (
 from lathe.posttrain.config import ChatStageConfig, PosttrainConfig, SFTConfig
 from lathe.posttrain.sft import sft
 from lathe.posttrain.tool_episodes import EpisodeRunner
+from lathe.pretrain.runtime.memory_plan import Parallelism, StepShape, frozen_weight_bytes
 from lathe.pretrain.runtime.trainer import Runtime, Work
 from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.sampling import SamplingParams
@@ -173,6 +175,18 @@ def check_same_tokenizer(student: str, teacher: str) -> None:
                           "models trained with the same tokenizer.json")
 
 
+def step_shape(config: DistillConfig, parallelism: Parallelism,
+               model_config: ModelConfig | None = None) -> StepShape:
+    """One micro-batch of logit distillation, for memory plans: the student's, beside the
+    teacher's weights as `Runtime.prepare_frozen` places them (teacher_data mode trains
+    with SFT's shape)."""
+    model_config = model_config or read_model_config(config.model)
+    if config.mode != "logits":
+        return chat_shape(config, model_config, parallelism)
+    return chat_shape(config, model_config, parallelism, frozen_weight_bytes(
+        read_model_config(config.teacher), parallelism))
+
+
 def distill_logits(config: DistillConfig, teacher_checkpoint: OpenCheckpoint,
                    resume: str) -> dict[str, Any]:
     runtime = Runtime(config, stage="distill")
@@ -182,7 +196,8 @@ def distill_logits(config: DistillConfig, teacher_checkpoint: OpenCheckpoint,
         raise ConfigError(f"teacher vocab_size {teacher.config.vocab_size} != student "
                           f"{model.config.vocab_size}: logits must cover the same tokens")
     model_config = model.config
-    run = start_chat_run(runtime, config, model, encoder, resume)
+    run = start_chat_run(runtime, config, model, encoder, resume,
+                         step_shape(config, runtime.parallelism, model_config))
     teacher = runtime.prepare_frozen(teacher)
     student_work = chat_work(model_config)
 
@@ -245,7 +260,8 @@ def write_teacher_data(config: DistillConfig, teacher: OpenCheckpoint,
     template (`encoder`), as a chat .jsonl (atomically)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engine = LLMEngine(teacher.model(device=device), encoder.tokenizer,
-                       EngineConfig(num_blocks=1024), teacher.eos_ids)
+                       EngineConfig(num_blocks=1024, retain_freed_memory=False),
+                       teacher.eos_ids)
     data = config.data
     rows, _ = load_rows(data.train, load_prompt_dataset, "train", data.limit, config.seed)
     prompts = [encoder.prompt(row.prompt, row.tools) for row in rows]

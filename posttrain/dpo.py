@@ -27,7 +27,8 @@ from torch import Tensor, nn
 from lathe.core.errors import ConfigError
 from lathe.data.chat_encoding import ChatEncoder
 from lathe.data.formats import PreferenceRow, load_preference_dataset
-from lathe.model.checkpoint import load_checkpoint
+from lathe.model.checkpoint import load_checkpoint, read_model_config
+from lathe.model.config import ModelConfig
 from lathe.model.lora import adapters_disabled
 from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.common import (
@@ -35,6 +36,7 @@ from lathe.posttrain.common import (
     ShuffledBatches,
     TaskEvaluator,
     evaluate_task,
+    evaluation_cache_bytes,
     finish_stage,
     load_policy,
     pad,
@@ -50,6 +52,7 @@ from lathe.posttrain.common import (
 )
 from lathe.posttrain.config import DPOConfig
 from lathe.posttrain.tool_episodes import EpisodeRunner
+from lathe.pretrain.runtime.memory_plan import Parallelism, StepShape
 from lathe.pretrain.runtime.trainer import Runtime
 
 
@@ -193,6 +196,17 @@ def heldout_preference(runtime: Runtime, pairs: list[Pair], config: DPOConfig,
             "eval/preference_accuracy": float(sums[1] / sums[2])}
 
 
+def step_shape(config: DPOConfig, parallelism: Parallelism,
+               model_config: ModelConfig | None = None) -> StepShape:
+    """One DPO micro-batch, for memory plans: a pair is two rows (chosen, rejected) of up
+    to data.max_len tokens through per-token log-probs. The reference's log-probs are
+    cached before training and it is released, so it holds nothing during steps."""
+    model_config = model_config or read_model_config(config.model)
+    return StepShape(2 * config.micro_batch_size, config.data.max_len, "logprobs",
+                     config.grad_accum_steps, evaluation_bytes=evaluation_cache_bytes(
+                         model_config, parallelism.mixed_precision))
+
+
 def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
     runtime = Runtime(config, stage="dpo")
     model, encoder = load_policy(runtime, config)
@@ -219,7 +233,7 @@ def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
     tokens_per_step = int(config.micro_batch_size * config.grad_accum_steps
                           * runtime.world_size * mean_len)
     total_steps = config.total_steps(tokens_per_step, model_config.num_params())
-    runtime.prepare(model, total_steps)
+    runtime.prepare(model, total_steps, step_shape(config, runtime.parallelism, model_config))
     # only the pairs this run's steps draw: a run shorter than an epoch needs no more
     drawn = batches.drawn_by(total_steps * config.grad_accum_steps)
     with reference_model(runtime, config) as reference, runtime.autocast():

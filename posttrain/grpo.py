@@ -32,7 +32,8 @@ from torch import Tensor, nn
 from lathe.core.errors import ConfigError
 from lathe.data.chat_encoding import ChatEncoder
 from lathe.data.formats import PromptRow, load_prompt_dataset
-from lathe.model.checkpoint import OpenCheckpoint
+from lathe.model.checkpoint import OpenCheckpoint, read_model_config
+from lathe.model.config import ModelConfig
 from lathe.model.head_ops import LabelLogprobs
 from lathe.model.lora import (
     AdapterMerger,
@@ -47,6 +48,7 @@ from lathe.posttrain.common import (
     ShuffledBatches,
     TaskEvaluator,
     evaluate_task,
+    evaluation_cache_bytes,
     finish_stage,
     load_policy,
     pad,
@@ -60,8 +62,11 @@ from lathe.posttrain.common import (
 from lathe.posttrain.config import GRPOConfig
 from lathe.posttrain.rewards import Reward, load_reward, verifier
 from lathe.posttrain.tool_episodes import Episode, EpisodePrompt, EpisodeRunner
+from lathe.pretrain.runtime.memory_plan import Parallelism, StepShape, frozen_weight_bytes
+from lathe.pretrain.runtime.precision import compute_dtype
 from lathe.pretrain.runtime.trainer import Runtime, Work
 from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.paged_cache import KVSlabs
 from lathe.serve.sampling import SamplingParams
 
 
@@ -158,6 +163,7 @@ def fit_prompts(encoder: ChatEncoder, rows: list[PromptRow], fit: PromptFit,
     return prompts
 
 
+ROLLOUT_BLOCKS = 1024  # the rollout engine's KV cache, in blocks of EngineConfig.block_size
 POLICY_ADAPTER = "policy"  # the rollout engine's name for the policy's current adapters
 
 
@@ -181,8 +187,9 @@ class RolloutGenerator:
         self.adapter = POLICY_ADAPTER if lora.enabled and slot_takes else None
         self.merger = AdapterMerger(model, lora) if lora.enabled and self.adapter is None \
             else None
-        engine_config = EngineConfig(num_blocks=1024, max_loras=1, max_lora_rank=lora.r) \
-            if self.adapter is not None else EngineConfig(num_blocks=1024)
+        slots = dict(max_loras=1, max_lora_rank=lora.r) if self.adapter is not None else {}
+        engine_config = EngineConfig(num_blocks=ROLLOUT_BLOCKS, retain_freed_memory=False,
+                                     **slots)
         self.engine = LLMEngine(model.eval(), encoder.tokenizer, engine_config, opened.eos_ids,
                                 kv_dtype=kv_dtype)
 
@@ -264,6 +271,28 @@ def check_lengths(config: GRPOConfig, context: int) -> PromptFit:
     return PromptFit(limit, config.prompt_overflow)
 
 
+def step_shape(config: GRPOConfig, parallelism: Parallelism,
+               model_config: ModelConfig | None = None) -> StepShape:
+    """One GRPO micro-batch on rank 0, for memory plans: each rank's rollouts split into
+    grad_accum_steps micro-batches of prompt + completion tokens through per-token
+    log-probs, beside the reference (beta > 0 without LoRA) and rank 0's rollout engine —
+    its own fp32 copy of the policy and a KV cache of ROLLOUT_BLOCKS blocks."""
+    model_config = model_config or read_model_config(config.model)
+    rows = max(config.prompts_per_step * config.num_generations // parallelism.processes
+               // config.grad_accum_steps, 1)
+    length = (model_config.max_seq_len if config.max_prompt_length is None
+              else config.max_prompt_length + config.max_completion_tokens)
+    frozen = 4 * model_config.num_params()  # the engine's copy
+    if config.beta > 0 and not config.lora.enabled:
+        frozen += frozen_weight_bytes(model_config, parallelism)
+    block = EngineConfig().block_size
+    cache = (ROLLOUT_BLOCKS + 1) * KVSlabs.bytes_per_block(
+        model_config, block, compute_dtype(parallelism.mixed_precision))
+    return StepShape(rows, min(length, model_config.max_seq_len), "logprobs",
+                     config.grad_accum_steps, frozen, cache, evaluation_cache_bytes(
+                         model_config, parallelism.mixed_precision))
+
+
 def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
     runtime = Runtime(config, stage="grpo")
     if config.prompts_per_step % runtime.world_size:
@@ -286,7 +315,7 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
                           f"{config.prompts_per_step}")
     sampler = ShuffledBatches(prompts, config.prompts_per_step, config.seed)
     total_steps = config.total_steps(1, model_config.num_params())
-    runtime.prepare(model, total_steps)
+    runtime.prepare(model, total_steps, step_shape(config, runtime.parallelism, model_config))
     reference = None
     if config.beta > 0 and not config.lora.enabled:
         reference = runtime.prepare_frozen(opened.model(dtype=torch.float32))

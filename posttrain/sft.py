@@ -15,8 +15,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lathe.model.checkpoint import read_model_config
+from lathe.model.config import ModelConfig
 from lathe.model.transformer import IGNORE_INDEX
-from lathe.posttrain.chats import Example, chat_work, collate, sources_line, start_chat_run
+from lathe.posttrain.chats import (
+    Example,
+    chat_shape,
+    chat_work,
+    collate,
+    sources_line,
+    start_chat_run,
+)
 from lathe.posttrain.common import (
     TaskEvaluator,
     evaluate_task,
@@ -31,6 +40,7 @@ from lathe.posttrain.common import (
 )
 from lathe.posttrain.config import SFTConfig
 from lathe.posttrain.tool_episodes import EpisodeRunner
+from lathe.pretrain.runtime.memory_plan import Parallelism, StepShape
 from lathe.pretrain.runtime.trainer import Runtime
 
 
@@ -58,11 +68,18 @@ def heldout_loss(runtime: Runtime, examples: list[Example], micro_batch: int,
     return float(total[0] / total[1])
 
 
+def step_shape(config: SFTConfig, parallelism: Parallelism,
+               model_config: ModelConfig | None = None) -> StepShape:
+    """One SFT micro-batch, for memory plans."""
+    return chat_shape(config, model_config or read_model_config(config.model), parallelism)
+
+
 def sft(config: SFTConfig, resume: str = "never") -> dict[str, Any]:
     runtime = Runtime(config, stage="sft")
     model, encoder = load_policy(runtime, config)
     model_config = model.config
-    run = start_chat_run(runtime, config, model, encoder, resume)
+    run = start_chat_run(runtime, config, model, encoder, resume,
+                         step_shape(config, runtime.parallelism, model_config))
     evaluator = TaskEvaluator(config.task_eval, config.model, encoder,
                               EpisodeRunner(encoder, config.tools))
     runtime.print(f"sft: {len(run.train):,} chats ({run.mean_len:.0f} tokens on average), "

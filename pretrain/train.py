@@ -28,6 +28,7 @@ from lathe.model.transformer import Transformer
 from lathe.pretrain.config import PretrainConfig
 from lathe.pretrain.evaluate import sample_continuations, validation_metrics
 from lathe.pretrain.expert_balance import ExpertBiasBalancer
+from lathe.pretrain.runtime.memory_plan import StepShape, memory_line
 from lathe.pretrain.runtime.trainer import Runtime, Work
 
 
@@ -91,7 +92,7 @@ def pretrain(config: PretrainConfig, resume: str = "never") -> dict[str, Any]:
 
     torch.manual_seed(config.seed)
     model = Transformer(model_config)
-    runtime.prepare(model, total_steps)
+    runtime.prepare(model, total_steps, step_shape(config))
     restored = runtime.start(config, resume)
     last_eval: dict[str, float] = {}
     if restored is not None:
@@ -135,6 +136,7 @@ def pretrain(config: PretrainConfig, resume: str = "never") -> dict[str, Any]:
         if runtime.should(config.checkpoint.every):
             runtime.save({"loader": train_loader.state_dict(), "last_eval": last_eval})
 
+    memory = runtime.memory_report()  # the steps' peak, before the export gathers weights
     final = Path(config.out_dir) / "final"
     runtime.export(model_config, final, Path(config.data.tokenizer), {
         "config": to_dict(config), "data": config.data.shards, "final_metrics": last_eval})
@@ -143,11 +145,17 @@ def pretrain(config: PretrainConfig, resume: str = "never") -> dict[str, Any]:
                "parameters": model_config.num_params(), "seconds": round(seconds, 1),
                "final": str(final), "parallel": runtime.setup,
                "converters": runtime.converters, "peak_flops_source": runtime.peak_source,
-               **last_eval}
+               "memory": memory, **last_eval}
     if runtime.is_main:
         write_json(Path(config.out_dir) / "summary.json", summary)
         print(_summary_text(summary, config.out_dir))
     return summary
+
+
+def step_shape(config: PretrainConfig) -> StepShape:
+    """One micro-batch of pretraining: windows of data.seq_len tokens, mean cross-entropy."""
+    return StepShape(config.micro_batch_size, config.data.seq_len, "loss",
+                     config.grad_accum_steps, packed=config.data.document_mask)
 
 
 def _banner(runtime: Runtime, model_config: ModelConfig, total_steps: int, tokens_per_step: int,
@@ -164,7 +172,8 @@ def _summary_text(summary: dict[str, Any], out_dir: str) -> str:
     loss = summary.get("val/loss", math.nan)
     bpb = summary.get("val/bpb", math.nan)
     return (f"done: {summary['steps']} steps, {summary['tokens_seen']:,} tokens in "
-            f"{summary['seconds']:.0f}s; val loss {loss:.4f}, val bpb {bpb:.4f}\n"
+            f"{summary['seconds']:.0f}s; val loss {loss:.4f}, val bpb {bpb:.4f}; "
+            f"{memory_line(summary['memory'])}\n"
             f"checkpoint: {summary['final']}   metrics: {out_dir}/metrics.jsonl   "
             f"summary: {out_dir}/summary.json")
 

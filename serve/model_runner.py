@@ -66,14 +66,17 @@ def select_rows(tensor: Tensor, rows: list[int]) -> Tensor:
 class ModelRunner:
     def __init__(self, model: Transformer, slabs: KVSlabs, device: torch.device,
                  rows: int = 64, compile_decode: bool = False,
+                 retain_memory: bool = True,
                  max_static_rows: int | None = None) -> None:
         """`max_static_rows`: the most tokens a compiled step may have (None: any number, in
-        several calls past the largest bucket)."""
+        several calls past the largest bucket); `retain_memory`: as
+        `EngineConfig.retain_freed_memory`."""
         self.model, self.slabs, self.device = model, slabs, device
         self.max_static_rows = max_static_rows if max_static_rows is not None else 1 << 62
         if device.type == "cpu":  # paged decode attention, and the GEMMs' graph ops
             load_cpu_kernels()
-            retain_freed_memory()  # a step's temporaries reuse the last step's pages
+            if retain_memory:  # a step's temporaries reuse the last step's pages
+                retain_freed_memory()
         self.block_size = slabs.block_size
         # no sequence holds more blocks than the cache has: a table as wide as a config's
         # max_position_embeddings alone (1e10 of them: 320 GB) would never be filled

@@ -68,15 +68,54 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     if device.type == "cuda":
         return {"memory/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2**30,
                 "memory/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
-    stats = {}
+    return {f"memory/{label}_gib": kib / 2**20 for label, kib in
+            (("rss", _status_kib("VmRSS")), ("peak_rss", _status_kib("VmHWM")))
+            if kib is not None}
+
+
+class PeakMemory:
+    """The most memory this rank held since `start`, comparable with a memory plan: on CUDA
+    `max_memory_allocated` (tensors only), elsewhere the peak resident set minus the
+    resident set at `start` (Linux: /proc/self/status, its peak reset through
+    /proc/self/clear_refs). On CPU it counts every allocation, the allocator's retained
+    pages among them; glibc returns freed large blocks to the system only below its mmap
+    threshold, which it raises after each free unless MALLOC_MMAP_THRESHOLD_ is set."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.base = 0
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = 0
+            return
+        with contextlib.suppress(OSError):
+            Path("/proc/self/clear_refs").write_text("5")
+        self.base = (_status_kib("VmRSS") or 0) * 1024
+
+    def resident(self) -> int:
+        """Bytes held now above the start (CUDA: allocated)."""
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return max((_status_kib("VmRSS") or 0) * 1024 - self.base, 0)
+
+    def peak(self) -> int:
+        """Bytes; 0 where nothing can tell."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return max((_status_kib("VmHWM") or 0) * 1024 - self.base, 0)
+
+
+def _status_kib(key: str) -> int | None:
     status = Path("/proc/self/status")
-    if status.is_file():
-        for line in status.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                label = "rss" if key == "VmRSS" else "peak_rss"
-                stats[f"memory/{label}_gib"] = int(value.split()[0]) / 2**20
-    return stats
+    if not status.is_file():
+        return None
+    for line in status.read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name == key:
+            return int(value.split()[0])
+    return None
 
 
 class Throughput:

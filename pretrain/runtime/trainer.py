@@ -41,7 +41,22 @@ from lathe.pretrain.runtime import state as training_state
 from lathe.pretrain.runtime.config import TrainConfig
 from lathe.pretrain.runtime.converters import apply_converters
 from lathe.pretrain.runtime.launch import build_accelerator, describe
-from lathe.pretrain.runtime.monitor import MetricsLog, Throughput, memory_stats, peak_flops
+from lathe.pretrain.runtime.memory_plan import (
+    MemoryPlan,
+    Parallelism,
+    PlanError,
+    StepShape,
+    deepspeed_buckets,
+    parallelism_of_setup,
+    plan_memory,
+)
+from lathe.pretrain.runtime.monitor import (
+    MetricsLog,
+    PeakMemory,
+    Throughput,
+    memory_stats,
+    peak_flops,
+)
 from lathe.pretrain.runtime.optim import build_optimizers
 from lathe.pretrain.runtime.precision import compute_dtype, default_mixed_precision
 from lathe.pretrain.runtime.schedule import lr_factor
@@ -122,6 +137,9 @@ class Runtime:
         self.step = 0
         self.tokens_seen = 0
         self._progress: Any = None  # the rank-0 progress bar
+        self.plan: MemoryPlan | None = None
+        self.peak_memory = PeakMemory(self.device)
+        self.peak_memory.start()  # before the stage loads any weight
         set_seed(config.seed)
 
     # -- setup ---------------------------------------------------------------------------
@@ -134,9 +152,13 @@ class Runtime:
     def rank(self) -> int:
         return self.accelerator.process_index
 
-    def prepare(self, model: Transformer, total_steps: int) -> None:
-        """Convert, build optimizers, wrap for the launch's parallelism, start throughput."""
+    def prepare(self, model: Transformer, total_steps: int,
+                shape: StepShape | None = None) -> None:
+        """Print the memory plan of a micro-batch of `shape` (a stage's), convert, build
+        optimizers, wrap for the launch's parallelism, start throughput."""
         self.total_steps = total_steps
+        if self.is_main and shape is not None:
+            self._print_plan(model, shape)
         self.converters = apply_converters(model, self.config.precision, self.device)
         if "fp8_not_experts" in self.converters:
             self.print(f"fp8: {self.converters['fp8_not_experts']}")
@@ -148,13 +170,50 @@ class Runtime:
                 f"{kind.value}, which shards them; use a DDP or single-process launch config, "
                 "or optim.name=adamw")
         if kind is DistributedType.DEEPSPEED:
-            self._configure_deepspeed()
+            self._configure_deepspeed(model.config.dim)
         if not self.head_whole_in_forward:
             model.chunked_head = False  # each rank holds a slice of the head, not the matrix
         prepared = self.accelerator.prepare(model, *optimizers)
         self.model, self.optimizers = prepared[0], list(prepared[1:])
         peak, self.peak_source = peak_flops(self.device, fp8=self.config.precision.fp8)
         self.throughput = Throughput(peak * self.world_size)
+
+    def _print_plan(self, model: Transformer, shape: StepShape) -> None:
+        try:
+            plan = self.memory_plan(model.config, shape)
+        except PlanError as error:  # a plan informs; it never stops a run
+            self.print(f"memory plan: {error}")
+            return
+        if self.device.type == "cpu":  # the host's data shares the device's memory here
+            tensors = sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
+            plan = dataclasses.replace(plan, host=max(
+                self.peak_memory.resident() - tensors - shape.frozen_bytes, 0))
+        self.plan = plan
+        self.print(plan.table())
+
+    @property
+    def parallelism(self) -> Parallelism:
+        """This launch as a memory plan sees it."""
+        return parallelism_of_setup(self.setup, self.device.type)
+
+    def memory_plan(self, model_config: ModelConfig, shape: StepShape) -> MemoryPlan:
+        """What one step of this launch holds per rank (`lathe.pretrain.runtime.memory_plan`),
+        traced without touching this process's random streams."""
+        precision = self.config.precision
+        with torch.random.fork_rng(devices=[]):
+            return plan_memory(model_config, shape, self.parallelism,
+                               lora=getattr(self.config, "lora", None),
+                               activation_checkpointing=precision.activation_checkpointing,
+                               z_loss=precision.z_loss)
+
+    def memory_report(self) -> dict[str, float]:
+        """The largest peak of any rank against the plan (GiB; collective)."""
+        peak = torch.tensor([float(self.peak_memory.peak())], device=self.device)
+        peak = float(self.accelerator.gather(peak).max())
+        report = {"peak_gib": round(peak / 2**30, 3)}
+        if self.plan is not None:
+            report["plan_gib"] = round(self.plan.total / 2**30, 3)
+        return report
 
     @property
     def sharded(self) -> bool:
@@ -208,9 +267,15 @@ class Runtime:
             return engine
         return model.to(self.device)
 
-    def _configure_deepspeed(self) -> None:
-        """Batch geometry and clipping are the runtime's; DeepSpeed must agree with them."""
+    def _configure_deepspeed(self, dim: int) -> None:
+        """Batch geometry and clipping are the runtime's; DeepSpeed must agree with them.
+        Communication buckets a DeepSpeed config leaves unset or "auto" are sized by the
+        model (`deepspeed_buckets`), as transformers' Trainer sizes them."""
         ds = self.accelerator.state.deepspeed_plugin.deepspeed_config
+        zero = ds.setdefault("zero_optimization", {})
+        for key, value in deepspeed_buckets(dim).items():
+            if zero.get(key, "auto") == "auto":
+                zero[key] = value
         c = self.config
         ds["train_micro_batch_size_per_gpu"] = c.micro_batch_size
         ds["gradient_accumulation_steps"] = c.grad_accum_steps

@@ -43,3 +43,25 @@ def test_retained_memory_stops_the_page_faults_of_repeated_temporaries():
     assert faults("mmap") > 20_000  # 8.3 MiB of pages, faulted in again each pass
     assert faults("retain") < 1_000
     assert retain_freed_memory()  # set once, and says so again
+
+
+ENGINE = """
+import sys
+from lathe.serve import host_memory
+from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.sampling import SamplingParams
+from tests.builders import serve_model
+engine = LLMEngine(serve_model(), config=EngineConfig(
+    num_blocks=16, retain_freed_memory=sys.argv[1] == "retain"))
+engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))
+print(host_memory._retained)
+"""
+
+
+def test_an_engine_inside_a_training_process_leaves_malloc_alone():
+    """A training stage's evaluation engine (`retain_freed_memory=False`) must not make the
+    process keep its freed activations for good; a serving engine does."""
+    runs = {mode: subprocess.run([sys.executable, "-c", ENGINE, mode], capture_output=True,
+                                 text=True, timeout=120, check=True).stdout.split()[-1]
+            for mode in ("retain", "leave")}
+    assert runs == {"retain": str(retain_freed_memory()), "leave": "False"}
