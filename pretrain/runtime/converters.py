@@ -86,14 +86,17 @@ def _subclass(cls: type, prefix: str,
     all of them. A forward set on each instance instead made dynamo guard on the instance's
     function, recompile per block and, past its recompile limit, run the rest eagerly (FP8
     pretraining at half bf16's speed on an H200); with activation checkpointing it was not
-    compiled at all."""
+    compiled at all. The subclass keeps `cls`'s name: accelerate finds FSDP2's units by it
+    (`fsdp_transformer_layer_cls_to_wrap: DecoderLayer`), and a checkpointed block named
+    otherwise failed every FSDP2 launch with "Could not find the transformer layer class";
+    `prefix` only tells the cached subclasses apart."""
     base_forward = cls.forward
 
     def forward(self: nn.Module, *args, **kwargs) -> Tensor:
         return wrapper(base_forward, self, *args, **kwargs)
 
-    return type(f"{prefix}{cls.__name__}", (cls,), {"forward": forward,
-                                                    "__module__": cls.__module__})
+    return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
+                                       "__qualname__": f"{prefix}.{cls.__qualname__}"})
 
 
 def compile_blocks(model: Transformer) -> None:

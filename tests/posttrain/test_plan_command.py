@@ -9,7 +9,10 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from lathe.core.cli import run_command
+from lathe.posttrain.plan_bench import PlanCase, measure, plan_checkpoint
 from lathe.posttrain.sft import main as sft_main
 from tests.posttrain.conftest import quick
 
@@ -81,3 +84,16 @@ def test_a_stage_prints_its_plan_and_reports_its_peak(capsys, base, tmp_path):
     assert re.search(r"peak memory [\d.]+ GiB a rank \(planned [\d.]+ GiB\)", out)
     memory = json.loads((tmp_path / "sft" / "summary.json").read_text())["memory"]
     assert memory["peak_gib"] > 0 and memory["plan_gib"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [
+    PlanCase("LoRA, FSDP2 × 2, checkpointing", "cpu-fsdp2", lora=True, checkpointing=True),
+    PlanCase("full, ZeRO-3 × 2", "cpu-zero3"),
+], ids=["lora-fsdp2-checkpointing", "zero3"])
+def test_a_two_process_run_peaks_within_15_percent_of_its_plan(tmp_path, case):
+    """The bench's check (`python -m lathe.posttrain.bench --only plan`) on two of its
+    launches, at a smaller model: the largest rank's measured peak against the plan."""
+    checkpoint = plan_checkpoint(tmp_path / "model", dim=512, layers=4)
+    memory = measure(case, checkpoint, tmp_path)
+    assert abs(memory["plan_gib"] / memory["peak_gib"] - 1) < 0.15, memory
