@@ -47,6 +47,7 @@ from lathe.data.chat_template import REASONING_FIELDS, ChatTemplate, ChatTemplat
 from lathe.data.formats import Chat, Tools
 from lathe.data.messages import Message
 from lathe.data.tokenizer import load_tokenizer
+from lathe.data.training_templates import training_template
 
 _REASONING = frozenset(REASONING_FIELDS)
 # stand-ins for an assistant message, to find where a template renders it
@@ -73,12 +74,16 @@ def overlap_mask(offsets: Sequence[tuple[int, int]], spans: Spans) -> list[bool]
 
 class ChatEncoder:
     """A tokenizer and a chat template (with its extra variables, e.g. `enable_thinking`);
-    `name` says which template in errors ("the chat template of runs/sft/final")."""
+    `name` says which template in errors ("the chat template of runs/sft/final").
+    `training`: the template's training version (`lathe.data.training_templates`), which
+    training conversations and preference splits render through; prompts render through
+    `template`, as the served model's do."""
 
     def __init__(self, tokenizer: Tokenizer, template: ChatTemplate, name: str,
                  template_kwargs: dict[str, Any] | None = None,
-                 end_ids: Sequence[int] = ()) -> None:
+                 end_ids: Sequence[int] = (), training: ChatTemplate | None = None) -> None:
         self.tokenizer, self.template, self.name = tokenizer, template, name
+        self.trains_through = training or template
         self.kwargs = dict(template_kwargs or {})
         # the end-of-turn tokens as text, longest first (one may start with another)
         self.ends = sorted({text for text in map(tokenizer.id_to_token, end_ids) if text},
@@ -98,8 +103,8 @@ class ChatEncoder:
     def conversation(self, chat: Chat) -> tuple[list[int], list[bool]]:
         """The conversation's ids and, per id, whether the model is trained to write it."""
         try:
-            if self.template.has_generation_blocks:
-                text, spans = self.template.render_with_spans(
+            if self.trains_through.has_generation_blocks:
+                text, spans = self.trains_through.render_with_spans(
                     chat.messages, False, chat.tools, **self.kwargs)
                 spans = [(start, end) for start, end in spans if end > start]
                 if not spans:
@@ -120,8 +125,8 @@ class ChatEncoder:
         prompt (with its generation prompt) ends in the rendered conversation (TRL's split).
         A template that renders the prompt differently once the reply follows is refused."""
         try:
-            before = self.render(prompt, tools)
-            through = self.render(prompt + reply, tools, add_generation_prompt=False)
+            before = self.trains_through.render(prompt, True, tools, **self.kwargs)
+            through = self.trains_through.render(prompt + reply, False, tools, **self.kwargs)
         except ChatTemplateError as error:
             raise ConfigError(f"{where}: {self.name} cannot render this pair: {error}") \
                 from None
@@ -244,7 +249,8 @@ class ChatEncoder:
             checks.append(("tools", messages, None))
         for what, stripped, tools in checks:
             try:
-                ignored = self.render(stripped, tools, add_generation_prompt=False) == text
+                ignored = self.trains_through.render(stripped, False, tools,
+                                                     **self.kwargs) == text
             except ChatTemplateError:
                 ignored = False  # it needs the field, so it renders it
             if ignored:
@@ -268,6 +274,11 @@ def chat_encoder(checkpoint: str | Path, template_file: str | Path | None = None
     template = ChatTemplate.from_checkpoint(checkpoint, template_file)
     name = (f"chat_template={str(template_file)!r}" if template_file is not None
             else f"the chat template of {checkpoint}")
+    training = None
+    known = None if template.has_generation_blocks else training_template(template.source)
+    if known is not None:
+        training = ChatTemplate(known[1], template.special_tokens)
+        name += f" (trained through TRL's {known[0]}_training version)"
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(checkpoint)
     ends = read_eos_ids(checkpoint, tokenizer.get_vocab_size(with_added_tokens=True))
-    return ChatEncoder(tokenizer, template, name, template_kwargs, ends)
+    return ChatEncoder(tokenizer, template, name, template_kwargs, ends, training)
