@@ -144,8 +144,11 @@ class DPOConfig(PosttrainConfig):
     model: str = "runs/sft/final"
     reference: str | None = None  # default: the starting policy (or the base under LoRA)
     beta: float = 0.1
-    loss: Literal["sigmoid", "ipo"] = "sigmoid"
-    rpo_alpha: float = 0.0  # weight of the chosen replies' NLL added to the loss (TRL's RPO)
+    # sigmoid (DPO), ipo: against the reference; simpo, orpo: the policy alone, no reference
+    loss: Literal["sigmoid", "ipo", "simpo", "orpo"] = "sigmoid"
+    simpo_gamma: float = 0.5  # SimPO's target reward margin γ (TRL's default)
+    # weight of the chosen replies' NLL added to the loss (TRL's RPO; CPO's cpo_alpha)
+    rpo_alpha: float = 0.0
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
 
     def __post_init__(self) -> None:
@@ -155,6 +158,15 @@ class DPOConfig(PosttrainConfig):
         if self.rpo_alpha < 0:
             raise ConfigError(f"rpo_alpha={self.rpo_alpha} must be >= 0 (0: plain DPO; TRL "
                               "suggests 1.0)")
+        if self.simpo_gamma < 0:
+            raise ConfigError(f"simpo_gamma={self.simpo_gamma} must be >= 0 (TRL's default "
+                              "is 0.5)")
+        if self.loss == "orpo" and self.rpo_alpha:
+            raise ConfigError(f"rpo_alpha={self.rpo_alpha} with loss=orpo: ORPO already "
+                              "trains the chosen sequences' NLL; leave rpo_alpha at 0")
+        if self.loss in ("simpo", "orpo") and self.reference is not None:
+            raise ConfigError(f"reference={self.reference!r} with loss={self.loss}, which "
+                              "uses no reference model; drop reference")
 
     def training_sources(self) -> list[str]:
         return [self.data.train]

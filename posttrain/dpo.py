@@ -1,6 +1,8 @@
 """Direct preference optimization (`lathe dpo` / `accelerate launch -m lathe.posttrain.dpo`):
 raise the policy's log-likelihood ratio of chosen over rejected replies, relative to a
-frozen reference, without a reward model.
+frozen reference, without a reward model — or, with `loss: simpo | orpo`, the policy's own
+length-normalized margin (SimPO) or odds ratio beside the chosen sequences' NLL (ORPO),
+with no reference at all (TRL's CPO and ORPO trainers' losses).
 
 Read top to bottom: config -> runtime -> policy (± LoRA) -> tokenized pairs (prompts fitted
 to max_prompt_length) -> the runtime wraps the policy -> reference log-probs, computed once
@@ -8,7 +10,7 @@ before any update for every pair the run's steps will draw (not the whole datase
 run is shorter than an epoch) and cached with each pair: by the wrapped policy itself
 (under LoRA with its adapters disabled), so they share its precision and sharding and no
 second copy is loaded, or by a `reference` checkpoint prepared the same way -> loop
-(sigmoid or IPO loss, plus `rpo_alpha` × the chosen replies' NLL; chosen/rejected rewards,
+(sigmoid, IPO, SimPO or ORPO loss, plus `rpo_alpha` × the chosen replies' NLL; rewards,
 margins, accuracy) -> held-out preference
 accuracy and task accuracy -> export -> summary.
 """
@@ -16,6 +18,7 @@ accuracy and task accuracy -> export -> summary.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +32,7 @@ from lathe.data.chat_encoding import ChatEncoder
 from lathe.data.formats import PreferenceRow, load_preference_dataset
 from lathe.model.checkpoint import load_checkpoint, read_model_config
 from lathe.model.config import ModelConfig
+from lathe.model.head_ops import LabelLogprobs
 from lathe.model.lora import adapters_disabled
 from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.common import (
@@ -90,8 +94,12 @@ def collate_sides(pairs: list[Pair], pad_token: int, device: torch.device) -> di
             "labels": pad([s[1] for s in sides], IGNORE_INDEX).to(device)}
 
 
-def collate(pairs: list[Pair], pad_token: int, device: torch.device) -> dict[str, Any]:
-    """`collate_sides` with the pairs' cached reference log-probs."""
+def collate(pairs: list[Pair], pad_token: int, device: torch.device,
+            with_reference: bool = True) -> dict[str, Any]:
+    """`collate_sides` with the pairs' cached reference log-probs (unless the loss takes
+    none)."""
+    if not with_reference:
+        return collate_sides(pairs, pad_token, device)
     missing = sum(p.reference is None for p in pairs)
     if missing:
         raise RuntimeError(f"{missing} of {len(pairs)} pairs have no reference log-probs: "
@@ -106,19 +114,42 @@ def sequence_logprobs(model: nn.Module, batch: dict[str, Tensor], mean: bool) ->
 
 
 def rpo_loss(model: nn.Module, batch: dict[str, Tensor], mean: bool, beta: float, kind: str,
-             rpo_alpha: float) -> tuple[Tensor, dict[str, Tensor]]:
-    """DPO's loss plus `rpo_alpha` × the per-token NLL of the chosen replies (TRL's
-    rpo_alpha, Pang et al. 2024): DPO alone lowers the chosen replies' likelihood too
-    (only the margin must grow), which on exact-answer tasks costs accuracy."""
-    total, count = token_logprobs(model, batch["ids"], batch["labels"])
+             rpo_alpha: float, simpo_gamma: float = 0.5) -> tuple[Tensor, dict[str, Tensor]]:
+    """The preference loss `kind` of a batch of pairs (chosen rows, then rejected) on each
+    reply's summed or (`mean`) per-token log-prob, plus `rpo_alpha` × the per-token NLL of
+    the chosen replies (TRL's rpo_alpha, Pang et al. 2024; CPO's cpo_alpha): DPO alone
+    lowers the chosen replies' likelihood too (only the margin must grow), which on
+    exact-answer tasks costs accuracy."""
+    ids, labels = batch["ids"], batch["labels"]
+    if kind == "orpo":  # one head pass scores every token: the replies and whole chosen rows
+        lengths = torch.as_tensor(batch["lengths"], device=ids.device)
+        whole = torch.where(torch.arange(ids.shape[1], device=ids.device) < lengths[:, None],
+                            ids, IGNORE_INDEX)
+        per_token = model(ids, head_op=LabelLogprobs(whole)).head
+        replies = labels[:, 1:] != IGNORE_INDEX
+        total, count = (per_token * replies).sum(-1), replies.sum(-1)
+    else:
+        total, count = token_logprobs(model, ids, labels)
     logps = total / count.clamp(min=1) if mean else total
-    loss, metrics = dpo_loss(logps, batch["reference"], beta, kind)
+    if kind == "simpo":
+        loss, metrics = simpo_loss(logps, beta, simpo_gamma)
+    elif kind == "orpo":
+        chosen = slice(0, ids.shape[0] // 2)
+        scored = whole[chosen, 1:] != IGNORE_INDEX
+        nll = -per_token[chosen].sum() / scored.sum().clamp(min=1)
+        loss, metrics = orpo_loss(logps, nll, beta)
+    else:
+        loss, metrics = dpo_loss(logps, batch["reference"], beta, kind)
     if rpo_alpha:
         chosen_total, chosen_count = total.chunk(2)[0], count.chunk(2)[0]
         nll = -chosen_total.sum() / chosen_count.sum().clamp(min=1)
         loss = loss + rpo_alpha * nll
         metrics |= {"loss": loss, "nll_loss": nll.detach()}
     return loss, metrics
+
+
+REFERENCE_FREE = ("simpo", "orpo")  # losses of the policy's log-probs alone
+MEAN_LOGPS = ("ipo", "simpo", "orpo")  # losses of each reply's mean token log-prob (TRL's)
 
 
 def dpo_loss(policy_logps: Tensor, reference_logps: Tensor, beta: float,
@@ -134,11 +165,41 @@ def dpo_loss(policy_logps: Tensor, reference_logps: Tensor, beta: float,
         loss = (logits - 1 / (2 * beta)).pow(2).mean()
     else:
         loss = -F.logsigmoid(beta * logits).mean()
-    rewards_chosen, rewards_rejected = beta * chosen.detach(), beta * rejected.detach()
-    return loss, {"loss": loss, "rewards/chosen": rewards_chosen.mean(),
-                  "rewards/rejected": rewards_rejected.mean(),
-                  "rewards/margins": (rewards_chosen - rewards_rejected).mean(),
-                  "rewards/accuracy": (rewards_chosen > rewards_rejected).float().mean()}
+    return loss, reward_metrics(loss, beta * chosen.detach(), beta * rejected.detach())
+
+
+def simpo_loss(policy_logps: Tensor, beta: float, gamma: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """SimPO (Meng et al. 2024; TRL's CPO with loss_type="simpo") on (2B,) per-token mean
+    log-probs, B chosen then B rejected: −log σ(β·(π_c − π_r) − γ), with no reference."""
+    chosen, rejected = policy_logps.chunk(2)
+    loss = -F.logsigmoid(beta * (chosen - rejected - gamma / beta)).mean()
+    return loss, reward_metrics(loss, beta * chosen.detach(), beta * rejected.detach())
+
+
+def orpo_loss(policy_logps: Tensor, chosen_nll: Tensor,
+              beta: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """ORPO (Hong et al. 2024; TRL's ORPOTrainer) on (2B,) per-token mean log-probs log p,
+    B chosen then B rejected: the chosen sequences' NLL − β · mean log σ(log odds ratio),
+    where a reply's odds are p / (1 − p); no reference."""
+    chosen, rejected = policy_logps.float().chunk(2)
+    log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
+    ratio = F.logsigmoid(log_odds)
+    loss = chosen_nll - beta * ratio.mean()
+    return loss, reward_metrics(loss, beta * chosen.detach(), beta * rejected.detach()) | {
+        "nll_loss": chosen_nll.detach(), "log_odds_ratio": ratio.mean().detach(),
+        "log_odds_chosen": log_odds.mean().detach()}
+
+
+def _log1mexp(x: Tensor) -> Tensor:
+    """log(1 − exp(x)) for x < 0, each branch where it keeps its precision (at −ln 2)."""
+    return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def reward_metrics(loss: Tensor, chosen: Tensor, rejected: Tensor) -> dict[str, Tensor]:
+    """The loss and the implicit rewards of chosen and rejected replies, as TRL logs them."""
+    return {"loss": loss, "rewards/chosen": chosen.mean(), "rewards/rejected": rejected.mean(),
+            "rewards/margins": (chosen - rejected).mean(),
+            "rewards/accuracy": (chosen > rejected).float().mean()}
 
 
 @torch.no_grad()
@@ -184,15 +245,15 @@ def heldout_preference(runtime: Runtime, pairs: list[Pair], config: DPOConfig,
     sums = torch.zeros(3, device=runtime.device)
     for rows, counts in rank_batches(pairs, config.micro_batch_size, runtime.rank,
                                      runtime.world_size):
-        batch = collate(rows, pad_token, runtime.device)
-        logps = sequence_logprobs(model, batch, config.loss == "ipo")
-        loss, metrics = dpo_loss(logps, batch["reference"], config.beta, config.loss)
+        batch = collate(rows, pad_token, runtime.device, config.loss not in REFERENCE_FREE)
+        loss, metrics = rpo_loss(model, batch, config.loss in MEAN_LOGPS, config.beta,
+                                 config.loss, config.rpo_alpha, config.simpo_gamma)
         n = len(rows) * counts
         sums += torch.stack([loss * n, metrics["rewards/accuracy"] * n,
                              torch.tensor(float(n), device=runtime.device)])
     model.train()
     sums = runtime.accelerator.reduce(sums, reduction="sum")
-    return {"eval/dpo_loss": float(sums[0] / sums[2]),
+    return {"eval/preference_loss": float(sums[0] / sums[2]),
             "eval/preference_accuracy": float(sums[1] / sums[2])}
 
 
@@ -211,7 +272,8 @@ def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
     runtime = Runtime(config, stage="dpo")
     model, encoder = load_policy(runtime, config)
     model_config = model.config
-    data, pad_token, mean = config.data, pad_id(encoder.tokenizer), config.loss == "ipo"
+    data, pad_token = config.data, pad_id(encoder.tokenizer)
+    mean, reference_free = config.loss in MEAN_LOGPS, config.loss in REFERENCE_FREE
     fit = PromptFit(data.max_prompt_length or data.max_len // 2, data.prompt_overflow)
     if fit.max_prompt_length >= data.max_len or data.max_len > model_config.max_seq_len:
         raise ConfigError(f"data.max_prompt_length={fit.max_prompt_length} must be below "
@@ -236,9 +298,10 @@ def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
     runtime.prepare(model, total_steps, step_shape(config, runtime.parallelism, model_config))
     # only the pairs this run's steps draw: a run shorter than an epoch needs no more
     drawn = batches.drawn_by(total_steps * config.grad_accum_steps)
-    with reference_model(runtime, config) as reference, runtime.autocast():
-        attach_reference(reference, drawn + heldout, mean, config.micro_batch_size, pad_token,
-                         runtime.device)
+    if not reference_free:
+        with reference_model(runtime, config) as reference, runtime.autocast():
+            attach_reference(reference, drawn + heldout, mean, config.micro_batch_size,
+                             pad_token, runtime.device)
     restored = runtime.start(config, resume)
     if restored is not None:
         batches.load_state_dict(restored["batches"])
@@ -247,13 +310,15 @@ def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
     runtime.print(f"dpo: {len(train):,} pairs, {len(heldout)} held out, beta {config.beta}, "
                   f"{config.loss} loss"
                   + (f" + {config.rpo_alpha} × chosen NLL" if config.rpo_alpha else "")
-                  + f", {total_steps} steps; reference log-probs cached for the "
-                  + f"{len(drawn):,} pairs they draw"
-                  + (" (adapters disabled)" if config.lora.enabled else "")
+                  + f", {total_steps} steps; "
+                  + ("no reference model" if reference_free else
+                     f"reference log-probs cached for the {len(drawn):,} pairs they draw"
+                     + (" (adapters disabled)" if config.lora.enabled else ""))
                   + f"; {encoder.name}; {fit.report()}")
 
     def loss_fn(m: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-        return rpo_loss(m, batch, mean, config.beta, config.loss, config.rpo_alpha)
+        return rpo_loss(m, batch, mean, config.beta, config.loss, config.rpo_alpha,
+                        config.simpo_gamma)
 
     history = stage_history(restored, "preference_accuracy", "accuracy")
 
@@ -265,14 +330,15 @@ def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
         history["accuracy"].append(accuracy)
         runtime.print(f"step {runtime.step}: held-out preference accuracy "
                       f"{metrics['eval/preference_accuracy']:.1%} (loss "
-                      f"{metrics['eval/dpo_loss']:.4f}), {config.task_eval.task} accuracy "
+                      f"{metrics['eval/preference_loss']:.4f}), {config.task_eval.task} accuracy "
                       f"{percent(accuracy)}")
         return stop_reached(runtime, config.task_eval, accuracy)
 
     if restored is None:
         evaluate()
     train_on_batches(runtime, config, batches,
-                     lambda rows: collate(rows, pad_token, runtime.device), loss_fn,
+                     lambda rows: collate(rows, pad_token, runtime.device, not reference_free),
+                     loss_fn,
                      lambda batch: sequence_work(model_config, batch["lengths"],
                                                  len(batch["lengths"]) // 2), evaluate,
                      history)

@@ -73,11 +73,14 @@ class StepCost:
         prefill = batch.prefill_tokens
         if prefill == 0:
             self.decode_seconds = self._average(self.decode_seconds, seconds)
-        elif self.decode_seconds is not None and prefill >= self.MIN_SAMPLE:
+        elif self.decode_seconds is not None and prefill >= self.MIN_SAMPLE \
+                and seconds > self.decode_seconds:
             # what the step took beyond a decode-only step is its prefill's (one without
-            # decodes pays the weights' pass all the same)
+            # decodes pays the weights' pass all the same); a step no longer than a decode
+            # was timed across a stall of the machine, not measured: averaged in as zero it
+            # turned the budget off (CI saw it under load)
             self.token_seconds = self._average(
-                self.token_seconds, max(seconds - self.decode_seconds, 0.0) / prefill)
+                self.token_seconds, (seconds - self.decode_seconds) / prefill)
 
     def prefill_cap(self) -> int | None:
         if not self.max_stall or self.decode_seconds is None or not self.token_seconds:

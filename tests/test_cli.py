@@ -23,7 +23,7 @@ def test_every_package_registers_its_subcommands_and_help_lists_them(capsys):
         assert callable(entry.load()), name
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert "  posttrain: distill dpo grpo sft\n" in out
+    assert "  posttrain: distill dpo grpo plan sft\n" in out
     listed = {word for line in out.splitlines() if line.startswith("  ") for word in line.split()}
     assert set(registered) <= listed
 

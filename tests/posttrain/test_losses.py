@@ -10,7 +10,7 @@ import torch
 from lathe.core.errors import ConfigError
 from lathe.model import ModelConfig, Transformer
 from lathe.posttrain.config import DPOConfig
-from lathe.posttrain.dpo import dpo_loss, rpo_loss
+from lathe.posttrain.dpo import dpo_loss, orpo_loss, rpo_loss, simpo_loss
 from lathe.posttrain.grpo import clipped_surrogate, group_advantages
 from lathe.posttrain.rewards import exact_number, length_penalty, load_reward
 
@@ -109,3 +109,73 @@ def test_reward_registry_and_user_functions():
 
 def my_reward(completion: str, reference: str) -> float:
     return float(len(completion))
+
+
+def trl_method(path: str, name: str, **settings):
+    """TRL 1.16's loss method `name` of the trainer at `path`, on a stand-in `self` that
+    holds only the settings it reads."""
+    import importlib
+    from types import SimpleNamespace
+
+    module, cls = path.rsplit(".", 1)
+    method = getattr(getattr(importlib.import_module(module), cls), name)
+    owner = SimpleNamespace(accelerator=SimpleNamespace(device="cpu"), alpha=0.0,
+                            label_smoothing=0.0, **settings)
+    return lambda *args: method(owner, *args)
+
+
+LOGPS = torch.tensor([-0.4, -1.3, -0.05, -2.0, -0.9, -0.7])  # mean token log-probs: 3 + 3
+
+
+def test_simpo_equals_trls_cpo_simpo_loss():
+    cpo = trl_method("trl.experimental.cpo.cpo_trainer.CPOTrainer", "cpo_loss",
+                     loss_type="simpo", beta=2.0, simpo_gamma=0.8)
+    losses, chosen, rejected = cpo(*LOGPS.chunk(2))
+    loss, metrics = simpo_loss(LOGPS, beta=2.0, gamma=0.8)
+    assert loss.item() == pytest.approx(losses.mean().item(), rel=1e-6)
+    assert metrics["rewards/chosen"].item() == pytest.approx(chosen.mean().item(), rel=1e-6)
+    assert metrics["rewards/margins"].item() == pytest.approx((chosen - rejected).mean().item())
+
+
+def test_orpo_equals_trls_odds_ratio_loss():
+    orpo = trl_method("trl.experimental.orpo.orpo_trainer.ORPOTrainer", "odds_ratio_loss",
+                      beta=0.1)
+    losses, chosen, rejected, ratio, log_odds = orpo(*LOGPS.chunk(2))
+    nll = torch.tensor(1.7)
+    loss, metrics = orpo_loss(LOGPS, nll, beta=0.1)
+    assert loss.item() == pytest.approx((nll - losses.mean()).item(), rel=1e-6)  # TRL's total
+    assert metrics["log_odds_ratio"].item() == pytest.approx(ratio.item(), rel=1e-6)
+    assert metrics["log_odds_chosen"].item() == pytest.approx(log_odds.item(), rel=1e-6)
+    far, _ = orpo_loss(torch.tensor([-1e-7, -30.0, -40.0, -1e-7]), nll, beta=0.1)
+    assert torch.isfinite(far)  # log(1 − p) stays finite at p → 1 and p → 0
+
+
+def test_orpo_scores_whole_chosen_rows_and_mean_reply_log_probs():
+    """ORPO's NLL is over each chosen row's every token after the first, prompt included
+    (TRL's, for decoder-only models); its odds use each reply's mean token log-prob."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_preset("tiny", vocab_size=64, n_layers=1))
+    ids = torch.randint(0, 64, (4, 7))
+    labels = ids.clone()
+    labels[:, :3] = -100
+    labels[2, 5:] = -100  # a shorter rejected reply, padded
+    lengths = [7, 7, 5, 7]
+    batch = {"ids": ids, "labels": labels, "lengths": lengths}
+    loss, metrics = rpo_loss(model, batch, True, 0.1, "orpo", 0.0)
+    logp = torch.log_softmax(model(ids).logits[:, :-1].float(), -1).gather(
+        -1, ids[:, 1:, None])[..., 0]
+    nll = -logp[:2].mean()  # both chosen rows are whole: 6 scored tokens each
+    assert metrics["nll_loss"].item() == pytest.approx(nll.item(), rel=1e-5)
+    replies = labels[:, 1:] != -100
+    mean = (logp * replies).sum(-1) / replies.sum(-1)
+    expected, _ = orpo_loss(mean, nll, 0.1)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_reference_free_losses_refuse_what_they_cannot_use():
+    with pytest.raises(ConfigError, match="ORPO already trains"):
+        DPOConfig(loss="orpo", rpo_alpha=1.0)
+    with pytest.raises(ConfigError, match="uses no reference model"):
+        DPOConfig(loss="simpo", reference="runs/ref")
+    with pytest.raises(ConfigError, match="simpo_gamma=-1"):
+        DPOConfig(loss="simpo", simpo_gamma=-1)

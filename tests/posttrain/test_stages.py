@@ -128,6 +128,18 @@ def test_dpo_raises_heldout_preference_accuracy(base, tmp_path, lora, capsys):
     assert accuracy[-1] > 0.6
 
 
+@pytest.mark.parametrize("loss", ["simpo", "orpo"])
+def test_reference_free_losses_raise_heldout_preference_accuracy(base, tmp_path, loss, capsys):
+    out, files = tmp_path / loss, preference_files(tmp_path)
+    overrides = {"optim.lr": 1e-3, "eval.every": 20, "loss": loss,
+                 "beta": 2.0 if loss == "simpo" else 0.1, "data.train": files["train"],
+                 "data.eval": files["test"], "micro_batch_size": 4}
+    assert main(["dpo", *quick(out, base, max_steps=20, **overrides)]) == 0
+    assert "no reference model" in capsys.readouterr().out
+    accuracy = summary(out)["preference_accuracy"]
+    assert accuracy[-1] > max(accuracy[0], 0.6)
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_drawn_by_is_what_the_steps_of_every_rank_draw(world_size):
     examples = [f"example {i}" for i in range(23)]
