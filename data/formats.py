@@ -5,6 +5,10 @@
   `lathe.data.messages`) with at least one assistant turn;
 - preference: `{"prompt", "chosen", "rejected", "tools"?}`, the prompt a string or message
   list, each reply a string or the message list that follows the prompt;
+- unpaired (KTO): `{"prompt", "completion", "label", "tools"?}`, `label` true for a
+  desirable completion (thumbs up) and false otherwise; preference pairs read as unpaired
+  rows give two, the chosen reply desirable and the rejected one not (TRL's
+  `unpair_preference_dataset`);
 - prompt: `{"prompt", "reference", "tools"?}` — a question and what a verifier compares
   against.
 
@@ -48,6 +52,15 @@ class PreferenceRow:
     prompt: list[Message]
     chosen: list[Message]  # the messages that follow the prompt (one assistant reply, most often)
     rejected: list[Message]
+    tools: Tools = None
+    where: str = ""
+
+
+@dataclass(frozen=True)
+class UnpairedRow:
+    prompt: list[Message]
+    completion: list[Message]  # the messages that follow the prompt
+    label: bool  # desirable (thumbs up) or not
     tools: Tools = None
     where: str = ""
 
@@ -163,6 +176,43 @@ def load_preference_dataset(source: str, split: str = "train",
                                  where))
         if limit is not None and len(out) == limit:
             break
+    return out
+
+
+def load_unpaired_dataset(source: str, split: str = "train",
+                          limit: int | None = None) -> list[UnpairedRow]:
+    """Labelled completions (KTO's data); a source of preference pairs gives each pair's
+    chosen reply as desirable and its rejected one as not. `limit` counts rows out."""
+    def unpaired(pair: PreferenceRow) -> list[UnpairedRow]:
+        return [UnpairedRow(pair.prompt, pair.chosen, True, pair.tools, pair.where),
+                UnpairedRow(pair.prompt, pair.rejected, False, pair.tools, pair.where)]
+
+    if _task(source, split) is not None:
+        rows = [row for pair in load_preference_dataset(source, split) for row in unpaired(pair)]
+        return rows[:limit]
+    out: list[UnpairedRow] = []
+    for where, row in _rows(source):
+        if "label" not in row and {"chosen", "rejected"} <= row.keys():
+            out += unpaired(PreferenceRow(
+                _checked(where, normalize_messages, row.get("prompt"), "prompt"),
+                _checked(where, _reply, row["chosen"], "chosen"),
+                _checked(where, _reply, row["rejected"], "rejected"),
+                _checked(where, normalize_tools, row.get("tools"), "tools"), where))
+        else:
+            for key in ("prompt", "completion", "label"):
+                if key not in row:
+                    raise ConfigError(f"{where}: missing field {key!r} (an unpaired row has "
+                                      "prompt, completion and label; a pair prompt, chosen "
+                                      "and rejected)")
+            if not isinstance(row["label"], bool):
+                raise ConfigError(f"{where}: field 'label' must be true or false, not "
+                                  f"{row['label']!r}")
+            out.append(UnpairedRow(
+                _checked(where, normalize_messages, row["prompt"], "prompt"),
+                _checked(where, _reply, row["completion"], "completion"), row["label"],
+                _checked(where, normalize_tools, row.get("tools"), "tools"), where))
+        if limit is not None and len(out) >= limit:
+            return out[:limit]
     return out
 
 

@@ -165,6 +165,12 @@ def sequence_work(model_config: ModelConfig, lengths: Sequence[int], units: floa
     return Work(units=float(units), tokens=sum(lengths), flops=flops)
 
 
+def prompt_and_reply(prompt: list[int], reply: list[int],
+                     max_len: int) -> tuple[list[int], list[int]]:
+    """A prompt and one reply as (ids, labels), labels -100 on the prompt, cut to max_len."""
+    return (prompt + reply)[:max_len], ([IGNORE_INDEX] * len(prompt) + reply)[:max_len]
+
+
 def label_count(labels: Tensor) -> int:
     """How many positions of an (N, T) label batch are scored (position t predicts t + 1)."""
     return int((labels[:, 1:] != IGNORE_INDEX).sum())

@@ -145,8 +145,13 @@ class DPOConfig(PosttrainConfig):
     reference: str | None = None  # default: the starting policy (or the base under LoRA)
     beta: float = 0.1
     # sigmoid (DPO), ipo: against the reference; simpo, orpo: the policy alone, no reference
-    loss: Literal["sigmoid", "ipo", "simpo", "orpo"] = "sigmoid"
+    # kto: unpaired labelled completions (`lathe.posttrain.kto`) against the reference
+    loss: Literal["sigmoid", "ipo", "simpo", "orpo", "kto"] = "sigmoid"
     simpo_gamma: float = 0.5  # SimPO's target reward margin γ (TRL's default)
+    # KTO's weights of desirable and undesirable completions' losses (TRL's defaults); set
+    # them so desirable_weight × desirables / (undesirable_weight × undesirables) is 1-4/3
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
     # weight of the chosen replies' NLL added to the loss (TRL's RPO; CPO's cpo_alpha)
     rpo_alpha: float = 0.0
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
@@ -161,6 +166,13 @@ class DPOConfig(PosttrainConfig):
         if self.simpo_gamma < 0:
             raise ConfigError(f"simpo_gamma={self.simpo_gamma} must be >= 0 (TRL's default "
                               "is 0.5)")
+        for name in ("desirable_weight", "undesirable_weight"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be positive (TRL's "
+                                  "default is 1.0)")
+        if self.loss == "kto" and self.rpo_alpha:
+            raise ConfigError(f"rpo_alpha={self.rpo_alpha} with loss=kto: KTO's completions are "
+                              "not all desirable, so there is no chosen NLL; leave it at 0")
         if self.loss == "orpo" and self.rpo_alpha:
             raise ConfigError(f"rpo_alpha={self.rpo_alpha} with loss=orpo: ORPO already "
                               "trains the chosen sequences' NLL; leave rpo_alpha at 0")

@@ -2,7 +2,8 @@
 raise the policy's log-likelihood ratio of chosen over rejected replies, relative to a
 frozen reference, without a reward model — or, with `loss: simpo | orpo`, the policy's own
 length-normalized margin (SimPO) or odds ratio beside the chosen sequences' NLL (ORPO),
-with no reference at all (TRL's CPO and ORPO trainers' losses).
+with no reference at all (TRL's CPO and ORPO trainers' losses); `loss: kto` learns from
+unpaired completions labelled desirable or not (`lathe.posttrain.kto`).
 
 Read top to bottom: config -> runtime -> policy (± LoRA) -> tokenized pairs (prompts fitted
 to max_prompt_length) -> the runtime wraps the policy -> reference log-probs, computed once
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,7 @@ from torch import Tensor, nn
 
 from lathe.core.errors import ConfigError
 from lathe.data.chat_encoding import ChatEncoder
-from lathe.data.formats import PreferenceRow, load_preference_dataset
+from lathe.data.formats import PreferenceRow, load_preference_dataset, load_unpaired_dataset
 from lathe.model.checkpoint import load_checkpoint, read_model_config
 from lathe.model.config import ModelConfig
 from lathe.model.head_ops import LabelLogprobs
@@ -46,6 +47,7 @@ from lathe.posttrain.common import (
     pad,
     pad_id,
     percent,
+    prompt_and_reply,
     rank_batches,
     sequence_work,
     stage_history,
@@ -55,9 +57,16 @@ from lathe.posttrain.common import (
     train_on_batches,
 )
 from lathe.posttrain.config import DPOConfig
+from lathe.posttrain.kto import (
+    attach_kto_reference,
+    collate_examples,
+    kto_objective,
+    kto_work,
+    tokenize_unpaired,
+)
 from lathe.posttrain.tool_episodes import EpisodeRunner
 from lathe.pretrain.runtime.memory_plan import Parallelism, StepShape
-from lathe.pretrain.runtime.trainer import Runtime
+from lathe.pretrain.runtime.trainer import LossFn, Runtime
 
 
 @dataclass
@@ -72,17 +81,14 @@ def tokenize_pairs(encoder: ChatEncoder, rows: list[PreferenceRow], max_len: int
     """Each pair split where its rendered prompt ends (`ChatEncoder.continuation`), the
     prompt fitted to `fit.max_prompt_length` (< max_len), each reply cut to what is left
     of max_len."""
-    def side(prompt: list[int], completion: list[int]) -> tuple[list[int], list[int]]:
-        ids = (prompt + completion)[:max_len]
-        return ids, ([IGNORE_INDEX] * len(prompt) + completion)[:max_len]
-
     pairs = []
     for row in rows:
         prompt, chosen = encoder.continuation(row.prompt, row.chosen, row.tools, row.where)
         _, rejected = encoder.continuation(row.prompt, row.rejected, row.tools, row.where)
         prompt = fit(prompt)
         if prompt is not None:
-            pairs.append(Pair(side(prompt, chosen), side(prompt, rejected)))
+            pairs.append(Pair(prompt_and_reply(prompt, chosen, max_len),
+                              prompt_and_reply(prompt, rejected, max_len)))
     return pairs
 
 
@@ -237,17 +243,16 @@ def _adapters_off(model: nn.Module) -> Iterator[nn.Module]:
 
 
 @torch.no_grad()
-def heldout_preference(runtime: Runtime, pairs: list[Pair], config: DPOConfig,
-                       pad_token: int) -> dict[str, float]:
-    """Loss and reward accuracy on held-out pairs, averaged over ranks (collective)."""
+def heldout_preference(runtime: Runtime, items: list, micro_batch: int,
+                       collated: Callable[[list], dict[str, Any]],
+                       objective: LossFn) -> dict[str, float]:
+    """Loss and reward accuracy on held-out pairs (or KTO's examples), averaged over ranks
+    (collective)."""
     model = runtime.model
     model.eval()
     sums = torch.zeros(3, device=runtime.device)
-    for rows, counts in rank_batches(pairs, config.micro_batch_size, runtime.rank,
-                                     runtime.world_size):
-        batch = collate(rows, pad_token, runtime.device, config.loss not in REFERENCE_FREE)
-        loss, metrics = rpo_loss(model, batch, config.loss in MEAN_LOGPS, config.beta,
-                                 config.loss, config.rpo_alpha, config.simpo_gamma)
+    for rows, counts in rank_batches(items, micro_batch, runtime.rank, runtime.world_size):
+        loss, metrics = objective(model, collated(rows))
         n = len(rows) * counts
         sums += torch.stack([loss * n, metrics["rewards/accuracy"] * n,
                              torch.tensor(float(n), device=runtime.device)])
@@ -274,24 +279,33 @@ def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
     model_config = model.config
     data, pad_token = config.data, pad_id(encoder.tokenizer)
     mean, reference_free = config.loss in MEAN_LOGPS, config.loss in REFERENCE_FREE
+    kto = config.loss == "kto"
     fit = PromptFit(data.max_prompt_length or data.max_len // 2, data.prompt_overflow)
     if fit.max_prompt_length >= data.max_len or data.max_len > model_config.max_seq_len:
         raise ConfigError(f"data.max_prompt_length={fit.max_prompt_length} must be below "
                           f"data.max_len={data.max_len}, itself at most the model's "
                           f"max_seq_len={model_config.max_seq_len}")
-    train = tokenize_pairs(encoder, load_preference_dataset(data.train, "train", data.limit),
-                           data.max_len, fit)
+
+    def tokenized(source: str, split: str, limit: int | None, fit: PromptFit) -> list:
+        if kto:
+            return tokenize_unpaired(encoder, load_unpaired_dataset(source, split, limit),
+                                     data.max_len, fit)
+        return tokenize_pairs(encoder, load_preference_dataset(source, split, limit),
+                              data.max_len, fit)
+
+    train = tokenized(data.train, "train", data.limit, fit)
     if not train:
         raise ConfigError(f"data.train={data.train!r}: every prompt is over "
                           f"max_prompt_length={fit.max_prompt_length} and was dropped; raise "
                           "data.max_prompt_length or set data.prompt_overflow=truncate_left")
-    heldout = tokenize_pairs(encoder, load_preference_dataset(
-        data.eval or data.train, "test", config.eval.batches * config.micro_batch_size),
-        data.max_len, PromptFit(fit.max_prompt_length, fit.overflow))
+    heldout = tokenized(data.eval or data.train, "test",
+                        config.eval.batches * config.micro_batch_size,
+                        PromptFit(fit.max_prompt_length, fit.overflow))
 
     batches = ShuffledBatches(train, config.micro_batch_size, config.seed, runtime.rank,
                               runtime.world_size)
-    mean_len = sum(len(p.chosen[0]) + len(p.rejected[0]) for p in train) / len(train)
+    mean_len = sum(len(e.side[0]) + len(e.mismatched[0]) if kto else
+                   len(e.chosen[0]) + len(e.rejected[0]) for e in train) / len(train)
     tokens_per_step = int(config.micro_batch_size * config.grad_accum_steps
                           * runtime.world_size * mean_len)
     total_steps = config.total_steps(tokens_per_step, model_config.num_params())
@@ -300,30 +314,47 @@ def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
     drawn = batches.drawn_by(total_steps * config.grad_accum_steps)
     if not reference_free:
         with reference_model(runtime, config) as reference, runtime.autocast():
-            attach_reference(reference, drawn + heldout, mean, config.micro_batch_size,
-                             pad_token, runtime.device)
+            if kto:
+                attach_kto_reference(reference, drawn + heldout, config.micro_batch_size,
+                                     pad_token, runtime.device)
+            else:
+                attach_reference(reference, drawn + heldout, mean, config.micro_batch_size,
+                                 pad_token, runtime.device)
     restored = runtime.start(config, resume)
     if restored is not None:
         batches.load_state_dict(restored["batches"])
     evaluator = TaskEvaluator(config.task_eval, config.model, encoder,
                               EpisodeRunner(encoder, config.tools))
-    runtime.print(f"dpo: {len(train):,} pairs, {len(heldout)} held out, beta {config.beta}, "
+    what = (f"{len(train):,} examples ({sum(e.desirable for e in train):,} desirable)"
+            if kto else f"{len(train):,} pairs")
+    runtime.print(f"dpo: {what}, {len(heldout)} held out, beta {config.beta}, "
                   f"{config.loss} loss"
                   + (f" + {config.rpo_alpha} × chosen NLL" if config.rpo_alpha else "")
                   + f", {total_steps} steps; "
                   + ("no reference model" if reference_free else
-                     f"reference log-probs cached for the {len(drawn):,} pairs they draw"
+                     f"reference log-probs cached for the {len(drawn):,} "
+                     f"{'examples' if kto else 'pairs'} they draw"
                      + (" (adapters disabled)" if config.lora.enabled else ""))
                   + f"; {encoder.name}; {fit.report()}")
 
+    def collated(rows: list) -> dict[str, Any]:
+        if kto:
+            return collate_examples(rows, pad_token, runtime.device)
+        return collate(rows, pad_token, runtime.device, not reference_free)
+
     def loss_fn(m: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        if kto:
+            return kto_objective(m, batch, config.beta, config.desirable_weight,
+                                 config.undesirable_weight,
+                                 lambda t: runtime.accelerator.reduce(t, reduction="mean"))
         return rpo_loss(m, batch, mean, config.beta, config.loss, config.rpo_alpha,
                         config.simpo_gamma)
 
     history = stage_history(restored, "preference_accuracy", "accuracy")
 
     def evaluate() -> bool:
-        metrics = heldout_preference(runtime, heldout, config, pad_token)
+        metrics = heldout_preference(runtime, heldout, config.micro_batch_size, collated,
+                                     loss_fn)
         accuracy = evaluate_task(runtime, evaluator, config.lora)
         runtime.log(metrics)
         history["preference_accuracy"].append(metrics["eval/preference_accuracy"])
@@ -336,12 +367,10 @@ def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
 
     if restored is None:
         evaluate()
-    train_on_batches(runtime, config, batches,
-                     lambda rows: collate(rows, pad_token, runtime.device, not reference_free),
-                     loss_fn,
-                     lambda batch: sequence_work(model_config, batch["lengths"],
-                                                 len(batch["lengths"]) // 2), evaluate,
-                     history)
+    train_on_batches(runtime, config, batches, collated, loss_fn,
+                     lambda batch: kto_work(model_config, batch) if kto else sequence_work(
+                         model_config, batch["lengths"], len(batch["lengths"]) // 2),
+                     evaluate, history)
 
     summary = finish_stage(runtime, config, model_config, history,
                            ["preference_accuracy", "accuracy"], {"prompt_fit": fit.counts()})

@@ -16,6 +16,7 @@ from lathe.data.formats import (
     load_chat_dataset,
     load_preference_dataset,
     load_prompt_dataset,
+    load_unpaired_dataset,
 )
 from lathe.data.tasks import task_examples
 from lathe.data.tasks.arithmetic import arithmetic_preferences, extract_number
@@ -198,3 +199,23 @@ def test_hf_datasets_with_a_messages_column_load(tmp_path):
     (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     chats = load_chat_dataset(f"hf:{folder}:train")  # datasets' loader on a local folder
     assert [c.messages[1]["content"] for c in chats] == ["a0", "a1", "a2"]
+
+
+def test_unpaired_rows_load_and_pairs_unpair(tmp_path):
+    """KTO's rows as TRL's unpaired format gives them; a pair is two rows, its chosen reply
+    desirable, as `unpair_preference_dataset` makes them; a bad label names the line."""
+    file = tmp_path / "kto.jsonl"
+    file.write_text(json.dumps({"prompt": "2+2?", "completion": "4", "label": True}) + "\n"
+                    + json.dumps({"prompt": "3+3?", "chosen": "6", "rejected": "7"}) + "\n")
+    rows = load_unpaired_dataset(str(file))
+    assert [(r.prompt[0]["content"], r.completion[0]["content"], r.label) for r in rows] == [
+        ("2+2?", "4", True), ("3+3?", "6", True), ("3+3?", "7", False)]
+    assert len(load_unpaired_dataset(str(file), limit=2)) == 2
+    tasks = load_unpaired_dataset("task:arithmetic", "train", 6)
+    assert [r.label for r in tasks] == [True, False] * 3
+    file.write_text(json.dumps({"prompt": "2+2?", "completion": "4", "label": "yes"}) + "\n")
+    with pytest.raises(ConfigError, match="line 1: field 'label' must be true or false"):
+        load_unpaired_dataset(str(file))
+    file.write_text(json.dumps({"prompt": "2+2?", "label": True}) + "\n")
+    with pytest.raises(ConfigError, match="missing field 'completion'"):
+        load_unpaired_dataset(str(file))

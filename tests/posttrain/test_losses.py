@@ -12,6 +12,7 @@ from lathe.model import ModelConfig, Transformer
 from lathe.posttrain.config import DPOConfig
 from lathe.posttrain.dpo import dpo_loss, orpo_loss, rpo_loss, simpo_loss
 from lathe.posttrain.grpo import clipped_surrogate, group_advantages
+from lathe.posttrain.kto import kto_loss
 from lathe.posttrain.rewards import exact_number, length_penalty, load_reward
 
 
@@ -179,3 +180,40 @@ def test_reference_free_losses_refuse_what_they_cannot_use():
         DPOConfig(loss="simpo", reference="runs/ref")
     with pytest.raises(ConfigError, match="simpo_gamma=-1"):
         DPOConfig(loss="simpo", simpo_gamma=-1)
+
+
+def test_kto_loss_matches_the_hand_computation():
+    """TRL's KTO step on fixed log-probs: the reference point is the mismatched pairs' mean
+    log-ratio, clamped at 0 and not differentiated; each side's loss 1 − σ(β·(±(r − z)))."""
+    policy = torch.tensor([-3.0, -5.0, -4.0, -2.0], requires_grad=True)
+    reference = torch.tensor([-3.5, -4.0, -4.0, -2.5])
+    mismatched = torch.tensor([-9.0, -8.0, -7.5, -9.0], requires_grad=True)
+    reference_mismatched = torch.tensor([-9.2, -8.4, -7.5, -9.1])
+    desirable = torch.tensor([True, False, True, False])
+    loss, metrics = kto_loss(policy, reference, mismatched, reference_mismatched, desirable,
+                             beta=0.5, desirable_weight=1.0, undesirable_weight=1.5)
+    z = (0.2 + 0.4 + 0.0 + 0.1) / 4
+    r = [0.5, -1.0, 0.0, 0.5]
+
+    def side(x: float) -> float:
+        return 1 - 1 / (1 + math.exp(-0.5 * x))
+
+    expected = (side(r[0] - z) + 1.5 * side(z - r[1]) + side(r[2] - z)
+                + 1.5 * side(z - r[3])) / 4
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert metrics["kl"].item() == pytest.approx(z, rel=1e-6)
+    assert metrics["rewards/chosen"].item() == pytest.approx(0.5 * (0.5 + 0.0) / 2)
+    # rewards 0.25, -0.5, 0, 0.25: the first two on their labels' side of 0
+    assert metrics["rewards/accuracy"].item() == 0.5
+    loss.backward()
+    assert mismatched.grad is None  # the reference point carries no gradient
+    below, below_metrics = kto_loss(policy, reference, reference_mismatched - 1,
+                                    reference_mismatched, desirable, beta=0.5)
+    assert below_metrics["kl"].item() == 0.0  # a negative estimate is clamped
+
+
+def test_kto_settings_are_checked():
+    with pytest.raises(ConfigError, match="undesirable_weight=0"):
+        DPOConfig(loss="kto", undesirable_weight=0)
+    with pytest.raises(ConfigError, match="no chosen NLL"):
+        DPOConfig(loss="kto", rpo_alpha=1.0)

@@ -140,6 +140,26 @@ def test_reference_free_losses_raise_heldout_preference_accuracy(base, tmp_path,
     assert accuracy[-1] > max(accuracy[0], 0.6)
 
 
+def test_kto_learns_from_unpaired_labels(base, tmp_path, capsys):
+    """The preference pairs as unpaired rows (chosen: desirable, rejected: not), as thumbs
+    up and down arrive: held-out completions' implicit rewards take their labels' sign."""
+    files = preference_files(tmp_path)
+    unpaired = tmp_path / "unpaired.jsonl"
+    with unpaired.open("w") as f:
+        for line in files["train"].read_text().splitlines():
+            row = json.loads(line)
+            for key, label in (("chosen", True), ("rejected", False)):
+                f.write(json.dumps({"prompt": row["prompt"], "completion": row[key],
+                                    "label": label}) + "\n")
+    out = tmp_path / "kto"
+    overrides = {"optim.lr": 1e-3, "eval.every": 20, "loss": "kto", "beta": 0.1,
+                 "data.train": unpaired, "data.eval": files["test"], "micro_batch_size": 8}
+    assert main(["dpo", *quick(out, base, max_steps=20, **overrides)]) == 0
+    assert "400 examples (200 desirable)" in capsys.readouterr().out
+    accuracy = summary(out)["preference_accuracy"]
+    assert accuracy[-1] > max(accuracy[0], 0.7)
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_drawn_by_is_what_the_steps_of_every_rank_draw(world_size):
     examples = [f"example {i}" for i in range(23)]
