@@ -164,9 +164,9 @@ def peak(kind: str) -> dict:
 
 def test_a_step_does_not_hold_the_logits():
     """2,048 rows of a 65,536 vocabulary: 512 MiB of fp32 logits. The reference holds them
-    and their gradient; the chunked step holds one 64 MiB chunk beside the head's gradient
-    (16 MiB)."""
+    (and their gradient, when the allocator has not reused their pages: 587 to 1,100 MiB
+    seen); the chunked step holds one 64 MiB chunk beside the head's gradient (16 MiB)."""
     chunked, whole = peak("chunked"), peak("whole")
     assert chunked["loss"] == pytest.approx(whole["loss"], rel=1e-5)
-    assert whole["grow_mib"] > 600, whole
+    assert whole["grow_mib"] > 500, whole
     assert chunked["grow_mib"] < 200, chunked
