@@ -11,8 +11,10 @@ clipped surrogate on log-probs at the sampling temperature (normalized over the 
 step's completion tokens, or by Dr. GRPO's constant; optional k3 KL), refresh the
 engine's weights from the policy's shards -> held-out accuracy -> export -> summary.
 
-Rollouts are generated on the main process and broadcast, so every launch (DDP, FSDP2,
-ZeRO) sees the same batch; each rank trains on its share.
+Every rank generates its share of the step's prompts on its own engine (whole groups, so
+advantages are per rank), each prompt seeded by its index in the step, so the rollouts are
+the ones one process would sample; each rank trains on the rollouts it generated. Sharded
+launches (FSDP2, ZeRO-3) gather the engine's weights on the main process and broadcast them.
 """
 
 from __future__ import annotations
@@ -201,13 +203,15 @@ class RolloutGenerator:
             self.engine.load_weights(self.merger(weights) if self.merger is not None
                                      else weights)
 
-    def __call__(self, prompts: list[Prompt], seed: int) -> tuple[list[Rollout], dict[str, float]]:
-        """The batch's rollouts, and its episodes' tool metrics."""
+    def __call__(self, prompts: list[Prompt], seed: int,
+                 first: int = 0) -> tuple[list[Rollout], dict[str, float]]:
+        """The rollouts of `prompts`, the step's from its `first`-th on (each prompt seeded by
+        its index in the step, whichever rank samples it), and their episodes' tool metrics."""
         c = self.config
         params = [SamplingParams(max_tokens=c.max_completion_tokens, temperature=c.temperature,
                                  top_p=c.top_p, n=c.num_generations, seed=seed + i * 1000,
                                  logprobs=0, logprobs_at_temperature=True)
-                  for i in range(len(prompts))]
+                  for i in range(first, first + len(prompts))]
         groups = self.episodes.run(self.engine, [EpisodePrompt(p.ids, p.row.prompt, p.row.tools)
                                                  for p in prompts], params, self.adapter)
         rollouts, episodes = [], [e for group in groups for e in group]
@@ -245,19 +249,53 @@ def _takes_messages(reward: Reward) -> bool:
         return False
 
 
-def engine_weights(runtime: Runtime, config: GRPOConfig) -> dict[str, Tensor] | None:
-    """What the rollout engine needs from the policy, gathered from its shards onto the
-    main process (collective; None elsewhere): the full weights, or under LoRA the adapter
-    weights only."""
+def engine_weights(runtime: Runtime, config: GRPOConfig) -> dict[str, Tensor]:
+    """What every rank's rollout engine needs from the policy (collective): the full
+    weights, or under LoRA the adapter weights only — each rank's own where it holds them
+    whole, else gathered from the shards on the main process and broadcast."""
     model = runtime.accelerator.unwrap_model(runtime.model)
     if config.lora.enabled and not runtime.sharded:
-        return adapter_weights(model) if runtime.is_main else None
+        return adapter_weights(model)
     state = runtime.accelerator.get_state_dict(runtime.model)
-    if not runtime.is_main:
-        return None
-    if config.lora.enabled:
-        return {k: v for k, v in state.items() if ".lora_" in k}
-    return {k: v.detach().clone() for k, v in state.items()}
+    if runtime.is_main or not runtime.shards_weights:
+        state = {k: v.detach().clone() for k, v in state.items()
+                 if not config.lora.enabled or ".lora_" in k}
+    if runtime.shards_weights:
+        state = broadcast_state(state if runtime.is_main else None, runtime.device)
+    return state
+
+
+def rollout_summary(runtime: Runtime, rollouts: list[Rollout], seconds: float, gap: float,
+                    tool_metrics: dict[str, float]) -> dict[str, float]:
+    """The step's rollout metrics over every rank's rollouts (collective), so that each
+    rank logs, and the main process's history keeps, the whole step's."""
+    accelerator, device = runtime.accelerator, runtime.device
+    local = torch.tensor([[r.reward, float(r.correct), float(sum(r.policy))] for r in rollouts],
+                         dtype=torch.float64, device=device)
+    rewards, correct, lengths = accelerator.gather(local).T
+    slowest = float(accelerator.gather(torch.tensor([seconds], device=device)).max())
+    means = accelerator.reduce(torch.tensor([gap, *tool_metrics.values()], dtype=torch.float64,
+                                            device=device), reduction="mean").tolist()
+    return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+            "train/accuracy": float(correct.mean()),
+            "completion/mean_length": float(lengths.mean()),
+            "rollout/tokens_per_s": float(lengths.sum()) / max(slowest, 1e-9),
+            "rollout/logprob_gap": means[0], **dict(zip(tool_metrics, means[1:], strict=True))}
+
+
+def broadcast_state(state: dict[str, Tensor] | None, device: torch.device) -> dict[str, Tensor]:
+    """The main process's `state` on every rank (collective): names, shapes and dtypes as one
+    object, then each tensor through the launch's own collective (on `device`: NCCL moves
+    only device tensors), returned on the CPU."""
+    meta = [None if state is None else [(k, v.shape, v.dtype) for k, v in state.items()]]
+    broadcast_object_list(meta)
+    out = {}
+    for name, shape, dtype in meta[0]:
+        tensor = state[name].to(device) if state is not None else torch.empty(
+            shape, dtype=dtype, device=device)
+        torch.distributed.broadcast(tensor, src=0)
+        out[name] = tensor.cpu()
+    return out
 
 
 def check_lengths(config: GRPOConfig, context: int) -> PromptFit:
@@ -273,9 +311,9 @@ def check_lengths(config: GRPOConfig, context: int) -> PromptFit:
 
 def step_shape(config: GRPOConfig, parallelism: Parallelism,
                model_config: ModelConfig | None = None) -> StepShape:
-    """One GRPO micro-batch on rank 0, for memory plans: each rank's rollouts split into
+    """One GRPO micro-batch, for memory plans: each rank's rollouts split into
     grad_accum_steps micro-batches of prompt + completion tokens through per-token
-    log-probs, beside the reference (beta > 0 without LoRA) and rank 0's rollout engine —
+    log-probs, beside the reference (beta > 0 without LoRA) and the rank's rollout engine —
     its own fp32 copy of the policy and a KV cache of ROLLOUT_BLOCKS blocks."""
     model_config = model_config or read_model_config(config.model)
     rows = max(config.prompts_per_step * config.num_generations // parallelism.processes
@@ -322,12 +360,12 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
     restored = runtime.start(config, resume)
     if restored is not None:
         sampler.load_state_dict(restored["prompts"])
-    generator = (RolloutGenerator(config, opened, encoder, episodes, runtime.device,
-                                  runtime.compute_dtype) if runtime.is_main else None)
+    generator = RolloutGenerator(config, opened, encoder, episodes, runtime.device,
+                                 runtime.compute_dtype)
     opened.release()
-    weights = engine_weights(runtime, config)
-    if generator is not None:
-        generator.refresh(weights)
+    generator.refresh(engine_weights(runtime, config))
+    prompts_per_rank = config.prompts_per_step // runtime.world_size
+    first = runtime.rank * prompts_per_rank
     evaluator = TaskEvaluator(config.task_eval, config.model, encoder, episodes)
     pad_token = pad_id(encoder.tokenizer)
     runtime.print(f"grpo: {len(prompts):,} prompts ({fit.report()}), "
@@ -353,23 +391,19 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
     if restored is None:
         history["heldout_accuracy"].append(evaluate_task(runtime, evaluator, config.lora))
     while runtime.step < total_steps:
-        batch_prompts = sampler.next()
+        mine = sampler.next()[first:first + prompts_per_rank]
         with runtime.throughput.paused():
             started = time.perf_counter()
             with runtime.autocast():
-                batch = [generator(batch_prompts,
-                                   seed=config.seed * 7919 + runtime.step * 104729)
-                         if generator is not None else None]
-            broadcast_object_list(batch)
+                rollouts, tool_metrics = generator(
+                    mine, seed=config.seed * 7919 + runtime.step * 104729, first=first)
             rollout_seconds = time.perf_counter() - started
-        rollouts, tool_metrics = batch[0]
-        rewards = torch.tensor([r.reward for r in rollouts]).view(len(batch_prompts), -1)
+        rewards = torch.tensor([r.reward for r in rollouts]).view(len(mine), -1)
         for rollout, advantage in zip(rollouts, group_advantages(
                 rewards, config.scale_rewards).flatten().tolist(), strict=True):
             rollout.advantage = advantage
-        mine = rollouts[runtime.rank * rollouts_per_rank:(runtime.rank + 1) * rollouts_per_rank]
         size = rollouts_per_rank // config.grad_accum_steps
-        micro = [collate(mine[i:i + size], pad_token, runtime.device)
+        micro = [collate(rollouts[i:i + size], pad_token, runtime.device)
                  for i in range(0, rollouts_per_rank, size)]
         with runtime.autocast():
             gap = attach_old_and_reference(runtime.model, reference, micro,
@@ -378,15 +412,8 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
         forwards = 1 + (config.beta > 0)  # old log-probs, and the reference's
         runtime.throughput.add(0, forwards / 3 * runtime.world_size * sum(
             sequence_work(model_config, m["lengths"], 0).flops for m in micro))
-        generated = sum(sum(r.policy) for r in rollouts)
-        rollout_metrics = {
-            "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
-            "train/accuracy": sum(r.correct for r in rollouts) / len(rollouts),
-            "completion/mean_length": generated / len(rollouts),
-            "rollout/tokens_per_s": generated / max(rollout_seconds, 1e-9),
-            "rollout/logprob_gap": gap,
-            **tool_metrics,
-        }
+        rollout_metrics = rollout_summary(runtime, rollouts, rollout_seconds, gap,
+                                          tool_metrics)
         for _ in range(config.updates_per_batch):
             if runtime.step >= total_steps:
                 break
@@ -395,9 +422,7 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
             runtime.log_step(result)
         history["reward"].append(rollout_metrics["reward/mean"])
         history["accuracy"].append(rollout_metrics["train/accuracy"])
-        weights = engine_weights(runtime, config)
-        if generator is not None:
-            generator.refresh(weights)
+        generator.refresh(engine_weights(runtime, config))
         if runtime.should(config.eval.every):
             with runtime.throughput.paused():
                 accuracy = evaluate_task(runtime, evaluator, config.lora)

@@ -82,10 +82,12 @@ GRPO = {"max_steps": 3, "prompts_per_step": 4, "num_generations": 4,
         "task_eval.examples": 4, "rewards": '[{name: "tests.posttrain.test_stages:digit_share"}]'}
 
 
-@pytest.mark.parametrize("recipe", SHARDED)
+@pytest.mark.parametrize("recipe", ["cpu-ddp", *SHARDED])
 def test_grpo_with_a_sharded_reference_matches_one_process(recipe, base, tmp_path):
-    """Rollouts after each update come from engine weights gathered from the shards, so the
-    rewards of later steps (and the KL to the sharded reference) are the one-process run's."""
+    """Each rank samples its half of the step's prompts on its own engine, seeded by each
+    prompt's index in the step, from weights gathered from the shards and broadcast (or its
+    own, under DDP): the rewards of every step (and the KL to the sharded reference) are the
+    one-process run's."""
     one = tmp_path / "one"
     reset_accelerate()
     grpo(load_config(GRPOConfig, None, quick(one, base, **GRPO, grad_accum_steps=2)))
