@@ -1,0 +1,98 @@
+"""`lathe eval` scores lm-eval tasks in-process on lathe's engine as lm-eval's own `hf`
+model scores the same checkpoint in transformers: each multiple-choice log-likelihood
+within 1e-4 and its greedy flag, each rolling (perplexity) log-likelihood, each greedy
+generation's text; the command writes its results JSON and refuses what it cannot read."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from lathe.core.cli import run_command
+from lathe.serve.engine import LLMEngine
+from lathe.serve.evaluate import LatheLM, special_ids
+from tests.serve.test_lm_eval import write_task
+
+lm_eval = pytest.importorskip("lm_eval")
+
+
+def write_tasks(folder) -> tuple[str, str, str]:
+    """The multiple-choice task of the server test, a perplexity task and a generation task
+    over the same prose."""
+    choice = write_task(folder)
+    rng = random.Random(1)
+    words = ["the river", "ran past", "the old mill", "and", "a quiet town", "stood near",
+             "the hills", "by the road", "waited", "the garden"]
+    with open(folder / "texts.jsonl", "w") as f:
+        for _ in range(6):
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(5, 60)))
+            f.write(json.dumps({"text": text.capitalize() + "."}) + "\n")
+    common = f"""dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {folder / "texts.jsonl"}
+test_split: test
+"""
+    (folder / "lathe_ppl.yaml").write_text(f"""task: lathe_ppl
+{common}output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: word_perplexity
+""")
+    (folder / "lathe_gen.yaml").write_text(f"""task: lathe_gen
+{common}output_type: generate_until
+doc_to_text: "{{{{text[:20]}}}}"
+doc_to_target: "{{{{text[20:40]}}}}"
+generation_kwargs:
+  until: ["."]
+  max_gen_toks: 12
+  do_sample: false
+metric_list:
+  - metric: exact_match
+""")
+    return choice, "lathe_ppl", "lathe_gen"
+
+
+def responses(model, folder, task: str) -> list:
+    from lm_eval.tasks import TaskManager
+    result = lm_eval.simple_evaluate(model=model, tasks=[task], log_samples=True,
+                                     task_manager=TaskManager(include_path=str(folder)),
+                                     batch_size=1, **({} if isinstance(model, LatheLM) else {
+                                         "model_args": "dtype=float32,device=cpu"}))
+    return [s["resps"] for s in sorted(result["samples"][task], key=lambda s: s["doc_id"])]
+
+
+def test_lathe_eval_scores_as_lm_evals_hf_model(checkpoint, tmp_path):
+    tasks = write_tasks(tmp_path)
+    engine = LLMEngine.from_checkpoint(checkpoint)
+    ours = LatheLM(engine, *special_ids(checkpoint, engine))
+    for task in tasks:
+        mine = responses(ours, tmp_path, task)
+        from lm_eval.models.huggingface import HFLM
+        theirs = responses(HFLM(pretrained=str(checkpoint), dtype="float32", device="cpu",
+                                batch_size=1), tmp_path, task)
+        assert len(mine) == len(theirs) > 0
+        for a, b in zip(mine, theirs, strict=True):
+            for x, y in zip(a, b, strict=True):
+                if task == "lathe_gen":
+                    assert x == y
+                elif task == "lathe_ppl":
+                    assert x[0] == pytest.approx(y[0], abs=1e-4) and x[0] < -1
+                else:
+                    assert x[0][0] == pytest.approx(y[0][0], abs=1e-4) and x[0][1] == y[0][1]
+
+
+def test_the_command_writes_results_and_refuses_a_folder_without_a_model(checkpoint, tmp_path,
+                                                                         capsys):
+    task = write_tasks(tmp_path)[0]
+    out = tmp_path / "results.json"
+    assert run_command("eval", [str(checkpoint), "--tasks", task, "--include-path",
+                                str(tmp_path), "--output", str(out)]) == 0
+    results = json.loads(out.read_text())["results"][task]
+    assert 0 <= results["acc,none"] <= 1
+    assert "acc" in capsys.readouterr().out
+    assert run_command("eval", [str(tmp_path), "--tasks", task]) == 2
+    assert "no config.json" in capsys.readouterr().err
