@@ -16,6 +16,7 @@ from lathe.serve.evaluate import LatheLM, special_ids
 from tests.serve.test_lm_eval import write_task
 
 lm_eval = pytest.importorskip("lm_eval")
+pytestmark = pytest.mark.slow
 
 
 def write_tasks(folder) -> tuple[str, str, str]:
