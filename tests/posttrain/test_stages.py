@@ -189,15 +189,20 @@ def test_grpo_mean_reward_rises(base, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["sft", "dpo"])
+@pytest.mark.parametrize("stage", ["sft", "dpo", "kto"])
 def test_sft_and_dpo_run_on_two_cpu_processes(base, tmp_path, stage):
-    """SFT packed: each rank collates its own rows of chats."""
+    """SFT packed: each rank collates its own rows of chats; KTO averages its reference
+    point over both ranks."""
     out = tmp_path / stage
-    packed = {"data.packing": "true", "data.max_len": 128} if stage == "sft" else {}
+    files = preference_files(tmp_path)  # unpaired for KTO: "I do not know" undesirable
+    extra = {"sft": {"data.packing": "true", "data.max_len": 128}, "dpo": {},
+             "kto": {"loss": "kto", "data.train": files["train"],
+                     "data.eval": files["test"]}}[stage]
+    module = "sft" if stage == "sft" else "dpo"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "recipes" / "accelerate" / "cpu-ddp.yaml"), "-m",
-           f"lathe.posttrain.{stage}", *quick(out, base, max_steps=12, micro_batch_size=4,
-                                             **{"optim.lr": 2e-3, "eval.every": 12, **packed})]
+           f"lathe.posttrain.{module}", *quick(out, base, max_steps=12, micro_batch_size=4,
+                                              **{"optim.lr": 2e-3, "eval.every": 12, **extra})]
     processes.run(cmd, timeout=300, cwd=ROOT)
     done = summary(out)
     assert done["parallel"]["num_processes"] == 2 and done["parallel"]["backend"] == "gloo"
