@@ -213,6 +213,13 @@ class GRPOConfig(PosttrainConfig):
     epsilon: float = 0.2
     epsilon_high: float | None = None  # DAPO's clip-higher, e.g. 0.28
     beta: float = 0.0  # KL to the reference (k3); 0 loads no reference model
+    # the k3 term times the importance ratio, so its gradient estimates KL(π‖ref) under the
+    # sampling policy's tokens (TRL's use_bias_correction_kl, on by default there too)
+    kl_importance_correction: bool = True
+    # token: PPO's ratio per token; sequence: GSPO's (Zheng et al. 2025, Qwen3's RL) — one
+    # ratio per completion, the exp of its tokens' mean log-ratio (TRL's
+    # importance_sampling_level; GSPO clips it tightly, e.g. epsilon 3e-4, epsilon_high 4e-4)
+    importance_sampling_level: Literal["token", "sequence"] = "token"
     updates_per_batch: int = 1  # optimizer steps on each rollout batch
 
     def __post_init__(self) -> None:

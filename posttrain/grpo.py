@@ -101,16 +101,22 @@ def group_advantages(rewards: Tensor, scale: bool = True, eps: float = 1e-4) -> 
 def clipped_surrogate(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor,
                       epsilon: float, epsilon_high: float | None = None,
                       ref_logps: Tensor | None = None, beta: float = 0.0,
-                      normalizer: float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                      normalizer: float | None = None, sequence_level: bool = False,
+                      kl_correction: bool = False) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO-style clipped objective per token, summed over completion tokens and divided by
-    `normalizer` (default: their count; Dr. GRPO: a constant).
+    `normalizer` (default: their count; Dr. GRPO: a constant), as TRL's GRPO computes it.
 
-    logps/old_logps/ref_logps/mask: (N, T); advantages: (N,). The ratio is clipped to
-    [1 − ε, 1 + ε_high] (ε_high = ε unless DAPO's clip-higher is set); with beta > 0 the
-    k3 estimator exp(ref − π) − (ref − π) − 1 of KL(π‖ref) is added per token.
+    logps/old_logps/ref_logps/mask: (N, T); advantages: (N,). The ratio — per token, or
+    with `sequence_level` (GSPO) one per completion, the exp of its tokens' mean log-ratio —
+    is clipped to [1 − ε, 1 + ε_high] (ε_high = ε unless DAPO's clip-higher is set); with
+    beta > 0 the k3 estimator exp(ref − π) − (ref − π) − 1 of KL(π‖ref) is added per token,
+    times the ratio with `kl_correction` (TRL's use_bias_correction_kl).
     """
     mask = mask.float()
-    ratio = torch.exp(logps - old_logps)
+    log_ratio = logps - old_logps
+    if sequence_level:
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1))[:, None]
+    ratio = torch.exp(log_ratio)
     high = epsilon if epsilon_high is None else epsilon_high
     advantages = advantages[:, None]
     unclipped = ratio * advantages
@@ -125,7 +131,7 @@ def clipped_surrogate(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask
     if ref_logps is not None and beta > 0:
         delta = ref_logps - logps
         kl = torch.exp(delta) - delta - 1
-        per_token = per_token + beta * kl
+        per_token = per_token + beta * (kl * ratio if kl_correction else kl)
         metrics["kl"] = (kl * mask).sum() / divisor
     loss = (per_token * mask).sum() / divisor
     metrics["loss"] = loss
@@ -385,7 +391,8 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
         return clipped_surrogate(logps, batch["old"], batch["advantages"], batch["mask"],
                                  config.epsilon, config.epsilon_high, batch.get("ref"),
                                  config.beta, len(batch["lengths"]) * constant if constant
-                                 else None)
+                                 else None, config.importance_sampling_level == "sequence",
+                                 config.kl_importance_correction)
 
     history = stage_history(restored, "reward", "accuracy", "heldout_accuracy")
     if restored is None:

@@ -217,3 +217,43 @@ def test_kto_settings_are_checked():
         DPOConfig(loss="kto", undesirable_weight=0)
     with pytest.raises(ConfigError, match="no chosen NLL"):
         DPOConfig(loss="kto", rpo_alpha=1.0)
+
+
+def trl_grpo_loss(logps, old, advantages, mask, eps_low, eps_high, ref, beta, level,
+                  bias_correction):
+    """TRL 1.16's GRPOTrainer._compute_loss for loss_type "dapo" (the mean over every
+    completion token), its lines in order."""
+    log_ratio = logps - old
+    if level == "token":
+        log_importance_weights = log_ratio
+    else:
+        log_importance_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))
+        log_importance_weights = log_importance_weights.unsqueeze(-1)
+    coef_1 = torch.exp(log_importance_weights)
+    per_token_kl = torch.exp(ref - logps) - (ref - logps) - 1
+    if bias_correction:
+        per_token_kl = per_token_kl * coef_1
+    coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+    per_token_loss = -torch.min(coef_1 * advantages[:, None], coef_2 * advantages[:, None])
+    per_token_loss = per_token_loss + beta * per_token_kl
+    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("correction", [False, True])
+def test_grpo_loss_equals_trls_with_gspo_and_the_kl_correction(level, correction):
+    torch.manual_seed(0)
+    old = -torch.rand(3, 5) * 3
+    logps = (old + 0.3 * torch.randn(3, 5)).requires_grad_()
+    ref = old + 0.2 * torch.randn(3, 5)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]).float()
+    advantages = torch.tensor([1.2, -0.7, 0.4])
+    eps = (3e-4, 4e-4) if level == "sequence" else (0.2, 0.28)
+    loss, _ = clipped_surrogate(logps, old, advantages, mask, *eps, ref, 0.04, None,
+                                level == "sequence", correction)
+    expected = trl_grpo_loss(logps, old, advantages, mask, *eps, ref, 0.04, level, correction)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    ours = torch.autograd.grad(loss, logps)[0]
+    theirs = torch.autograd.grad(trl_grpo_loss(logps, old, advantages, mask, *eps, ref, 0.04,
+                                               level, correction), logps)[0]
+    torch.testing.assert_close(ours, theirs)
