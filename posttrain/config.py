@@ -220,6 +220,14 @@ class GRPOConfig(PosttrainConfig):
     # ratio per completion, the exp of its tokens' mean log-ratio (TRL's
     # importance_sampling_level; GSPO clips it tightly, e.g. epsilon 3e-4, epsilon_high 4e-4)
     importance_sampling_level: Literal["token", "sequence"] = "token"
+    # correction of the gap between the engine's and the trainer's log-probs (truncated
+    # importance sampling, TRL's vllm_importance_sampling_*): each token's loss (or each
+    # completion's, sequence_*) weighted by exp(trainer − engine), cut to [min, max]
+    # (truncate) or zeroed outside it (mask); none leaves the loss as it was
+    sampling_correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate",
+                                 "sequence_mask"] = "none"
+    sampling_correction_min: float | None = None
+    sampling_correction_max: float | None = 3.0
     updates_per_batch: int = 1  # optimizer steps on each rollout batch
 
     def __post_init__(self) -> None:
@@ -233,6 +241,11 @@ class GRPOConfig(PosttrainConfig):
                               "advantages need at least 2 completions per prompt")
         if not 0 < self.epsilon < 1:
             raise ConfigError(f"epsilon={self.epsilon} must be in (0, 1)")
+        low, high = self.sampling_correction_min, self.sampling_correction_max
+        if (low is not None and low < 0) or (high is not None and high <= 0) or (
+                low is not None and high is not None and low >= high):
+            raise ConfigError(f"sampling_correction_min={low}, sampling_correction_max={high}: "
+                              "give 0 <= min < max (either may be null: no bound)")
         if self.beta < 0:
             raise ConfigError(f"beta={self.beta} must be >= 0")
 

@@ -102,7 +102,8 @@ def clipped_surrogate(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask
                       epsilon: float, epsilon_high: float | None = None,
                       ref_logps: Tensor | None = None, beta: float = 0.0,
                       normalizer: float | None = None, sequence_level: bool = False,
-                      kl_correction: bool = False) -> tuple[Tensor, dict[str, Tensor]]:
+                      kl_correction: bool = False,
+                      sampling_weight: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO-style clipped objective per token, summed over completion tokens and divided by
     `normalizer` (default: their count; Dr. GRPO: a constant), as TRL's GRPO computes it.
 
@@ -110,7 +111,8 @@ def clipped_surrogate(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask
     with `sequence_level` (GSPO) one per completion, the exp of its tokens' mean log-ratio —
     is clipped to [1 − ε, 1 + ε_high] (ε_high = ε unless DAPO's clip-higher is set); with
     beta > 0 the k3 estimator exp(ref − π) − (ref − π) − 1 of KL(π‖ref) is added per token,
-    times the ratio with `kl_correction` (TRL's use_bias_correction_kl).
+    times the ratio with `kl_correction` (TRL's use_bias_correction_kl). `sampling_weight`
+    ((N, T) or (N, 1), `sampling_weights`) multiplies the clipped term.
     """
     mask = mask.float()
     log_ratio = logps - old_logps
@@ -122,6 +124,8 @@ def clipped_surrogate(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + high) * advantages
     per_token = -torch.min(unclipped, clipped)
+    if sampling_weight is not None:
+        per_token = per_token * sampling_weight
     tokens = mask.sum().clamp(min=1)
     divisor = tokens if normalizer is None else normalizer
     metrics: dict[str, Tensor] = {
@@ -136,6 +140,24 @@ def clipped_surrogate(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask
     loss = (per_token * mask).sum() / divisor
     metrics["loss"] = loss
     return loss, metrics
+
+
+def sampling_weights(old: Tensor, sampled: Tensor, mask: Tensor, mode: str,
+                     low: float | None, high: float | None) -> Tensor:
+    """Truncated importance-sampling weights for the gap between the trainer's log-probs of
+    the rollout policy (`old`) and the engine's (`sampled`), as TRL's
+    vllm_importance_sampling_mode computes them: exp(old − sampled) per token, or of its sum
+    per completion (sequence_*), clamped to [low, high] (*_truncate) or 0 outside it
+    (*_mask)."""
+    diff = (old - sampled) * mask
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=low, max=high)
+    outside = (ratio < (0.0 if low is None else low)) | (
+        ratio > (float("inf") if high is None else high))
+    return ratio.masked_fill(outside, 0.0)
 
 
 def per_token_logps(model: nn.Module, ids: Tensor, labels: Tensor,
@@ -392,7 +414,7 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
                                  config.epsilon, config.epsilon_high, batch.get("ref"),
                                  config.beta, len(batch["lengths"]) * constant if constant
                                  else None, config.importance_sampling_level == "sequence",
-                                 config.kl_importance_correction)
+                                 config.kl_importance_correction, batch.get("weight"))
 
     history = stage_history(restored, "reward", "accuracy", "heldout_accuracy")
     if restored is None:
@@ -413,9 +435,10 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
         micro = [collate(rollouts[i:i + size], pad_token, runtime.device)
                  for i in range(0, rollouts_per_rank, size)]
         with runtime.autocast():
-            gap = attach_old_and_reference(runtime.model, reference, micro,
-                                           config.lora.enabled and config.beta > 0,
-                                           config.temperature)
+            gap = attach_old_and_reference(
+                runtime.model, reference, micro, config.lora.enabled and config.beta > 0,
+                config.temperature, (config.sampling_correction, config.sampling_correction_min,
+                                     config.sampling_correction_max))
         forwards = 1 + (config.beta > 0)  # old log-probs, and the reference's
         runtime.throughput.add(0, forwards / 3 * runtime.world_size * sum(
             sequence_work(model_config, m["lengths"], 0).flops for m in micro))
@@ -457,16 +480,22 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
 @torch.no_grad()
 def attach_old_and_reference(model: nn.Module, reference: nn.Module | None,
                              micro: list[dict[str, Any]], lora_reference: bool,
-                             temperature: float) -> float:
+                             temperature: float,
+                             correction: tuple[str, float | None, float | None] = ("none",
+                                                                                  None, None),
+                             ) -> float:
     """Log-probs of the rollout policy (before this batch's updates) and of the reference,
-    at the sampling temperature; returns the mean |trainer − engine| log-prob over the
-    completion tokens, which only numerics (precision, kernels) should separate."""
+    at the sampling temperature, and the sampling-gap weights when `correction` (mode, min,
+    max) asks for them; returns the mean |trainer − engine| log-prob over the completion
+    tokens, which only numerics (precision, kernels) should separate."""
     model.eval()
     gap, tokens = 0.0, 0
     for batch in micro:
         ids, labels, mask = batch["ids"], batch["labels"], batch["mask"]
         batch["old"] = per_token_logps(model, ids, labels, temperature)
         gap += float(((batch["old"] - batch["sampled"]).abs() * mask).sum())
+        if correction[0] != "none":
+            batch["weight"] = sampling_weights(batch["old"], batch["sampled"], mask, *correction)
         tokens += int(mask.sum())
         if reference is not None:
             batch["ref"] = per_token_logps(reference, ids, labels, temperature)

@@ -9,9 +9,9 @@ import torch
 
 from lathe.core.errors import ConfigError
 from lathe.model import ModelConfig, Transformer
-from lathe.posttrain.config import DPOConfig
+from lathe.posttrain.config import DPOConfig, GRPOConfig
 from lathe.posttrain.dpo import dpo_loss, orpo_loss, rpo_loss, simpo_loss
-from lathe.posttrain.grpo import clipped_surrogate, group_advantages
+from lathe.posttrain.grpo import clipped_surrogate, group_advantages, sampling_weights
 from lathe.posttrain.kto import kto_loss
 from lathe.posttrain.rewards import exact_number, length_penalty, load_reward
 
@@ -257,3 +257,41 @@ def test_grpo_loss_equals_trls_with_gspo_and_the_kl_correction(level, correction
     theirs = torch.autograd.grad(trl_grpo_loss(logps, old, advantages, mask, *eps, ref, 0.04,
                                                level, correction), logps)[0]
     torch.testing.assert_close(ours, theirs)
+
+
+def trl_sampling_ratio(old, sampled, mask, mode, low, high):
+    """TRL 1.16's vLLM importance-sampling weights (GRPOTrainer, its lines in order)."""
+    diff = (old - sampled) * mask
+    diff = torch.nan_to_num(diff, nan=0.0)
+    diff = diff.sum(dim=-1, keepdim=True) if mode in ["sequence_mask", "sequence_truncate"] \
+        else diff
+    ratio = torch.exp(diff)
+    if mode in ["sequence_truncate", "token_truncate"]:
+        return torch.clamp(ratio, min=low, max=high)
+    min_val = low if low is not None else 0.0
+    max_val = high if high is not None else float("inf")
+    return ratio.masked_fill((ratio < min_val) | (ratio > max_val), value=0.0)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate",
+                                  "sequence_mask"])
+def test_sampling_gap_weights_equal_trls(mode):
+    torch.manual_seed(1)
+    old = -torch.rand(4, 6) * 2
+    sampled = old + 0.6 * torch.randn(4, 6)  # a gap large enough to cross the bounds
+    mask = (torch.rand(4, 6) > 0.2).float()
+    for low, high in ((None, 3.0), (0.5, 2.0)):
+        ours = sampling_weights(old, sampled, mask.bool(), mode, low, high)
+        torch.testing.assert_close(ours, trl_sampling_ratio(old, sampled, mask, mode, low, high))
+    weight = sampling_weights(old, sampled, mask.bool(), mode, None, 3.0)
+    logps = old.clone().requires_grad_()
+    advantages = torch.tensor([1.0, -1.0, 0.5, 2.0])
+    loss, _ = clipped_surrogate(logps, old, advantages, mask, 0.2, None, sampling_weight=weight)
+    plain, _ = clipped_surrogate(logps, old, advantages, mask, 0.2)
+    # at ratio 1 the surrogate per token is −A: weighted, −A·w
+    expected = -(advantages[:, None] * weight * mask).sum() / mask.sum()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert plain.item() != pytest.approx(loss.item())
+    with pytest.raises(ConfigError, match="sampling_correction_min=2"):
+        GRPOConfig(sampling_correction="token_mask", sampling_correction_min=2,
+                   sampling_correction_max=1)

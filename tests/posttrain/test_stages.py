@@ -178,14 +178,17 @@ def digit_share(completion: str, reference: str) -> float:
     return sum(c.isdigit() for c in completion) / max(len(completion), 1)
 
 
-@pytest.mark.parametrize("level", ["token", "sequence"])
-def test_grpo_mean_reward_rises(base, tmp_path, level):
-    """With PPO's per-token ratio, and with GSPO's per-completion one."""
+@pytest.mark.parametrize("options", [{}, {"importance_sampling_level": "sequence"},
+                                     {"sampling_correction": "sequence_mask"}],
+                         ids=["ppo", "gspo", "sampling-correction"])
+def test_grpo_mean_reward_rises(base, tmp_path, options):
+    """With PPO's per-token ratio, GSPO's per-completion one, and the sampling gap
+    corrected."""
     out = tmp_path / "grpo"
     rewards = '[{name: "tests.posttrain.test_stages:digit_share"}]'
     assert main(["grpo", *quick(out, base, max_steps=16, rewards=rewards, **{
         "optim.lr": 3e-3, "eval.every": 16, "prompts_per_step": 6, "num_generations": 6,
-        "max_completion_tokens": 6, "importance_sampling_level": level})]) == 0
+        "max_completion_tokens": 6, **options})]) == 0
     reward = summary(out)["reward"]
     assert sum(reward[-4:]) / 4 > 3 * sum(reward[:4]) / 4
 
