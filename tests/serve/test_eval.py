@@ -57,12 +57,11 @@ metric_list:
     return choice, "lathe_ppl", "lathe_gen"
 
 
-def responses(model, folder, task: str) -> list:
+def responses(model, folder, task: str, chat: bool = False) -> list:
     from lm_eval.tasks import TaskManager
     result = lm_eval.simple_evaluate(model=model, tasks=[task], log_samples=True,
                                      task_manager=TaskManager(include_path=str(folder)),
-                                     batch_size=1, **({} if isinstance(model, LatheLM) else {
-                                         "model_args": "dtype=float32,device=cpu"}))
+                                     batch_size=1, apply_chat_template=chat)
     return [s["resps"] for s in sorted(result["samples"][task], key=lambda s: s["doc_id"])]
 
 
@@ -84,6 +83,25 @@ def test_lathe_eval_scores_as_lm_evals_hf_model(checkpoint, tmp_path):
                     assert x[0] == pytest.approx(y[0], abs=1e-4) and x[0] < -1
                 else:
                     assert x[0][0] == pytest.approx(y[0][0], abs=1e-4) and x[0][1] == y[0][1]
+
+
+def test_a_chat_template_renders_requests_as_hfs_does(checkpoint, tmp_path):
+    """--apply-chat-template: each request rendered through the checkpoint's template (the
+    generation prompt opening the answer) scores as hf scores it through transformers'."""
+    from lm_eval.models.huggingface import HFLM
+
+    from lathe.data.chat_encoding import chat_encoder
+    task = write_tasks(tmp_path)[0]
+    engine = LLMEngine.from_checkpoint(checkpoint)
+    ours = responses(LatheLM(engine, *special_ids(checkpoint, engine), chat_encoder(checkpoint)),
+                     tmp_path, task, chat=True)
+    theirs = responses(HFLM(pretrained=str(checkpoint), dtype="float32", device="cpu",
+                            batch_size=1), tmp_path, task, chat=True)
+    for a, b in zip(ours, theirs, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert x[0][0] == pytest.approx(y[0][0], abs=1e-4) and x[0][1] == y[0][1]
+    plain = responses(LatheLM(engine, *special_ids(checkpoint, engine)), tmp_path, task)
+    assert plain[0][0][0][0] != pytest.approx(ours[0][0][0][0], abs=1e-3)  # it was rendered
 
 
 def test_the_command_writes_results_and_refuses_a_folder_without_a_model(checkpoint, tmp_path,
