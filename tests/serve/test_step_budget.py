@@ -77,7 +77,10 @@ def test_a_step_with_decodes_holds_its_prefill_to_the_cap():
 
 
 def test_the_engine_times_its_steps_and_keeps_its_tokens():
-    model = serve_model(256)
+    # wide enough that a 64-token prefill costs clearly more than a decode step: on the
+    # 2-layer default a step is Python's time, and under CI's load every prefill step once
+    # timed no longer than the decodes' average
+    model = serve_model(256, dim=256, n_heads=4, n_kv_heads=2, n_layers=4)
     params = SamplingParams(max_tokens=16, temperature=0)
     engine = engine_for(model, max_num_batched_tokens=64, max_decode_stall=2)
     # the first batch's last steps time a decode, the second's (new prompts: no prefix
