@@ -74,10 +74,6 @@ class Parallelism:
             raise ConfigError(f"processes={self.processes} with strategy={self.strategy}: "
                               "a single-process launch has 1, the others at least 1")
 
-    @property
-    def shards(self) -> int:
-        return self.processes
-
     def describe(self) -> str:
         name = {"single": "one process", "ddp": "DDP", "fsdp2": "FSDP2", "zero1": "ZeRO-1",
                 "zero2": "ZeRO-2", "zero3": "ZeRO-3"}[self.strategy]
@@ -294,10 +290,10 @@ def frozen_weight_bytes(config: ModelConfig, parallelism: Parallelism) -> int:
     the launch's half precision and ZeRO-3 partitions it."""
     params = config.num_params()
     if parallelism.strategy == "fsdp2":
-        return 4 * params // parallelism.shards
+        return 4 * params // parallelism.processes
     if parallelism.strategy.startswith("zero"):
         module = 2 if parallelism.mixed_precision in ("bf16", "fp16") else 4
-        return module * params // (parallelism.shards if parallelism.strategy == "zero3" else 1)
+        return module * params // (parallelism.processes if parallelism.strategy == "zero3" else 1)
     return 4 * params
 
 
@@ -334,7 +330,7 @@ class _States:
 def _model_states(model: Transformer, par: Parallelism) -> _States:
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    n = par.shards
+    n = par.processes
     half = par.mixed_precision in ("bf16", "fp16")
     notes: list[str] = []
     layer = max(sum(p.numel() for p in block.parameters()) for block in model.model.layers)
