@@ -228,12 +228,24 @@ class GRPOConfig(PosttrainConfig):
                                  "sequence_mask"] = "none"
     sampling_correction_min: float | None = None
     sampling_correction_max: float | None = 3.0
+    # DAPO's dynamic sampling: a step trains on groups whose rewards differ (the only ones
+    # with an advantage), drawing more prompts until prompts_per_step such groups are found or
+    # dynamic_sampling_rounds generation rounds are spent; a step still short fills up with
+    # the rounds' all-equal groups, first drawn first, counted as dynamic/filled_groups
+    dynamic_sampling: bool = False
+    dynamic_sampling_rounds: int = 3
+    # completions cut at max_completion_tokens: filter leaves them out of the loss (TRL's
+    # mask_truncated_completions; their rewards still shape their group's advantages);
+    # soft_penalty adds DAPO's length penalty to the reward, from 0 down to -1 over the last
+    # overlong_buffer tokens of the budget (TRL's get_soft_overlong_punishment)
+    overlong: Literal["none", "filter", "soft_penalty"] = "none"
+    overlong_buffer: int | None = None  # default: a fifth of max_completion_tokens
     updates_per_batch: int = 1  # optimizer steps on each rollout batch
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("prompts_per_step", "num_generations", "updates_per_batch",
-                     "max_completion_tokens"):
+                     "max_completion_tokens", "dynamic_sampling_rounds"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.num_generations < 2:
@@ -248,6 +260,11 @@ class GRPOConfig(PosttrainConfig):
                               "give 0 <= min < max (either may be null: no bound)")
         if self.beta < 0:
             raise ConfigError(f"beta={self.beta} must be >= 0")
+        if self.overlong_buffer is None:
+            self.overlong_buffer = max(self.max_completion_tokens // 5, 1)
+        if not 1 <= self.overlong_buffer <= self.max_completion_tokens:
+            raise ConfigError(f"overlong_buffer={self.overlong_buffer} must be between 1 and "
+                              f"max_completion_tokens={self.max_completion_tokens}")
 
     def training_sources(self) -> list[str]:
         return [self.prompts]

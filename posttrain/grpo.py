@@ -10,6 +10,9 @@ scores into group-relative advantages, take `updates_per_batch` optimizer steps 
 clipped surrogate on log-probs at the sampling temperature (normalized over the whole
 step's completion tokens, or by Dr. GRPO's constant; optional k3 KL), refresh the
 engine's weights from the policy's shards -> held-out accuracy -> export -> summary.
+DAPO's dynamic sampling (groups whose rewards are all equal dropped, more prompts drawn)
+and overlong handling (cut completions out of the loss, or a soft length penalty) are
+switches of that loop.
 
 Every rank generates its share of the step's prompts on its own engine (whole groups, so
 advantages are per rank), each prompt seeded by its index in the step, so the rollouts are
@@ -86,6 +89,8 @@ class Rollout:
     correct: float
     sampled_logps: list[float]  # the engine's, at the sampling temperature
     policy: list[bool]  # which completion tokens the model sampled (the rest carry no loss)
+    truncated: bool = False  # cut at max_completion_tokens
+    masked: bool = False  # left out of the loss (overlong: filter)
     advantage: float = 0.0
 
 
@@ -142,6 +147,30 @@ def clipped_surrogate(logps: Tensor, old_logps: Tensor, advantages: Tensor, mask
     return loss, metrics
 
 
+def overlong_penalty(length: int, max_length: int, buffer: int) -> float:
+    """DAPO's soft overlong punishment (its eq. 13): 0 up to max_length − buffer tokens, then
+    falling linearly to −1 at max_length, and −1 past it."""
+    if length <= max_length - buffer:
+        return 0.0
+    if length <= max_length:
+        return (max_length - buffer - length) / buffer
+    return -1.0
+
+
+def informative(group: list[Rollout]) -> bool:
+    """Whether the group's rewards differ: an all-equal group has no advantage to learn from."""
+    return max(r.reward for r in group) > min(r.reward for r in group)
+
+
+def select_groups(groups: list[list[Rollout]], wanted: int) -> tuple[list[list[Rollout]], int]:
+    """DAPO's dynamic sampling over the step's groups, in the order drawn: the first `wanted`
+    whose rewards differ, topped up with the first all-equal ones when too few differ.
+    Returns the chosen groups, in draw order, and how many were topped up."""
+    chosen = [i for i, g in enumerate(groups) if informative(g)][:wanted]
+    filled = [i for i, g in enumerate(groups) if not informative(g)][:wanted - len(chosen)]
+    return [groups[i] for i in sorted(chosen + filled)], len(filled)
+
+
 def sampling_weights(old: Tensor, sampled: Tensor, mask: Tensor, mode: str,
                      low: float | None, high: float | None) -> Tensor:
     """Truncated importance-sampling weights for the gap between the trainer's log-probs of
@@ -171,7 +200,7 @@ def per_token_logps(model: nn.Module, ids: Tensor, labels: Tensor,
 def collate(rollouts: list[Rollout], pad_token: int, device: torch.device) -> dict[str, Any]:
     ids = pad([r.prompt_ids + r.completion_ids for r in rollouts], pad_token).to(device)
     labels = pad([[IGNORE_INDEX] * len(r.prompt_ids) + [
-        token if sampled else IGNORE_INDEX for token, sampled in zip(
+        token if sampled and not r.masked else IGNORE_INDEX for token, sampled in zip(
             r.completion_ids, r.policy, strict=True)] for r in rollouts], IGNORE_INDEX).to(device)
     sampled = pad([[0.0] * len(r.prompt_ids) + r.sampled_logps for r in rollouts], 0.0)
     return {"ids": ids, "labels": labels, "mask": labels[:, 1:] != IGNORE_INDEX,
@@ -247,9 +276,14 @@ class RolloutGenerator:
             reference = prompt.row.reference
             for e in group:
                 reward = episode_reward(self.rewards, e, reference)
+                if c.overlong == "soft_penalty":
+                    reward += overlong_penalty(len(e.completion_ids), c.max_completion_tokens,
+                                               c.overlong_buffer)
+                truncated = e.finish_reason == "length"
                 rollouts.append(Rollout(prompt.ids, e.completion_ids, reward,
                                         self.correct(e.answer, reference), e.logprobs,
-                                        e.policy))
+                                        e.policy, truncated,
+                                        truncated and c.overlong == "filter"))
         metrics = {}
         if self.episodes.tools is not None:
             n = len(episodes)
@@ -293,22 +327,60 @@ def engine_weights(runtime: Runtime, config: GRPOConfig) -> dict[str, Tensor]:
     return state
 
 
+def sample_groups(runtime: Runtime, config: GRPOConfig, sampler: ShuffledBatches,
+                  generator: RolloutGenerator, first: int,
+                  ) -> tuple[list[list[Rollout]], list[Rollout], dict[str, float]]:
+    """This rank's groups to train on this step, every rollout it sampled, and its
+    per-rank metrics. One generation round of the rank's share of the step's prompts; with
+    dynamic sampling, rounds until every rank holds enough groups whose rewards differ or
+    the rounds are spent (collective: every rank draws every round, so the ranks' prompt
+    samplers stay in step and a resumed run draws what the killed one would have)."""
+    wanted = config.prompts_per_step // runtime.world_size
+    size = config.num_generations
+    groups: list[list[Rollout]] = []
+    sampled: list[Rollout] = []
+    rounds: list[dict[str, float]] = []
+    while len(rounds) < (config.dynamic_sampling_rounds if config.dynamic_sampling else 1):
+        mine = sampler.next()[first:first + wanted]
+        with runtime.autocast():
+            rollouts, tool_metrics = generator(
+                mine, seed=config.seed * 7919 + runtime.step * 104729,
+                first=len(rounds) * config.prompts_per_step + first)
+        sampled += rollouts
+        rounds.append(tool_metrics)
+        groups += [rollouts[i:i + size] for i in range(0, len(rollouts), size)]
+        short = sum(map(informative, groups)) < wanted
+        if not config.dynamic_sampling or not runtime.accelerator.reduce(
+                torch.tensor([float(short)], device=runtime.device), reduction="sum").item():
+            break
+    metrics = {name: sum(r[name] for r in rounds) / len(rounds) for name in rounds[0]}
+    if config.dynamic_sampling:
+        drawn = len(groups)
+        metrics["dynamic/informative_share"] = sum(map(informative, groups)) / drawn
+        groups, filled = select_groups(groups, wanted)
+        metrics["dynamic/rounds"] = float(len(rounds))
+        metrics["dynamic/filled_share"] = filled / wanted
+    return groups, sampled, metrics
+
+
 def rollout_summary(runtime: Runtime, rollouts: list[Rollout], seconds: float, gap: float,
-                    tool_metrics: dict[str, float]) -> dict[str, float]:
+                    rank_metrics: dict[str, float]) -> dict[str, float]:
     """The step's rollout metrics over every rank's rollouts (collective), so that each
-    rank logs, and the main process's history keeps, the whole step's."""
+    rank logs, and the main process's history keeps, the whole step's; `rank_metrics` are
+    averaged over the ranks."""
     accelerator, device = runtime.accelerator, runtime.device
-    local = torch.tensor([[r.reward, float(r.correct), float(sum(r.policy))] for r in rollouts],
-                         dtype=torch.float64, device=device)
-    rewards, correct, lengths = accelerator.gather(local).T
+    local = torch.tensor([[r.reward, float(r.correct), float(sum(r.policy)), float(r.truncated)]
+                          for r in rollouts], dtype=torch.float64, device=device)
+    rewards, correct, lengths, truncated = accelerator.gather(local).T
     slowest = float(accelerator.gather(torch.tensor([seconds], device=device)).max())
-    means = accelerator.reduce(torch.tensor([gap, *tool_metrics.values()], dtype=torch.float64,
+    means = accelerator.reduce(torch.tensor([gap, *rank_metrics.values()], dtype=torch.float64,
                                             device=device), reduction="mean").tolist()
     return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
             "train/accuracy": float(correct.mean()),
             "completion/mean_length": float(lengths.mean()),
+            "completion/truncated_share": float(truncated.mean()),
             "rollout/tokens_per_s": float(lengths.sum()) / max(slowest, 1e-9),
-            "rollout/logprob_gap": means[0], **dict(zip(tool_metrics, means[1:], strict=True))}
+            "rollout/logprob_gap": means[0], **dict(zip(rank_metrics, means[1:], strict=True))}
 
 
 def broadcast_state(state: dict[str, Tensor] | None, device: torch.device) -> dict[str, Tensor]:
@@ -420,14 +492,13 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
     if restored is None:
         history["heldout_accuracy"].append(evaluate_task(runtime, evaluator, config.lora))
     while runtime.step < total_steps:
-        mine = sampler.next()[first:first + prompts_per_rank]
         with runtime.throughput.paused():
             started = time.perf_counter()
-            with runtime.autocast():
-                rollouts, tool_metrics = generator(
-                    mine, seed=config.seed * 7919 + runtime.step * 104729, first=first)
+            groups, sampled, rank_metrics = sample_groups(runtime, config, sampler, generator,
+                                                          first)
             rollout_seconds = time.perf_counter() - started
-        rewards = torch.tensor([r.reward for r in rollouts]).view(len(mine), -1)
+        rollouts = [r for group in groups for r in group]
+        rewards = torch.tensor([r.reward for r in rollouts]).view(len(groups), -1)
         for rollout, advantage in zip(rollouts, group_advantages(
                 rewards, config.scale_rewards).flatten().tolist(), strict=True):
             rollout.advantage = advantage
@@ -442,8 +513,8 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
         forwards = 1 + (config.beta > 0)  # old log-probs, and the reference's
         runtime.throughput.add(0, forwards / 3 * runtime.world_size * sum(
             sequence_work(model_config, m["lengths"], 0).flops for m in micro))
-        rollout_metrics = rollout_summary(runtime, rollouts, rollout_seconds, gap,
-                                          tool_metrics)
+        rollout_metrics = rollout_summary(runtime, sampled, rollout_seconds, gap,
+                                          rank_metrics)
         for _ in range(config.updates_per_batch):
             if runtime.step >= total_steps:
                 break

@@ -11,7 +11,16 @@ from lathe.core.errors import ConfigError
 from lathe.model import ModelConfig, Transformer
 from lathe.posttrain.config import DPOConfig, GRPOConfig
 from lathe.posttrain.dpo import dpo_loss, orpo_loss, rpo_loss, simpo_loss
-from lathe.posttrain.grpo import clipped_surrogate, group_advantages, sampling_weights
+from lathe.posttrain.grpo import (
+    Rollout,
+    clipped_surrogate,
+    collate,
+    group_advantages,
+    informative,
+    overlong_penalty,
+    sampling_weights,
+    select_groups,
+)
 from lathe.posttrain.kto import kto_loss
 from lathe.posttrain.rewards import exact_number, length_penalty, load_reward
 
@@ -295,3 +304,57 @@ def test_sampling_gap_weights_equal_trls(mode):
     with pytest.raises(ConfigError, match="sampling_correction_min=2"):
         GRPOConfig(sampling_correction="token_mask", sampling_correction_min=2,
                    sampling_correction_max=1)
+
+
+def test_soft_overlong_penalty_equals_trls():
+    from trl.rewards import get_soft_overlong_punishment
+    for max_length, buffer in ((10, 3), (12, 2), (8, 8), (5, 1)):
+        lengths = list(range(max_length + 3))
+        theirs = get_soft_overlong_punishment(max_length, buffer)([[7] * n for n in lengths])
+        assert [overlong_penalty(n, max_length, buffer) for n in lengths] == pytest.approx(theirs)
+    assert GRPOConfig(max_completion_tokens=12).overlong_buffer == 2  # a fifth, by default
+    with pytest.raises(ConfigError, match="overlong_buffer=13 must be between 1 and "
+                                          "max_completion_tokens=12"):
+        GRPOConfig(max_completion_tokens=12, overlong_buffer=13)
+
+
+def rollout(reward: float, completion: list[int], truncated: bool = False,
+            masked: bool = False) -> Rollout:
+    return Rollout([1, 2], completion, reward, 0.0, [-1.0] * len(completion),
+                   [True] * len(completion), truncated, masked)
+
+
+def test_overlong_filter_leaves_truncated_completions_out_of_the_loss_as_trl():
+    """TRL's mask_truncated_completions: the truncated rows' completion mask is zeroed, and
+    the step's token count (the loss's divisor) counts only the rows left."""
+    rows = [rollout(1.0, [5, 6, 7], truncated=True, masked=True), rollout(0.0, [5, 6]),
+            rollout(0.5, [8, 9, 9], truncated=True, masked=True), rollout(1.0, [4])]
+    batch = collate(rows, 0, torch.device("cpu"))
+    kept = batch["mask"].any(-1).tolist()
+    assert kept == [False, True, False, True]
+    torch.manual_seed(0)
+    old = -torch.rand(batch["mask"].shape)
+    logps = old + 0.1 * torch.randn(old.shape)
+    advantages = torch.tensor([0.5, -1.0, 0.3, 0.8])
+    loss, _ = clipped_surrogate(logps, old, advantages, batch["mask"], 0.2)
+    unmasked = collate([rollout(r.reward, r.completion_ids) for r in rows], 0,
+                       torch.device("cpu"))["mask"]
+    is_truncated = torch.tensor([r.truncated for r in rows])
+    trl_mask = unmasked * (~is_truncated).unsqueeze(1).int()
+    ratio = torch.exp(logps - old)
+    per_token = -torch.min(ratio * advantages[:, None],
+                           torch.clamp(ratio, 0.8, 1.2) * advantages[:, None])
+    expected = (per_token * trl_mask).sum() / trl_mask.sum()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_dynamic_sampling_keeps_groups_whose_rewards_differ_in_draw_order():
+    flat, mixed, ones = ([rollout(r, [3]) for r in rewards]
+                         for rewards in ([0.0, 0.0], [0.0, 1.0], [1.0, 1.0]))
+    assert not informative(flat) and informative(mixed) and not informative(ones)
+    other = [rollout(0.2, [3]), rollout(0.3, [3])]
+    # enough groups that differ: all-equal ones dropped, the rest cut to the first `wanted`
+    assert select_groups([flat, mixed, ones, other, mixed], 2) == ([mixed, other], 0)
+    # too few: topped up with the first all-equal groups, in the order they were drawn
+    chosen, filled = select_groups([flat, ones, mixed, flat], 3)
+    assert chosen == [flat, ones, mixed] and filled == 2

@@ -114,3 +114,19 @@ def test_dpo_under_zero3_bf16_starts_at_log_2(base, tmp_path):
     assert first["mixed_precision"] == "bf16" and first["zero_stage"] == 3
     assert step_metrics(out, "loss")[1] == pytest.approx(math.log(2), abs=1e-6)
     assert step_metrics(out, "rewards/margins")[1] == 0.0
+
+
+def test_grpo_dynamic_sampling_keeps_two_ranks_in_step(base, tmp_path):
+    """Each rank draws rounds until every rank holds its 2 groups whose rewards differ (one
+    collective a round), so both ranks draw the same rounds: the logged round count, a mean
+    over the ranks, is a whole number, and every rank's rollouts gather each step."""
+    out = tmp_path / "ddp"
+    settings = {**GRPO, "max_steps": 3, "dynamic_sampling": "true", "overlong": "filter",
+                "logging.log_every": 1,
+                "rewards": '[{name: "tests.posttrain.test_stages:starts_with_a_digit"}]'}
+    processes.run(launch("cpu-ddp", "-m", "lathe.posttrain.grpo", *quick(out, base, **settings)),
+                  timeout=300, cwd=ROOT)
+    rounds = step_metrics(out, "dynamic/rounds")
+    assert sorted(rounds) == [1, 2, 3]
+    assert all(r in (1.0, 2.0, 3.0) for r in rounds.values()), rounds
+    assert max(rounds.values()) > 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -191,6 +192,67 @@ def test_grpo_mean_reward_rises(base, tmp_path, options):
         "max_completion_tokens": 6, **options})]) == 0
     reward = summary(out)["reward"]
     assert sum(reward[-4:]) / 4 > 3 * sum(reward[:4]) / 4
+
+
+def starts_with_a_digit(completion: str, reference: str) -> float:
+    """A pass/fail reward the tiny random model earns rarely: most groups of 4 score all 0."""
+    return float(completion[:1].isdigit())
+
+
+def step_records(out: Path) -> dict[int, dict]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in records if "loss" in r}
+
+
+def test_grpo_dynamic_sampling_draws_until_groups_differ(base, tmp_path):
+    """Each step draws rounds of 4 prompts until 4 groups whose rewards differ are found or 3
+    rounds are spent, then fills up with all-equal groups; a truncated completion's tokens
+    carry no loss (overlong filter)."""
+    out = tmp_path / "grpo"
+    rewards = '[{name: "tests.posttrain.test_stages:starts_with_a_digit"}]'
+    assert main(["grpo", *quick(out, base, max_steps=4, rewards=rewards, **{
+        "optim.lr": 3e-3, "eval.every": 100, "prompts_per_step": 4, "num_generations": 4,
+        "max_completion_tokens": 6, "dynamic_sampling": "true", "overlong": "filter",
+        "logging.log_every": 1})]) == 0
+    records = step_records(out)
+    assert sorted(records) == [1, 2, 3, 4]
+    for r in records.values():
+        rounds, filled = r["dynamic/rounds"], r["dynamic/filled_share"] * 4
+        differing = round(r["dynamic/informative_share"] * rounds * 4)
+        assert 1 <= rounds <= 3 and filled == 4 - min(differing, 4)
+        assert rounds == 3 or (filled == 0 and differing >= 4)  # stopped early only when full
+        assert r["completion/truncated_share"] > 0
+    assert any(r["dynamic/rounds"] > 1 for r in records.values())
+
+
+GRPO_RECIPE = {"dynamic_sampling": "true", "overlong": "soft_penalty", "overlong_buffer": 3,
+               "importance_sampling_level": "sequence", "epsilon": 0.05,
+               "sampling_correction": "token_truncate", "beta": 0.04}
+
+
+def test_grpo_resumes_exactly_after_kill_9(base, tmp_path):
+    """Killed mid-step 4 with a save at step 2, `--resume auto` redraws the prompts and
+    rollouts the killed run drew (dynamic sampling's extra rounds included) and trains to
+    the uninterrupted run's losses and rewards."""
+    settings = {"optim.lr": 3e-3, "eval.every": 100, "checkpoint.every": 2,
+                "logging.log_every": 1, "prompts_per_step": 4, "num_generations": 4,
+                "max_completion_tokens": 6, **GRPO_RECIPE,
+                "rewards": '[{name: "tests.posttrain.test_stages:starts_with_a_digit"}]'}
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    command = [sys.executable, "-m", "lathe.posttrain.grpo"]
+    processes.run([*command, *quick(whole, base, max_steps=6, **settings)], timeout=300,
+                  cwd=ROOT)
+    result = processes.run([*command, *quick(killed, base, max_steps=6, **settings)],
+                           timeout=300, cwd=ROOT, check=False,
+                           env=dict(os.environ, LATHE_FAILPOINT="step@4"))
+    assert result.returncode != 0 and "SIGKILL at step@4" in result.stdout + result.stderr
+    processes.run([*command, *quick(killed, base, max_steps=6, **settings), "--resume",
+                   "auto"], timeout=300, cwd=ROOT)
+    expected, got = step_records(whole), step_records(killed)
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]
+    for step in (3, 4, 5, 6):
+        for key in ("loss", "reward/mean", "dynamic/rounds", "kl"):
+            assert got[step][key] == pytest.approx(expected[step][key], abs=1e-6), (step, key)
 
 
 @pytest.mark.slow
