@@ -22,32 +22,19 @@ launches (FSDP2, ZeRO-3) gather the engine's weights on the main process and bro
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import inspect
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from accelerate.utils import broadcast_object_list
 from torch import Tensor, nn
 
 from lathe.core.errors import ConfigError
-from lathe.data.chat_encoding import ChatEncoder
-from lathe.data.formats import PromptRow, load_prompt_dataset
+from lathe.data.formats import load_prompt_dataset
 from lathe.model.checkpoint import OpenCheckpoint, read_model_config
 from lathe.model.config import ModelConfig
 from lathe.model.head_ops import LabelLogprobs
-from lathe.model.lora import (
-    AdapterMerger,
-    adapter_pairs,
-    adapter_weights,
-    adapters_disabled,
-    has_experts,
-)
-from lathe.model.transformer import IGNORE_INDEX
+from lathe.model.lora import adapters_disabled
 from lathe.posttrain.common import (
     PromptFit,
     ShuffledBatches,
@@ -56,7 +43,6 @@ from lathe.posttrain.common import (
     evaluation_cache_bytes,
     finish_stage,
     load_policy,
-    pad,
     pad_id,
     percent,
     sequence_work,
@@ -65,33 +51,21 @@ from lathe.posttrain.common import (
     stop_reached,
 )
 from lathe.posttrain.config import GRPOConfig
-from lathe.posttrain.rewards import Reward, load_reward, verifier
-from lathe.posttrain.tool_episodes import Episode, EpisodePrompt, EpisodeRunner
+from lathe.posttrain.rollouts import (
+    ROLLOUT_BLOCKS,
+    Rollout,
+    RolloutGenerator,
+    collate,
+    engine_weights,
+    fit_prompts,
+)
+from lathe.posttrain.tool_episodes import EpisodeRunner
 from lathe.pretrain.runtime.memory_plan import Parallelism, StepShape, frozen_weight_bytes
 from lathe.pretrain.runtime.precision import compute_dtype
 from lathe.pretrain.runtime.trainer import Runtime, Work
-from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.engine import EngineConfig
 from lathe.serve.paged_cache import KVSlabs
 from lathe.serve.sampling import SamplingParams
-
-
-@dataclass
-class Prompt:
-    row: PromptRow
-    ids: list[int]  # the rendered chat, fitted to max_prompt_length
-
-
-@dataclass
-class Rollout:
-    prompt_ids: list[int]
-    completion_ids: list[int]  # the model's tokens, and with tools the results' between turns
-    reward: float
-    correct: float
-    sampled_logps: list[float]  # the engine's, at the sampling temperature
-    policy: list[bool]  # which completion tokens the model sampled (the rest carry no loss)
-    truncated: bool = False  # cut at max_completion_tokens
-    masked: bool = False  # left out of the loss (overlong: filter)
-    advantage: float = 0.0
 
 
 def group_advantages(rewards: Tensor, scale: bool = True, eps: float = 1e-4) -> Tensor:
@@ -197,136 +171,6 @@ def per_token_logps(model: nn.Module, ids: Tensor, labels: Tensor,
     return model(ids, head_op=op).head
 
 
-def collate(rollouts: list[Rollout], pad_token: int, device: torch.device) -> dict[str, Any]:
-    ids = pad([r.prompt_ids + r.completion_ids for r in rollouts], pad_token).to(device)
-    labels = pad([[IGNORE_INDEX] * len(r.prompt_ids) + [
-        token if sampled and not r.masked else IGNORE_INDEX for token, sampled in zip(
-            r.completion_ids, r.policy, strict=True)] for r in rollouts], IGNORE_INDEX).to(device)
-    sampled = pad([[0.0] * len(r.prompt_ids) + r.sampled_logps for r in rollouts], 0.0)
-    return {"ids": ids, "labels": labels, "mask": labels[:, 1:] != IGNORE_INDEX,
-            "sampled": sampled[:, 1:].to(device),
-            "lengths": [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts],
-            "advantages": torch.tensor([r.advantage for r in rollouts], device=device)}
-
-
-def fit_prompts(encoder: ChatEncoder, rows: list[PromptRow], fit: PromptFit,
-                tools: list[dict[str, Any]] | None = None) -> list[Prompt]:
-    """Each row rendered with its tools (or `tools`, the stage's, when it has none) and
-    fitted; rows that do not fit are dropped or cut as `fit` says."""
-    prompts = []
-    for row in rows:
-        row = dataclasses.replace(row, tools=row.tools or tools)
-        ids = fit(encoder.prompt(row.prompt, row.tools))
-        if ids is not None:
-            prompts.append(Prompt(row, ids))
-    return prompts
-
-
-ROLLOUT_BLOCKS = 1024  # the rollout engine's KV cache, in blocks of EngineConfig.block_size
-POLICY_ADAPTER = "policy"  # the rollout engine's name for the policy's current adapters
-
-
-class RolloutGenerator:
-    """The serve engine on its own copy of the policy: G episodes per prompt (one turn
-    each, or with `tools` turns that call them), scored. Under LoRA the engine keeps the
-    full-precision base and serves the policy's current adapters from an adapter slot,
-    refreshed each step without touching the base (LoRA on lm_head or a mixture of
-    experts' experts, which slots do not take, merges into a copy of the base instead);
-    never a merge into a 4-bit QLoRA base."""
-
-    def __init__(self, config: GRPOConfig, opened: OpenCheckpoint, encoder: ChatEncoder,
-                 episodes: EpisodeRunner, device: torch.device, kv_dtype: torch.dtype) -> None:
-        self.config, self.episodes = config, episodes
-        self.rewards = [(load_reward(r.name), r.weight) for r in config.rewards]
-        self.correct = verifier(config.task_eval.task)
-        model = opened.model(dtype=torch.float32, device=device)
-        lora = config.lora
-        slot_takes = "lm_head" not in lora.target_modules and not (
-            has_experts(model) and lora.expert_parameters())
-        self.adapter = POLICY_ADAPTER if lora.enabled and slot_takes else None
-        self.merger = AdapterMerger(model, lora) if lora.enabled and self.adapter is None \
-            else None
-        slots = dict(max_loras=1, max_lora_rank=lora.r) if self.adapter is not None else {}
-        engine_config = EngineConfig(num_blocks=ROLLOUT_BLOCKS, retain_freed_memory=False,
-                                     **slots)
-        self.engine = LLMEngine(model.eval(), encoder.tokenizer, engine_config, opened.eos_ids,
-                                kv_dtype=kv_dtype)
-
-    def refresh(self, weights: dict[str, Tensor]) -> None:
-        """Take the policy's gathered weights (its adapters alone under LoRA)."""
-        if self.adapter is not None:
-            self.engine.put_adapter(self.adapter, adapter_pairs(weights), self.config.lora.scale)
-        else:
-            self.engine.load_weights(self.merger(weights) if self.merger is not None
-                                     else weights)
-
-    def __call__(self, prompts: list[Prompt], seed: int,
-                 first: int = 0) -> tuple[list[Rollout], dict[str, float]]:
-        """The rollouts of `prompts`, the step's from its `first`-th on (each prompt seeded by
-        its index in the step, whichever rank samples it), and their episodes' tool metrics."""
-        c = self.config
-        params = [SamplingParams(max_tokens=c.max_completion_tokens, temperature=c.temperature,
-                                 top_p=c.top_p, n=c.num_generations, seed=seed + i * 1000,
-                                 logprobs=0, logprobs_at_temperature=True)
-                  for i in range(first, first + len(prompts))]
-        groups = self.episodes.run(self.engine, [EpisodePrompt(p.ids, p.row.prompt, p.row.tools)
-                                                 for p in prompts], params, self.adapter)
-        rollouts, episodes = [], [e for group in groups for e in group]
-        for prompt, group in zip(prompts, groups, strict=True):
-            reference = prompt.row.reference
-            for e in group:
-                reward = episode_reward(self.rewards, e, reference)
-                if c.overlong == "soft_penalty":
-                    reward += overlong_penalty(len(e.completion_ids), c.max_completion_tokens,
-                                               c.overlong_buffer)
-                truncated = e.finish_reason == "length"
-                rollouts.append(Rollout(prompt.ids, e.completion_ids, reward,
-                                        self.correct(e.answer, reference), e.logprobs,
-                                        e.policy, truncated,
-                                        truncated and c.overlong == "filter"))
-        metrics = {}
-        if self.episodes.tools is not None:
-            n = len(episodes)
-            metrics = {"tools/calls_per_episode": sum(e.tool_calls for e in episodes) / n,
-                       "tools/errors_per_episode": sum(e.tool_errors for e in episodes) / n,
-                       "tools/turns_per_episode": sum(e.turns for e in episodes) / n,
-                       "tools/unfinished": sum(e.finish_reason != "stop" for e in episodes) / n}
-        return rollouts, metrics
-
-
-def episode_reward(rewards: list[tuple[Reward, float]], episode: Episode,
-                   reference: str) -> float:
-    """The weighted sum of `rewards` on the episode's answer; a reward that takes
-    `messages` is also given the whole episode's (its tool calls and results)."""
-    return sum(weight * reward(episode.answer, reference, **(
-        {"messages": episode.messages} if _takes_messages(reward) else {}))
-        for reward, weight in rewards)
-
-
-@functools.cache
-def _takes_messages(reward: Reward) -> bool:
-    try:
-        return "messages" in inspect.signature(reward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def engine_weights(runtime: Runtime, config: GRPOConfig) -> dict[str, Tensor]:
-    """What every rank's rollout engine needs from the policy (collective): the full
-    weights, or under LoRA the adapter weights only — each rank's own where it holds them
-    whole, else gathered from the shards on the main process and broadcast."""
-    model = runtime.accelerator.unwrap_model(runtime.model)
-    if config.lora.enabled and not runtime.sharded:
-        return adapter_weights(model)
-    state = runtime.accelerator.get_state_dict(runtime.model)
-    if runtime.is_main or not runtime.shards_weights:
-        state = {k: v.detach().clone() for k, v in state.items()
-                 if not config.lora.enabled or ".lora_" in k}
-    if runtime.shards_weights:
-        state = broadcast_state(state if runtime.is_main else None, runtime.device)
-    return state
-
-
 def sample_groups(runtime: Runtime, config: GRPOConfig, sampler: ShuffledBatches,
                   generator: RolloutGenerator, first: int,
                   ) -> tuple[list[list[Rollout]], list[Rollout], dict[str, float]]:
@@ -337,6 +181,9 @@ def sample_groups(runtime: Runtime, config: GRPOConfig, sampler: ShuffledBatches
     samplers stay in step and a resumed run draws what the killed one would have)."""
     wanted = config.prompts_per_step // runtime.world_size
     size = config.num_generations
+    params = SamplingParams(max_tokens=config.max_completion_tokens,
+                            temperature=config.temperature, top_p=config.top_p, n=size,
+                            logprobs=0, logprobs_at_temperature=True)
     groups: list[list[Rollout]] = []
     sampled: list[Rollout] = []
     rounds: list[dict[str, float]] = []
@@ -344,8 +191,13 @@ def sample_groups(runtime: Runtime, config: GRPOConfig, sampler: ShuffledBatches
         mine = sampler.next()[first:first + wanted]
         with runtime.autocast():
             rollouts, tool_metrics = generator(
-                mine, seed=config.seed * 7919 + runtime.step * 104729,
+                mine, params, seed=config.seed * 7919 + runtime.step * 104729,
                 first=len(rounds) * config.prompts_per_step + first)
+        for r in rollouts:
+            if config.overlong == "soft_penalty":
+                r.reward += overlong_penalty(len(r.completion_ids), config.max_completion_tokens,
+                                             config.overlong_buffer)
+            r.masked = r.truncated and config.overlong == "filter"
         sampled += rollouts
         rounds.append(tool_metrics)
         groups += [rollouts[i:i + size] for i in range(0, len(rollouts), size)]
@@ -381,21 +233,6 @@ def rollout_summary(runtime: Runtime, rollouts: list[Rollout], seconds: float, g
             "completion/truncated_share": float(truncated.mean()),
             "rollout/tokens_per_s": float(lengths.sum()) / max(slowest, 1e-9),
             "rollout/logprob_gap": means[0], **dict(zip(rank_metrics, means[1:], strict=True))}
-
-
-def broadcast_state(state: dict[str, Tensor] | None, device: torch.device) -> dict[str, Tensor]:
-    """The main process's `state` on every rank (collective): names, shapes and dtypes as one
-    object, then each tensor through the launch's own collective (on `device`: NCCL moves
-    only device tensors), returned on the CPU."""
-    meta = [None if state is None else [(k, v.shape, v.dtype) for k, v in state.items()]]
-    broadcast_object_list(meta)
-    out = {}
-    for name, shape, dtype in meta[0]:
-        tensor = state[name].to(device) if state is not None else torch.empty(
-            shape, dtype=dtype, device=device)
-        torch.distributed.broadcast(tensor, src=0)
-        out[name] = tensor.cpu()
-    return out
 
 
 def check_lengths(config: GRPOConfig, context: int) -> PromptFit:
@@ -460,10 +297,10 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
     restored = runtime.start(config, resume)
     if restored is not None:
         sampler.load_state_dict(restored["prompts"])
-    generator = RolloutGenerator(config, opened, encoder, episodes, runtime.device,
-                                 runtime.compute_dtype)
+    generator = RolloutGenerator(opened, encoder, episodes, config.lora, config.rewards,
+                                 config.task_eval.task, runtime.device, runtime.compute_dtype)
     opened.release()
-    generator.refresh(engine_weights(runtime, config))
+    generator.refresh(engine_weights(runtime, config.lora))
     prompts_per_rank = config.prompts_per_step // runtime.world_size
     first = runtime.rank * prompts_per_rank
     evaluator = TaskEvaluator(config.task_eval, config.model, encoder, episodes)
@@ -523,7 +360,7 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
             runtime.log_step(result)
         history["reward"].append(rollout_metrics["reward/mean"])
         history["accuracy"].append(rollout_metrics["train/accuracy"])
-        generator.refresh(engine_weights(runtime, config))
+        generator.refresh(engine_weights(runtime, config.lora))
         if runtime.should(config.eval.every):
             with runtime.throughput.paused():
                 accuracy = evaluate_task(runtime, evaluator, config.lora)

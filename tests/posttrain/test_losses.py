@@ -12,9 +12,7 @@ from lathe.model import ModelConfig, Transformer
 from lathe.posttrain.config import DPOConfig, GRPOConfig
 from lathe.posttrain.dpo import dpo_loss, orpo_loss, rpo_loss, simpo_loss
 from lathe.posttrain.grpo import (
-    Rollout,
     clipped_surrogate,
-    collate,
     group_advantages,
     informative,
     overlong_penalty,
@@ -23,6 +21,7 @@ from lathe.posttrain.grpo import (
 )
 from lathe.posttrain.kto import kto_loss
 from lathe.posttrain.rewards import exact_number, length_penalty, load_reward
+from lathe.posttrain.rollouts import Rollout, collate
 
 
 def test_dpo_sigmoid_loss_matches_the_closed_form_and_is_log2_at_the_reference():

@@ -13,7 +13,7 @@ from lathe.model import ModelConfig, Transformer
 from lathe.model.checkpoint import read_eos_ids
 from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.config import ToolsConfig
-from lathe.posttrain.grpo import Rollout, collate
+from lathe.posttrain.rollouts import Rollout, collate
 from lathe.posttrain.tool_episodes import EpisodePrompt, EpisodeRunner
 from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.sampling import SamplingParams
@@ -162,8 +162,8 @@ def test_without_tools_an_episode_is_the_engines_completion(base):
 
 
 def test_a_reward_that_takes_messages_sees_the_whole_episode():
-    from lathe.posttrain.grpo import episode_reward
     from lathe.posttrain.rewards import exact_number
+    from lathe.posttrain.rollouts import episode_reward
     from lathe.posttrain.tool_episodes import Episode
 
     seen = []

@@ -1,0 +1,192 @@
+"""The rollout side of on-policy training (GRPO, on-policy distillation): prompts rendered
+and fitted, the serve engine on its own copy of the policy sampling episodes and scoring
+them, the policy's weights carried to every rank's engine after each step, and rollouts
+collated into training batches."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from accelerate.utils import broadcast_object_list
+from torch import Tensor
+
+from lathe.data.chat_encoding import ChatEncoder
+from lathe.data.formats import PromptRow
+from lathe.model.checkpoint import OpenCheckpoint
+from lathe.model.lora import (
+    AdapterMerger,
+    LoraSection,
+    adapter_pairs,
+    adapter_weights,
+    has_experts,
+)
+from lathe.model.transformer import IGNORE_INDEX
+from lathe.posttrain.common import PromptFit, pad
+from lathe.posttrain.config import RewardSpec
+from lathe.posttrain.rewards import Reward, load_reward, verifier
+from lathe.posttrain.tool_episodes import Episode, EpisodePrompt, EpisodeRunner
+from lathe.pretrain.runtime.trainer import Runtime
+from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.sampling import SamplingParams
+
+
+@dataclass
+class Prompt:
+    row: PromptRow
+    ids: list[int]  # the rendered chat, fitted to max_prompt_length
+
+
+@dataclass
+class Rollout:
+    prompt_ids: list[int]
+    completion_ids: list[int]  # the model's tokens, and with tools the results' between turns
+    reward: float
+    correct: float
+    sampled_logps: list[float]  # the engine's, at the sampling temperature
+    policy: list[bool]  # which completion tokens the model sampled (the rest carry no loss)
+    truncated: bool = False  # cut at max_completion_tokens
+    masked: bool = False  # left out of the loss (overlong: filter)
+    advantage: float = 0.0
+
+
+def collate(rollouts: list[Rollout], pad_token: int, device: torch.device) -> dict[str, Any]:
+    ids = pad([r.prompt_ids + r.completion_ids for r in rollouts], pad_token).to(device)
+    labels = pad([[IGNORE_INDEX] * len(r.prompt_ids) + [
+        token if sampled and not r.masked else IGNORE_INDEX for token, sampled in zip(
+            r.completion_ids, r.policy, strict=True)] for r in rollouts], IGNORE_INDEX).to(device)
+    sampled = pad([[0.0] * len(r.prompt_ids) + r.sampled_logps for r in rollouts], 0.0)
+    return {"ids": ids, "labels": labels, "mask": labels[:, 1:] != IGNORE_INDEX,
+            "sampled": sampled[:, 1:].to(device),
+            "lengths": [len(r.prompt_ids) + len(r.completion_ids) for r in rollouts],
+            "advantages": torch.tensor([r.advantage for r in rollouts], device=device)}
+
+
+def fit_prompts(encoder: ChatEncoder, rows: list[PromptRow], fit: PromptFit,
+                tools: list[dict[str, Any]] | None = None) -> list[Prompt]:
+    """Each row rendered with its tools (or `tools`, the stage's, when it has none) and
+    fitted; rows that do not fit are dropped or cut as `fit` says."""
+    prompts = []
+    for row in rows:
+        row = dataclasses.replace(row, tools=row.tools or tools)
+        ids = fit(encoder.prompt(row.prompt, row.tools))
+        if ids is not None:
+            prompts.append(Prompt(row, ids))
+    return prompts
+
+
+ROLLOUT_BLOCKS = 1024  # the rollout engine's KV cache, in blocks of EngineConfig.block_size
+POLICY_ADAPTER = "policy"  # the rollout engine's name for the policy's current adapters
+
+
+class RolloutGenerator:
+    """The serve engine on its own copy of the policy: `n` episodes per prompt (one turn
+    each, or with tools turns that call them), scored by `rewards` and checked by the
+    `task`'s verifier. Under LoRA the engine keeps the
+    full-precision base and serves the policy's current adapters from an adapter slot,
+    refreshed each step without touching the base (LoRA on lm_head or a mixture of
+    experts' experts, which slots do not take, merges into a copy of the base instead);
+    never a merge into a 4-bit QLoRA base."""
+
+    def __init__(self, opened: OpenCheckpoint, encoder: ChatEncoder, episodes: EpisodeRunner,
+                 lora: LoraSection, rewards: list[RewardSpec], task: str,
+                 device: torch.device, kv_dtype: torch.dtype) -> None:
+        self.episodes, self.lora = episodes, lora
+        self.rewards = [(load_reward(r.name), r.weight) for r in rewards]
+        self.correct = verifier(task)
+        model = opened.model(dtype=torch.float32, device=device)
+        slot_takes = "lm_head" not in lora.target_modules and not (
+            has_experts(model) and lora.expert_parameters())
+        self.adapter = POLICY_ADAPTER if lora.enabled and slot_takes else None
+        self.merger = AdapterMerger(model, lora) if lora.enabled and self.adapter is None \
+            else None
+        slots = dict(max_loras=1, max_lora_rank=lora.r) if self.adapter is not None else {}
+        engine_config = EngineConfig(num_blocks=ROLLOUT_BLOCKS, retain_freed_memory=False,
+                                     **slots)
+        self.engine = LLMEngine(model.eval(), encoder.tokenizer, engine_config, opened.eos_ids,
+                                kv_dtype=kv_dtype)
+
+    def refresh(self, weights: dict[str, Tensor]) -> None:
+        """Take the policy's gathered weights (its adapters alone under LoRA)."""
+        if self.adapter is not None:
+            self.engine.put_adapter(self.adapter, adapter_pairs(weights), self.lora.scale)
+        else:
+            self.engine.load_weights(self.merger(weights) if self.merger is not None
+                                     else weights)
+
+    def __call__(self, prompts: list[Prompt], params: SamplingParams, seed: int,
+                 first: int = 0) -> tuple[list[Rollout], dict[str, float]]:
+        """The rollouts of `prompts` sampled with `params` (at least logprobs=0), the step's
+        from its `first`-th on (each prompt seeded by its index in the step, whichever rank
+        samples it), and their episodes' tool metrics."""
+        per_prompt = [dataclasses.replace(params, seed=seed + i * 1000)
+                      for i in range(first, first + len(prompts))]
+        groups = self.episodes.run(self.engine, [EpisodePrompt(p.ids, p.row.prompt, p.row.tools)
+                                                 for p in prompts], per_prompt, self.adapter)
+        rollouts, episodes = [], [e for group in groups for e in group]
+        for prompt, group in zip(prompts, groups, strict=True):
+            reference = prompt.row.reference
+            rollouts += [Rollout(prompt.ids, e.completion_ids,
+                                 episode_reward(self.rewards, e, reference),
+                                 self.correct(e.answer, reference), e.logprobs, e.policy,
+                                 e.finish_reason == "length") for e in group]
+        metrics = {}
+        if self.episodes.tools is not None:
+            n = len(episodes)
+            metrics = {"tools/calls_per_episode": sum(e.tool_calls for e in episodes) / n,
+                       "tools/errors_per_episode": sum(e.tool_errors for e in episodes) / n,
+                       "tools/turns_per_episode": sum(e.turns for e in episodes) / n,
+                       "tools/unfinished": sum(e.finish_reason != "stop" for e in episodes) / n}
+        return rollouts, metrics
+
+
+def episode_reward(rewards: list[tuple[Reward, float]], episode: Episode,
+                   reference: str) -> float:
+    """The weighted sum of `rewards` on the episode's answer; a reward that takes
+    `messages` is also given the whole episode's (its tool calls and results)."""
+    return sum(weight * reward(episode.answer, reference, **(
+        {"messages": episode.messages} if _takes_messages(reward) else {}))
+        for reward, weight in rewards)
+
+
+@functools.cache
+def _takes_messages(reward: Reward) -> bool:
+    try:
+        return "messages" in inspect.signature(reward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def engine_weights(runtime: Runtime, lora: LoraSection) -> dict[str, Tensor]:
+    """What every rank's rollout engine needs from the policy (collective): the full
+    weights, or under LoRA the adapter weights only — each rank's own where it holds them
+    whole, else gathered from the shards on the main process and broadcast."""
+    model = runtime.accelerator.unwrap_model(runtime.model)
+    if lora.enabled and not runtime.sharded:
+        return adapter_weights(model)
+    state = runtime.accelerator.get_state_dict(runtime.model)
+    if runtime.is_main or not runtime.shards_weights:
+        state = {k: v.detach().clone() for k, v in state.items()
+                 if not lora.enabled or ".lora_" in k}
+    if runtime.shards_weights:
+        state = broadcast_state(state if runtime.is_main else None, runtime.device)
+    return state
+
+
+def broadcast_state(state: dict[str, Tensor] | None, device: torch.device) -> dict[str, Tensor]:
+    """The main process's `state` on every rank (collective): names, shapes and dtypes as one
+    object, then each tensor through the launch's own collective (on `device`: NCCL moves
+    only device tensors), returned on the CPU."""
+    meta = [None if state is None else [(k, v.shape, v.dtype) for k, v in state.items()]]
+    broadcast_object_list(meta)
+    out = {}
+    for name, shape, dtype in meta[0]:
+        tensor = state[name].to(device) if state is not None else torch.empty(
+            shape, dtype=dtype, device=device)
+        torch.distributed.broadcast(tensor, src=0)
+        out[name] = tensor.cpu()
+    return out
