@@ -125,6 +125,47 @@ class SFTConfig(ChatStageConfig):
     out_dir: str = "runs/sft"
 
 
+@dataclass
+class DistillConfig(ChatStageConfig):
+    """Distillation of `teacher` into the student `model` (they share a tokenizer).
+    logits: the student matches the teacher's next-token distributions on the chat data's
+    assistant tokens; teacher_data: SFT on the teacher's greedy answers to the data's prompts;
+    on_policy: the student samples answers to the data's prompts and matches the teacher's
+    distributions on its own tokens (GKD, Agarwal et al. 2024, as TRL's DistillationTrainer)."""
+
+    out_dir: str = "runs/distill"
+    model: str = "runs/student"  # the student checkpoint
+    teacher: str = "runs/grpo/final"
+    mode: Literal["logits", "teacher_data", "on_policy"] = "logits"
+    # forward_kl is KL(teacher ‖ student), reverse_kl KL(student ‖ teacher) (TRL's beta=1,
+    # its default on-policy), jsd the generalized JSD at jsd_beta (TRL's beta)
+    loss: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
+    jsd_beta: float = 0.5  # interpolation of the generalized JSD (0.5: symmetric)
+    temperature: float = 1.0  # of both distributions, and on_policy of the student's sampling
+    # loss = ce_weight · CE + (1 − ce_weight) · KD; unset: 0.5, and 0 on_policy, whose
+    # samples are the student's own and no target to imitate
+    ce_weight: float | None = None
+    max_completion_tokens: int = 32  # the teacher's answers or (on_policy) the student's
+    top_p: float = 1.0  # on_policy: the student's sampling
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.ce_weight is None:
+            self.ce_weight = 0.0 if self.mode == "on_policy" else 0.5
+        if not 0 <= self.ce_weight <= 1:
+            raise ConfigError(f"ce_weight={self.ce_weight} must be in [0, 1]")
+        if self.mode == "on_policy" and self.ce_weight:
+            raise ConfigError(f"ce_weight={self.ce_weight} with mode=on_policy: the student's "
+                              "own samples are no target to imitate; set ce_weight=0")
+        if not 0 < self.jsd_beta < 1:
+            raise ConfigError(f"jsd_beta={self.jsd_beta} must be in (0, 1)")
+        if self.temperature <= 0:
+            raise ConfigError(f"temperature={self.temperature} must be positive")
+        if self.max_completion_tokens < 1 or not 0 < self.top_p <= 1:
+            raise ConfigError(f"max_completion_tokens={self.max_completion_tokens}, top_p="
+                              f"{self.top_p}: give a positive token count and 0 < top_p <= 1")
+
+
 Overflow = Literal["drop", "truncate_left"]
 
 

@@ -1,27 +1,26 @@
 """Distillation (`lathe distill` / `accelerate launch -m lathe.posttrain.distill`): move a
 teacher's behaviour into a student that shares its tokenizer.
 
-Two modes. `logits`: on chat data, the student matches the teacher's next-token
+Three modes. `logits`: on chat data, the student matches the teacher's next-token
 distributions on assistant tokens — forward KL, reverse KL or generalized JSD at a
 temperature — mixed with the ordinary cross-entropy by `ce_weight`. `teacher_data`: the
 teacher answers a prompt set with the serve engine, the answers are written as a chat
-dataset, and the student is SFT-trained on it. Both end by reporting student and teacher
-accuracy on the held-out task.
+dataset, and the student is SFT-trained on it. `on_policy` (`distill_on_policy`): the
+student samples its own answers and matches the teacher on them. All end by reporting
+student and teacher accuracy on the held-out task.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lathe.core.atomic import write_json
@@ -30,10 +29,10 @@ from lathe.data.chat_encoding import ChatEncoder, chat_encoder
 from lathe.data.formats import load_prompt_dataset
 from lathe.data.mixture import load_rows
 from lathe.data.tokenizer import load_tokenizer, vocabulary_difference
-from lathe.kernels.fused_ce import linear_reduce
 from lathe.model.checkpoint import OpenCheckpoint, read_model_config
 from lathe.model.config import ModelConfig
 from lathe.model.transformer import IGNORE_INDEX
+from lathe.posttrain import distill_on_policy
 from lathe.posttrain.chats import chat_shape, chat_work, collate, start_chat_run
 from lathe.posttrain.common import (
     TaskEvaluator,
@@ -46,125 +45,14 @@ from lathe.posttrain.common import (
     stage_main,
     train_on_batches,
 )
-from lathe.posttrain.config import ChatStageConfig, PosttrainConfig, SFTConfig
+from lathe.posttrain.config import DistillConfig, PosttrainConfig, SFTConfig
+from lathe.posttrain.divergence import DistillationLoss, check_vocabularies, teacher_rows
 from lathe.posttrain.sft import sft
 from lathe.posttrain.tool_episodes import EpisodeRunner
 from lathe.pretrain.runtime.memory_plan import Parallelism, StepShape, frozen_weight_bytes
 from lathe.pretrain.runtime.trainer import Runtime, Work
 from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.sampling import SamplingParams
-
-
-@dataclass
-class DistillConfig(ChatStageConfig):
-    out_dir: str = "runs/distill"
-    model: str = "runs/student"  # the student checkpoint
-    teacher: str = "runs/grpo/final"
-    mode: Literal["logits", "teacher_data"] = "logits"
-    loss: Literal["forward_kl", "reverse_kl", "jsd"] = "forward_kl"
-    jsd_beta: float = 0.5  # interpolation of the generalized JSD (0.5: symmetric)
-    temperature: float = 1.0
-    ce_weight: float = 0.5  # loss = ce_weight · CE + (1 − ce_weight) · KD
-    teacher_max_tokens: int = 32  # teacher_data: answer length
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0 <= self.ce_weight <= 1:
-            raise ConfigError(f"ce_weight={self.ce_weight} must be in [0, 1]")
-        if not 0 < self.jsd_beta < 1:
-            raise ConfigError(f"jsd_beta={self.jsd_beta} must be in (0, 1)")
-        if self.temperature <= 0:
-            raise ConfigError(f"temperature={self.temperature} must be positive")
-
-
-def kd_per_token(student_logits: Tensor, teacher_logits: Tensor, kind: str = "forward_kl",
-                 temperature: float = 1.0, beta: float = 0.5) -> Tensor:
-    """The divergence between teacher and student at each row of (..., V) logits, at
-    `temperature` and scaled by T² (Hinton et al.)."""
-    s = F.log_softmax(student_logits.float() / temperature, dim=-1)
-    t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
-    if kind == "forward_kl":  # KL(teacher ‖ student): mode-covering
-        per_token = (t.exp() * (t - s)).sum(-1)
-    elif kind == "reverse_kl":  # KL(student ‖ teacher): mode-seeking
-        per_token = (s.exp() * (s - t)).sum(-1)
-    elif kind == "jsd":  # β·KL(t ‖ m) + (1 − β)·KL(s ‖ m), m = β·t + (1 − β)·s
-        m = torch.logsumexp(torch.stack([t + math.log(beta), s + math.log(1 - beta)]), dim=0)
-        per_token = (beta * (t.exp() * (t - m)).sum(-1)
-                     + (1 - beta) * (s.exp() * (s - m)).sum(-1))
-    else:
-        raise ConfigError(f"loss={kind!r}: choose forward_kl, reverse_kl or jsd")
-    return per_token * temperature**2
-
-
-def kd_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor,
-            kind: str = "forward_kl", temperature: float = 1.0,
-            beta: float = 0.5) -> Tensor:
-    """Per-token divergence (`kd_per_token`) averaged over masked positions. (N, T, V)
-    logits, (N, T) mask."""
-    mask = mask.float()
-    per_token = kd_per_token(student_logits, teacher_logits, kind, temperature, beta)
-    return (per_token * mask).sum() / mask.sum().clamp(min=1)
-
-
-TeacherRows = Callable[[slice], Tensor]
-
-
-def teacher_rows(runtime: Runtime, teacher: nn.Module, ids: Tensor,
-                 documents: Tensor | None = None) -> TeacherRows:
-    """The teacher's logits for a slice of the batch's scored positions (position t of row
-    b is b·(T − 1) + t). Its forward runs now; the logits of each slice are made when asked
-    for, from the final hidden states — unless the teacher is sharded, whose head only its
-    forward can apply: then they are made whole, once."""
-    with torch.no_grad(), runtime.autocast():
-        if not runtime.head_whole_in_forward:
-            logits = teacher(ids, documents=documents).logits[:, :-1].flatten(0, 1)
-            return lambda rows: logits[rows]
-        hidden = teacher(ids, documents=documents, head=False).hidden[:, :-1].flatten(0, 1)
-    head = runtime.accelerator.unwrap_model(teacher)
-
-    def rows_logits(rows: slice) -> Tensor:
-        with torch.no_grad(), runtime.autocast():
-            return head.compute_logits(hidden[rows])
-    return rows_logits
-
-
-@dataclass
-class DistillationLoss:
-    """The student's loss on a (B, T) batch as a head op: `ce_weight` · cross-entropy +
-    (1 − `ce_weight`) · divergence from the teacher, both averaged over the labelled
-    positions, a chunk of rows at a time (neither model's (B, T, vocab) logits are held on
-    the chunked path). After a call, `parts` holds the two terms."""
-
-    labels: Tensor
-    teacher: TeacherRows
-    config: DistillConfig
-    parts: dict[str, Tensor] = dataclasses.field(default_factory=dict)
-
-    def chunked(self, hidden: Tensor, weight: Tensor, softcap: float | None) -> Tensor:
-        return linear_reduce(hidden[:, :-1].flatten(0, 1), weight, self._rows(),
-                             softcap=softcap)
-
-    def from_logits(self, logits: Tensor) -> Tensor:
-        scored = logits[:, :-1].flatten(0, 1).float()
-        return self._rows()(scored, slice(0, scored.shape[0])).sum()
-
-    def _rows(self) -> Callable[[Tensor, slice], Tensor]:
-        targets = self.labels[:, 1:].flatten()
-        valid = targets != IGNORE_INDEX
-        count = valid.sum().clamp(min=1)
-        sums = torch.zeros(2, device=targets.device)
-        c = self.config
-        self.parts = {}
-
-        def rows_loss(logits: Tensor, rows: slice) -> Tensor:
-            mask, target = valid[rows], targets[rows].clamp(min=0)[:, None]
-            ce = (torch.logsumexp(logits, -1) - logits.gather(1, target)[:, 0]) * mask
-            kd = kd_per_token(logits, self.teacher(rows), c.loss, c.temperature,
-                              c.jsd_beta) * mask
-            sums.add_(torch.stack([ce.sum(), kd.sum()]).detach())
-            self.parts = {"ce": sums[0] / count, "kd": sums[1] / count}
-            return (c.ce_weight * ce + (1 - c.ce_weight) * kd) / count
-        return rows_loss
 
 
 def check_same_tokenizer(student: str, teacher: str) -> None:
@@ -180,6 +68,8 @@ def step_shape(config: DistillConfig, parallelism: Parallelism,
     """One micro-batch of logit distillation, for memory plans: the student's, beside the
     teacher's weights as `Runtime.prepare_frozen` places them (teacher_data mode trains
     with SFT's shape)."""
+    if config.mode == "on_policy":
+        return distill_on_policy.step_shape(config, parallelism, model_config)
     model_config = model_config or read_model_config(config.model)
     if config.mode != "logits":
         return chat_shape(config, model_config, parallelism)
@@ -192,9 +82,7 @@ def distill_logits(config: DistillConfig, teacher_checkpoint: OpenCheckpoint,
     runtime = Runtime(config, stage="distill")
     model, encoder = load_policy(runtime, config)
     teacher = teacher_checkpoint.model(dtype=torch.float32)
-    if teacher.config.vocab_size != model.config.vocab_size:
-        raise ConfigError(f"teacher vocab_size {teacher.config.vocab_size} != student "
-                          f"{model.config.vocab_size}: logits must cover the same tokens")
+    check_vocabularies(model, teacher)
     model_config = model.config
     run = start_chat_run(runtime, config, model, encoder, resume,
                          step_shape(config, runtime.parallelism, model_config))
@@ -265,7 +153,7 @@ def write_teacher_data(config: DistillConfig, teacher: OpenCheckpoint,
     data = config.data
     rows, _ = load_rows(data.train, load_prompt_dataset, "train", data.limit, config.seed)
     prompts = [encoder.prompt(row.prompt, row.tools) for row in rows]
-    params = SamplingParams(max_tokens=config.teacher_max_tokens, temperature=0)
+    params = SamplingParams(max_tokens=config.max_completion_tokens, temperature=0)
     answers = engine.generate(prompts, params, progress=True)
     tmp = path.with_suffix(".tmp")
     with tmp.open("w") as f:
@@ -284,6 +172,8 @@ def distill(config: DistillConfig, resume: str = "never") -> dict[str, Any]:
     teacher_encoder = chat_encoder(config.teacher)
     if config.mode == "logits":
         summary = distill_logits(config, teacher, resume)
+    elif config.mode == "on_policy":
+        summary = distill_on_policy.distill_on_policy(config, teacher, resume)
     else:
         out = Path(config.out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -310,8 +200,9 @@ def distill(config: DistillConfig, resume: str = "never") -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     return stage_main("distill", "Distill a teacher into a student sharing its tokenizer: "
-                      "--mode=logits (KL/JSD on chat data) or --mode=teacher_data (SFT on "
-                      "the teacher's answers).", DistillConfig, distill, argv)
+                      "--mode=logits (KL/JSD on chat data), --mode=teacher_data (SFT on "
+                      "the teacher's answers) or --mode=on_policy (KL/JSD on the student's "
+                      "own samples).", DistillConfig, distill, argv)
 
 
 if __name__ == "__main__":

@@ -52,19 +52,16 @@ from lathe.posttrain.common import (
 )
 from lathe.posttrain.config import GRPOConfig
 from lathe.posttrain.rollouts import (
-    ROLLOUT_BLOCKS,
     Rollout,
     RolloutGenerator,
     collate,
     engine_weights,
     fit_prompts,
+    rollout_engine_bytes,
 )
 from lathe.posttrain.tool_episodes import EpisodeRunner
 from lathe.pretrain.runtime.memory_plan import Parallelism, StepShape, frozen_weight_bytes
-from lathe.pretrain.runtime.precision import compute_dtype
 from lathe.pretrain.runtime.trainer import Runtime, Work
-from lathe.serve.engine import EngineConfig
-from lathe.serve.paged_cache import KVSlabs
 from lathe.serve.sampling import SamplingParams
 
 
@@ -251,18 +248,15 @@ def step_shape(config: GRPOConfig, parallelism: Parallelism,
     """One GRPO micro-batch, for memory plans: each rank's rollouts split into
     grad_accum_steps micro-batches of prompt + completion tokens through per-token
     log-probs, beside the reference (beta > 0 without LoRA) and the rank's rollout engine —
-    its own fp32 copy of the policy and a KV cache of ROLLOUT_BLOCKS blocks."""
+    its own fp32 copy of the policy and its KV cache."""
     model_config = model_config or read_model_config(config.model)
     rows = max(config.prompts_per_step * config.num_generations // parallelism.processes
                // config.grad_accum_steps, 1)
     length = (model_config.max_seq_len if config.max_prompt_length is None
               else config.max_prompt_length + config.max_completion_tokens)
-    frozen = 4 * model_config.num_params()  # the engine's copy
+    frozen, cache = rollout_engine_bytes(model_config, parallelism.mixed_precision)
     if config.beta > 0 and not config.lora.enabled:
         frozen += frozen_weight_bytes(model_config, parallelism)
-    block = EngineConfig().block_size
-    cache = (ROLLOUT_BLOCKS + 1) * KVSlabs.bytes_per_block(
-        model_config, block, compute_dtype(parallelism.mixed_precision))
     return StepShape(rows, min(length, model_config.max_seq_len), "logprobs",
                      config.grad_accum_steps, frozen, cache, evaluation_cache_bytes(
                          model_config, parallelism.mixed_precision))

@@ -23,7 +23,7 @@ from lathe.data.tokenizer import load_tokenizer
 from lathe.model.checkpoint import read_model_config
 from lathe.model.config import ModelConfig
 from lathe.posttrain import distill, dpo, grpo, sft
-from lathe.posttrain.config import DPOConfig, GRPOConfig, SFTConfig
+from lathe.posttrain.config import DistillConfig, DPOConfig, GRPOConfig, SFTConfig
 from lathe.pretrain import train
 from lathe.pretrain.config import PretrainConfig
 from lathe.pretrain.runtime.memory_plan import (
@@ -64,7 +64,7 @@ STAGES: dict[str, Stage] = {
     "sft": Stage(SFTConfig, sft.step_shape, _checkpoint_model),
     "dpo": Stage(DPOConfig, dpo.step_shape, _checkpoint_model),
     "grpo": Stage(GRPOConfig, grpo.step_shape, _checkpoint_model),
-    "distill": Stage(distill.DistillConfig, distill.step_shape, _checkpoint_model),
+    "distill": Stage(DistillConfig, distill.step_shape, _checkpoint_model),
 }
 
 

@@ -18,6 +18,7 @@ from torch import Tensor
 from lathe.data.chat_encoding import ChatEncoder
 from lathe.data.formats import PromptRow
 from lathe.model.checkpoint import OpenCheckpoint
+from lathe.model.config import ModelConfig
 from lathe.model.lora import (
     AdapterMerger,
     LoraSection,
@@ -30,8 +31,10 @@ from lathe.posttrain.common import PromptFit, pad
 from lathe.posttrain.config import RewardSpec
 from lathe.posttrain.rewards import Reward, load_reward, verifier
 from lathe.posttrain.tool_episodes import Episode, EpisodePrompt, EpisodeRunner
+from lathe.pretrain.runtime.precision import compute_dtype
 from lathe.pretrain.runtime.trainer import Runtime
 from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.paged_cache import KVSlabs
 from lathe.serve.sampling import SamplingParams
 
 
@@ -81,6 +84,14 @@ def fit_prompts(encoder: ChatEncoder, rows: list[PromptRow], fit: PromptFit,
 
 ROLLOUT_BLOCKS = 1024  # the rollout engine's KV cache, in blocks of EngineConfig.block_size
 POLICY_ADAPTER = "policy"  # the rollout engine's name for the policy's current adapters
+
+
+def rollout_engine_bytes(model_config: ModelConfig, mixed_precision: str) -> tuple[int, int]:
+    """What a rank's rollout engine holds, for memory plans: its fp32 copy of the policy, and
+    its KV cache of ROLLOUT_BLOCKS blocks."""
+    cache = (ROLLOUT_BLOCKS + 1) * KVSlabs.bytes_per_block(
+        model_config, EngineConfig().block_size, compute_dtype(mixed_precision))
+    return 4 * model_config.num_params(), cache
 
 
 class RolloutGenerator:

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from lathe.core.config import load_config
-from lathe.posttrain.config import DPOConfig, GRPOConfig, SFTConfig
-from lathe.posttrain.distill import DistillConfig
+from lathe.posttrain.config import DistillConfig, DPOConfig, GRPOConfig, SFTConfig
 from lathe.pretrain.config import PretrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]

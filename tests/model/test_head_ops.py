@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from lathe.model.head_ops import LabelLogprobs
 from lathe.model.lora import LoraSection, apply_lora
-from lathe.posttrain.distill import DistillationLoss, kd_loss
+from lathe.posttrain.divergence import DistillationLoss, kd_loss
 from tests.builders import tiny_model
 
 CASES = {"plain": {}, "softcap": {"family": "gemma2", "final_softcap": 5.0},

@@ -1,10 +1,13 @@
-"""Distillation: KD losses against their formulas, the shared-tokenizer check, and short
-runs in both modes."""
+"""Distillation: KD losses against their formulas and TRL's, the shared-tokenizer check,
+short runs in all three modes, and on-policy distillation resumed after a kill."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +19,12 @@ from lathe.data.formats import load_prompt_dataset
 from lathe.data.mixture import WeightedSource, load_mixture
 from lathe.data.tokenizer import save_tokenizer, train_tokenizer
 from lathe.model import ModelConfig, Transformer, load_checkpoint, save_checkpoint
-from lathe.posttrain.distill import check_same_tokenizer, kd_loss
+from lathe.posttrain.distill import check_same_tokenizer
+from lathe.posttrain.divergence import kd_loss
+from tests import processes
 from tests.posttrain.conftest import quick
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_kd_losses_match_their_formulas():
@@ -70,7 +77,7 @@ def test_teacher_data_mode_writes_answers_and_fine_tunes(base, teacher, tmp_path
     assert main(["distill", *quick(out, base, teacher=teacher, mode="teacher_data",
                                    max_steps=4, micro_batch_size=2,
                                    **{"data.limit": 16, "eval.every": 4, "data.train": mixture,
-                                      "data.packing": "true", "teacher_max_tokens": 4})]) == 0
+                                      "data.packing": "true", "max_completion_tokens": 4})]) == 0
     rows = [json.loads(line) for line in (out / "teacher_data.jsonl").read_text().splitlines()]
     assert len(rows) == 16 and rows[0]["messages"][-1]["role"] == "assistant"
     drawn = load_mixture([WeightedSource("task:arithmetic", 3), WeightedSource("task:arithmetic3")],
@@ -87,3 +94,73 @@ def test_different_tokenizers_are_refused(base, tmp_path):
     save_tokenizer(other, tmp_path / "tok")
     with pytest.raises(ConfigError, match="must share a tokenizer"):
         check_same_tokenizer(str(base), str(tmp_path / "tok"))
+
+
+@pytest.mark.parametrize("kind,beta", [("reverse_kl", 1.0), ("forward_kl", 0.0), ("jsd", 0.3)])
+def test_divergences_equal_trls_distillation_trainer(kind, beta):
+    """TRL 1.16's DistillationTrainer (on-policy GKD) scores the same student and teacher
+    hidden states through their heads to the same loss at T=1 — its `beta` is our choice of
+    divergence — and at T=2 to 1/T² of ours (lathe keeps Hinton's T² scaling, which holds
+    the gradient's size as T changes; TRL does not)."""
+    from trl.trainer.distillation_trainer import _chunked_divergence_loss
+    g = torch.Generator().manual_seed(0)
+    hidden_s, hidden_t = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 16, generator=g)
+    head_s, head_t = (0.3 * torch.randn(40, 16, generator=g) for _ in range(2))
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    for temperature in (1.0, 2.0):
+        theirs, _, _ = _chunked_divergence_loss(hidden_s, hidden_t, head_s, head_t, mask, beta,
+                                                temperature=temperature)
+        ours = kd_loss(hidden_s @ head_s.T, hidden_t @ head_t.T, mask.bool(), kind,
+                       temperature, beta if kind == "jsd" else 0.5)
+        assert ours.item() == pytest.approx(theirs.item() * temperature**2, rel=1e-5)
+
+
+ON_POLICY = {"mode": "on_policy", "loss": "reverse_kl", "micro_batch_size": 8,
+             "optim.lr": 3e-3, "max_completion_tokens": 8}
+
+
+def test_on_policy_distillation_lowers_the_students_reverse_kl(base, teacher, tmp_path):
+    """The student samples its own answers and learns the teacher's distributions on them:
+    its KL to the teacher on its own samples of held-out prompts falls within 20 steps."""
+    out = tmp_path / "on_policy"
+    assert main(["distill", *quick(out, base, teacher=teacher, max_steps=20, **ON_POLICY, **{
+        "eval.every": 20, "logging.log_every": 1})]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    first, last = summary["reverse_kl"]
+    assert last < 0.85 * first
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lengths = [r["completion/mean_length"] for r in records if "completion/mean_length" in r]
+    assert len(lengths) == 20 and all(0 < n <= 8 for n in lengths)
+    assert {"student_accuracy", "teacher_accuracy"} <= set(summary)
+
+
+def test_on_policy_refuses_a_cross_entropy_on_its_own_samples():
+    from lathe.posttrain.config import DistillConfig
+    assert DistillConfig(mode="on_policy").ce_weight == 0.0
+    assert DistillConfig().ce_weight == 0.5
+    with pytest.raises(ConfigError, match="ce_weight=0.5 with mode=on_policy"):
+        DistillConfig(mode="on_policy", ce_weight=0.5)
+
+
+def test_on_policy_distillation_resumes_exactly_after_kill_9(base, teacher, tmp_path):
+    settings = {**ON_POLICY, "eval.every": 100, "checkpoint.every": 2, "logging.log_every": 1,
+                "teacher": teacher}
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    command = [sys.executable, "-m", "lathe.posttrain.distill"]
+    processes.run([*command, *quick(whole, base, max_steps=5, **settings)], timeout=300,
+                  cwd=ROOT)
+    result = processes.run([*command, *quick(killed, base, max_steps=5, **settings)],
+                           timeout=300, cwd=ROOT, check=False,
+                           env=dict(os.environ, LATHE_FAILPOINT="step@4"))
+    assert result.returncode != 0 and "SIGKILL at step@4" in result.stdout + result.stderr
+    processes.run([*command, *quick(killed, base, max_steps=5, **settings), "--resume",
+                   "auto"], timeout=300, cwd=ROOT)
+
+    def losses(out):
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: (r["loss"], r["completion/mean_length"]) for r in rows
+                if "loss" in r}
+    expected, got = losses(whole), losses(killed)
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    for step in (3, 4, 5):
+        assert got[step] == pytest.approx(expected[step], abs=1e-6), step

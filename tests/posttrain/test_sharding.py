@@ -1,7 +1,9 @@
 """Post-training on 2 CPU processes, shown rather than assumed: under FSDP2 and ZeRO-3 each
 rank holds half of a policy weight and half of the reference's; an SFT step with
 accumulation on 2 ranks is the one-process step on the same 8 chats; GRPO with a sharded
-reference and its rollout engine synced from the shards reproduces the one-process run."""
+reference and its rollout engine synced from the shards reproduces the one-process run, and
+so does on-policy distillation from a sharded teacher; GRPO's dynamic sampling keeps both
+ranks drawing the same rounds."""
 
 from __future__ import annotations
 
@@ -11,9 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lathe.core.config import load_config
-from lathe.posttrain.config import GRPOConfig, SFTConfig
+from lathe.model import ModelConfig, Transformer, load_checkpoint, save_checkpoint
+from lathe.posttrain.config import DistillConfig, GRPOConfig, SFTConfig
+from lathe.posttrain.distill import distill
 from lathe.posttrain.grpo import grpo
 from lathe.posttrain.sft import sft
 from tests import processes
@@ -130,3 +135,28 @@ def test_grpo_dynamic_sampling_keeps_two_ranks_in_step(base, tmp_path):
     assert sorted(rounds) == [1, 2, 3]
     assert all(r in (1.0, 2.0, 3.0) for r in rounds.values()), rounds
     assert max(rounds.values()) > 1
+
+
+@pytest.mark.parametrize("recipe", ["cpu-ddp", "cpu-zero3"])
+def test_on_policy_distillation_on_two_ranks_is_the_one_process_run(recipe, base, tmp_path):
+    """Each rank samples its half of the step's prompts, seeded by their index in the step,
+    and scores them against the teacher (sharded under ZeRO-3): the losses, and the held-out
+    KL sampled on both ranks' shares, are the one-process run's."""
+    config = load_checkpoint(base).config
+    torch.manual_seed(1)  # a sharper random teacher on the base's tokenizer
+    teacher = save_checkpoint(Transformer(ModelConfig(**{**config.__dict__, "init_std": 0.1})),
+                              tmp_path / "teacher", tokenizer=base)
+    settings = {"mode": "on_policy", "loss": "reverse_kl", "teacher": teacher, "max_steps": 3,
+                "micro_batch_size": 4, "max_completion_tokens": 6, "optim.lr": 3e-3,
+                "eval.every": 3, "task_eval.examples": 4, "logging.log_every": 1}
+    one, two = tmp_path / "one", tmp_path / recipe
+    reset_accelerate()
+    distill(load_config(DistillConfig, None, quick(one, base, **settings,
+                                                   grad_accum_steps=2)))
+    processes.run(launch(recipe, "-m", "lathe.posttrain.distill", *quick(two, base, **settings)),
+                  timeout=300, cwd=ROOT)
+    a, b = step_metrics(one, "loss"), step_metrics(two, "loss")
+    assert sorted(b) == [1, 2, 3]
+    assert max(abs(a[s] - b[s]) / max(1.0, abs(a[s])) for s in a) < 1e-5, (a, b)
+    for key in ("eval/reverse_kl",):
+        assert step_metrics(two, key) == pytest.approx(step_metrics(one, key), rel=1e-5)
