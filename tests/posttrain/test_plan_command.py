@@ -41,6 +41,8 @@ def test_each_post_training_stage_plans_a_checkpoint(capsys, base):
     assert "KV cache" in grpo  # the rollout engine's
     distill = plan(capsys, "distill", *common, "--teacher", str(base))
     assert peak_of(distill) > peak_of(sft)  # the teacher's weights
+    on_policy = plan(capsys, "distill", *common, "--teacher", str(base), "--mode=on_policy")
+    assert "KV cache" in on_policy and peak_of(on_policy) > peak_of(distill)  # its engine
     lora = plan(capsys, "sft", *common, "--lora.enabled=true")
     assert re.search(r"\(0\.\d+M trained\)", lora)
 
