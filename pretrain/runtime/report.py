@@ -1,6 +1,8 @@
 """`lathe report RUN_DIR`: a run's report card, `RUN_DIR/report.md` with PNG plots in
 `RUN_DIR/report/`, built only from what each stage wrote (`metrics.jsonl`, `summary.json`
-in `RUN_DIR/<stage>/`), so any finished or half-finished run can have one.
+in `RUN_DIR/<stage>/`), so any finished or half-finished run can have one; a stage's
+checkpoint scored with `lathe eval CKPT --output RUN_DIR/<stage>/eval.json` adds its
+lm-eval results, each task's metrics side by side across the stages.
 
 At the top: the environment (lathe commit, torch, device). Then the table a person reads
 first — each stage's own metric at its start and end (pretraining val bits-per-byte,
@@ -32,6 +34,7 @@ from lathe.core.errors import ConfigError
 # chats, then GRPO with multi-turn tool rollouts), measured against grpo without the tool
 STAGES = ("pretrain", "sft", "dpo", "grpo", "distill", "sft-tools", "grpo-tools")
 Curve = tuple[str, list[int], list[float]]  # label, steps, values
+EVAL_FILE = "eval.json"  # lm-eval's results, as `lathe eval --output` writes them
 
 
 @dataclass
@@ -40,6 +43,7 @@ class Stage:
     records: list[dict[str, Any]]
     summary: dict[str, Any]
     skipped_lines: int = 0
+    benchmarks: dict[str, Any] | None = None  # lm-eval's "results", by task
 
     def curve(self, key: str, label: str | None = None) -> Curve:
         points = [(r["step"], r[key]) for r in self.records
@@ -57,7 +61,8 @@ def read_stage(folder: Path) -> Stage | None:
     """A stage's records and summary; None when it never ran. A line that is not a JSON
     object (a run killed mid-write) is skipped and counted."""
     metrics, summary = folder / "metrics.jsonl", folder / "summary.json"
-    if not metrics.is_file() and not summary.is_file():
+    benchmarks = _read_object(folder / EVAL_FILE).get("results")
+    if not metrics.is_file() and not summary.is_file() and benchmarks is None:
         return None
     records, skipped = [], 0
     if metrics.is_file():
@@ -70,11 +75,42 @@ def read_stage(folder: Path) -> Stage | None:
                 records.append(record)
             elif line.strip():
                 skipped += 1
+    return Stage(folder.name, records, _read_object(summary), skipped,
+                 benchmarks if isinstance(benchmarks, dict) else None)
+
+
+def _read_object(path: Path) -> dict[str, Any]:
+    """A JSON object file's contents; {} when it is missing, unreadable or not an object."""
     try:
-        loaded = json.loads(summary.read_text()) if summary.is_file() else {}
-    except json.JSONDecodeError:
+        loaded = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError):
         loaded = {}
-    return Stage(folder.name, records, loaded if isinstance(loaded, dict) else {}, skipped)
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def benchmark_table(stages: dict[str, Stage]) -> tuple[list[str], list[list[str]]]:
+    """The stages with lm-eval results, and one row per (task, metric) — the metric named
+    with its filter when that is not lm-eval's "none" — with each stage's value ± its
+    standard error, "–" where a stage did not score it."""
+    scored = [name for name, s in stages.items() if s.benchmarks]
+    cells: dict[tuple[str, str], dict[str, str]] = {}
+    for name in scored:
+        for task, metrics in stages[name].benchmarks.items():
+            if not isinstance(metrics, dict):
+                continue
+            for key, value in metrics.items():
+                metric, _, kind = key.partition(",")
+                if not kind or metric.endswith("_stderr") or isinstance(value, bool) \
+                        or not isinstance(value, (int, float)):
+                    continue
+                stderr = metrics.get(f"{metric}_stderr,{kind}")
+                shown = f"{value:.4f}" + (f" ± {stderr:.4f}" if isinstance(
+                    stderr, (int, float)) and not isinstance(stderr, bool) else "")
+                label = metric if kind == "none" else f"{metric} ({kind})"
+                cells.setdefault((task, label), {})[name] = shown
+    rows = [[task, metric, *(by_stage.get(name, "–") for name in scored)]
+            for (task, metric), by_stage in sorted(cells.items())]
+    return scored, rows
 
 
 def environment() -> dict[str, str]:
@@ -136,6 +172,8 @@ def stage_table(stages: dict[str, Stage]) -> list[tuple[str, str, str, str]]:
                          f"{teacher:.1%}"))
         add("distill", "held-out KL to teacher", _first_last(s.values("eval/kl_to_teacher")),
             False)
+        add("distill", "held-out KL(student ‖ teacher) on its own samples",
+            _first_last(s.values("eval/reverse_kl")), False)
     if (s := stages.get("sft-tools")) is not None:
         add("sft-tools", accuracy(s), _first_last(s.values("eval/accuracy")), True)
     if (s := stages.get("grpo-tools")) is not None:
@@ -242,14 +280,18 @@ def samples_section(stages: dict[str, Stage]) -> list[str]:
     return lines
 
 
+def build_stages(run_dir: Path) -> dict[str, Stage]:
+    """The README run's stages found in `run_dir`, in order."""
+    return {name: stage for name in STAGES if (stage := read_stage(run_dir / name)) is not None}
+
+
 def build_report(run_dir: str | Path) -> tuple[Path, list[tuple[str, str, str, str]]]:
     """Write RUN_DIR/report.md and its plots; returns the report's path and its table."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ConfigError(f"RUN_DIR {str(run_dir)!r} is not a folder; pass the folder a run "
                           "wrote its stages into, e.g. runs/e2e")
-    stages = {name: stage for name in STAGES
-              if (stage := read_stage(run_dir / name)) is not None}
+    stages = build_stages(run_dir)
     if not stages:
         raise ConfigError(f"{run_dir} holds none of {', '.join(STAGES)} (each a folder with "
                           "metrics.jsonl or summary.json); is this a lathe run folder?")
@@ -261,6 +303,12 @@ def build_report(run_dir: str | Path) -> tuple[Path, list[tuple[str, str, str, s
     lines += ["", "## Each stage's own metric", "", "| stage | metric | start | end |",
               "|---|---|---:|---:|"]
     lines += [f"| {' | '.join(row)} |" for row in table]
+    scored, benchmarks = benchmark_table(stages)
+    if benchmarks:
+        lines += ["", "## Benchmarks (`lathe eval`, lm-eval tasks)", "",
+                  f"| task | metric | {' | '.join(scored)} |",
+                  f"|---|---|{'---:|' * len(scored)}"]
+        lines += [f"| {' | '.join(row)} |" for row in benchmarks]
     missing = [name for name in STAGES if name not in stages]
     skipped = {name: s.skipped_lines for name, s in stages.items() if s.skipped_lines}
     if missing:
@@ -290,5 +338,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     width = max((len(f"{stage} {metric}") for stage, metric, _, _ in table), default=0)
     for stage, metric, start, end in table:
         print(f"  {f'{stage} {metric}':<{width}}  {start:>8} -> {end}")
+    scored, benchmarks = benchmark_table(build_stages(args.run_dir))
+    for task, metric, *values in benchmarks:
+        print(f"  {task} {metric}: " + ", ".join(
+            f"{name} {value}" for name, value in zip(scored, values, strict=True)))
     print(f"report: {path}")
     return 0

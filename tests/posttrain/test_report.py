@@ -4,6 +4,7 @@ as PNG files, samples, and runs that are half-written or not runs at all."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -50,3 +51,27 @@ def test_report_refuses_a_folder_that_is_not_a_run(tmp_path):
         build_report(tmp_path)
     with pytest.raises(ConfigError, match="is not a folder"):
         build_report(tmp_path / "missing")
+
+
+@pytest.mark.slow
+def test_report_puts_lathe_eval_results_beside_the_stages(run, base, tmp_path, capsys):
+    """`lathe eval CKPT --output RUN/<stage>/eval.json` for the base and the SFT model: the
+    report's benchmark table holds each task's metric for both, as lm-eval scored them."""
+    pytest.importorskip("lm_eval")
+    from tests.serve.test_lm_eval import write_task
+    task = write_task(tmp_path)
+    run = shutil.copytree(run, tmp_path / "run")
+    (run / "pretrain").mkdir()
+    for stage, checkpoint in (("pretrain", base), ("sft", run / "sft" / "final")):
+        assert main(["eval", str(checkpoint), "--tasks", task, "--include-path", str(tmp_path),
+                     "--output", str(run / stage / "eval.json")]) == 0
+    capsys.readouterr()
+    assert main(["report", str(run)]) == 0
+    printed, report = capsys.readouterr().out, (run / "report.md").read_text()
+    scores = [json.loads((run / stage / "eval.json").read_text())["results"][task]
+              for stage in ("pretrain", "sft")]
+    shown = [f"{s['acc,none']:.4f} ± {s['acc_stderr,none']:.4f}" for s in scores]
+    assert "| task | metric | pretrain | sft |" in report
+    assert f"| {task} | acc | {shown[0]} | {shown[1]} |" in report
+    assert f"{task} acc: pretrain {shown[0]}, sft {shown[1]}" in printed
+    assert "Not in this run: dpo, grpo" in report  # a stage with only eval.json is in it
