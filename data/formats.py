@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,7 @@ class PreferenceRow:
     rejected: list[Message]
     tools: Tools = None
     where: str = ""
+    margin: float = 0.0  # how much better chosen is (a reward model's margin; TRL's "margin")
 
 
 @dataclass(frozen=True)
@@ -169,11 +171,15 @@ def load_preference_dataset(source: str, split: str = "train",
         for key in ("prompt", "chosen", "rejected"):
             if key not in row:
                 raise ConfigError(f"{where}: missing field {key!r}")
+        margin = row.get("margin", 0.0)
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) \
+                or not math.isfinite(margin):
+            raise ConfigError(f"{where}: margin={margin!r} must be a finite number")
         out.append(PreferenceRow(_checked(where, normalize_messages, row["prompt"], "prompt"),
                                  _checked(where, _reply, row["chosen"], "chosen"),
                                  _checked(where, _reply, row["rejected"], "rejected"),
                                  _checked(where, normalize_tools, row.get("tools"), "tools"),
-                                 where))
+                                 where, float(margin)))
         if limit is not None and len(out) == limit:
             break
     return out

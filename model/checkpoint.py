@@ -10,6 +10,7 @@ too. Training state (optimizer, RNG, data position) is never in here.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -151,15 +152,30 @@ class OpenCheckpoint:
         self._state: dict[str, torch.Tensor] | None = None
 
     def model(self, dtype: torch.dtype | None = None,
-              device: torch.device | str | None = None) -> Transformer:
-        """A new `Transformer` (eval mode) of these weights, as `load_checkpoint` gives."""
+              device: torch.device | str | None = None,
+              num_labels: int | None = None) -> Transformer:
+        """A new `Transformer` (eval mode) of these weights, as `load_checkpoint` gives.
+        `num_labels` on a language model's checkpoint: a sequence classifier of its decoder
+        with a new score head ~ N(0, init_std), as transformers starts one (a reward model
+        from an SFT model)."""
         device = torch.device(device if device is not None else "cpu")
         check_memory(self.config, self.path, device, dtype)
         if self._state is None:
             self._state = _read_state(self.path, self.config, torch.device("cpu"))
         state = {name: tensor.to(device, dtype or tensor.dtype, copy=True)
                  for name, tensor in self._state.items()}
-        return _build(self.config, state, self.path, None, device)
+        config = self.config
+        if num_labels is not None and num_labels != config.num_labels:
+            if config.num_labels:
+                raise CheckpointError(f"{self.path} is a sequence classifier of "
+                                      f"{config.num_labels} labels, not {num_labels}; start "
+                                      "from a language model or a classifier of that many")
+            config = dataclasses.replace(config, num_labels=num_labels)
+            embedding = state["model.embed_tokens.weight"]
+            state = {k: v for k, v in state.items() if not k.startswith("lm_head.")}
+            state["score.weight"] = torch.randn(
+                num_labels, config.dim, device=device).mul_(config.init_std).to(embedding.dtype)
+        return _build(config, state, self.path, None, device)
 
     def release(self) -> None:
         self._state = None

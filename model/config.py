@@ -117,6 +117,9 @@ class ModelConfig:
     `routed_scaling_factor`. Training adds `router_aux_loss_coef` times the Switch Transformer
     load-balancing loss (as transformers computes it; a sigmoid router's family has none) and
     `router_z_loss_coef` times ST-MoE's router z-loss.
+    `num_labels` > 0 makes the model a sequence classifier (a reward model: HF's
+    `…ForSequenceClassification`): a `score` head of that many outputs in place of the LM
+    head, read at each sequence's last token.
     """
 
     vocab_size: int = 2048
@@ -165,6 +168,7 @@ class ModelConfig:
     n_expert_groups: int = 1
     topk_expert_groups: int = 1
     routed_scaling_factor: float = 1.0
+    num_labels: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):
@@ -308,6 +312,13 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"ModelConfig.{name}={value!r} must be a positive integer")
+        if not isinstance(self.num_labels, int) or self.num_labels < 0:
+            raise ConfigError(f"ModelConfig.num_labels={self.num_labels!r}: 0 for a language "
+                              "model, or a sequence classifier's count of outputs")
+        if self.num_labels and FAMILIES[self.family].classifier is None:
+            raise ConfigError(f"ModelConfig.num_labels={self.num_labels}: transformers has no "
+                              f"sequence classifier of family {self.family!r}, so its reward "
+                              "model could not be exported; use another family")
         if not explicit_head_dim and self.dim % self.n_heads:
             raise ConfigError(
                 f"ModelConfig: dim={self.dim} is not divisible by n_heads={self.n_heads}; "
@@ -528,8 +539,12 @@ class ModelConfig:
                                 ("attention_factor", "mscale", "mscale_all_dim")
                                 if getattr(scaling, key) is not None}}
         family = FAMILIES[self.family]
+        labels = {"id2label": {str(i): f"LABEL_{i}" for i in range(self.num_labels)},
+                  "label2id": {f"LABEL_{i}": i for i in range(self.num_labels)}
+                  } if self.num_labels else {}
         return {
-            "architectures": [family.architecture],
+            "architectures": [family.classifier if self.num_labels else family.architecture],
+            **labels,
             "model_type": self.family,
             "vocab_size": self.vocab_size,
             "hidden_size": self.dim,
@@ -662,9 +677,25 @@ class ModelConfig:
             partial_rotary_factor=float(rope.get("partial_rotary_factor")
                                         or hf.get("partial_rotary_factor") or 1.0),
             clip_qkv=hf.get("clip_qkv"),
+            num_labels=_num_labels(hf),
             **(family.experts.read(hf) if family.experts else {}),
             **family.switches(hf),
         )
+
+
+def _num_labels(hf: dict[str, Any]) -> int:
+    """0 for a causal LM; a sequence classifier's label count (its id2label, as transformers
+    counts them, else num_labels, else transformers' default of 2)."""
+    architectures = hf.get("architectures") or [""]
+    if not str(architectures[0]).endswith("ForSequenceClassification"):
+        return 0
+    labels = hf.get("id2label")
+    if isinstance(labels, dict) and labels:
+        return len(labels)
+    count = hf.get("num_labels", 2)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise ConfigError(f"config.json: num_labels={count!r} must be a positive integer")
+    return count
 
 
 def _no_rope_layers(hf: dict[str, Any]) -> list[int]:

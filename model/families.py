@@ -82,6 +82,16 @@ class Family:
     takes: tuple[str, ...] = ()  # the optional ModelConfig fields its class reads
     fused: tuple[str, ...] = ()  # FUSED projections its checkpoints store as one
     experts: ExpertLayout | None = None  # a mixture of experts: how it stores them
+    # its sequence classifier's class (a reward model's) where that is not the causal
+    # class's name with ForSequenceClassification; "" where transformers has none
+    classifier_class: str | None = None
+
+    @property
+    def classifier(self) -> str | None:
+        """HF's `…ForSequenceClassification` class of the family, None when it has none."""
+        if self.classifier_class is not None:
+            return self.classifier_class or None
+        return self.architecture.removesuffix("ForCausalLM") + "ForSequenceClassification"
 
 
 # a fused projection -> the projections it stacks (along the output dimension, in order)
@@ -297,7 +307,8 @@ FAMILIES: dict[str, Family] = {
         _gemma_window(6),
         lambda c: {**_gemma_extra(c), "rope_local_base_freq": c.rope_local_theta,
                    "use_bidirectional_attention": False},
-        sliding="layers", takes=(*GEMMA_FIELDS, "rope_local_theta")),
+        sliding="layers", takes=(*GEMMA_FIELDS, "rope_local_theta"),
+        classifier_class="Gemma3TextForSequenceClassification"),
     "mixtral": Family(
         "MixtralForCausalLM", lambda hf: {}, _mistral_window,
         lambda c: {"sliding_window": c.sliding_window, **MIXTRAL_EXPERTS.written(c)},
@@ -322,11 +333,11 @@ FAMILIES: dict[str, Family] = {
         _no_window,
         lambda c: {"attention_bias": c.qkv_bias, "use_qk_norm": c.qk_norm,
                    "partial_rotary_factor": c.partial_rotary_factor, **GLM4_MOE_EXPERTS.written(c)},
-        takes=("partial_rotary_factor",), experts=GLM4_MOE_EXPERTS),
+        takes=("partial_rotary_factor",), experts=GLM4_MOE_EXPERTS, classifier_class=""),
     "olmoe": Family(
         "OlmoeForCausalLM", lambda hf: {"qk_norm_projection": True, **_attention_bias(hf)},
         _no_window, lambda c: {"attention_bias": c.qkv_bias, **OLMOE_EXPERTS.written(c)},
-        takes=("clip_qkv",), experts=OLMOE_EXPERTS),
+        takes=("clip_qkv",), experts=OLMOE_EXPERTS, classifier_class=""),
 }
 
 SWITCHES = ("qkv_bias", "o_bias", "qk_norm", "norm_unit_offset", "sandwich_norms", "embed_scale",

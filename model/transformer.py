@@ -2,7 +2,8 @@
 
 Llama architecture: token embedding, pre-norm blocks (RMSNorm, causal self-attention
 with rotary position embeddings and grouped KV heads, residual; RMSNorm, SwiGLU MLP,
-residual), a final RMSNorm and an LM head that may share the embedding matrix.
+residual), a final RMSNorm and an LM head that may share the embedding matrix — or, for a
+sequence classifier such as a reward model (`ModelConfig.num_labels`), HF's `score` head.
 
 Module and parameter names mirror Hugging Face's `LlamaForCausalLM`
 (`model.layers.0.self_attn.q_proj.weight`, ...) and RoPE uses its rotate-half layout,
@@ -511,19 +512,22 @@ class Transformer(nn.Module):
         configure_kernels()  # which kernels its ops take, chosen once, here
         self.config = config
         self.model = Decoder(config)
-        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.num_labels:  # a sequence classifier: HF's score head, no LM head
+            self.score = nn.Linear(config.dim, config.num_labels, bias=False)
+        else:
+            self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
         # Compute the head chunk by chunk with the loss (or a head op) when no logits are
         # asked for. Whoever shards the head's weight (the runtime, under ZeRO-3) or wraps
         # it in what `head_weight` cannot express (LoRA with dropout, QLoRA) turns this
         # off: the chunked paths read the whole weight.
         self.chunked_head = True
         self.tie_weights()
-        if self.lm_head.weight.device.type != "meta":
+        if self.model.embed_tokens.weight.device.type != "meta":
             self.init_weights()
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head when the config asks for it."""
-        if self.config.tie_embeddings:
+        if self.config.tie_embeddings and not self.config.num_labels:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.no_grad()
@@ -624,6 +628,11 @@ class Transformer(nn.Module):
         x = self.model.norm(x)
         if not head:
             return CausalLMOutput(None, None, router, x)
+        if self.config.num_labels:
+            if labels is not None or head_op is not None:
+                raise ValueError("a sequence classifier (num_labels > 0) returns its scores "
+                                 "at every position; its loss is the caller's")
+            return CausalLMOutput(self.score(x), None, router)
         cap = self.config.final_softcap
         if head_op is not None:
             result = (head_op.chunked(x, self.head_weight(), cap) if self.chunked_head

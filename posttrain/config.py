@@ -226,11 +226,45 @@ class DPOConfig(PosttrainConfig):
 
 
 @dataclass
-class RewardSpec:
-    """A reward from the registry (`lathe.posttrain.rewards.REWARDS`) or `module:function`."""
+class RMConfig(PosttrainConfig):
+    """Reward modelling: a sequence classifier of one label started from `model` (a
+    language model's decoder and a new score head, or a reward model to train on), trained
+    on preference pairs with TRL's RewardTrainer loss."""
 
-    name: str = "exact_number"
+    out_dir: str = "runs/rm"
+    model: str = "runs/sft/final"
+    # adds coefficient × mean (r_chosen + r_rejected)², centring the rewards on 0 (TRL's
+    # center_rewards_coefficient; Eisenstein et al. suggest 0.01); null: off
+    center_rewards_coefficient: float | None = None
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.lora.enabled:
+            raise ConfigError("lora.enabled=true: lathe rm trains the whole reward model; "
+                              "set lora.enabled=false")
+        coefficient = self.center_rewards_coefficient
+        if coefficient is not None and coefficient < 0:
+            raise ConfigError(f"center_rewards_coefficient={coefficient} must be >= 0 (or null)")
+
+    def training_sources(self) -> list[str]:
+        return [self.data.train]
+
+
+@dataclass
+class RewardSpec:
+    """A reward: a function from the registry (`lathe.posttrain.rewards.REWARDS`) or
+    `module:function` (`name`), or a reward model's score (`model`: a checkpoint `lathe rm`
+    wrote, or any family's `…ForSequenceClassification` of one label)."""
+
+    name: str | None = None
+    model: str | None = None
     weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if (self.name is None) == (self.model is None):
+            raise ConfigError(f"rewards: {{name: {self.name}, model: {self.model}}}: give a "
+                              "reward function's name or a reward model's path, one of them")
 
 
 @dataclass
@@ -246,7 +280,7 @@ class GRPOConfig(PosttrainConfig):
     top_p: float = 1.0
     max_prompt_length: int | None = None  # default: the context minus max_completion_tokens
     prompt_overflow: Overflow = "drop"  # or truncate_left (keeps the question's end)
-    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
+    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("exact_number")])
     # dapo: the mean over every completion token of the step (all micro-batches and ranks);
     # dr_grpo: the sum over tokens divided by a constant, completions × max_completion_tokens
     loss_type: Literal["dapo", "dr_grpo"] = "dapo"

@@ -74,6 +74,7 @@ class Pair:
     chosen: tuple[list[int], list[int]]  # ids, labels (-100 on the prompt)
     rejected: tuple[list[int], list[int]]
     reference: tuple[float, float] | None = None  # reference log-probs of chosen, rejected
+    margin: float = 0.0  # the row's (reward modelling)
 
 
 def tokenize_pairs(encoder: ChatEncoder, rows: list[PreferenceRow], max_len: int,
@@ -88,7 +89,7 @@ def tokenize_pairs(encoder: ChatEncoder, rows: list[PreferenceRow], max_len: int
         prompt = fit(prompt)
         if prompt is not None:
             pairs.append(Pair(prompt_and_reply(prompt, chosen, max_len),
-                              prompt_and_reply(prompt, rejected, max_len)))
+                              prompt_and_reply(prompt, rejected, max_len), margin=row.margin))
     return pairs
 
 

@@ -247,8 +247,8 @@ def step_shape(config: GRPOConfig, parallelism: Parallelism,
                model_config: ModelConfig | None = None) -> StepShape:
     """One GRPO micro-batch, for memory plans: each rank's rollouts split into
     grad_accum_steps micro-batches of prompt + completion tokens through per-token
-    log-probs, beside the reference (beta > 0 without LoRA) and the rank's rollout engine —
-    its own fp32 copy of the policy and its KV cache."""
+    log-probs, beside the reference (beta > 0 without LoRA), the reward models and the rank's
+    rollout engine — its own fp32 copy of the policy and its KV cache."""
     model_config = model_config or read_model_config(config.model)
     rows = max(config.prompts_per_step * config.num_generations // parallelism.processes
                // config.grad_accum_steps, 1)
@@ -257,6 +257,8 @@ def step_shape(config: GRPOConfig, parallelism: Parallelism,
     frozen, cache = rollout_engine_bytes(model_config, parallelism.mixed_precision)
     if config.beta > 0 and not config.lora.enabled:
         frozen += frozen_weight_bytes(model_config, parallelism)
+    frozen += sum(4 * read_model_config(r.model).num_params()  # reward models, fp32
+                  for r in config.rewards if r.model is not None)
     return StepShape(rows, min(length, model_config.max_seq_len), "logprobs",
                      config.grad_accum_steps, frozen, cache, evaluation_cache_bytes(
                          model_config, parallelism.mixed_precision))

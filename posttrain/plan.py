@@ -22,8 +22,8 @@ from lathe.core.errors import ConfigError
 from lathe.data.tokenizer import load_tokenizer
 from lathe.model.checkpoint import read_model_config
 from lathe.model.config import ModelConfig
-from lathe.posttrain import distill, dpo, grpo, sft
-from lathe.posttrain.config import DistillConfig, DPOConfig, GRPOConfig, SFTConfig
+from lathe.posttrain import distill, dpo, grpo, reward_model, sft
+from lathe.posttrain.config import DistillConfig, DPOConfig, GRPOConfig, RMConfig, SFTConfig
 from lathe.pretrain import train
 from lathe.pretrain.config import PretrainConfig
 from lathe.pretrain.runtime.memory_plan import (
@@ -58,6 +58,11 @@ def _checkpoint_model(config: Any) -> ModelConfig:
     return read_model_config(config.model)
 
 
+def _classifier_model(config: Any) -> ModelConfig:
+    """A reward model of the starting checkpoint: its decoder under a one-label score head."""
+    return dataclasses.replace(read_model_config(config.model), num_labels=1)
+
+
 STAGES: dict[str, Stage] = {
     "pretrain": Stage(PretrainConfig, lambda config, parallelism, model:
                       train.step_shape(config), _pretrain_model),
@@ -65,6 +70,7 @@ STAGES: dict[str, Stage] = {
     "dpo": Stage(DPOConfig, dpo.step_shape, _checkpoint_model),
     "grpo": Stage(GRPOConfig, grpo.step_shape, _checkpoint_model),
     "distill": Stage(DistillConfig, distill.step_shape, _checkpoint_model),
+    "rm": Stage(RMConfig, reward_model.step_shape, _classifier_model),
 }
 
 

@@ -29,6 +29,7 @@ from lathe.model.lora import (
 from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.common import PromptFit, pad
 from lathe.posttrain.config import RewardSpec
+from lathe.posttrain.reward_model import RewardModelScorer
 from lathe.posttrain.rewards import Reward, load_reward, verifier
 from lathe.posttrain.tool_episodes import Episode, EpisodePrompt, EpisodeRunner
 from lathe.pretrain.runtime.precision import compute_dtype
@@ -96,7 +97,8 @@ def rollout_engine_bytes(model_config: ModelConfig, mixed_precision: str) -> tup
 
 class RolloutGenerator:
     """The serve engine on its own copy of the policy: `n` episodes per prompt (one turn
-    each, or with tools turns that call them), scored by `rewards` and checked by the
+    each, or with tools turns that call them), scored by `rewards` (functions of each
+    answer, and reward models of each whole conversation, batched) and checked by the
     `task`'s verifier. Under LoRA the engine keeps the
     full-precision base and serves the policy's current adapters from an adapter slot,
     refreshed each step without touching the base (LoRA on lm_head or a mixture of
@@ -107,7 +109,9 @@ class RolloutGenerator:
                  lora: LoraSection, rewards: list[RewardSpec], task: str,
                  device: torch.device, kv_dtype: torch.dtype) -> None:
         self.episodes, self.lora = episodes, lora
-        self.rewards = [(load_reward(r.name), r.weight) for r in rewards]
+        self.rewards = [(load_reward(r.name), r.weight) for r in rewards if r.name is not None]
+        self.scorers = [(RewardModelScorer(r.model, device), r.weight)
+                        for r in rewards if r.model is not None]
         self.correct = verifier(task)
         model = opened.model(dtype=torch.float32, device=device)
         slot_takes = "lm_head" not in lora.target_modules and not (
@@ -145,6 +149,11 @@ class RolloutGenerator:
                                  episode_reward(self.rewards, e, reference),
                                  self.correct(e.answer, reference), e.logprobs, e.policy,
                                  e.finish_reason == "length") for e in group]
+        tools = [p.row.tools for p, group in zip(prompts, groups, strict=True) for _ in group]
+        for scorer, weight in self.scorers:
+            for rollout, score in zip(rollouts, scorer([e.messages for e in episodes], tools),
+                                      strict=True):
+                rollout.reward += weight * score
         metrics = {}
         if self.episodes.tools is not None:
             n = len(episodes)

@@ -146,8 +146,9 @@ def parallelism_of_setup(setup: dict[str, Any], device: str) -> Parallelism:
 class StepShape:
     """One micro-batch of one stage as the policy sees it: `rows` sequences of `length`
     tokens (DPO's chosen and rejected are two rows per pair), through `head` — "loss" (mean
-    cross-entropy: pretraining, SFT, distillation's student) or "logprobs" (per-token
-    log-probabilities: DPO, GRPO). `grad_accum` > 1 keeps gradients between micro-batches.
+    cross-entropy: pretraining, SFT, distillation's student), "logprobs" (per-token
+    log-probabilities: DPO, GRPO) or "score" (a sequence classifier's score head: a reward
+    model). `grad_accum` > 1 keeps gradients between micro-batches.
     `packed` rows hold several documents, each attending only to itself (attention then
     takes a mask: on CPU SDPA's math path, which keeps each layer's attention weights).
     `frozen_bytes` is what the stage holds beside the policy per rank (a reference or
@@ -157,7 +158,7 @@ class StepShape:
 
     rows: int
     length: int
-    head: Literal["loss", "logprobs"] = "loss"
+    head: Literal["loss", "logprobs", "score"] = "loss"
     grad_accum: int = 1
     frozen_bytes: int = 0
     kv_cache_bytes: int = 0
@@ -450,6 +451,8 @@ def _trace_step(model: Transformer, shape: StepShape, grad_factor: float,
         if shape.head == "loss":
             out = model(ids, labels=ids, return_logits=False, z_loss=z_loss,
                         documents=documents).loss
+        elif shape.head == "score":
+            out = model(ids, documents=documents).logits.float().sum()
         else:
             out = model(ids, head_op=LabelLogprobs(ids), documents=documents).head.sum()
         out.backward()
@@ -461,7 +464,10 @@ def _trace_step(model: Transformer, shape: StepShape, grad_factor: float,
 def _trace_head(model: Transformer, shape: StepShape, mixed: torch.dtype,
                 z_loss: float) -> int:
     """The LM head's own transient peak, gradients aside: its forward and backward on one
-    micro-batch's final hidden states (the whole logits where the head is not chunked)."""
+    micro-batch's final hidden states (the whole logits where the head is not chunked);
+    a score head's (rows × tokens × labels) is nothing beside the decoder's."""
+    if shape.head == "score":
+        return 0
     rows = shape.rows * shape.length
     hidden = torch.zeros(shape.rows, shape.length, model.config.dim, dtype=mixed,
                          requires_grad=True)

@@ -413,3 +413,54 @@ def test_dynamic_ntk_gives_transformers_logits_within_and_past_the_original_cont
         assert (again(ids).logits - fresh(ids).logits).abs().max() <= 1e-4
 
 
+
+
+@pytest.mark.parametrize("name", ["llama-attention-bias", "qwen3", "gemma2", "gemma3", "phi3",
+                                  "qwen3_moe"])
+def test_reward_models_load_and_export_as_their_familys_sequence_classifier(tmp_path, name):
+    """A family's `…ForSequenceClassification` (one label: a reward model) loads with its
+    scores at every position, and exports as the same class whose score — read at each
+    row's last token that is not the pad id — is ours there."""
+    config_class, extra = FAMILIES[name]
+    config = getattr(transformers, config_class)(**{**SHAPE, **extra, "num_labels": 1,
+                                                    "pad_token_id": 0})
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForSequenceClassification.from_config(config).float().eval()
+    with torch.no_grad():
+        hf.score.weight.mul_(30)
+    hf.save_pretrained(tmp_path / "hf")
+    ids = torch.randint(1, 256, (2, 40))
+    ids[1, 25:] = 0  # the second row padded after 25 tokens
+    ours = load_checkpoint(tmp_path / "hf")
+    assert ours.config.num_labels == 1 and not hasattr(ours, "lm_head")
+    with torch.no_grad():
+        scores = ours(ids).logits[:, :, 0]
+        expected = hf(ids).logits[:, 0]
+        assert (scores[[0, 1], [39, 24]] - expected).abs().max() <= 1e-4
+    save_checkpoint(ours, tmp_path / "lathe", tokenizer=None)
+    written = json.loads((tmp_path / "lathe" / "config.json").read_text())
+    assert written["architectures"] == [type(hf).__name__] and len(written["id2label"]) == 1
+    again = transformers.AutoModelForSequenceClassification.from_pretrained(
+        tmp_path / "lathe", dtype=torch.float32, pad_token_id=0).eval()
+    assert type(again) is type(hf)
+    with torch.no_grad():
+        assert (again(ids).logits[:, 0] - expected).abs().max() <= 1e-4
+
+
+def test_a_reward_model_starts_from_a_language_models_decoder(tmp_path):
+    from lathe.core.errors import ConfigError
+    from lathe.model import ModelConfig
+    from lathe.model.checkpoint import OpenCheckpoint
+    saved("qwen3", tmp_path / "lm")
+    lm = load_checkpoint(tmp_path / "lm")
+    torch.manual_seed(3)
+    classifier = OpenCheckpoint(tmp_path / "lm").model(num_labels=1)
+    assert classifier.score.weight.shape == (1, 64) and not hasattr(classifier, "lm_head")
+    assert 0.01 < classifier.score.weight.std().item() < 0.04  # N(0, initializer_range)
+    ids = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():  # the decoder is the language model's
+        hidden = lm(ids, head=False).hidden
+        torch.testing.assert_close(classifier(ids).logits, hidden @ classifier.score.weight.T)
+    with pytest.raises(ConfigError, match="transformers has no sequence classifier of family "
+                                          "'olmoe'"):
+        ModelConfig(family="olmoe", qk_norm_projection=True, n_experts=4, num_labels=1)

@@ -43,6 +43,8 @@ def test_each_post_training_stage_plans_a_checkpoint(capsys, base):
     assert peak_of(distill) > peak_of(sft)  # the teacher's weights
     on_policy = plan(capsys, "distill", *common, "--teacher", str(base), "--mode=on_policy")
     assert "KV cache" in on_policy and peak_of(on_policy) > peak_of(distill)  # its engine
+    rm = plan(capsys, "rm", *common)
+    assert "micro-batch 16 × 128 tokens" in rm and "logits / loss" not in rm  # a score head
     lora = plan(capsys, "sft", *common, "--lora.enabled=true")
     assert re.search(r"\(0\.\d+M trained\)", lora)
 
