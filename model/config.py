@@ -503,6 +503,13 @@ class ModelConfig:
         moe = self.dim * self.n_experts + experts * 3 * self.dim * self.moe_ffn_hidden_dim + shared
         return self.n_layers * attention + dense + moe_layers * moe
 
+    def require_language_model(self, what: str) -> None:
+        """Refuse a sequence classifier (a reward model) where `what` needs next-token logits."""
+        if self.num_labels:
+            raise ConfigError(f"{what} needs a language model; this checkpoint is a sequence "
+                              f"classifier (num_labels={self.num_labels}: a reward model), "
+                              "which scores text and does not generate it")
+
     def to_hf_config(self) -> dict[str, Any]:
         """The `config.json` body of this family's HF class (`LlamaForCausalLM`, ...).
 

@@ -26,6 +26,7 @@ def generate(model: Transformer, prompt_ids: Tensor, max_new_tokens: int, *,
     produced `eos_token_id`; a row that finished first is padded with it. The KV cache is
     in `kv_dtype`, by default the weights' dtype.
     """
+    model.config.require_language_model("generate")
     batch, prompt_len = prompt_ids.shape
     weight = model.model.embed_tokens.weight
     cache = ContiguousKVCache(model.config, batch, prompt_len + max_new_tokens,

@@ -214,6 +214,7 @@ class LLMEngine:
         """`kv_dtype`: the KV cache's dtype, by default the activations'; a training stage
         passes its autocast dtype (see `lathe.pretrain.runtime.precision`). `draft_model`: the
         proposer of `config.speculative` with method "draft"."""
+        model.config.require_language_model("the serve engine")
         configure_kernels()  # which kernels its steps take, chosen once, here
         self.model = model.eval()
         self.tokenizer = tokenizer

@@ -141,6 +141,7 @@ def unwritable(config: ModelConfig) -> str | None:
     window = config.sliding_window is not None and config.sliding_window < config.max_seq_len
     gemma_pattern = {"gemma2": 2, "gemma3": 6}.get(arch)
     reasons = [
+        config.num_labels and "a sequence classifier (a reward model) has no LM head to write",
         arch is None and f"{config.family} has no llama.cpp architecture here",
         scaling is not None and scaling.rope_type in ("yarn", "longrope", "dynamic")
         and f"{scaling.rope_type} RoPE scaling is not written to GGUF yet",

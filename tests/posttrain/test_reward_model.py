@@ -127,3 +127,15 @@ def test_grpo_rewarded_by_the_reward_model_raises_its_score(base, reward_model, 
     assert sum(reward[-4:]) / 4 > sum(reward[:4]) / 4 + 0.5
     with pytest.raises(ConfigError, match="is a language model, not a reward model"):
         RewardModelScorer(base, torch.device("cpu"))
+
+
+def test_what_generates_text_refuses_a_reward_model(reward_model, tmp_path, capsys):
+    rm = reward_model[0] / "final"
+    assert main(["generate", str(rm), "--prompt", "2 + 2 ="]) == 2
+    assert "generate needs a language model; this checkpoint is a sequence classifier" in \
+        capsys.readouterr().err
+    assert main(["export", str(rm), "--format", "gguf", "--out", str(tmp_path / "rm.gguf")]) == 2
+    assert "a sequence classifier (a reward model) has no LM head" in capsys.readouterr().err
+    from lathe.serve.engine import LLMEngine
+    with pytest.raises(ConfigError, match="needs a language model"):
+        LLMEngine.from_checkpoint(rm)
