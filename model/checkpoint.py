@@ -87,11 +87,7 @@ def save_checkpoint(model: Transformer, path: str | Path, tokenizer: str | Path 
     if tokenizer is not None:
         special_ids.update(_source_fields(Path(tokenizer) / CONFIG_FILE, SPECIAL_ID_FIELDS))
         generation = {**special_ids, **_source_fields(Path(tokenizer) / GENERATION_CONFIG_FILE)}
-    state = unstack_experts(join_fused({
-        name: tensor.detach().contiguous()
-        for name, tensor in model.state_dict().items()
-        if not (config.tie_embeddings and name == "lm_head.weight")
-    }, config), config)
+    state = _hf_layout(model.state_dict(), config)
     dtype = next(iter(state.values())).dtype
     with atomic_directory(path) as tmp:
         save_torch_state_dict(state, tmp, max_shard_size=max_shard_size,
@@ -114,6 +110,37 @@ def save_checkpoint(model: Transformer, path: str | Path, tokenizer: str | Path 
             **(provenance or {}),
         })
     return Path(path)
+
+
+def _hf_layout(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """A model's state dict as its family's checkpoints store it: projections fused where
+    the family fuses them, experts one by one, a tied LM head left out."""
+    return unstack_experts(join_fused({
+        name: tensor.detach().contiguous() for name, tensor in state.items()
+        if not (config.tie_embeddings and name == "lm_head.weight")}, config), config)
+
+
+def write_weights(state: dict[str, torch.Tensor], config: ModelConfig, path: str | Path,
+                  max_shard_size: int | str = "5GB") -> Path:
+    """Only the weights of a checkpoint (its safetensors shards, HF layout), atomically: a
+    trainer's push of new weights to an engine that already holds the model
+    (`read_weights`)."""
+    with atomic_directory(path) as tmp:
+        save_torch_state_dict(_hf_layout(state, config), tmp, max_shard_size=max_shard_size,
+                              metadata={"format": "pt"})
+    return Path(path)
+
+
+def read_weights(path: str | Path, config: ModelConfig,
+                 device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """The weights of a checkpoint folder (or one `write_weights` wrote) as a `Transformer`
+    of `config` names them, checked against it: one `CheckpointError` naming what is
+    missing, unexpected or mis-shaped."""
+    path = Path(path)
+    state = _read_state(path, config, torch.device(device))
+    with torch.device("meta"):
+        _check_state_dict(Transformer(config), state, path)
+    return state
 
 
 def _replace_chat_template(folder: Path, template: str) -> None:

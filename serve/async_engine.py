@@ -267,6 +267,12 @@ class AsyncEngine:
         await self._call("remove_adapter", name)
         self._adapters.pop(name, None)
 
+    async def update_weights(self, path: str | Path) -> int:
+        """Load new weights from a folder of safetensors shards: the core stops admitting
+        requests, lets the running ones finish on the old weights, swaps, and admits again
+        (nothing is dropped, and no request mixes two versions). Returns the version."""
+        return await self._call("update_weights", str(path))
+
     def abort(self, request_id: str) -> None:
         """Abort a submitted request whose results nobody will read."""
         self._queues.pop(request_id, None)

@@ -205,6 +205,11 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     group.add_argument("--lora-root", action="append", default=[], type=Path, metavar="DIR",
                        help="a folder /v1/load_lora_adapter may load adapters from; repeatable "
                             "(none: loading at run time is off)")
+    parser.add_argument("--weights-root", action="append", default=[], type=Path,
+                        metavar="DIR",
+                        help="a folder POST /update_weights may load new weights from (a "
+                             "trainer's pushes, e.g. GRPO's rollout.url); repeatable, needs "
+                             "--api-key (none: updates are off)")
     group.add_argument("--allow-unauthenticated-lora-loading", action="store_true",
                        help="let /v1/load_lora_adapter run without --api-key (it is refused "
                             "then: anyone reaching the port could load adapters)")
@@ -257,6 +262,13 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
         if not root.is_dir():
             raise ConfigError(f"--lora-root {root}: not a folder; give the folder adapters "
                               "are loaded from")
+    for root in args.weights_root:
+        if not root.is_dir():
+            raise ConfigError(f"--weights-root {root}: not a folder; give the folder pushed "
+                              "weights are written to")
+    if args.weights_root and args.api_key is None:
+        raise ConfigError("--weights-root needs --api-key: anyone reaching the port could "
+                          "otherwise replace the model")
     engine = _engine_config(args)
     try:
         engine = dataclasses.replace(engine, max_loras=max_loras,
@@ -285,6 +297,7 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                           loras=loras, lora_roots=args.lora_root,
                           allow_unauthenticated_lora_loading=(
                               args.allow_unauthenticated_lora_loading),
+                          weight_roots=args.weights_root,
                           engine_threads=args.engine_threads,
                           limits=limits, engine=engine)
     run(config, args.log_level)

@@ -39,7 +39,7 @@ from lathe.core.errors import ConfigError
 from lathe.core.reporting import progress_bar
 from lathe.data.tokenizer import load_tokenizer, vocabulary_difference
 from lathe.kernels import configure_kernels
-from lathe.model.checkpoint import CheckpointError
+from lathe.model.checkpoint import CheckpointError, read_weights
 from lathe.model.transformer import Transformer
 from lathe.serve.adapters import AdapterError, AdapterSlots
 from lathe.serve.block_manager import BlockManager, blocks_for
@@ -220,6 +220,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.eos_token_ids = set(eos_token_ids)
+        self.weight_version = 0  # `update_weights` calls so far
         self.device = model.model.embed_tokens.weight.device
         dtype = kv_dtype or activation_dtype(model)
         speculative = self.config.speculative
@@ -720,13 +721,21 @@ class LLMEngine:
         if is_quantized(self.model):
             raise RuntimeError("load_weights takes full-precision weights; this engine's "
                                "linears are quantized (build an unquantized engine for training)")
-        missing, unexpected = self.model.load_state_dict(dict(state_dict), strict=True)
+        missing, unexpected = self.model.load_state_dict(dict(state_dict), strict=False)
         if self.model.config.tie_embeddings:
             missing = [name for name in missing if name != "lm_head.weight"]
         if missing or unexpected:
             raise RuntimeError(f"load_weights: missing {missing[:4]}, unexpected "
                                f"{unexpected[:4]}; pass the policy's full state_dict")
         self.block_manager.reset_prefix_cache()
+
+    def update_weights(self, path: str) -> int:
+        """Load new weights of the same model from a folder of safetensors shards (a
+        checkpoint's, or a trainer's push: `lathe.model.checkpoint.write_weights`); returns
+        the count of updates so far, the weights' version."""
+        self.load_weights(read_weights(path, self.model.config, self.device))
+        self.weight_version += 1
+        return self.weight_version
 
     def stats(self) -> dict[str, float]:
         manager = self.block_manager

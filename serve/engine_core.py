@@ -62,7 +62,10 @@ log = logging.getLogger("lathe.serve")
 ADD, ABORT, CALL, CLOSE = "add", "abort", "call", "close"
 STATUS, READY, FAILED, DELTAS, REJECTED, REPLY, DEAD = (
     "status", "ready", "failed", "deltas", "rejected", "reply", "dead")
-CALLS = ("add_adapter", "remove_adapter")  # the engine methods a front end may call
+CALLS = ("add_adapter", "remove_adapter", "update_weights")  # what a front end may call
+# calls that wait for an idle engine: admission pauses at them (requests sent after wait)
+# until every running request has finished on the old weights
+IDLE_CALLS = ("update_weights",)
 STATS_SECONDS = 0.05  # how stale the front end's /metrics may be while the engine is busy
 STATUS_SECONDS = 0.5  # how often a loading core reports what it waits for
 # below this many bytes of weights a CPU decode step is mostly CPython, not weight reads
@@ -143,6 +146,7 @@ class EngineCore:
         self.engine = engine
         self.send = send
         self.inbox: collections.deque[tuple] = collections.deque()
+        self._inbox_lock = threading.Lock()  # the reader appends while a pause sorts it
         self.wake = threading.Event()
         self._stats_at = 0.0
         self._stale = False  # the front end's stats predate what happened since
@@ -162,7 +166,8 @@ class EngineCore:
                     message = commands.recv()
                 except (EOFError, OSError):  # the front end is gone
                     message = (CLOSE,)
-                self.inbox.append(message)
+                with self._inbox_lock:
+                    self.inbox.append(message)
                 self.wake.set()
                 if message[0] == CLOSE:
                     return
@@ -173,6 +178,10 @@ class EngineCore:
         while True:
             self.wake.clear()  # before looking for work: a message after this wakes the wait
             while self.inbox:
+                if self._paused():
+                    if not self._apply_aborts():
+                        return
+                    break
                 if not self._apply(self.inbox.popleft()):
                     return
             if not self.engine.has_unfinished():
@@ -194,6 +203,22 @@ class EngineCore:
                 stats, self._stats_at = self.engine.stats(), now
             if deltas or stats is not None:
                 self.send((DELTAS, deltas, stats))
+
+    def _paused(self) -> bool:
+        """Whether the next message waits for the running requests to finish."""
+        message = self.inbox[0]
+        return (message[0] == CALL and message[2] in IDLE_CALLS
+                and self.engine.has_unfinished())
+
+    def _apply_aborts(self) -> bool:
+        """While admission is paused, what cannot wait: aborts (a client gone) and `CLOSE`,
+        taken out of the queue; False at `CLOSE`."""
+        with self._inbox_lock:
+            urgent = [m for m in self.inbox if m[0] in (ABORT, CLOSE)]
+            held = [m for m in self.inbox if m[0] not in (ABORT, CLOSE)]
+            self.inbox.clear()
+            self.inbox.extend(held)
+        return all(self._apply(message) for message in urgent)
 
     def _apply(self, message: tuple) -> bool:
         """One message from the front end; False at `CLOSE`."""

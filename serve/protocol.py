@@ -555,6 +555,15 @@ class ChatCompletionRequest(_Request):
         return [message_text(i, message) for i, message in enumerate(self.messages)]
 
 
+class UpdateWeightsRequest(BaseModel):
+    """The body of /update_weights: a folder of the served model's safetensors shards (a
+    checkpoint's, or what `lathe.model.checkpoint.write_weights` pushes from a trainer)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: Annotated[str, Field(min_length=1, max_length=4096)]
+
+
 class LoraAdapterRequest(BaseModel):
     """vLLM's body of /v1/load_lora_adapter and /v1/unload_lora_adapter."""
 

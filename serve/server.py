@@ -69,6 +69,7 @@ from lathe.serve.protocol import (
     ProtocolError,
     ResponseBuilder,
     ResponseOptions,
+    UpdateWeightsRequest,
 )
 from lathe.serve.quant import QuantMode
 from lathe.serve.reasoning import ReasoningParser, reasoning_parser, template_reasoning_parser
@@ -107,6 +108,9 @@ class ServerConfig:
     # needs api_key too, unless allow_unauthenticated_lora_loading
     lora_roots: list[Path] = field(default_factory=list)
     allow_unauthenticated_lora_loading: bool = False
+    # folders POST /update_weights may load new weights from (a trainer's pushes; none:
+    # updates are off); it needs api_key
+    weight_roots: list[Path] = field(default_factory=list)
     engine_threads: int | None = None  # the engine core's intra-op threads (see engine_core)
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -433,6 +437,30 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
         log.info("unloaded LoRA adapter %r", body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed "
                                  "successfully.")
+
+    @app.post("/update_weights", dependencies=[Depends(authorize)])
+    async def update_weights(body: UpdateWeightsRequest) -> dict[str, Any]:
+        """New weights for the served model (a trainer's push, TRL's vllm-serve role):
+        admission pauses while the running requests finish on the old weights."""
+        engine = ready()
+        if config.api_key is None:
+            raise APIError(403, "updating weights needs the server's --api-key",
+                           code="weight_updates_disabled")
+        if not config.weight_roots:
+            raise APIError(403, "updating weights is off: start the server with "
+                                "--weights-root DIR, the folder pushes may be read from",
+                           code="weight_updates_disabled")
+        path = Path(body.path).resolve()
+        if not any(path.is_relative_to(root.resolve()) for root in config.weight_roots):
+            raise APIError(403, f"path {body.path!r} is not inside a --weights-root ("
+                                + ", ".join(str(root) for root in config.weight_roots) + ")",
+                           param="path", code="weights_path_not_allowed")
+        try:
+            version = await engine.update_weights(path)
+        except (CheckpointError, RuntimeError) as error:
+            raise APIError(400, str(error), param="path") from None
+        log.info("loaded weights version %d from %s", version, path)
+        return {"status": "ok", "weight_version": version}
 
     async def compile_structured(engine: AsyncEngine,
                                  structured: tuple[str, StructuredOutput] | None,
