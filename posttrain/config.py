@@ -268,6 +268,32 @@ class RewardSpec:
 
 
 @dataclass
+class RolloutConfig:
+    """Where GRPO's rollouts are sampled: each rank's own engine (url unset), or the
+    OpenAI-compatible server at `url` — lathe serve started with --api-key and
+    --weights-root, or any server that takes POST /update_weights — to which the trainer
+    pushes each step's weights under `weights_dir` (a folder the server reads: inside its
+    --weights-root, on a filesystem both see). Its API key comes from the environment
+    variable named by `api_key_env`, never from a recipe."""
+
+    url: str | None = None
+    weights_dir: str | None = None
+    api_key_env: str = "LATHE_ROLLOUT_API_KEY"
+    model: str | None = None  # the served model's name (default: the server's first)
+    timeout: float = 600.0  # seconds a request may take
+    concurrency: int = 64  # requests in flight at once, per rank
+
+    def __post_init__(self) -> None:
+        if self.url is not None and self.weights_dir is None:
+            raise ConfigError(f"rollout.url={self.url!r} needs rollout.weights_dir: a folder "
+                              "inside the server's --weights-root the trainer writes its "
+                              "weights to each step")
+        if self.timeout <= 0 or self.concurrency < 1:
+            raise ConfigError(f"rollout.timeout={self.timeout}, rollout.concurrency="
+                              f"{self.concurrency}: both must be positive")
+
+
+@dataclass
 class GRPOConfig(PosttrainConfig):
     out_dir: str = "runs/grpo"
     model: str = "runs/dpo/final"
@@ -316,9 +342,16 @@ class GRPOConfig(PosttrainConfig):
     overlong: Literal["none", "filter", "soft_penalty"] = "none"
     overlong_buffer: int | None = None  # default: a fifth of max_completion_tokens
     updates_per_batch: int = 1  # optimizer steps on each rollout batch
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.rollout.url is not None and self.sampling_correction != "none" \
+                and self.temperature != 1.0:
+            raise ConfigError(f"sampling_correction={self.sampling_correction} with rollout.url "
+                              f"and temperature={self.temperature}: a server's log-probs are "
+                              "of the distribution before temperature; sample at 1.0 or set "
+                              "sampling_correction=none")
         for name in ("prompts_per_step", "num_generations", "updates_per_batch",
                      "max_completion_tokens", "dynamic_sampling_rounds"):
             if getattr(self, name) < 1:

@@ -18,6 +18,9 @@ Every rank generates its share of the step's prompts on its own engine (whole gr
 advantages are per rank), each prompt seeded by its index in the step, so the rollouts are
 the ones one process would sample; each rank trains on the rollouts it generated. Sharded
 launches (FSDP2, ZeRO-3) gather the engine's weights on the main process and broadcast them.
+With `rollout.url` the rollouts come from a server instead (lathe serve, or any that takes
+POST /update_weights), every rank sending it its share; the main process pushes the policy's
+weights to it after each step, and every rank waits for the push before sampling again.
 """
 
 from __future__ import annotations
@@ -232,6 +235,14 @@ def rollout_summary(runtime: Runtime, rollouts: list[Rollout], seconds: float, g
             "rollout/logprob_gap": means[0], **dict(zip(rank_metrics, means[1:], strict=True))}
 
 
+def refresh(runtime: Runtime, generator: RolloutGenerator, config: GRPOConfig) -> None:
+    """The rollout engine takes the policy's current weights (collective); a server's, pushed
+    by the main process, before any rank sends it the next step's requests."""
+    generator.refresh(engine_weights(runtime, config.lora))
+    if generator.remote:
+        runtime.accelerator.wait_for_everyone()
+
+
 def check_lengths(config: GRPOConfig, context: int) -> PromptFit:
     """max_prompt_length + max_completion_tokens must fit the model's context, once, here."""
     budget = context - config.max_completion_tokens
@@ -255,6 +266,8 @@ def step_shape(config: GRPOConfig, parallelism: Parallelism,
     length = (model_config.max_seq_len if config.max_prompt_length is None
               else config.max_prompt_length + config.max_completion_tokens)
     frozen, cache = rollout_engine_bytes(model_config, parallelism.mixed_precision)
+    if config.rollout.url is not None:  # a server samples; under LoRA a base copy merges
+        frozen, cache = frozen if config.lora.enabled else 0, 0
     if config.beta > 0 and not config.lora.enabled:
         frozen += frozen_weight_bytes(model_config, parallelism)
     frozen += sum(4 * read_model_config(r.model).num_params()  # reward models, fp32
@@ -294,9 +307,10 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
     if restored is not None:
         sampler.load_state_dict(restored["prompts"])
     generator = RolloutGenerator(opened, encoder, episodes, config.lora, config.rewards,
-                                 config.task_eval.task, runtime.device, runtime.compute_dtype)
+                                 config.task_eval.task, runtime.device, runtime.compute_dtype,
+                                 config.rollout, pushes=runtime.is_main)
     opened.release()
-    generator.refresh(engine_weights(runtime, config.lora))
+    refresh(runtime, generator, config)
     prompts_per_rank = config.prompts_per_step // runtime.world_size
     first = runtime.rank * prompts_per_rank
     evaluator = TaskEvaluator(config.task_eval, config.model, encoder, episodes)
@@ -356,7 +370,7 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
             runtime.log_step(result)
         history["reward"].append(rollout_metrics["reward/mean"])
         history["accuracy"].append(rollout_metrics["train/accuracy"])
-        generator.refresh(engine_weights(runtime, config.lora))
+        refresh(runtime, generator, config)
         if runtime.should(config.eval.every):
             with runtime.throughput.paused():
                 accuracy = evaluate_task(runtime, evaluator, config.lora)

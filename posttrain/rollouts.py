@@ -8,7 +8,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,7 +30,7 @@ from lathe.model.lora import (
 )
 from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.common import PromptFit, pad
-from lathe.posttrain.config import RewardSpec
+from lathe.posttrain.config import RewardSpec, RolloutConfig
 from lathe.posttrain.reward_model import RewardModelScorer
 from lathe.posttrain.rewards import Reward, load_reward, verifier
 from lathe.posttrain.tool_episodes import Episode, EpisodePrompt, EpisodeRunner
@@ -36,6 +38,7 @@ from lathe.pretrain.runtime.precision import compute_dtype
 from lathe.pretrain.runtime.trainer import Runtime
 from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.paged_cache import KVSlabs
+from lathe.serve.remote import RemoteEngine
 from lathe.serve.sampling import SamplingParams
 
 
@@ -96,7 +99,8 @@ def rollout_engine_bytes(model_config: ModelConfig, mixed_precision: str) -> tup
 
 
 class RolloutGenerator:
-    """The serve engine on its own copy of the policy: `n` episodes per prompt (one turn
+    """The serve engine on its own copy of the policy (or a server's, `remote`, fed the
+    policy's weights by pushes): `n` episodes per prompt (one turn
     each, or with tools turns that call them), scored by `rewards` (functions of each
     answer, and reward models of each whole conversation, batched) and checked by the
     `task`'s verifier. Under LoRA the engine keeps the
@@ -107,12 +111,25 @@ class RolloutGenerator:
 
     def __init__(self, opened: OpenCheckpoint, encoder: ChatEncoder, episodes: EpisodeRunner,
                  lora: LoraSection, rewards: list[RewardSpec], task: str,
-                 device: torch.device, kv_dtype: torch.dtype) -> None:
-        self.episodes, self.lora = episodes, lora
+                 device: torch.device, kv_dtype: torch.dtype,
+                 remote: RolloutConfig | None = None, pushes: bool = True) -> None:
+        self.episodes, self.lora, self.model_config = episodes, lora, opened.config
         self.rewards = [(load_reward(r.name), r.weight) for r in rewards if r.name is not None]
         self.scorers = [(RewardModelScorer(r.model, device), r.weight)
                         for r in rewards if r.model is not None]
         self.correct = verifier(task)
+        self.push_to: Path | None = None
+        if remote is not None and remote.url is not None:
+            self.adapter = None
+            self.merger = AdapterMerger(opened.model(dtype=torch.float32), lora) \
+                if lora.enabled else None
+            self.engine = RemoteEngine(remote.url, opened.eos_ids,
+                                       os.environ.get(remote.api_key_env), remote.model,
+                                       remote.timeout, remote.concurrency)
+            self.push_to = Path(remote.weights_dir) if pushes else None
+            self.remote = True
+            return
+        self.remote = False
         model = opened.model(dtype=torch.float32, device=device)
         slot_takes = "lm_head" not in lora.target_modules and not (
             has_experts(model) and lora.expert_parameters())
@@ -126,8 +143,13 @@ class RolloutGenerator:
                                 kv_dtype=kv_dtype)
 
     def refresh(self, weights: dict[str, Tensor]) -> None:
-        """Take the policy's gathered weights (its adapters alone under LoRA)."""
-        if self.adapter is not None:
+        """Take the policy's gathered weights (its adapters alone under LoRA); a server's
+        engine gets them pushed, by the rank that pushes."""
+        if self.remote:
+            if self.push_to is not None:
+                self.engine.push(self.merger(weights) if self.merger is not None else weights,
+                                 self.model_config, self.push_to)
+        elif self.adapter is not None:
             self.engine.put_adapter(self.adapter, adapter_pairs(weights), self.lora.scale)
         else:
             self.engine.load_weights(self.merger(weights) if self.merger is not None

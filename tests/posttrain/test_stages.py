@@ -368,3 +368,33 @@ def test_dpo_fits_prompts_and_counts_what_it_dropped(base):
     chosen_ids, chosen_labels = pairs[1].chosen
     assert chosen_ids[:40] == full[-40:]  # the question's end and the assistant header
     assert chosen_labels[:40] == [IGNORE_INDEX] * 40 and chosen_labels[40] != IGNORE_INDEX
+
+
+def test_grpo_samples_from_a_server_it_pushes_its_weights_to(base, tmp_path, monkeypatch):
+    """rollout.url: every step's rollouts come from lathe serve's engine, which takes the
+    policy's weights after each step (POST /update_weights) — at the end the server's greedy
+    tokens are the exported policy's."""
+    from lathe.model.generate import generate
+    from tests.serve.conftest import API_KEY, served
+    pushes = tmp_path / "pushes"
+    pushes.mkdir()
+    monkeypatch.setenv("LATHE_ROLLOUT_API_KEY", API_KEY)
+    out = tmp_path / "grpo"
+    rewards = '[{name: "tests.posttrain.test_stages:digit_share"}]'
+    with served(base, api_key=API_KEY, weight_roots=[pushes]) as url:
+        assert main(["grpo", *quick(out, base, max_steps=16, rewards=rewards, **{
+            "optim.lr": 3e-3, "eval.every": 16, "prompts_per_step": 6, "num_generations": 6,
+            "max_completion_tokens": 6, "rollout.url": url,
+            "rollout.weights_dir": pushes})]) == 0
+        reward = summary(out)["reward"]
+        assert sum(reward[-4:]) / 4 > 3 * sum(reward[:4]) / 4
+        import httpx
+        answer = httpx.post(f"{url}/v1/completions", json={
+            "model": "tiny", "prompt": "What is 3 + 4?", "max_tokens": 8, "temperature": 0,
+            "return_token_ids": True}, headers={"Authorization": f"Bearer {API_KEY}"}).json()
+        prompt = answer["choices"][0]["prompt_token_ids"]
+        policy = load_checkpoint(out / "final")
+        expected = generate(policy, torch.tensor([prompt]), 8)[0].tolist()
+        assert answer["choices"][0]["token_ids"] == expected[:len(answer["choices"][0][
+            "token_ids"])]
+    assert [p.name for p in pushes.iterdir()] == ["push-000017"]  # the start's and 16 steps'

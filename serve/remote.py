@@ -1,0 +1,115 @@
+"""A server's engine at a URL, behind the interface the in-process engine gives its callers
+(`generate`, `eos_token_ids`): token-id prompts sent to any OpenAI-compatible
+`/v1/completions` (lathe serve, vLLM) concurrently, so that the server batches them, and
+their choices read back as `Completion`s — the tokens (`return_token_ids`), their
+log-probabilities and why each stopped. `push` hands the server new weights of its model
+through lathe serve's `POST /update_weights`: the trainer writes them where the server
+may read them (its --weights-root) and the server swaps them in between requests.
+
+The log-probabilities a server returns are of the distribution before temperature (vLLM's
+default, and lathe serve's): at temperature 1, the one sampled from.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+from torch import Tensor
+
+from lathe.core.errors import ConfigError
+from lathe.model.checkpoint import write_weights
+from lathe.model.config import ModelConfig
+from lathe.serve.logprobs import TokenLogprob
+from lathe.serve.outputs import Completion, CompletionOutput
+from lathe.serve.sampling import SamplingParams
+
+
+class RemoteEngine:
+    """The engine of the server at `url` (its first model unless `model` names one)."""
+
+    def __init__(self, url: str, eos_token_ids: set[int], api_key: str | None = None,
+                 model: str | None = None, timeout: float = 600.0,
+                 concurrency: int = 64) -> None:
+        self.url = url.rstrip("/")
+        self.eos_token_ids = set(eos_token_ids)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        self.concurrency = concurrency
+        try:
+            served = self.client.get("/v1/models")
+        except httpx.HTTPError as error:
+            raise ConfigError(f"rollout.url={url!r}: no server answers there ({error})") from None
+        if served.status_code != 200:
+            raise ConfigError(f"rollout.url={url!r}: GET /v1/models answered "
+                              f"{served.status_code} ({served.text[:200]}); check the URL and "
+                              "the API key") from None
+        names = [entry["id"] for entry in served.json().get("data", [])]
+        if model is not None and model not in names:
+            raise ConfigError(f"rollout.url={url!r} serves {names}, not {model!r}")
+        if not names:
+            raise ConfigError(f"rollout.url={url!r} serves no model")
+        self.model = model or names[0]
+        self.weight_version = 0
+        self._pushed: Path | None = None
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 adapter: str | None = None, progress: bool = False) -> list[Completion]:
+        """Complete every token-id prompt on the server; results in order."""
+        if adapter is not None:
+            raise ConfigError("a remote engine serves its base model here, not adapters")
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            return list(pool.map(self._complete, prompts, params_list))
+
+    def _complete(self, prompt: list[int], params: SamplingParams) -> Completion:
+        body: dict[str, Any] = {
+            "model": self.model, "prompt": list(prompt), "n": params.n,
+            "max_tokens": params.max_tokens, "temperature": params.temperature,
+            "top_p": params.top_p, "seed": params.seed, "return_token_ids": True,
+            "skip_special_tokens": params.skip_special_tokens}
+        if params.top_k is not None and params.top_k > 0:
+            body["top_k"] = params.top_k
+        if params.stop:
+            body["stop"] = list(params.stop)
+        if params.logprobs is not None:
+            body["logprobs"] = params.logprobs
+        response = self.client.post("/v1/completions", json=body)
+        if response.status_code != 200:
+            raise RuntimeError(f"{self.url}/v1/completions answered {response.status_code}: "
+                               f"{response.text[:300]}")
+        outputs: list[CompletionOutput] = []
+        for choice in sorted(response.json()["choices"], key=lambda c: c["index"]):
+            ids = choice.get("token_ids")
+            if ids is None:
+                raise RuntimeError(f"{self.url} returned no token_ids: it must take "
+                                   "return_token_ids (lathe serve, vLLM >= 0.10.2)")
+            scored = (choice.get("logprobs") or {}).get("token_logprobs") or []
+            outputs.append(CompletionOutput(
+                len(outputs), list(ids), choice.get("text") or "",
+                [TokenLogprob(token, float(logprob), []) for token, logprob in
+                 zip(ids, scored, strict=False)], choice.get("finish_reason")))
+        return Completion("", list(prompt), outputs)
+
+    def push(self, state: Mapping[str, Tensor], config: ModelConfig, folder: str | Path) -> int:
+        """Write `state` under `folder` (a new subfolder each push, the last one removed once
+        the server has loaded the next) and have the server load it; its weight version."""
+        target = Path(folder) / f"push-{self.weight_version + 1:06d}"
+        write_weights(dict(state), config, target)
+        response = self.client.post("/update_weights", json={"path": str(target.resolve())})
+        if response.status_code != 200:
+            shutil.rmtree(target, ignore_errors=True)
+            raise RuntimeError(f"{self.url}/update_weights answered {response.status_code}: "
+                               f"{response.text[:300]}")
+        if self._pushed is not None:
+            shutil.rmtree(self._pushed, ignore_errors=True)
+        self._pushed = target
+        self.weight_version = int(response.json().get("weight_version", self.weight_version + 1))
+        return self.weight_version
+
+    def close(self) -> None:
+        self.client.close()
