@@ -282,8 +282,19 @@ class RolloutConfig:
     model: str | None = None  # the served model's name (default: the server's first)
     timeout: float = 600.0  # seconds a request may take
     concurrency: int = 64  # requests in flight at once, per rank
+    # 0: synchronous (sample, train, push); 1: the next step's rollouts are sampled while this
+    # step trains, by the weights the server holds then — one step old (asynchronous GRPO;
+    # pair it with sampling_correction to correct the gap). Needs url.
+    max_staleness: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_staleness not in (0, 1):
+            raise ConfigError(f"rollout.max_staleness={self.max_staleness}: 0 (synchronous) or "
+                              "1 (the next step sampled while this one trains)")
+        if self.max_staleness and self.url is None:
+            raise ConfigError("rollout.max_staleness=1 samples on an engine in its own process "
+                              "while the trainer trains: give rollout.url (lathe serve with "
+                              "--api-key and --weights-root)")
         if self.url is not None and self.weights_dir is None:
             raise ConfigError(f"rollout.url={self.url!r} needs rollout.weights_dir: a folder "
                               "inside the server's --weights-root the trainer writes its "
@@ -346,6 +357,10 @@ class GRPOConfig(PosttrainConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.rollout.max_staleness and self.dynamic_sampling:
+            raise ConfigError("dynamic_sampling=true with rollout.max_staleness=1: dynamic "
+                              "sampling's rounds agree across ranks by a collective, which a "
+                              "background sampler cannot take; use one or the other")
         if self.rollout.url is not None and self.sampling_correction != "none" \
                 and self.temperature != 1.0:
             raise ConfigError(f"sampling_correction={self.sampling_correction} with rollout.url "

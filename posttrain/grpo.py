@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -172,13 +173,14 @@ def per_token_logps(model: nn.Module, ids: Tensor, labels: Tensor,
 
 
 def sample_groups(runtime: Runtime, config: GRPOConfig, sampler: ShuffledBatches,
-                  generator: RolloutGenerator, first: int,
+                  generator: RolloutGenerator, first: int, step: int,
                   ) -> tuple[list[list[Rollout]], list[Rollout], dict[str, float]]:
     """This rank's groups to train on this step, every rollout it sampled, and its
     per-rank metrics. One generation round of the rank's share of the step's prompts; with
     dynamic sampling, rounds until every rank holds enough groups whose rewards differ or
     the rounds are spent (collective: every rank draws every round, so the ranks' prompt
-    samplers stay in step and a resumed run draws what the killed one would have)."""
+    samplers stay in step and a resumed run draws what the killed one would have). `step`:
+    the optimizer step the rollouts are for, which seeds them."""
     wanted = config.prompts_per_step // runtime.world_size
     size = config.num_generations
     params = SamplingParams(max_tokens=config.max_completion_tokens,
@@ -191,7 +193,7 @@ def sample_groups(runtime: Runtime, config: GRPOConfig, sampler: ShuffledBatches
         mine = sampler.next()[first:first + wanted]
         with runtime.autocast():
             rollouts, tool_metrics = generator(
-                mine, params, seed=config.seed * 7919 + runtime.step * 104729,
+                mine, params, seed=config.seed * 7919 + step * 104729,
                 first=len(rounds) * config.prompts_per_step + first)
         for r in rollouts:
             if config.overlong == "soft_penalty":
@@ -213,6 +215,51 @@ def sample_groups(runtime: Runtime, config: GRPOConfig, sampler: ShuffledBatches
         metrics["dynamic/rounds"] = float(len(rounds))
         metrics["dynamic/filled_share"] = filled / wanted
     return groups, sampled, metrics
+
+
+class RolloutSampler:
+    """Each step's rollouts: sampled when the step asks for them (synchronous), or with
+    rollout.max_staleness 1 sampled in a thread while the step before trains — by the
+    weights the server holds then, one step older than the policy that trains on them. The
+    prompt order is the same either way, and `resume_state` is the prompt sampler's state
+    before any draw not yet trained on."""
+
+    def __init__(self, runtime: Runtime, config: GRPOConfig, sampler: ShuffledBatches,
+                 generator: RolloutGenerator, first: int) -> None:
+        self.runtime, self.config, self.sampler = runtime, config, sampler
+        self.generator, self.first = generator, first
+        self.pool = ThreadPoolExecutor(max_workers=1) if config.rollout.max_staleness else None
+        self.ahead: Future | None = None
+        self._held: dict[str, int] = {}
+
+    @property
+    def resume_state(self) -> dict[str, int]:
+        return self._held if self.ahead is not None else self.sampler.state_dict()
+
+    def _sample(self, step: int) -> tuple[list[list[Rollout]], list[Rollout],
+                                         dict[str, float]]:
+        return sample_groups(self.runtime, self.config, self.sampler, self.generator,
+                             self.first, step)
+
+    def take(self, step: int) -> tuple[list[list[Rollout]], list[Rollout], dict[str, float],
+                                       float]:
+        """Step `step`'s rollouts, and the seconds spent waiting for them; asynchronous, the
+        next step's start sampling as this returns."""
+        started = time.perf_counter()
+        stale = self.ahead is not None
+        groups, sampled, metrics = self.ahead.result() if stale else self._sample(step)
+        seconds = time.perf_counter() - started
+        if self.pool is None:
+            return groups, sampled, metrics, seconds
+        self._held = self.sampler.state_dict()
+        self.ahead = self.pool.submit(self._sample, step + self.config.updates_per_batch)
+        return groups, sampled, {**metrics, "rollout/staleness": float(stale)}, seconds
+
+    def close(self) -> None:
+        if self.pool is not None:
+            if self.ahead is not None:
+                self.ahead.result()
+            self.pool.shutdown()
 
 
 def rollout_summary(runtime: Runtime, rollouts: list[Rollout], seconds: float, gap: float,
@@ -338,12 +385,10 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
     history = stage_history(restored, "reward", "accuracy", "heldout_accuracy")
     if restored is None:
         history["heldout_accuracy"].append(evaluate_task(runtime, evaluator, config.lora))
+    rollout_sampler = RolloutSampler(runtime, config, sampler, generator, first)
     while runtime.step < total_steps:
         with runtime.throughput.paused():
-            started = time.perf_counter()
-            groups, sampled, rank_metrics = sample_groups(runtime, config, sampler, generator,
-                                                          first)
-            rollout_seconds = time.perf_counter() - started
+            groups, sampled, rank_metrics, rollout_seconds = rollout_sampler.take(runtime.step)
         rollouts = [r for group in groups for r in group]
         rewards = torch.tensor([r.reward for r in rollouts]).view(len(groups), -1)
         for rollout, advantage in zip(rollouts, group_advantages(
@@ -381,8 +426,9 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
             if stop_reached(runtime, config.task_eval, accuracy):
                 break
         if runtime.should(config.checkpoint.every):
-            runtime.save({"prompts": sampler.state_dict(), "history": history})
+            runtime.save({"prompts": rollout_sampler.resume_state, "history": history})
 
+    rollout_sampler.close()
     episodes.close()
     summary = finish_stage(runtime, config, model_config, history, ["reward", "heldout_accuracy"],
                            {"prompt_fit": fit.counts()})

@@ -357,3 +357,20 @@ def test_dynamic_sampling_keeps_groups_whose_rewards_differ_in_draw_order():
     # too few: topped up with the first all-equal groups, in the order they were drawn
     chosen, filled = select_groups([flat, ones, mixed, flat], 3)
     assert chosen == [flat, ones, mixed] and filled == 2
+
+
+def test_rollout_settings_are_checked():
+    from lathe.posttrain.config import RolloutConfig
+    with pytest.raises(ConfigError, match="rollout.url='http://h:1' needs rollout.weights_dir"):
+        RolloutConfig(url="http://h:1")
+    with pytest.raises(ConfigError, match="rollout.max_staleness=1 samples on an engine in its "
+                                          "own process"):
+        RolloutConfig(max_staleness=1)
+    with pytest.raises(ConfigError, match="0 \\(synchronous\\) or 1"):
+        RolloutConfig(url="http://h:1", weights_dir="w", max_staleness=2)
+    remote = RolloutConfig(url="http://h:1", weights_dir="w", max_staleness=1)
+    with pytest.raises(ConfigError, match="dynamic_sampling=true with rollout.max_staleness=1"):
+        GRPOConfig(rollout=remote, dynamic_sampling=True)
+    with pytest.raises(ConfigError, match="a server's log-probs are of the distribution before "
+                                          "temperature"):
+        GRPOConfig(rollout=remote, sampling_correction="token_truncate", temperature=0.7)

@@ -370,10 +370,14 @@ def test_dpo_fits_prompts_and_counts_what_it_dropped(base):
     assert chosen_labels[:40] == [IGNORE_INDEX] * 40 and chosen_labels[40] != IGNORE_INDEX
 
 
-def test_grpo_samples_from_a_server_it_pushes_its_weights_to(base, tmp_path, monkeypatch):
+@pytest.mark.parametrize("staleness", [0, 1], ids=["sync", "async"])
+def test_grpo_samples_from_a_server_it_pushes_its_weights_to(base, tmp_path, monkeypatch,
+                                                             staleness):
     """rollout.url: every step's rollouts come from lathe serve's engine, which takes the
     policy's weights after each step (POST /update_weights) — at the end the server's greedy
-    tokens are the exported policy's."""
+    tokens are the exported policy's. Asynchronous (max_staleness 1), each step after the
+    first trains on rollouts sampled while the step before trained, and the reward still
+    climbs."""
     from lathe.model.generate import generate
     from tests.serve.conftest import API_KEY, served
     pushes = tmp_path / "pushes"
@@ -384,10 +388,12 @@ def test_grpo_samples_from_a_server_it_pushes_its_weights_to(base, tmp_path, mon
     with served(base, api_key=API_KEY, weight_roots=[pushes]) as url:
         assert main(["grpo", *quick(out, base, max_steps=16, rewards=rewards, **{
             "optim.lr": 3e-3, "eval.every": 16, "prompts_per_step": 6, "num_generations": 6,
-            "max_completion_tokens": 6, "rollout.url": url,
-            "rollout.weights_dir": pushes})]) == 0
+            "max_completion_tokens": 6, "rollout.url": url, "rollout.weights_dir": pushes,
+            "rollout.max_staleness": staleness, "logging.log_every": 1})]) == 0
         reward = summary(out)["reward"]
         assert sum(reward[-4:]) / 4 > 3 * sum(reward[:4]) / 4
+        stale = [r.get("rollout/staleness", 0.0) for r in step_records(out).values()]
+        assert stale == [0.0] + [float(staleness)] * 15
         import httpx
         answer = httpx.post(f"{url}/v1/completions", json={
             "model": "tiny", "prompt": "What is 3 + 4?", "max_tokens": 8, "temperature": 0,
