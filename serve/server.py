@@ -410,11 +410,7 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
         if body.lora_path is None:
             raise APIError(400, "lora_path is required: the adapter folder to load",
                            param="lora_path")
-        path = Path(body.lora_path).resolve()
-        if not any(path.is_relative_to(root.resolve()) for root in config.lora_roots):
-            raise APIError(403, f"lora_path {body.lora_path!r} is not inside a --lora-root ("
-                                + ", ".join(str(root) for root in config.lora_roots) + ")",
-                           param="lora_path", code="lora_path_not_allowed")
+        path = _inside(body.lora_path, config.lora_roots, "lora_path", "--lora-root")
         if body.lora_name == name:
             raise APIError(400, f"lora_name `{name}` is the base model's name; choose another",
                            param="lora_name")
@@ -450,11 +446,7 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
             raise APIError(403, "updating weights is off: start the server with "
                                 "--weights-root DIR, the folder pushes may be read from",
                            code="weight_updates_disabled")
-        path = Path(body.path).resolve()
-        if not any(path.is_relative_to(root.resolve()) for root in config.weight_roots):
-            raise APIError(403, f"path {body.path!r} is not inside a --weights-root ("
-                                + ", ".join(str(root) for root in config.weight_roots) + ")",
-                           param="path", code="weights_path_not_allowed")
+        path = _inside(body.path, config.weight_roots, "path", "--weights-root")
         try:
             version = await engine.update_weights(path)
         except (CheckpointError, RuntimeError) as error:
@@ -589,6 +581,17 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
 
 
 _UNION_TAGS = ("str", "int", "float", "bool")
+
+
+def _inside(given: str, roots: list[Path], param: str, flag: str) -> Path:
+    """`given` resolved, when it lies inside one of `roots` (the folders `flag` named); a 403
+    naming them otherwise."""
+    path = Path(given).resolve()
+    if not any(path.is_relative_to(root.resolve()) for root in roots):
+        raise APIError(403, f"{param} {given!r} is not inside a {flag} ("
+                            + ", ".join(str(root) for root in roots) + ")", param=param,
+                       code=f"{param}_not_allowed")
+    return path
 
 
 def _validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:

@@ -3,6 +3,8 @@ overrides that make every post-training stage a seconds-long CPU run."""
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,3 +35,22 @@ def quick(out_dir: Path, model: Path, **extra) -> list[str]:
                 "logging.progress": "false", "task_eval.examples": 8, "eval.batches": 2,
                 "checkpoint.every": 1000, "schedule.warmup_steps": 2, **extra}
     return [f"--{key}={value}" for key, value in settings.items()]
+
+
+def killed_and_resumed(module: str, base: Path, root: Path, steps: int, **settings) -> tuple[
+        Path, Path]:
+    """`python -m module` run whole, and again SIGKILLed in step 4 (`LATHE_FAILPOINT`) then
+    resumed with `--resume auto`: the two runs' output folders."""
+    from tests import processes
+    cwd = Path(__file__).resolve().parents[2]
+    whole, killed = root / "whole", root / "killed"
+    command = [sys.executable, "-m", module]
+    processes.run([*command, *quick(whole, base, max_steps=steps, **settings)], timeout=300,
+                  cwd=cwd)
+    result = processes.run([*command, *quick(killed, base, max_steps=steps, **settings)],
+                           timeout=300, cwd=cwd, check=False,
+                           env=dict(os.environ, LATHE_FAILPOINT="step@4"))
+    assert result.returncode != 0 and "SIGKILL at step@4" in result.stdout + result.stderr
+    processes.run([*command, *quick(killed, base, max_steps=steps, **settings), "--resume",
+                   "auto"], timeout=300, cwd=cwd)
+    return whole, killed

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,8 +19,7 @@ from lathe.data.tokenizer import save_tokenizer, train_tokenizer
 from lathe.model import ModelConfig, Transformer, load_checkpoint, save_checkpoint
 from lathe.posttrain.distill import check_same_tokenizer
 from lathe.posttrain.divergence import kd_loss
-from tests import processes
-from tests.posttrain.conftest import quick
+from tests.posttrain.conftest import killed_and_resumed, quick
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -145,16 +142,7 @@ def test_on_policy_refuses_a_cross_entropy_on_its_own_samples():
 def test_on_policy_distillation_resumes_exactly_after_kill_9(base, teacher, tmp_path):
     settings = {**ON_POLICY, "eval.every": 100, "checkpoint.every": 2, "logging.log_every": 1,
                 "teacher": teacher}
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
-    command = [sys.executable, "-m", "lathe.posttrain.distill"]
-    processes.run([*command, *quick(whole, base, max_steps=5, **settings)], timeout=300,
-                  cwd=ROOT)
-    result = processes.run([*command, *quick(killed, base, max_steps=5, **settings)],
-                           timeout=300, cwd=ROOT, check=False,
-                           env=dict(os.environ, LATHE_FAILPOINT="step@4"))
-    assert result.returncode != 0 and "SIGKILL at step@4" in result.stdout + result.stderr
-    processes.run([*command, *quick(killed, base, max_steps=5, **settings), "--resume",
-                   "auto"], timeout=300, cwd=ROOT)
+    whole, killed = killed_and_resumed("lathe.posttrain.distill", base, tmp_path, 5, **settings)
 
     def losses(out):
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

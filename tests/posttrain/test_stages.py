@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.common import PromptFit, ShuffledBatches
 from lathe.posttrain.dpo import tokenize_pairs
 from tests import processes
-from tests.posttrain.conftest import quick
+from tests.posttrain.conftest import killed_and_resumed, quick
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -238,16 +237,7 @@ def test_grpo_resumes_exactly_after_kill_9(base, tmp_path):
                 "logging.log_every": 1, "prompts_per_step": 4, "num_generations": 4,
                 "max_completion_tokens": 6, **GRPO_RECIPE,
                 "rewards": '[{name: "tests.posttrain.test_stages:starts_with_a_digit"}]'}
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
-    command = [sys.executable, "-m", "lathe.posttrain.grpo"]
-    processes.run([*command, *quick(whole, base, max_steps=6, **settings)], timeout=300,
-                  cwd=ROOT)
-    result = processes.run([*command, *quick(killed, base, max_steps=6, **settings)],
-                           timeout=300, cwd=ROOT, check=False,
-                           env=dict(os.environ, LATHE_FAILPOINT="step@4"))
-    assert result.returncode != 0 and "SIGKILL at step@4" in result.stdout + result.stderr
-    processes.run([*command, *quick(killed, base, max_steps=6, **settings), "--resume",
-                   "auto"], timeout=300, cwd=ROOT)
+    whole, killed = killed_and_resumed("lathe.posttrain.grpo", base, tmp_path, 6, **settings)
     expected, got = step_records(whole), step_records(killed)
     assert sorted(got) == [1, 2, 3, 4, 5, 6]
     for step in (3, 4, 5, 6):
