@@ -17,7 +17,9 @@ that matter: llama.cpp's `llama` RoPE rotates adjacent pairs (2i, 2i + 1) while 
 checkpoints rotate halves (i, i + d/2), so for it q_proj and k_proj rows are permuted per
 head (`permute_rope_rows`), as llama.cpp's own converter does; the other architectures
 rotate halves (NEOX) and take the rows as they are. Gemma's norms are stored as 1 + w.
-Llama-3 frequency scaling travels as `rope_freqs.weight`, the per-frequency divisors. What
+Llama-3 frequency scaling travels as `rope_freqs.weight`, the per-frequency divisors; YaRN as
+llama.cpp's keys (type, factor, original context, betas, and the attention factor it applies
+beside its own 1 + 0.1 ln(factor)). What
 an architecture's llama.cpp graph fixes rather than reads (Gemma's query scale and window
 pattern, Gemma 3's local RoPE base, llama's and phi3's full attention) a checkpoint must
 match, or the export refuses it.
@@ -26,6 +28,7 @@ match, or the export refuses it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from pathlib import Path
 
@@ -115,7 +118,7 @@ def gguf_tensors(state: dict[str, Tensor], config: ModelConfig) -> dict[str, np.
         elif config.norm_unit_offset and "norm" in name:
             tensor = tensor + 1
         out[gguf_tensor_name(name, names)] = tensor.numpy()
-    if config.rope_scaling is not None:
+    if config.rope_scaling is not None and config.rope_scaling.rope_type != "yarn":
         plain = dataclasses.replace(config, rope_scaling=None)
         out["rope_freqs.weight"] = (rope_inv_freq(plain) / rope_inv_freq(config)).numpy()
     return out
@@ -143,8 +146,10 @@ def unwritable(config: ModelConfig) -> str | None:
     reasons = [
         config.num_labels and "a sequence classifier (a reward model) has no LM head to write",
         arch is None and f"{config.family} has no llama.cpp architecture here",
-        scaling is not None and scaling.rope_type in ("yarn", "longrope", "dynamic")
+        scaling is not None and scaling.rope_type in ("longrope", "dynamic")
         and f"{scaling.rope_type} RoPE scaling is not written to GGUF yet",
+        scaling is not None and scaling.rope_type == "yarn" and not scaling.truncate
+        and "llama.cpp's YaRN rounds its ramp's ends (truncate=true), not this one's",
         scaling is not None and scaling.rope_type == "linear" and arch == "llama"
         and "linear RoPE scaling of a llama model is not written to GGUF yet",
         arch == "llama" and config.qkv_bias and "llama.cpp's llama has no attention biases",
@@ -220,9 +225,19 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f16") -> 
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_rope_freq_base(config.rope_theta)
-    if config.rope_scaling is not None and config.rope_scaling.rope_type == "linear":
+    scaling = config.rope_scaling
+    if scaling is not None and scaling.rope_type == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(config.rope_scaling.factor)
+        writer.add_rope_scaling_factor(scaling.factor)
+    elif scaling is not None and scaling.rope_type == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(scaling.factor)
+        writer.add_rope_scaling_orig_ctx_len(scaling.original_max_seq_len)
+        writer.add_rope_scaling_yarn_beta_fast(scaling.beta_fast)
+        writer.add_rope_scaling_yarn_beta_slow(scaling.beta_slow)
+        # llama.cpp scales cos/sin by this times its own 1 + 0.1 ln(factor)
+        writer.add_rope_scaling_attn_factors(
+            scaling.cos_sin_scale() / (1 + 0.1 * math.log(scaling.factor)))
     writer.add_layer_norm_rms_eps(config.norm_eps)
     if config.sliding_window is not None:
         writer.add_sliding_window(config.sliding_window)

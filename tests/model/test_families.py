@@ -293,6 +293,63 @@ def test_gguf_export_of_a_family_gives_llama_cpps_logits(tmp_path, name):
     assert (theirs - ours).abs().max() / ours.abs().max() < 2e-3
 
 
+YARN_GGUF = {
+    "qwen2": ("Qwen2Config", {"rope_type": "yarn", "factor": 4.0,
+                              "original_max_position_embeddings": 32}),
+    "llama": ("LlamaConfig", {"rope_type": "yarn", "factor": 4.0,
+                              "original_max_position_embeddings": 32}),
+    "qwen2-mscale": ("Qwen2Config", {"rope_type": "yarn", "factor": 8.0, "mscale": 0.707,
+                                     "mscale_all_dim": 1.0,
+                                     "original_max_position_embeddings": 32}),
+    "qwen3-attention-factor": ("Qwen3Config", {"rope_type": "yarn", "factor": 4.0,
+                                               "attention_factor": 1.3,
+                                               "original_max_position_embeddings": 32}),
+}
+
+
+@pytest.mark.parametrize("name", YARN_GGUF)
+def test_gguf_export_of_yarn_gives_llama_cpps_logits_past_the_original_context(tmp_path,
+                                                                              name):
+    """YaRN as llama.cpp reads it (its type, factor, original context, betas and the
+    attention factor beside its own 1 + 0.1 ln(factor)): 100 tokens on a 32-token original
+    context compute lathe's (and transformers') logits in llama.cpp."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    config_class, rope = YARN_GGUF[name]
+    config = getattr(transformers, config_class)(**{
+        **SHAPE, "vocab_size": 512, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+        "rope_scaling": rope, "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for parameter_name, parameter in hf.named_parameters():
+            if parameter.dim() == 2:
+                parameter.mul_(3)
+            else:
+                parameter.normal_(1 if "norm" in parameter_name else 0, 0.2)
+    hf.save_pretrained(tmp_path / "hf")
+    with_tokenizer(tmp_path / "hf")
+    from lathe.serve.gguf_export import export_gguf
+    out = export_gguf(tmp_path / "hf", tmp_path / "yarn.gguf", dtype="f32")
+    ids = torch.randint(3, 300, (100,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        ours = load_checkpoint(tmp_path / "hf")(torch.tensor([ids])).logits[0]
+        assert (ours - hf(torch.tensor([ids])).logits[0]).abs().max() <= 1e-4
+    runtime = llama_cpp.Llama(str(out), n_ctx=128, logits_all=True, verbose=False, n_threads=2)
+    runtime.eval(ids)
+    theirs = torch.tensor(runtime.scores[:len(ids)])
+    assert (theirs - ours).abs().max() / ours.abs().max() < 2e-3
+
+
+def test_gguf_export_refuses_yarn_without_truncation(tmp_path):
+    from lathe.model import CheckpointError
+    from lathe.serve.gguf_export import export_gguf
+    config = transformers.Qwen2Config(**{**SHAPE, "rope_scaling": ROPE["yarn-no-truncate"]})
+    transformers.Qwen2ForCausalLM(config).save_pretrained(tmp_path / "hf")
+    with_tokenizer(tmp_path / "hf", vocab_size=262)
+    with pytest.raises(CheckpointError, match="llama.cpp's YaRN rounds its ramp's ends"):
+        export_gguf(tmp_path / "hf", tmp_path / "out.gguf")
+
+
 @pytest.mark.parametrize(("name", "reason"), [
     ("smollm3", "SmolLM3's NoPE layers"),
     ("mistral-window", "llama.cpp's llama attends in full, not in a window"),
