@@ -19,7 +19,9 @@ head (`permute_rope_rows`), as llama.cpp's own converter does; the other archite
 rotate halves (NEOX) and take the rows as they are. Gemma's norms are stored as 1 + w.
 Llama-3 frequency scaling travels as `rope_freqs.weight`, the per-frequency divisors; YaRN as
 llama.cpp's keys (type, factor, original context, betas, and the attention factor it applies
-beside its own 1 + 0.1 ln(factor)). What
+beside its own 1 + 0.1 ln(factor)); Phi-3's LongRoPE as `rope_factors_long` and
+`rope_factors_short` (llama.cpp takes the long ones when its context passes the original
+one, where transformers and lathe look at each forward's positions). What
 an architecture's llama.cpp graph fixes rather than reads (Gemma's query scale and window
 pattern, Gemma 3's local RoPE base, llama's and phi3's full attention) a checkpoint must
 match, or the export refuses it.
@@ -118,7 +120,11 @@ def gguf_tensors(state: dict[str, Tensor], config: ModelConfig) -> dict[str, np.
         elif config.norm_unit_offset and "norm" in name:
             tensor = tensor + 1
         out[gguf_tensor_name(name, names)] = tensor.numpy()
-    if config.rope_scaling is not None and config.rope_scaling.rope_type != "yarn":
+    scaling = config.rope_scaling
+    if scaling is not None and scaling.rope_type == "longrope":
+        out["rope_factors_long.weight"] = np.asarray(scaling.long_factor, dtype=np.float32)
+        out["rope_factors_short.weight"] = np.asarray(scaling.short_factor, dtype=np.float32)
+    elif scaling is not None and scaling.rope_type != "yarn":
         plain = dataclasses.replace(config, rope_scaling=None)
         out["rope_freqs.weight"] = (rope_inv_freq(plain) / rope_inv_freq(config)).numpy()
     return out
@@ -146,8 +152,10 @@ def unwritable(config: ModelConfig) -> str | None:
     reasons = [
         config.num_labels and "a sequence classifier (a reward model) has no LM head to write",
         arch is None and f"{config.family} has no llama.cpp architecture here",
-        scaling is not None and scaling.rope_type in ("longrope", "dynamic")
-        and f"{scaling.rope_type} RoPE scaling is not written to GGUF yet",
+        scaling is not None and scaling.rope_type == "dynamic"
+        and "dynamic RoPE scaling is not written to GGUF yet",
+        scaling is not None and scaling.rope_type == "longrope" and arch != "phi3"
+        and f"llama.cpp reads LongRoPE's factors for phi3 only, not {arch}",
         scaling is not None and scaling.rope_type == "yarn" and not scaling.truncate
         and "llama.cpp's YaRN rounds its ramp's ends (truncate=true), not this one's",
         scaling is not None and scaling.rope_type == "linear" and arch == "llama"
@@ -229,6 +237,9 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f16") -> 
     if scaling is not None and scaling.rope_type == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(scaling.factor)
+    elif scaling is not None and scaling.rope_type == "longrope":
+        writer.add_rope_scaling_orig_ctx_len(scaling.original_max_seq_len)
+        writer.add_rope_scaling_attn_factors(scaling.cos_sin_scale())
     elif scaling is not None and scaling.rope_type == "yarn":
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(scaling.factor)

@@ -340,6 +340,45 @@ def test_gguf_export_of_yarn_gives_llama_cpps_logits_past_the_original_context(t
     assert (theirs - ours).abs().max() / ours.abs().max() < 2e-3
 
 
+@pytest.mark.parametrize(("partial", "original"), [(1.0, 32), (0.75, 32), (1.0, 512)],
+                         ids=["long", "long-partial", "short"])
+def test_gguf_export_of_longrope_gives_llama_cpps_logits(tmp_path, partial, original):
+    """Phi-3.5 / Phi-4-mini LongRoPE as llama.cpp's phi3 reads it: both factor lists and the
+    attention factor. llama.cpp takes the long factors when its context (padded to 256)
+    passes the original one, transformers when a forward's positions do: 100 tokens in a
+    128-token context agree with lathe both past a 32-token original and within 512."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    rotated = int(16 * partial) // 2
+    g = torch.Generator().manual_seed(0)
+    rope = {"type": "longrope", "short_factor": (1 + torch.rand(rotated, generator=g)).tolist(),
+            "long_factor": (1 + 8 * torch.rand(rotated, generator=g)).tolist()}
+    config = transformers.Phi3Config(**{
+        **SHAPE, "vocab_size": 512, "rope_scaling": rope, "rope_theta": 10000.0,
+        "original_max_position_embeddings": original, "max_position_embeddings": 4 * original,
+        "partial_rotary_factor": partial, "pad_token_id": 0, "bos_token_id": 1,
+        "eos_token_id": 2})
+    torch.manual_seed(0)
+    hf = transformers.Phi3ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for parameter_name, parameter in hf.named_parameters():
+            if parameter.dim() == 2:
+                parameter.mul_(3)
+            else:
+                parameter.normal_(1 if "norm" in parameter_name else 0, 0.2)
+    folder = tmp_path / "phi3-tiny"  # llama.cpp looks Phi-3's tokens up by a phi3 name
+    hf.save_pretrained(folder)
+    with_tokenizer(folder)
+    from lathe.serve.gguf_export import export_gguf
+    out = export_gguf(folder, tmp_path / "longrope.gguf", dtype="f32")
+    ids = torch.randint(3, 300, (100,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        ours = load_checkpoint(folder)(torch.tensor([ids])).logits[0]
+    runtime = llama_cpp.Llama(str(out), n_ctx=128, logits_all=True, verbose=False, n_threads=2)
+    runtime.eval(ids)
+    theirs = torch.tensor(runtime.scores[:len(ids)])
+    assert (theirs - ours).abs().max() / ours.abs().max() < 2e-3
+
+
 def test_gguf_export_refuses_yarn_without_truncation(tmp_path):
     from lathe.model import CheckpointError
     from lathe.serve.gguf_export import export_gguf
