@@ -2,7 +2,8 @@
 3, Gemma 3, Phi-3.5, GLM-4.5) trains through its training version: ids and assistant masks
 equal transformers' `return_assistant_tokens_mask` on that version, for multi-turn,
 reasoning and tool chats the original cannot mask; prompts still render through the
-original, as the served model's do."""
+original, as the served model's do. Llama 3.1 and 3.2, which TRL has no training version of,
+derive their masks from the original."""
 
 from __future__ import annotations
 
@@ -99,3 +100,27 @@ def test_a_preference_pair_splits_through_the_training_version(tmp_path):
                                    return_dict=True)["input_ids"]
     assert prompt + completion == list(whole)[:len(prompt) + len(completion)]
     assert completion and completion[-1] == hf.convert_tokens_to_ids("<|im_end|>")
+
+
+@pytest.mark.parametrize("name", ["llama3_1", "llama3_2"])
+@pytest.mark.parametrize("chat", [MULTI, TOOL_CHAT, NO_SYSTEM], ids=lambda c: c.where)
+def test_llama_3_1_and_3_2_train_without_a_training_version(tmp_path, name, chat):
+    """TRL ships no training version of Llama 3.1's and 3.2's templates; they render each
+    turn as it was when it was the last, so the masks derive from the original: exactly
+    each assistant reply (a tool call's JSON included) and its <|eot_id|>."""
+    folder = checkpoint(tmp_path, (TEMPLATES / f"{name}.jinja").read_text())
+    encoder = chat_encoder(folder)
+    assert "training version" not in encoder.name
+    ids, mask = encoder.conversation(chat)
+    spans, run = [], []
+    for token, masked in zip(ids + [None], mask + [False], strict=True):
+        if masked:
+            run.append(token)
+        elif run:
+            spans.append(encoder.tokenizer.decode(run, skip_special_tokens=False))
+            run = []
+    replies = [m for m in chat.messages if m["role"] == "assistant"]
+    expected = [(json.dumps({"name": m["tool_calls"][0]["function"]["name"],
+                             "parameters": m["tool_calls"][0]["function"]["arguments"]})
+                 if m.get("tool_calls") else m["content"].strip()) + "<|eot_id|>" for m in replies]
+    assert spans == expected
