@@ -48,6 +48,13 @@ lathe sft --config recipes/sft/tools.yaml --out_dir "$OUT/sft-tools" --model "$O
 lathe grpo --config recipes/grpo/tools.yaml --out_dir "$OUT/grpo-tools" \
     --model "$OUT/sft-tools/final"
 
+echo "== eval: lm-eval's harness on lathe's engine — the base, SFT and GRPO models on the"
+echo "   held-out three-digit problems (recipes/eval) -> $OUT/<stage>/eval.json"
+for stage in pretrain sft grpo; do
+    lathe eval "$OUT/$stage/final" --tasks lathe_arithmetic3 --include-path recipes/eval \
+        --apply-chat-template --output "$OUT/$stage/eval.json"
+done
+
 echo "== report: each stage's metric, curves and samples -> $OUT/report.md"
 lathe report "$OUT"
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -115,3 +116,34 @@ def test_the_command_writes_results_and_refuses_a_folder_without_a_model(checkpo
     assert "acc" in capsys.readouterr().out
     assert run_command("eval", [str(tmp_path), "--tasks", task]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_the_shipped_arithmetic_task_scores_as_lathes_own_evaluation(checkpoint, monkeypatch):
+    """recipes/eval/lathe_arithmetic3.yaml: the test split's first 200 problems of
+    task:arithmetic3, each generation the engine's greedy reply to the question rendered
+    through the chat template (lathe's own held-out evaluation's), scored by its last
+    integer."""
+    from lm_eval.tasks import TaskManager
+
+    from lathe.data.chat_encoding import chat_encoder
+    from lathe.data.tasks import task_examples
+    from lathe.serve.sampling import SamplingParams
+    root = Path(__file__).resolve().parents[2]
+    shipped = [json.loads(line) for line in
+               (root / "recipes/eval/arithmetic3_test.jsonl").read_text().splitlines()]
+    assert shipped == [{"question": e.prompt, "answer": e.answer}
+                       for e in task_examples("arithmetic3", "test", 200)]
+    monkeypatch.chdir(root)  # the task's data file is relative to the repository root
+    engine = LLMEngine.from_checkpoint(checkpoint)
+    encoder = chat_encoder(checkpoint)
+    result = lm_eval.simple_evaluate(
+        model=LatheLM(engine, *special_ids(checkpoint, engine), encoder),
+        tasks=["lathe_arithmetic3"], task_manager=TaskManager(include_path="recipes/eval"),
+        apply_chat_template=True, log_samples=True, limit=20)
+    samples = sorted(result["samples"]["lathe_arithmetic3"], key=lambda s: s["doc_id"])
+    prompts = [encoder.prompt([{"role": "user", "content": row["question"]}])
+               for row in shipped[:20]]
+    greedy = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0))
+    assert [s["resps"][0][0] for s in samples] == [encoder.tokenizer.decode(
+        g.outputs[0].token_ids, skip_special_tokens=True) for g in greedy]
+    assert 0 <= result["results"]["lathe_arithmetic3"]["exact_match,last_integer"] <= 1
