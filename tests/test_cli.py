@@ -18,12 +18,12 @@ from tests.builders import build_tokenizer
 def test_every_package_registers_its_subcommands_and_help_lists_them(capsys):
     registered = commands()
     assert {"clean", "tokenizer", "shards", "pretrain", "sft", "dpo", "grpo", "distill",
-            "serve", "chat", "export", "init", "generate"} <= set(registered)
+            "rm", "serve", "chat", "export", "init", "generate"} <= set(registered)
     for name, entry in registered.items():
         assert callable(entry.load()), name
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert "  posttrain: distill dpo grpo plan sft\n" in out
+    assert "  posttrain: distill dpo grpo plan rm sft\n" in out
     listed = {word for line in out.splitlines() if line.startswith("  ") for word in line.split()}
     assert set(registered) <= listed
 
