@@ -607,22 +607,8 @@ class ModelConfig:
         window, layer_types = family.window(hf)
         n_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        local_theta = None
-        if model_type == "gemma3_text":  # RoPE per layer type; the sliding layers' unscaled
-            local = rope.get("sliding_attention") or {}
-            if local.get("rope_type", "default") != "default":
-                raise ConfigError(f"config.json: the sliding layers' rope type "
-                                  f"{local['rope_type']!r} is not supported (only 'default')")
-            local_theta = float(local.get("rope_theta") or hf.get("rope_local_base_freq")
-                                or 10000.0)
-            rope = rope.get("full_attention", rope)
-            hf = {**hf, "rope_theta": hf.get("rope_theta") or rope.get("rope_theta")
-                  or 1_000_000.0}
-        rope_theta = hf.get("rope_theta") or rope.get("rope_theta") or 10000.0
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if model_type == "phi3" and rope_type in ("su", "yarn"):
-            rope_type = "longrope"  # Phi-3's own names for it, as transformers reads them
+        rope, rope_theta = family.rope(hf)
+        rope_type = rope["rope_type"]
         if rope_type not in ("default", *ROPE_TYPES):
             raise ConfigError(
                 f"config.json: rope type {rope_type!r} is not supported (only 'default', "
@@ -673,18 +659,17 @@ class ModelConfig:
             init_std=hf.get("initializer_range", 0.02),
             head_dim=head_dim,
             family=model_type,
-            no_rope_layers=_no_rope_layers(hf) if model_type == "smollm3" else None,
             sliding_window=window,
             layer_types=layer_types,
             hidden_act=hf.get(act_key, "silu"),
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
             attn_softcap=hf.get("attn_logit_softcapping"),
             final_softcap=hf.get("final_logit_softcapping"),
-            rope_local_theta=local_theta,
             partial_rotary_factor=float(rope.get("partial_rotary_factor")
                                         or hf.get("partial_rotary_factor") or 1.0),
             clip_qkv=hf.get("clip_qkv"),
             num_labels=_num_labels(hf),
+            **family.read(hf),
             **(family.experts.read(hf) if family.experts else {}),
             **family.switches(hf),
         )
@@ -703,15 +688,6 @@ def _num_labels(hf: dict[str, Any]) -> int:
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         raise ConfigError(f"config.json: num_labels={count!r} must be a positive integer")
     return count
-
-
-def _no_rope_layers(hf: dict[str, Any]) -> list[int]:
-    """SmolLM3's per-layer RoPE flags, or its default: every `no_rope_layer_interval`-th
-    layer without (as transformers fills them in)."""
-    if hf.get("no_rope_layers") is not None:
-        return list(hf["no_rope_layers"])
-    interval = hf.get("no_rope_layer_interval", 4)
-    return [int((i + 1) % interval != 0) for i in range(hf["num_hidden_layers"])]
 
 
 def llama_ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:

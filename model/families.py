@@ -1,7 +1,10 @@
 """The open-model families lathe loads and exports as themselves, one small entry each:
 how a family's HF `config.json` sets `ModelConfig`'s switches, which switch values the
 family's own transformers class builds (so an export loads back as that class), and the
-keys an export writes beside the common ones. Parameter names are HF's, but for the projections
+keys an export writes beside the common ones; where its config keeps RoPE apart from the usual
+keys (Gemma 3 per layer type, Phi-3's names for LongRoPE) and the fields only it reads
+(SmolLM3's NoPE layers); its sequence classifier's class (a reward model's). Parameter names
+are HF's, but for the projections
 a family stores fused (`Family.fused`: Phi-3's `qkv_proj` and `gate_up_proj`), which a load
 splits into lathe's q/k/v and gate/up and an export joins again (`split_fused`,
 `join_fused`).
@@ -85,6 +88,13 @@ class Family:
     # its sequence classifier's class (a reward model's) where that is not the causal
     # class's name with ForSequenceClassification; "" where transformers has none
     classifier_class: str | None = None
+    # config.json -> (the RoPE parameters of its full-attention layers, with their
+    # rope_type; its RoPE base): where a family keeps them apart from the usual keys
+    rope: Callable[[dict[str, Any]], tuple[dict[str, Any], float]] = (
+        lambda hf: _rope_parameters(hf))
+    # config.json -> the ModelConfig fields only this family reads (SmolLM3's NoPE layers,
+    # Gemma 3's local RoPE base)
+    read: Callable[[dict[str, Any]], dict[str, Any]] = lambda hf: {}
 
     @property
     def classifier(self) -> str | None:
@@ -97,6 +107,52 @@ class Family:
 # a fused projection -> the projections it stacks (along the output dimension, in order)
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def _rope_parameters(hf: dict[str, Any], default_theta: float = 10000.0
+                     ) -> tuple[dict[str, Any], float]:
+    """RoPE as most configs hold it: `rope_parameters` (transformers 5) or `rope_scaling`
+    (4.x), the base at the top level or among them; rope_type "default" when unscaled."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+    return rope, float(hf.get("rope_theta") or rope.get("rope_theta") or default_theta)
+
+
+def _phi3_rope(hf: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """Phi-3's own names for LongRoPE ("su", and "yarn" in some configs), as transformers
+    reads them."""
+    rope, theta = _rope_parameters(hf)
+    if rope["rope_type"] in ("su", "yarn"):
+        rope["rope_type"] = "longrope"
+    return rope, theta
+
+
+def _gemma3_rope(hf: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """Gemma 3's RoPE per layer type: its full-attention layers' (base 1e6 by default)."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    return _rope_parameters({**hf, "rope_parameters": rope.get("full_attention", rope)},
+                            1_000_000.0)
+
+
+def _gemma3_read(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's sliding layers' RoPE base (unscaled)."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    local = rope.get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ConfigError(f"config.json: the sliding layers' rope type "
+                          f"{local['rope_type']!r} is not supported (only 'default')")
+    return {"rope_local_theta": float(local.get("rope_theta") or hf.get("rope_local_base_freq")
+                                      or 10000.0)}
+
+
+def _smollm3_read(hf: dict[str, Any]) -> dict[str, Any]:
+    """SmolLM3's per-layer RoPE flags, or its default: every `no_rope_layer_interval`-th
+    layer without (as transformers fills them in)."""
+    if hf.get("no_rope_layers") is not None:
+        return {"no_rope_layers": list(hf["no_rope_layers"])}
+    interval = hf.get("no_rope_layer_interval", 4)
+    return {"no_rope_layers": [int((i + 1) % interval != 0)
+                               for i in range(hf["num_hidden_layers"])]}
 
 
 def _attention_bias(hf: dict[str, Any]) -> dict[str, bool]:
@@ -290,7 +346,7 @@ FAMILIES: dict[str, Family] = {
         "SmolLM3ForCausalLM", _attention_bias, _smollm3_window,
         lambda c: {"attention_bias": c.qkv_bias, "mlp_bias": False,
                    "no_rope_layers": list(c.no_rope_layers or [1] * c.n_layers),
-                   **_windows_written(c)}, sliding="layers"),
+                   **_windows_written(c)}, sliding="layers", read=_smollm3_read),
     "phi3": Family(
         "Phi3ForCausalLM", lambda hf: {}, _mistral_window,
         lambda c: {"sliding_window": c.sliding_window, "partial_rotary_factor":
@@ -298,7 +354,7 @@ FAMILIES: dict[str, Family] = {
                    c.rope_scaling.original_max_seq_len if c.rope_scaling is not None
                    and c.rope_scaling.rope_type == "longrope" else c.max_seq_len,
                    "resid_pdrop": 0.0, "embd_pdrop": 0.0},
-        sliding="all", takes=("partial_rotary_factor",), fused=tuple(FUSED)),
+        sliding="all", takes=("partial_rotary_factor",), fused=tuple(FUSED), rope=_phi3_rope),
     "gemma2": Family(
         "Gemma2ForCausalLM", lambda hf: {**GEMMA, **_attention_bias(hf)}, _gemma_window(2),
         _gemma_extra, sliding="layers", takes=GEMMA_FIELDS),
@@ -308,7 +364,8 @@ FAMILIES: dict[str, Family] = {
         lambda c: {**_gemma_extra(c), "rope_local_base_freq": c.rope_local_theta,
                    "use_bidirectional_attention": False},
         sliding="layers", takes=(*GEMMA_FIELDS, "rope_local_theta"),
-        classifier_class="Gemma3TextForSequenceClassification"),
+        classifier_class="Gemma3TextForSequenceClassification", rope=_gemma3_rope,
+        read=_gemma3_read),
     "mixtral": Family(
         "MixtralForCausalLM", lambda hf: {}, _mistral_window,
         lambda c: {"sliding_window": c.sliding_window, **MIXTRAL_EXPERTS.written(c)},
