@@ -74,3 +74,7 @@ def exit_process(code: int) -> NoReturn:
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+if __name__ == "__main__":  # `python -m lathe.core.cli COMMAND ...`, as the `lathe` script
+    exit_process(main())

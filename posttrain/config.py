@@ -274,7 +274,9 @@ class RolloutConfig:
     --weights-root, or any server that takes POST /update_weights — to which the trainer
     pushes each step's weights under `weights_dir` (a folder the server reads: inside its
     --weights-root, on a filesystem both see). Its API key comes from the environment
-    variable named by `api_key_env`, never from a recipe."""
+    variable named by `api_key_env`, never from a recipe. `url: local` starts lathe serve on
+    the policy in a process of its own for the run (pushes under out_dir/rollout-weights
+    unless `weights_dir` says otherwise)."""
 
     url: str | None = None
     weights_dir: str | None = None
@@ -293,9 +295,9 @@ class RolloutConfig:
                               "1 (the next step sampled while this one trains)")
         if self.max_staleness and self.url is None:
             raise ConfigError("rollout.max_staleness=1 samples on an engine in its own process "
-                              "while the trainer trains: give rollout.url (lathe serve with "
-                              "--api-key and --weights-root)")
-        if self.url is not None and self.weights_dir is None:
+                              "while the trainer trains: give rollout.url (a lathe serve with "
+                              "--api-key and --weights-root, or local to start one)")
+        if self.url not in (None, "local") and self.weights_dir is None:
             raise ConfigError(f"rollout.url={self.url!r} needs rollout.weights_dir: a folder "
                               "inside the server's --weights-root the trainer writes its "
                               "weights to each step")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -355,7 +356,8 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
         sampler.load_state_dict(restored["prompts"])
     generator = RolloutGenerator(opened, encoder, episodes, config.lora, config.rewards,
                                  config.task_eval.task, runtime.device, runtime.compute_dtype,
-                                 config.rollout, pushes=runtime.is_main)
+                                 config.rollout, pushes=runtime.is_main,
+                                 local_weights=Path(config.out_dir) / "rollout-weights")
     opened.release()
     refresh(runtime, generator, config)
     prompts_per_rank = config.prompts_per_step // runtime.world_size
@@ -429,6 +431,7 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
             runtime.save({"prompts": rollout_sampler.resume_state, "history": history})
 
     rollout_sampler.close()
+    generator.close()
     episodes.close()
     summary = finish_stage(runtime, config, model_config, history, ["reward", "heldout_accuracy"],
                            {"prompt_fit": fit.counts()})

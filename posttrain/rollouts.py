@@ -38,7 +38,7 @@ from lathe.pretrain.runtime.precision import compute_dtype
 from lathe.pretrain.runtime.trainer import Runtime
 from lathe.serve.engine import EngineConfig, LLMEngine
 from lathe.serve.paged_cache import KVSlabs
-from lathe.serve.remote import RemoteEngine
+from lathe.serve.remote import LocalServer, RemoteEngine
 from lathe.serve.sampling import SamplingParams
 
 
@@ -112,21 +112,31 @@ class RolloutGenerator:
     def __init__(self, opened: OpenCheckpoint, encoder: ChatEncoder, episodes: EpisodeRunner,
                  lora: LoraSection, rewards: list[RewardSpec], task: str,
                  device: torch.device, kv_dtype: torch.dtype,
-                 remote: RolloutConfig | None = None, pushes: bool = True) -> None:
+                 remote: RolloutConfig | None = None, pushes: bool = True,
+                 local_weights: str | Path = "rollout-weights") -> None:
         self.episodes, self.lora, self.model_config = episodes, lora, opened.config
         self.rewards = [(load_reward(r.name), r.weight) for r in rewards if r.name is not None]
         self.scorers = [(RewardModelScorer(r.model, device), r.weight)
                         for r in rewards if r.model is not None]
         self.correct = verifier(task)
         self.push_to: Path | None = None
+        self.server: LocalServer | None = None
         if remote is not None and remote.url is not None:
             self.adapter = None
             self.merger = AdapterMerger(opened.model(dtype=torch.float32), lora) \
                 if lora.enabled else None
-            self.engine = RemoteEngine(remote.url, opened.eos_ids,
-                                       os.environ.get(remote.api_key_env), remote.model,
-                                       remote.timeout, remote.concurrency)
-            self.push_to = Path(remote.weights_dir) if pushes else None
+            url, key = remote.url, os.environ.get(remote.api_key_env)
+            weights = Path(remote.weights_dir or local_weights)
+            if url == "local":  # the main process starts it; every rank learns where
+                if pushes:
+                    weights.mkdir(parents=True, exist_ok=True)
+                    self.server = LocalServer(opened.path, weights, remote.timeout)
+                address = [self.server.url, self.server.api_key] if self.server else [None, None]
+                broadcast_object_list(address)
+                url, key = address
+            self.engine = RemoteEngine(url, opened.eos_ids, key, remote.model, remote.timeout,
+                                       remote.concurrency)
+            self.push_to = weights if pushes else None
             self.remote = True
             return
         self.remote = False
@@ -141,6 +151,11 @@ class RolloutGenerator:
                                      **slots)
         self.engine = LLMEngine(model.eval(), encoder.tokenizer, engine_config, opened.eos_ids,
                                 kv_dtype=kv_dtype)
+
+    def close(self) -> None:
+        """Stop the server this generator started, if any."""
+        if self.server is not None:
+            self.server.stop()
 
     def refresh(self, weights: dict[str, Tensor]) -> None:
         """Take the policy's gathered weights (its adapters alone under LoRA); a server's

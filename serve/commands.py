@@ -17,6 +17,7 @@ from lathe.model.checkpoint import read_model_config
 from lathe.serve.connections import ConnectionLimits
 from lathe.serve.decode_graph import cache_root
 from lathe.serve.engine import DEFAULT_KV_MB, EngineConfig
+from lathe.serve.engine_core import END_WITH, end_with
 from lathe.serve.reasoning import REASONING_PARSERS
 from lathe.serve.speculative import SpeculativeConfig
 from lathe.serve.tool_calls import PARSERS
@@ -228,6 +229,8 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
                              "same time and memory limits)")
     _engine_flags(parser)
     args = parser.parse_args(argv)
+    if END_WITH in os.environ:  # started by a trainer (serve.remote.LocalServer): end with it
+        end_with(int(os.environ[END_WITH]))
     if args.chat_template is not None:
         read_template_file(args.chat_template)
     if args.protect_metrics and not args.api_key:

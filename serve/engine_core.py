@@ -72,6 +72,9 @@ STATUS_SECONDS = 0.5  # how often a loading core reports what it waits for
 # (~1.6 ms of them at ~20 GB/s, against ~0.3 ms of the front end's own work per token)
 SMALL_WEIGHTS = 32 * 2**20
 PR_SET_PDEATHSIG = 1  # prctl(2)
+# the environment variable naming the process a `lathe serve` started by another (a trainer's
+# rollout server) ends with
+END_WITH = "LATHE_END_WITH_PID"
 
 
 @dataclass
@@ -316,11 +319,11 @@ def process_main(spec: EngineSpec, loras: dict[str, Path], commands: Connection,
                  events: Connection, front_end: int) -> None:
     """The core's process: `serve_engine` on `spec`, for the front end of pid `front_end`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when it ends
-    _end_with(front_end)
+    end_with(front_end)
     serve_engine(spec.load, loras, commands, events)
 
 
-def _end_with(front_end: int) -> None:
+def end_with(front_end: int) -> None:
     """Have the kernel kill this process when its front end dies (Linux; strictly, when
     the front end's thread that started it ends). A closed pipe ends a serving core at its
     next message, but a loading one reads none: without this a core whose front end was

@@ -7,12 +7,20 @@ through lathe serve's `POST /update_weights`: the trainer writes them where the 
 may read them (its --weights-root) and the server swaps them in between requests.
 
 The log-probabilities a server returns are of the distribution before temperature (vLLM's
-default, and lathe serve's): at temperature 1, the one sampled from.
+default, and lathe serve's): at temperature 1, the one sampled from. `LocalServer` starts
+`lathe serve` in a process of its own for a trainer that has no server to point at.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,6 +32,7 @@ from torch import Tensor
 from lathe.core.errors import ConfigError
 from lathe.model.checkpoint import write_weights
 from lathe.model.config import ModelConfig
+from lathe.serve.engine_core import END_WITH
 from lathe.serve.logprobs import TokenLogprob
 from lathe.serve.outputs import Completion, CompletionOutput
 from lathe.serve.sampling import SamplingParams
@@ -113,3 +122,51 @@ class RemoteEngine:
 
     def close(self) -> None:
         self.client.close()
+
+
+class LocalServer:
+    """`lathe serve CHECKPOINT` in a process of its own on a free loopback port, taking
+    pushes from `weights_root` under a fresh API key (passed in its environment), until
+    `stop` — or until the process that started it dies (the kernel ends it then, on
+    Linux). `url` and `api_key` once it answers /health."""
+
+    def __init__(self, checkpoint: str | Path, weights_root: str | Path,
+                 timeout: float = 600.0) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.url, self.api_key = f"http://127.0.0.1:{port}", secrets.token_hex(16)
+        self.log = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "lathe.core.cli", "serve", str(checkpoint), "--host",
+             "127.0.0.1", "--port", str(port), "--weights-root", str(weights_root)],
+            env={**os.environ, "LATHE_API_KEY": self.api_key, END_WITH: str(os.getpid())},
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while not self._healthy():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                tail = self._log_tail()
+                self.stop()
+                raise RuntimeError(f"lathe serve {checkpoint} did not come up at {self.url} "
+                                   f"(exit {self.process.returncode}); its log ends:\n{tail}")
+            time.sleep(0.2)
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _log_tail(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-2000:]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -394,3 +395,22 @@ def test_grpo_samples_from_a_server_it_pushes_its_weights_to(base, tmp_path, mon
         assert answer["choices"][0]["token_ids"] == expected[:len(answer["choices"][0][
             "token_ids"])]
     assert [p.name for p in pushes.iterdir()] == ["push-000017"]  # the start's and 16 steps'
+
+
+def test_asynchronous_grpo_on_a_server_of_its_own(base, tmp_path):
+    """rollout.url=local: the run starts lathe serve on the policy in a process of its own,
+    samples each next step there while this one trains, and stops it at the end."""
+    out = tmp_path / "grpo"
+    rewards = '[{name: "tests.posttrain.test_stages:digit_share"}]'
+    assert main(["grpo", *quick(out, base, max_steps=8, rewards=rewards, **{
+        "optim.lr": 3e-3, "eval.every": 8, "prompts_per_step": 6, "num_generations": 6,
+        "max_completion_tokens": 6, "rollout.url": "local", "rollout.max_staleness": 1,
+        "logging.log_every": 1})]) == 0
+    stale = [r["rollout/staleness"] for r in step_records(out).values()]
+    assert stale == [0.0] + [1.0] * 7
+    reward = summary(out)["reward"]
+    assert sum(reward[-3:]) > sum(reward[:3])
+    assert [p.name for p in (out / "rollout-weights").iterdir()] == ["push-000009"]
+    left = [pid for pid in processes.descendants(os.getpid()) if processes.alive(pid)
+            and b"lathe.core.cli" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert not left  # the server stopped with the run
