@@ -2,8 +2,8 @@
 rank holds half of a policy weight and half of the reference's; an SFT step with
 accumulation on 2 ranks is the one-process step on the same 8 chats; GRPO with a sharded
 reference and its rollout engine synced from the shards reproduces the one-process run, and
-so does on-policy distillation from a sharded teacher; GRPO's dynamic sampling keeps both
-ranks drawing the same rounds."""
+so does on-policy distillation from a sharded teacher, and a reward model's training; GRPO's
+dynamic sampling keeps both ranks drawing the same rounds."""
 
 from __future__ import annotations
 
@@ -160,3 +160,29 @@ def test_on_policy_distillation_on_two_ranks_is_the_one_process_run(recipe, base
     assert max(abs(a[s] - b[s]) / max(1.0, abs(a[s])) for s in a) < 1e-5, (a, b)
     for key in ("eval/reverse_kl",):
         assert step_metrics(two, key) == pytest.approx(step_metrics(one, key), rel=1e-5)
+
+
+@pytest.mark.parametrize("recipe", ["cpu-ddp", "cpu-zero3"])
+def test_a_reward_model_trains_on_two_ranks_as_on_one(recipe, base, tmp_path):
+    """lathe rm on 2 ranks × 2 pairs a micro-batch is the one-process step on the same 4
+    pairs (the score head sharded under ZeRO-3), and its export gathers whole."""
+    from lathe.model import load_checkpoint
+    from lathe.posttrain.config import RMConfig
+    from lathe.posttrain.reward_model import reward_model
+    from tests.posttrain.test_reward_model import digit_preferences
+    files = digit_preferences(tmp_path)
+    settings = {"max_steps": 3, "optim.lr": 1e-3, "eval.every": 100,
+                "data.train": files["train"], "data.eval": files["test"],
+                "logging.log_every": 1}
+    one, two = tmp_path / "one", tmp_path / recipe
+    reset_accelerate()
+    reward_model(load_config(RMConfig, None, quick(one, base, **settings,
+                                                   micro_batch_size=4)))
+    processes.run(launch(recipe, "-m", "lathe.posttrain.reward_model",
+                         *quick(two, base, **settings, micro_batch_size=2)),
+                  timeout=300, cwd=ROOT)
+    a, b = step_metrics(one, "loss"), step_metrics(two, "loss")
+    assert sorted(b) == [1, 2, 3]
+    assert max(abs(a[s] - b[s]) / max(1.0, abs(a[s])) for s in a) < 1e-5, (a, b)
+    exported = load_checkpoint(two / "final")
+    assert exported.config.num_labels == 1 and exported.score.weight.shape[0] == 1
