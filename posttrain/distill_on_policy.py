@@ -58,14 +58,18 @@ HELDOUT_SEED = 99991  # the held-out samples' seeds, apart from any step's
 
 
 def step_shape(config: DistillConfig, parallelism: Parallelism,
-               model_config: ModelConfig | None = None) -> StepShape:
+               model_config: ModelConfig | None = None,
+               longest_prompt: int | None = None) -> StepShape:
     """One micro-batch of on-policy distillation, for memory plans: micro_batch_size
-    prompts with their samples through the divergence head, beside the teacher's weights
+    prompts with their samples (as long as the longest prompt, once known, and a whole
+    sample; else the context) through the divergence head, beside the teacher's weights
     and the rank's rollout engine."""
     model_config = model_config or read_model_config(config.model)
+    length = model_config.max_seq_len if longest_prompt is None else min(
+        longest_prompt + config.max_completion_tokens, model_config.max_seq_len)
     engine, cache = rollout_engine_bytes(model_config, parallelism.mixed_precision)
     teacher = frozen_weight_bytes(read_model_config(config.teacher), parallelism)
-    return StepShape(config.micro_batch_size, model_config.max_seq_len, "loss",
+    return StepShape(config.micro_batch_size, length, "loss",
                      config.grad_accum_steps, teacher + engine, cache,
                      evaluation_cache_bytes(model_config, parallelism.mixed_precision))
 
@@ -106,7 +110,8 @@ def distill_on_policy(config: DistillConfig, teacher_checkpoint: OpenCheckpoint,
     mean_prompt = sum(len(p.ids) for p in prompts) / len(prompts)
     total_steps = config.total_steps(int(per_rank * runtime.world_size * (
         mean_prompt + config.max_completion_tokens)), model_config.num_params())
-    runtime.prepare(model, total_steps, step_shape(config, runtime.parallelism, model_config))
+    runtime.prepare(model, total_steps, step_shape(config, runtime.parallelism, model_config,
+                                                   max(len(p.ids) for p in prompts)))
     teacher = runtime.prepare_frozen(teacher)
     restored = runtime.start(config, resume)
     if restored is not None:

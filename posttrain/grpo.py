@@ -303,16 +303,20 @@ def check_lengths(config: GRPOConfig, context: int) -> PromptFit:
 
 
 def step_shape(config: GRPOConfig, parallelism: Parallelism,
-               model_config: ModelConfig | None = None) -> StepShape:
+               model_config: ModelConfig | None = None,
+               longest_prompt: int | None = None) -> StepShape:
     """One GRPO micro-batch, for memory plans: each rank's rollouts split into
     grad_accum_steps micro-batches of prompt + completion tokens through per-token
     log-probs, beside the reference (beta > 0 without LoRA), the reward models and the rank's
-    rollout engine — its own fp32 copy of the policy and its KV cache."""
+    rollout engine — its own fp32 copy of the policy and its KV cache. Rows are as long as
+    the longest prompt the run has (`longest_prompt`, once its prompts are fitted) or may
+    have (max_prompt_length, else the context) and a whole completion."""
     model_config = model_config or read_model_config(config.model)
     rows = max(config.prompts_per_step * config.num_generations // parallelism.processes
                // config.grad_accum_steps, 1)
-    length = (model_config.max_seq_len if config.max_prompt_length is None
-              else config.max_prompt_length + config.max_completion_tokens)
+    prompt = longest_prompt if longest_prompt is not None else config.max_prompt_length
+    length = (model_config.max_seq_len if prompt is None
+              else prompt + config.max_completion_tokens)
     frozen, cache = rollout_engine_bytes(model_config, parallelism.mixed_precision)
     if config.rollout.url is not None:  # a server samples; under LoRA a base copy merges
         frozen, cache = frozen if config.lora.enabled else 0, 0
@@ -347,7 +351,8 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
                           f"{config.prompts_per_step}")
     sampler = ShuffledBatches(prompts, config.prompts_per_step, config.seed)
     total_steps = config.total_steps(1, model_config.num_params())
-    runtime.prepare(model, total_steps, step_shape(config, runtime.parallelism, model_config))
+    runtime.prepare(model, total_steps, step_shape(config, runtime.parallelism, model_config,
+                                                   max(len(p.ids) for p in prompts)))
     reference = None
     if config.beta > 0 and not config.lora.enabled:
         reference = runtime.prepare_frozen(opened.model(dtype=torch.float32))
