@@ -254,13 +254,44 @@ GGUF_FAMILIES = {
 }
 
 
+def llama_cpp_error(hf, folder, length: int, n_ctx: int) -> float:
+    """`hf` saved to `folder` with a tokenizer and exported to GGUF (f32): the largest
+    difference between llama.cpp's logits and lathe's on `length` tokens, relative to the
+    largest of lathe's."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from lathe.serve.gguf_export import export_gguf
+    hf.save_pretrained(folder)
+    with_tokenizer(folder)
+    out = export_gguf(folder, folder.with_suffix(".gguf"), dtype="f32")
+    ids = torch.randint(3, 300, (length,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        ours = load_checkpoint(folder)(torch.tensor([ids])).logits[0]
+    runtime = llama_cpp.Llama(str(out), n_ctx=n_ctx, logits_all=True, verbose=False,
+                              n_threads=2)
+    runtime.eval(ids)
+    theirs = torch.tensor(runtime.scores[:len(ids)])
+    return float((theirs - ours).abs().max() / ours.abs().max())
+
+
+def sharpened(hf):
+    """Matrices × 3, norms ~ N(1, 0.2) and the rest ~ N(0, 0.2): random weights that do not
+    attend almost uniformly."""
+    with torch.no_grad():
+        for parameter_name, parameter in hf.named_parameters():
+            if parameter.dim() == 2:
+                parameter.mul_(3)
+            else:
+                parameter.normal_(1 if "norm" in parameter_name else 0, 0.2)
+    return hf
+
+
 @pytest.mark.parametrize("name", GGUF_FAMILIES)
 def test_gguf_export_of_a_family_gives_llama_cpps_logits(tmp_path, name):
     """The file as llama.cpp's own architecture for the family (NEOX RoPE unpermuted, biases,
     q/k norms, Gemma's 1 + w norms, soft-caps and sliding layers, Phi-3's fused projections
     and partial rotary, GLM-4.5's biased sigmoid router in groups) computes lathe's logits in
     llama.cpp, past the window (its KV cache is f16: 2e-3 of the largest logit)."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
     config_class, extra = GGUF_FAMILIES[name]
     config = getattr(transformers, config_class)(**{**SHAPE, "vocab_size": 512, "pad_token_id": 0,
                                                     "bos_token_id": 1, "eos_token_id": 2, **extra})
@@ -279,18 +310,7 @@ def test_gguf_export_of_a_family_gives_llama_cpps_logits(tmp_path, name):
                 buffer.normal_(0, 0.3)
     # named after its family: llama.cpp looks up Phi-3's special tokens when the model's
     # name says phi3, which this vocabulary lacks (the export renames it)
-    folder = tmp_path / f"{name}-tiny"
-    hf.save_pretrained(folder)
-    with_tokenizer(folder)
-    from lathe.serve.gguf_export import export_gguf
-    out = export_gguf(folder, tmp_path / f"{name}.gguf", dtype="f32")
-    ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    with torch.no_grad():
-        ours = load_checkpoint(folder)(torch.tensor([ids])).logits[0]
-    runtime = llama_cpp.Llama(str(out), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
-    runtime.eval(ids)
-    theirs = torch.tensor(runtime.scores[:len(ids)])
-    assert (theirs - ours).abs().max() / ours.abs().max() < 2e-3
+    assert llama_cpp_error(hf, tmp_path / f"{name}-tiny", 40, 64) < 2e-3
 
 
 YARN_GGUF = {
@@ -313,31 +333,17 @@ def test_gguf_export_of_yarn_gives_llama_cpps_logits_past_the_original_context(t
     """YaRN as llama.cpp reads it (its type, factor, original context, betas and the
     attention factor beside its own 1 + 0.1 ln(factor)): 100 tokens on a 32-token original
     context compute lathe's (and transformers') logits in llama.cpp."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
     config_class, rope = YARN_GGUF[name]
     config = getattr(transformers, config_class)(**{
         **SHAPE, "vocab_size": 512, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
         "rope_scaling": rope, "rope_theta": 10000.0})
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    with torch.no_grad():
-        for parameter_name, parameter in hf.named_parameters():
-            if parameter.dim() == 2:
-                parameter.mul_(3)
-            else:
-                parameter.normal_(1 if "norm" in parameter_name else 0, 0.2)
-    hf.save_pretrained(tmp_path / "hf")
-    with_tokenizer(tmp_path / "hf")
-    from lathe.serve.gguf_export import export_gguf
-    out = export_gguf(tmp_path / "hf", tmp_path / "yarn.gguf", dtype="f32")
-    ids = torch.randint(3, 300, (100,), generator=torch.Generator().manual_seed(1)).tolist()
-    with torch.no_grad():
-        ours = load_checkpoint(tmp_path / "hf")(torch.tensor([ids])).logits[0]
-        assert (ours - hf(torch.tensor([ids])).logits[0]).abs().max() <= 1e-4
-    runtime = llama_cpp.Llama(str(out), n_ctx=128, logits_all=True, verbose=False, n_threads=2)
-    runtime.eval(ids)
-    theirs = torch.tensor(runtime.scores[:len(ids)])
-    assert (theirs - ours).abs().max() / ours.abs().max() < 2e-3
+    hf = sharpened(transformers.AutoModelForCausalLM.from_config(config).float().eval())
+    assert llama_cpp_error(hf, tmp_path / "hf", 100, 128) < 2e-3
+    ids = torch.randint(3, 300, (1, 100))
+    with torch.no_grad():  # and lathe computes transformers' logits there
+        assert (load_checkpoint(tmp_path / "hf")(ids).logits - hf(ids).logits).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize(("partial", "original"), [(1.0, 32), (0.75, 32), (1.0, 512)],
@@ -347,7 +353,7 @@ def test_gguf_export_of_longrope_gives_llama_cpps_logits(tmp_path, partial, orig
     attention factor. llama.cpp takes the long factors when its context (padded to 256)
     passes the original one, transformers when a forward's positions do: 100 tokens in a
     128-token context agree with lathe both past a 32-token original and within 512."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
     rotated = int(16 * partial) // 2
     g = torch.Generator().manual_seed(0)
     rope = {"type": "longrope", "short_factor": (1 + torch.rand(rotated, generator=g)).tolist(),
@@ -358,25 +364,9 @@ def test_gguf_export_of_longrope_gives_llama_cpps_logits(tmp_path, partial, orig
         "partial_rotary_factor": partial, "pad_token_id": 0, "bos_token_id": 1,
         "eos_token_id": 2})
     torch.manual_seed(0)
-    hf = transformers.Phi3ForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for parameter_name, parameter in hf.named_parameters():
-            if parameter.dim() == 2:
-                parameter.mul_(3)
-            else:
-                parameter.normal_(1 if "norm" in parameter_name else 0, 0.2)
-    folder = tmp_path / "phi3-tiny"  # llama.cpp looks Phi-3's tokens up by a phi3 name
-    hf.save_pretrained(folder)
-    with_tokenizer(folder)
-    from lathe.serve.gguf_export import export_gguf
-    out = export_gguf(folder, tmp_path / "longrope.gguf", dtype="f32")
-    ids = torch.randint(3, 300, (100,), generator=torch.Generator().manual_seed(1)).tolist()
-    with torch.no_grad():
-        ours = load_checkpoint(folder)(torch.tensor([ids])).logits[0]
-    runtime = llama_cpp.Llama(str(out), n_ctx=128, logits_all=True, verbose=False, n_threads=2)
-    runtime.eval(ids)
-    theirs = torch.tensor(runtime.scores[:len(ids)])
-    assert (theirs - ours).abs().max() / ours.abs().max() < 2e-3
+    hf = sharpened(transformers.Phi3ForCausalLM(config).float().eval())
+    # named phi3: llama.cpp looks Phi-3's special tokens up by the name
+    assert llama_cpp_error(hf, tmp_path / "phi3-tiny", 100, 128) < 2e-3
 
 
 def test_gguf_export_refuses_yarn_without_truncation(tmp_path):
