@@ -126,6 +126,22 @@ class SFTConfig(ChatStageConfig):
 
 
 @dataclass
+class RewardSpec:
+    """A reward: a function from the registry (`lathe.posttrain.rewards.REWARDS`) or
+    `module:function` (`name`), or a reward model's score (`model`: a checkpoint `lathe rm`
+    wrote, or any family's `…ForSequenceClassification` of one label)."""
+
+    name: str | None = None
+    model: str | None = None
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if (self.name is None) == (self.model is None):
+            raise ConfigError(f"rewards: {{name: {self.name}, model: {self.model}}}: give a "
+                              "reward function's name or a reward model's path, one of them")
+
+
+@dataclass
 class DistillConfig(ChatStageConfig):
     """Distillation of `teacher` into the student `model` (they share a tokenizer).
     logits: the student matches the teacher's next-token distributions on the chat data's
@@ -147,6 +163,11 @@ class DistillConfig(ChatStageConfig):
     ce_weight: float | None = None
     max_completion_tokens: int = 32  # the teacher's answers or (on_policy) the student's
     top_p: float = 1.0  # on_policy: the student's sampling
+    # on_policy: the samples also scored by `rewards` and learnt from by REINFORCE (the
+    # step's mean reward as baseline), weighted reward_weight beside the divergence (GKD's
+    # mix of distillation and RL)
+    rewards: list[RewardSpec] = field(default_factory=list)
+    reward_weight: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -161,6 +182,11 @@ class DistillConfig(ChatStageConfig):
             raise ConfigError(f"jsd_beta={self.jsd_beta} must be in (0, 1)")
         if self.temperature <= 0:
             raise ConfigError(f"temperature={self.temperature} must be positive")
+        if self.reward_weight < 0 or bool(self.reward_weight) != bool(self.rewards) or (
+                self.rewards and self.mode != "on_policy"):
+            raise ConfigError(f"reward_weight={self.reward_weight} with {len(self.rewards)} "
+                              "rewards: a reward mixes into mode=on_policy only, with both a "
+                              "positive reward_weight and at least one reward")
         if self.max_completion_tokens < 1 or not 0 < self.top_p <= 1:
             raise ConfigError(f"max_completion_tokens={self.max_completion_tokens}, top_p="
                               f"{self.top_p}: give a positive token count and 0 < top_p <= 1")
@@ -249,22 +275,6 @@ class RMConfig(PosttrainConfig):
 
     def training_sources(self) -> list[str]:
         return [self.data.train]
-
-
-@dataclass
-class RewardSpec:
-    """A reward: a function from the registry (`lathe.posttrain.rewards.REWARDS`) or
-    `module:function` (`name`), or a reward model's score (`model`: a checkpoint `lathe rm`
-    wrote, or any family's `…ForSequenceClassification` of one label)."""
-
-    name: str | None = None
-    model: str | None = None
-    weight: float = 1.0
-
-    def __post_init__(self) -> None:
-        if (self.name is None) == (self.model is None):
-            raise ConfigError(f"rewards: {{name: {self.name}, model: {self.model}}}: give a "
-                              "reward function's name or a reward model's path, one of them")
 
 
 @dataclass

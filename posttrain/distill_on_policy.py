@@ -4,8 +4,10 @@ of its prompts on its rollout engine, and learns to match the teacher's next-tok
 distributions on its own tokens — reverse KL by choice (mode-seeking: the student is
 corrected where it goes, not where the teacher would go) or the generalized JSD. The
 divergence runs a chunk of rows at a time, so neither model's full-vocabulary logits are
-held. Held out: KL(student ‖ teacher) on the student's samples of held-out prompts, each
-seeded by its index, so that every evaluation scores the same draws of a changing student.
+held. With `rewards` the samples are also scored, and REINFORCE on them (the step's mean
+reward as baseline) is mixed in by `reward_weight`. Held out: KL(student ‖ teacher) on the
+student's samples of held-out prompts, each seeded by its index, so that every evaluation
+scores the same draws of a changing student.
 
 Every rank samples its share of the step's prompts (seeded by each prompt's index in the
 step, as GRPO's rollouts are) and trains on them; the engine takes the student's weights
@@ -90,6 +92,18 @@ def prompt_sets(config: DistillConfig, generator_tools: list[dict[str, Any]] | N
     return train, fit_prompts(encoder, held, PromptFit(budget, "drop"), generator_tools), fit
 
 
+def baseline(runtime: Runtime, rollouts: list[Rollout]) -> float:
+    """Each rollout's advantage, its reward less the step's mean over every rank's samples
+    (collective), set on it; that mean."""
+    local = torch.tensor([sum(r.reward for r in rollouts), len(rollouts)],
+                         dtype=torch.float64, device=runtime.device)
+    total, count = runtime.accelerator.reduce(local, reduction="sum").tolist()
+    mean = total / count
+    for rollout in rollouts:
+        rollout.advantage = rollout.reward - mean
+    return mean
+
+
 def distill_on_policy(config: DistillConfig, teacher_checkpoint: OpenCheckpoint,
                       resume: str) -> dict[str, Any]:
     runtime = Runtime(config, stage="distill")
@@ -116,7 +130,7 @@ def distill_on_policy(config: DistillConfig, teacher_checkpoint: OpenCheckpoint,
     restored = runtime.start(config, resume)
     if restored is not None:
         sampler.load_state_dict(restored["prompts"])
-    generator = RolloutGenerator(opened, encoder, episodes, config.lora, [],
+    generator = RolloutGenerator(opened, encoder, episodes, config.lora, config.rewards,
                                  config.task_eval.task, runtime.device, runtime.compute_dtype)
     opened.release()
     generator.refresh(engine_weights(runtime, config.lora))
@@ -135,9 +149,11 @@ def distill_on_policy(config: DistillConfig, teacher_checkpoint: OpenCheckpoint,
 
     def loss_fn(m: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
         ids, labels = batch["ids"], batch["labels"]
-        op = DistillationLoss(labels, teacher_rows(runtime, teacher, ids), config)
+        op = DistillationLoss(labels, teacher_rows(runtime, teacher, ids), config,
+                              batch["advantages"] if config.rewards else None)
         loss = m(ids, labels=labels, head_op=op).loss
-        return loss, {"loss": loss}
+        return loss, {"loss": loss, "kd": op.parts["kd"], **(
+            {"pg": op.parts["pg"]} if "pg" in op.parts else {})}
 
     scored = dataclasses.replace(config, loss="reverse_kl", temperature=1.0, ce_weight=0.0)
 
@@ -185,9 +201,12 @@ def distill_on_policy(config: DistillConfig, teacher_checkpoint: OpenCheckpoint,
         with runtime.throughput.paused(), runtime.autocast():
             rollouts, _ = generator(mine, params, config.seed * 7919 + runtime.step * 104729,
                                     first)
+        reward = baseline(runtime, rollouts) if config.rewards else None
         result = runtime.train_step(batches(rollouts), loss_fn, work_of)
         result.metrics["completion/mean_length"] = sum(sum(r.policy) for r in rollouts) / len(
             rollouts)
+        if reward is not None:
+            result.metrics["reward/mean"] = reward
         runtime.log_step(result)
         generator.refresh(engine_weights(runtime, config.lora))
         if runtime.should(config.eval.every):

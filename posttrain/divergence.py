@@ -77,11 +77,15 @@ class DistillationLoss:
     """The student's loss on a (B, T) batch as a head op: `ce_weight` · cross-entropy +
     (1 − `ce_weight`) · divergence from the teacher, both averaged over the labelled
     positions, a chunk of rows at a time (neither model's (B, T, vocab) logits are held on
-    the chunked path). After a call, `parts` holds the two terms."""
+    the chunked path). With `advantages` ((B,), on-policy samples scored by a reward, less
+    a baseline) it adds `reward_weight` · REINFORCE: each labelled token's −log p at the
+    sampling temperature times its row's advantage, averaged alike. After a call, `parts`
+    holds the terms."""
 
     labels: Tensor
     teacher: TeacherRows
     config: DistillConfig
+    advantages: Tensor | None = None
     parts: dict[str, Tensor] = dataclasses.field(default_factory=dict)
 
     def chunked(self, hidden: Tensor, weight: Tensor, softcap: float | None) -> Tensor:
@@ -96,8 +100,9 @@ class DistillationLoss:
         targets = self.labels[:, 1:].flatten()
         valid = targets != IGNORE_INDEX
         count = valid.sum().clamp(min=1)
-        sums = torch.zeros(2, device=targets.device)
+        sums = torch.zeros(3, device=targets.device)
         c = self.config
+        per_row = self.labels.shape[1] - 1
         self.parts = {}
 
         def rows_loss(logits: Tensor, rows: slice) -> Tensor:
@@ -105,9 +110,18 @@ class DistillationLoss:
             ce = (torch.logsumexp(logits, -1) - logits.gather(1, target)[:, 0]) * mask
             kd = kd_per_token(logits, self.teacher(rows), c.loss, c.temperature,
                               c.jsd_beta) * mask
-            sums.add_(torch.stack([ce.sum(), kd.sum()]).detach())
-            self.parts = {"ce": sums[0] / count, "kd": sums[1] / count}
-            return (c.ce_weight * ce + (1 - c.ce_weight) * kd) / count
+            loss = c.ce_weight * ce + (1 - c.ce_weight) * kd
+            pg = torch.zeros_like(ce)
+            if self.advantages is not None:
+                scaled = logits / c.temperature
+                position = torch.arange(rows.start, rows.stop, device=logits.device)
+                pg = (torch.logsumexp(scaled, -1) - scaled.gather(1, target)[:, 0]) * mask \
+                    * self.advantages[position // per_row]
+                loss = loss + c.reward_weight * pg
+            sums.add_(torch.stack([ce.sum(), kd.sum(), pg.sum()]).detach())
+            self.parts = {"ce": sums[0] / count, "kd": sums[1] / count,
+                          **({"pg": sums[2] / count} if self.advantages is not None else {})}
+            return loss / count
         return rows_loss
 
 
