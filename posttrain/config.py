@@ -296,7 +296,7 @@ class RolloutConfig:
     concurrency: int = 64  # requests in flight at once, per rank
     # 0: synchronous (sample, train, push); 1: the next step's rollouts are sampled while this
     # step trains, by the weights the server holds then — one step old (asynchronous GRPO;
-    # pair it with sampling_correction to correct the gap). Needs url.
+    # it needs sampling_correction to correct the gap). Needs url.
     max_staleness: int = 0
 
     def __post_init__(self) -> None:
@@ -369,6 +369,10 @@ class GRPOConfig(PosttrainConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.rollout.max_staleness and self.sampling_correction == "none":
+            raise ConfigError("rollout.max_staleness=1 trains on rollouts sampled by the policy "
+                              "one step before: correct for it with sampling_correction "
+                              "(token_truncate, as TRL's vLLM rollouts do by default)")
         if self.rollout.max_staleness and self.dynamic_sampling:
             raise ConfigError("dynamic_sampling=true with rollout.max_staleness=1: dynamic "
                               "sampling's rounds agree across ranks by a collective, which a "

@@ -380,7 +380,8 @@ def test_grpo_samples_from_a_server_it_pushes_its_weights_to(base, tmp_path, mon
         assert main(["grpo", *quick(out, base, max_steps=16, rewards=rewards, **{
             "optim.lr": 3e-3, "eval.every": 16, "prompts_per_step": 6, "num_generations": 6,
             "max_completion_tokens": 6, "rollout.url": url, "rollout.weights_dir": pushes,
-            "rollout.max_staleness": staleness, "logging.log_every": 1})]) == 0
+            "rollout.max_staleness": staleness, "logging.log_every": 1,
+            "sampling_correction": "token_truncate" if staleness else "none"})]) == 0
         reward = summary(out)["reward"]
         assert sum(reward[-4:]) / 4 > 3 * sum(reward[:4]) / 4
         stale = [r.get("rollout/staleness", 0.0) for r in step_records(out).values()]
@@ -405,7 +406,7 @@ def test_asynchronous_grpo_on_a_server_of_its_own(base, tmp_path):
     assert main(["grpo", *quick(out, base, max_steps=8, rewards=rewards, **{
         "optim.lr": 3e-3, "eval.every": 8, "prompts_per_step": 6, "num_generations": 6,
         "max_completion_tokens": 6, "rollout.url": "local", "rollout.max_staleness": 1,
-        "logging.log_every": 1})]) == 0
+        "sampling_correction": "token_truncate", "logging.log_every": 1})]) == 0
     stale = [r["rollout/staleness"] for r in step_records(out).values()]
     assert stale == [0.0] + [1.0] * 7
     reward = summary(out)["reward"]
