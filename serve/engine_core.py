@@ -52,8 +52,8 @@ from pathlib import Path
 
 import torch
 
+from lathe.core.errors import LatheError
 from lathe.kernels.cpu_native import build_status
-from lathe.model.checkpoint import CheckpointError
 from lathe.serve.engine import EngineConfig, LLMEngine, RequestLimits
 from lathe.serve.quant import QuantMode
 
@@ -279,7 +279,7 @@ def serve_engine(load: Callable[[], LLMEngine], loras: dict[str, Path],
                     core.poke()
             engine.warm_up(warming)
         except Exception as error:
-            if not isinstance(error, CheckpointError):
+            if not isinstance(error, LatheError):  # a user's to fix: its message says it all
                 log.exception("loading the engine failed")
             loading.set()
             send((FAILED, portable(error)))

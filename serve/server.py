@@ -267,7 +267,7 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
                 log.warning("chat completions disabled: %s", error)
         except Exception as error:
             state.load_error = f"{type(error).__name__}: {error}"
-            if isinstance(error, CheckpointError):  # the message says it all
+            if isinstance(error, LatheError):  # a user's to fix: the message says it all
                 log.error("cannot serve %s: %s; shutting down", config.checkpoint, error)
             else:
                 log.exception("loading %s failed; shutting down", config.checkpoint)
