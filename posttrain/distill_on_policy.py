@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from lathe.core.errors import ConfigError
+from lathe.data.chat_encoding import ChatEncoder
 from lathe.data.formats import load_prompt_dataset
 from lathe.data.mixture import load_rows
 from lathe.model.checkpoint import OpenCheckpoint, read_model_config
@@ -76,8 +77,9 @@ def step_shape(config: DistillConfig, parallelism: Parallelism,
                      evaluation_cache_bytes(model_config, parallelism.mixed_precision))
 
 
-def prompt_sets(config: DistillConfig, generator_tools: list[dict[str, Any]] | None,
-                encoder: Any, context: int) -> tuple[list[Prompt], list[Prompt], PromptFit]:
+def prompt_sets(config: DistillConfig, tools: list[dict[str, Any]] | None,
+                encoder: ChatEncoder, context: int
+                ) -> tuple[list[Prompt], list[Prompt], PromptFit]:
     """The training and held-out prompts of `config.data`, rendered and fitted so that a
     prompt and max_completion_tokens fit the context (longer ones are dropped, counted)."""
     budget = context - config.max_completion_tokens
@@ -86,10 +88,10 @@ def prompt_sets(config: DistillConfig, generator_tools: list[dict[str, Any]] | N
                           f"for a prompt in the student's context of {context} tokens; lower it")
     data, fit = config.data, PromptFit(budget, "drop")
     rows, _ = load_rows(data.train, load_prompt_dataset, "train", data.limit, config.seed)
-    train = fit_prompts(encoder, rows, fit, generator_tools)
+    train = fit_prompts(encoder, rows, fit, tools)
     held, _ = load_rows(data.eval or data.train, load_prompt_dataset, "test",
                         config.eval.batches * config.micro_batch_size, config.seed)
-    return train, fit_prompts(encoder, held, PromptFit(budget, "drop"), generator_tools), fit
+    return train, fit_prompts(encoder, held, PromptFit(budget, "drop"), tools), fit
 
 
 def baseline(runtime: Runtime, rollouts: list[Rollout]) -> float:

@@ -22,7 +22,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +56,7 @@ from lathe.posttrain.common import (
     token_logprobs,
     train_on_batches,
 )
-from lathe.posttrain.config import DPOConfig
+from lathe.posttrain.config import DPOConfig, PreferenceDataConfig, RMConfig
 from lathe.posttrain.kto import (
     attach_kto_reference,
     collate_examples,
@@ -263,15 +263,36 @@ def heldout_preference(runtime: Runtime, items: list, micro_batch: int,
             "eval/preference_accuracy": float(sums[1] / sums[2])}
 
 
-def step_shape(config: DPOConfig, parallelism: Parallelism,
-               model_config: ModelConfig | None = None) -> StepShape:
+def step_shape(config: DPOConfig | RMConfig, parallelism: Parallelism,
+               model_config: ModelConfig | None = None,
+               head: Literal["logprobs", "score"] = "logprobs") -> StepShape:
     """One DPO micro-batch, for memory plans: a pair is two rows (chosen, rejected) of up
-    to data.max_len tokens through per-token log-probs. The reference's log-probs are
-    cached before training and it is released, so it holds nothing during steps."""
+    to data.max_len tokens through per-token log-probs (a reward model's: its score head).
+    The reference's log-probs are cached before training and it is released, so it holds
+    nothing during steps."""
     model_config = model_config or read_model_config(config.model)
-    return StepShape(2 * config.micro_batch_size, config.data.max_len, "logprobs",
+    return StepShape(2 * config.micro_batch_size, config.data.max_len, head,
                      config.grad_accum_steps, evaluation_bytes=evaluation_cache_bytes(
                          model_config, parallelism.mixed_precision))
+
+
+def preference_fit(data: PreferenceDataConfig, context: int) -> PromptFit:
+    """How `data`'s prompts are fitted: below data.max_len, itself within the model's
+    `context`."""
+    fit = PromptFit(data.max_prompt_length or data.max_len // 2, data.prompt_overflow)
+    if fit.max_prompt_length >= data.max_len or data.max_len > context:
+        raise ConfigError(f"data.max_prompt_length={fit.max_prompt_length} must be below "
+                          f"data.max_len={data.max_len}, itself at most the model's "
+                          f"max_seq_len={context}")
+    return fit
+
+
+def require_examples(train: list, data: PreferenceDataConfig, fit: PromptFit) -> None:
+    """Refuse a training set that fitting emptied."""
+    if not train:
+        raise ConfigError(f"data.train={data.train!r}: every prompt is over "
+                          f"max_prompt_length={fit.max_prompt_length} and was dropped; raise "
+                          "data.max_prompt_length or set data.prompt_overflow=truncate_left")
 
 
 def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
@@ -281,11 +302,7 @@ def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
     data, pad_token = config.data, pad_id(encoder.tokenizer)
     mean, reference_free = config.loss in MEAN_LOGPS, config.loss in REFERENCE_FREE
     kto = config.loss == "kto"
-    fit = PromptFit(data.max_prompt_length or data.max_len // 2, data.prompt_overflow)
-    if fit.max_prompt_length >= data.max_len or data.max_len > model_config.max_seq_len:
-        raise ConfigError(f"data.max_prompt_length={fit.max_prompt_length} must be below "
-                          f"data.max_len={data.max_len}, itself at most the model's "
-                          f"max_seq_len={model_config.max_seq_len}")
+    fit = preference_fit(data, model_config.max_seq_len)
 
     def tokenized(source: str, split: str, limit: int | None, fit: PromptFit) -> list:
         if kto:
@@ -295,10 +312,7 @@ def dpo(config: DPOConfig, resume: str = "never") -> dict[str, Any]:
                               data.max_len, fit)
 
     train = tokenized(data.train, "train", data.limit, fit)
-    if not train:
-        raise ConfigError(f"data.train={data.train!r}: every prompt is over "
-                          f"max_prompt_length={fit.max_prompt_length} and was dropped; raise "
-                          "data.max_prompt_length or set data.prompt_overflow=truncate_left")
+    require_examples(train, data, fit)
     heldout = tokenized(data.eval or data.train, "test",
                         config.eval.batches * config.micro_batch_size,
                         PromptFit(fit.max_prompt_length, fit.overflow))

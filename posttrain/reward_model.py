@@ -26,12 +26,12 @@ from torch import Tensor, nn
 from lathe.core.errors import ConfigError
 from lathe.data.chat_encoding import ChatEncoder, chat_encoder
 from lathe.data.formats import Message, Tools, load_preference_dataset
-from lathe.model.checkpoint import OpenCheckpoint, read_model_config
+from lathe.model.checkpoint import OpenCheckpoint
 from lathe.model.config import ModelConfig
+from lathe.posttrain import dpo
 from lathe.posttrain.common import (
     PromptFit,
     ShuffledBatches,
-    evaluation_cache_bytes,
     finish_stage,
     pad,
     pad_id,
@@ -73,12 +73,8 @@ def collate(pairs: list[Pair], pad_token: int, device: torch.device) -> dict[str
 
 def step_shape(config: RMConfig, parallelism: Parallelism,
                model_config: ModelConfig | None = None) -> StepShape:
-    """One micro-batch, for memory plans: a pair's two rows of up to data.max_len tokens
-    through the score head."""
-    model_config = model_config or read_model_config(config.model)
-    return StepShape(2 * config.micro_batch_size, config.data.max_len, "score",
-                     config.grad_accum_steps, evaluation_bytes=evaluation_cache_bytes(
-                         model_config, parallelism.mixed_precision))
+    """One micro-batch, for memory plans: DPO's pair of rows, through the score head."""
+    return dpo.step_shape(config, parallelism, model_config, head="score")
 
 
 def reward_model(config: RMConfig, resume: str = "never") -> dict[str, Any]:
@@ -86,17 +82,10 @@ def reward_model(config: RMConfig, resume: str = "never") -> dict[str, Any]:
     encoder = chat_encoder(config.model, config.chat_template, config.chat_template_kwargs)
     model = OpenCheckpoint(config.model).model(dtype=torch.float32, num_labels=1).train()
     model_config, data, pad_token = model.config, config.data, pad_id(encoder.tokenizer)
-    fit = PromptFit(data.max_prompt_length or data.max_len // 2, data.prompt_overflow)
-    if fit.max_prompt_length >= data.max_len or data.max_len > model_config.max_seq_len:
-        raise ConfigError(f"data.max_prompt_length={fit.max_prompt_length} must be below "
-                          f"data.max_len={data.max_len}, itself at most the model's "
-                          f"max_seq_len={model_config.max_seq_len}")
+    fit = dpo.preference_fit(data, model_config.max_seq_len)
     train = tokenize_pairs(encoder, load_preference_dataset(data.train, "train", data.limit),
                            data.max_len, fit)
-    if not train:
-        raise ConfigError(f"data.train={data.train!r}: every prompt is over "
-                          f"max_prompt_length={fit.max_prompt_length} and was dropped; raise "
-                          "data.max_prompt_length or set data.prompt_overflow=truncate_left")
+    dpo.require_examples(train, data, fit)
     heldout = tokenize_pairs(encoder, load_preference_dataset(
         data.eval or data.train, "test", config.eval.batches * config.micro_batch_size),
         data.max_len, PromptFit(fit.max_prompt_length, fit.overflow))
