@@ -108,3 +108,27 @@ def test_logit_distillation_in_bf16(small_base, tmp_path, monkeypatch):
     assert math.isfinite(first_loss(out))
     # the student once; the teacher once, for training and for its score
     assert [file.parent for file in reads].count(small_base) == 2
+
+
+def test_on_policy_distillation_in_bf16(small_base, tmp_path):
+    """The student's samples from its rollout engine (a bf16 KV cache), scored against the
+    teacher under autocast: a finite loss and held-out KL, the export in bf16 as every
+    stage's."""
+    out = tmp_path / "on_policy"
+    assert main(["distill", *bf16(out, small_base, teacher=small_base, mode="on_policy",
+                                  loss="reverse_kl", max_completion_tokens=4)]) == 0
+    assert math.isfinite(first_loss(out))
+    kl = json.loads((out / "summary.json").read_text())["reverse_kl"]
+    assert kl[0] == pytest.approx(0.0, abs=1e-2)  # a teacher equal to the student
+    assert all(math.isfinite(value) for value in kl)
+    assert exported_dtypes(out / "final") == {"BF16"}
+
+
+def test_reward_model_in_bf16(small_base, tmp_path):
+    """The score head under autocast: the first Bradley–Terry loss is log 2 (a fresh head
+    scores both replies ~0) and the export is a sequence classifier."""
+    out = tmp_path / "rm"
+    assert main(["rm", *bf16(out, small_base, **{"data.max_len": 64})]) == 0
+    assert first_loss(out) == pytest.approx(math.log(2), abs=0.05)
+    assert load_checkpoint(out / "final").config.num_labels == 1
+    assert exported_dtypes(out / "final") == {"BF16"}
