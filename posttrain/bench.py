@@ -2,7 +2,11 @@
 model, data and loop in one process — the README run's SFT (its model shape, the embedded
 two- and three-digit arithmetic chats, max_len 64, 64 chats a step) and multi-turn chats
 whose lengths vary about tenfold (1 to 12 arithmetic turns, max_len 512), as real chat
-data does.
+data does. `--only vocab`: the chunked LM head on a 151,936-token vocabulary against whole
+logits. `--only plan`: `lathe plan` against measured peaks. `--only lora`: a LoRA SFT step
+(rank 16 on every projection, frozen fp32 base, bf16 autocast on a GPU) of the `1b` shape
+on a GPU (`tiny` on CPU) against `transformers` + `peft` on the same shape and batch, each
+in its own process: tokens/s and peak memory.
 
 Each mode trains the way `lathe sft` does (`sft_loss`: one forward and backward over the
 micro-batch, AdamW, clipping): padded, each chat padded to the longest of its
@@ -24,10 +28,13 @@ import random
 import resource
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import Tensor
 
 from lathe.core.bench_history import record
 from lathe.data.chat_encoding import chat_encoder
@@ -36,6 +43,7 @@ from lathe.data.tasks import task_examples
 from lathe.data.tokenizer import save_tokenizer, train_tokenizer
 from lathe.model.checkpoint import save_checkpoint
 from lathe.model.config import ModelConfig
+from lathe.model.lora import LoraSection, apply_lora
 from lathe.model.transformer import Transformer
 from lathe.posttrain.chats import Example, collate, tokenize
 from lathe.posttrain.common import ShuffledBatches
@@ -118,6 +126,34 @@ VOCAB_MODEL = {"family": "qwen3", "vocab_size": 151_936, "n_layers": 2, "max_seq
 VOCAB_MODES = ("no loss", "chunked", "whole logits")
 
 
+def timed_steps(loss: Callable[[], Tensor], parameters: list[Tensor], device: torch.device,
+                steps: int, warmup: int) -> float:
+    """Seconds of `steps` AdamW steps on `loss()` after `warmup` untimed ones, under bf16
+    autocast on a GPU."""
+    optimizer = torch.optim.AdamW(parameters, lr=1e-4, fused=device.type == "cuda")
+    autocast = torch.bfloat16 if device.type == "cuda" else None
+    seconds = 0.0
+    for step in range(warmup + steps):
+        synchronize(device)
+        began = time.perf_counter()
+        with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+            value = loss()
+        value.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        synchronize(device)
+        if step >= warmup:
+            seconds += time.perf_counter() - began
+    return seconds
+
+
+def peak_bytes(device: torch.device, start_rss: int) -> int:
+    """CUDA: the peak allocated; CPU: the process's peak RSS above `start_rss`."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - start_rss
+
+
 def vocab_step(mode: str, rows: int, seq_len: int, steps: int, warmup: int) -> dict[str, float]:
     """One mode's SFT steps (AdamW) on the VOCAB_MODEL, in a fresh process: peak memory over
     the process's before the model (CPU: RSS; CUDA: allocated) and tokens/s."""
@@ -126,35 +162,23 @@ def vocab_step(mode: str, rows: int, seq_len: int, steps: int, warmup: int) -> d
     torch.manual_seed(0)
     model = Transformer(ModelConfig.from_preset("nano", **VOCAB_MODEL)).to(device).train()
     model.chunked_head = mode != "whole logits"
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    autocast = torch.bfloat16 if device.type == "cuda" else None
     ids = torch.randint(0, VOCAB_MODEL["vocab_size"], (rows, seq_len), device=device)
     batch = {"ids": ids, "labels": ids}
-    seconds = 0.0
-    for step in range(warmup + steps):
-        synchronize(device)
-        began = time.perf_counter()
-        with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
-            loss = (model(ids, head=False).hidden.float().square().mean() if mode == "no loss"
-                    else sft_loss(model, batch)[0])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        synchronize(device)
-        if step >= warmup:
-            seconds += time.perf_counter() - began
-    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - start)
-    return {"peak_gib": peak / 2**30, "tokens_per_s": rows * seq_len * steps / seconds}
+
+    def loss() -> Tensor:
+        if mode == "no loss":
+            return model(ids, head=False).hidden.float().square().mean()
+        return sft_loss(model, batch)[0]
+
+    seconds = timed_steps(loss, list(model.parameters()), device, steps, warmup)
+    return {"peak_gib": peak_bytes(device, start) / 2**30,
+            "tokens_per_s": rows * seq_len * steps / seconds}
 
 
 def vocab_rows(steps: int, warmup: int, rows: int = 4, seq_len: int = 2048) -> list[str]:
     """The large-vocabulary rows: each mode in its own process, so that peaks do not mix."""
-    context = multiprocessing.get_context("spawn")
-    results = {}
-    for mode in VOCAB_MODES:
-        with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
-            results[mode] = pool.submit(vocab_step, mode, rows, seq_len, steps, warmup).result()
+    results = {mode: in_own_process(vocab_step, mode, rows, seq_len, steps, warmup)
+               for mode in VOCAB_MODES}
     base = results["no loss"]["peak_gib"]
     reference = results["whole logits"]["tokens_per_s"]
     lines = [f"| {mode} | {r['peak_gib']:.2f} | "
@@ -165,11 +189,91 @@ def vocab_rows(steps: int, warmup: int, rows: int = 4, seq_len: int = 2048) -> l
     return lines
 
 
+def in_own_process(function: Callable[..., dict[str, float]], *args: Any) -> dict[str, float]:
+    """`function(*args)` in a fresh (spawned) process, so that its peak memory is its own."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        return pool.submit(function, *args).result()
+
+
+LORA_IMPLEMENTATIONS = ("lathe", "transformers + peft")
+
+
+def lora_step(implementation: str, preset: str, rows: int, seq_len: int, steps: int,
+              warmup: int) -> dict[str, float]:
+    """LoRA SFT steps (rank 16 on every projection, the base frozen in fp32) of `preset` in
+    lathe or in transformers' Llama with peft's adapters, in a fresh process: peak memory
+    over the process's before the model and tokens/s."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    config = ModelConfig.from_preset(preset, max_seq_len=seq_len)
+    section = LoraSection(enabled=True)
+    torch.manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (rows, seq_len), device=device)
+    if implementation == "lathe":
+        model = apply_lora(Transformer(config), section).to(device).train()
+        batch = {"ids": ids, "labels": ids}
+
+        def loss() -> Tensor:
+            return sft_loss(model, batch)[0]
+    else:
+        from peft import get_peft_model
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        hf_config = LlamaConfig(**config.to_hf_config())
+        hf_config._attn_implementation = "sdpa"
+        model = get_peft_model(LlamaForCausalLM(hf_config), section.peft_config())
+        model = model.to(device).train()
+
+        def loss() -> Tensor:
+            return model(input_ids=ids, labels=ids).loss
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    seconds = timed_steps(loss, trainable, device, steps, warmup)
+    return {"peak_gib": peak_bytes(device, start) / 2**30,
+            "tokens_per_s": rows * seq_len * steps / seconds,
+            "trainable_m": sum(p.numel() for p in trainable) / 1e6}
+
+
+def lora_table(steps: int, warmup: int, out: Path | None) -> str:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    preset, rows, seq_len = ("1b", 4, 2048) if device.type == "cuda" else ("tiny", 4, 256)
+    results = {name: in_own_process(lora_step, name, preset, rows, seq_len, steps, warmup)
+               for name in LORA_IMPLEMENTATIONS}
+    reference = results["transformers + peft"]
+    lines = [f"| {name} | {r['trainable_m']:.1f}M | {r['tokens_per_s']:,.0f} | "
+             f"{r['tokens_per_s'] / reference['tokens_per_s']:.2f}× | {r['peak_gib']:.2f} |"
+             for name, r in results.items()]
+    for line in lines:
+        print(line, flush=True)
+    precision = "bf16 autocast" if device.type == "cuda" else "fp32"
+    table = "\n".join([
+        f"## LoRA SFT step — {datetime.date.today()} — {device_name(device)}, "
+        f"torch {torch.__version__}, {precision}",
+        "",
+        f"Command: `python -m lathe.posttrain.bench --only lora --steps {steps} --warmup "
+        f"{warmup}`",
+        "",
+        f"The `{preset}` shape, {rows} × {seq_len} tokens, rank 16 (alpha 32) on every "
+        "projection, the base frozen in fp32, AdamW on the adapters; lathe's `sft_loss` "
+        "(chunked head) against `LlamaForCausalLM` (SDPA) under `peft.get_peft_model` with "
+        "the same LoraConfig; each in its own process. Peak: "
+        + ("`torch.cuda.max_memory_allocated`." if device.type == "cuda" else
+           "the process's peak RSS above its size before the model."),
+        "",
+        "| implementation | trainable | tokens/s | ÷ transformers + peft | peak GiB |",
+        "|---|---:|---:|---:|---:|",
+        *lines, ""])
+    record(table, out)
+    return table
+
+
 def run(steps: int, warmup: int, out: Path | None, only: list[str] | None = None) -> str:
     if only == ["vocab"]:
         return vocab_table(steps, warmup, out)
     if only == ["plan"]:
         return plan_table(out)
+    if only == ["lora"]:
+        return lora_table(steps, warmup, out)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = readme_checkpoint(Path(tmp))

@@ -2,9 +2,10 @@
 # Everything lathe checks on a GPU, in priority order, inside one time budget (a short device
 # lease): recipes/gpu-smoke.sh with every step (JOBS at once), then the benches, each alone
 # on the GPU: pretraining on the 1B shape (bf16, kernels off, compile, FP8, against
-# transformers), the fused linear + cross-entropy against Liger's, serving a random-init 1B
-# model (offline against transformers, single stream against the copy roofline) and the rest
-# of the kernel bench. It resumes: LEDGER lists "COMMIT STEP" for what passed before, and
+# transformers), the chunked and fused linear + cross-entropy against Liger's, a LoRA SFT step
+# on the 1B shape against transformers + peft, serving a random-init 1B model (offline
+# against transformers, single stream against the copy roofline) and the rest of the kernel
+# bench. It resumes: LEDGER lists "COMMIT STEP" for what passed before, and
 # what passed at this COMMIT is not run again (a smoke step still reruns when a step to run
 # needs its output). At the end, whatever the budget cut, it writes to OUT: summary.txt (a
 # line per step), passed.txt (the ledger with this run's passes added) and logs.tar.gz (every
@@ -85,6 +86,7 @@ export -f one_b serve_bench  # timeout runs programs, so the function runs in a 
 export PY WORK
 bench bench-pretrain-1b 150 "$PY" -m lathe.pretrain.bench --only 1b --steps 4 --warmup 2 --no-write
 bench bench-fused-ce 40 "$PY" -m lathe.kernels.bench --only linear_cross_entropy --no-write
+bench bench-lora-1b 60 "$PY" -m lathe.posttrain.bench --only lora --steps 4 --warmup 2 --no-write
 bench bench-serve-1b 120 bash -c serve_bench
 bench bench-kernels 90 "$PY" -m lathe.kernels.bench --no-write
 
