@@ -2,8 +2,8 @@
 
 A 150k–260k vocabulary makes the logits the largest tensor of a training step (8,192 tokens:
 5–8.6 GB in fp32, the same again for their gradient). Here the (N, D) final hidden states
-go through the (V, D) head a chunk of rows at a time (`chunk_rows`: at most CHUNK_ELEMENTS
-fp32 logits), and each chunk's logits are freed before the next is made:
+go through the (V, D) head a chunk of rows at a time (`chunk_rows`: at most 32M fp32 logits,
+128M on a GPU), and each chunk's logits are freed before the next is made:
 
 - `linear_cross_entropy`: mean next-token loss (plus PaLM's z-loss, with a soft cap). The
   loss is a scalar, so each chunk's gradient (softmax − one-hot, written over the chunk's
@@ -17,7 +17,9 @@ fp32 logits), and each chunk's logits are freed before the next is made:
   (distillation's divergences), gradients in the forward through autograd on each chunk.
 
 The head computes in the autocast dtype when autocast is on (bf16 on a GPU) and in the
-hidden states' dtype otherwise; the loss math is fp32. On CUDA the Triton kernel takes
+hidden states' dtype otherwise; the loss math is fp32: a chunk's softmax is one fused pass
+from its bf16 logits to fp32 probabilities, and the logits' gradient goes back to bf16 in
+the pass that scales it. On CUDA the Triton kernel takes
 `linear_cross_entropy`'s place where `kernels/defaults.py` turns it on.
 """
 
@@ -33,13 +35,19 @@ from lathe.kernels.dispatch import use_triton
 
 IGNORE_INDEX = -100
 CHUNK_ELEMENTS = 1 << 25  # fp32 logits per chunk: 128 MiB, ~220 rows of a 152k vocabulary
+# On a GPU every chunk re-reads and re-writes the fp32 (V, D) head gradient (2.5 GB a chunk
+# for a 128k × 2,048 head, more than the chunk's matmuls take): fewer, larger chunks
+# (512 MiB of logits) amortize it.
+CUDA_CHUNK_ELEMENTS = 1 << 27
 
 RowFunction = Callable[[Tensor, slice], Tensor]
 
 
-def chunk_rows(vocab: int) -> int:
-    """Rows per chunk for a `vocab`-wide head."""
-    return max(1, CHUNK_ELEMENTS // vocab)
+def chunk_rows(vocab: int, device: torch.device | None = None) -> int:
+    """Rows per chunk for a `vocab`-wide head on `device`."""
+    elements = CUDA_CHUNK_ELEMENTS if device is not None and device.type == "cuda" \
+        else CHUNK_ELEMENTS
+    return max(1, elements // vocab)
 
 
 def linear_cross_entropy_reference(hidden: Tensor, weight: Tensor, labels: Tensor,
@@ -62,7 +70,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor,
         loss = linear_cross_entropy_triton(hidden, weight, labels, ignore_index)
         return loss, loss.new_zeros(())
     objective, z = _CrossEntropy.apply(hidden, weight, labels, ignore_index, softcap,
-                                       float(z_loss), chunk or chunk_rows(weight.shape[0]))
+                                       float(z_loss), chunk or chunk_rows(*_head_size(weight)))
     count = (labels != ignore_index).sum().clamp(min=1)
     return objective / count, z / count
 
@@ -75,7 +83,7 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor,
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be positive")
     return _TokenLogprobs.apply(hidden, weight, labels, ignore_index, softcap,
-                                float(temperature), chunk or chunk_rows(weight.shape[0]))
+                                float(temperature), chunk or chunk_rows(*_head_size(weight)))
 
 
 def linear_reduce(hidden: Tensor, weight: Tensor, row_function: RowFunction, *,
@@ -83,7 +91,11 @@ def linear_reduce(hidden: Tensor, weight: Tensor, row_function: RowFunction, *,
     """Σ over the rows of (N, D) hidden states of `row_function(logits, rows)`: the rows'
     fp32 logits (rows, V) and their `slice` of the N rows → one value per row."""
     return _Reduce.apply(hidden, weight, row_function, softcap,
-                         chunk or chunk_rows(weight.shape[0]))
+                         chunk or chunk_rows(*_head_size(weight)))
+
+
+def _head_size(weight: Tensor) -> tuple[int, torch.device]:
+    return weight.shape[0], weight.device
 
 
 def _compute_dtype(hidden: Tensor) -> torch.dtype:
@@ -95,12 +107,13 @@ def _compute_dtype(hidden: Tensor) -> torch.dtype:
 
 def _logits(h: Tensor, weight: Tensor, softcap: float | None,
             slope: bool) -> tuple[Tensor, Tensor | None]:
-    """A chunk's logits in fp32 (fp64 from fp64), and d(capped)/d(logits) when capped and
-    `slope` is asked for (a backward needs it; it is one more chunk-sized tensor)."""
-    logits = (h @ weight.T).to(torch.promote_types(h.dtype, torch.float32))
+    """A chunk's logits — in the head's compute dtype, or capped in fp32 (fp64 from fp64) —
+    and d(capped)/d(logits) when capped and `slope` is asked for (a backward needs it; it is
+    one more chunk-sized tensor)."""
+    logits = h @ weight.T
     if softcap is None:
         return logits, None
-    capped = torch.tanh(logits.div_(softcap))
+    capped = torch.tanh(logits.to(torch.promote_types(h.dtype, torch.float32)).div_(softcap))
     derivative = 1 - capped.square() if slope else None
     return capped.mul_(softcap), derivative
 
@@ -138,17 +151,24 @@ class _Head:
                 return
             if self.dtype == self.math:
                 self.grad_weight.addmm_(grad.T, self.hidden[rows])
-            else:  # bf16/fp16 products, accumulated in fp32
-                self.grad_weight += (grad.T @ self.hidden[rows]).to(self.math)
+            else:  # bf16/fp16 products, accumulated in fp32 (no fp32 copy of the product)
+                self.grad_weight.add_(grad.T @ self.hidden[rows])
 
 
-def _softmax_(logits: Tensor) -> tuple[Tensor, Tensor]:
-    """The rows' softmax, written over `logits` (no second chunk-sized buffer), and their
-    log-normalizers."""
-    peak = logits.amax(dim=-1)
-    probs = logits.sub_(peak[:, None]).exp_()
-    total = probs.sum(dim=-1)
-    return probs.div_(total[:, None]), peak + total.log()
+def _softmax(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """The rows' softmax in fp32 (fp64 from fp64) and their log-normalizers. From fp32
+    logits it is written over them (no second chunk-sized buffer); from bf16 logits it is one
+    fused pass into fp32, and lse = max − log(the largest probability) loses nothing, as that
+    probability is exp(max − lse) and never below 1/V."""
+    math = torch.promote_types(logits.dtype, torch.float32)
+    if logits.dtype == math:
+        peak = logits.amax(dim=-1)
+        probs = logits.sub_(peak[:, None]).exp_()
+        total = probs.sum(dim=-1)
+        return probs.div_(total[:, None]), peak + total.log()
+    peak, where = logits.max(dim=-1)
+    probs = torch.softmax(logits, dim=-1, dtype=math)
+    return probs, peak.to(math) - probs.gather(1, where[:, None])[:, 0].log()
 
 
 def _label_rows(labels: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
@@ -167,17 +187,16 @@ class _CrossEntropy(torch.autograd.Function):
         for rows in head.chunks():
             logits, slope = head.logits(rows, softcap, slope=any(needs))
             valid, targets = _label_rows(labels[rows], ignore_index)
-            picked = logits.gather(1, targets[:, None])[:, 0]
-            grad, lse = _softmax_(logits)
+            picked = logits.gather(1, targets[:, None])[:, 0].to(head.math)
+            probs, lse = _softmax(logits)
+            del logits
             z = lse.square() * valid
             objective += ((lse - picked) * valid).sum() + z_coef * z.sum()
             z_total += z.sum()
-            if any(needs):  # d/dlogits: softmax · (1 + 2·z_coef·lse) − one-hot
-                grad.mul_(((1 + 2 * z_coef * lse) * valid)[:, None])
-                grad.scatter_add_(1, targets[:, None], -valid[:, None].to(grad.dtype))
-                if slope is not None:
-                    grad.mul_(slope)
-                head.backward(rows, grad)
+            if any(needs):
+                head.backward(rows, _cross_entropy_grad(probs, targets, valid,
+                                                        (1 + 2 * z_coef * lse) * valid, slope,
+                                                        head.dtype))
         ctx.save_for_backward(*(g for g in (head.grad_hidden, head.grad_weight)
                                 if g is not None))
         ctx.mark_non_differentiable(z_total)
@@ -189,6 +208,24 @@ class _CrossEntropy(torch.autograd.Function):
         return (*_scaled(ctx, grad_objective), None, None, None, None, None)
 
 
+def _cross_entropy_grad(probs: Tensor, targets: Tensor, valid: Tensor, scale: Tensor,
+                        slope: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """d/dlogits of the chunk's loss, softmax · scale − one-hot (times the soft cap's slope),
+    in `dtype`: the scaling and the cast to a bf16 head are one pass over the chunk, and each
+    label's entry is computed in fp32 before its cast (p − 1 rounded to bf16 after p would
+    lose a near-certain token's gradient)."""
+    label_grad = probs.gather(1, targets[:, None]) * scale[:, None] - valid[:, None].to(
+        probs.dtype)
+    if slope is not None:
+        label_grad.mul_(slope.gather(1, targets[:, None]))
+        grad = probs.mul_(scale[:, None]).mul_(slope)
+    elif dtype == probs.dtype:
+        grad = probs.mul_(scale[:, None])
+    else:
+        grad = torch.mul(probs, scale[:, None], out=torch.empty_like(probs, dtype=dtype))
+    return grad.scatter_(1, targets[:, None], label_grad.to(grad.dtype))
+
+
 class _Reduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, row_function: RowFunction,
@@ -198,6 +235,7 @@ class _Reduce(torch.autograd.Function):
         total = torch.zeros((), device=hidden.device, dtype=head.math)
         for rows in head.chunks():
             logits, slope = head.logits(rows, softcap, slope=any(needs))
+            logits = logits.to(head.math)
             with torch.enable_grad():
                 logits.requires_grad_(any(needs))
                 value = row_function(logits, rows).sum()
@@ -224,6 +262,13 @@ def _scaled(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
     return grad_hidden, grad_weight
 
 
+def _tempered(logits: Tensor, temperature: float) -> Tensor:
+    """logits / T, in fp32 unless T is 1 (a bf16 quotient would round the logits again)."""
+    if temperature == 1.0:
+        return logits
+    return logits.to(torch.promote_types(logits.dtype, torch.float32)).div_(temperature)
+
+
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int,
@@ -231,11 +276,10 @@ class _TokenLogprobs(torch.autograd.Function):
         head = _Head(hidden, weight, chunk, (False, False), _compute_dtype(hidden))
         out = torch.empty(hidden.shape[0], device=hidden.device, dtype=head.math)
         for rows in head.chunks():
-            logits, _ = head.logits(rows, softcap, slope=False)
+            logits = _tempered(head.logits(rows, softcap, slope=False)[0], temperature)
             valid, targets = _label_rows(labels[rows], ignore_index)
-            logits.div_(temperature)
-            picked = logits.gather(1, targets[:, None])[:, 0]
-            out[rows] = (picked - _softmax_(logits)[1]) * valid
+            picked = logits.gather(1, targets[:, None])[:, 0].to(head.math)
+            out[rows] = (picked - _softmax(logits)[1]) * valid
         ctx.save_for_backward(hidden, weight, labels)
         ctx.settings = ignore_index, softcap, temperature, chunk, _compute_dtype(hidden)
         return out
@@ -250,7 +294,7 @@ class _TokenLogprobs(torch.autograd.Function):
             valid, targets = _label_rows(labels[rows], ignore_index)
             g = grad_out[rows].to(head.math) * valid
             # d logp / d logits = (one-hot − softmax) / T
-            grad = _softmax_(logits.div_(temperature))[0].mul_(-g[:, None])
+            grad = _softmax(_tempered(logits, temperature))[0].mul_(-g[:, None])
             grad.scatter_add_(1, targets[:, None], g[:, None])
             grad.div_(temperature)
             if slope is not None:

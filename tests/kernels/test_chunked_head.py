@@ -137,6 +137,28 @@ def test_bf16_inputs_and_bf16_autocast_round_the_head_as_the_reference_does():
     assert [g.dtype for g in grads] == [torch.float32, torch.float32]
 
 
+def test_a_near_certain_token_keeps_its_gradient_under_bf16():
+    """Rows whose label has p ≈ 0.998: the logits' gradient there is p − 1 ≈ −0.002, and it
+    is most of the hidden state's gradient. Rounding p to bf16 first (to 0.996 or 1.0) and
+    then subtracting 1 would double or zero it; computed in fp32 and then cast, it matches
+    the fp32 reference on the same bf16 logits."""
+    g = torch.Generator().manual_seed(1)
+    weight = 0.1 * torch.randn(64, 16, generator=g)
+    weight[3] = 0
+    weight[3, 0] = 10.0
+    hidden = torch.zeros(4, 16)
+    hidden[:, 0] = 1.036
+    hidden.requires_grad_()
+    labels = torch.full((4,), 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = linear_cross_entropy(hidden, weight, labels, chunk=2)
+        logits = (hidden @ weight.T).float()
+    assert 0.997 < torch.softmax(logits, -1)[0, 3] < 0.999
+    ours = torch.autograd.grad(loss, hidden)[0]
+    reference = torch.autograd.grad(F.cross_entropy(logits, labels), hidden)[0]
+    torch.testing.assert_close(ours, reference, rtol=2e-2, atol=1e-6)
+
+
 PEAK = """
 import json, resource, sys, torch, torch.nn.functional as F
 from lathe.kernels.fused_ce import linear_cross_entropy
