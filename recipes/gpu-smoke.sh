@@ -25,6 +25,17 @@ export WANDB_MODE=disabled TRITON_INTERPRET=0
 "$PY" -c "import torch; assert torch.cuda.is_available()" 2>/dev/null || {
     echo "recipes/gpu-smoke.sh needs a CUDA GPU (torch.cuda.is_available() is False)" >&2
     exit 2; }
+# What the steps import: a module missing on a bare GPU image fails here, at once and by
+# name, rather than as a traceback in every step that reaches it minutes later.
+"$PY" - <<'PY' || exit 2
+import importlib.util, sys
+needed = ["accelerate", "peft", "transformers", "tokenizers", "safetensors", "trl", "torchao",
+          "fastapi", "uvicorn", "httpx", "llguidance", "gguf", "trafilatura", "bitsandbytes"]
+missing = [name for name in needed if importlib.util.find_spec(name) is None]
+if missing:
+    sys.exit(f"recipes/gpu-smoke.sh: missing Python packages: {' '.join(missing)} "
+             "(pip install them, or carry their wheels to an offline machine)")
+PY
 rm -rf "$OUT" && mkdir -p "$OUT"
 
 names=()
