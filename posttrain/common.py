@@ -364,7 +364,7 @@ def finish_stage(runtime: Runtime, config: PosttrainConfig, model_config: ModelC
                           {key: history[key][-1:] for key in exported})
     seconds = runtime.finish()
     runtime.print(memory_line(memory))
-    summary = {"steps": runtime.step, "seconds": round(seconds, 1),
+    summary = {"steps": runtime.step, "seconds": round(seconds, 1), "seed": config.seed,
                "tokens_seen": runtime.tokens_seen, "final": str(final),
                "task": config.task_eval.task, **history,
                **(extra or {}), "parallel": runtime.setup, "memory": memory}

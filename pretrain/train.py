@@ -141,7 +141,7 @@ def pretrain(config: PretrainConfig, resume: str = "never") -> dict[str, Any]:
     runtime.export(model_config, final, Path(config.data.tokenizer), {
         "config": to_dict(config), "data": config.data.shards, "final_metrics": last_eval})
     seconds = runtime.finish()
-    summary = {"steps": runtime.step, "tokens_seen": runtime.tokens_seen,
+    summary = {"steps": runtime.step, "seed": config.seed, "tokens_seen": runtime.tokens_seen,
                "parameters": model_config.num_params(), "seconds": round(seconds, 1),
                "final": str(final), "parallel": runtime.setup,
                "converters": runtime.converters, "peak_flops_source": runtime.peak_source,

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The end-to-end run on the embedded default corpus (Python's standard library): every
 # stage that exists so far, in order. Outputs go to runs/e2e/ (override with OUT=...);
-# a rerun starts from scratch.
+# a rerun starts from scratch. SEED=N seeds every training stage with N instead of the
+# recipes' own seeds (how docs/readme-run-quality.md measures the run's spread).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH"
 OUT=${OUT:-runs/e2e}
+seed=(${SEED:+"--seed=$SEED"})
 rm -rf "$OUT"
 
 echo "== clean: stdlib .py files and pydoc pages -> $OUT/clean"
@@ -20,33 +22,36 @@ lathe shards --input "$OUT/clean" --tokenizer "$OUT/tokenizer" --output "$OUT/sh
 
 echo "== pretrain: the tiny preset on the shards (about 8 minutes on 2 cores) -> $OUT/pretrain"
 lathe pretrain --config recipes/pretrain/e2e.yaml --out_dir "$OUT/pretrain" \
-    --data.shards "$OUT/shards" --data.tokenizer "$OUT/tokenizer"
+    --data.shards "$OUT/shards" --data.tokenizer "$OUT/tokenizer" "${seed[@]}"
 
 echo "== generate: reload the exported base checkpoint and continue a prompt"
 lathe generate "$OUT/pretrain/final" --prompt "def main(" --max-new-tokens 32
 
 echo "== sft: the chat format on two- and three-digit arithmetic chats, assistant tokens"
 echo "   only, until three-digit accuracy passes 60% -> $OUT/sft"
-lathe sft --config recipes/sft/e2e.yaml --out_dir "$OUT/sft" --model "$OUT/pretrain/final"
+lathe sft --config recipes/sft/e2e.yaml --out_dir "$OUT/sft" --model "$OUT/pretrain/final" \
+    "${seed[@]}"
 
 echo "== dpo: right three-digit results preferred over near misses -> $OUT/dpo"
-lathe dpo --config recipes/dpo/e2e.yaml --out_dir "$OUT/dpo" --model "$OUT/sft/final"
+lathe dpo --config recipes/dpo/e2e.yaml --out_dir "$OUT/dpo" --model "$OUT/sft/final" "${seed[@]}"
 
 echo "== grpo: exact-answer reward on 8 sampled completions per three-digit prompt,"
 echo "   measured on three digits by three -> $OUT/grpo"
-lathe grpo --config recipes/grpo/e2e.yaml --out_dir "$OUT/grpo" --model "$OUT/dpo/final"
+lathe grpo --config recipes/grpo/e2e.yaml --out_dir "$OUT/grpo" --model "$OUT/dpo/final" \
+    "${seed[@]}"
 
 echo "== distill: a student of the chat model's first and last layers learns its"
 echo "   distributions -> $OUT/distill"
 lathe init --from-teacher "$OUT/grpo/final" --keep-layers 0,-1 --out "$OUT/student"
 lathe distill --config recipes/distill/e2e.yaml --out_dir "$OUT/distill" \
-    --model "$OUT/student" --teacher "$OUT/grpo/final"
+    --model "$OUT/student" --teacher "$OUT/grpo/final" "${seed[@]}"
 
 echo "== tools: the chat model learns to call the calculator (SFT on calculator chats),"
 echo "   then GRPO with multi-turn tool rollouts -> $OUT/sft-tools, $OUT/grpo-tools"
-lathe sft --config recipes/sft/tools.yaml --out_dir "$OUT/sft-tools" --model "$OUT/grpo/final"
+lathe sft --config recipes/sft/tools.yaml --out_dir "$OUT/sft-tools" --model "$OUT/grpo/final" \
+    "${seed[@]}"
 lathe grpo --config recipes/grpo/tools.yaml --out_dir "$OUT/grpo-tools" \
-    --model "$OUT/sft-tools/final"
+    --model "$OUT/sft-tools/final" "${seed[@]}"
 
 echo "== eval: lm-eval's harness on lathe's engine — the base, SFT and GRPO models on the"
 echo "   held-out three-digit problems (recipes/eval) -> $OUT/<stage>/eval.json"

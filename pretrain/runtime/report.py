@@ -128,6 +128,18 @@ def environment() -> dict[str, str]:
             .strftime("%Y-%m-%d %H:%M UTC")}
 
 
+def seed_line(stages: dict[str, Stage]) -> str | None:
+    """The seed each training stage ran with, as its summary.json says: one figure when they
+    share it. The README run's figures are one draw of each seed (docs/readme-run-quality.md)."""
+    seeds = {name: seed for name, stage in stages.items()
+             if isinstance(seed := stage.summary.get("seed"), int) and not isinstance(seed, bool)}
+    if not seeds:
+        return None
+    if len(set(seeds.values())) == 1:
+        return f"seed: {next(iter(seeds.values()))} (every stage)"
+    return "seeds: " + ", ".join(f"{name} {seed}" for name, seed in seeds.items())
+
+
 def _first_last(values: list[float]) -> tuple[float, float] | None:
     return (values[0], values[-1]) if values else None
 
@@ -300,6 +312,8 @@ def build_report(run_dir: str | Path) -> tuple[Path, list[tuple[str, str, str, s
     table = stage_table(stages)
     lines = [f"# Report: {run_dir.resolve().name}", ""]
     lines += [f"- {key}: {value}" for key, value in environment().items()]
+    if (seeds := seed_line(stages)) is not None:
+        lines.append(f"- {seeds}")
     lines += ["", "## Each stage's own metric", "", "| stage | metric | start | end |",
               "|---|---|---:|---:|"]
     lines += [f"| {' | '.join(row)} |" for row in table]
@@ -335,6 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("run_dir", type=Path, help="the run folder, e.g. runs/e2e")
     args = parser.parse_args(argv)
     path, table = build_report(args.run_dir)
+    if (seeds := seed_line(build_stages(args.run_dir))) is not None:
+        print(f"  {seeds}")
     width = max((len(f"{stage} {metric}") for stage, metric, _, _ in table), default=0)
     for stage, metric, start, end in table:
         print(f"  {f'{stage} {metric}':<{width}}  {start:>8} -> {end}")

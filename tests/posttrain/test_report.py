@@ -39,11 +39,22 @@ def test_report_tables_each_stage_from_its_own_records(run, capsys):
     assert "Not in this run: pretrain, dpo, grpo, distill, sft-tools, grpo-tools." in report
     assert "Unreadable metrics lines skipped: sft 1." in report
     assert "- torch: " in report and "- lathe commit: " in report
+    assert summary["seed"] == 0 and "- seed: 0 (every stage)" in report
+    assert "seed: 0 (every stage)" in printed
     for name in ("learning-rate.png", "tokens-per-second.png", "accuracy.png"):
         assert f"(report/{name})" in report
         assert (run / "report" / name).read_bytes()[:8] == PNG
     assert not (run / "report" / "grpo.png").exists()  # no GRPO data, no empty plot
     assert "### sft" in report and "first evaluation" in report
+
+
+def test_report_names_each_stage_seed_when_they_differ(run, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    (copy / "dpo").mkdir()
+    (copy / "dpo" / "summary.json").write_text(json.dumps({"seed": 2, "accuracy": [0.5]}))
+    build_report(copy)
+    assert "- seeds: sft 0, dpo 2" in (copy / "report.md").read_text()
 
 
 def test_report_refuses_a_folder_that_is_not_a_run(tmp_path):
