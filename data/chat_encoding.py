@@ -17,9 +17,9 @@ The assistant mask comes from the template, by one of two rules:
   found in the whole rendering instead: it is what changes when the message is replaced
   by a marker, from where the rendering up to it ends (or, when earlier turns changed too,
   right after the template's generation prompt) — the turn as the conversation shows it,
-  as the templates' `{% generation %}` versions train it. A template that moves text
-  between turns with no generation prompt to anchor on (Mistral's system prompt joins the
-  last user message) is refused. Text a template writes only where a
+  as the templates' `{% generation %}` versions train it; a template with no generation
+  prompt (Mistral, whose system prompt joins the last user message) anchors the turn on
+  the text it writes before a reply's content instead. Text a template writes only where a
   conversation ends (Phi-3's end-of-text token) and whitespace after a turn's end are
   left out: generation stops at the turn's end token and never writes them. A turn that
   ends where the next one starts (GLM's: the assistant stops by writing `<|user|>` or
@@ -194,7 +194,25 @@ class ChatEncoder:
         closed = self.render(messages[:i], tools, add_generation_prompt=False)
         # the generation prompt: what the template adds to open an assistant turn
         header = before[len(closed):] if before.startswith(closed) else ""
-        return (start, end) if header and full[:start].endswith(header) else None
+        if header:
+            return (start, end) if full[:start].endswith(header) else None
+        opener = self._reply_opener(tools)
+        if opener is None or not full[:start].endswith(opener):
+            return None
+        return start - len(opener), end
+
+    def _reply_opener(self, tools: Tools) -> str | None:
+        """For a template with no generation prompt (Mistral: the reply follows [/INST]),
+        what it writes between a user turn and a reply's content (Mistral's space), read off
+        the smallest chat: the reply is trained from there, as the template's
+        {% generation %} version marks it. None when the smallest chat does not show it."""
+        user: list[Message] = [{"role": "user", "content": "."}]
+        closed = self.render(user, tools, add_generation_prompt=False)
+        opened = self.render([*user, {"role": "assistant", "content": MARKS[0]}], tools,
+                             add_generation_prompt=False)
+        if not opened.startswith(closed) or MARKS[0] not in opened:
+            return None
+        return opened[len(closed):opened.index(MARKS[0])]
 
     def _ending(self, text: str) -> str | None:
         """The end token `text` starts with after whitespace (with the whitespace)."""

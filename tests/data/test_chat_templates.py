@@ -73,7 +73,7 @@ CASES = [
     ("llama3", SINGLE, True), ("llama3", MULTI, True),
     ("gemma", SINGLE, True), ("gemma", MULTI, True),
     ("phi3", SINGLE, True), ("phi3", MULTI, True),
-    ("mistral", SINGLE, True), ("mistral", NO_SYSTEM, True), ("mistral", MULTI, False),
+    ("mistral", SINGLE, True), ("mistral", NO_SYSTEM, True), ("mistral", MULTI, True),
     ("glm4", SINGLE, True), ("glm4", MULTI, True), ("glm4", TOOL_CHAT, True),
 ]
 

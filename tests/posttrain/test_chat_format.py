@@ -14,7 +14,7 @@ from lathe.core.cli import main
 from lathe.data.chat_template import ChatTemplate
 from lathe.data.tasks import task_examples
 from lathe.model import ModelConfig, Transformer, load_checkpoint, save_checkpoint
-from tests.data.chat_templates import CHATML, MISTRAL, plain
+from tests.data.chat_templates import CHATML, plain
 from tests.posttrain.conftest import quick
 
 TOOLS = [{"type": "function", "function": {"name": "add"}}]
@@ -87,15 +87,24 @@ def test_dpo_and_grpo_render_through_the_given_template(long_base, tmp_path, sta
     assert exported_template(out) == plain(CHATML)
 
 
+# a template that writes every reply twice: in its turn and in a list of the replies at the
+# top of the conversation, so no one place in the rendering is the reply's
+REPLIES_FIRST = ("{{- 'replies:' }}"
+                 "{%- for m in messages if m.role == 'assistant' %}{{- ' ' + m.content }}"
+                 "{%- endfor %}{{- '\\n' }}"
+                 "{%- for m in messages %}{{- m.role + ': ' + m.content + '\\n' }}{%- endfor %}"
+                 "{%- if add_generation_prompt %}{{- 'assistant: ' }}{%- endif %}")
+
+
 def test_a_template_that_gives_no_mask_stops_sft_at_start(base, tmp_path, capsys):
-    """Mistral's moves the system prompt into the last user turn: an earlier assistant turn
-    can be found neither by rendering turn by turn nor after a generation prompt."""
+    """A template that renders each reply in two places: an earlier assistant turn can be
+    found neither by rendering turn by turn nor by replacing it with a marker."""
     chats = tmp_path / "multi.jsonl"
     turns = [{"role": "system", "content": "Be brief."},
              {"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"},
              {"role": "user", "content": "And 3 + 3?"}, {"role": "assistant", "content": "6"}]
     chats.write_text(json.dumps({"messages": turns}) + "\n")
-    template = template_file(tmp_path, plain(MISTRAL))
+    template = template_file(tmp_path, REPLIES_FIRST)
     assert main(["sft", *quick(tmp_path / "sft", base, max_steps=1, **{
         "data.train": chats, "chat_template": template})]) != 0
     error = capsys.readouterr().err
