@@ -86,7 +86,7 @@ export -f one_b serve_bench  # timeout runs programs, so the function runs in a 
 export PY WORK
 bench bench-pretrain-1b 150 "$PY" -m lathe.pretrain.bench --only 1b --steps 4 --warmup 2 --no-write
 bench bench-fused-ce 40 "$PY" -m lathe.kernels.bench --only linear_cross_entropy --no-write
-bench bench-lora-1b 60 "$PY" -m lathe.posttrain.bench --only lora --steps 4 --warmup 2 --no-write
+bench bench-lora-1b 100 "$PY" -m lathe.posttrain.bench --only lora --steps 4 --warmup 2 --no-write
 bench bench-serve-1b 120 bash -c serve_bench
 bench bench-kernels 90 "$PY" -m lathe.kernels.bench --no-write
 
