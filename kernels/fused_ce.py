@@ -69,8 +69,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor,
         from lathe.kernels.fused_ce_triton import linear_cross_entropy_triton
         loss = linear_cross_entropy_triton(hidden, weight, labels, ignore_index)
         return loss, loss.new_zeros(())
+    chunk = chunk or chunk_rows(weight.shape[0], weight.device)
     objective, z = _CrossEntropy.apply(hidden, weight, labels, ignore_index, softcap,
-                                       float(z_loss), chunk or chunk_rows(*_head_size(weight)))
+                                       float(z_loss), chunk)
     count = (labels != ignore_index).sum().clamp(min=1)
     return objective / count, z / count
 
@@ -83,7 +84,8 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor,
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be positive")
     return _TokenLogprobs.apply(hidden, weight, labels, ignore_index, softcap,
-                                float(temperature), chunk or chunk_rows(*_head_size(weight)))
+                                float(temperature),
+                                chunk or chunk_rows(weight.shape[0], weight.device))
 
 
 def linear_reduce(hidden: Tensor, weight: Tensor, row_function: RowFunction, *,
@@ -91,11 +93,7 @@ def linear_reduce(hidden: Tensor, weight: Tensor, row_function: RowFunction, *,
     """Σ over the rows of (N, D) hidden states of `row_function(logits, rows)`: the rows'
     fp32 logits (rows, V) and their `slice` of the N rows → one value per row."""
     return _Reduce.apply(hidden, weight, row_function, softcap,
-                         chunk or chunk_rows(*_head_size(weight)))
-
-
-def _head_size(weight: Tensor) -> tuple[int, torch.device]:
-    return weight.shape[0], weight.device
+                         chunk or chunk_rows(weight.shape[0], weight.device))
 
 
 def _compute_dtype(hidden: Tensor) -> torch.dtype:
