@@ -34,6 +34,7 @@ all-zero mask.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -88,6 +89,7 @@ class ChatEncoder:
         # the end-of-turn tokens as text, longest first (one may start with another)
         self.ends = sorted({text for text in map(tokenizer.id_to_token, end_ids) if text},
                            key=len, reverse=True)
+        self._openers: dict[str, str | None] = {}  # see _reply_opener
 
     def render(self, messages: list[Message], tools: Tools = None,
                add_generation_prompt: bool = True) -> str:
@@ -205,11 +207,21 @@ class ChatEncoder:
         """For a template with no generation prompt (Mistral: the reply follows [/INST]),
         what it writes between a user turn and a reply's content (Mistral's space), read off
         the smallest chat: the reply is trained from there, as the template's
-        {% generation %} version marks it. None when the smallest chat does not show it."""
+        {% generation %} version marks it. None when the smallest chat does not show it.
+        Read once per set of tools: every turn of every chat asks."""
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self._openers:
+            self._openers[key] = self._read_reply_opener(tools)
+        return self._openers[key]
+
+    def _read_reply_opener(self, tools: Tools) -> str | None:
         user: list[Message] = [{"role": "user", "content": "."}]
-        closed = self.render(user, tools, add_generation_prompt=False)
-        opened = self.render([*user, {"role": "assistant", "content": MARKS[0]}], tools,
-                             add_generation_prompt=False)
+        try:
+            closed = self.render(user, tools, add_generation_prompt=False)
+            opened = self.render([*user, {"role": "assistant", "content": MARKS[0]}], tools,
+                                 add_generation_prompt=False)
+        except ChatTemplateError:  # a template that refuses the smallest chat shows nothing
+            return None
         if not opened.startswith(closed) or MARKS[0] not in opened:
             return None
         return opened[len(closed):opened.index(MARKS[0])]

@@ -28,9 +28,12 @@ export WANDB_MODE=disabled TRITON_INTERPRET=0
 # What the steps import: a module missing on a bare GPU image fails here, at once and by
 # name, rather than as a traceback in every step that reaches it minutes later.
 "$PY" - <<'PY' || exit 2
-import importlib.util, sys
+import importlib.util, os, sys
 needed = ["accelerate", "peft", "transformers", "tokenizers", "safetensors", "trl", "torchao",
-          "fastapi", "uvicorn", "httpx", "llguidance", "gguf", "trafilatura", "bitsandbytes"]
+          "fastapi", "uvicorn", "httpx", "llguidance", "gguf", "trafilatura"]
+skipped = set(os.environ.get("SKIP", "").split()) | set(os.environ.get("PASSED", "").split())
+if not {"qlora", "qlora-tests"} <= skipped:  # only the QLoRA steps need it
+    needed.append("bitsandbytes")
 missing = [name for name in needed if importlib.util.find_spec(name) is None]
 if missing:
     sys.exit(f"recipes/gpu-smoke.sh: missing Python packages: {' '.join(missing)} "

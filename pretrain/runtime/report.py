@@ -349,12 +349,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("run_dir", type=Path, help="the run folder, e.g. runs/e2e")
     args = parser.parse_args(argv)
     path, table = build_report(args.run_dir)
-    if (seeds := seed_line(build_stages(args.run_dir))) is not None:
+    stages = build_stages(args.run_dir)
+    if (seeds := seed_line(stages)) is not None:
         print(f"  {seeds}")
     width = max((len(f"{stage} {metric}") for stage, metric, _, _ in table), default=0)
     for stage, metric, start, end in table:
         print(f"  {f'{stage} {metric}':<{width}}  {start:>8} -> {end}")
-    scored, benchmarks = benchmark_table(build_stages(args.run_dir))
+    scored, benchmarks = benchmark_table(stages)
     for task, metric, *values in benchmarks:
         print(f"  {task} {metric}: " + ", ".join(
             f"{name} {value}" for name, value in zip(scored, values, strict=True)))
