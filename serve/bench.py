@@ -194,7 +194,8 @@ def start_server(checkpoint: Path, engine_config: EngineConfig,
     `ServerConfig` fields (LoRA adapters, ...)."""
     import uvicorn
 
-    from lathe.serve.server import ServerConfig, build_app
+    from lathe.serve.config import ServerConfig
+    from lathe.serve.server import build_app
     port = free_port()
     app = build_app(ServerConfig(checkpoint=checkpoint, port=port, served_model_name="bench",
                                  max_waiting=4096, engine=engine_config, **config))

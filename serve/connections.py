@@ -30,13 +30,16 @@ import resource
 import signal
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from lathe.core.config import cli
+from lathe.core.errors import ConfigError
 
 log = logging.getLogger("lathe.serve")
 
@@ -46,13 +49,31 @@ RESERVED_FILES = 256  # descriptors kept for model files, logs, children (a quar
 
 @dataclass
 class ConnectionLimits:
-    max_connections: int = 1024
-    header_seconds: float = 10.0
-    body_seconds: float = 30.0
-    idle_seconds: float = 5.0
-    drain_seconds: float = 10.0
-    # connections one client address may hold (0: half of max_connections)
-    max_connections_per_client: int = 0
+    max_connections: int = field(default=1024, metadata=cli(
+        "open connections; past them only GET /health is answered, the rest get 503"))
+    header_seconds: float = field(default=10.0, metadata=cli(
+        "seconds a connection has to send a request's headers", flag="--header-timeout"))
+    body_seconds: float = field(default=30.0, metadata=cli(
+        "seconds a request has to send its body after its headers", flag="--body-timeout"))
+    idle_seconds: float = field(default=5.0, metadata=cli(
+        "seconds an idle connection stays open between requests",
+        flag="--keep-alive-timeout"))
+    drain_seconds: float = field(default=10.0, metadata=cli(
+        "seconds requests in flight may finish after SIGTERM before they are aborted (a "
+        "second signal exits at once)", flag="--shutdown-timeout"))
+    max_connections_per_client: int = field(default=0, metadata=cli(
+        "connections one client address may hold (0: half of --max-connections); past a cap "
+        "the quietest idle connection is closed first"))
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1:
+            raise ConfigError(f"max_connections={self.max_connections} must be >= 1")
+        for name in ("header_seconds", "body_seconds", "idle_seconds", "drain_seconds"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
+        if self.max_connections_per_client < 0:
+            raise ConfigError(f"max_connections_per_client={self.max_connections_per_client} "
+                              "must be >= 0 (0: half of max_connections)")
 
     @property
     def per_client(self) -> int:

@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,6 +35,7 @@ from tokenizers import Tokenizer
 from torch import Tensor
 
 from lathe.core.checkpoint_files import checkpoint_file, read_eos_ids
+from lathe.core.config import cli
 from lathe.core.errors import ConfigError
 from lathe.core.reporting import progress_bar
 from lathe.data.tokenizer import load_tokenizer, vocabulary_difference
@@ -137,57 +138,79 @@ def compile_structured(constraints: Constraints, spec: StructuredOutput) -> None
 
 @dataclass
 class EngineConfig:
-    block_size: int = 16
-    num_blocks: int | None = None  # default: sized from the memory budget below
+    block_size: int = field(default=16, metadata=cli("tokens per KV cache block"))
+    num_blocks: int | None = field(default=None, metadata=cli(
+        "KV cache blocks (default: as many as the memory budget holds)"))
     # KV budget, on any device (vLLM's kv_cache_memory_bytes). Unset: on CUDA the share of
     # the card gpu_memory_utilization leaves; off-GPU what max_num_seqs sequences of the
     # model's full length take, at most DEFAULT_KV_MB (a budget too small for the batch
     # preempts under load: 256 MiB held 22 of 64 concurrent 160-token requests on a 88M model)
-    kv_cache_memory_mb: float | None = None
-    gpu_memory_utilization: float = 0.9  # on CUDA, kv_cache_memory_mb unset: fraction to fill
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    # with decodes running, a step lasts at most this many decode-only steps: its prefill
-    # tokens are cut to what fits by the engine's running estimate of both costs
-    # (`lathe.serve.scheduler.StepCost`), a block's worth at least, so a burst of new prompts
-    # stalls the running streams by that much, not by a whole token budget of prefill
-    # (Sarathi-Serve). It trades first tokens and throughput for smoother streams (88M model,
-    # 16 concurrent requests, 4: inter-token p99 312 -> 144 ms, time-to-first-token p99
-    # 1.2 -> 2.4 s, 27% fewer tokens a second), so 0, off: prefills take the whole budget
-    max_decode_stall: float = 0.0
+    kv_cache_memory_mb: float | None = field(default=None, metadata=cli(
+        "KV budget, on a GPU too (default: on a GPU, the share --gpu-memory-utilization "
+        "leaves; off it, what --max-num-seqs sequences of the model's full length take, at "
+        f"most {DEFAULT_KV_MB} MiB)"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=cli(
+        "on a GPU without --kv-cache-memory-mb: the fraction of its memory to fill"))
+    max_num_seqs: int = field(default=64, metadata=cli("sequences running at once"))
+    max_num_batched_tokens: int = field(default=512, metadata=cli("tokens one step runs"))
+    # (Sarathi-Serve) the estimate is `lathe.serve.scheduler.StepCost`'s, a block's worth of
+    # prefill at least, so a burst of new prompts stalls the running streams by that much,
+    # not by a whole token budget of prefill
+    max_decode_stall: float = field(default=0.0, metadata=cli(
+        "with streams decoding, a step lasts at most this many decode-only steps: new "
+        "prompts' prefill is cut into chunks that fit, by the engine's running estimate of "
+        "each step's cost. Smoother streams, later first tokens: on an 88M model at 16 "
+        "concurrent requests, 4 cut the inter-token p99 from 312 to 144 ms but doubled the "
+        "time-to-first-token p99 and lost 27% of the throughput. 0: off, prefills take the "
+        "whole --max-num-batched-tokens"))
     speculative: SpeculativeConfig | None = None
-    # decode steps (on CPU, short prefills and drafts too: steps whose every token attends
-    # through its block table) through `lathe.serve.decode_graph`: compiled once per bucket
-    # (CUDA graphs on CUDA; off CUDA also per context-width bucket, and cached across
-    # starts); `LLMEngine.warm_up` builds them all, or each shape's first step pays its
-    # compile. Off by default here, where an engine may live for one evaluation (a training
-    # stage's); `lathe serve` turns it on unless --enforce-eager
-    compile_decode: bool = False
-    # `LLMEngine.warm_up` off CUDA: build the compiled steps on a thread of their own while
-    # the engine serves eagerly, each batch size switching to its graphs once they are built
-    # (`lathe serve` does, unless --compile-before-ready), or build them all before returning
-    compile_in_background: bool = False
-    # off CUDA, have glibc keep freed memory for the next step (`lathe.serve.host_memory`:
-    # process-wide, for good). A training stage that generates between its steps turns it
-    # off: kept, a step's freed activations stay resident (a 57M-parameter LoRA SFT on CPU
-    # peaked at 1.24 GiB instead of 0.82)
-    retain_freed_memory: bool = True
-    # multi-step decoding (vLLM's num_scheduler_steps): a decode-only step runs up to this
-    # many forward passes, each fed the last one's tokens, before the engine schedules,
-    # detokenizes and streams again; what CPython spends per step is paid once per run of
-    # them. Tokens are the same as one step at a time; a sequence's stream comes in runs,
-    # and a request arriving meanwhile waits for the run's end (at most decode_steps - 1
-    # passes)
-    decode_steps: int = 1
-    # LoRA adapters served over the base in the same batch (`lathe.serve.adapters`): slots
-    # held at once (0: none) and the highest rank a slot takes
-    max_loras: int = 0
-    max_lora_rank: int = 16
-    # adapters held in host memory (None: no limit); loading one more unloads the least
-    # recently used idle one
-    max_loaded_loras: int | None = None
+    # through `lathe.serve.decode_graph` (on CPU short prefills and drafts too: steps whose
+    # every token attends through its block table); `LLMEngine.warm_up` builds them all, or
+    # each shape's first step pays its compile. Off in the class's default, where an engine
+    # may live for one evaluation (a training stage's); a server's turns it on
+    compile_decode: bool = field(default=False, metadata=cli(
+        "run every step eagerly (by default decode steps, and on CPU short prefills, run "
+        "compiled: one graph per batch-size bucket, CUDA graphs on CUDA, cached across "
+        "starts under $LATHE_CACHE_DIR, default ~/.cache/lathe)", negate="--enforce-eager"))
+    compile_in_background: bool = field(default=False, metadata=cli(
+        "build every compiled step before /health turns ok (no eager step after the start: "
+        "for benchmarks). By default, off CUDA, they are built on a thread of their own "
+        "while the server already answers eagerly, each batch size switching to its graphs "
+        "once built; on CUDA always first", negate="--compile-before-ready"))
+    # process-wide and for good (`lathe.serve.host_memory`). A training stage that generates
+    # between its steps turns it off: kept, a step's freed activations stay resident (a
+    # 57M-parameter LoRA SFT on CPU peaked at 1.24 GiB instead of 0.82)
+    retain_freed_memory: bool = field(default=True, metadata=cli(
+        "off CUDA, return freed memory to the system after each step (by default glibc "
+        "keeps it for the next: faster steps, a resident set that stays at its peak)"))
+    # (vLLM's num_scheduler_steps) what CPython spends per step is paid once per run of them;
+    # tokens are the same as one step at a time
+    decode_steps: int = field(default=1, metadata=cli(
+        "multi-step decoding: forward passes a decode-only step runs before scheduling and "
+        "streaming again (output streams in runs of this many tokens, and a request "
+        "arriving meanwhile waits for the run's end; not with speculative decoding)"))
+    # LoRA adapters served over the base in the same batch (`lathe.serve.adapters`)
+    max_loras: int = field(default=0, metadata=cli(
+        "adapter slots held at once, loaded at start or through /v1/load_lora_adapter "
+        "(0: a server takes one for each --lora)"))
+    max_lora_rank: int = field(default=16, metadata=cli(
+        "the highest adapter rank a slot takes"))
+    max_loaded_loras: int | None = field(default=None, metadata=cli(
+        "adapters held in host memory; loading one more unloads the least recently used idle "
+        "one (default: no limit)"))
 
     def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"num_blocks={self.num_blocks} must be >= 1 (or None: sized "
+                              "from the memory budget)")
+        if self.kv_cache_memory_mb is not None and not self.kv_cache_memory_mb > 0:
+            raise ConfigError(f"kv_cache_memory_mb={self.kv_cache_memory_mb} must be > 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must "
+                              "be in (0, 1]")
         if self.max_decode_stall != 0 and not self.max_decode_stall > 1:
             raise ConfigError(f"max_decode_stall={self.max_decode_stall} must be 0 (off) or "
                               "more than 1 (a step that decodes lasts at least a decode step)")
@@ -203,7 +226,7 @@ class EngineConfig:
         if self.decode_steps > 1 and self.speculative is not None:
             raise ConfigError(f"decode_steps={self.decode_steps} cannot be combined with "
                               "speculative decoding, which already emits several tokens a "
-                              "step; set decode_steps to 1 or drop speculative")
+                              "step; set decode_steps=1 or turn speculative decoding off")
 
 
 class LLMEngine:

@@ -56,6 +56,10 @@ from lathe.serve.half_weights import use_half_weights
 from lathe.serve.host_memory import hold_in_huge_pages
 
 QuantMode = Literal["int8", "int4"]
+# a server's or chat's weight dtype by name (auto: the checkpoint's own)
+WEIGHT_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
+    "float16": torch.float16}
 
 
 def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:

@@ -34,11 +34,9 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -51,13 +49,13 @@ from lathe.data.template_worker import TemplateWorker
 from lathe.model.checkpoint import CheckpointError
 from lathe.serve.adapters import AdapterError
 from lathe.serve.async_engine import AsyncEngine, EngineDead, QueueFull, ServerClosing
+from lathe.serve.config import ServerConfig
 from lathe.serve.connections import (
-    ConnectionLimits,
     LatheServer,
     raise_file_limit,
     uvicorn_config,
 )
-from lathe.serve.engine import EngineConfig, LLMEngine, RequestError
+from lathe.serve.engine import LLMEngine, RequestError
 from lathe.serve.engine_core import EngineSpec, freeze_startup_heap
 from lathe.serve.metrics import RequestTimer, ServerMetrics
 from lathe.serve.outputs import CompletionOutput
@@ -71,7 +69,7 @@ from lathe.serve.protocol import (
     ResponseOptions,
     UpdateWeightsRequest,
 )
-from lathe.serve.quant import QuantMode
+from lathe.serve.quant import WEIGHT_DTYPES
 from lathe.serve.reasoning import ReasoningParser, reasoning_parser, template_reasoning_parser
 from lathe.serve.replies import ReplyFormat
 from lathe.serve.sampling import SamplingError, SamplingParams
@@ -80,44 +78,6 @@ from lathe.serve.tool_calls import tool_call_parser
 
 log = logging.getLogger("lathe.serve")
 RENDER_THREADS = 64  # chat-template renders waiting or running at once
-
-
-@dataclass
-class ServerConfig:
-    checkpoint: Path
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    protect_metrics: bool = False  # /metrics needs the API key too
-    served_model_name: str | None = None
-    quantize: QuantMode | None = None
-    dtype: torch.dtype | None = None  # the weights' (None: the checkpoint's; see --dtype)
-    max_waiting: int = 256
-    max_body_bytes: int = 1 << 20
-    template_seconds: float = 2.0  # a chat template's render limit (a request fails past it)
-    chat_template: Path | None = None  # a Jinja file served in place of the checkpoint's
-    grammar_seconds: float = 5.0  # a structured output's compile limit (a 400 past it)
-    tool_call_parser: str | None = None  # how the model writes tool calls (tool_calls.PARSERS)
-    max_tool_calls: int = 8  # calls one forced reply may make (tool_choice "required")
-    # how the model writes its reasoning (reasoning.REASONING_PARSERS); None: what the chat
-    # template implies (`<think>` blocks for one that renders them), "none": no split
-    reasoning_parser: str | None = None
-    trust_request_chat_template: bool = False  # requests may bring their own chat template
-    loras: dict[str, Path] = field(default_factory=dict)  # LoRA adapters loaded at start
-    # folders /v1/load_lora_adapter may load from (none: loading at run time is off); it
-    # needs api_key too, unless allow_unauthenticated_lora_loading
-    lora_roots: list[Path] = field(default_factory=list)
-    allow_unauthenticated_lora_loading: bool = False
-    # folders POST /update_weights may load new weights from (a trainer's pushes; none:
-    # updates are off); it needs api_key
-    weight_roots: list[Path] = field(default_factory=list)
-    engine_threads: int | None = None  # the engine core's intra-op threads (see engine_core)
-    limits: ConnectionLimits = field(default_factory=ConnectionLimits)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or Path(self.checkpoint).resolve().name
 
 
 class APIError(Exception):
@@ -212,13 +172,14 @@ def start_progress(state: _State) -> Callable[[str], None]:
     return progress
 
 
-def run(config: ServerConfig, log_level: str = "info") -> None:
+def run(config: ServerConfig) -> None:
     """Serve until SIGTERM or SIGINT, within the connection limits (see `connections`) —
     or until the engine core dies: a server that can only answer 503 exits (non-zero,
     `LatheError`), for its supervisor to restart it, as vLLM's does."""
     limits = raise_file_limit(config.limits)
     app = build_app(config)
-    server = LatheServer(uvicorn_config(app, config.host, config.port, limits, log_level),
+    server = LatheServer(uvicorn_config(app, config.host, config.port, limits,
+                                        config.log_level),
                          before_cut=app.state.end_requests)
     app.state.on_engine_death = lambda: setattr(server, "should_exit", True)
     server.run()
@@ -235,12 +196,10 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
     metrics = ServerMetrics(lambda: state.engine.stats if state.engine else None, name)
     tool_parser = tool_call_parser(config.tool_call_parser) \
         if config.tool_call_parser is not None else None
-    if config.max_tool_calls < 1:
-        raise ValueError(f"--max-tool-calls {config.max_tool_calls}: give at least 1")
     named_reasoning = reasoning_parser(config.reasoning_parser) \
         if config.reasoning_parser not in (None, "none") else None
     spec = None if load is not None else EngineSpec(config.checkpoint, config.engine,
-                                                    config.quantize, config.dtype,
+                                                    config.quantize, WEIGHT_DTYPES[config.dtype],
                                                     config.engine_threads)
 
     async def load_engine() -> None:

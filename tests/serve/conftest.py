@@ -19,7 +19,8 @@ from lathe.data.tokenizer import save_tokenizer, train_tokenizer
 from lathe.model import save_checkpoint
 from lathe.serve.connections import LatheServer, uvicorn_config
 from lathe.serve.engine import EngineConfig, LLMEngine
-from lathe.serve.server import ServerConfig, build_app
+from lathe.serve.config import ServerConfig
+from lathe.serve.server import build_app
 from tests.builders import serve_model
 from tests.data.corpus import prose
 
@@ -48,6 +49,7 @@ def start_server(checkpoint, load: Callable[[], LLMEngine] | None = None,
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    config.setdefault("engine", EngineConfig())  # eager: a test's server compiles nothing
     server_config = ServerConfig(checkpoint=checkpoint, port=port, served_model_name="tiny",
                                  **config)
     app = build_app(server_config, load=load)

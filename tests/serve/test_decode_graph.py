@@ -433,7 +433,7 @@ def test_lathe_serve_compiles_decode_steps_unless_told_otherwise(checkpoint, mon
     import lathe.serve.server
     from lathe.serve.commands import serve_main
     configs = []
-    monkeypatch.setattr(lathe.serve.server, "run", lambda config, level: configs.append(config))
+    monkeypatch.setattr(lathe.serve.server, "run", lambda config: configs.append(config))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     serve_main([str(checkpoint)])
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache_root() / "inductor")

@@ -175,10 +175,10 @@ def test_lathe_serve_and_chat_take_dtype(checkpoint, monkeypatch):
     from lathe.serve.commands import chat_main, serve_main
 
     configs = []
-    monkeypatch.setattr(lathe.serve.server, "run", lambda config, level: configs.append(config))
+    monkeypatch.setattr(lathe.serve.server, "run", lambda config: configs.append(config))
     for dtype in ("auto", "bfloat16", "float32"):
         serve_main([str(checkpoint), "--dtype", dtype])
-    assert [c.dtype for c in configs] == [None, torch.bfloat16, torch.float32]
+    assert [c.dtype for c in configs] == ["auto", "bfloat16", "float32"]
     with pytest.raises(ConfigError, match="--dtype are for a local checkpoint"):
         chat_main(["http://127.0.0.1:9", "--dtype", "bfloat16", "--prompt", "hi"])
     with pytest.raises(SystemExit):

@@ -290,7 +290,7 @@ def test_a_draft_with_another_tokenizer_is_refused(checkpoint, tmp_path):
 
 def test_serve_flags_for_speculation_are_checked_before_loading(checkpoint):
     from lathe.serve.commands import serve_main
-    with pytest.raises(ConfigError, match="--speculative draft needs --draft"):
+    with pytest.raises(ConfigError, match="--speculative=draft needs --draft"):
         serve_main([str(checkpoint), "--speculative", "draft"])
     with pytest.raises(ConfigError, match="drop one of them"):
         serve_main([str(checkpoint), "--speculative", "ngram", "--draft", str(checkpoint)])

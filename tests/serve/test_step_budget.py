@@ -108,7 +108,7 @@ def test_lathe_serve_bounds_the_stall_when_asked(checkpoint, monkeypatch):
     """Off by default (it costs first tokens and throughput), on with the flag."""
     import lathe.serve.server
     configs = []
-    monkeypatch.setattr(lathe.serve.server, "run", lambda config, level: configs.append(config))
+    monkeypatch.setattr(lathe.serve.server, "run", lambda config: configs.append(config))
     serve_main([str(checkpoint), "--enforce-eager"])
     serve_main([str(checkpoint), "--enforce-eager", "--max-decode-stall", "4"])
     assert [c.engine.max_decode_stall for c in configs] == [0.0, 4.0]
