@@ -293,8 +293,8 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         else:
             kwargs.update(type=hint)
         if spec["positional"]:
-            groups[section].add_argument(flag.dest, nargs="?", default=argparse.SUPPRESS,
-                                         **kwargs)
+            # None, not SUPPRESS: argparse would run a string default through `type`
+            groups[section].add_argument(flag.dest, nargs="?", default=None, **kwargs)
         else:
             groups[section].add_argument(flag.name, dest=flag.dest, default=argparse.SUPPRESS,
                                          **kwargs)
@@ -309,7 +309,7 @@ def config_from_flags(cls: type[T], args: argparse.Namespace) -> T:
     if getattr(args, "config", None) is not None:
         data = _read_yaml(args.config)
     for flag in flags:
-        if hasattr(args, flag.dest):
+        if getattr(args, flag.dest, None) is not None:
             value = getattr(args, flag.dest)
             if typing.get_origin(flag.hint) is dict:
                 value = _pairs_to_dict(flag, value)
