@@ -96,7 +96,10 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         self.checkpoint = Path(self.checkpoint)
-        for name in ("max_waiting", "max_body_bytes", "max_tool_calls"):
+        if self.max_waiting < 0:
+            raise ConfigError(f"max_waiting={self.max_waiting} must be >= 0 (0: every "
+                              "request that would wait is answered 429)")
+        for name in ("max_body_bytes", "max_tool_calls"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("template_seconds", "grammar_seconds"):

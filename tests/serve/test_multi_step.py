@@ -195,5 +195,6 @@ def test_decode_steps_is_refused_where_it_cannot_apply(checkpoint):
         EngineConfig(decode_steps=4, speculative=SpeculativeConfig("ngram"))
     with pytest.raises(ConfigError, match="--decode-steps=0 must be >= 1"):
         serve_main([str(checkpoint), "--decode-steps", "0"])
-    with pytest.raises(ConfigError, match="--decode-steps=2 cannot .* set --decode-steps=1 or turn speculative decoding off"):
+    with pytest.raises(ConfigError, match="--decode-steps=2 cannot .* set --decode-steps=1 "
+                                          "or turn speculative decoding off"):
         serve_main([str(checkpoint), "--decode-steps", "2", "--speculative", "ngram"])
