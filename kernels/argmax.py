@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lathe.kernels.cpu_native import cpu_kernels_loaded
-from lathe.kernels.dispatch import opaque_op, use_cpu_kernel
+from lathe.kernels.cpu_native import native_kernel
+from lathe.kernels.dispatch import opaque_op
 
 argmax_cpu = opaque_op("argmax_cpu", "(Tensor logits) -> Tensor", None,
                        lambda logits: logits.new_empty(logits.shape[0], dtype=torch.long))
@@ -19,6 +19,6 @@ argmax_cpu = opaque_op("argmax_cpu", "(Tensor logits) -> Tensor", None,
 def greedy_argmax(logits: Tensor) -> Tensor:
     """(rows,) indices of the largest of each row of (rows, vocab) logits."""
     if (logits.dim() == 2 and logits.dtype == torch.float32 and 0 < logits.shape[1] <= 1 << 24
-            and cpu_kernels_loaded() and use_cpu_kernel("argmax", logits)):
+            and native_kernel("argmax", logits)):
         return argmax_cpu(logits)
     return logits.argmax(dim=-1)

@@ -283,13 +283,19 @@ def native_inference() -> Iterator[None]:
         _scope.native = before
 
 
+def native_kernel(name: str, tensor: torch.Tensor) -> bool:
+    """The one check every native op's caller makes: the library loaded in this process and
+    the kernel policy letting `name` take an optimized CPU op for `tensor` (a CPU tensor,
+    `name` on, not `LATHE_KERNELS=force`). Each op adds its own shape and dtype rules."""
+    return cpu_kernels_loaded() and use_cpu_kernel(name, tensor)
+
+
 def use_native_cpu(name: str, *tensors: torch.Tensor) -> bool:
-    """Whether a call of kernel `name` on `tensors` takes its native op: inside
-    `native_inference`, with the kernels loaded and `name` enabled, eager (torch.compile
-    fuses the references into its own loops), float32 on CPU, and with no gradient to record
-    (the native ops have no backward)."""
-    return (getattr(_scope, "native", False) and cpu_kernels_loaded()
-            and use_cpu_kernel(name, tensors[0])
+    """Whether a call of element-wise kernel `name` on `tensors` takes its native op:
+    inside `native_inference`, `native_kernel`, eager (torch.compile fuses the references
+    into its own loops), float32 on CPU, and with no gradient to record (the native ops have
+    no backward)."""
+    return (getattr(_scope, "native", False) and native_kernel(name, tensors[0])
             and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
             and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))

@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lathe.kernels.cpu_native import cpu_kernels_loaded
-from lathe.kernels.dispatch import opaque_op, use_cpu_kernel
+from lathe.kernels.cpu_native import native_kernel
+from lathe.kernels.dispatch import opaque_op
 
 # Up to here the native op beats BLAS (MKL) on every layer of the README model on this
 # project's 2-core AMD machine: 20-60% of MKL's time at 1-8 rows, 70% at 16 and 80-85% at
@@ -121,7 +121,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if (1 <= rows <= _native_rows(weight) and x.dtype == torch.float32
             and not torch.is_grad_enabled()
             and (weight.dtype in HALF_DTYPES or not torch.compiler.is_compiling())
-            and cpu_kernels_loaded() and use_cpu_kernel("decode_linear", x)):
+            and native_kernel("decode_linear", x)):
         y = decode_linear_cpu(x.reshape(rows, x.shape[-1]), [weight])[0]
         y = y.view(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
@@ -146,8 +146,7 @@ def bound_linear(module: nn.Module) -> Callable[[Tensor], Tensor]:
         return module
     weight, op = module.weight, GROUP_OPS[0]
     max_rows = _native_rows(weight)
-    if (not max_rows or weight.device.type != "cpu" or not cpu_kernels_loaded()
-            or not use_cpu_kernel("decode_linear", weight)):
+    if not max_rows or not native_kernel("decode_linear", weight):
         return module
 
     def forward(x: Tensor) -> Tensor:

@@ -17,11 +17,10 @@ import torch
 from torch import Tensor
 
 from lathe.kernels.attention import PLAIN, AttentionVariant, masked_attention, visible
-from lathe.kernels.cpu_native import cpu_kernels_loaded
+from lathe.kernels.cpu_native import native_kernel
 from lathe.kernels.dispatch import (
     check_same_dtype,
     opaque_op,
-    use_cpu_kernel,
     use_triton,
 )
 
@@ -50,12 +49,6 @@ def gather_blocks(slab: Tensor, block_tables: Tensor, block_size: int) -> Tensor
     return blocks.view(block_tables.shape[0], -1, *slab.shape[1:])
 
 
-def native_paged_decode(tensor: Tensor) -> bool:
-    """Whether `paged_decode` on tensors like `tensor` takes the native CPU kernel, which,
-    like the Triton one, reads only each sequence's own blocks."""
-    return cpu_kernels_loaded() and use_cpu_kernel("paged_decode", tensor)
-
-
 def paged_decode(q: Tensor, k_slab: Tensor, v_slab: Tensor, block_tables: Tensor,
                  context_lens: Tensor, block_size: int,
                  variant: AttentionVariant = PLAIN) -> Tensor:
@@ -73,7 +66,7 @@ def paged_decode(q: Tensor, k_slab: Tensor, v_slab: Tensor, block_tables: Tensor
     if tileable and use_triton("paged_decode", q):
         from lathe.kernels.paged_attention_triton import paged_decode_triton
         return paged_decode_triton(q, k_slab, v_slab, block_tables, context_lens, block_size)
-    if native_paged_decode(q) and not q.requires_grad:
+    if native_kernel("paged_decode", q) and not q.requires_grad:
         return paged_decode_cpu(q, k_slab, v_slab, block_tables, context_lens, block_size)
     if torch.compiler.is_compiling() and q.shape[0] >= OPAQUE_FROM_ROWS:
         return _paged_decode_op(q, k_slab, v_slab, block_tables, context_lens, block_size)

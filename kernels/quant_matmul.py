@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lathe.kernels.cpu_native import cpu_kernels_loaded
+from lathe.kernels.cpu_native import cpu_kernels_loaded, native_kernel
 from lathe.kernels.decode_linear import decode_linear_int8_cpu
 from lathe.kernels.dispatch import (
     opaque_op,
@@ -135,7 +135,7 @@ def int8_matmul_cpu(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     it cannot take)."""
     x2 = x.reshape(-1, x.shape[-1])
     if (x.dtype == torch.float32 and scale.dtype == torch.float32 and x2.shape[0] >= 1
-            and cpu_kernels_loaded() and use_cpu_kernel("decode_linear", x)):
+            and native_kernel("decode_linear", x)):
         return decode_linear_int8_cpu(x2, [(q, scale)])[0].view(*x.shape[:-1], q.shape[0])
     if x.shape[-1] % INT8_GEMM_K_STEP:
         return int8_matmul_reference(x, q, scale)

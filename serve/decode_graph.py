@@ -67,9 +67,8 @@ from torch import Tensor
 import lathe.kernels
 import lathe.model
 from lathe.kernels import AttentionVariant, paged_decode
-from lathe.kernels.cpu_native import cpu_kernels_loaded
-from lathe.kernels.dispatch import policy, use_cpu_kernel
-from lathe.kernels.paged_attention import native_paged_decode
+from lathe.kernels.cpu_native import cpu_kernels_loaded, native_kernel
+from lathe.kernels.dispatch import policy
 from lathe.model.transformer import Transformer
 from lathe.serve.paged_cache import KVSlabs
 
@@ -156,7 +155,7 @@ class DecodeGraphs:
         # a bucket's first step compiles it, as without a warm-up)
         self.background = False
         self.cuda = cuda = slabs.k[0].device.type == "cuda"
-        paged_kernel = cuda or native_paged_decode(slabs.k[0])
+        paged_kernel = cuda or native_kernel("paged_decode", slabs.k[0])
         self.widths = [max_blocks] if paged_kernel else width_buckets(max_blocks)
         self._graphs: dict[tuple[int, int], Callable[..., Tensor]] = {}
         # size_asserts re-check every extern op's output layout on each call (5-20% of the
@@ -179,7 +178,7 @@ class DecodeGraphs:
             # batch-1 step
             options = {"cpp_wrapper": True, "size_asserts": False,
                        "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
-            if cpu_kernels_loaded() and use_cpu_kernel("decode_linear", slabs.k[0]):
+            if native_kernel("decode_linear", slabs.k[0]):
                 # imported here: it imports inductor (~1.2 s), which an eager engine never needs
                 from lathe.kernels.decode_linear_pass import DecodeLinearPass
                 options["post_grad_custom_post_pass"] = DecodeLinearPass()

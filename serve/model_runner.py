@@ -31,9 +31,8 @@ from collections.abc import Sequence as Seq
 import torch
 from torch import Tensor
 
-from lathe.kernels.cpu_native import load_cpu_kernels, native_inference
+from lathe.kernels.cpu_native import load_cpu_kernels, native_inference, native_kernel
 from lathe.kernels.decode_linear import bound_linear
-from lathe.kernels.paged_attention import native_paged_decode
 from lathe.model.transformer import Transformer
 from lathe.serve.decode_graph import DecodeGraphs, StaticDecodeBatch
 from lathe.serve.host_memory import retain_freed_memory
@@ -175,8 +174,9 @@ class ModelRunner:
     def _paged_context(self, slabs: KVSlabs) -> int:
         """The longest context a prefill chunk attends token by token over (none off CPU)."""
         k_slab = slabs.k[0]
-        return PAGED_PREFILL_BYTES // (2 * k_slab[0].nbytes) if native_paged_decode(k_slab) \
-            else 0
+        if not native_kernel("paged_decode", k_slab):
+            return 0
+        return PAGED_PREFILL_BYTES // (2 * k_slab[0].nbytes)
 
     def _static(self, items: Seq[StepItem], slabs: KVSlabs | None) -> bool:
         """Whether a step takes the compiled path: the target's, with every token attending
