@@ -52,6 +52,15 @@ StepItem = tuple[Sequence, int, list[int]]
 PAGED_PREFILL_BYTES = 256 << 10
 
 
+def _starts(items: Seq[StepItem]) -> list[int]:
+    """Where each item's tokens start in a row of all of them, in order."""
+    starts, at = [], 0
+    for _, _, tokens in items:
+        starts.append(at)
+        at += len(tokens)
+    return starts
+
+
 def select_rows(tensor: Tensor, rows: list[int]) -> Tensor:
     """`tensor[rows]`: a view when the rows are one ascending run (a decode step's logits,
     a fresh engine's table rows), else one `index_select`. Indexing with the list itself
@@ -127,47 +136,41 @@ class ModelRunner:
         through their block table (decodes, and on CPU short prefill chunks) are laid out
         first."""
         if self._static(items, slabs):
-            return self._prepare_static(items)
+            inputs, tables, blocks = self._table_inputs(items)
+            assert self.graphs is not None
+            view = self._view(inputs[0], tables[:, :self.graphs.width(blocks)], static=True)
+            return inputs[0, :1], view, _starts(items)
         slabs = slabs or self.slabs
         paged_context = self._paged_context(slabs)
         paged = [len(tokens) == 1 or start + len(tokens) <= paged_context
                  for _, start, tokens in items]
-        ids: list[int] = []
+        order = sorted(range(len(items)), key=lambda i: not paged[i])
+        num_items = sum(paged)
+        laid_out = [items[i] for i in order]
         starts = [0] * len(items)
-        paged_rows: list[int] = []  # the table row of each token that attends through it
-        paged_positions: list[int] = []
-        prefills: list[tuple[int, int, int, int]] = []  # table row, start, count, step row
-        for i in sorted(range(len(items)), key=lambda i: not paged[i]):
-            seq, start, tokens = items[i]
-            count = len(tokens)
-            row = self._row(seq)
-            starts[i] = len(ids)
-            if paged[i]:
-                paged_rows += [row] * count
-                paged_positions += range(start, start + count)
-            else:
-                prefills.append((row, start, count, len(ids)))
-            ids += tokens
-        size, device = self.block_size, self.device
+        for i, start in zip(order, _starts(laid_out), strict=True):
+            starts[i] = start
+        ids = [token for _, _, tokens in laid_out for token in tokens]
+        num_paged = sum(len(tokens) for _, _, tokens in laid_out[:num_items])
+        device = self.device
         positions = torch.empty(len(ids), dtype=torch.long, device=device)
         slots = torch.empty(len(ids), dtype=torch.long, device=device)
-        num_paged = len(paged_rows)
         tables = lens = None
         if num_paged:
-            at = torch.tensor(paged_positions, device=device)
-            rows = torch.tensor(paged_rows, device=device)
-            positions[:num_paged] = at
-            slots[:num_paged] = self.tables[rows, at // size] * size + at % size
-            lens = at + 1
-            tables = self.tables[rows, :(max(paged_positions) // size) + 1]
+            inputs, tables, blocks = self._table_inputs(laid_out[:num_items])
+            positions[:num_paged], slots[:num_paged], lens = inputs[0, 1:]
+            tables = tables[:, :blocks]
         spans = []
-        for row, start, count, offset in prefills:
+        offset, size = num_paged, self.block_size
+        for seq, start, tokens in laid_out[num_items:]:
+            row, count = self._row(seq), len(tokens)
             end = start + count
             context = (self.tables[row, :(end - 1) // size + 1, None] * size
                        + self.offsets).flatten()[:end]
             positions[offset:offset + count] = torch.arange(start, end, device=device)
             slots[offset:offset + count] = context[start:end]
             spans.append(SequenceSpan(offset, count, context))
+            offset += count
         view = PagedBatch(slabs, positions, slots, num_paged, tables, lens, spans)
         return torch.tensor([ids], device=device), view, starts
 
@@ -193,52 +196,55 @@ class ModelRunner:
         return (rows <= self.max_static_rows and self.graphs.ready_for(rows)
                 and all(start + len(tokens) <= context for _, start, tokens in items))
 
-    def _prepare_static(self, items: Seq[StepItem]) -> tuple[Tensor, StaticDecodeBatch,
-                                                             list[int]]:
-        """A compiled step's inputs, a row per token, computed on the host and sent as one
-        tensor (a handful of small device ops per step would cost as much as a small model's
-        layer)."""
-        size = self.block_size
-        rows, ids, positions, slots, starts = [], [], [], [], []
-        for seq, start, tokens in items:
-            row, blocks = self._row(seq), seq.table.blocks
-            starts.append(len(ids))
-            for at, token in enumerate(tokens, start):
-                rows.append(row)
-                ids.append(token)
-                positions.append(at)
-                slots.append(blocks[at // size] * size + at % size)
-        lens = [position + 1 for position in positions]
-        inputs = torch.tensor([ids, positions, slots, lens], device=self.device)
-        assert self.graphs is not None
-        width = self.graphs.width(max(positions) // size + 1)
-        tables = select_rows(self.tables, rows)[:, :width]
-        view = StaticDecodeBatch(self.slabs, inputs[1], inputs[2], tables, inputs[3])
-        return inputs[:1], view, starts
-
     def prepare_decodes(self, items: Seq[StepItem], steps: int,
                         ) -> tuple[Tensor, list[PagedBatch | StaticDecodeBatch]]:
         """The first token row and the paged-attention views of `steps` decode passes over
-        `items` (one token each), the k-th pass at each item's start + k: all computed on
-        the host and sent as one tensor, the block tables read once, so a later pass costs
-        a few tensor views. Each sequence's blocks must already hold its last pass."""
-        size = self.block_size
-        rows = [self._row(seq) for seq, _, _ in items]
-        positions = [[start + k for _, start, _ in items] for k in range(steps)]
-        slots = [[seq.table.blocks[at // size] * size + at % size
-                  for (seq, _, _), at in zip(items, step, strict=True)] for step in positions]
-        lens = [[at + 1 for at in step] for step in positions]
-        inputs = torch.tensor([positions, slots, lens], device=self.device)
-        ids = torch.tensor([[tokens[0] for _, _, tokens in items]], device=self.device)
-        blocks = max(positions[-1]) // size + 1
-        if self._static(items, None):
+        `items` (one token each), the k-th pass at each item's start + k, so a later pass
+        costs a few tensor views. Each sequence's blocks must already hold its last pass."""
+        inputs, tables, blocks = self._table_inputs(items, steps)
+        static = self._static(items, None)
+        if static:
             assert self.graphs is not None
-            tables = select_rows(self.tables, rows)[:, :self.graphs.width(blocks)]
-            return ids, [StaticDecodeBatch(self.slabs, inputs[0, k], inputs[1, k], tables,
-                                           inputs[2, k]) for k in range(steps)]
-        tables = select_rows(self.tables, rows)[:, :blocks]
-        return ids, [PagedBatch(self.slabs, inputs[0, k], inputs[1, k], len(items), tables,
-                                inputs[2, k], []) for k in range(steps)]
+            blocks = self.graphs.width(blocks)
+        return inputs[0, :1], [self._view(inputs[k], tables[:, :blocks], static)
+                               for k in range(steps)]
+
+    def _table_inputs(self, items: Seq[StepItem], steps: int = 1) -> tuple[Tensor, Tensor, int]:
+        """The one builder of the inputs of tokens that attend through their block table,
+        whichever way the step runs (eager, compiled, several passes): each token's id,
+        position, KV slot and context length, for each of `steps` passes (the k-th at each
+        item's start + k: multi-step decoding, a token per item), computed on the host and
+        sent as one (steps, 4, tokens) tensor (a handful of small device ops per step would
+        cost as much as a small model's layer); the tokens' block-table rows; and how many
+        blocks the longest context spans."""
+        size = self.block_size
+        rows: list[int] = []
+        ids: list[int] = []
+        positions: list[int] = []
+        blocks: list[list[int]] = []  # each token's sequence's blocks
+        for seq, start, tokens in items:
+            row = self._row(seq)
+            rows += [row] * len(tokens)
+            blocks += [seq.table.blocks] * len(tokens)
+            ids += tokens
+            positions += range(start, start + len(tokens))
+        passes = []
+        for k in range(steps):
+            at = [position + k for position in positions]
+            passes.append([ids, at, [table[p // size] * size + p % size
+                                     for table, p in zip(blocks, at, strict=True)],
+                           [p + 1 for p in at]])
+        last = max(positions) + steps - 1
+        return (torch.tensor(passes, device=self.device), select_rows(self.tables, rows),
+                last // size + 1)
+
+    def _view(self, inputs: Tensor, tables: Tensor, static: bool,
+              ) -> PagedBatch | StaticDecodeBatch:
+        """The attention view of one pass of `_table_inputs`: every token through its table."""
+        if static:
+            return StaticDecodeBatch(self.slabs, inputs[1], inputs[2], tables, inputs[3])
+        return PagedBatch(self.slabs, inputs[1], inputs[2], inputs.shape[1], tables,
+                          inputs[3], [])
 
     def run(self, ids: Tensor, view: PagedBatch | StaticDecodeBatch, keep: list[int],
             model: Transformer | None = None) -> Tensor:
