@@ -35,7 +35,8 @@ from lathe.posttrain.tool_episodes import EpisodePrompt, EpisodeRunner
 from lathe.pretrain.runtime.memory_plan import memory_line
 from lathe.pretrain.runtime.precision import compute_dtype
 from lathe.pretrain.runtime.trainer import Runtime, Work, plain_model
-from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.config import EngineConfig
+from lathe.serve.engine import LLMEngine
 from lathe.serve.paged_cache import KVSlabs
 from lathe.serve.sampling import SamplingParams
 

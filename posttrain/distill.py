@@ -51,7 +51,8 @@ from lathe.posttrain.sft import sft
 from lathe.posttrain.tool_episodes import EpisodeRunner
 from lathe.pretrain.runtime.memory_plan import Parallelism, StepShape, frozen_weight_bytes
 from lathe.pretrain.runtime.trainer import Runtime, Work
-from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.config import EngineConfig
+from lathe.serve.engine import LLMEngine
 from lathe.serve.sampling import SamplingParams
 
 

@@ -36,7 +36,8 @@ from lathe.posttrain.rewards import Reward, load_reward, verifier
 from lathe.posttrain.tool_episodes import Episode, EpisodePrompt, EpisodeRunner
 from lathe.pretrain.runtime.precision import compute_dtype
 from lathe.pretrain.runtime.trainer import Runtime
-from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.config import EngineConfig
+from lathe.serve.engine import LLMEngine
 from lathe.serve.paged_cache import KVSlabs
 from lathe.serve.remote import LocalServer, RemoteEngine
 from lathe.serve.sampling import SamplingParams

@@ -85,10 +85,10 @@ from lathe.kernels.decode_linear import DecodeLinear
 from lathe.model.checkpoint import load_checkpoint, save_checkpoint
 from lathe.model.config import ModelConfig
 from lathe.model.transformer import Transformer
-from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.config import EngineConfig, SpeculativeConfig
+from lathe.serve.engine import LLMEngine
 from lathe.serve.quant import load_serving_model, perplexity
 from lathe.serve.sampling import SamplingParams
-from lathe.serve.speculative import SpeculativeConfig
 
 # timed passes per measurement, the best reported: on a shared machine one pass moves by ±30%
 REPEATS = 3

@@ -23,8 +23,8 @@ import torch
 
 from lathe.data.chat_encoding import chat_encoder
 from lathe.data.tool_runner import ToolRunner
+from lathe.serve.config import QuantMode
 from lathe.serve.engine import LLMEngine
-from lathe.serve.quant import QuantMode
 from lathe.serve.sampling import SamplingParams
 
 HELP = "commands: /reset (forget the conversation), /system TEXT (set the system prompt), /quit"

@@ -1,6 +1,8 @@
-"""`ServerConfig`: everything `lathe serve` is told — the server's own settings, its
-connection limits and its engine's — checked here once, whether it comes from flags
-(generated from these fields by `lathe.core.config.add_config_flags`), a YAML file or code."""
+"""The serving configs — `EngineConfig` (and the `SpeculativeConfig` it nests) and
+`ServerConfig`: everything `lathe serve` is told, the server's own settings, its connection
+limits and its engine's — checked here once, whether they come from flags (generated from
+these fields by `lathe.core.config.add_config_flags`), a YAML file or code. No torch here:
+a server's front end reads them too."""
 
 from __future__ import annotations
 
@@ -12,13 +14,140 @@ from typing import Literal
 from lathe.core.config import cli
 from lathe.core.errors import ConfigError
 from lathe.serve.connections import ConnectionLimits
-from lathe.serve.engine import EngineConfig
-from lathe.serve.quant import QuantMode
 from lathe.serve.reasoning import REASONING_PARSERS
 from lathe.serve.tool_calls import PARSERS
 
+DEFAULT_KV_MB = 2048  # the largest KV budget off-GPU when none is given (vLLM's CPU: 4 GiB)
+QuantMode = Literal["int8", "int4"]
 WeightDtype = Literal["auto", "float32", "bfloat16", "float16"]
 LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
+
+
+METHODS = ("draft", "ngram")
+
+
+@dataclass
+class SpeculativeConfig:
+    method: Literal["draft", "ngram"] = field(default="draft", metadata=cli(
+        "draft: --draft's model proposes; ngram: prompt lookup (default: draft when --draft "
+        "is given)", flag="--speculative", show_default=False))
+    num_speculative_tokens: int = field(default=4, metadata=cli(
+        "draft tokens verified per step"))
+    # the draft checkpoint (method draft; a caller may hand `LLMEngine` a model instead)
+    draft: Path | None = field(default=None, metadata=cli(
+        "draft model checkpoint sharing this model's tokenizer (e.g. the student of "
+        "`lathe distill`)", metavar="CKPT"))
+    prompt_lookup_min: int = field(default=1, metadata=cli(
+        "ngram: the shortest suffix looked up"))
+    prompt_lookup_max: int = field(default=4, metadata=cli(
+        "ngram: the longest suffix looked up (tried first)"))
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"speculative method={self.method!r} is not one of {METHODS}")
+        if self.method == "ngram" and self.draft is not None:
+            raise ConfigError("draft=... is for method=draft; prompt lookup (ngram) needs no "
+                              "draft model — drop one of them")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError(f"num_speculative_tokens={self.num_speculative_tokens} must be "
+                              "in [1, 16]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(f"prompt_lookup_min={self.prompt_lookup_min} and "
+                              f"prompt_lookup_max={self.prompt_lookup_max} need "
+                              "1 <= min <= max")
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = field(default=16, metadata=cli("tokens per KV cache block"))
+    num_blocks: int | None = field(default=None, metadata=cli(
+        "KV cache blocks (default: as many as the memory budget holds)"))
+    # KV budget, on any device (vLLM's kv_cache_memory_bytes). Unset: on CUDA the share of
+    # the card gpu_memory_utilization leaves; off-GPU what max_num_seqs sequences of the
+    # model's full length take, at most DEFAULT_KV_MB (a budget too small for the batch
+    # preempts under load: 256 MiB held 22 of 64 concurrent 160-token requests on a 88M model)
+    kv_cache_memory_mb: float | None = field(default=None, metadata=cli(
+        "KV budget, on a GPU too (default: on a GPU, the share --gpu-memory-utilization "
+        "leaves; off it, what --max-num-seqs sequences of the model's full length take, at "
+        f"most {DEFAULT_KV_MB} MiB)"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=cli(
+        "on a GPU without --kv-cache-memory-mb: the fraction of its memory to fill"))
+    max_num_seqs: int = field(default=64, metadata=cli("sequences running at once"))
+    max_num_batched_tokens: int = field(default=512, metadata=cli("tokens one step runs"))
+    # (Sarathi-Serve) the estimate is `lathe.serve.scheduler.StepCost`'s, a block's worth of
+    # prefill at least, so a burst of new prompts stalls the running streams by that much,
+    # not by a whole token budget of prefill
+    max_decode_stall: float = field(default=0.0, metadata=cli(
+        "with streams decoding, a step lasts at most this many decode-only steps: new "
+        "prompts' prefill is cut into chunks that fit, by the engine's running estimate of "
+        "each step's cost. Smoother streams, later first tokens: on an 88M model at 16 "
+        "concurrent requests, 4 cut the inter-token p99 from 312 to 144 ms but doubled the "
+        "time-to-first-token p99 and lost 27% of the throughput. 0: off, prefills take the "
+        "whole --max-num-batched-tokens"))
+    speculative: SpeculativeConfig | None = None
+    # through `lathe.serve.decode_graph` (on CPU short prefills and drafts too: steps whose
+    # every token attends through its block table); `LLMEngine.warm_up` builds them all, or
+    # each shape's first step pays its compile. Off in the class's default, where an engine
+    # may live for one evaluation (a training stage's); a server's turns it on
+    compile_decode: bool = field(default=False, metadata=cli(
+        "run every step eagerly (by default decode steps, and on CPU short prefills, run "
+        "compiled: one graph per batch-size bucket, CUDA graphs on CUDA, cached across "
+        "starts under $LATHE_CACHE_DIR, default ~/.cache/lathe)", negate="--enforce-eager"))
+    compile_in_background: bool = field(default=False, metadata=cli(
+        "build every compiled step before /health turns ok (no eager step after the start: "
+        "for benchmarks). By default, off CUDA, they are built on a thread of their own "
+        "while the server already answers eagerly, each batch size switching to its graphs "
+        "once built; on CUDA always first", negate="--compile-before-ready"))
+    # process-wide and for good (`lathe.serve.host_memory`). A training stage that generates
+    # between its steps turns it off: kept, a step's freed activations stay resident (a
+    # 57M-parameter LoRA SFT on CPU peaked at 1.24 GiB instead of 0.82)
+    retain_freed_memory: bool = field(default=True, metadata=cli(
+        "off CUDA, return freed memory to the system after each step (by default glibc "
+        "keeps it for the next: faster steps, a resident set that stays at its peak)"))
+    # (vLLM's num_scheduler_steps) what CPython spends per step is paid once per run of them;
+    # tokens are the same as one step at a time
+    decode_steps: int = field(default=1, metadata=cli(
+        "multi-step decoding: forward passes a decode-only step runs before scheduling and "
+        "streaming again (output streams in runs of this many tokens, and a request "
+        "arriving meanwhile waits for the run's end; not with speculative decoding)"))
+    # LoRA adapters served over the base in the same batch (`lathe.serve.adapters`)
+    max_loras: int = field(default=0, metadata=cli(
+        "adapter slots held at once, loaded at start or through /v1/load_lora_adapter "
+        "(0: a server takes one for each --lora)"))
+    max_lora_rank: int = field(default=16, metadata=cli(
+        "the highest adapter rank a slot takes"))
+    max_loaded_loras: int | None = field(default=None, metadata=cli(
+        "adapters held in host memory; loading one more unloads the least recently used idle "
+        "one (default: no limit)"))
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"num_blocks={self.num_blocks} must be >= 1 (or None: sized "
+                              "from the memory budget)")
+        if self.kv_cache_memory_mb is not None and not self.kv_cache_memory_mb > 0:
+            raise ConfigError(f"kv_cache_memory_mb={self.kv_cache_memory_mb} must be > 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must "
+                              "be in (0, 1]")
+        if self.max_decode_stall != 0 and not self.max_decode_stall > 1:
+            raise ConfigError(f"max_decode_stall={self.max_decode_stall} must be 0 (off) or "
+                              "more than 1 (a step that decodes lasts at least a decode step)")
+        if self.decode_steps < 1:
+            raise ConfigError(f"decode_steps={self.decode_steps} must be >= 1 (1: one "
+                              "forward pass per step)")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ConfigError(f"max_loras={self.max_loras} must be >= 0 and max_lora_rank="
+                              f"{self.max_lora_rank} >= 1")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < 1:
+            raise ConfigError(f"max_loaded_loras={self.max_loaded_loras} must be >= 1 (or "
+                              "None: no limit)")
+        if self.decode_steps > 1 and self.speculative is not None:
+            raise ConfigError(f"decode_steps={self.decode_steps} cannot be combined with "
+                              "speculative decoding, which already emits several tokens a "
+                              "step; set decode_steps=1 or turn speculative decoding off")
 
 
 def serving_engine() -> EngineConfig:

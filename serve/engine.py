@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,8 +35,6 @@ from tokenizers import Tokenizer
 from torch import Tensor
 
 from lathe.core.checkpoint_files import checkpoint_file, read_eos_ids
-from lathe.core.config import cli
-from lathe.core.errors import ConfigError
 from lathe.core.reporting import progress_bar
 from lathe.data.tokenizer import load_tokenizer, vocabulary_difference
 from lathe.kernels import configure_kernels
@@ -44,6 +42,7 @@ from lathe.model.checkpoint import CheckpointError, read_weights
 from lathe.model.transformer import Transformer
 from lathe.serve.adapters import AdapterError, AdapterSlots
 from lathe.serve.block_manager import BlockManager, blocks_for
+from lathe.serve.config import DEFAULT_KV_MB, EngineConfig, QuantMode, SpeculativeConfig
 from lathe.serve.decode_graph import Progress, batch_buckets
 from lathe.serve.grammar_check import GrammarChecker
 from lathe.serve.half_weights import activation_dtype
@@ -51,16 +50,15 @@ from lathe.serve.logprobs import TokenLogprob, requested_logprobs, token_logprob
 from lathe.serve.model_runner import ModelRunner, select_rows
 from lathe.serve.outputs import Completion, CompletionOutput, OutputProcessor, Pick, SequenceDelta
 from lathe.serve.paged_cache import KVSlabs
-from lathe.serve.quant import QuantMode, is_quantized, load_serving_model, weight_bytes
+from lathe.serve.quant import is_quantized, load_serving_model, weight_bytes
 from lathe.serve.sampling import SamplingBatch, SamplingParams, SamplingRow, sample
 from lathe.serve.scheduler import ScheduledBatch, Scheduler, StepCost
 from lathe.serve.sequence import Sequence, Status
-from lathe.serve.speculative import Draft, SpeculativeConfig, Speculator
+from lathe.serve.speculative import Draft, Speculator
 from lathe.serve.structured import Constraints, GrammarError, StructuredOutput, constrain
 
 log = logging.getLogger("lathe.serve")
 
-DEFAULT_KV_MB = 2048  # the largest KV budget off-GPU when none is given (vLLM's CPU: 4 GiB)
 
 
 class RequestError(ValueError):
@@ -134,99 +132,6 @@ def compile_structured(constraints: Constraints, spec: StructuredOutput) -> None
         constraints.compile(spec)
     except GrammarError as error:
         raise RequestError(f"the structured output does not compile: {error}") from None
-
-
-@dataclass
-class EngineConfig:
-    block_size: int = field(default=16, metadata=cli("tokens per KV cache block"))
-    num_blocks: int | None = field(default=None, metadata=cli(
-        "KV cache blocks (default: as many as the memory budget holds)"))
-    # KV budget, on any device (vLLM's kv_cache_memory_bytes). Unset: on CUDA the share of
-    # the card gpu_memory_utilization leaves; off-GPU what max_num_seqs sequences of the
-    # model's full length take, at most DEFAULT_KV_MB (a budget too small for the batch
-    # preempts under load: 256 MiB held 22 of 64 concurrent 160-token requests on a 88M model)
-    kv_cache_memory_mb: float | None = field(default=None, metadata=cli(
-        "KV budget, on a GPU too (default: on a GPU, the share --gpu-memory-utilization "
-        "leaves; off it, what --max-num-seqs sequences of the model's full length take, at "
-        f"most {DEFAULT_KV_MB} MiB)"))
-    gpu_memory_utilization: float = field(default=0.9, metadata=cli(
-        "on a GPU without --kv-cache-memory-mb: the fraction of its memory to fill"))
-    max_num_seqs: int = field(default=64, metadata=cli("sequences running at once"))
-    max_num_batched_tokens: int = field(default=512, metadata=cli("tokens one step runs"))
-    # (Sarathi-Serve) the estimate is `lathe.serve.scheduler.StepCost`'s, a block's worth of
-    # prefill at least, so a burst of new prompts stalls the running streams by that much,
-    # not by a whole token budget of prefill
-    max_decode_stall: float = field(default=0.0, metadata=cli(
-        "with streams decoding, a step lasts at most this many decode-only steps: new "
-        "prompts' prefill is cut into chunks that fit, by the engine's running estimate of "
-        "each step's cost. Smoother streams, later first tokens: on an 88M model at 16 "
-        "concurrent requests, 4 cut the inter-token p99 from 312 to 144 ms but doubled the "
-        "time-to-first-token p99 and lost 27% of the throughput. 0: off, prefills take the "
-        "whole --max-num-batched-tokens"))
-    speculative: SpeculativeConfig | None = None
-    # through `lathe.serve.decode_graph` (on CPU short prefills and drafts too: steps whose
-    # every token attends through its block table); `LLMEngine.warm_up` builds them all, or
-    # each shape's first step pays its compile. Off in the class's default, where an engine
-    # may live for one evaluation (a training stage's); a server's turns it on
-    compile_decode: bool = field(default=False, metadata=cli(
-        "run every step eagerly (by default decode steps, and on CPU short prefills, run "
-        "compiled: one graph per batch-size bucket, CUDA graphs on CUDA, cached across "
-        "starts under $LATHE_CACHE_DIR, default ~/.cache/lathe)", negate="--enforce-eager"))
-    compile_in_background: bool = field(default=False, metadata=cli(
-        "build every compiled step before /health turns ok (no eager step after the start: "
-        "for benchmarks). By default, off CUDA, they are built on a thread of their own "
-        "while the server already answers eagerly, each batch size switching to its graphs "
-        "once built; on CUDA always first", negate="--compile-before-ready"))
-    # process-wide and for good (`lathe.serve.host_memory`). A training stage that generates
-    # between its steps turns it off: kept, a step's freed activations stay resident (a
-    # 57M-parameter LoRA SFT on CPU peaked at 1.24 GiB instead of 0.82)
-    retain_freed_memory: bool = field(default=True, metadata=cli(
-        "off CUDA, return freed memory to the system after each step (by default glibc "
-        "keeps it for the next: faster steps, a resident set that stays at its peak)"))
-    # (vLLM's num_scheduler_steps) what CPython spends per step is paid once per run of them;
-    # tokens are the same as one step at a time
-    decode_steps: int = field(default=1, metadata=cli(
-        "multi-step decoding: forward passes a decode-only step runs before scheduling and "
-        "streaming again (output streams in runs of this many tokens, and a request "
-        "arriving meanwhile waits for the run's end; not with speculative decoding)"))
-    # LoRA adapters served over the base in the same batch (`lathe.serve.adapters`)
-    max_loras: int = field(default=0, metadata=cli(
-        "adapter slots held at once, loaded at start or through /v1/load_lora_adapter "
-        "(0: a server takes one for each --lora)"))
-    max_lora_rank: int = field(default=16, metadata=cli(
-        "the highest adapter rank a slot takes"))
-    max_loaded_loras: int | None = field(default=None, metadata=cli(
-        "adapters held in host memory; loading one more unloads the least recently used idle "
-        "one (default: no limit)"))
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ConfigError(f"num_blocks={self.num_blocks} must be >= 1 (or None: sized "
-                              "from the memory budget)")
-        if self.kv_cache_memory_mb is not None and not self.kv_cache_memory_mb > 0:
-            raise ConfigError(f"kv_cache_memory_mb={self.kv_cache_memory_mb} must be > 0")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError(f"gpu_memory_utilization={self.gpu_memory_utilization} must "
-                              "be in (0, 1]")
-        if self.max_decode_stall != 0 and not self.max_decode_stall > 1:
-            raise ConfigError(f"max_decode_stall={self.max_decode_stall} must be 0 (off) or "
-                              "more than 1 (a step that decodes lasts at least a decode step)")
-        if self.decode_steps < 1:
-            raise ConfigError(f"decode_steps={self.decode_steps} must be >= 1 (1: one "
-                              "forward pass per step)")
-        if self.max_loras < 0 or self.max_lora_rank < 1:
-            raise ConfigError(f"max_loras={self.max_loras} must be >= 0 and max_lora_rank="
-                              f"{self.max_lora_rank} >= 1")
-        if self.max_loaded_loras is not None and self.max_loaded_loras < 1:
-            raise ConfigError(f"max_loaded_loras={self.max_loaded_loras} must be >= 1 (or "
-                              "None: no limit)")
-        if self.decode_steps > 1 and self.speculative is not None:
-            raise ConfigError(f"decode_steps={self.decode_steps} cannot be combined with "
-                              "speculative decoding, which already emits several tokens a "
-                              "step; set decode_steps=1 or turn speculative decoding off")
 
 
 class LLMEngine:

@@ -54,8 +54,8 @@ import torch
 
 from lathe.core.errors import LatheError
 from lathe.kernels.cpu_native import build_status
-from lathe.serve.engine import EngineConfig, LLMEngine, RequestLimits
-from lathe.serve.quant import QuantMode
+from lathe.serve.config import EngineConfig, QuantMode
+from lathe.serve.engine import LLMEngine, RequestLimits
 
 log = logging.getLogger("lathe.serve")
 

@@ -30,8 +30,8 @@ from lathe.core.atomic import write_json
 from lathe.core.checkpoint_files import read_json_object
 from lathe.core.errors import ConfigError
 from lathe.data.chat_encoding import ChatEncoder, chat_encoder
-from lathe.serve.engine import EngineConfig, LLMEngine
-from lathe.serve.quant import QuantMode
+from lathe.serve.config import EngineConfig, QuantMode
+from lathe.serve.engine import LLMEngine
 from lathe.serve.sampling import SamplingParams
 
 try:  # lm-eval is optional: `pip install lm_eval` (or lathe's dev extra)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -52,10 +51,10 @@ from lathe.model.checkpoint import (
     read_model_config,
 )
 from lathe.model.transformer import Experts, MoE, Transformer, gated, run_each_expert
+from lathe.serve.config import QuantMode
 from lathe.serve.half_weights import use_half_weights
 from lathe.serve.host_memory import hold_in_huge_pages
 
-QuantMode = Literal["int8", "int4"]
 # a server's or chat's weight dtype by name (auto: the checkpoint's own)
 WEIGHT_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,

@@ -16,17 +16,14 @@ distribution is the target's exactly. Then one more token comes from the target 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Literal
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from lathe.core.config import cli
-from lathe.core.errors import ConfigError
 from lathe.model.transformer import Transformer
+from lathe.serve.config import SpeculativeConfig
 from lathe.serve.logprobs import sampled_logprobs
 from lathe.serve.model_runner import ModelRunner, StepItem
 from lathe.serve.outputs import Pick
@@ -40,39 +37,6 @@ from lathe.serve.sampling import (
     sampling_probs,
 )
 from lathe.serve.sequence import Sequence
-
-METHODS = ("draft", "ngram")
-
-
-@dataclass
-class SpeculativeConfig:
-    method: Literal["draft", "ngram"] = field(default="draft", metadata=cli(
-        "draft: --draft's model proposes; ngram: prompt lookup (default: draft when --draft "
-        "is given)", flag="--speculative", show_default=False))
-    num_speculative_tokens: int = field(default=4, metadata=cli(
-        "draft tokens verified per step"))
-    # the draft checkpoint (method draft; a caller may hand `LLMEngine` a model instead)
-    draft: Path | None = field(default=None, metadata=cli(
-        "draft model checkpoint sharing this model's tokenizer (e.g. the student of "
-        "`lathe distill`)", metavar="CKPT"))
-    prompt_lookup_min: int = field(default=1, metadata=cli(
-        "ngram: the shortest suffix looked up"))
-    prompt_lookup_max: int = field(default=4, metadata=cli(
-        "ngram: the longest suffix looked up (tried first)"))
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ConfigError(f"speculative method={self.method!r} is not one of {METHODS}")
-        if self.method == "ngram" and self.draft is not None:
-            raise ConfigError("draft=... is for method=draft; prompt lookup (ngram) needs no "
-                              "draft model — drop one of them")
-        if not 1 <= self.num_speculative_tokens <= 16:
-            raise ConfigError(f"num_speculative_tokens={self.num_speculative_tokens} must be "
-                              "in [1, 16]")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ConfigError(f"prompt_lookup_min={self.prompt_lookup_min} and "
-                              f"prompt_lookup_max={self.prompt_lookup_max} need "
-                              "1 <= min <= max")
 
 
 @dataclass

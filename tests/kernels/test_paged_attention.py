@@ -58,7 +58,8 @@ def test_split_kv_follows_the_context_length_and_the_batch_size():
 
 
 def test_engine_greedy_output_is_the_same_with_the_paged_kernel(monkeypatch):
-    from lathe.serve.engine import EngineConfig, LLMEngine
+    from lathe.serve.config import EngineConfig
+    from lathe.serve.engine import LLMEngine
     from lathe.serve.sampling import SamplingParams
     from tests.builders import serve_model
     g = torch.Generator().manual_seed(0)

@@ -144,7 +144,8 @@ def test_a_failed_build_warns_once_and_keeps_the_reference(monkeypatch, tmp_path
 
 
 def test_engine_greedy_tokens_match_the_gather_path():
-    from lathe.serve.engine import EngineConfig, LLMEngine
+    from lathe.serve.config import EngineConfig
+    from lathe.serve.engine import LLMEngine
     from lathe.serve.sampling import SamplingParams
     from tests.builders import serve_model
     g = torch.Generator().manual_seed(0)

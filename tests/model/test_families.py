@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from lathe.model import load_checkpoint, save_checkpoint
-from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.config import EngineConfig
+from lathe.serve.engine import LLMEngine
 from lathe.serve.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")

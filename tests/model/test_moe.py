@@ -249,7 +249,8 @@ def test_quantized_experts_serve_close_to_full_precision(tmp_path, mode, toleran
     """Every linear and every expert quantized (routers kept): logits within the mode's
     mean error, the weights a fraction of the bytes, and a quantized checkpoint reloads to
     the same model."""
-    from lathe.serve.engine import EngineConfig, LLMEngine
+    from lathe.serve.config import EngineConfig
+    from lathe.serve.engine import LLMEngine
     from lathe.serve.quant import (
         QuantizedExperts,
         load_serving_model,
@@ -280,9 +281,9 @@ def test_quantized_experts_serve_close_to_full_precision(tmp_path, mode, toleran
 def test_compiled_decode_and_speculation_serve_a_moe_as_eager_does(tmp_path):
     """The static-shape compiled decode step (expert counts in fixed slots, no host sync)
     and draft speculation give the eager engine's greedy tokens."""
-    from lathe.serve.engine import EngineConfig, LLMEngine
+    from lathe.serve.config import EngineConfig, SpeculativeConfig
+    from lathe.serve.engine import LLMEngine
     from lathe.serve.sampling import SamplingParams
-    from lathe.serve.speculative import SpeculativeConfig
 
     saved("qwen3_moe", tmp_path / "hf")
     model = load_checkpoint(tmp_path / "hf")
@@ -316,7 +317,8 @@ def test_lora_adapts_the_stacked_experts_and_merges_exactly(tmp_path):
         merge_lora,
         save_adapter,
     )
-    from lathe.serve.engine import EngineConfig, LLMEngine
+    from lathe.serve.config import EngineConfig
+    from lathe.serve.engine import LLMEngine
 
     config = ModelConfig.from_preset("tiny", family="mixtral", n_experts=4, n_layers=2,
                                      vocab_size=64)

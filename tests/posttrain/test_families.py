@@ -15,7 +15,8 @@ from lathe.core.cli import main
 from lathe.data.tokenizer import load_tokenizer
 from lathe.model import load_checkpoint
 from lathe.model.checkpoint import TOKENIZER_FILES, CheckpointError
-from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.config import EngineConfig
+from lathe.serve.engine import LLMEngine
 from lathe.serve.sampling import SamplingParams
 from tests.posttrain.conftest import quick
 from tests.posttrain.test_stages import preference_files

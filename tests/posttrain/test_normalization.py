@@ -15,7 +15,8 @@ from lathe.posttrain.grpo import per_token_logps
 from lathe.posttrain.sft import sft_loss
 from lathe.pretrain.runtime.config import LoggingConfig, OptimConfig, TrainConfig
 from lathe.pretrain.runtime.trainer import Runtime
-from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.config import EngineConfig
+from lathe.serve.engine import LLMEngine
 from lathe.serve.sampling import SamplingParams
 from tests.builders import reset_accelerate, tiny_model
 

@@ -11,7 +11,8 @@ from lathe.data.tokenizer import load_tokenizer
 from lathe.model import load_checkpoint
 from lathe.model.checkpoint import read_eos_ids
 from lathe.model.lora import AdapterMerger, LoraSection, adapter_pairs, adapter_weights, apply_lora
-from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.config import EngineConfig
+from lathe.serve.engine import LLMEngine
 from lathe.serve.sampling import SamplingParams
 
 

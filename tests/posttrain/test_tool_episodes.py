@@ -15,7 +15,8 @@ from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.config import ToolsConfig
 from lathe.posttrain.rollouts import Rollout, collate
 from lathe.posttrain.tool_episodes import EpisodePrompt, EpisodeRunner
-from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.config import EngineConfig
+from lathe.serve.engine import LLMEngine
 from lathe.serve.sampling import SamplingParams
 
 COUNTER = "tests.data.tools_for_tests:counter"

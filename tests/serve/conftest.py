@@ -17,9 +17,9 @@ import pytest
 
 from lathe.data.tokenizer import save_tokenizer, train_tokenizer
 from lathe.model import save_checkpoint
-from lathe.serve.config import ServerConfig
+from lathe.serve.config import EngineConfig, ServerConfig
 from lathe.serve.connections import LatheServer, uvicorn_config
-from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.engine import LLMEngine
 from lathe.serve.server import build_app
 from tests.builders import serve_model
 from tests.data.corpus import prose

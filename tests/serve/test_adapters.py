@@ -17,7 +17,8 @@ from lathe.core.errors import CheckpointError
 from lathe.model import load_checkpoint, save_checkpoint
 from lathe.model.lora import LoraSection, apply_lora, load_adapter, merge_lora, save_adapter
 from lathe.serve.adapters import AdapterError
-from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.config import EngineConfig
+from lathe.serve.engine import LLMEngine
 from lathe.serve.sampling import SamplingParams
 
 PROMPTS = ["The river flows past the old mill", "A garden of", "The river flows"]
@@ -238,7 +239,7 @@ def test_the_server_serves_adapters_by_model_name_and_loads_them_live(checkpoint
 
 
 def test_speculation_and_structured_outputs_work_per_adapter(checkpoint, adapters):
-    from lathe.serve.speculative import SpeculativeConfig
+    from lathe.serve.config import SpeculativeConfig
     from lathe.serve.structured import StructuredOutput
 
     folders, _ = adapters

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 
 from lathe.serve.async_engine import AsyncEngine, DeltaQueue
-from lathe.serve.engine import EngineConfig, LLMEngine, RequestError
+from lathe.serve.config import EngineConfig
+from lathe.serve.engine import LLMEngine, RequestError
 from lathe.serve.logprobs import TokenLogprob
 from lathe.serve.outputs import SequenceDelta
 from lathe.serve.sampling import SamplingParams

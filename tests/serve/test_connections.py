@@ -17,8 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from lathe.serve.config import EngineConfig
 from lathe.serve.connections import ConnectionLimits, raise_file_limit
-from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.engine import LLMEngine
 from tests.serve.conftest import start_server, wait_healthy
 
 BODY = {"model": "tiny", "prompt": "The", "max_tokens": 2}

@@ -21,7 +21,8 @@ from lathe.data.chat_template import read_chat_template
 from lathe.kernels import cpu_native
 from lathe.model.checkpoint import CheckpointError
 from lathe.serve.commands import serve_main
-from lathe.serve.engine import EngineConfig, LLMEngine, RequestError
+from lathe.serve.config import EngineConfig
+from lathe.serve.engine import LLMEngine, RequestError
 from lathe.serve.sampling import SamplingParams
 from tests.serve.conftest import API_KEY, start_server, wait_healthy
 

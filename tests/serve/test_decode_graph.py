@@ -16,11 +16,11 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from lathe.kernels.dispatch import kernels_off
+from lathe.serve.config import EngineConfig, SpeculativeConfig
 from lathe.serve.decode_graph import batch_buckets, cache_root, width_buckets
-from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.engine import LLMEngine
 from lathe.serve.quant import quantize_linears
 from lathe.serve.sampling import SamplingParams
-from lathe.serve.speculative import SpeculativeConfig
 from tests.builders import serve_model
 from tests.serve.conftest import served, start_server, wait_healthy
 from tests.serve.test_engine import prompts

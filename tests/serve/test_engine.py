@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lathe.serve.engine import EngineConfig, LLMEngine, RequestError
+from lathe.serve.config import EngineConfig
+from lathe.serve.engine import LLMEngine, RequestError
 from lathe.serve.sampling import SamplingError, SamplingParams
 from tests.builders import serve_model
 

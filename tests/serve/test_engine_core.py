@@ -19,7 +19,8 @@ import torch
 from lathe.model.checkpoint import CheckpointError
 from lathe.serve.adapters import AdapterError
 from lathe.serve.async_engine import AsyncEngine, EngineDead
-from lathe.serve.engine import EngineConfig, LLMEngine, RequestError
+from lathe.serve.config import EngineConfig
+from lathe.serve.engine import LLMEngine, RequestError
 from lathe.serve.engine_core import SMALL_WEIGHTS, EngineSpec, engine_threads
 from lathe.serve.sampling import SamplingParams
 

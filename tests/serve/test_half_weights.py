@@ -13,7 +13,8 @@ import torch
 from lathe.core.errors import ConfigError
 from lathe.kernels.cpu_native import load_cpu_kernels
 from lathe.model import save_checkpoint
-from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.config import EngineConfig
+from lathe.serve.engine import LLMEngine
 from lathe.serve.half_weights import WidenedEmbedding, activation_dtype, use_half_weights
 from lathe.serve.quant import Int8Linear, load_serving_model
 from lathe.serve.sampling import SamplingParams

@@ -12,9 +12,9 @@ import torch
 
 from lathe.core.errors import ConfigError
 from lathe.serve.commands import serve_main
-from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.config import EngineConfig, SpeculativeConfig
+from lathe.serve.engine import LLMEngine
 from lathe.serve.sampling import SamplingParams
-from lathe.serve.speculative import SpeculativeConfig
 from tests.builders import serve_model
 from tests.serve.conftest import start_server, wait_healthy
 from tests.serve.test_engine import engine_for, naive_greedy, prompts

@@ -21,7 +21,8 @@ import torch
 from tokenizers import AddedToken, Tokenizer
 
 from lathe.model import load_checkpoint, save_checkpoint
-from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.config import EngineConfig
+from lathe.serve.engine import LLMEngine
 from lathe.serve.reasoning import ReasoningStream, reasoning_parser
 from lathe.serve.structured import Constraints, Literals
 from lathe.serve.tool_calls import tool_call_parser

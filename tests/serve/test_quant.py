@@ -11,7 +11,8 @@ from lathe.core.cli import main
 from lathe.kernels.quant_matmul import dequantize_int4, dequantize_int8
 from lathe.model import load_checkpoint
 from lathe.model.checkpoint import CheckpointError
-from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.config import EngineConfig
+from lathe.serve.engine import LLMEngine
 from lathe.serve.quant import (
     Int4Linear,
     Int8Linear,

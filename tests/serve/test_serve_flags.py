@@ -11,8 +11,7 @@ import pytest
 import lathe.serve.server
 from lathe.core.errors import ConfigError
 from lathe.serve.commands import serve_main
-from lathe.serve.config import ServerConfig, serving_engine
-from lathe.serve.engine import EngineConfig
+from lathe.serve.config import EngineConfig, ServerConfig, serving_engine
 
 
 def leaf_fields(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Field]]:

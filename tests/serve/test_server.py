@@ -11,7 +11,8 @@ import openai
 import pytest
 
 from lathe.data.tokenizer import load_tokenizer
-from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.config import EngineConfig
+from lathe.serve.engine import LLMEngine
 from tests.serve.conftest import API_KEY, served, start_server, wait_healthy
 
 

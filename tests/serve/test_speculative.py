@@ -13,10 +13,11 @@ from lathe.data.tokenizer import save_tokenizer, train_tokenizer
 from lathe.model import save_checkpoint
 from lathe.model.checkpoint import CheckpointError
 from lathe.serve import speculative
-from lathe.serve.engine import EngineConfig, LLMEngine, RequestError
+from lathe.serve.config import EngineConfig, SpeculativeConfig
+from lathe.serve.engine import LLMEngine, RequestError
 from lathe.serve.sampling import SamplingParams
 from lathe.serve.sequence import Sequence
-from lathe.serve.speculative import Draft, NgramProposer, SpeculativeConfig
+from lathe.serve.speculative import Draft, NgramProposer
 from tests.builders import serve_model
 from tests.serve.conftest import start_server, wait_healthy
 from tests.serve.test_engine import prompts

@@ -12,10 +12,10 @@ import jsonschema
 import openai
 import pytest
 
-from lathe.serve.engine import EngineConfig, LLMEngine
+from lathe.serve.config import EngineConfig, SpeculativeConfig
+from lathe.serve.engine import LLMEngine
 from lathe.serve.protocol import ChatCompletionRequest, ProtocolError
 from lathe.serve.sampling import SamplingParams
-from lathe.serve.speculative import SpeculativeConfig
 from lathe.serve.structured import MAX_SPEC_CHARS, Literals, StructuredOutput
 from tests.builders import serve_model
 

@@ -16,7 +16,7 @@ import torch
 from lathe.model import load_checkpoint
 from lathe.model.checkpoint import write_weights
 from lathe.model.generate import generate
-from lathe.serve.engine import EngineConfig
+from lathe.serve.config import EngineConfig
 from tests.serve.conftest import API_KEY, served
 
 PROMPT = "The river flows past the old mill"
