@@ -36,12 +36,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from lathe.serve.adapters import AdapterError
-from lathe.serve.engine import (
-    LLMEngine,
-    RequestError,
-    compile_structured,
-    structured_constraints,
-)
+from lathe.serve.engine import LLMEngine, compile_structured, structured_constraints
 from lathe.serve.engine_core import (
     ABORT,
     ADD,
@@ -60,6 +55,7 @@ from lathe.serve.engine_core import (
     serve_engine,
 )
 from lathe.serve.outputs import SequenceDelta
+from lathe.serve.request_checks import RequestError
 from lathe.serve.sampling import SamplingParams
 from lathe.serve.structured import Constraints, StructuredOutput
 
@@ -238,23 +234,34 @@ class AsyncEngine:
         self.constraints.compile(spec)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
-               request_id: str | None = None, adapter: str | None = None) -> str:
+               adapter: str | None = None) -> str:
         """Queue a request, on the LoRA adapter named `adapter` if given, now (raising
         `EngineDead`, `RequestError`, `AdapterError` or `QueueFull` at once); read its
         deltas with `results`."""
+        return self.submit_all([prompt_ids], [params], adapter)[0]
+
+    def submit_all(self, prompts: list[list[int]], params: list[SamplingParams],
+                   adapter: str | None = None) -> list[str]:
+        """Queue a request per prompt (a completions call's list of prompts), all of them or
+        none: every one is checked here first — the one place a served request is checked;
+        the core takes what this sends as checked."""
         if self.dead is not None:
             raise self.dead
-        self.validate(prompt_ids, params)
+        for prompt_ids, p in zip(prompts, params, strict=True):
+            self.validate(prompt_ids, p)
         if adapter is not None and adapter not in self._adapters:
             raise AdapterError(f"no adapter named {adapter!r} is loaded")
-        if self.num_waiting >= self.max_waiting:
+        if self.num_waiting + len(prompts) > self.max_waiting:
             raise QueueFull(f"{self.num_waiting} requests are already waiting "
                             f"(max_waiting={self.max_waiting}); retry later")
-        request_id = request_id or f"async-{next(self._ids)}"
-        self._send((ADD, request_id, prompt_ids, params, adapter))
-        self._queues[request_id] = DeltaQueue()
-        self._unstarted.add(request_id)
-        return request_id
+        request_ids = []
+        for prompt_ids, p in zip(prompts, params, strict=True):
+            request_id = f"async-{next(self._ids)}"
+            self._send((ADD, request_id, prompt_ids, p, adapter))
+            self._queues[request_id] = DeltaQueue()
+            self._unstarted.add(request_id)
+            request_ids.append(request_id)
+        return request_ids
 
     async def add_adapter(self, name: str, path: str | Path) -> None:
         """Load an adapter (read and checked by the core, between steps); running requests

@@ -27,7 +27,6 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,7 +40,7 @@ from lathe.kernels import configure_kernels
 from lathe.model.checkpoint import CheckpointError, read_weights
 from lathe.model.transformer import Transformer
 from lathe.serve.adapters import AdapterError, AdapterSlots
-from lathe.serve.block_manager import BlockManager, blocks_for
+from lathe.serve.block_manager import BlockManager
 from lathe.serve.config import DEFAULT_KV_MB, EngineConfig, QuantMode, SpeculativeConfig
 from lathe.serve.decode_graph import Progress, batch_buckets
 from lathe.serve.grammar_check import GrammarChecker
@@ -51,6 +50,7 @@ from lathe.serve.model_runner import ModelRunner, select_rows
 from lathe.serve.outputs import Completion, CompletionOutput, OutputProcessor, Pick, SequenceDelta
 from lathe.serve.paged_cache import KVSlabs
 from lathe.serve.quant import is_quantized, load_serving_model, weight_bytes
+from lathe.serve.request_checks import RequestError, RequestLimits
 from lathe.serve.sampling import SamplingBatch, SamplingParams, SamplingRow, sample
 from lathe.serve.scheduler import ScheduledBatch, Scheduler, StepCost
 from lathe.serve.sequence import Sequence, Status
@@ -59,58 +59,6 @@ from lathe.serve.structured import Constraints, GrammarError, StructuredOutput, 
 
 log = logging.getLogger("lathe.serve")
 
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve as given (the message names field and limit)."""
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """What every request must fit to be served by one engine: its vocabulary, context
-    length, KV cache and tokenizer. Checked by the engine and, before a request crosses to
-    the engine core's process, by the server's front end (`lathe.serve.async_engine`)."""
-
-    vocab_size: int
-    max_model_len: int
-    block_size: int
-    num_blocks: int
-    has_tokenizer: bool
-
-    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise `RequestError` for a request that could never complete (a structured
-        output's grammar is checked by whoever holds the `Constraints`)."""
-        vocab = self.vocab_size
-        if not prompt_ids:
-            raise RequestError("prompt is empty: give at least one token")
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary "
-                               f"[0, {vocab})")
-        total = len(prompt_ids) + params.max_tokens - params.score_only
-        if total > self.max_model_len:
-            raise RequestError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the "
-                f"prompt has {len(prompt_ids)} tokens and max_tokens is {params.max_tokens} "
-                f"({total} in all); shorten the prompt or lower max_tokens")
-        blocks = blocks_for(total, self.block_size)
-        if blocks > self.num_blocks:
-            raise RequestError(f"prompt + max_tokens = {total} tokens need {blocks} KV blocks but "
-                               f"the cache has {self.num_blocks}; lower max_tokens "
-                               "or give the engine a larger KV budget")
-        if params.stop and not self.has_tokenizer:
-            raise RequestError("stop strings need a tokenizer; this checkpoint has none "
-                               "(use stop_token_ids)")
-        for name, ids in (("logit_bias", list(params.logit_bias)),
-                          ("allowed_token_ids", params.allowed_token_ids or []),
-                          ("bad_words", [t for word in params.bad_words_ids for t in word])):
-            outside = [t for t in ids if not 0 <= t < vocab]
-            if outside:
-                raise RequestError(f"{name} token ids {outside[:5]} are outside the "
-                                   f"vocabulary [0, {vocab})")
-        if params.structured is not None and params.ignore_eos:
-            raise RequestError("ignore_eos cannot be combined with a structured output, "
-                               "which ends at EOS once complete")
 
 
 def structured_constraints(tokenizer: Tokenizer | None, vocab_size: int,
@@ -307,13 +255,16 @@ class LLMEngine:
         self.adapters.remove(name)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, adapter: str | None = None) -> str:
+                    request_id: str | None = None, adapter: str | None = None,
+                    checked: bool = False) -> str:
         """Queue a request (n sequences), on the LoRA adapter named `adapter` if given;
-        returns its id."""
+        returns its id. `checked`: a server's front end has checked it against `limits`
+        and compiled its structured output already (`AsyncEngine.submit_all`)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        self.validate(prompt_ids, params)
+        if not checked:
+            self.validate(prompt_ids, params)
         if params.min_tokens:
             params = dataclasses.replace(params, min_tokens_stop_ids=tuple(sorted(
                 self.eos_token_ids | set(params.stop_token_ids))))

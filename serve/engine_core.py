@@ -55,7 +55,8 @@ import torch
 from lathe.core.errors import LatheError
 from lathe.kernels.cpu_native import build_status
 from lathe.serve.config import EngineConfig, QuantMode
-from lathe.serve.engine import LLMEngine, RequestLimits
+from lathe.serve.engine import LLMEngine
+from lathe.serve.request_checks import RequestLimits
 
 log = logging.getLogger("lathe.serve")
 
@@ -230,7 +231,7 @@ class EngineCore:
         if kind == ADD:
             _, request_id, prompt_ids, params, adapter = message
             try:
-                self.engine.add_request(prompt_ids, params, request_id, adapter)
+                self.engine.add_request(prompt_ids, params, request_id, adapter, checked=True)
             except Exception as error:  # this request fails alone
                 self.engine.abort(request_id)
                 self.send((REJECTED, request_id, portable(error)))

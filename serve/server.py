@@ -55,7 +55,7 @@ from lathe.serve.connections import (
     raise_file_limit,
     uvicorn_config,
 )
-from lathe.serve.engine import LLMEngine, RequestError
+from lathe.serve.engine import LLMEngine
 from lathe.serve.engine_core import EngineSpec, freeze_startup_heap
 from lathe.serve.metrics import RequestTimer, ServerMetrics
 from lathe.serve.outputs import CompletionOutput
@@ -72,6 +72,7 @@ from lathe.serve.protocol import (
 from lathe.serve.quant import WEIGHT_DTYPES
 from lathe.serve.reasoning import ReasoningParser, reasoning_parser, template_reasoning_parser
 from lathe.serve.replies import ReplyFormat
+from lathe.serve.request_checks import RequestError
 from lathe.serve.sampling import SamplingError, SamplingParams
 from lathe.serve.structured import GrammarError, Literals, StructuredOutput
 from lathe.serve.tool_calls import tool_call_parser
@@ -686,20 +687,12 @@ async def _respond(request: Request, engine: AsyncEngine, metrics: ServerMetrics
     """Submit one request per prompt and answer with their n completions each, as JSON or
     as Server-Sent Events. `echoes`: the prompts to put in front (completions `echo`);
     `score_only`: drop the one generated token (echo with max_tokens=0)."""
-    request_ids: list[str] = []
     adapter = body.model if body.model in engine.adapter_names else None
     try:
-        for prompt, p in zip(prompts, params, strict=True):
-            engine.validate(prompt, p)
-        for prompt, p in zip(prompts, params, strict=True):
-            request_ids.append(engine.submit(prompt, p, adapter=adapter))
+        request_ids = engine.submit_all(prompts, params, adapter)
     except AdapterError as error:  # unloaded since the request arrived
-        for request_id in request_ids:
-            engine.abort(request_id)
         raise APIError(404, str(error), param="model", code="model_not_found") from None
     except (RequestError, QueueFull, EngineDead) as error:
-        for request_id in request_ids:  # the prompts accepted before the one that failed
-            engine.abort(request_id)
         if isinstance(error, QueueFull):
             raise APIError(429, str(error), kind="rate_limit_exceeded") from None
         if isinstance(error, EngineDead):

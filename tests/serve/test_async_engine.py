@@ -8,9 +8,10 @@ import asyncio
 
 from lathe.serve.async_engine import AsyncEngine, DeltaQueue
 from lathe.serve.config import EngineConfig
-from lathe.serve.engine import LLMEngine, RequestError
+from lathe.serve.engine import LLMEngine
 from lathe.serve.logprobs import TokenLogprob
 from lathe.serve.outputs import SequenceDelta
+from lathe.serve.request_checks import RequestError
 from lathe.serve.sampling import SamplingParams
 
 

@@ -22,7 +22,8 @@ from lathe.kernels import cpu_native
 from lathe.model.checkpoint import CheckpointError
 from lathe.serve.commands import serve_main
 from lathe.serve.config import EngineConfig
-from lathe.serve.engine import LLMEngine, RequestError
+from lathe.serve.engine import LLMEngine
+from lathe.serve.request_checks import RequestError
 from lathe.serve.sampling import SamplingParams
 from tests.serve.conftest import API_KEY, start_server, wait_healthy
 
@@ -312,10 +313,10 @@ def test_a_request_the_engine_refuses_at_admission_fails_alone(checkpoint):
     engine = LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=32))
     add = engine.add_request
 
-    def refuse_long_prompts(prompt_ids, params, request_id=None, adapter=None):
+    def refuse_long_prompts(prompt_ids, params, request_id=None, adapter=None, checked=False):
         if len(prompt_ids) > 20:  # stands in for any per-request failure at admission
             raise ValueError("this prompt cannot be admitted")
-        return add(prompt_ids, params, request_id, adapter)
+        return add(prompt_ids, params, request_id, adapter, checked)
 
     engine.add_request = refuse_long_prompts
     server, thread, url = start_server(checkpoint, lambda: engine)
@@ -338,6 +339,32 @@ def test_a_request_the_engine_refuses_at_admission_fails_alone(checkpoint):
         assert '"error"' in results["bad-stream"].text
         assert results["bad-stream"].text.rstrip().endswith("data: [DONE]")
         assert httpx.get(f"{url}/health").status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_a_served_request_is_checked_once_and_a_list_of_prompts_all_or_none(checkpoint,
+                                                                          monkeypatch):
+    """The front end checks each prompt once, before any is queued; the core takes them as
+    checked; one prompt that cannot fit fails the whole call, leaving nothing queued."""
+    from lathe.serve.request_checks import RequestLimits
+    checked = []
+    check = RequestLimits.check
+    monkeypatch.setattr(RequestLimits, "check",
+                        lambda self, ids, params: (checked.append(len(ids)),
+                                                   check(self, ids, params))[1])
+    engine = LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=32))
+    server, thread, url = start_server(checkpoint, lambda: engine)
+    try:
+        wait_healthy(url)
+        body = {"model": "tiny", "prompt": [[5] * 3, [5] * 4], "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
+        assert sorted(checked) == [3, 4]
+        body["prompt"] = [[5] * 3, [5] * (engine.max_model_len + 1)]
+        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert answer.status_code == 400 and "maximum context length" in answer.text
+        assert engine.num_waiting == engine.num_running == 0 and not engine.requests
     finally:
         server.should_exit = True
         thread.join(timeout=10)

@@ -11,7 +11,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from lathe.serve.config import EngineConfig
-from lathe.serve.engine import LLMEngine, RequestError
+from lathe.serve.engine import LLMEngine
+from lathe.serve.request_checks import RequestError
 from lathe.serve.sampling import SamplingError, SamplingParams
 from tests.builders import serve_model
 

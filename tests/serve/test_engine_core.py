@@ -20,8 +20,9 @@ from lathe.model.checkpoint import CheckpointError
 from lathe.serve.adapters import AdapterError
 from lathe.serve.async_engine import AsyncEngine, EngineDead
 from lathe.serve.config import EngineConfig
-from lathe.serve.engine import LLMEngine, RequestError
+from lathe.serve.engine import LLMEngine
 from lathe.serve.engine_core import SMALL_WEIGHTS, EngineSpec, engine_threads
+from lathe.serve.request_checks import RequestError
 from lathe.serve.sampling import SamplingParams
 
 CONFIG = EngineConfig(num_blocks=64)

@@ -14,7 +14,8 @@ from lathe.model import save_checkpoint
 from lathe.model.checkpoint import CheckpointError
 from lathe.serve import speculative
 from lathe.serve.config import EngineConfig, SpeculativeConfig
-from lathe.serve.engine import LLMEngine, RequestError
+from lathe.serve.engine import LLMEngine
+from lathe.serve.request_checks import RequestError
 from lathe.serve.sampling import SamplingParams
 from lathe.serve.sequence import Sequence
 from lathe.serve.speculative import Draft, NgramProposer
