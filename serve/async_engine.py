@@ -36,7 +36,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from lathe.serve.adapters import AdapterError
-from lathe.serve.engine import LLMEngine, compile_structured, structured_constraints
+from lathe.serve.engine import LLMEngine
 from lathe.serve.engine_core import (
     ABORT,
     ADD,
@@ -57,7 +57,12 @@ from lathe.serve.engine_core import (
 from lathe.serve.outputs import SequenceDelta
 from lathe.serve.request_checks import RequestError
 from lathe.serve.sampling import SamplingParams
-from lathe.serve.structured import Constraints, StructuredOutput
+from lathe.serve.structured import (
+    Constraints,
+    StructuredOutput,
+    compile_structured,
+    structured_constraints,
+)
 
 log = logging.getLogger("lathe.serve")
 

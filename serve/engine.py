@@ -24,7 +24,6 @@ import dataclasses
 import gc
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -43,7 +42,6 @@ from lathe.serve.adapters import AdapterError, AdapterSlots
 from lathe.serve.block_manager import BlockManager
 from lathe.serve.config import DEFAULT_KV_MB, EngineConfig, QuantMode, SpeculativeConfig
 from lathe.serve.decode_graph import Progress, batch_buckets
-from lathe.serve.grammar_check import GrammarChecker
 from lathe.serve.half_weights import activation_dtype
 from lathe.serve.logprobs import TokenLogprob, requested_logprobs, token_logprobs
 from lathe.serve.model_runner import ModelRunner, select_rows
@@ -51,35 +49,15 @@ from lathe.serve.outputs import Completion, CompletionOutput, OutputProcessor, P
 from lathe.serve.paged_cache import KVSlabs
 from lathe.serve.quant import is_quantized, load_serving_model, weight_bytes
 from lathe.serve.request_checks import RequestError, RequestLimits
-from lathe.serve.sampling import SamplingBatch, SamplingParams, SamplingRow, sample
+from lathe.serve.sampler import Sampler
+from lathe.serve.sampling import SamplingParams
 from lathe.serve.scheduler import ScheduledBatch, Scheduler, StepCost
 from lathe.serve.sequence import Sequence, Status
-from lathe.serve.speculative import Draft, Speculator
-from lathe.serve.structured import Constraints, GrammarError, StructuredOutput, constrain
+from lathe.serve.speculative import Speculator
+from lathe.serve.structured import compile_structured
 
 log = logging.getLogger("lathe.serve")
 
-
-
-def structured_constraints(tokenizer: Tokenizer | None, vocab_size: int,
-                           eos_token_ids: Iterable[int], checked: bool = False) -> Constraints:
-    """The structured-output matchers over a checkpoint's tokenizer; `RequestError` where
-    the checkpoint cannot have them. `checked`: each new grammar is compiled in a child
-    process first (a server's gate: some grammars crash llguidance)."""
-    eos = set(eos_token_ids)
-    if tokenizer is None or not eos:
-        raise RequestError("structured outputs need the checkpoint's tokenizer.json and an "
-                           "EOS token id; this checkpoint lacks one")
-    checker = GrammarChecker(tokenizer.to_str(), vocab_size, sorted(eos)) if checked else None
-    return Constraints(tokenizer, vocab_size, eos, checker)
-
-
-def compile_structured(constraints: Constraints, spec: StructuredOutput) -> None:
-    """Compile `spec` (cached in `constraints`); `RequestError` when it does not."""
-    try:
-        constraints.compile(spec)
-    except GrammarError as error:
-        raise RequestError(f"the structured output does not compile: {error}") from None
 
 
 class LLMEngine:
@@ -134,11 +112,8 @@ class LLMEngine:
                        "kv_cache_bytes": self.slabs.nbytes + (
                            0 if draft_slabs is None else draft_slabs.nbytes)}
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
-        self._constraints: Constraints | None = None  # built by the first structured request
-        # sequences whose grammar matcher failed on a token its mask allowed (llguidance's
-        # lexer limits): each ends alone, with the reason, at the end of the step
-        self._broken: dict[Sequence, str] = {}
-        self._constraints_lock = threading.Lock()  # the server's threads may build it
+        self.sampler = Sampler(tokenizer, model.config.vocab_size, self.eos_token_ids,
+                               self.device)
         self.requests: dict[str, list[Sequence]] = {}
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
@@ -199,16 +174,6 @@ class LLMEngine:
                                f"of {per_block / 2**20:.2f} MiB: {where}")
         return blocks
 
-    @property
-    def constraints(self) -> Constraints:
-        """The structured-output matchers over this checkpoint's tokenizer (built on first
-        use: llguidance reads the whole vocabulary)."""
-        with self._constraints_lock:
-            if self._constraints is None:
-                self._constraints = structured_constraints(
-                    self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
-            return self._constraints
-
     # requests ---------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -229,7 +194,7 @@ class LLMEngine:
         """Raise `RequestError` for a request this engine could never complete."""
         self.limits.check(prompt_ids, params)
         if params.structured is not None:
-            compile_structured(self.constraints, params.structured)
+            compile_structured(self.sampler.constraints, params.structured)
 
     def add_adapter(self, name: str, path: str | Path) -> list[str]:
         """Load a LoRA adapter folder, to be named by requests; the names loaded after it
@@ -284,7 +249,7 @@ class LLMEngine:
                 seq.adapter, seq.cache_root = adapter, self.adapters.root(adapter)
             self.outputs.add(seq)
             if params.structured is not None:
-                self.constraints.start(seq, params.structured)
+                self.sampler.constraints.start(seq, params.structured)
             self.scheduler.add(seq)
         self.requests[request_id] = seqs
         self.prompt_tokens_total += len(prompt_ids) * params.n
@@ -302,8 +267,7 @@ class LLMEngine:
         self.runner.release(seq)
         if self.speculator is not None:
             self.speculator.release(seq)
-        if self._constraints is not None:
-            self._constraints.release(seq)
+        self.sampler.release(seq)
         if seq.adapter is not None and seq.adapter_slot >= 0:  # once, if it was admitted
             self.adapters.release(seq.adapter)
             seq.adapter = None
@@ -352,7 +316,7 @@ class LLMEngine:
     def _emit(self, seq: Sequence, picks: list[Pick]) -> SequenceDelta:
         """The step's tokens of `seq` as a delta; a sequence they finish is let go, and one
         whose constraint broke ends with finish_reason "error" and the reason."""
-        error = self._broken.pop(seq, None)
+        error = self.sampler.broken.pop(seq, None)
         if error is not None:
             self.outputs.remove(seq)
             self._finish(seq, "error")
@@ -370,8 +334,7 @@ class LLMEngine:
         that reached its end emits."""
         drafts = self.speculator.propose(batch.items, batch.lookahead) \
             if self.speculator is not None else {}
-        if self._constraints is not None:
-            drafts = self._grammar_drafts(drafts)
+        drafts = self.sampler.cut_drafts(drafts)
         work = []
         for seq, count in batch.items:
             start = seq.num_computed
@@ -412,10 +375,13 @@ class LLMEngine:
             seq.prompt_logprobs += token_logprobs(logits[at:at + last - first],
                                                   seq.prompt_ids[first + 1:last + 1],
                                                   seq.params.prompt_logprobs or 0)
-        picks = dict(zip(sampled, ([pick] for pick in self._sample(
+        picks = dict(zip(sampled, ([pick] for pick in self.sampler.sample(
             sampled, select_rows(logits, sample_rows))), strict=True))
         if verified:
-            picks.update(self._verify(verified, drafts, logits))
+            drawn = self.sampler.draft_logits(verified, drafts, logits)
+            accepted = self.speculator.verify(verified, drafts, logits, drawn)
+            self.sampler.accepted(accepted)
+            picks.update(accepted)
         return picks
 
     def _adapter_rows(self, slots: list[int] | None) -> contextlib.AbstractContextManager:
@@ -424,48 +390,6 @@ class LLMEngine:
         if slots is None or self.adapters is None:
             return contextlib.nullcontext()
         return self.adapters.rows(slots, self.device)
-
-    def _grammar_drafts(self, drafts: dict[Sequence, Draft]) -> dict[Sequence, Draft]:
-        """Drafts of constrained sequences cut to what their grammar takes (a sequence left
-        with none samples as usual)."""
-        kept = {}
-        for seq, draft in drafts.items():
-            if seq.params.structured is not None:
-                n = self.constraints.valid_prefix(seq, draft.tokens)
-                if n < len(draft.tokens):
-                    draft = Draft(draft.tokens[:n], None if draft.probs is None
-                                  else draft.probs[:n])
-            if draft.tokens or seq.params.structured is None:
-                kept[seq] = draft
-        return kept
-
-    def _verify(self, verified: list[tuple[Sequence, int]], drafts: dict[Sequence, Draft],
-                logits: Tensor) -> dict[Sequence, list[Pick]]:
-        """The `Speculator`'s verification, constrained sequences checked against their
-        grammar's masks along the draft, and their matchers fed what they emit."""
-        constrained = [(seq, at) for seq, at in verified if seq.params.structured is not None]
-        drawn = None
-        if constrained:
-            rows = [row for seq, at in constrained
-                    for row in range(at, at + len(drafts[seq].tokens) + 1)]
-            masks = torch.cat([self.constraints.draft_masks(seq, drafts[seq].tokens)
-                               for seq, _ in constrained])
-            drawn = constrain(logits, rows, masks)
-        picks = self.speculator.verify(verified, drafts, logits, drawn)
-        for seq, _ in constrained:
-            for token, _ in picks[seq]:
-                self._advance(seq, token)
-        return picks
-
-    def _advance(self, seq: Sequence, token: int) -> None:
-        """Feed a constrained sequence's matcher its token; a failure ends that sequence
-        alone (`_emit`), never the step."""
-        if seq in self._broken:
-            return
-        try:
-            self.constraints.advance(seq, token)
-        except GrammarError as error:
-            self._broken[seq] = f"the structured output could not go on: {error}"
 
     def _decode_steps(self, batch: ScheduledBatch) -> int:
         """How many forward passes a step runs: up to `decode_steps` when every scheduled
@@ -489,7 +413,7 @@ class LLMEngine:
         without a trip through Python lists, and no scheduling, detokenizing or stop checks
         between them: what each sequence emits (`_append` drops whatever follows a token
         that ends it)."""
-        sampling = self._sampling_batch(seqs)
+        sampling = self.sampler.batch(seqs)
         starts = [seq.num_computed for seq in seqs]
         ids, views = self.runner.prepare_decodes(
             [(seq, at, seq.tokens(at, at + 1)) for seq, at in zip(seqs, starts, strict=True)],
@@ -503,7 +427,7 @@ class LLMEngine:
         for view in views:
             with self._adapter_rows(adapter_slots):
                 logits = self.runner.run(ids, view, rows)
-            tokens = self._draw(seqs, logits, sampling)
+            tokens = self.sampler.draw(seqs, logits, sampling)
             drawn.append(tokens)
             logprobs.append(requested_logprobs(params, logits, tokens.tolist()) if wanted
                             else [None] * len(seqs))
@@ -513,30 +437,6 @@ class LLMEngine:
         by_step = torch.stack(drawn).tolist()
         return {seq: [(by_step[k][i], logprobs[k][i]) for k in range(steps)]
                 for i, seq in enumerate(seqs)}
-
-    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        return SamplingBatch([SamplingRow(seq.params, seq.prompt_ids, seq.output_ids,
-                                          seq.generator) for seq in seqs], self.device)
-
-    def _sample(self, seqs: list[Sequence], logits: Tensor) -> list[Pick]:
-        """Every sampled row of the step in one batched draw, and the log-probs of the rows
-        that asked for them, of the model's own distribution, in one more pass."""
-        tokens = self._draw(seqs, logits, self._sampling_batch(seqs)).tolist()
-        return list(zip(tokens, requested_logprobs([seq.params for seq in seqs], logits,
-                                                   tokens), strict=True))
-
-    def _draw(self, seqs: list[Sequence], logits: Tensor, sampling: SamplingBatch) -> Tensor:
-        """One token per row; rows with a structured output drawn from what it allows next,
-        and their matchers fed the draw (which brings those rows' tokens to the host: a
-        multi-step run with constrained rows waits on each pass)."""
-        constrained = [i for i, seq in enumerate(seqs) if seq.params.structured is not None]
-        if not constrained:
-            return sample(logits, sampling)
-        allowed = self.constraints.allowed_mask([seqs[i] for i in constrained])
-        tokens = sample(constrain(logits, constrained, allowed), sampling)
-        for i, token in zip(constrained, tokens[constrained].tolist(), strict=True):
-            self._advance(seqs[i], token)
-        return tokens
 
     # offline API and weights ------------------------------------------------------------
 

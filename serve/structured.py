@@ -39,6 +39,7 @@ from tokenizers import Tokenizer
 from torch import Tensor
 
 from lathe.serve.grammar_check import LIMITS, GrammarChecker, GrammarRefused
+from lathe.serve.request_checks import RequestError
 
 MAX_SPEC_CHARS = 64 * 1024  # a schema, regex, grammar or choice list past this is refused
 CACHE_SIZE = 256
@@ -234,3 +235,23 @@ def constrain(logits: Tensor, rows: list[int], allowed: Tensor) -> Tensor:
     masked[index, vocab:] = float("-inf")
     return masked
 
+
+def structured_constraints(tokenizer: Tokenizer | None, vocab_size: int,
+                           eos_token_ids: Iterable[int], checked: bool = False) -> Constraints:
+    """The structured-output matchers over a checkpoint's tokenizer; `RequestError` where
+    the checkpoint cannot have them. `checked`: each new grammar is compiled in a child
+    process first (a server's gate: some grammars crash llguidance)."""
+    eos = set(eos_token_ids)
+    if tokenizer is None or not eos:
+        raise RequestError("structured outputs need the checkpoint's tokenizer.json and an "
+                           "EOS token id; this checkpoint lacks one")
+    checker = GrammarChecker(tokenizer.to_str(), vocab_size, sorted(eos)) if checked else None
+    return Constraints(tokenizer, vocab_size, eos, checker)
+
+
+def compile_structured(constraints: Constraints, spec: StructuredOutput) -> None:
+    """Compile `spec` (cached in `constraints`); `RequestError` when it does not."""
+    try:
+        constraints.compile(spec)
+    except GrammarError as error:
+        raise RequestError(f"the structured output does not compile: {error}") from None

@@ -111,7 +111,7 @@ def test_constraints_hold_under_speculation_and_preemption(checkpoint):
         if p.structured is not None:
             assert done.outputs[0].finish_reason == "stop"
             jsonschema.validate(json.loads(done.outputs[0].text), SCHEMA)
-    assert engine.block_manager.usage == 0 and not engine.constraints.matchers
+    assert engine.block_manager.usage == 0 and not engine.sampler.constraints.matchers
     before = engine.speculation_stats()["spec_decode_num_accepted_tokens"]
     greedy = engine.generate(["The river flows past the old mill"] * 4, [
         SamplingParams(max_tokens=64, temperature=t, seed=1, structured=SPEC)
@@ -211,7 +211,7 @@ def test_a_matcher_failing_mid_generation_fails_its_request_alone(client, runnin
     with the reason, its compiled grammar is dropped, and the engine serves on: the next
     constrained and unconstrained requests succeed."""
     from lathe.serve.structured import Constraints
-    constraints = running.engine().constraints
+    constraints = running.engine().sampler.constraints
     real_start, failed = Constraints.start, []
 
     class RefusingMatcher:  # llguidance's matcher, but its first consume fails as in CI
@@ -247,4 +247,4 @@ def test_a_matcher_failing_mid_generation_fails_its_request_alone(client, runnin
     assert again.choices[0].text in ("go north", "go south")
     plain = client.completions.create(model="tiny", prompt="The river", max_tokens=4)
     assert plain.choices[0].finish_reason == "length"
-    assert running.engine().num_running == 0 and not running.engine()._broken
+    assert running.engine().num_running == 0 and not running.engine().sampler.broken
