@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import itertools
 import logging
 import time
@@ -40,13 +39,13 @@ from lathe.model.checkpoint import CheckpointError, read_weights
 from lathe.model.transformer import Transformer
 from lathe.serve.adapters import AdapterError, AdapterSlots
 from lathe.serve.block_manager import BlockManager
-from lathe.serve.config import DEFAULT_KV_MB, EngineConfig, QuantMode, SpeculativeConfig
+from lathe.serve.config import EngineConfig, QuantMode, SpeculativeConfig
 from lathe.serve.decode_graph import Progress, batch_buckets
 from lathe.serve.half_weights import activation_dtype
 from lathe.serve.logprobs import TokenLogprob, requested_logprobs, token_logprobs
 from lathe.serve.model_runner import ModelRunner, select_rows
 from lathe.serve.outputs import Completion, CompletionOutput, OutputProcessor, Pick, SequenceDelta
-from lathe.serve.paged_cache import KVSlabs
+from lathe.serve.paged_cache import KVSlabs, blocks_in_budget
 from lathe.serve.quant import is_quantized, load_serving_model, weight_bytes
 from lathe.serve.request_checks import RequestError, RequestLimits
 from lathe.serve.sampler import Sampler
@@ -79,7 +78,9 @@ class LLMEngine:
         dtype = kv_dtype or activation_dtype(model)
         speculative = self.config.speculative
         _check_draft(model, draft_model, speculative)
-        num_blocks = self.config.num_blocks or self._blocks_in_budget(dtype, draft_model)
+        num_blocks = self.config.num_blocks or blocks_in_budget(
+            self.config, [m.config for m in (model, draft_model) if m is not None], self.device,
+            dtype)
         block_size = self.config.block_size
         self.block_manager = BlockManager(num_blocks, block_size)
         self.slabs = KVSlabs(model.config, num_blocks, block_size, self.device, dtype)
@@ -143,36 +144,6 @@ class LLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.model.config.max_seq_len
-
-    def _blocks_in_budget(self, dtype: torch.dtype, draft: Transformer | None) -> int:
-        """Blocks that fit the KV budget (a draft model's KV takes its share per block)."""
-        per_block = sum(KVSlabs.bytes_per_block(m.config, self.config.block_size, dtype)
-                        for m in (self.model, draft) if m is not None)
-        on_gpu_share = self.device.type == "cuda" and self.config.kv_cache_memory_mb is None
-        if self.config.kv_cache_memory_mb is not None:  # a set budget wins, on a GPU too
-            budget = self.config.kv_cache_memory_mb * 2**20
-        elif self.device.type == "cuda":
-            gc.collect()  # an engine dropped but held in a reference cycle frees its cache now
-            free, total = torch.cuda.mem_get_info(self.device)
-            # what torch's caching allocator holds unused (an earlier engine's freed cache,
-            # say) is free to this process too, though the driver counts it as taken
-            free += (torch.cuda.memory_reserved(self.device)
-                     - torch.cuda.memory_allocated(self.device))
-            budget = free - (1 - self.config.gpu_memory_utilization) * total
-        else:
-            per_sequence = -(-self.model.config.max_seq_len // self.config.block_size)
-            budget = min(DEFAULT_KV_MB * 2**20,
-                         (self.config.max_num_seqs * per_sequence + 1) * per_block)
-        blocks = int(budget // per_block) - 1  # the slabs add a scratch block
-        if blocks < 1:
-            where = (f"{free / 2**30:.1f} GiB of the GPU's {total / 2**30:.1f} are free, and "
-                     f"gpu_memory_utilization={self.config.gpu_memory_utilization} keeps "
-                     f"{(1 - self.config.gpu_memory_utilization) * total / 2**30:.1f} GiB back; "
-                     "free the memory another model or engine holds, or raise "
-                     "gpu_memory_utilization") if on_gpu_share else "raise kv_cache_memory_mb"
-            raise RequestError(f"the KV-cache budget ({budget / 2**20:.0f} MiB) holds no block "
-                               f"of {per_block / 2**20:.2f} MiB: {where}")
-        return blocks
 
     # requests ---------------------------------------------------------------------------
 

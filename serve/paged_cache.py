@@ -17,10 +17,13 @@ paged kernel on CUDA, the native one on CPU, one padded gather + SDPA elsewhere)
 token over its own context up to its position, so decodes and, on CPU, the tokens of
 short prefill chunks; each other prefill chunk through `lathe.kernels.causal_attention`
 over its gathered context — so a mixed step computes exactly what separate steps would.
+
+`blocks_in_budget` sizes the slabs: how many blocks an engine's KV budget holds.
 """
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +32,8 @@ from torch import Tensor
 
 from lathe.kernels import PLAIN, AttentionVariant, causal_attention, paged_decode
 from lathe.model.config import ModelConfig
+from lathe.serve.config import DEFAULT_KV_MB, EngineConfig
+from lathe.serve.request_checks import RequestError
 
 
 class KVSlabs:
@@ -112,3 +117,35 @@ class PagedBatch:
             values = v_slab.index_select(0, span.context).transpose(0, 1)[None]
             out[:, :, rows] = causal_attention(q[:, :, rows], keys, values, variant)
         return out.to(result_dtype)
+
+
+def blocks_in_budget(config: EngineConfig, models: list[ModelConfig], device: torch.device,
+                     dtype: torch.dtype) -> int:
+    """KV blocks an engine's budget holds (each of `models` — a target and its draft — takes
+    its share of every block): `kv_cache_memory_mb` when set, on any device; else on CUDA
+    what `gpu_memory_utilization` leaves of the card, and off it what `max_num_seqs`
+    sequences of the target's full length take, at most DEFAULT_KV_MB."""
+    per_block = sum(KVSlabs.bytes_per_block(m, config.block_size, dtype) for m in models)
+    on_gpu_share = device.type == "cuda" and config.kv_cache_memory_mb is None
+    if config.kv_cache_memory_mb is not None:  # a set budget wins, on a GPU too
+        budget = config.kv_cache_memory_mb * 2**20
+    elif device.type == "cuda":
+        gc.collect()  # an engine dropped but held in a reference cycle frees its cache now
+        free, total = torch.cuda.mem_get_info(device)
+        # what torch's caching allocator holds unused (an earlier engine's freed cache, say)
+        # is free to this process too, though the driver counts it as taken
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        budget = free - (1 - config.gpu_memory_utilization) * total
+    else:
+        per_sequence = -(-models[0].max_seq_len // config.block_size)
+        budget = min(DEFAULT_KV_MB * 2**20, (config.max_num_seqs * per_sequence + 1) * per_block)
+    blocks = int(budget // per_block) - 1  # the slabs add a scratch block
+    if blocks < 1:
+        where = (f"{free / 2**30:.1f} GiB of the GPU's {total / 2**30:.1f} are free, and "
+                 f"gpu_memory_utilization={config.gpu_memory_utilization} keeps "
+                 f"{(1 - config.gpu_memory_utilization) * total / 2**30:.1f} GiB back; free "
+                 "the memory another model or engine holds, or raise gpu_memory_utilization") \
+            if on_gpu_share else "raise kv_cache_memory_mb"
+        raise RequestError(f"the KV-cache budget ({budget / 2**20:.0f} MiB) holds no block of "
+                           f"{per_block / 2**20:.2f} MiB: {where}")
+    return blocks

@@ -323,12 +323,12 @@ def test_a_served_checkpoint_decodes_through_native_linears_as_plain_linears_do(
 def test_the_default_kv_budget_holds_max_num_seqs_full_sequences_up_to_a_cap(monkeypatch):
     """Without kv_cache_memory_mb the cache holds every sequence at full length (no
     preemption from a too-small default), up to DEFAULT_KV_MB; a given budget wins."""
-    from lathe.serve import engine as engine_module
+    from lathe.serve import paged_cache
     model = serve_model(256)  # 256 positions: 16 blocks of 16 a sequence
     engine = LLMEngine(model, config=EngineConfig(max_num_seqs=3))
     assert len(engine.block_manager.blocks) == 3 * 16
     per_block = engine.slabs.nbytes // (len(engine.block_manager.blocks) + 1)
-    monkeypatch.setattr(engine_module, "DEFAULT_KV_MB", 20 * per_block / 2**20)
+    monkeypatch.setattr(paged_cache, "DEFAULT_KV_MB", 20 * per_block / 2**20)
     assert len(LLMEngine(model, config=EngineConfig(max_num_seqs=3)).block_manager.blocks) == 19
     given = LLMEngine(model, config=EngineConfig(max_num_seqs=3, kv_cache_memory_mb=(
         8 * per_block / 2**20)))
