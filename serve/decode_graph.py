@@ -192,6 +192,13 @@ class DecodeGraphs:
                                                options=options)
             self._options = sorted(options)
 
+    def stats(self) -> dict[str, float]:
+        """Graphs compiled, loaded from the cache, built under load, and still to build."""
+        return {"decode_graphs_compiled": self.built["compiled"],
+                "decode_graphs_cached": self.built["cached"],
+                "decode_graphs_late": self.late,
+                "decode_graphs_pending": len(self.shapes) - sum(self.built.values())}
+
     @property
     def shapes(self) -> list[tuple[int, int]]:
         """Every (batch bucket, table width) a decode step may run at."""

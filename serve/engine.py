@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import logging
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -31,32 +30,28 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from lathe.core.checkpoint_files import checkpoint_file, read_eos_ids
+from lathe.core.checkpoint_files import read_eos_ids
 from lathe.core.reporting import progress_bar
-from lathe.data.tokenizer import load_tokenizer, vocabulary_difference
 from lathe.kernels import configure_kernels
 from lathe.model.checkpoint import CheckpointError, read_weights
 from lathe.model.transformer import Transformer
 from lathe.serve.adapters import AdapterError, AdapterSlots
 from lathe.serve.block_manager import BlockManager
-from lathe.serve.config import EngineConfig, QuantMode, SpeculativeConfig
+from lathe.serve.config import EngineConfig, QuantMode
 from lathe.serve.decode_graph import Progress, batch_buckets
 from lathe.serve.half_weights import activation_dtype
 from lathe.serve.logprobs import TokenLogprob, requested_logprobs, token_logprobs
 from lathe.serve.model_runner import ModelRunner, select_rows
 from lathe.serve.outputs import Completion, CompletionOutput, OutputProcessor, Pick, SequenceDelta
 from lathe.serve.paged_cache import KVSlabs, blocks_in_budget
-from lathe.serve.quant import is_quantized, load_serving_model, weight_bytes
+from lathe.serve.quant import is_quantized, load_serving_model, serving_tokenizer, weight_bytes
 from lathe.serve.request_checks import RequestError, RequestLimits
 from lathe.serve.sampler import Sampler
 from lathe.serve.sampling import SamplingParams
 from lathe.serve.scheduler import ScheduledBatch, Scheduler, StepCost
 from lathe.serve.sequence import Sequence, Status
-from lathe.serve.speculative import Speculator
+from lathe.serve.speculative import Speculator, check_draft, check_same_tokenizer
 from lathe.serve.structured import compile_structured
-
-log = logging.getLogger("lathe.serve")
-
 
 
 class LLMEngine:
@@ -77,7 +72,7 @@ class LLMEngine:
         self.device = model.model.embed_tokens.weight.device
         dtype = kv_dtype or activation_dtype(model)
         speculative = self.config.speculative
-        _check_draft(model, draft_model, speculative)
+        check_draft(model, draft_model, speculative)
         num_blocks = self.config.num_blocks or blocks_in_budget(
             self.config, [m.config for m in (model, draft_model) if m is not None], self.device,
             dtype)
@@ -128,7 +123,7 @@ class LLMEngine:
         path = Path(path)
         model = load_serving_model(path, quantize=quantize, dtype=dtype, device=device)
         vocab = model.config.vocab_size
-        tokenizer = _load_tokenizer(path, vocab)
+        tokenizer = serving_tokenizer(path, vocab)
         draft = None
         speculative = config.speculative if config is not None else None
         if speculative is not None and speculative.method == "draft":
@@ -137,8 +132,8 @@ class LLMEngine:
                                       "(--draft PATH)")
             draft_path = Path(speculative.draft)
             draft = load_serving_model(draft_path, quantize=quantize, dtype=dtype, device=device)
-            _check_same_tokenizer(path, draft_path, tokenizer,
-                                  _load_tokenizer(draft_path, draft.config.vocab_size))
+            check_same_tokenizer(path, draft_path, tokenizer,
+                                  serving_tokenizer(draft_path, draft.config.vocab_size))
         return cls(model, tokenizer, config, read_eos_ids(path, vocab), draft_model=draft)
 
     @property
@@ -439,28 +434,9 @@ class LLMEngine:
         return list(completions.values())
 
     def warm_up(self, progress: Progress | None = None) -> None:
-        """Build every compiled decode step (compiled, or loaded from the cache), so that
-        none is compiled under load: now, or with `compile_in_background` on a thread while
-        the engine serves (`DecodeGraphs.build_in_background`); nothing to do without
-        `compile_decode`. Where compiling fails (no C++ compiler for inductor, no Triton on
-        a GPU) the engine serves eagerly, with a warning, rather than not at all."""
-        graphs = self.runner.graphs
-        if graphs is None:
-            return
-
-        def failed(error: Exception) -> None:
-            log.warning("compiling the decode steps failed (%s: %s); serving eagerly, as "
-                        "with --enforce-eager%s", type(error).__name__, error,
-                        f" (but at batch sizes {sorted(graphs.ready)}, built by then)"
-                        if graphs.ready else "")
-        try:
-            if self.config.compile_in_background:
-                graphs.build_in_background(progress, failed)
-            else:
-                graphs.warm_up(progress)
-        except Exception as error:  # whatever the compiler stack raises
-            self.runner.graphs = None
-            failed(error)
+        """Build every compiled decode step (`ModelRunner.warm_up`): now, or with
+        `compile_in_background` on a thread while the engine serves."""
+        self.runner.warm_up(self.config.compile_in_background, progress)
 
     def load_weights(self, state_dict: Mapping[str, Tensor]) -> None:
         """Swap in new weights (e.g. the policy after a GRPO update) between requests; the
@@ -509,57 +485,8 @@ class LLMEngine:
 
     def decode_graph_stats(self) -> dict[str, float]:
         """Compiled decode steps' counters; empty without `compile_decode`."""
-        graphs = self.runner.graphs
-        if graphs is None:
-            return {}
-        return {"decode_graphs_compiled": graphs.built["compiled"],
-                "decode_graphs_cached": graphs.built["cached"],
-                "decode_graphs_late": graphs.late,
-                "decode_graphs_pending": len(graphs.shapes) - sum(graphs.built.values())}
+        return self.runner.graphs.stats() if self.runner.graphs is not None else {}
 
     def speculation_stats(self) -> dict[str, float]:
         """The `Speculator`'s counters; empty without speculation."""
         return self.speculator.stats() if self.speculator is not None else {}
-
-
-def _load_tokenizer(path: Path, vocab_size: int) -> Tokenizer | None:
-    """The checkpoint's tokenizer (None without tokenizer.json), checked against the model."""
-    file = checkpoint_file(path, "tokenizer.json")
-    if not file.is_file():
-        return None
-    tokenizer = load_tokenizer(path)
-    size = tokenizer.get_vocab_size(with_added_tokens=True)
-    if size > vocab_size:
-        raise CheckpointError(f"{file}: {size} tokens, but the model's vocab_size is "
-                              f"{vocab_size}; this tokenizer belongs to another model")
-    return tokenizer
-
-
-def _check_draft(model: Transformer, draft: Transformer | None,
-                 speculative: SpeculativeConfig | None) -> None:
-    wants_draft = speculative is not None and speculative.method == "draft"
-    if wants_draft and draft is None:
-        raise RequestError("speculative method 'draft' needs a draft model; pass draft_model "
-                           "(or --draft PATH)")
-    if draft is None:
-        return
-    if not wants_draft:
-        raise RequestError("a draft model was given but speculative decoding is not set to "
-                           "method 'draft'; set EngineConfig.speculative")
-    if draft.config.vocab_size != model.config.vocab_size:
-        raise RequestError(f"the draft model's vocab_size {draft.config.vocab_size} differs "
-                           f"from the target's {model.config.vocab_size}; a draft must share "
-                           "the target's tokenizer (distill it from the target)")
-
-
-def _check_same_tokenizer(path: Path, draft_path: Path, tokenizer: Tokenizer | None,
-                          draft: Tokenizer | None) -> None:
-    """A draft's token ids mean something to the target only under the same tokenizer."""
-    if tokenizer is None and draft is None:
-        return
-    differ = ["one checkpoint has no tokenizer.json"] if tokenizer is None or draft is None \
-        else vocabulary_difference(tokenizer, draft)
-    if differ:
-        raise CheckpointError(f"{draft_path}/tokenizer.json is not {path}/tokenizer.json "
-                              f"({differ}); a draft must share the target's tokenizer "
-                              "(distill it from the target, or copy the tokenizer folder)")

@@ -26,6 +26,7 @@ again.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence as Seq
 
 import torch
@@ -34,10 +35,12 @@ from torch import Tensor
 from lathe.kernels.cpu_native import load_cpu_kernels, native_inference, native_kernel
 from lathe.kernels.decode_linear import bound_linear
 from lathe.model.transformer import Transformer
-from lathe.serve.decode_graph import DecodeGraphs, StaticDecodeBatch
+from lathe.serve.decode_graph import DecodeGraphs, Progress, StaticDecodeBatch
 from lathe.serve.host_memory import retain_freed_memory
 from lathe.serve.paged_cache import KVSlabs, PagedBatch, SequenceSpan
 from lathe.serve.sequence import Sequence
+
+log = logging.getLogger("lathe.serve")
 
 # a sequence, the position of its first new token, the new tokens
 StepItem = tuple[Sequence, int, list[int]]
@@ -100,6 +103,30 @@ class ModelRunner:
         self.written: list[list[int]] = [[] for _ in range(rows)]  # host copy of each row
         self.free_rows = list(range(rows - 1, -1, -1))
         self.offsets = torch.arange(self.block_size, device=device)
+
+    def warm_up(self, background: bool, progress: Progress | None = None) -> None:
+        """Build every compiled decode step (compiled, or loaded from the cache), so that
+        none is compiled under load: now, or in the `background` on a thread while the
+        engine serves (`DecodeGraphs.build_in_background`); nothing to do without
+        `compile_decode`. Where compiling fails (no C++ compiler for inductor, no Triton on
+        a GPU) the steps run eagerly, with a warning, rather than not at all."""
+        graphs = self.graphs
+        if graphs is None:
+            return
+
+        def failed(error: Exception) -> None:
+            log.warning("compiling the decode steps failed (%s: %s); serving eagerly, as "
+                        "with --enforce-eager%s", type(error).__name__, error,
+                        f" (but at batch sizes {sorted(graphs.ready)}, built by then)"
+                        if graphs.ready else "")
+        try:
+            if background:
+                graphs.build_in_background(progress, failed)
+            else:
+                graphs.warm_up(progress)
+        except Exception as error:  # whatever the compiler stack raises
+            self.graphs = None
+            failed(error)
 
     def release(self, seq: Sequence) -> None:
         """Give a finished or aborted sequence's row back."""

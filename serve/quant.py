@@ -13,8 +13,9 @@ safetensors hold each linear's packed weight and scales under the module's name
 (`...q_proj.weight`, `...q_proj.scale`, for int4 also `...q_proj.minimum`). A mixture of
 experts' stacked experts become one quantized linear per expert and projection
 (`...mlp.experts.gate_up.3.weight`, `...mlp.experts.down.3.weight`), each token running
-through its own experts' quantized GEMMs. Only lathe loads it (`load_serving_model`); for
-other runtimes export GGUF.
+through its own experts' quantized GEMMs. Only lathe loads it (`load_serving_model`, with
+`serving_tokenizer` the checkpoint's tokenizer checked against the model); for other
+runtimes export GGUF.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from lathe.core.atomic import atomic_directory
 from lathe.core.checkpoint_files import checkpoint_file, read_json_object
 from lathe.core.errors import ConfigError
+from lathe.data.tokenizer import load_tokenizer
 from lathe.kernels.decode_linear import HALF_DTYPES, use_decode_linears
 from lathe.kernels.dispatch import use_cpu_kernel
 from lathe.kernels.quant_matmul import (
@@ -310,3 +313,16 @@ def perplexity(model: Transformer, token_ids: list[int], window: int | None = No
         total += float(F.cross_entropy(logits, chunk[0, 1:], reduction="sum"))
         count += chunk.shape[1] - 1
     return float(torch.exp(torch.tensor(total / count)))
+
+
+def serving_tokenizer(path: Path, vocab_size: int) -> Tokenizer | None:
+    """The checkpoint's tokenizer (None without tokenizer.json), checked against the model."""
+    file = checkpoint_file(path, "tokenizer.json")
+    if not file.is_file():
+        return None
+    tokenizer = load_tokenizer(path)
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if size > vocab_size:
+        raise CheckpointError(f"{file}: {size} tokens, but the model's vocab_size is "
+                              f"{vocab_size}; this tokenizer belongs to another model")
+    return tokenizer

@@ -17,17 +17,22 @@ distribution is the target's exactly. Then one more token comes from the target 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer
 from torch import Tensor
 
+from lathe.data.tokenizer import vocabulary_difference
+from lathe.model.checkpoint import CheckpointError
 from lathe.model.transformer import Transformer
 from lathe.serve.config import SpeculativeConfig
 from lathe.serve.logprobs import sampled_logprobs
 from lathe.serve.model_runner import ModelRunner, StepItem
 from lathe.serve.outputs import Pick
 from lathe.serve.paged_cache import KVSlabs
+from lathe.serve.request_checks import RequestError
 from lathe.serve.sampling import (
     SamplingBatch,
     SamplingRow,
@@ -275,3 +280,33 @@ class Speculator:
                 "spec_decode_num_accepted_tokens": accepted,
                 "spec_decode_acceptance_rate": accepted / drafted if drafted else 0.0,
                 "spec_decode_mean_acceptance_length": 1 + accepted / steps if steps else 0.0}
+
+
+def check_draft(model: Transformer, draft: Transformer | None,
+                 speculative: SpeculativeConfig | None) -> None:
+    wants_draft = speculative is not None and speculative.method == "draft"
+    if wants_draft and draft is None:
+        raise RequestError("speculative method 'draft' needs a draft model; pass draft_model "
+                           "(or --draft PATH)")
+    if draft is None:
+        return
+    if not wants_draft:
+        raise RequestError("a draft model was given but speculative decoding is not set to "
+                           "method 'draft'; set EngineConfig.speculative")
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise RequestError(f"the draft model's vocab_size {draft.config.vocab_size} differs "
+                           f"from the target's {model.config.vocab_size}; a draft must share "
+                           "the target's tokenizer (distill it from the target)")
+
+
+def check_same_tokenizer(path: Path, draft_path: Path, tokenizer: Tokenizer | None,
+                          draft: Tokenizer | None) -> None:
+    """A draft's token ids mean something to the target only under the same tokenizer."""
+    if tokenizer is None and draft is None:
+        return
+    differ = ["one checkpoint has no tokenizer.json"] if tokenizer is None or draft is None \
+        else vocabulary_difference(tokenizer, draft)
+    if differ:
+        raise CheckpointError(f"{draft_path}/tokenizer.json is not {path}/tokenizer.json "
+                              f"({differ}); a draft must share the target's tokenizer "
+                              "(distill it from the target, or copy the tokenizer folder)")
