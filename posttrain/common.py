@@ -38,7 +38,7 @@ from lathe.pretrain.runtime.trainer import Runtime, Work, plain_model
 from lathe.serve.config import EngineConfig
 from lathe.serve.engine import LLMEngine
 from lathe.serve.paged_cache import KVSlabs
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 
 T = TypeVar("T")
 

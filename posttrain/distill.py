@@ -53,7 +53,7 @@ from lathe.pretrain.runtime.memory_plan import Parallelism, StepShape, frozen_we
 from lathe.pretrain.runtime.trainer import Runtime, Work
 from lathe.serve.config import EngineConfig
 from lathe.serve.engine import LLMEngine
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 
 
 def check_same_tokenizer(student: str, teacher: str) -> None:

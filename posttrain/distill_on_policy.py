@@ -55,7 +55,7 @@ from lathe.posttrain.rollouts import (
 from lathe.posttrain.tool_episodes import EpisodeRunner
 from lathe.pretrain.runtime.memory_plan import Parallelism, StepShape, frozen_weight_bytes
 from lathe.pretrain.runtime.trainer import Runtime, Work
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 
 HELDOUT_SEED = 99991  # the held-out samples' seeds, apart from any step's
 

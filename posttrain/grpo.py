@@ -67,7 +67,7 @@ from lathe.posttrain.rollouts import (
 from lathe.posttrain.tool_episodes import EpisodeRunner
 from lathe.pretrain.runtime.memory_plan import Parallelism, StepShape, frozen_weight_bytes
 from lathe.pretrain.runtime.trainer import Runtime, Work
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 
 
 def group_advantages(rewards: Tensor, scale: bool = True, eps: float = 1e-4) -> Tensor:

@@ -40,7 +40,7 @@ from lathe.serve.config import EngineConfig
 from lathe.serve.engine import LLMEngine
 from lathe.serve.paged_cache import KVSlabs
 from lathe.serve.remote import LocalServer, RemoteEngine
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 
 
 @dataclass

@@ -28,7 +28,7 @@ from lathe.data.tool_runner import ToolRunner
 from lathe.data.tools import load_tools
 from lathe.posttrain.config import ToolsConfig
 from lathe.serve.engine import LLMEngine
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 from lathe.serve.tool_calls import ToolCall, tool_call_parser
 
 Tools = list[dict[str, Any]] | None

@@ -56,7 +56,7 @@ from lathe.serve.engine_core import (
 )
 from lathe.serve.outputs import SequenceDelta
 from lathe.serve.request_checks import RequestError
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 from lathe.serve.structured import (
     Constraints,
     StructuredOutput,

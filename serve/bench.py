@@ -88,7 +88,7 @@ from lathe.model.transformer import Transformer
 from lathe.serve.config import EngineConfig, SpeculativeConfig
 from lathe.serve.engine import LLMEngine
 from lathe.serve.quant import load_serving_model, perplexity
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 
 # timed passes per measurement, the best reported: on a shared machine one pass moves by ±30%
 REPEATS = 3

@@ -25,7 +25,7 @@ from lathe.data.chat_encoding import chat_encoder
 from lathe.data.tool_runner import ToolRunner
 from lathe.serve.config import QuantMode
 from lathe.serve.engine import LLMEngine
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 
 HELP = "commands: /reset (forget the conversation), /system TEXT (set the system prompt), /quit"
 MAX_TOOL_TURNS = 4

@@ -75,7 +75,7 @@ def chat_main(argv: Sequence[str] | None = None) -> int:
     from lathe.data.tool_runner import ToolRunner
     from lathe.data.tools import load_tools
     from lathe.serve.chat import LocalChat, RemoteChat, chat_loop, say, write_stdout
-    from lathe.serve.sampling import SamplingError, SamplingParams
+    from lathe.serve.sampling_params import SamplingError, SamplingParams
 
     runner = ToolRunner(load_tools(args.tool)) if args.tool else None
     if runner is not None:

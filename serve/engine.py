@@ -47,7 +47,8 @@ from lathe.serve.paged_cache import KVSlabs, blocks_in_budget
 from lathe.serve.quant import is_quantized, load_serving_model, serving_tokenizer, weight_bytes
 from lathe.serve.request_checks import RequestError, RequestLimits
 from lathe.serve.sampler import Sampler
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling import seeded_generator
+from lathe.serve.sampling_params import SamplingParams
 from lathe.serve.scheduler import ScheduledBatch, Scheduler, StepCost
 from lathe.serve.sequence import Sequence, Status
 from lathe.serve.speculative import Speculator, check_draft, check_same_tokenizer
@@ -205,7 +206,7 @@ class LLMEngine:
         seqs: list[Sequence] = []
         for index in range(params.n):
             seq = Sequence(request_id, index, list(prompt_ids), params,
-                           params.generator(self.device, index),
+                           seeded_generator(params, self.device, index),
                            parent=seqs[0] if seqs else None)
             if index == 0 and params.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]

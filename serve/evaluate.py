@@ -32,7 +32,7 @@ from lathe.core.errors import ConfigError
 from lathe.data.chat_encoding import ChatEncoder, chat_encoder
 from lathe.serve.config import EngineConfig, QuantMode
 from lathe.serve.engine import LLMEngine
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 
 try:  # lm-eval is optional: `pip install lm_eval` (or lathe's dev extra)
     from lm_eval.api.model import TemplateLM

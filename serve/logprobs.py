@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 
 
 @dataclass

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 
 from lathe.serve.detokenize import IncrementalDetokenizer
 from lathe.serve.logprobs import TokenLogprob
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 from lathe.serve.sequence import Sequence
 from lathe.serve.stop import StopMatcher
 

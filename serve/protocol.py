@@ -52,7 +52,7 @@ from lathe.serve.replies import (
     reasoning_tokens,
     whole_reply,
 )
-from lathe.serve.sampling import (
+from lathe.serve.sampling_params import (
     BOUNDS,
     INT32_MAX,
     MAX_ALLOWED_TOKEN_IDS,

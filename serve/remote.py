@@ -35,7 +35,7 @@ from lathe.model.config import ModelConfig
 from lathe.serve.engine_core import END_WITH
 from lathe.serve.logprobs import TokenLogprob
 from lathe.serve.outputs import Completion, CompletionOutput
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 
 
 class RemoteEngine:

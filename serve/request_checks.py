@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from lathe.serve.block_manager import blocks_for
 
 if TYPE_CHECKING:
-    from lathe.serve.sampling import SamplingParams
+    from lathe.serve.sampling_params import SamplingParams
 
 
 class RequestError(ValueError):

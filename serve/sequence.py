@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lathe.serve.block_manager import NO_HASH, BlockTable
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

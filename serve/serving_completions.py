@@ -27,7 +27,7 @@ from lathe.serve.protocol import (
     ResponseOptions,
 )
 from lathe.serve.request_checks import RequestError
-from lathe.serve.sampling import SamplingError, SamplingParams
+from lathe.serve.sampling_params import SamplingError, SamplingParams
 from lathe.serve.serving import APIError, authorize, error_event, serving
 from lathe.serve.structured import Literals, StructuredOutput
 

@@ -60,7 +60,7 @@ def test_split_kv_follows_the_context_length_and_the_batch_size():
 def test_engine_greedy_output_is_the_same_with_the_paged_kernel(monkeypatch):
     from lathe.serve.config import EngineConfig
     from lathe.serve.engine import LLMEngine
-    from lathe.serve.sampling import SamplingParams
+    from lathe.serve.sampling_params import SamplingParams
     from tests.builders import serve_model
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 23, 40)]

@@ -146,7 +146,7 @@ def test_a_failed_build_warns_once_and_keeps_the_reference(monkeypatch, tmp_path
 def test_engine_greedy_tokens_match_the_gather_path():
     from lathe.serve.config import EngineConfig
     from lathe.serve.engine import LLMEngine
-    from lathe.serve.sampling import SamplingParams
+    from lathe.serve.sampling_params import SamplingParams
     from tests.builders import serve_model
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 23, 40, 61)]

@@ -14,7 +14,7 @@ import torch
 from lathe.model import load_checkpoint, save_checkpoint
 from lathe.serve.config import EngineConfig
 from lathe.serve.engine import LLMEngine
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 

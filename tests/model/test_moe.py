@@ -257,7 +257,7 @@ def test_quantized_experts_serve_close_to_full_precision(tmp_path, mode, toleran
         save_quantized_checkpoint,
         weight_bytes,
     )
-    from lathe.serve.sampling import SamplingParams
+    from lathe.serve.sampling_params import SamplingParams
 
     saved(family, tmp_path / "hf")
     full = load_checkpoint(tmp_path / "hf")
@@ -283,7 +283,7 @@ def test_compiled_decode_and_speculation_serve_a_moe_as_eager_does(tmp_path):
     and draft speculation give the eager engine's greedy tokens."""
     from lathe.serve.config import EngineConfig, SpeculativeConfig
     from lathe.serve.engine import LLMEngine
-    from lathe.serve.sampling import SamplingParams
+    from lathe.serve.sampling_params import SamplingParams
 
     saved("qwen3_moe", tmp_path / "hf")
     model = load_checkpoint(tmp_path / "hf")

@@ -17,7 +17,7 @@ from lathe.model import load_checkpoint
 from lathe.model.checkpoint import TOKENIZER_FILES, CheckpointError
 from lathe.serve.config import EngineConfig
 from lathe.serve.engine import LLMEngine
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 from tests.posttrain.conftest import quick
 from tests.posttrain.test_stages import preference_files
 

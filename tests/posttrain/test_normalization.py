@@ -17,7 +17,7 @@ from lathe.pretrain.runtime.config import LoggingConfig, OptimConfig, TrainConfi
 from lathe.pretrain.runtime.trainer import Runtime
 from lathe.serve.config import EngineConfig
 from lathe.serve.engine import LLMEngine
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 from tests.builders import reset_accelerate, tiny_model
 
 

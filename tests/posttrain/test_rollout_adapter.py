@@ -13,7 +13,7 @@ from lathe.model.checkpoint import read_eos_ids
 from lathe.model.lora import AdapterMerger, LoraSection, adapter_pairs, adapter_weights, apply_lora
 from lathe.serve.config import EngineConfig
 from lathe.serve.engine import LLMEngine
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 
 
 def test_slot_rollouts_equal_merged_rollouts(base):

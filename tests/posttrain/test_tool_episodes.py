@@ -17,7 +17,7 @@ from lathe.posttrain.rollouts import Rollout, collate
 from lathe.posttrain.tool_episodes import EpisodePrompt, EpisodeRunner
 from lathe.serve.config import EngineConfig
 from lathe.serve.engine import LLMEngine
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 
 COUNTER = "tests.data.tools_for_tests:counter"
 HANGS = "tests.data.tools_for_tests:hangs"

@@ -19,7 +19,7 @@ from lathe.model.lora import LoraSection, apply_lora, load_adapter, merge_lora, 
 from lathe.serve.adapters import AdapterError
 from lathe.serve.config import EngineConfig
 from lathe.serve.engine import LLMEngine
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 
 PROMPTS = ["The river flows past the old mill", "A garden of", "The river flows"]
 

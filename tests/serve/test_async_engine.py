@@ -12,7 +12,7 @@ from lathe.serve.engine import LLMEngine
 from lathe.serve.logprobs import TokenLogprob
 from lathe.serve.outputs import SequenceDelta
 from lathe.serve.request_checks import RequestError
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 
 
 def delta(index: int, token: int, finish: str | None = None, request: str = "r",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lathe.serve.chat import LocalChat, chat_loop
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 
 GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_tokens": 4, "seed": None}
 

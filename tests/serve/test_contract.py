@@ -24,7 +24,7 @@ from lathe.serve.commands import serve_main
 from lathe.serve.config import EngineConfig
 from lathe.serve.engine import LLMEngine
 from lathe.serve.request_checks import RequestError
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 from tests.serve.conftest import API_KEY, start_server, wait_healthy
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

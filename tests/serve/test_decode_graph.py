@@ -20,7 +20,7 @@ from lathe.serve.config import EngineConfig, SpeculativeConfig
 from lathe.serve.decode_graph import batch_buckets, cache_root, width_buckets
 from lathe.serve.engine import LLMEngine
 from lathe.serve.quant import quantize_linears
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 from tests.builders import serve_model
 from tests.serve.conftest import served, start_server, wait_healthy
 from tests.serve.test_engine import prompts

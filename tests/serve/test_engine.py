@@ -13,7 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 from lathe.serve.config import EngineConfig
 from lathe.serve.engine import LLMEngine
 from lathe.serve.request_checks import RequestError
-from lathe.serve.sampling import SamplingError, SamplingParams
+from lathe.serve.sampling_params import SamplingError, SamplingParams
 from tests.builders import serve_model
 
 

@@ -23,7 +23,7 @@ from lathe.serve.config import EngineConfig
 from lathe.serve.engine import LLMEngine
 from lathe.serve.engine_core import SMALL_WEIGHTS, EngineSpec, engine_threads
 from lathe.serve.request_checks import RequestError
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 
 CONFIG = EngineConfig(num_blocks=64)
 

@@ -127,7 +127,7 @@ def test_the_shipped_arithmetic_task_scores_as_lathes_own_evaluation(checkpoint,
 
     from lathe.data.chat_encoding import chat_encoder
     from lathe.data.tasks import task_examples
-    from lathe.serve.sampling import SamplingParams
+    from lathe.serve.sampling_params import SamplingParams
     root = Path(__file__).resolve().parents[2]
     shipped = [json.loads(line) for line in
                (root / "recipes/eval/arithmetic3_test.jsonl").read_text().splitlines()]

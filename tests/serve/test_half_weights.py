@@ -17,7 +17,7 @@ from lathe.serve.config import EngineConfig
 from lathe.serve.engine import LLMEngine
 from lathe.serve.half_weights import WidenedEmbedding, activation_dtype, use_half_weights
 from lathe.serve.quant import Int8Linear, load_serving_model
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 from tests.builders import serve_model, tiny_model
 from tests.kernels.test_decode_linear import rounds_x_to_bf16
 from tests.serve.test_engine import prompts

@@ -14,7 +14,7 @@ from lathe.core.errors import ConfigError
 from lathe.serve.commands import serve_main
 from lathe.serve.config import EngineConfig, SpeculativeConfig
 from lathe.serve.engine import LLMEngine
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 from tests.builders import serve_model
 from tests.serve.conftest import start_server, wait_healthy
 from tests.serve.test_engine import engine_for, naive_greedy, prompts

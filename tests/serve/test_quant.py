@@ -23,7 +23,7 @@ from lathe.serve.quant import (
     quantize_linears,
     weight_bytes,
 )
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 from tests.builders import tiny_model
 
 

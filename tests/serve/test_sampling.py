@@ -9,15 +9,14 @@ import pytest
 import torch
 
 from lathe.serve.sampling import (
-    TEMPERATURE_EPSILON,
     SamplingBatch,
-    SamplingError,
-    SamplingParams,
     SamplingRow,
     apply_penalties,
     mask_logits,
     sample,
+    seeded_generator,
 )
+from lathe.serve.sampling_params import TEMPERATURE_EPSILON, SamplingError, SamplingParams
 
 # probabilities 0.5, 0.25, 0.125, 0.0625, 0.0625
 LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625]))
@@ -98,7 +97,7 @@ def test_a_seeded_row_draws_the_same_whatever_shares_its_step():
               SamplingParams(temperature=1.0, top_k=5, min_p=0.05, seed=3)]
 
     def rows(indices):
-        return [SamplingRow(params[i], [1, 2], [3], params[i].generator("cpu", 0))
+        return [SamplingRow(params[i], [1, 2], [3], seeded_generator(params[i], "cpu", 0))
                 for i in indices]
 
     together = sample(logits, SamplingBatch(rows(range(6)), "cpu")).tolist()

@@ -16,7 +16,7 @@ from lathe.serve import speculative
 from lathe.serve.config import EngineConfig, SpeculativeConfig
 from lathe.serve.engine import LLMEngine
 from lathe.serve.request_checks import RequestError
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 from lathe.serve.sequence import Sequence
 from lathe.serve.speculative import Draft, NgramProposer
 from tests.builders import serve_model

@@ -10,7 +10,7 @@ import pytest
 from lathe.core.errors import ConfigError
 from lathe.serve.commands import serve_main
 from lathe.serve.config import EngineConfig
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 from lathe.serve.scheduler import ScheduledBatch, StepCost
 from tests.builders import serve_model
 from tests.serve.test_engine import engine_for, naive_greedy, prompts

@@ -15,7 +15,7 @@ import pytest
 from lathe.serve.config import EngineConfig, SpeculativeConfig
 from lathe.serve.engine import LLMEngine
 from lathe.serve.protocol import ChatCompletionRequest, ProtocolError
-from lathe.serve.sampling import SamplingParams
+from lathe.serve.sampling_params import SamplingParams
 from lathe.serve.structured import MAX_SPEC_CHARS, Literals, StructuredOutput
 from tests.builders import serve_model
 

@@ -177,7 +177,7 @@ def test_what_is_not_a_call_comes_back_as_text(family, text):
 
 def test_grammars_admit_the_calls_their_parser_reads(checkpoint):
     from lathe.serve.engine import LLMEngine
-    from lathe.serve.sampling import SamplingParams
+    from lathe.serve.sampling_params import SamplingParams
 
     engine = LLMEngine.from_checkpoint(checkpoint)
     literals = Literals.of(engine.tokenizer)
