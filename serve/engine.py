@@ -40,9 +40,16 @@ from lathe.serve.block_manager import BlockManager
 from lathe.serve.config import EngineConfig, QuantMode
 from lathe.serve.decode_graph import Progress, batch_buckets
 from lathe.serve.half_weights import activation_dtype
-from lathe.serve.logprobs import TokenLogprob, requested_logprobs, token_logprobs
+from lathe.serve.logprobs import requested_logprobs, token_logprobs
 from lathe.serve.model_runner import ModelRunner, select_rows
-from lathe.serve.outputs import Completion, CompletionOutput, OutputProcessor, Pick, SequenceDelta
+from lathe.serve.outputs import (
+    Completion,
+    CompletionOutput,
+    OutputProcessor,
+    Pick,
+    SequenceDelta,
+    TokenLogprob,
+)
 from lathe.serve.paged_cache import KVSlabs, blocks_in_budget
 from lathe.serve.quant import is_quantized, load_serving_model, serving_tokenizer, weight_bytes
 from lathe.serve.request_checks import RequestError, RequestLimits

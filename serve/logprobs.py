@@ -5,20 +5,12 @@ each position, from the model's distribution or from softmax(logits / temperatur
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from lathe.serve.outputs import TokenLogprob
 from lathe.serve.sampling_params import SamplingParams
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the most likely tokens at this position, best first
-    rank: int | None = None  # 1 + how many tokens were more likely (where computed)
 
 
 def token_logprobs(logits: Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:

@@ -11,10 +11,18 @@ from dataclasses import dataclass, field
 from tokenizers import Tokenizer
 
 from lathe.serve.detokenize import IncrementalDetokenizer
-from lathe.serve.logprobs import TokenLogprob
 from lathe.serve.sampling_params import SamplingParams
 from lathe.serve.sequence import Sequence
 from lathe.serve.stop import StopMatcher
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely tokens at this position, best first
+    rank: int | None = None  # 1 + how many tokens were more likely (where computed)
+
 
 Pick = tuple[int, TokenLogprob | None]  # a sampled token and, if asked for, its log-probs
 

@@ -44,8 +44,7 @@ from tokenizers import Tokenizer
 
 from lathe.data.chat_template import TEMPLATE_ARGUMENTS
 from lathe.data.messages import Message, MessageError, normalize_message, normalize_tools
-from lathe.serve.logprobs import TokenLogprob
-from lathe.serve.outputs import CompletionOutput
+from lathe.serve.outputs import CompletionOutput, TokenLogprob
 from lathe.serve.replies import (
     ReplyFormat,
     ReplyStream,

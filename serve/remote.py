@@ -33,8 +33,7 @@ from lathe.core.errors import ConfigError
 from lathe.model.checkpoint import write_weights
 from lathe.model.config import ModelConfig
 from lathe.serve.engine_core import END_WITH
-from lathe.serve.logprobs import TokenLogprob
-from lathe.serve.outputs import Completion, CompletionOutput
+from lathe.serve.outputs import Completion, CompletionOutput, TokenLogprob
 from lathe.serve.sampling_params import SamplingParams
 
 

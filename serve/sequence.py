@@ -11,11 +11,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from lathe.serve.block_manager import NO_HASH, BlockTable
 from lathe.serve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Status(enum.Enum):

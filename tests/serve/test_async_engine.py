@@ -9,8 +9,7 @@ import asyncio
 from lathe.serve.async_engine import AsyncEngine, DeltaQueue
 from lathe.serve.config import EngineConfig
 from lathe.serve.engine import LLMEngine
-from lathe.serve.logprobs import TokenLogprob
-from lathe.serve.outputs import SequenceDelta
+from lathe.serve.outputs import SequenceDelta, TokenLogprob
 from lathe.serve.request_checks import RequestError
 from lathe.serve.sampling_params import SamplingParams
 
