@@ -58,10 +58,10 @@ from lathe.serve.outputs import SequenceDelta
 from lathe.serve.request_checks import RequestError
 from lathe.serve.sampling_params import SamplingParams
 from lathe.serve.structured import (
-    Constraints,
+    GrammarCompiler,
     StructuredOutput,
     compile_structured,
-    structured_constraints,
+    grammar_compiler,
 )
 
 log = logging.getLogger("lathe.serve")
@@ -135,7 +135,7 @@ class AsyncEngine:
         self._calls: dict[int, asyncio.Future[None]] = {}
         self._ids = itertools.count()
         self._adapters: dict[str, str] = {}
-        self._constraints: Constraints | None = None
+        self._grammars: GrammarCompiler | None = None
         self._closed = False
         self._failed = False  # the load failed (launch raises it)
         self.info: ModelInfo | None = None
@@ -206,16 +206,16 @@ class AsyncEngine:
         return self._adapters[name]
 
     @property
-    def constraints(self) -> Constraints:
+    def grammars(self) -> GrammarCompiler:
         """Structured-output grammars, compiled here to check a request before it is sent
         (the core compiles its own), each new one first in a child process, where a grammar
         that crashes llguidance costs that request alone."""
-        if self._constraints is None:
+        if self._grammars is None:
             assert self.info is not None
-            self._constraints = structured_constraints(
+            self._grammars = grammar_compiler(
                 self.tokenizer, self.info.limits.vocab_size, self.info.eos_token_ids,
                 checked=True)
-        return self._constraints
+        return self._grammars
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """`text` as token ids; `add_special_tokens`: with what the tokenizer's post-processor
@@ -231,12 +231,12 @@ class AsyncEngine:
         assert self.info is not None
         self.info.limits.check(prompt_ids, params)
         if params.structured is not None:
-            compile_structured(self.constraints, params.structured)
+            compile_structured(self.grammars, params.structured)
 
     def compile(self, spec: StructuredOutput) -> None:
         """Compile a structured output (`GrammarError`, or `RequestError` where this
         checkpoint cannot have one); a thread may call it."""
-        self.constraints.compile(spec)
+        self.grammars.compile(spec)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                adapter: str | None = None) -> str:

@@ -168,7 +168,7 @@ class LLMEngine:
         """Raise `RequestError` for a request this engine could never complete."""
         self.limits.check(prompt_ids, params)
         if params.structured is not None:
-            compile_structured(self.sampler.constraints, params.structured)
+            compile_structured(self.sampler.constraints.compiler, params.structured)
 
     def add_adapter(self, name: str, path: str | Path) -> list[str]:
         """Load a LoRA adapter folder, to be named by requests; the names loaded after it

@@ -16,12 +16,13 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
+from lathe.serve.constraints import Constraints, constrain
 from lathe.serve.logprobs import requested_logprobs
 from lathe.serve.outputs import Pick
 from lathe.serve.sampling import SamplingBatch, SamplingRow, sample
 from lathe.serve.sequence import Sequence
 from lathe.serve.speculative import Draft
-from lathe.serve.structured import Constraints, GrammarError, constrain, structured_constraints
+from lathe.serve.structured import GrammarError, grammar_compiler
 
 
 class Sampler:
@@ -39,8 +40,8 @@ class Sampler:
         use: llguidance reads the whole vocabulary)."""
         with self._lock:
             if self._constraints is None:
-                self._constraints = structured_constraints(
-                    self.tokenizer, self.vocab_size, self.eos_token_ids)
+                self._constraints = Constraints(grammar_compiler(
+                    self.tokenizer, self.vocab_size, self.eos_token_ids))
             return self._constraints
 
     def release(self, seq: Sequence) -> None:

@@ -24,7 +24,7 @@ from lathe.model import load_checkpoint, save_checkpoint
 from lathe.serve.config import EngineConfig
 from lathe.serve.engine import LLMEngine
 from lathe.serve.reasoning import ReasoningStream, reasoning_parser
-from lathe.serve.structured import Constraints, Literals
+from lathe.serve.structured import GrammarCompiler, Literals
 from lathe.serve.tool_calls import tool_call_parser
 from tests.builders import serve_model
 from tests.data.chat_templates import CHATML, QWEN3, plain
@@ -208,8 +208,8 @@ def test_a_template_that_needs_tools_keeps_chat_on(qwen_checkpoint):
 def test_strict_tools_admit_no_extra_keys(qwen_checkpoint):
     engine = LLMEngine.from_checkpoint(qwen_checkpoint)
     literals = Literals.of(engine.tokenizer)
-    constraints = Constraints(engine.tokenizer, engine.model.config.vocab_size,
-                              engine.eos_token_ids)
+    constraints = GrammarCompiler(engine.tokenizer, engine.model.config.vocab_size,
+                                  engine.eos_token_ids)
     parser = tool_call_parser("hermes")
     for strict, admitted in ((True, False), (False, True)):
         tools = [{"type": "function", "function": {"name": "add", "parameters": ADD,

@@ -210,7 +210,7 @@ def test_a_matcher_failing_mid_generation_fails_its_request_alone(client, runnin
     expressions constructed", seen once in CI on `start: "a"+`). That request gets a 400
     with the reason, its compiled grammar is dropped, and the engine serves on: the next
     constrained and unconstrained requests succeed."""
-    from lathe.serve.structured import Constraints
+    from lathe.serve.constraints import Constraints
     constraints = running.engine().sampler.constraints
     real_start, failed = Constraints.start, []
 
@@ -241,7 +241,7 @@ def test_a_matcher_failing_mid_generation_fails_its_request_alone(client, runnin
         client.completions.create(model="tiny", prompt="The river", max_tokens=8,
                                   extra_body=grammar)
     spec = StructuredOutput(grammar=grammar["guided_grammar"])
-    assert spec not in constraints._compiled
+    assert spec not in constraints.compiler._compiled
     again = client.completions.create(model="tiny", prompt="The river", max_tokens=8,
                                       extra_body=grammar)
     assert again.choices[0].text in ("go north", "go south")
