@@ -22,6 +22,8 @@ from typing import Any
 
 from lathe.core.errors import CheckpointError
 
+CONFIG_FILE = "config.json"
+
 MAX_JSON_BYTES = 256 << 20  # a large tokenizer.json (Gemma's) is ~35 MB
 
 
@@ -86,6 +88,17 @@ def read_json_object(file: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise CheckpointError(f"{file}: must hold a JSON object, not a {type(data).__name__}")
     return data
+
+
+def read_config_json(folder: str | Path) -> dict[str, Any]:
+    """A checkpoint folder's config.json as a dict, not yet checked as a model's: what a
+    process that loads no model (a server's front end) checks before it starts one."""
+    file = checkpoint_file(folder, CONFIG_FILE)
+    if not file.is_file():
+        raise CheckpointError(
+            f"{folder}: no {CONFIG_FILE}; a checkpoint is a folder with {CONFIG_FILE} and "
+            "model.safetensors (write one with `lathe init` or save_checkpoint)")
+    return read_json_object(file)
 
 
 def read_eos_ids(path: str | Path, vocab_size: int) -> list[int]:

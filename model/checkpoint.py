@@ -27,7 +27,9 @@ from tokenizers import Tokenizer
 
 from lathe.core.atomic import atomic_directory
 from lathe.core.checkpoint_files import (
+    CONFIG_FILE,
     checkpoint_file,
+    read_config_json,
     read_eos_ids,
     read_json_if_present,
     read_json_object,
@@ -37,7 +39,6 @@ from lathe.model.config import ModelConfig
 from lathe.model.families import join_fused, split_fused, stack_experts, unstack_experts
 from lathe.model.transformer import FP32_BUFFERS, Transformer
 
-CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -271,12 +272,7 @@ def check_memory(config: ModelConfig, path: Path, device: torch.device,
 def read_model_config(path: str | Path) -> ModelConfig:
     """The `ModelConfig` of a checkpoint folder, from its config.json."""
     file = checkpoint_file(path, CONFIG_FILE)
-    if not file.is_file():
-        raise CheckpointError(
-            f"{path}: no {CONFIG_FILE}; a checkpoint is a folder with {CONFIG_FILE} and "
-            f"{WEIGHTS_FILE} (write one with `lathe init` or save_checkpoint)"
-        )
-    hf = read_json_object(file)
+    hf = read_config_json(path)
     for name in _INT_FIELDS:
         value = hf.get(name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):

@@ -56,6 +56,7 @@ from lathe.model.lora import (
     split_fused_pairs,
 )
 from lathe.serve.half_weights import activation_dtype
+from lathe.serve.request_checks import AdapterError
 from lathe.serve.sequence import Sequence
 
 # (slot, the token rows that slot's adapter applies to; None: every row of the forward)
@@ -68,10 +69,6 @@ GATHER_ELEMENTS = 1 << 23
 # the largest |weight| and scale an adapter may hold: trained LoRA weights are below ~1, and
 # one past this (1e38 has been sent) overflows a bf16 row into Inf, and its neighbours' too
 MAX_WEIGHT = 1e3
-
-
-class AdapterError(ValueError):
-    """An adapter request the engine refuses (unknown name, no free slot, a bad folder)."""
 
 
 @dataclass

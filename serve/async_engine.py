@@ -32,12 +32,11 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer
 
-from lathe.serve.adapters import AdapterError
-from lathe.serve.engine import LLMEngine
-from lathe.serve.engine_core import (
+from lathe.serve.core_messages import (
     ABORT,
     ADD,
     CALL,
@@ -52,10 +51,9 @@ from lathe.serve.engine_core import (
     EngineSpec,
     ModelInfo,
     process_main,
-    serve_engine,
 )
 from lathe.serve.outputs import SequenceDelta
-from lathe.serve.request_checks import RequestError
+from lathe.serve.request_checks import AdapterError, RequestError
 from lathe.serve.sampling_params import SamplingParams
 from lathe.serve.structured import (
     GrammarCompiler,
@@ -63,6 +61,9 @@ from lathe.serve.structured import (
     compile_structured,
     grammar_compiler,
 )
+
+if TYPE_CHECKING:  # the front end imports no torch: only a `load` brings an engine
+    from lathe.serve.engine import LLMEngine
 
 log = logging.getLogger("lathe.serve")
 
@@ -172,6 +173,7 @@ class AsyncEngine:
             core_commands.close()  # the core's ends are its own: its exit closes the pipe
             core_events.close()
         else:
+            from lathe.serve.engine_core import serve_engine  # an engine here: torch is here
             core = threading.Thread(target=serve_engine,
                                     args=(load, loras, core_commands, core_events),
                                     name="lathe-engine", daemon=True)

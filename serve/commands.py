@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import typing
 from collections.abc import Sequence
 from pathlib import Path
 
+from lathe.core.checkpoint_files import read_config_json
 from lathe.core.config import add_config_flags, config_from_flags
 from lathe.core.errors import ConfigError
 from lathe.data.chat_template import read_template_file
-from lathe.model.checkpoint import read_model_config
-from lathe.serve.config import ServerConfig
-from lathe.serve.decode_graph import cache_root
-from lathe.serve.engine_core import END_WITH, end_with
-from lathe.serve.quant import WEIGHT_DTYPES
+from lathe.serve.config import ServerConfig, WeightDtype, cache_root
+from lathe.serve.core_messages import END_WITH, end_with
 
 
 def serve_main(argv: Sequence[str] | None = None) -> int:
@@ -30,10 +29,12 @@ def serve_main(argv: Sequence[str] | None = None) -> int:
     config = config_from_flags(ServerConfig, args)
     if config.chat_template is not None:
         read_template_file(config.chat_template)
-    read_model_config(config.checkpoint)  # fail before binding a port on a wrong path
+    # fail before binding a port on a wrong path; the engine core checks the rest as it loads
+    # (this process, the server's front end, imports no torch)
+    read_config_json(config.checkpoint)
     speculative = config.engine.speculative
     if speculative is not None and speculative.draft is not None:
-        read_model_config(speculative.draft)
+        read_config_json(speculative.draft)
     # inductor's compiled code beside lathe's cached graphs, which name it: a cache in /tmp
     # (inductor's default) would not outlive a reboot
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
@@ -57,7 +58,7 @@ def chat_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--api-key", default=os.environ.get("LATHE_API_KEY"))
     parser.add_argument("--model", help="model id on the server (default: its first)")
     parser.add_argument("--quantize", choices=["int8", "int4"], help="local checkpoints only")
-    parser.add_argument("--dtype", choices=list(WEIGHT_DTYPES), default="auto",
+    parser.add_argument("--dtype", choices=typing.get_args(WeightDtype), default="auto",
                         help="local checkpoints: the weights' dtype (auto: the checkpoint's); "
                              "see `lathe serve --help`")
     parser.add_argument("--chat-template", type=Path, metavar="FILE",
@@ -71,6 +72,8 @@ def chat_main(argv: Sequence[str] | None = None) -> int:
                              "in a bounded child process (calculator, or "
                              "package.module:function); repeatable")
     args = parser.parse_args(argv)
+    from lathe.model.checkpoint import read_model_config
+    from lathe.serve.quant import WEIGHT_DTYPES
     tools = _read_tools(args.tools) if args.tools is not None else None
     from lathe.data.tool_runner import ToolRunner
     from lathe.data.tools import load_tools
@@ -144,8 +147,8 @@ def export_main(argv: Sequence[str] | None = None) -> int:
                         help="--format quantized: report perplexity on this text file "
                              "before and after quantization")
     args = parser.parse_args(argv)
+    from lathe.model.checkpoint import load_checkpoint, read_model_config
     read_model_config(args.checkpoint)
-    from lathe.model.checkpoint import load_checkpoint
     if args.format == "hf" and args.merge_lora is None:
         raise ConfigError("--format hf only makes sense with --merge-lora ADAPTER; for a "
                           "quantized or GGUF variant pass --format quantized|gguf")

@@ -7,6 +7,7 @@ a server's front end reads them too."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -148,6 +149,14 @@ class EngineConfig:
             raise ConfigError(f"decode_steps={self.decode_steps} cannot be combined with "
                               "speculative decoding, which already emits several tokens a "
                               "step; set decode_steps=1 or turn speculative decoding off")
+
+
+def cache_root() -> Path:
+    """lathe's cache folder: $LATHE_CACHE_DIR, else $XDG_CACHE_HOME/lathe (~/.cache/lathe)."""
+    explicit = os.environ.get("LATHE_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lathe"
 
 
 def serving_engine() -> EngineConfig:

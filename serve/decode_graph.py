@@ -53,7 +53,6 @@ import bisect
 import functools
 import hashlib
 import logging
-import os
 import platform
 import sys
 import threading
@@ -70,6 +69,7 @@ from lathe.kernels import AttentionVariant, paged_decode
 from lathe.kernels.cpu_native import cpu_kernels_loaded, native_kernel
 from lathe.kernels.dispatch import policy
 from lathe.model.transformer import Transformer
+from lathe.serve.config import cache_root
 from lathe.serve.paged_cache import KVSlabs
 
 log = logging.getLogger("lathe.serve")
@@ -78,14 +78,6 @@ BUILDING_SWITCH_SECONDS = 0.0002  # the GIL's switch interval while graphs build
 
 # reports a warm-up's progress: graphs built so far, graphs in all
 Progress = Callable[[int, int], None]
-
-
-def cache_root() -> Path:
-    """lathe's cache folder: $LATHE_CACHE_DIR, else $XDG_CACHE_HOME/lathe (~/.cache/lathe)."""
-    explicit = os.environ.get("LATHE_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lathe"
 
 
 @functools.cache

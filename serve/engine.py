@@ -35,7 +35,7 @@ from lathe.core.reporting import progress_bar
 from lathe.kernels import configure_kernels
 from lathe.model.checkpoint import CheckpointError, read_weights
 from lathe.model.transformer import Transformer
-from lathe.serve.adapters import AdapterError, AdapterSlots
+from lathe.serve.adapters import AdapterSlots
 from lathe.serve.block_manager import BlockManager
 from lathe.serve.config import EngineConfig, QuantMode
 from lathe.serve.decode_graph import Progress, batch_buckets
@@ -52,7 +52,7 @@ from lathe.serve.outputs import (
 )
 from lathe.serve.paged_cache import KVSlabs, blocks_in_budget
 from lathe.serve.quant import is_quantized, load_serving_model, serving_tokenizer, weight_bytes
-from lathe.serve.request_checks import RequestError, RequestLimits
+from lathe.serve.request_checks import AdapterError, RequestError, RequestLimits
 from lathe.serve.sampler import Sampler
 from lathe.serve.sampling import seeded_generator
 from lathe.serve.sampling_params import SamplingParams

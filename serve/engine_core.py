@@ -17,17 +17,7 @@ contend for the same cores even when one is idle (88M model, int8: steps on a th
 than the one that built the model ran at ~1.55 CPU-seconds per wall second and 20–25%
 slower; built and stepped on one thread, 2.0). A second thread here only reads the pipe.
 
-The messages (tuples, pickled by `multiprocessing`'s pipes; both ends are this package):
-
-- front end → core: `(ADD, request_id, prompt_ids, params, adapter)`, `(ABORT, request_id)`,
-  `(CALL, call_id, method, args)` for the adapter methods in `CALLS`, `(CLOSE,)`.
-- core → front end: `(STATUS, text)` while loading, then `(READY, ModelInfo)` or
-  `(FAILED, error)`; while serving `(DELTAS, deltas, stats)` after each step that produced
-  output (stats: `LLMEngine.stats()` at most every `STATS_SECONDS`, and with the step that
-  leaves it idle; else None), `(REJECTED, request_id, error)`, `(REPLY, call_id, error,
-  result)`, and `(DEAD, message)` when a step fails (the engine's state is then unknown, so
-  the core ends).
-
+The messages and what crosses the pipes are `lathe.serve.core_messages`'.
 The core ends at `CLOSE` or when the front end's pipe closes (the front end gone, however
 it went); a core in a process of its own ignores SIGINT (a terminal's Ctrl-C reaches the
 whole process group) and is stopped by its front end.
@@ -36,17 +26,12 @@ whole process group) and is stopped by its front end.
 from __future__ import annotations
 
 import collections
-import ctypes
 import gc
 import logging
 import os
-import pickle
-import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -54,45 +39,47 @@ import torch
 
 from lathe.core.errors import LatheError
 from lathe.kernels.cpu_native import build_status
-from lathe.serve.config import EngineConfig, QuantMode
+from lathe.serve.core_messages import (
+    ABORT,
+    ADD,
+    CALL,
+    CALLS,
+    CLOSE,
+    DEAD,
+    DELTAS,
+    FAILED,
+    IDLE_CALLS,
+    READY,
+    REJECTED,
+    REPLY,
+    STATUS,
+    EngineSpec,
+    ModelInfo,
+    freeze_startup_heap,
+    portable,
+)
 from lathe.serve.engine import LLMEngine
-from lathe.serve.request_checks import RequestLimits
+from lathe.serve.quant import WEIGHT_DTYPES
 
 log = logging.getLogger("lathe.serve")
 
-ADD, ABORT, CALL, CLOSE = "add", "abort", "call", "close"
-STATUS, READY, FAILED, DELTAS, REJECTED, REPLY, DEAD = (
-    "status", "ready", "failed", "deltas", "rejected", "reply", "dead")
-CALLS = ("add_adapter", "remove_adapter", "update_weights")  # what a front end may call
-# calls that wait for an idle engine: admission pauses at them (requests sent after wait)
-# until every running request has finished on the old weights
-IDLE_CALLS = ("update_weights",)
 STATS_SECONDS = 0.05  # how stale the front end's /metrics may be while the engine is busy
 STATUS_SECONDS = 0.5  # how often a loading core reports what it waits for
 # below this many bytes of weights a CPU decode step is mostly CPython, not weight reads
 # (~1.6 ms of them at ~20 GB/s, against ~0.3 ms of the front end's own work per token)
 SMALL_WEIGHTS = 32 * 2**20
-PR_SET_PDEATHSIG = 1  # prctl(2)
-# the environment variable naming the process a `lathe serve` started by another (a trainer's
-# rollout server) ends with
-END_WITH = "LATHE_END_WITH_PID"
+def load_engine(spec: EngineSpec) -> LLMEngine:
+    """The engine `spec` describes, on this process's intra-op threads (`engine_threads`)."""
+    engine = LLMEngine.from_checkpoint(spec.checkpoint, spec.config, quantize=spec.quantize,
+                                       dtype=WEIGHT_DTYPES[spec.dtype])
+    torch.set_num_threads(engine_threads(engine, spec.threads))
+    return engine
 
 
-@dataclass
-class EngineSpec:
-    """How a core builds its engine: it crosses to the core's process, so plain data."""
-
-    checkpoint: Path
-    config: EngineConfig = field(default_factory=EngineConfig)
-    quantize: QuantMode | None = None
-    dtype: torch.dtype | None = None  # the weights' (None: the checkpoint's)
-    threads: int | None = None  # intra-op threads (None: `engine_threads` chooses)
-
-    def load(self) -> LLMEngine:
-        engine = LLMEngine.from_checkpoint(self.checkpoint, self.config,
-                                           quantize=self.quantize, dtype=self.dtype)
-        torch.set_num_threads(engine_threads(engine, self.threads))
-        return engine
+def serve_spec(spec: EngineSpec, loras: dict[str, Path], commands: Connection,
+               events: Connection) -> None:
+    """`serve_engine` on the engine `spec` describes (a core's process)."""
+    serve_engine(lambda: load_engine(spec), loras, commands, events)
 
 
 def engine_threads(engine: LLMEngine, asked: int | None) -> int:
@@ -109,38 +96,6 @@ def engine_threads(engine: LLMEngine, asked: int | None) -> int:
     if engine.device.type != "cpu" or "OMP_NUM_THREADS" in os.environ or threads < 2:
         return threads
     return threads - 1 if engine.memory["weight_bytes"] < SMALL_WEIGHTS else threads
-
-
-@dataclass
-class ModelInfo:
-    """What the front end needs of a loaded engine to take requests without asking it."""
-
-    limits: RequestLimits
-    tokenizer: str | None  # the tokenizer's JSON
-    eos_token_ids: list[int]
-    adapters: dict[str, str]  # the adapters loaded at start: name -> folder
-    threads: int  # the core's intra-op threads
-
-
-def portable(error: BaseException) -> BaseException:
-    """`error` as it can cross the pipe: itself when it pickles, else a RuntimeError that
-    names it."""
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:
-        return RuntimeError(f"{type(error).__name__}: {error}")
-
-
-def freeze_startup_heap() -> None:
-    """Move every object alive once serving starts (torch, the model, its compiled graphs:
-    ~420,000 on the README model) out of the garbage collector's reach, as vLLM's engine
-    does: a full collection walks them all — 220-280 ms on the README model on a 2-core CPU,
-    a stall of every stream in flight whenever the oldest generation's turn comes — and
-    ~0 ms once they are frozen. `gc.unfreeze()` at the end gives them back (else extensions
-    report them as leaks at exit)."""
-    gc.collect()
-    gc.freeze()
 
 
 class EngineCore:
@@ -316,22 +271,3 @@ def _report_loading(send: Callable[[tuple], None], loading: threading.Event) -> 
             send((STATUS, status))
 
 
-def process_main(spec: EngineSpec, loras: dict[str, Path], commands: Connection,
-                 events: Connection, front_end: int) -> None:
-    """The core's process: `serve_engine` on `spec`, for the front end of pid `front_end`."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when it ends
-    end_with(front_end)
-    serve_engine(spec.load, loras, commands, events)
-
-
-def end_with(front_end: int) -> None:
-    """Have the kernel kill this process when its front end dies (Linux; strictly, when
-    the front end's thread that started it ends). A closed pipe ends a serving core at its
-    next message, but a loading one reads none: without this a core whose front end was
-    killed would go on compiling for minutes."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != front_end:  # it died before the request was made
-        os._exit(1)

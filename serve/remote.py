@@ -32,7 +32,7 @@ from torch import Tensor
 from lathe.core.errors import ConfigError
 from lathe.model.checkpoint import write_weights
 from lathe.model.config import ModelConfig
-from lathe.serve.engine_core import END_WITH
+from lathe.serve.core_messages import END_WITH
 from lathe.serve.outputs import Completion, CompletionOutput, TokenLogprob
 from lathe.serve.sampling_params import SamplingParams
 

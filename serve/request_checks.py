@@ -1,7 +1,8 @@
 """What a request must fit to be served by one engine — its vocabulary, context length, KV
 cache and tokenizer — checked once, at the door: by the server's front end before a request
-crosses to the engine core's process, or by `LLMEngine.add_request` in one process. No torch
-here: the front end checks requests without it."""
+crosses to the engine core's process, or by `LLMEngine.add_request` in one process — and the
+errors a request or an adapter fails with. No torch here: the front end checks requests
+without it."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ if TYPE_CHECKING:
 
 class RequestError(ValueError):
     """A request the engine cannot serve as given (the message names field and limit)."""
+
+
+class AdapterError(ValueError):
+    """An adapter request the engine refuses (unknown name, no free slot, a bad folder)."""
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -47,12 +47,13 @@ from lathe.serve import serving_chat, serving_completions, serving_models
 from lathe.serve.async_engine import AsyncEngine, EngineDead
 from lathe.serve.config import ServerConfig
 from lathe.serve.connections import LatheServer, raise_file_limit, uvicorn_config
-from lathe.serve.engine import LLMEngine
-from lathe.serve.engine_core import EngineSpec, freeze_startup_heap
-from lathe.serve.quant import WEIGHT_DTYPES
+from lathe.serve.core_messages import EngineSpec, freeze_startup_heap
 from lathe.serve.reasoning import template_reasoning_parser
 from lathe.serve.serving import APIError, Serving, authorize, error_response
 from lathe.serve.structured import Literals
+
+if TYPE_CHECKING:  # the front end imports no torch: only a `load` brings an engine
+    from lathe.serve.engine import LLMEngine
 
 log = logging.getLogger("lathe.serve")
 _UNION_TAGS = ("str", "int", "float", "bool")
@@ -130,7 +131,7 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
     `serving_chat`'; they find what they share in `app.state.serving`."""
     ctx = Serving(config)
     spec = None if load is not None else EngineSpec(config.checkpoint, config.engine,
-                                                    config.quantize, WEIGHT_DTYPES[config.dtype],
+                                                    config.quantize, config.dtype,
                                                     config.engine_threads)
 
     async def load_engine() -> None:

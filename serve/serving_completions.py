@@ -14,7 +14,6 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lathe.serve.adapters import AdapterError
 from lathe.serve.async_engine import AsyncEngine, EngineDead, QueueFull, ServerClosing
 from lathe.serve.metrics import RequestTimer, ServerMetrics
 from lathe.serve.outputs import CompletionOutput
@@ -26,7 +25,7 @@ from lathe.serve.protocol import (
     ResponseBuilder,
     ResponseOptions,
 )
-from lathe.serve.request_checks import RequestError
+from lathe.serve.request_checks import AdapterError, RequestError
 from lathe.serve.sampling_params import SamplingError, SamplingParams
 from lathe.serve.serving import APIError, authorize, error_event, serving
 from lathe.serve.structured import Literals, StructuredOutput

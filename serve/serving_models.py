@@ -13,9 +13,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from lathe.model.checkpoint import CheckpointError
-from lathe.serve.adapters import AdapterError
+from lathe.core.errors import CheckpointError
 from lathe.serve.protocol import LoraAdapterRequest, UpdateWeightsRequest
+from lathe.serve.request_checks import AdapterError
 from lathe.serve.serving import APIError, authorize, authorize_metrics, inside, serving
 
 log = logging.getLogger("lathe.serve")

@@ -72,3 +72,14 @@ def test_training_imports_no_torchao_and_lora_imports_it_quietly():
     result = processes.run([sys.executable, "-c", code], timeout=120, cwd=ROOT)
     for noise in ("Failed to load", "_pytree", "register_constant"):
         assert noise not in result.stderr, result.stderr
+
+
+def test_the_server_front_end_imports_no_torch():
+    """`lathe serve`'s own process — flags, HTTP, templates, request checks, streaming —
+    holds no torch (hundreds of MB and seconds of import); only its engine core's does."""
+    code = ("import sys\n"
+            "import lathe.serve.commands, lathe.serve.server\n"
+            "from lathe.serve.commands import serve_main\n"
+            "heavy = sorted(m for m in ('torch', 'numpy', 'triton') if m in sys.modules)\n"
+            "assert not heavy, heavy\n")
+    processes.run([sys.executable, "-c", code], timeout=120, cwd=ROOT)

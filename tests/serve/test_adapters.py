@@ -16,9 +16,9 @@ import torch
 from lathe.core.errors import CheckpointError
 from lathe.model import load_checkpoint, save_checkpoint
 from lathe.model.lora import LoraSection, apply_lora, load_adapter, merge_lora, save_adapter
-from lathe.serve.adapters import AdapterError
 from lathe.serve.config import EngineConfig
 from lathe.serve.engine import LLMEngine
+from lathe.serve.request_checks import AdapterError
 from lathe.serve.sampling_params import SamplingParams
 
 PROMPTS = ["The river flows past the old mill", "A garden of", "The river flows"]

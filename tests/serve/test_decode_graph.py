@@ -16,8 +16,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from lathe.kernels.dispatch import kernels_off
-from lathe.serve.config import EngineConfig, SpeculativeConfig
-from lathe.serve.decode_graph import batch_buckets, cache_root, width_buckets
+from lathe.serve.config import EngineConfig, SpeculativeConfig, cache_root
+from lathe.serve.decode_graph import batch_buckets, width_buckets
 from lathe.serve.engine import LLMEngine
 from lathe.serve.quant import quantize_linears
 from lathe.serve.sampling_params import SamplingParams

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from lathe.model.checkpoint import CheckpointError
-from lathe.serve.adapters import AdapterError
 from lathe.serve.async_engine import AsyncEngine, EngineDead
 from lathe.serve.config import EngineConfig
+from lathe.serve.core_messages import EngineSpec
 from lathe.serve.engine import LLMEngine
-from lathe.serve.engine_core import SMALL_WEIGHTS, EngineSpec, engine_threads
-from lathe.serve.request_checks import RequestError
+from lathe.serve.engine_core import SMALL_WEIGHTS, engine_threads
+from lathe.serve.request_checks import AdapterError, RequestError
 from lathe.serve.sampling_params import SamplingParams
 
 CONFIG = EngineConfig(num_blocks=64)
@@ -135,7 +135,7 @@ def test_a_front_end_killed_while_its_core_loads_leaves_no_core_behind(checkpoin
     front_end = textwrap.dedent(f"""
         import asyncio, multiprocessing
         from lathe.serve.async_engine import AsyncEngine
-        from lathe.serve.engine_core import EngineSpec
+        from lathe.serve.core_messages import EngineSpec
 
         async def main():
             asyncio.ensure_future(AsyncEngine.launch(EngineSpec({str(checkpoint)!r})))
