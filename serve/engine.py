@@ -19,7 +19,6 @@ deltas.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import time
@@ -39,16 +38,15 @@ from lathe.serve.adapters import AdapterSlots
 from lathe.serve.block_manager import BlockManager
 from lathe.serve.config import EngineConfig, QuantMode
 from lathe.serve.decode_graph import Progress, batch_buckets
+from lathe.serve.executor import StepExecutor
 from lathe.serve.half_weights import activation_dtype
-from lathe.serve.logprobs import requested_logprobs, token_logprobs
-from lathe.serve.model_runner import ModelRunner, select_rows
+from lathe.serve.model_runner import ModelRunner
 from lathe.serve.outputs import (
     Completion,
     CompletionOutput,
     OutputProcessor,
     Pick,
     SequenceDelta,
-    TokenLogprob,
 )
 from lathe.serve.paged_cache import KVSlabs, blocks_in_budget
 from lathe.serve.quant import is_quantized, load_serving_model, serving_tokenizer, weight_bytes
@@ -56,7 +54,7 @@ from lathe.serve.request_checks import AdapterError, RequestError, RequestLimits
 from lathe.serve.sampler import Sampler
 from lathe.serve.sampling import seeded_generator
 from lathe.serve.sampling_params import SamplingParams
-from lathe.serve.scheduler import ScheduledBatch, Scheduler, StepCost
+from lathe.serve.scheduler import Scheduler, StepCost
 from lathe.serve.sequence import Sequence, Status
 from lathe.serve.speculative import Speculator, check_draft, check_same_tokenizer
 from lathe.serve.structured import compile_structured
@@ -118,6 +116,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         self.sampler = Sampler(tokenizer, model.config.vocab_size, self.eos_token_ids,
                                self.device)
+        self.executor = StepExecutor(self.runner, self.sampler, self.speculator, self.adapters,
+                                     self.device)
         self.requests: dict[str, list[Sequence]] = {}
         self._ids = itertools.count()
         self.prompt_tokens_total = 0
@@ -272,10 +272,9 @@ class LLMEngine:
         batch = self.scheduler.schedule(self.step_cost.prefill_cap())
         if not batch.items:
             return []
-        steps = self._decode_steps(batch)
+        steps = self.scheduler.decode_run(batch, self.config.decode_steps)
         start = time.perf_counter()
-        picks = self._run_decodes([seq for seq, _ in batch.items], steps) if steps > 1 \
-            else self._run(batch)
+        picks = self.executor.execute(batch, steps)
         self.step_cost.observe(batch, (time.perf_counter() - start) / steps)
         for seq, _ in batch.items:
             new = [token for token, _ in picks.get(seq, [])]
@@ -302,115 +301,6 @@ class LLMEngine:
         if delta.finish_reason is not None:
             self._finish(seq, delta.finish_reason)
         return delta
-
-    def _run(self, batch: ScheduledBatch) -> dict[Sequence, list[Pick]]:
-        """One forward pass over the scheduled tokens (and any drafts): what each sequence
-        that reached its end emits."""
-        drafts = self.speculator.propose(batch.items, batch.lookahead) \
-            if self.speculator is not None else {}
-        drafts = self.sampler.cut_drafts(drafts)
-        work = []
-        for seq, count in batch.items:
-            start = seq.num_computed
-            draft = drafts[seq].tokens if seq in drafts else []
-            work.append((seq, start, seq.tokens(start, start + count) + draft))
-        ids, view, starts = self.runner.prepare(work)
-        slots = None
-        if self.adapters is not None:
-            slots = [-1] * ids.shape[-1]
-            for (seq, _, tokens), row in zip(work, starts, strict=True):
-                slots[row:row + len(tokens)] = [seq.adapter_slot] * len(tokens)
-        keep: list[int] = []  # rows whose logits the LM head computes
-        sample_rows: list[int] = []  # of which sampled (one per sequence)
-        scored: list[tuple[Sequence, int, int, int]] = []  # prompt log-probs: seq, at, from, to
-        sampled: list[Sequence] = []
-        verified: list[tuple[Sequence, int]] = []  # sequences with drafts, their first kept row
-        for (seq, count), row in zip(batch.items, starts, strict=True):
-            start, end = seq.num_computed, seq.num_computed + count
-            seq.num_computed = end
-            if seq.prompt_logprobs is not None:
-                # position p's logits score prompt token p + 1; a recompute after
-                # preemption skips the positions already scored
-                first = max(start, len(seq.prompt_logprobs) - 1)
-                last = min(end, len(seq.prompt_ids) - 1)
-                if first < last:
-                    scored.append((seq, len(keep), first, last))
-                    keep += range(row + first - start, row + last - start)
-            if seq in drafts:
-                verified.append((seq, len(keep)))
-                keep += range(row, row + 1 + len(drafts[seq].tokens))
-            elif end == seq.num_tokens:
-                sample_rows.append(len(keep))
-                keep.append(row + count - 1)
-                sampled.append(seq)
-        with self._adapter_rows(slots):
-            logits = self.runner.run(ids, view, keep)
-        for seq, at, first, last in scored:
-            seq.prompt_logprobs += token_logprobs(logits[at:at + last - first],
-                                                  seq.prompt_ids[first + 1:last + 1],
-                                                  seq.params.prompt_logprobs or 0)
-        picks = dict(zip(sampled, ([pick] for pick in self.sampler.sample(
-            sampled, select_rows(logits, sample_rows))), strict=True))
-        if verified:
-            drawn = self.sampler.draft_logits(verified, drafts, logits)
-            accepted = self.speculator.verify(verified, drafts, logits, drawn)
-            self.sampler.accepted(accepted)
-            picks.update(accepted)
-        return picks
-
-    def _adapter_rows(self, slots: list[int] | None) -> contextlib.AbstractContextManager:
-        """Within it, the target's token rows run on their LoRA adapters (`slots[i]`, -1
-        for the base); a no-op without adapters."""
-        if slots is None or self.adapters is None:
-            return contextlib.nullcontext()
-        return self.adapters.rows(slots, self.device)
-
-    def _decode_steps(self, batch: ScheduledBatch) -> int:
-        """How many forward passes a step runs: up to `decode_steps` when every scheduled
-        sequence decodes one token and samples without penalties (which read the tokens
-        the run has not handed over yet), no sequence runs past its max_tokens, and free
-        blocks hold the later passes' KV; else 1."""
-        steps = self.config.decode_steps
-        if steps == 1 or batch.lookahead or any(
-                count != 1 or seq.num_uncomputed != 1 or seq.params.penalized
-                for seq, count in batch.items):
-            return 1
-        for seq, _ in batch.items:
-            steps = min(steps, seq.params.max_tokens - len(seq.output_ids))
-        for seq, _ in batch.items:
-            if steps > 1:
-                steps = min(steps, 1 + self.scheduler.reserve(seq, steps - 1))
-        return steps
-
-    def _run_decodes(self, seqs: list[Sequence], steps: int) -> dict[Sequence, list[Pick]]:
-        """`steps` decode passes over `seqs`, each fed the tokens the last one sampled
-        without a trip through Python lists, and no scheduling, detokenizing or stop checks
-        between them: what each sequence emits (`_append` drops whatever follows a token
-        that ends it)."""
-        sampling = self.sampler.batch(seqs)
-        starts = [seq.num_computed for seq in seqs]
-        ids, views = self.runner.prepare_decodes(
-            [(seq, at, seq.tokens(at, at + 1)) for seq, at in zip(seqs, starts, strict=True)],
-            steps)
-        rows = list(range(len(seqs)))
-        params = [seq.params for seq in seqs]
-        wanted = any(p.logprobs is not None for p in params)
-        drawn: list[Tensor] = []
-        logprobs: list[list[TokenLogprob | None]] = []
-        adapter_slots = [seq.adapter_slot for seq in seqs] if self.adapters else None
-        for view in views:
-            with self._adapter_rows(adapter_slots):
-                logits = self.runner.run(ids, view, rows)
-            tokens = self.sampler.draw(seqs, logits, sampling)
-            drawn.append(tokens)
-            logprobs.append(requested_logprobs(params, logits, tokens.tolist()) if wanted
-                            else [None] * len(seqs))
-            ids = tokens[None]
-        for seq, at in zip(seqs, starts, strict=True):
-            seq.num_computed = at + 1  # `step` counts the later passes with the tokens
-        by_step = torch.stack(drawn).tolist()
-        return {seq: [(by_step[k][i], logprobs[k][i]) for k in range(steps)]
-                for i, seq in enumerate(seqs)}
 
     # offline API and weights ------------------------------------------------------------
 

@@ -168,6 +168,23 @@ class Scheduler:
         self.block_manager.grow(seq.table, seq.num_tokens)
         return True
 
+    def decode_run(self, batch: ScheduledBatch, decode_steps: int) -> int:
+        """How many forward passes `batch` runs: up to `decode_steps` when every scheduled
+        sequence decodes one token and samples without penalties (which read the tokens
+        the run has not handed over yet), no sequence runs past its max_tokens, and free
+        blocks hold the later passes' KV; else 1."""
+        steps = decode_steps
+        if steps == 1 or batch.lookahead or any(
+                count != 1 or seq.num_uncomputed != 1 or seq.params.penalized
+                for seq, count in batch.items):
+            return 1
+        for seq, _ in batch.items:
+            steps = min(steps, seq.params.max_tokens - len(seq.output_ids))
+        for seq, _ in batch.items:
+            if steps > 1:
+                steps = min(steps, 1 + self.reserve(seq, steps - 1))
+        return steps
+
     def reserve(self, seq: Sequence, wanted: int) -> int:
         """Grow `seq` by up to `wanted` slots past its next token that free blocks allow,
         preempting no one; how many it got."""

@@ -94,7 +94,8 @@ def test_runner_rows_are_reused_grown_and_rewritten_after_preemption():
     model = serve_model(256)
     batch = prompts([10, 14, 6, 12, 9, 11], seed=2)
     engine = engine_for(model, num_blocks=20, max_num_seqs=6)
-    engine.runner = type(engine.runner)(model, engine.slabs, engine.device, rows=2)
+    engine.runner = engine.executor.runner = type(engine.runner)(model, engine.slabs,
+                                                                  engine.device, rows=2)
     params = SamplingParams(max_tokens=14, temperature=0, n=2)
     results = engine.generate(batch, params)
     assert engine.scheduler.num_preemptions > 0
