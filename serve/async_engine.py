@@ -37,19 +37,19 @@ from typing import TYPE_CHECKING
 from tokenizers import Tokenizer
 
 from lathe.serve.core_messages import (
-    ABORT,
-    ADD,
-    CALL,
-    CLOSE,
-    DEAD,
-    DELTAS,
-    FAILED,
-    READY,
-    REJECTED,
-    REPLY,
-    STATUS,
+    Abort,
+    AddRequest,
+    Call,
+    Close,
+    Dead,
+    Deltas,
     EngineSpec,
+    Failed,
     ModelInfo,
+    Ready,
+    Rejected,
+    Reply,
+    Status,
     process_main,
 )
 from lathe.serve.outputs import SequenceDelta
@@ -264,7 +264,7 @@ class AsyncEngine:
         request_ids = []
         for prompt_ids, p in zip(prompts, params, strict=True):
             request_id = f"async-{next(self._ids)}"
-            self._send((ADD, request_id, prompt_ids, p, adapter))
+            self._send(AddRequest(request_id, prompt_ids, p, adapter))
             self._queues[request_id] = DeltaQueue()
             self._unstarted.add(request_id)
             request_ids.append(request_id)
@@ -293,7 +293,7 @@ class AsyncEngine:
         self._unstarted.discard(request_id)
         if self.dead is None and not self._closed:
             try:
-                self._send((ABORT, request_id))
+                self._send(Abort(request_id))
             except EngineDead:  # nothing left to abort
                 pass
 
@@ -341,7 +341,7 @@ class AsyncEngine:
                 future.set_exception(EngineDead("the engine has been stopped"))
         self._calls.clear()
         try:
-            self._commands.send((CLOSE,))
+            self._commands.send(Close())
         except OSError:
             pass
         self._commands.close()
@@ -360,7 +360,7 @@ class AsyncEngine:
 
     # the core's messages, read on the event loop -----------------------------------------
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: object) -> None:
         if self._closed:
             raise EngineDead("the engine has been stopped")
         try:
@@ -375,7 +375,7 @@ class AsyncEngine:
         call_id = next(self._ids)
         future = self._calls[call_id] = self._loop.create_future()
         try:
-            self._send((CALL, call_id, method, args))
+            self._send(Call(call_id, method, args))
         except EngineDead:
             self._calls.pop(call_id, None)
             raise
@@ -388,42 +388,39 @@ class AsyncEngine:
         except (EOFError, OSError):
             self._lost()
 
-    def _handle(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == DELTAS:
-            _, deltas, stats = message
-            if stats is not None:
-                self.stats = stats
-            for delta in deltas:
-                self._unstarted.discard(delta.request_id)
-                queue = self._queues.get(delta.request_id)
-                if queue is not None:  # a sequence that failed alone fails its request
-                    queue.put_nowait(delta if delta.error is None
-                                     else RequestError(delta.error))
-        elif kind == REJECTED:
-            _, request_id, error = message
-            self._unstarted.discard(request_id)
-            queue = self._queues.get(request_id)
-            if queue is not None:
-                queue.put_nowait(error)
-        elif kind == REPLY:
-            _, call_id, error, result = message
-            future = self._calls.pop(call_id, None)
-            if future is not None and not future.done():
-                if error is None:
-                    future.set_result(result)
-                else:
-                    future.set_exception(error)
-        elif kind == STATUS:
-            self._status(message[1])
-        elif kind == READY:
-            self._ready.set_result(message[1])
-        elif kind == FAILED:
-            self._failed = True
-            if not self._ready.done():
-                self._ready.set_exception(message[1])
-        elif kind == DEAD:
-            self._die(message[1])
+    def _handle(self, message: object) -> None:
+        match message:
+            case Deltas(deltas, stats):
+                if stats is not None:
+                    self.stats = stats
+                for delta in deltas:
+                    self._unstarted.discard(delta.request_id)
+                    queue = self._queues.get(delta.request_id)
+                    if queue is not None:  # a sequence that failed alone fails its request
+                        queue.put_nowait(delta if delta.error is None
+                                         else RequestError(delta.error))
+            case Rejected(request_id, error):
+                self._unstarted.discard(request_id)
+                queue = self._queues.get(request_id)
+                if queue is not None:
+                    queue.put_nowait(error)
+            case Reply(call_id, error, result):
+                future = self._calls.pop(call_id, None)
+                if future is not None and not future.done():
+                    if error is None:
+                        future.set_result(result)
+                    else:
+                        future.set_exception(error)
+            case Status(text):
+                self._status(text)
+            case Ready(info):
+                self._ready.set_result(info)
+            case Failed(error):
+                self._failed = True
+                if not self._ready.done():
+                    self._ready.set_exception(error)
+            case Dead(text):
+                self._die(text)
 
     def _lost(self) -> None:
         """The core's pipe closed: it has ended, and not because it was told to."""

@@ -2,18 +2,18 @@
 and the core process's entry point. No torch here: the front end imports this, the core's
 process imports the engine.
 
-The messages (tuples, pickled by `multiprocessing`'s pipes; both ends are this package):
+The messages, dataclasses pickled by `multiprocessing`'s pipes (both ends are this package):
 
-- front end → core: `(ADD, request_id, prompt_ids, params, adapter)`, `(ABORT, request_id)`,
-  `(CALL, call_id, method, args)` for the adapter methods in `CALLS`, `(CLOSE,)`.
-- core → front end: `(STATUS, text)` while loading, then `(READY, ModelInfo)` or
-  `(FAILED, error)`; while serving `(DELTAS, deltas, stats)` after each step that produced
-  output (stats: `LLMEngine.stats()` at most every `STATS_SECONDS`, and with the step that
-  leaves it idle; else None), `(REJECTED, request_id, error)`, `(REPLY, call_id, error,
-  result)`, and `(DEAD, message)` when a step fails (the engine's state is then unknown, so
-  the core ends).
+- front end → core: `AddRequest`, `Abort`, `Call` (of the engine methods in `CALLS`),
+  `Close`.
+- core → front end: `Status` while loading, then `Ready` (with the `ModelInfo`) or
+  `Failed`; while serving `Deltas` after each step that produced output (its stats:
+  `LLMEngine.stats()` at most every `engine_core.STATS_SECONDS`, and with the step that
+  leaves it idle; else None), `Rejected` (a request that failed alone), `Reply` (to a
+  `Call`), and `Dead` when a step fails (the engine's state is then unknown, so the core
+  ends).
 
-The core ends at `CLOSE` or when the front end's pipe closes (the front end gone, however
+The core ends at `Close` or when the front end's pipe closes (the front end gone, however
 it went); a core in a process of its own ignores SIGINT (a terminal's Ctrl-C reaches the
 whole process group) and is stopped by its front end.
 """
@@ -29,13 +29,15 @@ import sys
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lathe.serve.config import EngineConfig, QuantMode, WeightDtype
 from lathe.serve.request_checks import RequestLimits
 
-ADD, ABORT, CALL, CLOSE = "add", "abort", "call", "close"
-STATUS, READY, FAILED, DELTAS, REJECTED, REPLY, DEAD = (
-    "status", "ready", "failed", "deltas", "rejected", "reply", "dead")
+if TYPE_CHECKING:
+    from lathe.serve.outputs import SequenceDelta
+    from lathe.serve.sampling_params import SamplingParams
+
 CALLS = ("add_adapter", "remove_adapter", "update_weights")  # what a front end may call
 # calls that wait for an idle engine: admission pauses at them (requests sent after wait)
 # until every running request has finished on the old weights
@@ -66,6 +68,72 @@ class ModelInfo:
     eos_token_ids: list[int]
     adapters: dict[str, str]  # the adapters loaded at start: name -> folder
     threads: int  # the core's intra-op threads
+
+
+# front end -> core
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    adapter: str | None
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Call:
+    call_id: int
+    method: str  # one of CALLS
+    args: tuple
+
+
+@dataclass(frozen=True)
+class Close:
+    pass
+
+
+# core -> front end
+@dataclass(frozen=True)
+class Status:
+    text: str  # what the start waits for
+
+
+@dataclass(frozen=True)
+class Ready:
+    info: ModelInfo
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: BaseException  # what the load raised
+
+
+@dataclass(frozen=True)
+class Deltas:
+    deltas: list[SequenceDelta]
+    stats: dict[str, float] | None
+
+
+@dataclass(frozen=True)
+class Rejected:
+    request_id: str
+    error: BaseException
+
+
+@dataclass(frozen=True)
+class Reply:
+    call_id: int
+    error: BaseException | None
+    result: object = None
+
+
+@dataclass(frozen=True)
+class Dead:
+    message: str
 
 
 def portable(error: BaseException) -> BaseException:

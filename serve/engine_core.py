@@ -18,7 +18,7 @@ than the one that built the model ran at ~1.55 CPU-seconds per wall second and 2
 slower; built and stepped on one thread, 2.0). A second thread here only reads the pipe.
 
 The messages and what crosses the pipes are `lathe.serve.core_messages`'.
-The core ends at `CLOSE` or when the front end's pipe closes (the front end gone, however
+The core ends at `Close` or when the front end's pipe closes (the front end gone, however
 it went); a core in a process of its own ignores SIGINT (a terminal's Ctrl-C reaches the
 whole process group) and is stopped by its front end.
 """
@@ -40,21 +40,21 @@ import torch
 from lathe.core.errors import LatheError
 from lathe.kernels.cpu_native import build_status
 from lathe.serve.core_messages import (
-    ABORT,
-    ADD,
-    CALL,
     CALLS,
-    CLOSE,
-    DEAD,
-    DELTAS,
-    FAILED,
     IDLE_CALLS,
-    READY,
-    REJECTED,
-    REPLY,
-    STATUS,
+    Abort,
+    AddRequest,
+    Call,
+    Close,
+    Dead,
+    Deltas,
     EngineSpec,
+    Failed,
     ModelInfo,
+    Ready,
+    Rejected,
+    Reply,
+    Status,
     freeze_startup_heap,
     portable,
 )
@@ -101,10 +101,10 @@ def engine_threads(engine: LLMEngine, asked: int | None) -> int:
 class EngineCore:
     """The loop: apply what the front end sent, step while there is work, post the output."""
 
-    def __init__(self, engine: LLMEngine, send: Callable[[tuple], None]) -> None:
+    def __init__(self, engine: LLMEngine, send: Callable[[object], None]) -> None:
         self.engine = engine
         self.send = send
-        self.inbox: collections.deque[tuple] = collections.deque()
+        self.inbox: collections.deque[object] = collections.deque()
         self._inbox_lock = threading.Lock()  # the reader appends while a pause sorts it
         self.wake = threading.Event()
         self._stats_at = 0.0
@@ -124,16 +124,16 @@ class EngineCore:
                 try:
                     message = commands.recv()
                 except (EOFError, OSError):  # the front end is gone
-                    message = (CLOSE,)
+                    message = Close()
                 with self._inbox_lock:
                     self.inbox.append(message)
                 self.wake.set()
-                if message[0] == CLOSE:
+                if isinstance(message, Close):
                     return
         threading.Thread(target=reader, name="lathe-engine-inbox", daemon=True).start()
 
     def run(self) -> None:
-        """Until `CLOSE`, or a step fails (posted as `DEAD`)."""
+        """Until `Close`, or a step fails (posted as `Dead`)."""
         while True:
             self.wake.clear()  # before looking for work: a message after this wakes the wait
             while self.inbox:
@@ -146,14 +146,14 @@ class EngineCore:
             if not self.engine.has_unfinished():
                 if self._stale:
                     self._stale = False
-                    self.send((DELTAS, [], self.engine.stats()))
+                    self.send(Deltas([], self.engine.stats()))
                 self.wake.wait()
                 continue
             try:
                 deltas = self.engine.step()
             except Exception as error:
                 log.exception("an engine step failed; the engine core stops")
-                self.send((DEAD, f"{type(error).__name__}: {error}"))
+                self.send(Dead(f"{type(error).__name__}: {error}"))
                 return
             self._stale = True
             now = time.monotonic()
@@ -161,49 +161,48 @@ class EngineCore:
             if now - self._stats_at >= STATS_SECONDS or not self.engine.has_unfinished():
                 stats, self._stats_at = self.engine.stats(), now
             if deltas or stats is not None:
-                self.send((DELTAS, deltas, stats))
+                self.send(Deltas(deltas, stats))
 
     def _paused(self) -> bool:
         """Whether the next message waits for the running requests to finish."""
         message = self.inbox[0]
-        return (message[0] == CALL and message[2] in IDLE_CALLS
+        return (isinstance(message, Call) and message.method in IDLE_CALLS
                 and self.engine.has_unfinished())
 
     def _apply_aborts(self) -> bool:
-        """While admission is paused, what cannot wait: aborts (a client gone) and `CLOSE`,
-        taken out of the queue; False at `CLOSE`."""
+        """While admission is paused, what cannot wait: aborts (a client gone) and `Close`,
+        taken out of the queue; False at `Close`."""
         with self._inbox_lock:
-            urgent = [m for m in self.inbox if m[0] in (ABORT, CLOSE)]
-            held = [m for m in self.inbox if m[0] not in (ABORT, CLOSE)]
+            urgent = [m for m in self.inbox if isinstance(m, Abort | Close)]
+            held = [m for m in self.inbox if not isinstance(m, Abort | Close)]
             self.inbox.clear()
             self.inbox.extend(held)
         return all(self._apply(message) for message in urgent)
 
-    def _apply(self, message: tuple) -> bool:
-        """One message from the front end; False at `CLOSE`."""
-        kind = message[0]
+    def _apply(self, message: object) -> bool:
+        """One message from the front end; False at `Close`."""
         self._stale = True
-        if kind == ADD:
-            _, request_id, prompt_ids, params, adapter = message
-            try:
-                self.engine.add_request(prompt_ids, params, request_id, adapter, checked=True)
-            except Exception as error:  # this request fails alone
+        match message:
+            case AddRequest(request_id, prompt_ids, params, adapter):
+                try:
+                    self.engine.add_request(prompt_ids, params, request_id, adapter,
+                                            checked=True)
+                except Exception as error:  # this request fails alone
+                    self.engine.abort(request_id)
+                    self.send(Rejected(request_id, portable(error)))
+            case Abort(request_id):
                 self.engine.abort(request_id)
-                self.send((REJECTED, request_id, portable(error)))
-        elif kind == ABORT:
-            self.engine.abort(message[1])
-        elif kind == CALL:
-            _, call_id, method, args = message
-            try:
-                if method not in CALLS:
-                    raise ValueError(f"the engine core takes no call {method!r}")
-                result = getattr(self.engine, method)(*args)
-            except Exception as error:
-                self.send((REPLY, call_id, portable(error), None))
-            else:
-                self.send((REPLY, call_id, None, result))
-        elif kind == CLOSE:
-            return False
+            case Call(call_id, method, args):
+                try:
+                    if method not in CALLS:
+                        raise ValueError(f"the engine core takes no call {method!r}")
+                    result = getattr(self.engine, method)(*args)
+                except Exception as error:
+                    self.send(Reply(call_id, portable(error)))
+                else:
+                    self.send(Reply(call_id, None, result))
+            case Close():
+                return False
         return True
 
 
@@ -214,7 +213,7 @@ def serve_engine(load: Callable[[], LLMEngine], loras: dict[str, Path],
     but the building of compiled steps in the background (`compile_in_background`)."""
     lock = threading.Lock()
 
-    def send(message: tuple) -> None:
+    def send(message: object) -> None:
         with lock:  # the loading reporter sends too
             events.send(message)
 
@@ -229,8 +228,8 @@ def serve_engine(load: Callable[[], LLMEngine], loras: dict[str, Path],
             for name, folder in loras.items():
                 engine.add_adapter(name, folder)
 
-            def warming(done: int, total: int) -> None:  # also after READY, in the background
-                send((STATUS, f"warming up: {done}/{total} compiled decode steps built"))
+            def warming(done: int, total: int) -> None:  # also after Ready, in the background
+                send(Status(f"warming up: {done}/{total} compiled decode steps built"))
                 if core is not None:
                     core.poke()
             engine.warm_up(warming)
@@ -238,7 +237,7 @@ def serve_engine(load: Callable[[], LLMEngine], loras: dict[str, Path],
             if not isinstance(error, LatheError):  # a user's to fix: its message says it all
                 log.exception("loading the engine failed")
             loading.set()
-            send((FAILED, portable(error)))
+            send(Failed(portable(error)))
             return
         finally:
             loading.set()
@@ -251,8 +250,8 @@ def serve_engine(load: Callable[[], LLMEngine], loras: dict[str, Path],
         core = EngineCore(engine, send)
         core.read(commands)
         freeze_startup_heap()
-        send((DELTAS, [], engine.stats()))  # /metrics has the engine's state from the start
-        send((READY, info))
+        send(Deltas([], engine.stats()))  # /metrics has the engine's state from the start
+        send(Ready(info))
         core.run()
     except (BrokenPipeError, EOFError, OSError):  # the front end is gone: nobody to tell
         pass
@@ -261,13 +260,13 @@ def serve_engine(load: Callable[[], LLMEngine], loras: dict[str, Path],
         gc.unfreeze()
 
 
-def _report_loading(send: Callable[[tuple], None], loading: threading.Event) -> None:
-    """While the engine loads, what it waits for (a native kernel build, say) as STATUS."""
+def _report_loading(send: Callable[[object], None], loading: threading.Event) -> None:
+    """While the engine loads, what it waits for (a native kernel build, say) as `Status`."""
     said = None
     while not loading.wait(STATUS_SECONDS):
         status = build_status()
         if status is not None and status != said:
             said = status
-            send((STATUS, status))
+            send(Status(status))
 
 

@@ -98,7 +98,7 @@ def test_a_core_whose_front_end_is_gone_ends(checkpoint):
     async def main() -> None:
         engine = await launch(checkpoint)
         core = engine._core
-        engine._commands.close()  # as the front end's death closes it: no CLOSE sent
+        engine._commands.close()  # as the front end's death closes it: no Close sent
         await asyncio.to_thread(core.join, 30)
         assert core.exitcode == 0
         await engine.stop()
