@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import logging
 import math
+import os
 import re
 import time
 import uuid
@@ -210,9 +211,11 @@ class Runtime:
         """The largest peak of any rank against the plan (GiB; collective)."""
         peak = torch.tensor([float(self.peak_memory.peak())], device=self.device)
         peak = float(self.accelerator.gather(peak).max())
-        report = {"peak_gib": round(peak / 2**30, 3)}
+        report: dict[str, float] = {"peak_gib": round(peak / 2**30, 3)}
         if self.plan is not None:
             report["plan_gib"] = round(self.plan.total / 2**30, 3)
+        if self.device.type == "cpu" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+            report["allocator_retains"] = True  # the peak counts freed blocks glibc kept
         return report
 
     @property
