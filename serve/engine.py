@@ -1,20 +1,17 @@
 """The serving engine: continuous batching of many requests over one paged KV cache,
 running the shared `lathe.model.Transformer`.
 
-`LLMEngine.step()` is the whole hot loop: ask the scheduler what to run, flatten every
-scheduled sequence's new tokens into one row, run the model once through a `PagedBatch`
-(logits only for sequences whose context is now fully computed, plus every prompt row of
-a request that asked for prompt log-probabilities), sample one token for each of those,
-offer newly completed blocks to the prefix cache, and hand the tokens to the
-`OutputProcessor` (`lathe.serve.outputs`: detokenizing, stop conditions), which returns
-what each sequence gained as `SequenceDelta`s. With speculative decoding
-(`EngineConfig.speculative`) the `Speculator` (`lathe.serve.speculative`) first drafts
-tokens for the decoding sequences, the same forward scores them all, and each gains every
-accepted draft plus one token in the step. With multi-step decoding (`EngineConfig.decode_steps`) a
-decode-only step runs several forward passes, each fed the tokens the last one sampled,
-before it detokenizes and returns: the per-step Python is paid once for the run.
-`generate()` is the offline API on top of it; `lathe.serve.async_engine` streams the same
-deltas.
+`LLMEngine.step()` is the whole hot loop, in four calls: the `Scheduler` picks what runs
+(and how many decode passes: multi-step decoding), the `StepExecutor`
+(`lathe.serve.executor`) runs it — the `ModelRunner` lays every scheduled sequence's new
+tokens out in one row and computes the logits of the rows that matter, the `Sampler` draws
+(with structured outputs' grammar masks), the `Speculator` drafts and verifies when
+speculative decoding is on — then the engine offers newly completed blocks to the prefix
+cache and hands the tokens to the `OutputProcessor` (`lathe.serve.outputs`: detokenizing,
+stop conditions), which returns what each sequence gained as `SequenceDelta`s. Requests
+are checked once, at the door (`lathe.serve.request_checks`). `generate()` is the offline
+API on top of it; `lathe.serve.async_engine` streams the same deltas from an engine core
+in a process of its own.
 """
 
 from __future__ import annotations
