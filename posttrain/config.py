@@ -294,12 +294,17 @@ class RolloutConfig:
     model: str | None = None  # the served model's name (default: the server's first)
     timeout: float = 600.0  # seconds a request may take
     concurrency: int = 64  # requests in flight at once, per rank
+    # a request that fails on the way, or that a busy or restarting server answers with 408,
+    # 409, 429 or 5xx, is sent again after a backoff (0.5 s doubling to 8 s) this many times
+    max_retries: int = 5
     # 0: synchronous (sample, train, push); 1: the next step's rollouts are sampled while this
     # step trains, by the weights the server holds then — one step old (asynchronous GRPO;
     # it needs sampling_correction to correct the gap). Needs url.
     max_staleness: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_retries < 0:
+            raise ConfigError(f"rollout.max_retries={self.max_retries} must be >= 0")
         if self.max_staleness not in (0, 1):
             raise ConfigError(f"rollout.max_staleness={self.max_staleness}: 0 (synchronous) or "
                               "1 (the next step sampled while this one trains)")

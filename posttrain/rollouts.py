@@ -136,7 +136,7 @@ class RolloutGenerator:
                 broadcast_object_list(address)
                 url, key = address
             self.engine = RemoteEngine(url, opened.eos_ids, key, remote.model, remote.timeout,
-                                       remote.concurrency)
+                                       remote.concurrency, remote.max_retries)
             self.push_to = weights if pushes else None
             self.remote = True
             return

@@ -6,6 +6,11 @@ log-probabilities and why each stopped. `push` hands the server new weights of i
 through lathe serve's `POST /update_weights`: the trainer writes them where the server
 may read them (its --weights-root) and the server swaps them in between requests.
 
+A completion that fails on the way — the connection, or an answer a server gives while it
+is busy or restarting (408, 409, 429, 5xx, as OpenAI's client retries) — is sent again after
+a backoff (its Retry-After when given), up to `max_retries` times; with a seed the server
+draws the same tokens again. Any other answer fails at once.
+
 The log-probabilities a server returns are of the distribution before temperature (vLLM's
 default, and lathe serve's): at temperature 1, the one sampled from. `LocalServer` starts
 `lathe serve` in a process of its own for a trainer that has no server to point at.
@@ -13,6 +18,7 @@ default, and lathe serve's): at temperature 1, the one sampled from. `LocalServe
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import shutil
@@ -36,14 +42,20 @@ from lathe.serve.core_messages import END_WITH
 from lathe.serve.outputs import Completion, CompletionOutput, TokenLogprob
 from lathe.serve.sampling_params import SamplingParams
 
+RETRIED_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504})
+BACKOFF_SECONDS, MAX_BACKOFF_SECONDS = 0.5, 8.0
+
+log = logging.getLogger("lathe.serve")
+
 
 class RemoteEngine:
     """The engine of the server at `url` (its first model unless `model` names one)."""
 
     def __init__(self, url: str, eos_token_ids: set[int], api_key: str | None = None,
                  model: str | None = None, timeout: float = 600.0,
-                 concurrency: int = 64) -> None:
+                 concurrency: int = 64, max_retries: int = 5) -> None:
         self.url = url.rstrip("/")
+        self.max_retries = max_retries
         self.eos_token_ids = set(eos_token_ids)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
@@ -86,7 +98,7 @@ class RemoteEngine:
             body["stop"] = list(params.stop)
         if params.logprobs is not None:
             body["logprobs"] = params.logprobs
-        response = self.client.post("/v1/completions", json=body)
+        response = self._post_retrying("/v1/completions", body)
         if response.status_code != 200:
             raise RuntimeError(f"{self.url}/v1/completions answered {response.status_code}: "
                                f"{response.text[:300]}")
@@ -102,6 +114,32 @@ class RemoteEngine:
                 [TokenLogprob(token, float(logprob), []) for token, logprob in
                  zip(ids, scored, strict=False)], choice.get("finish_reason")))
         return Completion("", list(prompt), outputs)
+
+    def _post_retrying(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        """`POST path`, sent again after a backoff while it fails on the way or the server
+        answers a retried status; the last answer (which may be an error the caller
+        reports), or a `RuntimeError` when every attempt failed on the way."""
+        attempt = 0
+        while True:
+            wait = min(BACKOFF_SECONDS * 2**attempt, MAX_BACKOFF_SECONDS)
+            try:
+                response = self.client.post(path, json=body)
+            except httpx.TransportError as error:
+                failure, response = f"{type(error).__name__}: {error}", None
+            else:
+                if response.status_code not in RETRIED_STATUSES:
+                    return response
+                failure = f"{response.status_code} {response.text[:200]}"
+                wait = _retry_after(response, wait)
+            if attempt == self.max_retries:
+                if response is not None:
+                    return response
+                raise RuntimeError(f"{self.url}{path} failed {attempt + 1} times; the last: "
+                                   f"{failure}")
+            attempt += 1
+            log.warning("%s%s failed (%s); retrying in %.1f s (%d of %d)", self.url, path,
+                        failure, wait, attempt, self.max_retries)
+            time.sleep(wait)
 
     def push(self, state: Mapping[str, Tensor], config: ModelConfig, folder: str | Path) -> int:
         """Write `state` under `folder` (a new subfolder each push, the last one removed once
@@ -121,6 +159,14 @@ class RemoteEngine:
 
     def close(self) -> None:
         self.client.close()
+
+
+def _retry_after(response: httpx.Response, default: float) -> float:
+    """A Retry-After header's seconds (bounded), else `default`."""
+    try:
+        return min(max(float(response.headers.get("retry-after", "")), 0.0), MAX_BACKOFF_SECONDS)
+    except ValueError:
+        return default
 
 
 class LocalServer:
