@@ -269,9 +269,10 @@ def rollout_summary(runtime: Runtime, rollouts: list[Rollout], seconds: float, g
     rank logs, and the main process's history keeps, the whole step's; `rank_metrics` are
     averaged over the ranks."""
     accelerator, device = runtime.accelerator, runtime.device
-    local = torch.tensor([[r.reward, float(r.correct), float(sum(r.policy)), float(r.truncated)]
-                          for r in rollouts], dtype=torch.float64, device=device)
-    rewards, correct, lengths, truncated = accelerator.gather(local).T
+    local = torch.tensor([[r.reward, float(r.correct), float(sum(r.policy)), float(r.truncated),
+                           float(r.policy_version)] for r in rollouts], dtype=torch.float64,
+                         device=device)
+    rewards, correct, lengths, truncated, versions = accelerator.gather(local).T
     slowest = float(accelerator.gather(torch.tensor([seconds], device=device)).max())
     means = accelerator.reduce(torch.tensor([gap, *rank_metrics.values()], dtype=torch.float64,
                                             device=device), reduction="mean").tolist()
@@ -280,7 +281,10 @@ def rollout_summary(runtime: Runtime, rollouts: list[Rollout], seconds: float, g
             "completion/mean_length": float(lengths.mean()),
             "completion/truncated_share": float(truncated.mean()),
             "rollout/tokens_per_s": float(lengths.sum()) / max(slowest, 1e-9),
-            "rollout/logprob_gap": means[0], **dict(zip(rank_metrics, means[1:], strict=True))}
+            "rollout/logprob_gap": means[0],
+            # weight versions among the step's rollouts: 0 unless a push landed mid-sampling
+            "rollout/policy_version_spread": float(versions.max() - versions.min()),
+            **dict(zip(rank_metrics, means[1:], strict=True))}
 
 
 def refresh(runtime: Runtime, generator: RolloutGenerator, config: GRPOConfig) -> None:

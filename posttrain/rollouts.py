@@ -60,6 +60,7 @@ class Rollout:
     truncated: bool = False  # cut at max_completion_tokens
     masked: bool = False  # left out of the loss (overlong: filter)
     advantage: float = 0.0
+    policy_version: int = 0  # the engine's weight version that sampled it (its oldest turn's)
 
 
 def collate(rollouts: list[Rollout], pad_token: int, device: torch.device) -> dict[str, Any]:
@@ -186,7 +187,8 @@ class RolloutGenerator:
             rollouts += [Rollout(prompt.ids, e.completion_ids,
                                  episode_reward(self.rewards, e, reference),
                                  self.correct(e.answer, reference), e.logprobs, e.policy,
-                                 e.finish_reason == "length") for e in group]
+                                 e.finish_reason == "length",
+                                 policy_version=e.policy_version or 0) for e in group]
         tools = [p.row.tools for p, group in zip(prompts, groups, strict=True) for _ in group]
         for scorer, weight in self.scorers:
             for rollout, score in zip(rollouts, scorer([e.messages for e in episodes], tools),

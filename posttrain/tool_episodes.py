@@ -54,6 +54,7 @@ class Episode:
     tool_calls: int = 0
     tool_errors: int = 0
     finish_reason: str = ""  # stop, length (token budget), or tool_turns (still calling)
+    policy_version: int | None = None  # the oldest weights any of its turns was drawn by
     prompt_messages: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -136,6 +137,8 @@ class EpisodeRunner:
     def _close_turn(self, episode: Episode, out: Any, eos: set[int]) -> list[ToolCall]:
         """Record one generated turn; the calls to run before the next, if any."""
         episode.add_turn(out.token_ids, [lp.logprob for lp in out.logprobs])
+        episode.policy_version = out.weight_version if episode.policy_version is None \
+            else min(episode.policy_version, out.weight_version)
         episode.finish_reason = out.finish_reason or "length"
         if self.parser is None:
             episode.answer = out.text

@@ -71,7 +71,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.eos_token_ids = set(eos_token_ids)
-        self.weight_version = 0  # `update_weights` calls so far
+        self.weight_version = 0  # weight loads so far (`load_weights`, `update_weights`)
         self.device = model.model.embed_tokens.weight.device
         dtype = kv_dtype or activation_dtype(model)
         speculative = self.config.speculative
@@ -211,7 +211,7 @@ class LLMEngine:
         for index in range(params.n):
             seq = Sequence(request_id, index, list(prompt_ids), params,
                            seeded_generator(params, self.device, index),
-                           parent=seqs[0] if seqs else None)
+                           parent=seqs[0] if seqs else None, weight_version=self.weight_version)
             if index == 0 and params.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]
             seqs.append(seq)
@@ -349,13 +349,13 @@ class LLMEngine:
             raise RuntimeError(f"load_weights: missing {missing[:4]}, unexpected "
                                f"{unexpected[:4]}; pass the policy's full state_dict")
         self.block_manager.reset_prefix_cache()
+        self.weight_version += 1
 
     def update_weights(self, path: str) -> int:
         """Load new weights of the same model from a folder of safetensors shards (a
         checkpoint's, or a trainer's push: `lathe.model.checkpoint.write_weights`); returns
         the count of updates so far, the weights' version."""
         self.load_weights(read_weights(path, self.model.config, self.device))
-        self.weight_version += 1
         return self.weight_version
 
     def stats(self) -> dict[str, float]:

@@ -43,6 +43,7 @@ class SequenceDelta:
     # None for the first (nothing precedes it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     error: str | None = None  # why the sequence failed alone (finish_reason "error")
+    weight_version: int = 0  # of the weights that drew these tokens (`Sequence`'s)
 
     def then(self, later: SequenceDelta) -> SequenceDelta | None:
         """This delta and the same sequence's next as one (what a client reading both at
@@ -53,7 +54,8 @@ class SequenceDelta:
         return SequenceDelta(self.request_id, self.index, self.token_ids + later.token_ids,
                              self.text + later.text, self.logprobs + later.logprobs,
                              later.finish_reason, later.num_prompt_tokens,
-                             later.num_cached_tokens, self.prompt_logprobs, later.error)
+                             later.num_cached_tokens, self.prompt_logprobs, later.error,
+                             later.weight_version)
 
 
 @dataclass
@@ -63,12 +65,14 @@ class CompletionOutput:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    weight_version: int = 0  # of the weights that drew it
 
     def add(self, delta: SequenceDelta) -> None:
         self.token_ids += delta.token_ids
         self.text += delta.text
         self.logprobs += delta.logprobs
         self.finish_reason = delta.finish_reason or self.finish_reason
+        self.weight_version = delta.weight_version
 
 
 @dataclass
@@ -135,4 +139,5 @@ class OutputProcessor:
         first = len(seq.output_ids) == len(tokens)
         return SequenceDelta(seq.request_id, seq.index, tokens, text, logprobs, reason,
                              len(seq.prompt_ids), seq.table.num_cached_tokens,
-                             seq.prompt_logprobs if first else None)
+                             seq.prompt_logprobs if first else None,
+                             weight_version=seq.weight_version)

@@ -14,7 +14,7 @@ choice, grammar, json_object, structural_tag) or its older `guided_json`, `guide
 `guided_choice` and `guided_grammar` (Lark or GBNF), one per request. A regex is
 llguidance's (Rust's syntax): `\\d` and `\\w` match any Unicode digit or letter, as in
 Python's `re` — write `[0-9]` for ASCII digits. Every number
-in a body is bounded here, by the schema, from one table (`sampling.BOUNDS`, which
+in a body is bounded here, by the schema, from one table (`sampling_params.BOUNDS`, which
 `SamplingParams` checks too): a value outside is a 400 naming the field, the value and
 the range, before anything reaches the engine's tensors.
 
@@ -27,6 +27,10 @@ Nothing is dropped silently: a field this server does not implement (`functions`
 is a `ProtocolError` naming it, as vLLM answers. Text anywhere in a body must be valid
 Unicode: a lone surrogate (`"\\ud800"` in JSON) is refused before it can reach the
 tokenizer.
+
+With `return_token_ids`, a completions choice also carries lathe's `weight_version`: how
+many weight updates (`POST /update_weights`) preceded the weights that drew it, so a
+trainer's rollouts know which policy sampled them.
 """
 
 from __future__ import annotations
@@ -713,7 +717,8 @@ class ResponseBuilder:
                 text = ((echo.text or "") if echo else "") + o.text
                 choices.append({"index": o.index, "text": text, "logprobs": logprobs,
                                 "finish_reason": o.finish_reason,
-                                **({"token_ids": o.token_ids} if ids else {}),
+                                **({"token_ids": o.token_ids,
+                                    "weight_version": o.weight_version} if ids else {}),
                                 **self._prompt_extras(i // self.options.n)})
                 continue
             logprobs = chat_logprobs(self.tokenizer, o.logprobs) if want_logprobs else None

@@ -98,6 +98,7 @@ class RemoteEngine:
             body["stop"] = list(params.stop)
         if params.logprobs is not None:
             body["logprobs"] = params.logprobs
+        version = self.weight_version  # a server that does not say: the last one pushed
         response = self._post_retrying("/v1/completions", body)
         if response.status_code != 200:
             raise RuntimeError(f"{self.url}/v1/completions answered {response.status_code}: "
@@ -112,7 +113,8 @@ class RemoteEngine:
             outputs.append(CompletionOutput(
                 len(outputs), list(ids), choice.get("text") or "",
                 [TokenLogprob(token, float(logprob), []) for token, logprob in
-                 zip(ids, scored, strict=False)], choice.get("finish_reason")))
+                 zip(ids, scored, strict=False)], choice.get("finish_reason"),
+                int(choice.get("weight_version", version))))
         return Completion("", list(prompt), outputs)
 
     def _post_retrying(self, path: str, body: dict[str, Any]) -> httpx.Response:

@@ -47,6 +47,9 @@ class Sequence:
     adapter: str | None = None  # the LoRA adapter it runs on (None: the base alone)
     adapter_slot: int = -1  # that adapter's slot in the engine
     cache_root: int = NO_HASH  # its prefix-cache chain's root: its adapter's own
+    # the engine's weights it runs on (`LLMEngine.weight_version`: updates wait for an idle
+    # engine, so a sequence never mixes two)
+    weight_version: int = 0
 
     @property
     def token_ids(self) -> list[int]:

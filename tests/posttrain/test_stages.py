@@ -395,6 +395,11 @@ def test_grpo_samples_from_a_server_it_pushes_its_weights_to(base, tmp_path, mon
         expected = generate(policy, torch.tensor([prompt]), 8)[0].tolist()
         assert answer["choices"][0]["token_ids"] == expected[:len(answer["choices"][0][
             "token_ids"])]
+        assert answer["choices"][0]["weight_version"] == 17  # drawn by the last push
+    # each rollout knows the weights that drew it: one version a step when synchronous,
+    # at most two when a push lands while the next step samples
+    spread = {r["rollout/policy_version_spread"] for r in step_records(out).values()}
+    assert spread <= ({0.0, 1.0} if staleness else {0.0})
     assert [p.name for p in pushes.iterdir()] == ["push-000017"]  # the start's and 16 steps'
 
 

@@ -47,10 +47,13 @@ def test_a_push_makes_the_server_generate_the_new_policys_tokens(checkpoint, pus
                 engine=EngineConfig(num_blocks=256)) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
 
+        versions = []
+
         def complete() -> list[int]:
             choice = client.completions.create(
                 model="tiny", prompt=PROMPT, max_tokens=16, temperature=0,
                 extra_body={"return_token_ids": True}).choices[0]
+            versions.append(choice.model_extra["weight_version"])
             return choice.model_extra["token_ids"]
 
         prompt = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1,
@@ -63,6 +66,7 @@ def test_a_push_makes_the_server_generate_the_new_policys_tokens(checkpoint, pus
         assert push.status_code == 200 and push.json()["weight_version"] == 1, push.text
         after = complete()
         assert after != before and after == greedy(new, prompt, 16)[:len(after)]
+        assert versions == [0, 1]  # each answer says which weights drew it
 
 
 def test_requests_streaming_at_a_push_finish_on_the_old_weights(checkpoint, pushed):
