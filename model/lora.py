@@ -328,17 +328,29 @@ class AdapterMerger:
     gets bf16/fp32 weights: the policy's own base is 4-bit."""
 
     def __init__(self, base: Transformer, section: LoraSection) -> None:
-        self.model = apply_lora(copy.deepcopy(base), dataclasses.replace(section, qlora=False))
+        self.section = dataclasses.replace(section, qlora=False)
+        self.model = apply_lora(copy.deepcopy(base), self.section)
         self.model.requires_grad_(False)
 
     @torch.no_grad()
-    def __call__(self, adapters: dict[str, Tensor]) -> dict[str, Tensor]:
+    def write_adapter(self, adapters: dict[str, Tensor], path: str | Path,
+                      base_model: str | Path) -> Path:
+        """The policy's current `adapters` as a peft adapter folder at `path` (what a
+        server loads in place of merged weights: a LoRA run pushes its adapters alone)."""
+        self._load(adapters)
+        return save_adapter(self.model, self.section, path, base_model)
+
+    def _load(self, adapters: dict[str, Tensor]) -> None:
         expected = set(adapter_weights(self.model))
         if set(adapters) != expected:
             raise ValueError(f"adapter weights do not match the base's LoRA layers: missing "
                              f"{sorted(expected - set(adapters))[:4]}, unexpected "
                              f"{sorted(set(adapters) - expected)[:4]}")
         self.model.load_state_dict(adapters, strict=False)
+
+    @torch.no_grad()
+    def __call__(self, adapters: dict[str, Tensor]) -> dict[str, Tensor]:
+        self._load(adapters)
         merged = {}
         for name, layer in self.model.named_modules():
             if not isinstance(layer, _peft().tuners.lora.LoraLayer):

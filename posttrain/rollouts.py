@@ -28,7 +28,7 @@ from lathe.model.lora import (
     adapter_weights,
     has_experts,
 )
-from lathe.model.transformer import IGNORE_INDEX
+from lathe.model.transformer import IGNORE_INDEX, Transformer
 from lathe.posttrain.common import PromptFit, pad
 from lathe.posttrain.config import RewardSpec, RolloutConfig
 from lathe.posttrain.reward_model import RewardModelScorer
@@ -109,7 +109,9 @@ class RolloutGenerator:
     full-precision base and serves the policy's current adapters from an adapter slot,
     refreshed each step without touching the base (LoRA on lm_head or a mixture of
     experts' experts, which slots do not take, merges into a copy of the base instead);
-    never a merge into a 4-bit QLoRA base."""
+    never a merge into a 4-bit QLoRA base. A server likewise takes the adapters alone, each
+    step's as a peft folder it loads under a name of its own (`policy-N`), where its slots
+    take them; else the merged weights."""
 
     def __init__(self, opened: OpenCheckpoint, encoder: ChatEncoder, episodes: EpisodeRunner,
                  lora: LoraSection, rewards: list[RewardSpec], task: str,
@@ -123,16 +125,21 @@ class RolloutGenerator:
         self.correct = verifier(task)
         self.push_to: Path | None = None
         self.server: LocalServer | None = None
+        self.version = 0  # the policy's weights handed to the engine so far (`refresh`)
         if remote is not None and remote.url is not None:
             self.adapter = None
-            self.merger = AdapterMerger(opened.model(dtype=torch.float32), lora) \
-                if lora.enabled else None
+            base = opened.model(dtype=torch.float32) if lora.enabled else None
+            self.merger = AdapterMerger(base, lora) if base is not None else None
+            # a LoRA policy's adapters alone, where the server's slots take them
+            self.pushes_adapters = base is not None and slots_take(base, lora)
+            self.base_path = opened.path
             url, key = remote.url, os.environ.get(remote.api_key_env)
             weights = Path(remote.weights_dir or local_weights)
             if url == "local":  # the main process starts it; every rank learns where
                 if pushes:
                     weights.mkdir(parents=True, exist_ok=True)
-                    self.server = LocalServer(opened.path, weights, remote.timeout)
+                    self.server = LocalServer(opened.path, weights, remote.timeout,
+                                              lora.r if self.pushes_adapters else None)
                 address = [self.server.url, self.server.api_key] if self.server else [None, None]
                 broadcast_object_list(address)
                 url, key = address
@@ -143,9 +150,7 @@ class RolloutGenerator:
             return
         self.remote = False
         model = opened.model(dtype=torch.float32, device=device)
-        slot_takes = "lm_head" not in lora.target_modules and not (
-            has_experts(model) and lora.expert_parameters())
-        self.adapter = POLICY_ADAPTER if lora.enabled and slot_takes else None
+        self.adapter = POLICY_ADAPTER if lora.enabled and slots_take(model, lora) else None
         self.merger = AdapterMerger(model, lora) if lora.enabled and self.adapter is None \
             else None
         slots = dict(max_loras=1, max_lora_rank=lora.r) if self.adapter is not None else {}
@@ -162,7 +167,14 @@ class RolloutGenerator:
     def refresh(self, weights: dict[str, Tensor]) -> None:
         """Take the policy's gathered weights (its adapters alone under LoRA); a server's
         engine gets them pushed, by the rank that pushes."""
-        if self.remote:
+        self.version += 1
+        if self.remote and self.pushes_adapters:
+            name = f"{POLICY_ADAPTER}-{self.version}"
+            if self.push_to is not None:
+                folder = self.merger.write_adapter(weights, self.push_to / name, self.base_path)
+                self.engine.push_adapter(folder, name)
+            self.adapter = name  # every rank's requests name it (they wait for the push)
+        elif self.remote:
             if self.push_to is not None:
                 self.engine.push(self.merger(weights) if self.merger is not None else weights,
                                  self.model_config, self.push_to)
@@ -202,6 +214,13 @@ class RolloutGenerator:
                        "tools/turns_per_episode": sum(e.turns for e in episodes) / n,
                        "tools/unfinished": sum(e.finish_reason != "stop" for e in episodes) / n}
         return rollouts, metrics
+
+
+def slots_take(model: Transformer, lora: LoraSection) -> bool:
+    """Whether a serving engine's adapter slots take this LoRA: not on lm_head, not on a
+    mixture of experts' stacked expert parameters."""
+    return "lm_head" not in lora.target_modules and not (
+        has_experts(model) and lora.expert_parameters())
 
 
 def episode_reward(rewards: list[tuple[Reward, float]], episode: Episode,

@@ -4,7 +4,9 @@
 their choices read back as `Completion`s — the tokens (`return_token_ids`), their
 log-probabilities and why each stopped. `push` hands the server new weights of its model
 through lathe serve's `POST /update_weights`: the trainer writes them where the server
-may read them (its --weights-root) and the server swaps them in between requests.
+may read them (its --weights-root) and the server swaps them in between requests. A LoRA
+policy's adapters alone go through `push_adapter` instead (`/v1/load_lora_adapter`, vLLM's
+too), each version under a name of its own that requests then ask for.
 
 A completion that fails on the way — the connection, or an answer a server gives while it
 is busy or restarting (408, 409, 429, 5xx, as OpenAI's client retries) — is sent again after
@@ -76,19 +78,20 @@ class RemoteEngine:
         self.model = model or names[0]
         self.weight_version = 0
         self._pushed: Path | None = None
+        self._adapters: list[tuple[str, Path]] = []  # pushed adapters the server holds
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  adapter: str | None = None, progress: bool = False) -> list[Completion]:
-        """Complete every token-id prompt on the server; results in order."""
-        if adapter is not None:
-            raise ConfigError("a remote engine serves its base model here, not adapters")
+        """Complete every token-id prompt on the server, on its LoRA adapter `adapter` if
+        given (one `push_adapter` loaded); results in order."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
+        model = adapter or self.model
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            return list(pool.map(self._complete, prompts, params_list))
+            return list(pool.map(self._complete, prompts, params_list, [model] * len(prompts)))
 
-    def _complete(self, prompt: list[int], params: SamplingParams) -> Completion:
+    def _complete(self, prompt: list[int], params: SamplingParams, model: str) -> Completion:
         body: dict[str, Any] = {
-            "model": self.model, "prompt": list(prompt), "n": params.n,
+            "model": model, "prompt": list(prompt), "n": params.n,
             "max_tokens": params.max_tokens, "temperature": params.temperature,
             "top_p": params.top_p, "seed": params.seed, "return_token_ids": True,
             "skip_special_tokens": params.skip_special_tokens}
@@ -159,6 +162,26 @@ class RemoteEngine:
         self.weight_version = int(response.json().get("weight_version", self.weight_version + 1))
         return self.weight_version
 
+    def push_adapter(self, folder: Path, name: str) -> None:
+        """Have the server load the peft adapter `folder` (inside its --lora-root) as `name`.
+        The one loaded before stays for requests still naming it (a step sampling while the
+        next trains); the one before that is unloaded and its folder removed."""
+        while len(self._adapters) >= 2:
+            old, old_folder = self._adapters.pop(0)
+            response = self.client.post("/v1/unload_lora_adapter", json={"lora_name": old})
+            if response.status_code not in (200, 404):
+                raise RuntimeError(f"{self.url}/v1/unload_lora_adapter answered "
+                                   f"{response.status_code}: {response.text[:300]}")
+            shutil.rmtree(old_folder, ignore_errors=True)
+        response = self.client.post("/v1/load_lora_adapter", json={
+            "lora_name": name, "lora_path": str(Path(folder).resolve())})
+        if response.status_code != 200:
+            raise RuntimeError(f"{self.url}/v1/load_lora_adapter answered "
+                               f"{response.status_code}: {response.text[:300]}; the server "
+                               "needs --api-key, --lora-root covering rollout.weights_dir and "
+                               "--max-loras 2 (with --max-lora-rank at least the policy's)")
+        self._adapters.append((name, Path(folder)))
+
     def close(self) -> None:
         self.client.close()
 
@@ -178,7 +201,7 @@ class LocalServer:
     Linux). `url` and `api_key` once it answers /health."""
 
     def __init__(self, checkpoint: str | Path, weights_root: str | Path,
-                 timeout: float = 600.0) -> None:
+                 timeout: float = 600.0, lora_rank: int | None = None) -> None:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
@@ -186,7 +209,9 @@ class LocalServer:
         self.log = tempfile.TemporaryFile()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "lathe.core.cli", "serve", str(checkpoint), "--host",
-             "127.0.0.1", "--port", str(port), "--weights-root", str(weights_root)],
+             "127.0.0.1", "--port", str(port), "--weights-root", str(weights_root),
+             *([] if lora_rank is None else ["--lora-root", str(weights_root), "--max-loras",
+                                             "2", "--max-lora-rank", str(lora_rank)])],
             env={**os.environ, "LATHE_API_KEY": self.api_key, END_WITH: str(os.getpid())},
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout

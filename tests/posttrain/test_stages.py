@@ -403,6 +403,26 @@ def test_grpo_samples_from_a_server_it_pushes_its_weights_to(base, tmp_path, mon
     assert [p.name for p in pushes.iterdir()] == ["push-000017"]  # the start's and 16 steps'
 
 
+def test_a_lora_policy_pushes_its_adapters_alone_to_the_server(base, tmp_path):
+    """rollout.url=local with LoRA: each step's adapters go to the server as a peft folder
+    it loads under a name of its own (policy-N), never merged full weights; the server keeps
+    the last two, and the last is the trained policy's adapter."""
+    from safetensors.torch import load_file
+    out = tmp_path / "grpo"
+    rewards = '[{name: "tests.posttrain.test_stages:digit_share"}]'
+    assert main(["grpo", *quick(out, base, max_steps=4, rewards=rewards, **{
+        "optim.lr": 3e-3, "eval.every": 4, "prompts_per_step": 4, "num_generations": 4,
+        "max_completion_tokens": 6, "rollout.url": "local", "lora.enabled": "true",
+        "lora.r": 8, "logging.log_every": 1})]) == 0
+    pushed = sorted(p.name for p in (out / "rollout-weights").iterdir())
+    assert pushed == ["policy-4", "policy-5"]  # the start's push and 4 steps', two held
+    last = load_file(out / "rollout-weights" / "policy-5" / "adapter_model.safetensors")
+    final = load_file(out / "final-adapter" / "adapter_model.safetensors")
+    assert last.keys() == final.keys()
+    for name in final:
+        torch.testing.assert_close(last[name], final[name])
+
+
 def test_asynchronous_grpo_on_a_server_of_its_own(base, tmp_path):
     """rollout.url=local: the run starts lathe serve on the policy in a process of its own,
     samples each next step there while this one trains, and stops it at the end."""
