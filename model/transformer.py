@@ -126,8 +126,11 @@ def router_stats(routing: list[Routing], top_k: int, balance_loss: bool = True) 
             0, chosen, torch.ones_like(chosen, dtype=torch.float32))
         aux = n * (counts / logits.shape[0] * probs.mean(dim=0)).sum()
     z = torch.logsumexp(logits, dim=-1).pow(2).mean()
-    layer_load = torch.stack([torch.bincount(experts.flatten(), minlength=n).float()
-                              for _, experts in routing])
+    # index_add_, not bincount, whose output's length depends on the data (a graph break
+    # under torch.compile, and no shape at all for the memory plan's fake tensors)
+    layer_load = torch.stack([torch.zeros(n, device=logits.device).index_add_(
+        0, experts.flatten(), torch.ones(experts.numel(), device=logits.device))
+        for _, experts in routing])
     return RouterStats(aux, z, layer_load)
 
 

@@ -53,8 +53,8 @@ ZERO3_MAX_LIVE_PARAMETERS = 10**9  # DeepSpeed's default stage3_max_live_paramet
 
 
 class PlanError(LatheError):
-    """The model runs an op that fake tensors cannot (a mixture of experts' grouped GEMM
-    outside bf16, a data-dependent shape): the step cannot be traced."""
+    """The model runs an op that fake tensors cannot (a data-dependent shape): the step
+    cannot be traced."""
 
 
 @dataclass(frozen=True)
@@ -418,7 +418,10 @@ class _LiveBytes(TorchDispatchMode):
             # when a view of it comes out (a weight's transpose)
             if isinstance(t, torch.Tensor) and t.untyped_storage() not in self._seen:
                 self._seen[t.untyped_storage()] = 0
-        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+            out = _grouped_mm_output(*args, **(kwargs or {}))
+        else:
+            out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
@@ -429,6 +432,23 @@ class _LiveBytes(TorchDispatchMode):
                     weakref.finalize(storage, self._free, size)
         self.note()
         return out
+
+
+def _grouped_mm_output(a: Tensor, b: Tensor, offs: Tensor | None = None, bias: Tensor | None = None,
+                       out_dtype: torch.dtype | None = None) -> Tensor:
+    """What `aten._grouped_mm` returns (a mixture of experts' grouped GEMM, and its
+    backward's), made without running it: its fake kernel takes bf16 alone, where the CPU
+    runs float32 too. The shapes are its own: ragged rows (2D × 3D), ragged contraction
+    (2D × 2D, the weights' gradient), ragged columns (3D × 2D), or batched (3D × 3D)."""
+    if a.dim() == 2 and b.dim() == 2:
+        shape = (offs.size(0), a.size(0), b.size(1))
+    elif a.dim() == 2:
+        shape = (a.size(0), b.size(-1))
+    elif b.dim() == 2:
+        shape = (a.size(1), b.size(1))
+    else:
+        shape = (a.size(0), a.size(1), b.size(-1))
+    return torch.empty(shape, dtype=out_dtype or a.dtype, device=a.device)
 
 
 def _counting(leaves: list[Tensor], grad_factor: float, extra: float = 0.0) -> tuple[

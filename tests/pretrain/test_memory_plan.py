@@ -175,12 +175,47 @@ def test_plan_sizes_read_in_gib_or_mib():
                                                       "GiB"]
 
 
-def test_a_model_fake_tensors_cannot_run_says_so_in_one_line():
-    """A mixture of experts' grouped GEMM has no fp32 fake kernel: the plan refuses with a
-    reason (a stage then prints it and trains on)."""
+def test_a_step_fake_tensors_cannot_run_says_so_in_one_line(monkeypatch):
+    """An op whose output's shape depends on the data (here the MoE load count taken as
+    `bincount`, as it once was) has no fake shape: the plan refuses with the op's name (a
+    stage then prints it and trains on)."""
+    import lathe.model.transformer as transformer
+    stats = transformer.router_stats
+
+    def counted_by_bincount(routing, top_k, balance_loss=True):
+        torch.bincount(routing[0][1].flatten())
+        return stats(routing, top_k, balance_loss)
+    monkeypatch.setattr(transformer, "router_stats", counted_by_bincount)
     moe = ModelConfig.from_preset("tiny", family="qwen3_moe", vocab_size=1024)
-    with pytest.raises(PlanError, match="qwen3_moe model cannot be traced"):
+    with pytest.raises(PlanError, match=r"qwen3_moe model cannot be traced .*bincount"):
         plan_memory(moe, StepShape(2, 64), Parallelism())
+
+
+def test_a_mixture_of_experts_in_float32_is_planned_and_its_peak_measured(tmp_path, corpus):
+    """The grouped GEMM's fake kernel takes bf16 alone and the router's load count was a
+    bincount (a data-dependent shape): a float32 MoE plan is traced all the same, and a
+    pretraining run of it peaks within 15% of what it printed."""
+    import json
+
+    import yaml
+
+    from tests.pretrain.conftest import run_config
+    moe = ModelConfig.from_preset("tiny", family="qwen3_moe", vocab_size=1024)
+    assert plan_memory(moe, StepShape(2, 64), Parallelism()).total > 0
+    out = tmp_path / "moe"
+    config = run_config(corpus, out, max_steps=2, micro_batch_size=4, **{
+        "checkpoint.every": 100, "eval.every": 100, "data.seq_len": 256,
+        "model.overrides": {"family": "qwen3_moe", "n_experts": 8, "n_experts_per_token": 2,
+                            "dim": 512, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4,
+                            "max_seq_len": 256}})
+    recipe = tmp_path / "moe.yaml"
+    recipe.write_text(yaml.safe_dump(config))
+    result = subprocess.run([sys.executable, "-m", "lathe.pretrain", "--config", str(recipe)],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT,
+                            env=dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    memory = json.loads((out / "summary.json").read_text())["memory"]
+    assert abs(memory["plan_gib"] / memory["peak_gib"] - 1) < 0.15, memory
 
 
 def test_a_cpu_peak_past_the_plan_says_the_allocator_kept_freed_memory():
