@@ -323,6 +323,8 @@ def config_from_flags(cls: type[T], args: argparse.Namespace) -> T:
     try:
         return from_dict(cls, data)
     except ConfigError as error:
+        if str(error).startswith("unknown field"):  # only a file's keys can be unknown
+            raise ConfigError(f"--config {args.config}: {error}") from None
         raise ConfigError(_in_flag_names(str(error), flags)) from None
 
 

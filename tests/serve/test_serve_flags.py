@@ -97,3 +97,18 @@ def test_a_wrong_flag_is_named(checkpoint, started, argv, message):
 def test_a_missing_checkpoint_is_named(started):
     with pytest.raises(ConfigError, match="CHECKPOINT is required"):
         serve_main([])
+
+
+@pytest.mark.parametrize("recipe", sorted(Path(__file__).resolve().parents[2].glob(
+    "recipes/serve/*.yaml")), ids=lambda p: p.name)
+def test_every_serving_recipe_loads(checkpoint, started, recipe):
+    serve_main(["--config", str(recipe), str(checkpoint)])
+    assert started[0].checkpoint == checkpoint
+
+
+def test_a_files_unknown_key_is_named_as_the_file_spells_it(checkpoint, started, tmp_path):
+    recipe = tmp_path / "serve.yaml"
+    recipe.write_text("limits:\n  keep_alive_timeout: 3\n")
+    with pytest.raises(ConfigError, match=r"--config .*serve.yaml: unknown field\(s\) "
+                                          r"limits.keep_alive_timeout; .*idle_seconds"):
+        serve_main(["--config", str(recipe), str(checkpoint)])
