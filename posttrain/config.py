@@ -266,9 +266,12 @@ class RMConfig(PosttrainConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.lora.enabled:
-            raise ConfigError("lora.enabled=true: lathe rm trains the whole reward model; "
-                              "set lora.enabled=false")
+        if self.lora.qlora:
+            raise ConfigError("lora.qlora=true: a reward model's LoRA trains on a "
+                              "full-precision decoder here; set lora.qlora=false")
+        if "lm_head" in self.lora.target_modules:
+            raise ConfigError("lora.target_modules has lm_head: a reward model has no LM head "
+                              "(its score head trains whole); drop it")
         coefficient = self.center_rewards_coefficient
         if coefficient is not None and coefficient < 0:
             raise ConfigError(f"center_rewards_coefficient={coefficient} must be >= 0 (or null)")

@@ -6,7 +6,10 @@ m a pair's `margin` when the data gives one, plus `center_rewards_coefficient` Â
 (r_chosen + r_rejected)Â². A reward is the score at a conversation's last token (as
 transformers reads it: the last that is not the pad token). The export loads in
 transformers as the family's sequence classifier; GRPO takes it as a reward
-(`rewards: [{model: PATH}]`, `RewardModelScorer`).
+(`rewards: [{model: PATH}]`, `RewardModelScorer`). With `lora.enabled` the decoder trains
+through adapters and the score head whole (TRL's `modules_to_save=["score"]`); the export
+merges them, so out_dir/final is the whole reward model (the adapter folder beside it holds
+the decoder's adapters alone).
 
 Read top to bottom: config -> runtime -> the classifier -> pairs rendered through the chat
 template and fitted (DPO's) -> loop: a micro-batch's chosen and rejected rows in one
@@ -28,6 +31,7 @@ from lathe.data.chat_encoding import ChatEncoder, chat_encoder
 from lathe.data.formats import Message, Tools, load_preference_dataset
 from lathe.model.checkpoint import OpenCheckpoint
 from lathe.model.config import ModelConfig
+from lathe.model.lora import apply_lora
 from lathe.posttrain import dpo
 from lathe.posttrain.common import (
     PromptFit,
@@ -81,6 +85,9 @@ def reward_model(config: RMConfig, resume: str = "never") -> dict[str, Any]:
     runtime = Runtime(config, stage="rm")
     encoder = chat_encoder(config.model, config.chat_template, config.chat_template_kwargs)
     model = OpenCheckpoint(config.model).model(dtype=torch.float32, num_labels=1).train()
+    if config.lora.enabled:  # adapters on the decoder; the new score head trains whole (TRL's
+        apply_lora(model, config.lora)  # modules_to_save=["score"])
+        model.score.requires_grad_(True)
     model_config, data, pad_token = model.config, config.data, pad_id(encoder.tokenizer)
     fit = dpo.preference_fit(data, model_config.max_seq_len)
     train = tokenize_pairs(encoder, load_preference_dataset(data.train, "train", data.limit),

@@ -53,8 +53,11 @@ def test_reward_settings_and_margins_are_checked(tmp_path):
     with pytest.raises(ConfigError, match="one of them"):
         RewardSpec(name="exact_number", model="runs/rm/final")
     assert GRPOConfig().rewards == [RewardSpec("exact_number")]
-    with pytest.raises(ConfigError, match="lathe rm trains the whole reward model"):
-        RMConfig(lora=LoraSection(enabled=True))
+    RMConfig(lora=LoraSection(enabled=True))
+    with pytest.raises(ConfigError, match="a reward model has no LM head"):
+        RMConfig(lora=LoraSection(enabled=True, target_modules=["q_proj", "lm_head"]))
+    with pytest.raises(ConfigError, match="full-precision decoder"):
+        RMConfig(lora=LoraSection(enabled=True, qlora=True))
     rows = tmp_path / "pairs.jsonl"
     rows.write_text(json.dumps({"prompt": "2+2?", "chosen": "4", "rejected": "5",
                                 "margin": 1.5}) + "\n")
@@ -95,8 +98,21 @@ def reward_model(base, tmp_path_factory):
     return out, files
 
 
-def test_a_reward_model_learns_the_preference_and_exports_transformers_scores(reward_model):
-    out, files = reward_model
+@pytest.fixture(scope="module")
+def lora_reward_model(base, tmp_path_factory):
+    """The same reward model trained through LoRA adapters (its score head whole)."""
+    root = tmp_path_factory.mktemp("rm-lora")
+    files = digit_preferences(root)
+    out = root / "rm"
+    assert main(["rm", *quick(out, base, max_steps=30, micro_batch_size=8, **{
+        "optim.lr": 3e-3, "eval.every": 30, "data.train": files["train"],
+        "data.eval": files["test"], "lora.enabled": "true", "lora.r": 8})]) == 0
+    return out, files
+
+
+@pytest.mark.parametrize("trained", ["reward_model", "lora_reward_model"])
+def test_a_reward_model_learns_the_preference_and_exports_transformers_scores(trained, request):
+    out, files = request.getfixturevalue(trained)
     accuracy = json.loads((out / "summary.json").read_text())["preference_accuracy"]
     assert accuracy[0] < 0.5 and accuracy[-1] >= 0.9
     written = json.loads((out / "final" / "config.json").read_text())
