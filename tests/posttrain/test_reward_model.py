@@ -86,28 +86,28 @@ def digit_preferences(folder) -> dict[str, object]:
     return files
 
 
-@pytest.fixture(scope="module")
-def reward_model(base, tmp_path_factory):
-    """A reward model of the base's decoder that prefers digits to words."""
-    root = tmp_path_factory.mktemp("rm")
+def trained_reward_model(base, tmp_path_factory, name: str, **settings) -> tuple:
+    """A reward model of the base's decoder that prefers digits to words, its run folder and
+    the preference files."""
+    root = tmp_path_factory.mktemp(name)
     files = digit_preferences(root)
     out = root / "rm"
     assert main(["rm", *quick(out, base, max_steps=30, micro_batch_size=8, **{
-        "optim.lr": 1e-3, "eval.every": 30, "data.train": files["train"],
-        "data.eval": files["test"]})]) == 0
+        "eval.every": 30, "data.train": files["train"], "data.eval": files["test"],
+        **settings})]) == 0
     return out, files
+
+
+@pytest.fixture(scope="module")
+def reward_model(base, tmp_path_factory):
+    return trained_reward_model(base, tmp_path_factory, "rm", **{"optim.lr": 1e-3})
 
 
 @pytest.fixture(scope="module")
 def lora_reward_model(base, tmp_path_factory):
-    """The same reward model trained through LoRA adapters (its score head whole)."""
-    root = tmp_path_factory.mktemp("rm-lora")
-    files = digit_preferences(root)
-    out = root / "rm"
-    assert main(["rm", *quick(out, base, max_steps=30, micro_batch_size=8, **{
-        "optim.lr": 3e-3, "eval.every": 30, "data.train": files["train"],
-        "data.eval": files["test"], "lora.enabled": "true", "lora.r": 8})]) == 0
-    return out, files
+    """The same, trained through LoRA adapters (its score head whole)."""
+    return trained_reward_model(base, tmp_path_factory, "rm-lora", **{
+        "optim.lr": 3e-3, "lora.enabled": "true", "lora.r": 8})
 
 
 @pytest.mark.parametrize("trained", ["reward_model", "lora_reward_model"])
