@@ -258,8 +258,8 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     nested section, plus `--config FILE`. Flags left out are left out of the parsed
     namespace too, so `config_from_flags` can tell a flag given from a default."""
     parser.add_argument("--config", type=Path, metavar="FILE", default=None,
-                        help="a YAML file of these settings by field name (sections nested: "
-                             "engine:, limits:, ...); flags given override it")
+                        help="a YAML file of these settings by field name (a nested "
+                             "section as a nested mapping); flags given override it")
     groups: dict[tuple[str, ...], Any] = {(): parser}
     seen: dict[str, _Flag] = {}
     for flag in _flags(cls):
