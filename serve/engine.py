@@ -291,7 +291,8 @@ class LLMEngine:
             self.outputs.remove(seq)
             self._finish(seq, "error")
             return SequenceDelta(seq.request_id, seq.index, [], "", [], "error",
-                                 len(seq.prompt_ids), seq.table.num_cached_tokens, error=error)
+                                 len(seq.prompt_ids), seq.table.num_cached_tokens, error=error,
+                                 weight_version=seq.weight_version)
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         delta = self.outputs.append(seq, picks)

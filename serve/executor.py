@@ -101,8 +101,8 @@ class StepExecutor:
     def _run_decodes(self, seqs: list[Sequence], steps: int) -> dict[Sequence, list[Pick]]:
         """`steps` decode passes over `seqs`, each fed the tokens the last one sampled
         without a trip through Python lists, and no scheduling, detokenizing or stop checks
-        between them: what each sequence emits (`_append` drops whatever follows a token
-        that ends it)."""
+        between them: what each sequence emits (`OutputProcessor.append` drops whatever
+        follows a token that ends it)."""
         sampling = self.sampler.batch(seqs)
         starts = [seq.num_computed for seq in seqs]
         ids, views = self.runner.prepare_decodes(
@@ -123,7 +123,7 @@ class StepExecutor:
                             else [None] * len(seqs))
             ids = tokens[None]
         for seq, at in zip(seqs, starts, strict=True):
-            seq.num_computed = at + 1  # `step` counts the later passes with the tokens
+            seq.num_computed = at + 1  # `LLMEngine.step` counts the later passes with the tokens
         by_step = torch.stack(drawn).tolist()
         return {seq: [(by_step[k][i], logprobs[k][i]) for k in range(steps)]
                 for i, seq in enumerate(seqs)}
