@@ -37,6 +37,9 @@ CASES = {
     "orpo": ({"loss": "orpo", "beta": 0.1}, "trl.experimental.orpo.ORPOTrainer",
              {"beta": 0.1}),
     "kto": ({"loss": "kto", "beta": 0.1}, "trl.KTOTrainer", {"beta": 0.1}),
+    "kto-weighted": ({"loss": "kto", "beta": 0.1, "desirable_weight": 1.33,
+                      "undesirable_weight": 0.8}, "trl.KTOTrainer",
+                     {"beta": 0.1, "desirable_weight": 1.33, "undesirable_weight": 0.8}),
 }
 
 
@@ -69,7 +72,7 @@ def rows(case: str) -> list[dict]:
               "chosen": [{"role": "assistant", "content": r.answer}],
               "rejected": [{"role": "assistant", "content": "I do not know."}]}
              for r in task_examples("arithmetic", "train", 4)]
-    if case != "kto":
+    if not case.startswith("kto"):
         return pairs
     return [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
             for p in pairs for side in ("chosen", "rejected")]
