@@ -19,7 +19,10 @@ The assistant mask comes from the template, by one of two rules:
   right after the template's generation prompt) — the turn as the conversation shows it,
   as the templates' `{% generation %}` versions train it; a template with no generation
   prompt (Mistral, whose system prompt joins the last user message) anchors the turn on
-  the text it writes before a reply's content instead. Text a template writes only where a
+  the text it writes before a reply's content instead; one that refuses the marker in a
+  tool call's place (Mistral-Nemo: two replies in a row before the call's results) starts
+  the turn where the rendering through it and one ending on a marker reply first differ,
+  when the rendering through it is a prefix of the whole. Text a template writes only where a
   conversation ends (Phi-3's end-of-text token) and whitespace after a turn's end are
   left out: generation stops at the turn's end token and never writes them. A turn that
   ends where the next one starts (GLM's: the assistant stops by writing `<|user|>` or
@@ -182,7 +185,10 @@ class ChatEncoder:
         found = []
         for mark in MARKS:
             marked = [*messages[:i], {"role": "assistant", "content": mark}, *messages[i + 1:]]
-            other = self.render(marked, tools, add_generation_prompt=False)
+            try:
+                other = self.render(marked, tools, add_generation_prompt=False)
+            except ChatTemplateError:  # a call turned reply breaks the template's role order
+                return self._closing_span(messages, i, tools, full)
             suffix = len(os.path.commonprefix([full[::-1], other[::-1]]))
             prefix = len(os.path.commonprefix([full, other]))
             if other.count(mark) != 1 or mark not in other[prefix:len(other) - suffix]:
@@ -202,6 +208,26 @@ class ChatEncoder:
         if opener is None or not full[:start].endswith(opener):
             return None
         return start - len(opener), end
+
+    def _closing_span(self, messages: list[Message], i: int, tools: Tools,
+                      full: str) -> tuple[int, int] | None:
+        """Where assistant message `i` is in the whole rendering when the conversation
+        cannot have a marker reply in its place (Mistral-Nemo's template refuses a tool
+        call replaced by a reply before the call's results, as two replies in a row), but the
+        conversation rendered through the message is a prefix of the whole: it starts where
+        that rendering and the one ending on a marker reply instead first differ, exactly at
+        the marker. None otherwise."""
+        through = self._through(messages[:i + 1], tools)
+        if not full.startswith(through):
+            return None
+        try:
+            other = self.render([*messages[:i], {"role": "assistant", "content": MARKS[0]}],
+                                tools, add_generation_prompt=False)
+        except ChatTemplateError:
+            return None
+        start = len(os.path.commonprefix([through, other]))
+        end = len(through.rstrip())
+        return (start, end) if other[start:].startswith(MARKS[0]) and end > start else None
 
     def _reply_opener(self, tools: Tools) -> str | None:
         """For a template with no generation prompt (Mistral: the reply follows [/INST]),

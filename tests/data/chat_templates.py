@@ -147,6 +147,41 @@ MISTRAL = (
     "{%- endfor %}"
 )
 
+# Mistral-Nemo: [INST] turns with no space before a reply, the tools listed before the
+# last user message, calls as a [TOOL_CALLS] JSON list closed by EOS, results in
+# [TOOL_RESULTS]; the system prompt joins the last user message only where the conversation
+# ends on it, and user and assistant turns must alternate, calls and results aside
+MISTRAL_NEMO = (
+    "{%- if messages[0].role == 'system' %}"
+    "{%- set system = messages[0].content %}{%- set turns = messages[1:] %}"
+    "{%- else %}{%- set turns = messages %}{%- endif %}"
+    "{%- set users = turns | selectattr('role', 'equalto', 'user') | list %}"
+    "{%- set ns = namespace(index=0) %}"
+    "{%- for message in turns if message.role != 'tool' and not message.tool_calls %}"
+    "{%- if (message.role == 'user') != (ns.index % 2 == 0) %}"
+    "{{- raise_exception('user and assistant turns must alternate') }}{%- endif %}"
+    "{%- set ns.index = ns.index + 1 %}"
+    "{%- endfor %}"
+    "{{- bos_token }}"
+    "{%- for message in turns %}"
+    "{%- if message.role == 'user' %}"
+    "{%- if tools and message == users[-1] %}"
+    "{{- '[AVAILABLE_TOOLS]' + tools | tojson + '[/AVAILABLE_TOOLS]' }}{%- endif %}"
+    "{%- if loop.last and system is defined %}"
+    "{{- '[INST]' + system + '\\n\\n' + message.content + '[/INST]' }}"
+    "{%- else %}{{- '[INST]' + message.content + '[/INST]' }}{%- endif %}"
+    "{%- elif message.tool_calls %}"
+    + GEN + "{{- '[TOOL_CALLS]' + message.tool_calls | map(attribute='function') | list "
+    "| tojson + eos_token }}" + END +
+    "{%- elif message.role == 'assistant' %}"
+    + GEN + "{{- message.content + eos_token }}" + END +
+    "{%- elif message.role == 'tool' %}"
+    "{{- '[TOOL_RESULTS]{\"content\": ' + message.content + ', \"call_id\": \"' "
+    "+ message.tool_call_id + '\"}[/TOOL_RESULTS]' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+)
+
 # GLM-4.5: no end-of-turn token; an assistant turn ends where the next turn's opener
 # starts (<|user|>, or <|observation|> before tool results), and those openers are end ids
 # of its generation config. The shipped template writes each opener in the turn it opens;
@@ -193,6 +228,7 @@ FAMILIES = {
     "gemma": (GEMMA, "<bos>", "<end_of_turn>"),
     "phi3": (PHI3, None, "<|endoftext|>"),
     "mistral": (MISTRAL, "<s>", "</s>"),
+    "mistral_nemo": (MISTRAL_NEMO, "<s>", "</s>"),
     "glm4": (GLM4, None, "<|endoftext|>"),
 }
 # generation_config.json's end ids, where they are more than the eos_token

@@ -45,6 +45,8 @@ TOOL_CHAT = Chat([{"role": "user", "content": "What is 2 + 3?"},
                   {"role": "assistant", "tool_calls": [CALL]},
                   {"role": "tool", "tool_call_id": "c1", "content": "5"},
                   {"role": "assistant", "content": "The sum is 5."}], TOOLS, "tools")
+# the system prompt moves to the last user message, and the call's turn is then found
+SYSTEM_TOOL_CHAT = Chat([SYSTEM, *TOOL_CHAT.messages], TOOLS, "system and tools")
 REASONING = Chat([{"role": "user", "content": "What is 2 + 3?"},
                   {"role": "assistant", "content": "5",
                    "reasoning_content": "Two and three make five."}], where="reasoning")
@@ -74,6 +76,8 @@ CASES = [
     ("gemma", SINGLE, True), ("gemma", MULTI, True),
     ("phi3", SINGLE, True), ("phi3", MULTI, True),
     ("mistral", SINGLE, True), ("mistral", NO_SYSTEM, True), ("mistral", MULTI, True),
+    ("mistral_nemo", MULTI, True), ("mistral_nemo", TOOL_CHAT, True),
+    ("mistral_nemo", SYSTEM_TOOL_CHAT, True),
     ("glm4", SINGLE, True), ("glm4", MULTI, True), ("glm4", TOOL_CHAT, True),
 ]
 
