@@ -19,6 +19,7 @@ from lathe.core.cli import main
 from lathe.data.tasks import task_examples
 from lathe.data.tokenizer import load_tokenizer
 from lathe.model.checkpoint import TOKENIZER_FILES
+from tests.builders import reset_accelerate
 from tests.posttrain.conftest import quick
 
 transformers = pytest.importorskip("transformers")
@@ -104,6 +105,7 @@ def trl_run(case: str, model: Path, out: Path) -> tuple[list[float], list[float]
         args=args, train_dataset=datasets.Dataset.from_list(data),
         processing_class=transformers.AutoTokenizer.from_pretrained(model))
     trainer.train()
+    reset_accelerate()  # the Trainer's accelerate state is process-wide; lathe builds its own
     norms = [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log]
     return losses, norms, trainer.model.state_dict()
 
