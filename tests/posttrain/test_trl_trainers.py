@@ -1,9 +1,10 @@
-"""`lathe dpo` step for step against TRL 1.16's trainers: DPO (DPOTrainer), SimPO with and
-without CPO's NLL term (CPOTrainer), ORPO (ORPOTrainer) and KTO (KTOTrainer). Both sides
-start from the same Qwen2 checkpoint that transformers wrote (lathe's tokenizer and chat
-template) and read the same conversational rows; the batch is the whole dataset, so the
-trainers' different shuffles draw the same steps. Every step's loss and gradient norm and
-the final weights must agree within float noise."""
+"""`lathe dpo` step for step against TRL 1.16's trainers: DPO with and without RPO's NLL
+term and IPO (DPOTrainer), SimPO with and without CPO's NLL term (CPOTrainer), ORPO
+(ORPOTrainer) and KTO (KTOTrainer). Both sides start from the same Qwen2 checkpoint that
+transformers wrote (lathe's tokenizer and chat template) and read the same conversational
+rows; the batch is the whole dataset, so the trainers' different shuffles draw the same
+steps. Every step's loss and gradient norm and the final weights must agree within float
+noise."""
 
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ STEPS = 4
 # lathe's loss settings and TRL's trainer, config class and settings for each case
 CASES = {
     "dpo": ({"loss": "sigmoid", "beta": 0.1}, "trl.DPOTrainer", {"beta": 0.1}),
+    # RPO, as the README's DPO stage runs it: TRL 1.16 spells it as a second, "sft" loss
+    "dpo+nll": ({"loss": "sigmoid", "beta": 0.1, "rpo_alpha": 1.0}, "trl.DPOTrainer",
+                {"beta": 0.1, "loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 1.0]}),
+    "ipo": ({"loss": "ipo", "beta": 0.1}, "trl.DPOTrainer", {"beta": 0.1, "loss_type": ["ipo"]}),
     "simpo": ({"loss": "simpo", "beta": 2.0}, "trl.experimental.cpo.CPOTrainer",
               {"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 0.5, "cpo_alpha": 0.0}),
     "simpo+nll": ({"loss": "simpo", "beta": 2.0, "rpo_alpha": 1.0},
