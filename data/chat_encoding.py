@@ -20,9 +20,9 @@ The assistant mask comes from the template, by one of two rules:
   as the templates' `{% generation %}` versions train it; a template with no generation
   prompt (Mistral, whose system prompt joins the last user message) anchors the turn on
   the text it writes before a reply's content instead; one that refuses the marker in a
-  tool call's place (Mistral-Nemo: two replies in a row before the call's results) starts
-  the turn where the rendering through it and one ending on a marker reply first differ,
-  when the rendering through it is a prefix of the whole. Text a template writes only where a
+  tool call's place (Mistral-Nemo: two replies in a row before the call's results) takes
+  the turn from where the rendering through it and one ending on a marker reply first
+  differ, found where it occurs once in the whole. Text a template writes only where a
   conversation ends (Phi-3's end-of-text token) and whitespace after a turn's end are
   left out: generation stops at the turn's end token and never writes them. A turn that
   ends where the next one starts (GLM's: the assistant stops by writing `<|user|>` or
@@ -213,13 +213,13 @@ class ChatEncoder:
                       full: str) -> tuple[int, int] | None:
         """Where assistant message `i` is in the whole rendering when the conversation
         cannot have a marker reply in its place (Mistral-Nemo's template refuses a tool
-        call replaced by a reply before the call's results, as two replies in a row), but the
-        conversation rendered through the message is a prefix of the whole: it starts where
-        that rendering and the one ending on a marker reply instead first differ, exactly at
-        the marker. None otherwise."""
+        call replaced by a reply before the call's results, as two replies in a row): the
+        turn is what the rendering through the message has from where it and the one ending
+        on a marker reply instead first differ (exactly at the marker); found there when that
+        rendering is a prefix of the whole, else where the turn occurs once in the whole
+        (Nemo lists the tools before the last user message, so an earlier call moves). None
+        otherwise."""
         through = self._through(messages[:i + 1], tools)
-        if not full.startswith(through):
-            return None
         try:
             other = self.render([*messages[:i], {"role": "assistant", "content": MARKS[0]}],
                                 tools, add_generation_prompt=False)
@@ -227,7 +227,15 @@ class ChatEncoder:
             return None
         start = len(os.path.commonprefix([through, other]))
         end = len(through.rstrip())
-        return (start, end) if other[start:].startswith(MARKS[0]) and end > start else None
+        if not other[start:].startswith(MARKS[0]) or end <= start:
+            return None
+        if full.startswith(through):
+            return start, end
+        turn = through[start:end]
+        if full.count(turn) != 1:
+            return None
+        at = full.index(turn)
+        return at, at + len(turn)
 
     def _reply_opener(self, tools: Tools) -> str | None:
         """For a template with no generation prompt (Mistral: the reply follows [/INST]),

@@ -47,6 +47,10 @@ TOOL_CHAT = Chat([{"role": "user", "content": "What is 2 + 3?"},
                   {"role": "assistant", "content": "The sum is 5."}], TOOLS, "tools")
 # the system prompt moves to the last user message, and the call's turn is then found
 SYSTEM_TOOL_CHAT = Chat([SYSTEM, *TOOL_CHAT.messages], TOOLS, "system and tools")
+# and a later user turn, before which the tools are then listed: the call's turn moves
+TOOLS_THEN_CHAT = Chat([*SYSTEM_TOOL_CHAT.messages, {"role": "user", "content": "Thanks."},
+                        {"role": "assistant", "content": "You are welcome."}], TOOLS,
+                       "tools then chat")
 REASONING = Chat([{"role": "user", "content": "What is 2 + 3?"},
                   {"role": "assistant", "content": "5",
                    "reasoning_content": "Two and three make five."}], where="reasoning")
@@ -77,7 +81,7 @@ CASES = [
     ("phi3", SINGLE, True), ("phi3", MULTI, True),
     ("mistral", SINGLE, True), ("mistral", NO_SYSTEM, True), ("mistral", MULTI, True),
     ("mistral_nemo", MULTI, True), ("mistral_nemo", TOOL_CHAT, True),
-    ("mistral_nemo", SYSTEM_TOOL_CHAT, True),
+    ("mistral_nemo", SYSTEM_TOOL_CHAT, True), ("mistral_nemo", TOOLS_THEN_CHAT, True),
     ("glm4", SINGLE, True), ("glm4", MULTI, True), ("glm4", TOOL_CHAT, True),
 ]
 
