@@ -124,6 +124,19 @@ class ChatEncoder:
         encoding = self.tokenizer.encode(text, add_special_tokens=False)
         return encoding.ids, overlap_mask(encoding.offsets, spans)
 
+    def drops_system(self, chat: Chat) -> bool:
+        """Whether the chat's system message is missing from its training rendering:
+        Mistral's templates write it only into a conversation that ends on a user turn, so a
+        training chat, which ends on a reply, loses it (transformers renders it so too)."""
+        messages = chat.messages
+        if not messages or messages[0]["role"] != "system":
+            return False
+        try:
+            return self.trains_through.render(messages, False, chat.tools, **self.kwargs) == \
+                self.trains_through.render(messages[1:], False, chat.tools, **self.kwargs)
+        except ChatTemplateError:
+            return False
+
     def continuation(self, prompt: list[Message], reply: list[Message], tools: Tools = None,
                      where: str = "") -> tuple[list[int], list[int]]:
         """A preference pair's prompt ids and one reply's ids, split where the rendered

@@ -41,15 +41,22 @@ class Example(NamedTuple):
 @dataclass
 class ChatFit:
     """How a chat dataset fits `max_len`: chats kept whole, cut at max_len (their tail loses
-    supervision), and dropped because nothing assistant-written was left after the cut."""
+    supervision), and dropped because nothing assistant-written was left after the cut; and
+    the chats whose system prompt the template leaves out of their tokens."""
 
     whole: int = 0
     cut: int = 0
     dropped: int = 0
+    system_dropped: int = 0
 
     def report(self) -> str:
-        return (f"chats over max_len: {self.cut} cut, {self.dropped} dropped (no assistant "
+        line = (f"chats over max_len: {self.cut} cut, {self.dropped} dropped (no assistant "
                 f"token left), {self.whole} whole")
+        if self.system_dropped:
+            line += (f"; {self.system_dropped} chats' system prompts are not in their tokens "
+                     "(the chat template writes one only where a conversation ends on a user "
+                     "turn, as Mistral's do; transformers renders them so too)")
+        return line
 
 
 def tokenize(encoder: ChatEncoder, chats: list[Chat], max_len: int,
@@ -58,6 +65,7 @@ def tokenize(encoder: ChatEncoder, chats: list[Chat], max_len: int,
     examples = []
     for index, chat in enumerate(chats):
         ids, mask = encoder.conversation(chat)
+        fit.system_dropped += encoder.drops_system(chat)
         if len(ids) > max_len:
             ids, mask = ids[:max_len], mask[:max_len]
             fit.cut += 1

@@ -229,3 +229,21 @@ def test_a_token_is_trained_when_it_overlaps_a_span_as_transformers_counts_it():
     offsets = [(0, 3), (3, 5), (5, 8), (8, 9), (9, 12)]
     assert overlap_mask(offsets, [(4, 6), (11, 12)]) == [False, True, True, False, True]
     assert overlap_mask(offsets, [(3, 3)]) == [False] * 5
+
+
+def test_a_system_prompt_the_template_leaves_out_is_counted(tokenizer):
+    """Mistral's template writes the system prompt only into a conversation that ends on a
+    user turn, so a training chat's is not in its tokens (transformers renders it so too):
+    SFT's start line counts such chats rather than dropping them silently."""
+    from lathe.posttrain.chats import ChatFit, tokenize
+
+    mistral, chatml = (encoder(tokenizer, family, blocks=False) for family in ("mistral",
+                                                                                "chatml"))
+    assert mistral.drops_system(MULTI) and not mistral.drops_system(NO_SYSTEM)
+    assert SYSTEM["content"] not in tokenizer.decode(mistral.conversation(MULTI)[0])
+    assert not chatml.drops_system(MULTI)
+    fit = ChatFit()
+    tokenize(mistral, [MULTI, NO_SYSTEM, MULTI], 512, fit)
+    assert fit.system_dropped == 2
+    assert "2 chats' system prompts are not in their tokens" in fit.report()
+    assert "system prompts" not in ChatFit(whole=3).report()
