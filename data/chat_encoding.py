@@ -140,22 +140,54 @@ class ChatEncoder:
     def continuation(self, prompt: list[Message], reply: list[Message], tools: Tools = None,
                      where: str = "") -> tuple[list[int], list[int]]:
         """A preference pair's prompt ids and one reply's ids, split where the rendered
-        prompt (with its generation prompt) ends in the rendered conversation (TRL's split).
-        A template that renders the prompt differently once the reply follows is refused."""
+        prompt (with its generation prompt) ends in the rendered conversation (TRL's split);
+        for a template that moves part of the prompt once a reply follows (Mistral's system
+        prompt), the prompt as served and the reply as the template writes it
+        (`_moved_prompt_reply`). Any other template that renders the prompt differently once
+        the reply follows is refused."""
         try:
             before = self.trains_through.render(prompt, True, tools, **self.kwargs)
             through = self.trains_through.render(prompt + reply, False, tools, **self.kwargs)
         except ChatTemplateError as error:
             raise ConfigError(f"{where}: {self.name} cannot render this pair: {error}") \
                 from None
-        if not through.startswith(before):
+        if through.startswith(before):
+            return self.encode(before), self.encode(through[len(before):].rstrip())
+        moved = self._moved_prompt_reply(prompt, tools, before, through)
+        if moved is None:
             raise ChatMaskError(
                 f"{where}: {self.name} renders the prompt differently once the reply follows "
                 f"(the prompt ends {before[-40:]!r}, the conversation has "
                 f"{through[len(before) - 40:len(before)]!r} there), so the reply cannot be "
                 "split from it; give a template that renders earlier turns the same way, "
                 "with --chat_template FILE")
-        return self.encode(before), self.encode(through[len(before):].rstrip())
+        return self.encode(before), self.encode(moved)
+
+    def _moved_prompt_reply(self, prompt: list[Message], tools: Tools, before: str,
+                            through: str) -> str | None:
+        """The reply's text in `through` when the template writes part of the prompt
+        elsewhere once a reply follows (Mistral's system prompt joins the last user message
+        only where the conversation ends on it): what follows the prompt's end — its last
+        message's content onwards, as served (`before`) — where the conversation shows it
+        before the reply, found ahead of where the conversation and the prompt followed by
+        a marker reply first differ (exactly at the marker), so the reply is trained after
+        what it is generated after (Mistral's space before it included). None otherwise (a
+        generation prompt the conversation does not show, as QwQ's `<think>`)."""
+        content = prompt[-1].get("content") if prompt else None
+        if not isinstance(content, str) or not content:
+            return None
+        try:
+            other = self.trains_through.render(
+                [*prompt, {"role": "assistant", "content": MARKS[0]}], False, tools,
+                **self.kwargs)
+        except ChatTemplateError:
+            return None
+        start = len(os.path.commonprefix([through, other]))
+        if not other[start:].startswith(MARKS[0]) or content not in before:
+            return None
+        tail = before[before.rindex(content):]  # the last message's content onwards
+        at = through.rfind(tail, 0, start)
+        return None if at < 0 else through[at + len(tail):].rstrip()
 
     def _derived_spans(self, chat: Chat) -> tuple[str, Spans]:
         messages, tools = chat.messages, chat.tools

@@ -219,10 +219,21 @@ def test_preference_replies_split_where_the_rendered_prompt_ends(tokenizer):
     assert prompt == qwen3.prompt(history)
     assert tokenizer.decode(completion, skip_special_tokens=False) == \
         "<think>\n\n</think>\n\nBlue.<|im_end|>"
-    with pytest.raises(ChatMaskError, match="renders the prompt differently once the reply "
-                                            "follows"):
-        encoder(tokenizer, "mistral", blocks=False).continuation(MULTI.messages[:2], reply,
-                                                                 where="pair 0")
+    # Mistral's system prompt joins the last user message only where the conversation ends
+    # on it: the prompt as served, then the reply as the template writes it
+    mistral = encoder(tokenizer, "mistral", blocks=False)
+    prompt, completion = mistral.continuation(MULTI.messages[:2], reply)
+    assert prompt == mistral.prompt(MULTI.messages[:2])
+    assert SYSTEM["content"] in tokenizer.decode(prompt)
+    assert tokenizer.decode(completion, skip_special_tokens=False) == " Blue.</s>"
+    # a generation prompt the conversation does not show (QwQ's <think>) cannot be split
+    thinks = ChatEncoder(tokenizer, ChatTemplate(
+        "{% for m in messages %}{% if m.role == 'user' %}U: {{ m.content }}\n"
+        "{% else %}A: {{ m.content }}\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}A: <think>\n{% endif %}", {}), "a thinking template")
+    with pytest.raises(ChatMaskError, match="pair 0: a thinking template renders the prompt "
+                                            "differently once the reply follows"):
+        thinks.continuation(MULTI.messages[1:2], reply, where="pair 0")
 
 
 def test_a_token_is_trained_when_it_overlaps_a_span_as_transformers_counts_it():
