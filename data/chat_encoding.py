@@ -174,16 +174,10 @@ class ChatEncoder:
         what it is generated after (Mistral's space before it included). None otherwise (a
         generation prompt the conversation does not show, as QwQ's `<think>`)."""
         content = prompt[-1].get("content") if prompt else None
-        if not isinstance(content, str) or not content:
+        if not isinstance(content, str) or not content or content not in before:
             return None
-        try:
-            other = self.trains_through.render(
-                [*prompt, {"role": "assistant", "content": MARKS[0]}], False, tools,
-                **self.kwargs)
-        except ChatTemplateError:
-            return None
-        start = len(os.path.commonprefix([through, other]))
-        if not other[start:].startswith(MARKS[0]) or content not in before:
+        start = self._reply_start(self.trains_through, prompt, tools, through)
+        if start is None:
             return None
         tail = before[before.rindex(content):]  # the last message's content onwards
         at = through.rfind(tail, 0, start)
@@ -265,14 +259,9 @@ class ChatEncoder:
         (Nemo lists the tools before the last user message, so an earlier call moves). None
         otherwise."""
         through = self._through(messages[:i + 1], tools)
-        try:
-            other = self.render([*messages[:i], {"role": "assistant", "content": MARKS[0]}],
-                                tools, add_generation_prompt=False)
-        except ChatTemplateError:
-            return None
-        start = len(os.path.commonprefix([through, other]))
+        start = self._reply_start(self.template, messages[:i], tools, through)
         end = len(through.rstrip())
-        if not other[start:].startswith(MARKS[0]) or end <= start:
+        if start is None or end <= start:
             return None
         if full.startswith(through):
             return start, end
@@ -281,6 +270,19 @@ class ChatEncoder:
             return None
         at = full.index(turn)
         return at, at + len(turn)
+
+    def _reply_start(self, template: ChatTemplate, before: list[Message], tools: Tools,
+                     through: str) -> int | None:
+        """Where the reply that follows the messages `before` starts in `through` (their
+        rendering with it): where `template` renders them followed by a marker reply
+        differently, if that is exactly at the marker; None otherwise."""
+        try:
+            other = template.render([*before, {"role": "assistant", "content": MARKS[0]}],
+                                    False, tools, **self.kwargs)
+        except ChatTemplateError:
+            return None
+        start = len(os.path.commonprefix([through, other]))
+        return start if other[start:].startswith(MARKS[0]) else None
 
     def _reply_opener(self, tools: Tools) -> str | None:
         """For a template with no generation prompt (Mistral: the reply follows [/INST]),

@@ -118,11 +118,11 @@ def trl_run(case: str, model: Path, out: Path) -> tuple[list[float], list[float]
 def lathe_run(case: str, model: Path, out: Path) -> tuple[list[float], list[float], dict]:
     """`lathe dpo` on the same rows with TRL's optimizer settings: AdamW (0.9, 0.999) at a
     constant 1e-3, no weight decay, gradients clipped at 1."""
-    data = out.parent / f"{out.name}.jsonl"
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows(case)))
+    data, records = out.parent / f"{out.name}.jsonl", rows(case)
+    data.write_text("".join(json.dumps(row) + "\n" for row in records))
     settings, _, _ = CASES[case]
     overrides = {**settings, "data.train": data, "data.eval": data,
-                 "micro_batch_size": len(rows(case)), "task_eval.examples": 0,
+                 "micro_batch_size": len(records), "task_eval.examples": 0,
                  "schedule.kind": "constant", "schedule.warmup_steps": 0, "optim.lr": 1e-3,
                  "optim.weight_decay": 0.0, "optim.betas": "[0.9,0.999]",
                  "optim.grad_clip": 1.0, "eval.every": 1000}
