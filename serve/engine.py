@@ -6,9 +6,10 @@ running the shared `lathe.model.Transformer`.
 (`lathe.serve.executor`) runs it — the `ModelRunner` lays every scheduled sequence's new
 tokens out in one row and computes the logits of the rows that matter, the `Sampler` draws
 (with structured outputs' grammar masks), the `Speculator` drafts and verifies when
-speculative decoding is on — then the engine offers newly completed blocks to the prefix
-cache and hands the tokens to the `OutputProcessor` (`lathe.serve.outputs`: detokenizing,
-stop conditions), which returns what each sequence gained as `SequenceDelta`s. Requests
+speculative decoding is on — then the scheduler counts what the step computed and offers
+newly full blocks to the prefix cache (`update_from_output`), and the `OutputProcessor`
+(`lathe.serve.outputs`: detokenizing, stop conditions) turns the tokens into what each
+sequence gained, `SequenceDelta`s. Requests
 are checked once, at the door (`lathe.serve.request_checks`). `generate()` is the offline
 API on top of it; `lathe.serve.async_engine` streams the same deltas from an engine core
 in a process of its own.
@@ -29,7 +30,7 @@ from torch import Tensor
 from lathe.core.checkpoint_files import read_eos_ids
 from lathe.core.reporting import progress_bar
 from lathe.kernels import configure_kernels
-from lathe.model.checkpoint import CheckpointError, read_weights
+from lathe.model.checkpoint import read_weights
 from lathe.model.transformer import Transformer
 from lathe.serve.adapters import AdapterSlots
 from lathe.serve.block_manager import BlockManager
@@ -46,14 +47,14 @@ from lathe.serve.outputs import (
     SequenceDelta,
 )
 from lathe.serve.paged_cache import KVSlabs, blocks_in_budget
-from lathe.serve.quant import is_quantized, load_serving_model, serving_tokenizer, weight_bytes
+from lathe.serve.quant import load_serving_model, serving_tokenizer, weight_bytes
 from lathe.serve.request_checks import AdapterError, RequestError, RequestLimits
 from lathe.serve.sampler import Sampler
 from lathe.serve.sampling import seeded_generator
 from lathe.serve.sampling_params import SamplingParams
 from lathe.serve.scheduler import Scheduler, StepCost
 from lathe.serve.sequence import Sequence, Status
-from lathe.serve.speculative import Speculator, check_draft, check_same_tokenizer
+from lathe.serve.speculative import Speculator, check_draft, load_draft
 from lathe.serve.structured import compile_structured
 
 
@@ -129,16 +130,8 @@ class LLMEngine:
         model = load_serving_model(path, quantize=quantize, dtype=dtype, device=device)
         vocab = model.config.vocab_size
         tokenizer = serving_tokenizer(path, vocab)
-        draft = None
-        speculative = config.speculative if config is not None else None
-        if speculative is not None and speculative.method == "draft":
-            if speculative.draft is None:
-                raise CheckpointError("speculative method 'draft' needs the draft checkpoint "
-                                      "(--draft PATH)")
-            draft_path = Path(speculative.draft)
-            draft = load_serving_model(draft_path, quantize=quantize, dtype=dtype, device=device)
-            check_same_tokenizer(path, draft_path, tokenizer,
-                                  serving_tokenizer(draft_path, draft.config.vocab_size))
+        draft = load_draft(path, config.speculative if config is not None else None, tokenizer,
+                           quantize, dtype, device)
         return cls(model, tokenizer, config, read_eos_ids(path, vocab), draft_model=draft)
 
     @property
@@ -170,25 +163,24 @@ class LLMEngine:
     def add_adapter(self, name: str, path: str | Path) -> list[str]:
         """Load a LoRA adapter folder, to be named by requests; the names loaded after it
         (one idle adapter may have been unloaded to make room: max_loaded_loras)."""
-        if self.adapters is None:
-            raise AdapterError("this engine serves no adapters: start it with max_loras > 0 "
-                               "(lathe serve --max-loras N)")
-        self.adapters.add(name, path)
+        self._adapter_slots().add(name, path)
         return self.adapters.names
 
     def put_adapter(self, name: str, weights: dict[str, tuple[Tensor, Tensor]],
                     scale: float) -> None:
         """Hold in-memory LoRA weights (module name -> (A, B)) under `name`, replacing an
         idle adapter of that name (a training policy's adapters, each step)."""
-        if self.adapters is None:
-            raise AdapterError("this engine serves no adapters: build it with max_loras > 0")
-        self.adapters.put(name, weights, scale)
+        self._adapter_slots().put(name, weights, scale)
 
     def remove_adapter(self, name: str) -> None:
         """Unload an adapter; requests already running on it finish on it."""
+        self._adapter_slots().remove(name)
+
+    def _adapter_slots(self) -> AdapterSlots:
         if self.adapters is None:
-            raise AdapterError(f"no adapter named {name!r} is loaded")
-        self.adapters.remove(name)
+            raise AdapterError("this engine serves no adapters: start it with max_loras > 0 "
+                               "(lathe serve --max-loras N)")
+        return self.adapters
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, adapter: str | None = None,
@@ -273,14 +265,8 @@ class LLMEngine:
         start = time.perf_counter()
         picks = self.executor.execute(batch, steps)
         self.step_cost.observe(batch, (time.perf_counter() - start) / steps)
-        for seq, _ in batch.items:
-            new = [token for token, _ in picks.get(seq, [])]
-            computed = seq.num_computed + max(len(new) - 1, 0)  # accepted drafts, later steps
-            seq.num_computed = computed
-            if self.speculator is not None:
-                computed = self.speculator.cacheable(seq, computed)
-            if self.block_manager.has_uncommitted(seq.table, computed):
-                self.block_manager.commit(seq.table, seq.token_ids + new, computed)
+        self.scheduler.update_from_output(batch, picks, None if self.speculator is None
+                                          else self.speculator.cacheable)
         return [self._emit(seq, picks[seq]) for seq, _ in batch.items if seq in picks]
 
     def _emit(self, seq: Sequence, picks: list[Pick]) -> SequenceDelta:
@@ -288,11 +274,9 @@ class LLMEngine:
         whose constraint broke ends with finish_reason "error" and the reason."""
         error = self.sampler.broken.pop(seq, None)
         if error is not None:
-            self.outputs.remove(seq)
+            delta = self.outputs.fail(seq, error)  # before its blocks go: it counts the cached
             self._finish(seq, "error")
-            return SequenceDelta(seq.request_id, seq.index, [], "", [], "error",
-                                 len(seq.prompt_ids), seq.table.num_cached_tokens, error=error,
-                                 weight_version=seq.weight_version)
+            return delta
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         delta = self.outputs.append(seq, picks)
@@ -340,15 +324,7 @@ class LLMEngine:
         if self.has_unfinished():
             raise RuntimeError("load_weights needs an idle engine; wait for or abort the "
                                f"{self.num_running + self.num_waiting} unfinished sequences")
-        if is_quantized(self.model):
-            raise RuntimeError("load_weights takes full-precision weights; this engine's "
-                               "linears are quantized (build an unquantized engine for training)")
-        missing, unexpected = self.model.load_state_dict(dict(state_dict), strict=False)
-        if self.model.config.tie_embeddings:
-            missing = [name for name in missing if name != "lm_head.weight"]
-        if missing or unexpected:
-            raise RuntimeError(f"load_weights: missing {missing[:4]}, unexpected "
-                               f"{unexpected[:4]}; pass the policy's full state_dict")
+        self.runner.load_weights(state_dict)
         self.block_manager.reset_prefix_cache()
         self.weight_version += 1
 

@@ -27,6 +27,7 @@ again.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 
 import torch
@@ -38,6 +39,7 @@ from lathe.model.transformer import Transformer
 from lathe.serve.decode_graph import DecodeGraphs, Progress, StaticDecodeBatch
 from lathe.serve.host_memory import retain_freed_memory
 from lathe.serve.paged_cache import KVSlabs, PagedBatch, SequenceSpan
+from lathe.serve.quant import is_quantized
 from lathe.serve.sequence import Sequence
 
 log = logging.getLogger("lathe.serve")
@@ -127,6 +129,19 @@ class ModelRunner:
         except Exception as error:  # whatever the compiler stack raises
             self.graphs = None
             failed(error)
+
+    def load_weights(self, state_dict: Mapping[str, Tensor]) -> None:
+        """Copy a full state dict into the served model in place (compiled steps keep
+        reading the same tensors)."""
+        if is_quantized(self.model):
+            raise RuntimeError("load_weights takes full-precision weights; this engine's "
+                               "linears are quantized (build an unquantized engine for training)")
+        missing, unexpected = self.model.load_state_dict(dict(state_dict), strict=False)
+        if self.model.config.tie_embeddings:
+            missing = [name for name in missing if name != "lm_head.weight"]
+        if missing or unexpected:
+            raise RuntimeError(f"load_weights: missing {missing[:4]}, unexpected "
+                               f"{unexpected[:4]}; pass the policy's full state_dict")
 
     def release(self, seq: Sequence) -> None:
         """Give a finished or aborted sequence's row back."""

@@ -141,3 +141,11 @@ class OutputProcessor:
                              len(seq.prompt_ids), seq.table.num_cached_tokens,
                              seq.prompt_logprobs if first else None,
                              weight_version=seq.weight_version)
+
+    def fail(self, seq: Sequence, error: str) -> SequenceDelta:
+        """`seq`'s last delta when it fails alone (its constraint broke): no tokens,
+        finish_reason "error" and the reason."""
+        self.remove(seq)
+        return SequenceDelta(seq.request_id, seq.index, [], "", [], "error", len(seq.prompt_ids),
+                             seq.table.num_cached_tokens, error=error,
+                             weight_version=seq.weight_version)

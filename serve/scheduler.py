@@ -22,11 +22,15 @@ reserves its later steps' slots the same way (`reserve`), after the step is sche
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from lathe.serve.block_manager import BlockManager
 from lathe.serve.sequence import Sequence, Status
+
+if TYPE_CHECKING:
+    from lathe.serve.outputs import Pick
 
 
 @dataclass
@@ -147,6 +151,19 @@ class Scheduler:
             items.append((seq, count))
             budget -= count
         return ScheduledBatch(items, lookahead, decodes)
+
+    def update_from_output(self, batch: ScheduledBatch, picks: Mapping[Sequence, list[Pick]],
+                           cacheable: Callable[[Sequence, int], int] | None = None) -> None:
+        """After a step ran `batch`: count the KV of each sequence's accepted drafts and later
+        passes as computed (all its new tokens but the last), and offer its newly full blocks
+        to the prefix cache — only as far as `cacheable` says (a draft model's KV must cover
+        them too)."""
+        for seq, _ in batch.items:
+            new = [token for token, _ in picks.get(seq, [])]
+            seq.num_computed += max(len(new) - 1, 0)
+            computed = seq.num_computed if cacheable is None else cacheable(seq, seq.num_computed)
+            if self.block_manager.has_uncommitted(seq.table, computed):
+                self.block_manager.commit(seq.table, seq.token_ids + new, computed)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence (EOS, stop, length or abort) and release its blocks."""

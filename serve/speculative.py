@@ -27,11 +27,12 @@ from torch import Tensor
 from lathe.data.tokenizer import vocabulary_difference
 from lathe.model.checkpoint import CheckpointError
 from lathe.model.transformer import Transformer
-from lathe.serve.config import SpeculativeConfig
+from lathe.serve.config import QuantMode, SpeculativeConfig
 from lathe.serve.logprobs import sampled_logprobs
 from lathe.serve.model_runner import ModelRunner, StepItem
 from lathe.serve.outputs import Pick
 from lathe.serve.paged_cache import KVSlabs
+from lathe.serve.quant import load_serving_model, serving_tokenizer
 from lathe.serve.request_checks import RequestError
 from lathe.serve.sampling import (
     SamplingBatch,
@@ -297,6 +298,23 @@ def check_draft(model: Transformer, draft: Transformer | None,
         raise RequestError(f"the draft model's vocab_size {draft.config.vocab_size} differs "
                            f"from the target's {model.config.vocab_size}; a draft must share "
                            "the target's tokenizer (distill it from the target)")
+
+
+def load_draft(path: Path, speculative: SpeculativeConfig | None, tokenizer: Tokenizer | None,
+               quantize: QuantMode | None, dtype: torch.dtype | None,
+               device: torch.device | str | None) -> Transformer | None:
+    """The draft model that speculative method "draft" names, loaded as the target at
+    `path` is and checked to share its tokenizer; None for any other method."""
+    if speculative is None or speculative.method != "draft":
+        return None
+    if speculative.draft is None:
+        raise CheckpointError("speculative method 'draft' needs the draft checkpoint "
+                              "(--draft PATH)")
+    draft_path = Path(speculative.draft)
+    draft = load_serving_model(draft_path, quantize=quantize, dtype=dtype, device=device)
+    check_same_tokenizer(path, draft_path, tokenizer,
+                         serving_tokenizer(draft_path, draft.config.vocab_size))
+    return draft
 
 
 def check_same_tokenizer(path: Path, draft_path: Path, tokenizer: Tokenizer | None,
