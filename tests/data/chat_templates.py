@@ -212,6 +212,38 @@ GLM4_TURNS = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}"
 )
+# SmolLM3: a system turn it always writes (today's date and the reasoning mode, then the
+# custom instructions or a default), "/no_think" or "/think" in the system prompt switching
+# the mode and taken out of it, in /no_think an empty think block opening every assistant
+# turn and the generation prompt, tool results as user turns; its own generation blocks hold
+# the whole assistant turn, header and closing newline included (copies without them, as
+# Unsloth's, are what a checkpoint may ship instead)
+SMOLLM3 = (
+    "{%- set mode = '/think' if enable_thinking is not defined or enable_thinking "
+    "else '/no_think' %}"
+    "{%- set custom = '' %}"
+    "{%- if messages[0].role == 'system' %}"
+    "{%- set text = messages[0].content %}"
+    "{%- if '/no_think' in text %}{%- set mode = '/no_think' %}"
+    "{%- elif '/think' in text %}{%- set mode = '/think' %}{%- endif %}"
+    "{%- set custom = text.replace('/no_think', '').replace('/think', '').rstrip() %}"
+    "{%- endif %}"
+    "{%- set opening = '' if mode == '/think' else '<think>\\n\\n</think>\\n' %}"
+    "{{- '<|im_start|>system\\n## Metadata\\n\\nToday Date: ' + strftime_now('%d %B %Y') "
+    "+ '\\nReasoning Mode: ' + mode + '\\n\\n## Custom Instructions\\n\\n' "
+    "+ (custom or 'You are a helpful AI assistant named SmolLM.') + '\\n\\n<|im_end|>\\n' }}"
+    "{%- for message in messages %}"
+    "{%- set content = message.content if message.content is string else '' %}"
+    "{%- if message.role == 'user' or message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n' + content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}" + GEN +
+    "{{- '<|im_start|>assistant\\n' + opening + content.lstrip('\\n') + '<|im_end|>\\n' }}"
+    + END +
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' + opening }}{%- endif %}"
+)
+
 AFTER_ASSISTANT = "(loop.first or messages[loop.index0 - 1].role != 'assistant')"
 GLM4 = (GLM4_TURNS.replace("OPENS_USER", AFTER_ASSISTANT).replace("OPENS_TOOL", AFTER_ASSISTANT)
         .replace("ASSISTANT_END", "{%- if m.tool_calls %}{{- '<|observation|>' }}"
@@ -230,6 +262,7 @@ FAMILIES = {
     "mistral": (MISTRAL, "<s>", "</s>"),
     "mistral_nemo": (MISTRAL_NEMO, "<s>", "</s>"),
     "glm4": (GLM4, None, "<|endoftext|>"),
+    "smollm3": (SMOLLM3, None, "<|im_end|>"),
 }
 # generation_config.json's end ids, where they are more than the eos_token
 END_TOKENS = {"glm4": ["<|endoftext|>", "<|user|>", "<|observation|>"],

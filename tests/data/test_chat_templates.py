@@ -55,6 +55,11 @@ REASONING = Chat([{"role": "user", "content": "What is 2 + 3?"},
                   {"role": "assistant", "content": "5",
                    "reasoning_content": "Two and three make five."}], where="reasoning")
 
+# SmolLM3's switch: "/no_think" in the system prompt puts an empty think block in every
+# assistant turn and in the generation prompt
+NO_THINK = Chat([{"role": "system", "content": "You answer briefly. /no_think"},
+                 *MULTI.messages[1:]], where="no think")
+
 # Qwen3's hard case: reasoning in an earlier turn, which the template drops once a later
 # user message follows, and in the last one, which it shows
 MULTI_REASONING = Chat([MULTI.messages[1], {**MULTI.messages[2], "reasoning_content": "Rivers."},
@@ -134,6 +139,25 @@ def test_ids_and_masks_equal_transformers(tokenizer, family, chat, derivable):
             derived.conversation(chat)
 
 
+@pytest.mark.parametrize("chat", [SINGLE, MULTI, NO_THINK], ids=lambda chat: chat.where)
+def test_smollm3_blocks_train_the_whole_turn_and_a_copy_without_them_the_reply(tokenizer,
+                                                                               chat):
+    """SmolLM3's own blocks hold each assistant turn from its header to the newline after
+    <|im_end|>, and lathe takes them as transformers does. A copy of the template without
+    blocks (Unsloth's) trains what the model writes after the generation prompt the server
+    renders: the reply and <|im_end|>, not the think block /no_think puts in that prompt."""
+    ids, mask = transformers_encoding(tokenizer, "smollm3", chat)
+    assert encoder(tokenizer, "smollm3", blocks=True).conversation(chat) == (ids, mask)
+    opening = "<think>\n\n</think>\n" if chat is NO_THINK else ""
+    replies = [m["content"] for m in chat.messages if m["role"] == "assistant"]
+    assert trained_text(tokenizer, ids, mask) == [
+        f"<|im_start|>assistant\n{opening}{reply}<|im_end|>\n" for reply in replies]
+    derived_ids, derived_mask = encoder(tokenizer, "smollm3", blocks=False).conversation(chat)
+    assert derived_ids == ids
+    assert trained_text(tokenizer, derived_ids, derived_mask) == [
+        f"{reply}<|im_end|>" for reply in replies]
+
+
 def test_a_tool_call_round_trips_through_training_tokens(tokenizer, tmp_path):
     record = {"tools": TOOLS, "messages": [
         *TOOL_CHAT.messages[:1],
@@ -183,7 +207,7 @@ def test_blocks_that_mark_nothing_are_refused(tokenizer):
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_prompt_a_chat_trains_on_is_what_the_server_renders(tokenizer, family):
-    chat = {"gemma": MULTI, "qwen3": SINGLE}.get(family, NO_SYSTEM)
+    chat = {"gemma": MULTI, "qwen3": SINGLE, "smollm3": NO_THINK}.get(family, NO_SYSTEM)
     template = plain(FAMILIES[family][0])
     ids, mask = ChatEncoder(tokenizer, ChatTemplate(template, specials(family)),
                             family).conversation(chat)
