@@ -191,7 +191,10 @@ def stage_table(stages: dict[str, Stage]) -> list[tuple[str, str, str, str]]:
     if (s := stages.get("grpo-tools")) is not None:
         add("grpo-tools", accuracy(s), _first_last(s.values("eval/accuracy")), True)
         without = stages.get("grpo")
-        if without is not None and without.values("eval/accuracy") and s.values("eval/accuracy"):
+        # side by side only on the same problems: a tool task is its no-tool task's "_tool"
+        same = without is not None and f"{without.summary.get('task')}_tool" == s.summary.get(
+            "task")
+        if same and without.values("eval/accuracy") and s.values("eval/accuracy"):
             add("grpo-tools", "held-out accuracy: grpo without a tool / with the calculator",
                 (without.values("eval/accuracy")[-1], s.values("eval/accuracy")[-1]), True)
         for key, what in (("tools/calls_per_episode", "tool calls per episode"),

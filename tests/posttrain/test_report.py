@@ -57,6 +57,25 @@ def test_report_names_each_stage_seed_when_they_differ(run, tmp_path):
     assert "- seeds: sft 0, dpo 2" in (copy / "report.md").read_text()
 
 
+@pytest.mark.parametrize(("grpo_task", "shown"), [("arithmetic3x3", True),
+                                                    ("arithmetic3", False)])
+def test_the_tool_model_is_set_beside_grpo_only_on_the_same_problems(run, tmp_path, grpo_task,
+                                                                     shown):
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    for stage, task, accuracy in (("grpo", grpo_task, 0.55), ("grpo-tools", "arithmetic3x3_tool",
+                                                               0.99)):
+        (copy / stage).mkdir()
+        (copy / stage / "summary.json").write_text(json.dumps({"seed": 0, "task": task}))
+        (copy / stage / "metrics.jsonl").write_text(
+            json.dumps({"step": 0, "eval/accuracy": accuracy - 0.1}) + "\n"
+            + json.dumps({"step": 20, "eval/accuracy": accuracy}) + "\n")
+    build_report(copy)
+    row = ("| grpo-tools | held-out accuracy: grpo without a tool / with the calculator | 55.0% "
+           "| 99.0% |")
+    assert (row in (copy / "report.md").read_text()) is shown
+
+
 def test_report_refuses_a_folder_that_is_not_a_run(tmp_path):
     with pytest.raises(ConfigError, match="holds none of pretrain, sft"):
         build_report(tmp_path)
