@@ -36,7 +36,7 @@ echo "== dpo: right three-digit results preferred over near misses -> $OUT/dpo"
 lathe dpo --config recipes/dpo/e2e.yaml --out_dir "$OUT/dpo" --model "$OUT/sft/final" "${seed[@]}"
 
 echo "== grpo: exact-answer reward on 8 sampled completions per three-digit prompt,"
-echo "   measured on three digits by three -> $OUT/grpo"
+echo "   weighted toward three digits by three -> $OUT/grpo"
 lathe grpo --config recipes/grpo/e2e.yaml --out_dir "$OUT/grpo" --model "$OUT/dpo/final" \
     "${seed[@]}"
 
