@@ -274,7 +274,7 @@ class LLMEngine:
         whose constraint broke ends with finish_reason "error" and the reason."""
         error = self.sampler.broken.pop(seq, None)
         if error is not None:
-            delta = self.outputs.fail(seq, error)  # before its blocks go: it counts the cached
+            delta = self.outputs.fail(seq, error)  # before `_finish` frees the blocks it counts
             self._finish(seq, "error")
             return delta
         if seq.first_token_time is None:
