@@ -17,7 +17,7 @@ in a process of its own.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import itertools
 import time
 from collections.abc import Iterable, Mapping
@@ -53,7 +53,7 @@ from lathe.serve.sampler import Sampler
 from lathe.serve.sampling import seeded_generator
 from lathe.serve.sampling_params import SamplingParams
 from lathe.serve.scheduler import Scheduler, StepCost
-from lathe.serve.sequence import Sequence, Status
+from lathe.serve.sequence import Sequence, Status, request_sequences
 from lathe.serve.speculative import Speculator, check_draft, load_draft
 from lathe.serve.structured import compile_structured
 
@@ -193,23 +193,13 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         if not checked:
             self.validate(prompt_ids, params)
-        if params.min_tokens:
-            params = dataclasses.replace(params, min_tokens_stop_ids=tuple(sorted(
-                self.eos_token_ids | set(params.stop_token_ids))))
-        if adapter is not None and (self.adapters is None or adapter not in
-                                    self.adapters.names):
-            raise AdapterError(f"no adapter named {adapter!r} is loaded")
-        seqs: list[Sequence] = []
-        for index in range(params.n):
-            seq = Sequence(request_id, index, list(prompt_ids), params,
-                           seeded_generator(params, self.device, index),
-                           parent=seqs[0] if seqs else None, weight_version=self.weight_version)
-            if index == 0 and params.prompt_logprobs is not None:
-                seq.prompt_logprobs = [None]
-            seqs.append(seq)
+        root = None if adapter is None else self._adapter_slots().root(adapter)
+        seqs = request_sequences(request_id, prompt_ids, params,
+                                 functools.partial(seeded_generator, params, self.device),
+                                 self.eos_token_ids, self.weight_version)
         for seq in seqs:  # built all before scheduling any, so a failure leaves no trace
             if adapter is not None:
-                seq.adapter, seq.cache_root = adapter, self.adapters.root(adapter)
+                seq.adapter, seq.cache_root = adapter, root
             self.outputs.add(seq)
             if params.structured is not None:
                 self.sampler.constraints.start(seq, params.structured)
@@ -306,10 +296,7 @@ class LLMEngine:
             while self.has_unfinished():
                 for delta in self.step():
                     if delta.request_id in completions:
-                        completion = completions[delta.request_id]
-                        completion.outputs[delta.index].add(delta)
-                        if delta.prompt_logprobs is not None:
-                            completion.prompt_logprobs = delta.prompt_logprobs
+                        completions[delta.request_id].add(delta)
                         bar.update(delta.finish_reason is not None)
         return list(completions.values())
 

@@ -82,6 +82,11 @@ class Completion:
     outputs: list[CompletionOutput]
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
+    def add(self, delta: SequenceDelta) -> None:
+        self.outputs[delta.index].add(delta)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+
 
 class _TextState:
     """Detokenizer and stop-string matcher of one sequence."""

@@ -8,6 +8,7 @@ recomputing them.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from lathe.serve.block_manager import NO_HASH, BlockTable
 from lathe.serve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
 
@@ -87,3 +90,22 @@ class Sequence:
         """Whether the scheduler may admit it (n > 1 siblings wait for the shared prompt)."""
         parent = self.parent
         return parent is None or parent.prompt_computed or parent.status is Status.FINISHED
+
+
+def request_sequences(request_id: str, prompt_ids: list[int], params: SamplingParams,
+                      generator: Callable[[int], torch.Generator | None],
+                      eos_token_ids: set[int], weight_version: int) -> list[Sequence]:
+    """The `params.n` sequences of one request, siblings waiting on the first's prompt:
+    `generator(index)` seeds each one's draws, and `min_tokens` learns which ids it holds back
+    (the engine's EOS ids and the request's stop ids)."""
+    if params.min_tokens:
+        params = dataclasses.replace(params, min_tokens_stop_ids=tuple(sorted(
+            eos_token_ids | set(params.stop_token_ids))))
+    seqs: list[Sequence] = []
+    for index in range(params.n):
+        seq = Sequence(request_id, index, list(prompt_ids), params, generator(index),
+                       parent=seqs[0] if seqs else None, weight_version=weight_version)
+        if index == 0 and params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]
+        seqs.append(seq)
+    return seqs
