@@ -40,9 +40,9 @@ echo "   weighted toward three digits by three -> $OUT/grpo"
 lathe grpo --config recipes/grpo/e2e.yaml --out_dir "$OUT/grpo" --model "$OUT/dpo/final" \
     "${seed[@]}"
 
-echo "== distill: a student of the chat model's first and last layers learns its"
-echo "   distributions -> $OUT/distill"
-lathe init --from-teacher "$OUT/grpo/final" --keep-layers 0,-1 --out "$OUT/student"
+echo "== distill: a student of one in two of the chat model's layers (0 and 2, as DistilBERT"
+echo "   takes them) learns its distributions -> $OUT/distill"
+lathe init --from-teacher "$OUT/grpo/final" --keep-layers 0,2 --out "$OUT/student"
 lathe distill --config recipes/distill/e2e.yaml --out_dir "$OUT/distill" \
     --model "$OUT/student" --teacher "$OUT/grpo/final" "${seed[@]}"
 
