@@ -40,9 +40,10 @@ def init_main(argv: Sequence[str] | None = None) -> int:
     source.add_argument("--from-teacher", type=Path, metavar="CKPT",
                         help="start from this checkpoint's embeddings, head and --keep-layers "
                              "(its tokenizer is copied)")
-    parser.add_argument("--keep-layers", default="0,-1",
+    parser.add_argument("--keep-layers",
                         help="--from-teacher: comma-separated decoder layers to keep "
-                             "(negative counts from the end)")
+                             "(negative counts from the end); default one in two, 0,2,4,… "
+                             "(DistilBERT's rule)")
     parser.add_argument("--family", choices=list(FAMILIES), default="llama",
                         help="--preset: the open-model family to write it as (the preset's "
                              "shape with the family's switches; e.g. qwen3, gemma2, phi3)")
@@ -77,6 +78,8 @@ def _init_student(args: argparse.Namespace, rest: list[str]) -> int:
         raise ConfigError(f"--from-teacher takes its shape from the teacher; drop {rest}")
     teacher = load_checkpoint(args.from_teacher)
     count = teacher.config.n_layers
+    if args.keep_layers is None:
+        args.keep_layers = ",".join(map(str, range(0, count, 2)))
     try:
         layers = [int(i) % count if -count <= int(i) < count else int(i)
                   for i in args.keep_layers.split(",")]

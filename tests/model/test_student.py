@@ -59,6 +59,9 @@ def test_init_from_teacher_writes_a_loadable_student(tmp_path, capsys):
                       "--out", str(tmp_path / "student")]) == 0
     assert "layers [0, 3]" in capsys.readouterr().out
     assert load_checkpoint(tmp_path / "student").config.n_layers == 2
+    assert init_main(["--from-teacher", str(tmp_path / "teacher"), "--out",
+                      str(tmp_path / "halved")]) == 0
+    assert "layers [0, 2]" in capsys.readouterr().out  # by default one layer in two
     with pytest.raises(ConfigError, match="drop"):
         init_main(["--from-teacher", str(tmp_path / "teacher"), "--out",
                    str(tmp_path / "x"), "--n_layers=2"])
