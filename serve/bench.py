@@ -342,13 +342,14 @@ def speculative_speed(checkpoint: Path, speculative: SpeculativeConfig | None,
     engine = LLMEngine.from_checkpoint(checkpoint, EngineConfig(speculative=speculative),
                                        device=device)
     engine.generate([prompts[0][:8]], SamplingParams(max_tokens=8, temperature=0))
-    before = engine.speculation_stats()
+    before = engine.stats()
     start = time.perf_counter()
     engine.generate(prompts, SamplingParams(max_tokens=new_tokens, temperature=0,
                                             ignore_eos=True))
     seconds = time.perf_counter() - start
-    after = engine.speculation_stats()
-    counts = {key: after[key] - before[key] for key in after if "num_" in key}
+    after = engine.stats()
+    counts = {key: after[key] - before[key] for key in after
+              if key.startswith("spec_decode_num_")}
     return len(prompts) * new_tokens / seconds, counts
 
 

@@ -1,18 +1,15 @@
 """The serving engine: continuous batching of many requests over one paged KV cache,
 running the shared `lathe.model.Transformer`.
 
-`LLMEngine.step()` is the whole hot loop, in four calls: the `Scheduler` picks what runs
-(and how many decode passes: multi-step decoding), the `StepExecutor`
-(`lathe.serve.executor`) runs it — the `ModelRunner` lays every scheduled sequence's new
-tokens out in one row and computes the logits of the rows that matter, the `Sampler` draws
-(with structured outputs' grammar masks), the `Speculator` drafts and verifies when
-speculative decoding is on — then the scheduler counts what the step computed and offers
-newly full blocks to the prefix cache (`update_from_output`), and the `OutputProcessor`
+`LLMEngine.step()` is the whole hot loop, in four calls: the `Scheduler` picks what runs (and
+how many decode passes: multi-step decoding); the `StepExecutor` (`lathe.serve.executor`)
+runs it — the `ModelRunner`'s forward pass, the `Sampler`'s draws with structured outputs'
+grammar masks, the `Speculator`'s drafts and checks; the scheduler counts what the step
+computed and offers newly full blocks to the prefix cache; and the `OutputProcessor`
 (`lathe.serve.outputs`: detokenizing, stop conditions) turns the tokens into what each
-sequence gained, `SequenceDelta`s. Requests
-are checked once, at the door (`lathe.serve.request_checks`). `generate()` is the offline
-API on top of it; `lathe.serve.async_engine` streams the same deltas from an engine core
-in a process of its own.
+sequence gained, `SequenceDelta`s. Requests are checked once, at the door
+(`lathe.serve.request_checks`); `lathe.serve.offline` is the offline API on top, and
+`lathe.serve.async_engine` streams the same deltas from an engine core in its own process.
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ from tokenizers import Tokenizer
 from torch import Tensor
 
 from lathe.core.checkpoint_files import read_eos_ids
-from lathe.core.reporting import progress_bar
 from lathe.kernels import configure_kernels
 from lathe.model.checkpoint import read_weights
 from lathe.model.transformer import Transformer
@@ -39,13 +35,8 @@ from lathe.serve.decode_graph import Progress, batch_buckets
 from lathe.serve.executor import StepExecutor
 from lathe.serve.half_weights import activation_dtype
 from lathe.serve.model_runner import ModelRunner
-from lathe.serve.outputs import (
-    Completion,
-    CompletionOutput,
-    OutputProcessor,
-    Pick,
-    SequenceDelta,
-)
+from lathe.serve.offline import generate
+from lathe.serve.outputs import Completion, OutputProcessor, Pick, SequenceDelta
 from lathe.serve.paged_cache import KVSlabs, blocks_in_budget
 from lathe.serve.quant import load_serving_model, serving_tokenizer, weight_bytes
 from lathe.serve.request_checks import AdapterError, RequestError, RequestLimits
@@ -214,20 +205,11 @@ class LLMEngine:
             if seq.status is not Status.FINISHED:
                 self.scheduler.finish(seq, "abort")
             self.outputs.remove(seq)
-            self._release(seq)
-
-    def _release(self, seq: Sequence) -> None:
-        self.runner.release(seq)
-        if self.speculator is not None:
-            self.speculator.release(seq)
-        self.sampler.release(seq)
-        if seq.adapter is not None and seq.adapter_slot >= 0:  # once, if it was admitted
-            self.adapters.release(seq.adapter)
-            seq.adapter = None
+            self.executor.release(seq)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
-        self._release(seq)
+        self.executor.release(seq)
         if all(s.status is Status.FINISHED for s in self.requests.get(seq.request_id, [])):
             self.requests.pop(seq.request_id, None)
 
@@ -279,26 +261,8 @@ class LLMEngine:
     def generate(self, prompts: list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None,
                  progress: bool = False, adapter: str | None = None) -> list[Completion]:
-        """Complete every prompt (text or token ids), batched continuously, on the LoRA
-        adapter named `adapter` if given; results in order."""
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(
-            prompts)
-        if len(params_list) != len(prompts):
-            raise RequestError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
-        completions: dict[str, Completion] = {}
-        for prompt, p in zip(prompts, params_list, strict=True):
-            prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            request_id = self.add_request(prompt_ids, p, adapter=adapter)
-            completions[request_id] = Completion(request_id, prompt_ids,
-                                                 [CompletionOutput(i) for i in range(p.n)])
-        total = sum(p.n for p in params_list)
-        with progress_bar(total=total, desc="generate", unit="seq", enabled=progress) as bar:
-            while self.has_unfinished():
-                for delta in self.step():
-                    if delta.request_id in completions:
-                        completions[delta.request_id].add(delta)
-                        bar.update(delta.finish_reason is not None)
-        return list(completions.values())
+        """Complete every prompt (`lathe.serve.offline.generate`)."""
+        return generate(self, prompts, params, progress, adapter)
 
     def warm_up(self, progress: Progress | None = None) -> None:
         """Build every compiled decode step (`ModelRunner.warm_up`): now, or with
@@ -323,6 +287,8 @@ class LLMEngine:
         return self.weight_version
 
     def stats(self) -> dict[str, float]:
+        """Every counter of the engine: requests, KV and prefix cache, tokens, memory, and
+        the compiled decode steps' and speculation's when they are on."""
         manager = self.block_manager
         return {
             "num_running": self.num_running,
@@ -332,20 +298,8 @@ class LLMEngine:
             "prefix_cache_hits": manager.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens": self.prompt_tokens_total,
-            "generation_tokens": self.generation_tokens_total,
+            "generation_tokens": self.outputs.generation_tokens_total,
             **self.memory,
-            **self.decode_graph_stats(),
-            **self.speculation_stats(),
+            **(self.runner.graphs.stats() if self.runner.graphs is not None else {}),
+            **(self.speculator.stats() if self.speculator is not None else {}),
         }
-
-    @property
-    def generation_tokens_total(self) -> int:
-        return self.outputs.generation_tokens_total
-
-    def decode_graph_stats(self) -> dict[str, float]:
-        """Compiled decode steps' counters; empty without `compile_decode`."""
-        return self.runner.graphs.stats() if self.runner.graphs is not None else {}
-
-    def speculation_stats(self) -> dict[str, float]:
-        """The `Speculator`'s counters; empty without speculation."""
-        return self.speculator.stats() if self.speculator is not None else {}

@@ -29,6 +29,17 @@ class StepExecutor:
         self.runner, self.sampler, self.speculator = runner, sampler, speculator
         self.adapters, self.device = adapters, device
 
+    def release(self, seq: Sequence) -> None:
+        """Free what the runner, speculator, sampler and adapters hold for `seq` (its
+        adapter once, if it was admitted)."""
+        self.runner.release(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq)
+        self.sampler.release(seq)
+        if seq.adapter is not None and seq.adapter_slot >= 0:
+            self.adapters.release(seq.adapter)
+            seq.adapter = None
+
     def execute(self, batch: ScheduledBatch, steps: int) -> dict[Sequence, list[Pick]]:
         """What each sequence of `batch` that reached its end emits: from one forward pass,
         or from `steps` passes of a decode-only batch (`Scheduler.decode_run`)."""

@@ -234,7 +234,7 @@ def test_a_non_streaming_client_that_disconnects_is_aborted(running, monkeypatch
         return step()
 
     monkeypatch.setattr(engine, "step", slow_step)
-    before = engine.generation_tokens_total
+    before = engine.outputs.generation_tokens_total
     body = json.dumps({"model": "tiny", "prompt": "The river", "max_tokens": 200, "n": 8,
                        "ignore_eos": True, "temperature": 1.0}).encode()
     host, port = running.url.removeprefix("http://").split(":")
@@ -244,14 +244,14 @@ def test_a_non_streaming_client_that_disconnects_is_aborted(running, monkeypatch
                      b"Content-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         deadline = time.monotonic() + 10
-        while engine.generation_tokens_total - before < 8:
+        while engine.outputs.generation_tokens_total - before < 8:
             assert time.monotonic() < deadline, "the request never started"
             time.sleep(0.005)
     deadline = time.monotonic() + 10
     while engine.requests or engine.block_manager.usage > 0:
         assert time.monotonic() < deadline, "the abandoned request still runs"
         time.sleep(0.01)
-    assert engine.generation_tokens_total - before < 8 * 200
+    assert engine.outputs.generation_tokens_total - before < 8 * 200
 
 
 def test_the_key_is_checked_for_every_route_but_health_in_any_scheme_case(running):

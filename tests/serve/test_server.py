@@ -111,7 +111,7 @@ def test_every_error_has_its_status_and_message(client, running):
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(running):
     engine = running.engine()
-    before = engine.generation_tokens_total
+    before = engine.outputs.generation_tokens_total
     body = {"model": "tiny", "prompt": "The river", "max_tokens": 240, "stream": True,
             "ignore_eos": True, "temperature": 0}
     with httpx.stream("POST", f"{running.url}/v1/completions", json=body,
@@ -121,7 +121,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(running):
     while engine.requests or engine.block_manager.usage > 0:
         assert time.monotonic() < deadline, "aborted request still holds blocks"
         time.sleep(0.01)
-    assert engine.generation_tokens_total - before < 240
+    assert engine.outputs.generation_tokens_total - before < 240
 
 
 def test_chat_cli_one_shot_against_the_server(client, running, capsys):

@@ -55,7 +55,7 @@ def test_greedy_speculation_is_plain_decoding_token_for_token(method):
     spec_config, draft = SETUPS[method](model)
     spec = engine(model, spec_config, draft, max_num_batched_tokens=24)
     assert outputs(spec.generate(batch, params)) == outputs(plain.generate(batch, params))
-    stats = spec.speculation_stats()
+    stats = spec.stats()
     assert stats["spec_decode_num_draft_tokens"] > 0
     assert stats["spec_decode_num_accepted_tokens"] > 0
     assert spec.block_manager.usage == 0 and not spec.runner.rows
@@ -75,7 +75,7 @@ def test_the_target_as_its_own_draft_accepts_every_token():
     again = outputs(spec.generate(batch, params))  # every full prompt block from the cache
     assert first == again == outputs(engine(model).generate(batch, params))
     assert spec.block_manager.prefix_hits > 0
-    stats = spec.speculation_stats()
+    stats = spec.stats()
     assert stats["spec_decode_acceptance_rate"] == 1.0
     assert stats["spec_decode_mean_acceptance_length"] > 4.0
 
@@ -112,7 +112,7 @@ def test_speculative_steps_respect_max_tokens_stop_tokens_and_logprobs():
         for a, b in zip(out.logprobs, ref.logprobs, strict=True):
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
-    assert spec.speculation_stats()["spec_decode_mean_acceptance_length"] > 1
+    assert spec.stats()["spec_decode_mean_acceptance_length"] > 1
 
 
 def test_seeded_sampling_under_speculation_is_reproducible():
@@ -247,7 +247,7 @@ def test_draws_are_counted_once_per_verified_step():
     model = serve_model(256)
     spec = engine(model, SpeculativeConfig("draft", 3), model)
     spec.generate([REPEATING[0]], SamplingParams(max_tokens=10, temperature=0))
-    stats = spec.speculation_stats()
+    stats = spec.stats()
     # 10 = 1 (prefill) + 4 + 4 (two drafting steps: 3 accepted drafts + 1 each) + 1 (a
     # plain decode: drafting must leave room for the step's own token under max_tokens)
     assert stats["spec_decode_num_drafts"] == 2

@@ -112,11 +112,11 @@ def test_constraints_hold_under_speculation_and_preemption(checkpoint):
             assert done.outputs[0].finish_reason == "stop"
             jsonschema.validate(json.loads(done.outputs[0].text), SCHEMA)
     assert engine.block_manager.usage == 0 and not engine.sampler.constraints.matchers
-    before = engine.speculation_stats()["spec_decode_num_accepted_tokens"]
+    before = engine.stats()["spec_decode_num_accepted_tokens"]
     greedy = engine.generate(["The river flows past the old mill"] * 4, [
         SamplingParams(max_tokens=64, temperature=t, seed=1, structured=SPEC)
         for t in (0.0, 0.0, 1.0, 1.0)])
-    assert engine.speculation_stats()["spec_decode_num_accepted_tokens"] > before
+    assert engine.stats()["spec_decode_num_accepted_tokens"] > before
     for done in greedy:  # drafts were cut to the grammar and verified under its masks
         jsonschema.validate(json.loads(done.outputs[0].text), SCHEMA)
 
@@ -170,7 +170,7 @@ def test_greedy_constrained_speculation_is_constrained_decoding_token_for_token(
                             StructuredOutput(choice=("left", "leftover")))] * 2
     expected = [d.outputs[0].token_ids for d in base.generate(prompts, params)]
     assert [d.outputs[0].token_ids for d in spec.generate(prompts, params)] == expected
-    assert spec.speculation_stats()["spec_decode_num_draft_tokens"] > 0
+    assert spec.stats()["spec_decode_num_draft_tokens"] > 0
 
 
 def test_multi_step_runs_keep_every_row_as_single_steps_do(checkpoint):
