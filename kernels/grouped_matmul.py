@@ -9,6 +9,9 @@ keep it; otherwise the per-expert loop, which is also the reference."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -35,9 +38,12 @@ def _takes(x: Tensor, weights: Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and aligned
 
 
-@torch.compiler.disable
-def _loop(x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
-    return grouped_matmul_reference(x, weights, experts)
+@functools.cache
+def _loop_outside_graphs() -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """The loop as one graph break under torch.compile (its split sizes are data). Made on
+    first use there, where torch._dynamo is loaded already: `torch.compiler.disable` as a
+    decorator would import it in every process that imports the model, ~1.5 s."""
+    return torch.compiler.disable(grouped_matmul_reference)
 
 
 def grouped_matmul(x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
@@ -50,4 +56,6 @@ def grouped_matmul(x: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
     gathered = x.shape[0] * weights.shape[1] * weights.shape[2] * weights.element_size()
     if gathered <= GATHER_BYTES:
         return torch.bmm(x[:, None], weights[experts]).squeeze(1)
-    return _loop(x, weights, experts)
+    if torch.compiler.is_compiling():
+        return _loop_outside_graphs()(x, weights, experts)
+    return grouped_matmul_reference(x, weights, experts)

@@ -74,6 +74,15 @@ def test_training_imports_no_torchao_and_lora_imports_it_quietly():
         assert noise not in result.stderr, result.stderr
 
 
+def test_the_model_and_every_stage_import_no_torch_compiler():
+    """torch._dynamo takes ~1.5 s to import; a process that never compiles (an eval, a CPU
+    training stage, a server without compiled steps) must not pay it at import."""
+    code = ("import sys\n"
+            "import lathe.model, lathe.serve.engine, lathe.posttrain.grpo, lathe.pretrain.train\n"
+            "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'\n")
+    processes.run([sys.executable, "-c", code], timeout=120, cwd=ROOT)
+
+
 def test_the_server_front_end_imports_no_torch():
     """`lathe serve`'s own process — flags, HTTP, templates, request checks, streaming —
     holds no torch (hundreds of MB and seconds of import); only its engine core's does."""

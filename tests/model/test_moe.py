@@ -92,6 +92,31 @@ def test_grouped_experts_equal_the_loop_forward_and_backward(dtype, gather_bytes
         torch.testing.assert_close(a, b, atol=tolerance, rtol=tolerance)
 
 
+def test_under_compile_the_expert_loop_breaks_the_graph_alone_and_equals_eager(monkeypatch):
+    """Where neither the grouped GEMM nor the gathered matmul takes the rows (fp64, many
+    rows), a compiled MoE layer leaves each expert loop to eager: its only graph breaks are
+    the loop's calls."""
+    from lathe.kernels import grouped_matmul
+    monkeypatch.setattr(grouped_matmul, "GATHER_BYTES", 0)
+    moe = experts_layer().to(torch.float64)
+    x = torch.randn(37, 128, dtype=torch.float64)
+    _, experts, weights = moe.route(x)
+    weights = weights.to(torch.float64)
+
+    def layer(x, experts, weights):
+        return moe.experts(torch.relu(x) * 2, experts, weights) + 1
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(layer)(x, experts, weights)
+    breaks = [reason.user_stack[-1] for reason in explained.break_reasons]
+    assert breaks and all(frame.filename.endswith("grouped_matmul.py") for frame in breaks)
+    assert not any(frame.name == "grouped_matmul_reference" for frame in breaks), breaks
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="eager")
+    torch.testing.assert_close(compiled(x, experts, weights), layer(x, experts, weights),
+                               atol=1e-10, rtol=1e-10)
+
+
 def test_a_fused_expert_checkpoint_loads_as_the_per_expert_one(tmp_path):
     """transformers 5's in-memory layout written to disk (one tensor per projection, all
     experts stacked) loads to the same model as `save_pretrained`'s per-expert files."""
