@@ -13,8 +13,10 @@ hash of the question. The answer is verifiable by `extract_number`.
 
 from __future__ import annotations
 
+import functools
 import random
 import re
+from collections.abc import Iterable
 
 from lathe.data.calculator import calculator
 from lathe.data.tasks import PreferencePair, TaskExample, split_of
@@ -24,17 +26,19 @@ THREE_DIGIT_PROBLEMS = 60_000
 NUMBER = re.compile(r"-?\d+")
 
 
-def all_problems() -> list[tuple[str, int]]:
-    """Every problem, in a fixed seeded order."""
+@functools.cache
+def all_problems() -> tuple[tuple[str, int], ...]:
+    """Every problem, in a fixed seeded order (made once a process: each evaluation asks)."""
     problems = [(f"What is {a} + {b}?", a + b)
                 for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)]
     problems += [(f"What is {a} - {b}?", a - b)
                  for a in range(MAX_OPERAND + 1) for b in range(a + 1)]
     random.Random(1234).shuffle(problems)
-    return problems
+    return tuple(problems)
 
 
-def three_digit_problems() -> list[tuple[str, int]]:
+@functools.cache
+def three_digit_problems() -> tuple[tuple[str, int], ...]:
     """A fixed seeded sample of sums and non-negative differences of operands up to 999,
     half of each. Each operand's digit count (1-3) is drawn uniformly before its value, so
     every alignment of digits (347 + 5, 62 - 48, 9 + 610) is common; a uniform draw from
@@ -54,10 +58,10 @@ def three_digit_problems() -> list[tuple[str, int]]:
         else:
             a, b = max(a, b), min(a, b)
             problems.setdefault(f"What is {a} - {b}?", a - b)
-    return list(problems.items())
+    return tuple(problems.items())
 
 
-def _examples(problems: list[tuple[str, int]], split: str,
+def _examples(problems: Iterable[tuple[str, int]], split: str,
               limit: int | None) -> list[TaskExample]:
     rows = [TaskExample(question, str(result), str(result))
             for question, result in problems if split_of(question) == split]
