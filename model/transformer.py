@@ -226,10 +226,14 @@ class RotaryEmbedding(nn.Module):
         self._register_frequencies(self.inv_freq.device if device is None else device)
 
     def _register_frequencies(self, device: torch.device | str | None) -> None:
-        self.register_buffer("inv_freq", rope_inv_freq(self.config, device), persistent=False)
-        if self.longrope:
-            self.register_buffer("long_inv_freq", rope_inv_freq(self.config, device, long=True),
-                                 persistent=False)
+        for name, long in (("inv_freq", False), ("long_inv_freq", True))[:1 + self.longrope]:
+            if torch.empty(0, device=device).is_meta:
+                # placeholders until `reset_parameters` on the real device: arithmetic on
+                # meta tensors imports torch._dynamo (~1.5 s a process)
+                freqs = torch.empty(self.config.rotary_dim // 2, device=device)
+            else:
+                freqs = rope_inv_freq(self.config, device, long)
+            self.register_buffer(name, freqs, persistent=False)
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         inv_freq = self.inv_freq
@@ -500,7 +504,12 @@ class Decoder(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
+        # On the meta device (a checkpoint's load) nn.Embedding's own init would run a meta
+        # `normal_`, whose kernel imports torch._dynamo (~1.5 s); elsewhere its draw stays,
+        # so a seed initializes a new model as it always has
+        weight = torch.empty(config.vocab_size, config.dim)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim,
+                                         _weight=weight if weight.is_meta else None)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_unit_offset)
         self.rotary_emb = RotaryEmbedding(config)

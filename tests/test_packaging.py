@@ -74,11 +74,17 @@ def test_training_imports_no_torchao_and_lora_imports_it_quietly():
         assert noise not in result.stderr, result.stderr
 
 
-def test_the_model_and_every_stage_import_no_torch_compiler():
+def test_importing_every_stage_and_loading_a_checkpoint_import_no_torch_compiler(tmp_path):
     """torch._dynamo takes ~1.5 s to import; a process that never compiles (an eval, a CPU
-    training stage, a server without compiled steps) must not pay it at import."""
+    training stage, a server without compiled steps) must not pay it, at import or when it
+    loads a checkpoint."""
     code = ("import sys\n"
             "import lathe.model, lathe.serve.engine, lathe.posttrain.grpo, lathe.pretrain.train\n"
+            "from lathe.model import ModelConfig, Transformer\n"
+            "from lathe.model.checkpoint import load_checkpoint, save_checkpoint\n"
+            "config = ModelConfig.from_preset('tiny', vocab_size=64, n_layers=1)\n"
+            f"save_checkpoint(Transformer(config), {str(tmp_path)!r})\n"
+            f"load_checkpoint({str(tmp_path)!r})\n"
             "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'\n")
     processes.run([sys.executable, "-c", code], timeout=120, cwd=ROOT)
 
