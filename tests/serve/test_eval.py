@@ -147,3 +147,14 @@ def test_the_shipped_arithmetic_task_scores_as_lathes_own_evaluation(checkpoint,
     assert [s["resps"][0][0] for s in samples] == [encoder.tokenizer.decode(
         g.outputs[0].token_ids, skip_special_tokens=True) for g in greedy]
     assert 0 <= result["results"]["lathe_arithmetic3"]["exact_match,last_integer"] <= 1
+
+
+def test_the_task_index_is_the_include_paths_alone_when_it_defines_every_task(tmp_path):
+    """lm-eval's own ~14,000 task files are indexed (~11 s) only when a task asked for is
+    not in `--include-path`, and then its tasks are still found."""
+    from lathe.serve.evaluate import task_manager
+    choice, ppl, _ = write_tasks(tmp_path)
+    local = task_manager(tmp_path, [choice, ppl])
+    assert sorted(local.all_tasks) == sorted([choice, "lathe_gen", ppl])
+    both = task_manager(tmp_path, [choice, "hellaswag"])
+    assert {choice, "hellaswag", "arc_easy"} <= set(both.all_tasks)
