@@ -20,6 +20,7 @@ whole process group) and is stopped by its front end.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import gc
 import os
@@ -166,6 +167,15 @@ def process_main(spec: EngineSpec, loras: dict[str, Path], commands: Connection,
     end_with(front_end)
     from lathe.serve.engine_core import serve_spec
     serve_spec(spec, loras, commands, events)
+    # End here, not through the interpreter's shutdown: a decode-graph build still running
+    # on its daemon thread would race the teardown ("can't register atexit after
+    # shutdown", or C++ threads destroyed while running: "terminate called"). The exit
+    # handlers still run (semaphores released, logs flushed); the build, told the engine
+    # is closing, ends without a word.
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def end_with(front_end: int) -> None:

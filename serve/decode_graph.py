@@ -146,6 +146,7 @@ class DecodeGraphs:
         # built in the background: until all are, only `ready` buckets run compiled (else
         # a bucket's first step compiles it, as without a warm-up)
         self.background = False
+        self.stopping = False  # the engine is closing: a background build ends quietly
         self.cuda = cuda = slabs.k[0].device.type == "cuda"
         paged_kernel = cuda or native_kernel("paged_decode", slabs.k[0])
         self.widths = [max_blocks] if paged_kernel else width_buckets(max_blocks)
@@ -242,6 +243,8 @@ class DecodeGraphs:
         shapes = self.shapes
         try:
             for done, (size, width) in enumerate(shapes):
+                if self.stopping:
+                    return
                 shape = (size, width)
                 if shape not in self._graphs:
                     self._graphs[shape] = self._build(shape, self._padding(size, width))
@@ -250,7 +253,7 @@ class DecodeGraphs:
                 if progress is not None:
                     progress(done + 1, len(shapes))
         except Exception as error:  # whatever the compiler stack raises
-            if failed is not None:
+            if failed is not None and not self.stopping:  # else torn down under it
                 failed(error)
             return
         self.warm = True

@@ -253,6 +253,8 @@ def serve_engine(load: Callable[[], LLMEngine], loras: dict[str, Path],
         send(Deltas([], engine.stats()))  # /metrics has the engine's state from the start
         send(Ready(info))
         core.run()
+        if engine.runner.graphs is not None:
+            engine.runner.graphs.stopping = True
     except (BrokenPipeError, EOFError, OSError):  # the front end is gone: nobody to tell
         pass
     finally:

@@ -427,6 +427,30 @@ def test_a_background_build_that_fails_keeps_what_it_built_and_runs_the_rest_eag
     assert graphs.steps == 5 and graphs.late == 0
 
 
+def test_a_background_build_of_a_closing_engine_ends_quietly(monkeypatch, caplog):
+    """When the engine core closes mid-build (`stopping`), the build stops before its next
+    shape, and an error the process's teardown raises under it is not logged as a failed
+    compile: the core then exits at once instead of shutting the interpreter down under
+    the thread (which crashed it: "terminate called", "can't register atexit")."""
+    from lathe.serve.decode_graph import DecodeGraphs
+    calls = []
+
+    def torn_down(self, shape, inputs):
+        calls.append(shape)
+        self.stopping = True
+        raise RuntimeError("can't register atexit after shutdown")
+    monkeypatch.setattr(DecodeGraphs, "_build", torn_down)
+    _, compiled = engine_pair(serve_model(256), compile_in_background=True)
+    with caplog.at_level(logging.WARNING, logger="lathe.serve"):
+        compiled.warm_up()
+        deadline = time.monotonic() + 60
+        while any(t.name == "lathe-decode-graphs" for t in threading.enumerate()):
+            assert time.monotonic() < deadline, "the background build did not end"
+            time.sleep(0.01)
+    assert len(calls) == 1 and "failed" not in caplog.text
+    assert not compiled.runner.graphs.warm and compiled.runner.graphs.ready == set()
+
+
 def test_lathe_serve_compiles_decode_steps_unless_told_otherwise(checkpoint, monkeypatch):
     """Compiled by default, LoRA adapters too; --enforce-eager turns it off. Inductor's code
     is cached beside lathe's graphs."""
