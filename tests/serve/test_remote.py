@@ -71,12 +71,16 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 def test_a_busy_server_is_retried_and_gives_the_same_tokens(checkpoint):
     prompt = [5, 6, 7, 8]
+    # an engine of its own: the served one is stepped by the server's core thread, which
+    # would take some of the steps (and their tokens) of a generate() called beside it
+    offline = LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=64))
+    (want,) = offline.generate([prompt], GREEDY)
     with failing_server(checkpoint, failures=2, status=503) as (url, app, engine):
         remote = RemoteEngine(url, engine.eos_token_ids, max_retries=3)
         (completion,) = remote.generate([prompt], GREEDY)
         assert app.completions == 3  # two 503s, then the answer
-        (offline,) = engine.generate([prompt], GREEDY)
-        assert completion.outputs[0].token_ids == offline.outputs[0].token_ids
+        assert completion.outputs[0].token_ids == want.outputs[0].token_ids
+        assert len(want.outputs[0].token_ids) == GREEDY.max_tokens
         remote.close()
 
 
