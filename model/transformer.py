@@ -507,9 +507,9 @@ class Decoder(nn.Module):
         # On the meta device (a checkpoint's load) nn.Embedding's own init would run a meta
         # `normal_`, whose kernel imports torch._dynamo (~1.5 s); elsewhere its draw stays,
         # so a seed initializes a new model as it always has
-        weight = torch.empty(config.vocab_size, config.dim)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim,
-                                         _weight=weight if weight.is_meta else None)
+        meta = torch.empty(0).is_meta
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim, _weight=torch.empty(
+            config.vocab_size, config.dim) if meta else None)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_unit_offset)
         self.rotary_emb = RotaryEmbedding(config)

@@ -252,9 +252,11 @@ def serve_engine(load: Callable[[], LLMEngine], loras: dict[str, Path],
         freeze_startup_heap()
         send(Deltas([], engine.stats()))  # /metrics has the engine's state from the start
         send(Ready(info))
-        core.run()
-        if engine.runner.graphs is not None:
-            engine.runner.graphs.stopping = True
+        try:
+            core.run()
+        finally:  # closed, or the front end gone: a background build still running ends quietly
+            if engine.runner.graphs is not None:
+                engine.runner.graphs.stopping = True
     except (BrokenPipeError, EOFError, OSError):  # the front end is gone: nobody to tell
         pass
     finally:
