@@ -25,7 +25,6 @@ import datetime
 import multiprocessing
 import platform
 import random
-import resource
 import tempfile
 import time
 from collections.abc import Callable
@@ -51,6 +50,7 @@ from lathe.posttrain.packing import best_fit_decreasing, collate_packed
 from lathe.posttrain.plan_bench import plan_rows
 from lathe.posttrain.sft import sft_loss
 from lathe.pretrain.bench import synchronize, training_bench_main
+from lathe.pretrain.runtime.monitor import PeakMemory
 
 
 @dataclass
@@ -147,18 +147,12 @@ def timed_steps(loss: Callable[[], Tensor], parameters: list[Tensor], device: to
     return seconds
 
 
-def peak_bytes(device: torch.device, start_rss: int) -> int:
-    """CUDA: the peak allocated; CPU: the process's peak RSS above `start_rss`."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - start_rss
-
-
 def vocab_step(mode: str, rows: int, seq_len: int, steps: int, warmup: int) -> dict[str, float]:
     """One mode's SFT steps (AdamW) on the VOCAB_MODEL, in a fresh process: peak memory over
     the process's before the model (CPU: RSS; CUDA: allocated) and tokens/s."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    memory = PeakMemory(device)
+    memory.start()
     torch.manual_seed(0)
     model = Transformer(ModelConfig.from_preset("nano", **VOCAB_MODEL)).to(device).train()
     model.chunked_head = mode != "whole logits"
@@ -171,7 +165,7 @@ def vocab_step(mode: str, rows: int, seq_len: int, steps: int, warmup: int) -> d
         return sft_loss(model, batch)[0]
 
     seconds = timed_steps(loss, list(model.parameters()), device, steps, warmup)
-    return {"peak_gib": peak_bytes(device, start) / 2**30,
+    return {"peak_gib": memory.peak() / 2**30,
             "tokens_per_s": rows * seq_len * steps / seconds}
 
 
@@ -205,7 +199,8 @@ def lora_step(implementation: str, preset: str, rows: int, seq_len: int, steps: 
     lathe or in transformers' Llama with peft's adapters, in a fresh process: peak memory
     over the process's before the model and tokens/s."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    memory = PeakMemory(device)
+    memory.start()
     config = ModelConfig.from_preset(preset, max_seq_len=seq_len)
     section = LoraSection(enabled=True)
     torch.manual_seed(0)
@@ -229,7 +224,7 @@ def lora_step(implementation: str, preset: str, rows: int, seq_len: int, steps: 
             return model(input_ids=ids, labels=ids).loss
     trainable = [p for p in model.parameters() if p.requires_grad]
     seconds = timed_steps(loss, trainable, device, steps, warmup)
-    return {"peak_gib": peak_bytes(device, start) / 2**30,
+    return {"peak_gib": memory.peak() / 2**30,
             "tokens_per_s": rows * seq_len * steps / seconds,
             "trainable_m": sum(p.numel() for p in trainable) / 1e6}
 

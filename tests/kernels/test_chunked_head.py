@@ -160,21 +160,22 @@ def test_a_near_certain_token_keeps_its_gradient_under_bf16():
 
 
 PEAK = """
-import json, resource, sys, torch, torch.nn.functional as F
+import json, sys, torch, torch.nn.functional as F
 from lathe.kernels.fused_ce import linear_cross_entropy
+from lathe.pretrain.runtime.monitor import PeakMemory
 torch.manual_seed(0)
 n, dim, vocab = 2048, 64, 65536
 hidden = torch.randn(n, dim, requires_grad=True)
 weight = (0.02 * torch.randn(vocab, dim)).requires_grad_()
 labels = torch.randint(0, vocab, (n,))
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+memory = PeakMemory(torch.device("cpu"))
+memory.start()
 if sys.argv[1] == "chunked":
     loss, _ = linear_cross_entropy(hidden, weight, labels)
 else:
     loss = F.cross_entropy(hidden @ weight.T, labels)
 loss.backward()
-grow = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
-print(json.dumps({"grow_mib": grow / 1024, "loss": loss.item()}))
+print(json.dumps({"grow_mib": memory.peak() / 2**20, "loss": loss.item()}))
 """
 
 
@@ -186,9 +187,12 @@ def peak(kind: str) -> dict:
 
 def test_a_step_does_not_hold_the_logits():
     """2,048 rows of a 65,536 vocabulary: 512 MiB of fp32 logits. The reference holds them
-    (and their gradient, when the allocator has not reused their pages: 587 to 1,100 MiB
-    seen); the chunked step holds one 64 MiB chunk beside the head's gradient (16 MiB)."""
+    and their log-softmax at once (1,024 MiB); the chunked step holds one 128 MiB chunk, its
+    working copy and the head's gradient (16 MiB): 272 to 287 MiB seen. Growth is measured
+    from the resident set with the peak reset (`PeakMemory`), not from the peak so far,
+    which importing torch can set high enough to hide a few hundred MiB (a CI run once saw
+    the reference grow 440 MiB)."""
     chunked, whole = peak("chunked"), peak("whole")
     assert chunked["loss"] == pytest.approx(whole["loss"], rel=1e-5)
-    assert whole["grow_mib"] > 500, whole
-    assert chunked["grow_mib"] < 200, chunked
+    assert whole["grow_mib"] > 900, whole
+    assert chunked["grow_mib"] < 400, chunked
