@@ -10,8 +10,9 @@
 
 Needs the `bench` extra for datatrove (`pip install -e .[bench]`); without it the
 datatrove column is skipped.
-Results are printed and appended to docs/benchmarks-history.md (docs/benchmarks.md holds
-the current figure of each area).
+Results are printed and appended to the history in `--out` (`lathe.core.bench_history`;
+`--out docs` from a checkout's root: the project's own). The recipes it cleans with are
+read from the checkout.
 """
 
 from __future__ import annotations

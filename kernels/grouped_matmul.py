@@ -2,7 +2,8 @@
 own expert's matrix, with no Python loop over experts on the hot path.
 
 Three ways, chosen per call: `torch._grouped_mm` (one grouped GEMM, on CPU and on CUDA
-from Hopper on; under torch.compile bf16 only, as its compiled form demands); where that
+from Hopper on; under torch.compile bf16 only, as its compiled form demands), where the
+kernel policy lets it run (`grouped_matmul` in `lathe.kernels.defaults`); where that
 does not take the inputs and the rows are few (decode steps), each row's expert matrix
 gathered and one batched matmul — no host sync, so compiled and CUDA-graph decode steps
 keep it; otherwise the per-expert loop, which is also the reference."""
@@ -14,6 +15,8 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
+
+from lathe.kernels.dispatch import DEVICES, kernel_enabled
 
 GATHER_BYTES = 64 * 2**20  # the gathered expert matrices a batched matmul may hold
 
@@ -27,8 +30,10 @@ def grouped_matmul_reference(x: Tensor, weights: Tensor, experts: Tensor) -> Ten
 
 
 def _takes(x: Tensor, weights: Tensor) -> bool:
-    """Whether `torch._grouped_mm` computes this case here."""
+    """Whether `torch._grouped_mm` computes this case here, and the policy lets it."""
     if not hasattr(torch, "_grouped_mm") or x.dtype != weights.dtype:
+        return False
+    if x.device.type not in DEVICES or not kernel_enabled("grouped_matmul", x.device.type):
         return False
     if x.device.type == "cuda":
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9

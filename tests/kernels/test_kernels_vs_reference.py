@@ -135,6 +135,9 @@ def test_the_defaults_table_names_its_measurements_and_is_read_once_per_build(mo
     for (name, device), entry in DEFAULTS.items():
         assert name in dispatch.KERNELS and device in dispatch.DEVICES
         assert entry.figure and entry.command.startswith(("python -m", "Int8Linear"))
+        if entry.measured.startswith("not yet: "):  # on unmeasured, and saying why
+            assert (name, device, entry.on) == ("grouped_matmul", "cuda", True)
+            continue
         assert entry.measured[:10].count("-") == 2 and any(
             device in entry.measured for device in ("H100", "H200", "torch 2.13.0+cpu"))
     resolved = []

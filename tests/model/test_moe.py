@@ -92,6 +92,35 @@ def test_grouped_experts_equal_the_loop_forward_and_backward(dtype, gather_bytes
         torch.testing.assert_close(a, b, atol=tolerance, rtol=tolerance)
 
 
+def test_the_kernel_policy_decides_whether_the_grouped_gemm_runs(monkeypatch):
+    """`grouped_matmul` asks the kernel policy before `torch._grouped_mm`: with the kernel
+    off (`kernels_off`, `LATHE_KERNELS_DISABLE=grouped_matmul`) the same rows take the loop
+    and give the same result."""
+    from lathe.kernels import grouped_matmul
+    from lathe.kernels.dispatch import configure, kernels_off
+    monkeypatch.setattr(grouped_matmul, "GATHER_BYTES", 0)
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    moe = experts_layer()
+    x = torch.randn(37, 128)
+    _, experts, weights = moe.route(x)
+    monkeypatch.delenv("LATHE_KERNELS", raising=False)
+    configure()
+    grouped = moe.experts(x, experts, weights)
+    assert len(calls) == 2  # gate-up and down projections
+    with kernels_off("grouped_matmul"):
+        looped = moe.experts(x, experts, weights)
+    monkeypatch.setenv("LATHE_KERNELS_DISABLE", "grouped_matmul")
+    configure()
+    disabled = moe.experts(x, experts, weights)
+    monkeypatch.delenv("LATHE_KERNELS_DISABLE")
+    configure()
+    assert len(calls) == 2
+    torch.testing.assert_close(looped, grouped, atol=1e-5, rtol=1e-5)
+    assert torch.equal(looped, disabled)
+
+
 def test_under_compile_the_expert_loop_breaks_the_graph_alone_and_equals_eager(monkeypatch):
     """Where neither the grouped GEMM nor the gathered matmul takes the rows (fp64, many
     rows), a compiled MoE layer leaves each expert loop to eager: its only graph breaks are
