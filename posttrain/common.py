@@ -319,13 +319,22 @@ def percent(accuracy: float) -> str:
 
 
 def stop_reached(runtime: Runtime, task_eval: TaskEvalConfig, accuracy: float) -> bool:
-    """Whether held-out accuracy has reached `task_eval.stop_at` (said once, on rank 0).
-    Every rank decides alike: `evaluate_task` reduces the accuracy over ranks."""
-    if task_eval.stop_at is None or not accuracy >= task_eval.stop_at:
+    """Whether to stop now: held-out accuracy has reached `task_eval.stop_at` (said once,
+    on rank 0). With `cooldown_steps` the first time begins the runtime's cooldown instead,
+    and the loop ends where it does. Every rank decides alike: `evaluate_task` reduces the
+    accuracy over ranks."""
+    if (task_eval.stop_at is None or runtime.cooldown is not None
+            or not accuracy >= task_eval.stop_at):
         return False
-    runtime.print(f"step {runtime.step}: held-out {task_eval.task} accuracy {accuracy:.1%} "
-                  f"reached task_eval.stop_at={task_eval.stop_at:g}; stopping before "
-                  f"max_steps={runtime.total_steps}")
+    reached = (f"step {runtime.step}: held-out {task_eval.task} accuracy {accuracy:.1%} "
+               f"reached task_eval.stop_at={task_eval.stop_at:g}")
+    if task_eval.cooldown_steps and runtime.step < runtime.total_steps:
+        runtime.begin_cooldown(task_eval.cooldown_steps)
+        runtime.print(f"{reached}; the learning rate falls to the schedule's floor over "
+                      f"{runtime.total_steps - runtime.step} steps (task_eval.cooldown_steps), "
+                      f"then the run stops at step {runtime.total_steps}")
+        return False
+    runtime.print(f"{reached}; stopping before max_steps={runtime.total_steps}")
     return True
 
 

@@ -31,6 +31,10 @@ class TaskEvalConfig:
     # stop training once held-out accuracy reaches this (Lightning's stopping_threshold),
     # e.g. to hand a partly-trained SFT model to RL; checked at every evaluation
     stop_at: float | None = None
+    # on reaching stop_at, train this many steps more with the learning rate falling
+    # linearly to schedule.min_lr_ratio (WSD's decay, begun by the metric), then stop: a
+    # model caught mid-climb settles before it is handed on; 0 stops at once
+    cooldown_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.examples is not None and self.examples < 0:
@@ -39,6 +43,9 @@ class TaskEvalConfig:
         if self.stop_at is not None and not 0 < self.stop_at <= 1:
             raise ConfigError(f"task_eval.stop_at={self.stop_at}: an accuracy in (0, 1], "
                               "or null to train for max_steps")
+        if self.cooldown_steps < 0:
+            raise ConfigError(f"task_eval.cooldown_steps={self.cooldown_steps}: a number of "
+                              "steps after stop_at is reached, or 0 to stop at once")
 
 
 @dataclass

@@ -7,13 +7,22 @@ import math
 from lathe.pretrain.runtime.config import ScheduleConfig
 
 
-def lr_factor(step: int, total_steps: int, config: ScheduleConfig) -> float:
+def lr_factor(step: int, total_steps: int, config: ScheduleConfig,
+              cooldown: tuple[int, int] | None = None) -> float:
     """Multiplier of the peak LR for optimizer step `step` (0-based) of `total_steps`.
 
     Warmup rises linearly to 1 over `warmup_steps` (first step at 1/warmup). Cosine then
     falls to `min_lr_ratio` at the last step; WSD holds 1 until the final `decay_fraction`
-    of the run, then falls linearly to `min_lr_ratio`; constant stays at 1.
+    of the run, then falls linearly to `min_lr_ratio`; constant stays at 1. A `cooldown`
+    (start, end), begun when a held-out metric asked to stop, replaces the rest: from step
+    `start` the factor falls linearly from its value there to `min_lr_ratio` at `end` —
+    WSD's decay, started by the metric instead of the step count.
     """
+    if cooldown is not None and step >= cooldown[0]:
+        start, end = cooldown
+        begin = lr_factor(start, total_steps, config)
+        progress = min((step - start + 1) / max(end - start, 1), 1.0)
+        return begin - (begin - config.min_lr_ratio) * progress
     warmup = config.warmup_steps
     if step < warmup:
         return (step + 1) / warmup

@@ -134,7 +134,8 @@ class Runtime:
         self.model: nn.Module | None = None
         self.optimizers: list = []
         self.converters: dict = {}
-        self.total_steps = 0
+        self.total_steps = self.planned_steps = 0  # the run's end, and the schedule's
+        self.cooldown: tuple[int, int] | None = None  # (start, end) once begun
         self.step = 0
         self.tokens_seen = 0
         self._progress: Any = None  # the rank-0 progress bar
@@ -157,7 +158,7 @@ class Runtime:
                 shape: StepShape | None = None) -> None:
         """Print the memory plan of a micro-batch of `shape` (a stage's), convert, build
         optimizers, wrap for the launch's parallelism, start throughput."""
-        self.total_steps = total_steps
+        self.total_steps = self.planned_steps = total_steps
         if self.is_main and shape is not None:
             self._print_plan(model, shape)
         self.converters = apply_converters(model, self.config.precision, self.device)
@@ -294,6 +295,8 @@ class Runtime:
         if path is not None:
             restored = training_state.load_state(self.accelerator, path)
             self.step, self.tokens_seen = restored["step"], restored["tokens_seen"]
+            if restored.get("cooldown") is not None:
+                self._set_cooldown(*restored["cooldown"])
         self.metrics.truncate_after(self.step)  # a fresh start keeps no earlier run's records
         if self.config.logging.report_to == "wandb":
             logging = self.config.logging
@@ -343,7 +346,8 @@ class Runtime:
         units, tokens, flops = self.accelerator.reduce(local.to(self.device),
                                                        reduction="sum").tolist()
         units = max(units, 1e-12)  # a step with nothing to learn from has zero gradient
-        lr = self.config.optim.lr * lr_factor(self.step, self.total_steps, self.config.schedule)
+        lr = self.config.optim.lr * lr_factor(self.step, self.planned_steps,
+                                              self.config.schedule, self.cooldown)
         for optimizer in self.optimizers:
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -421,11 +425,25 @@ class Runtime:
 
     # -- state and export ----------------------------------------------------------------
 
+    def begin_cooldown(self, steps: int) -> None:
+        """Train `steps` more (no further than the planned end) with the learning rate
+        falling linearly to the schedule's floor, then end: the run's last step moves there.
+        Every rank calls it alike (on a metric reduced over ranks); a resume restores it."""
+        self._set_cooldown(self.step, min(self.step + steps, self.total_steps))
+
+    def _set_cooldown(self, start: int, end: int) -> None:
+        self.cooldown = (start, end)
+        self.total_steps = end
+        if self._progress is not None:
+            self._progress.total = end
+            self._progress.refresh()
+
     def save(self, extra: dict[str, Any]) -> Path:
         """Save the full training state at the current step (collective)."""
         return training_state.save_state(
             self.accelerator, self.out_dir, self.step,
-            {"tokens_seen": self.tokens_seen, "world_size": self.world_size, **extra},
+            {"tokens_seen": self.tokens_seen, "world_size": self.world_size,
+             "cooldown": self.cooldown, **extra},
             keep_last=self.config.checkpoint.keep_last)
 
     def should(self, every: int) -> bool:

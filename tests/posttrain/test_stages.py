@@ -70,6 +70,45 @@ def test_sft_stops_once_heldout_accuracy_reaches_stop_at(base, tmp_path, capsys)
     assert "task_eval.stop_at=1.5: an accuracy in (0, 1]" in capsys.readouterr().err
 
 
+def test_sft_cools_down_after_stop_at_and_resumes_inside_the_cooldown(base, tmp_path):
+    """With cooldown_steps, reaching stop_at starts a linear fall of the rate to the floor
+    over that many steps, and the run ends after them; a run killed inside the cooldown
+    and resumed ends at the same step with the same rates and the same weights."""
+    chats, prompts = tmp_path / "chats.jsonl", tmp_path / "prompts.jsonl"
+    chat = {"messages": [{"role": "user", "content": "What is 2 + 2?"},
+                         {"role": "assistant", "content": "4"}]}
+    chats.write_text((json.dumps(chat) + "\n") * 4)
+    prompts.write_text(json.dumps({"prompt": "What is 2 + 2?", "reference": "4"}) + "\n")
+    settings = {"max_steps": 400, "micro_batch_size": 4, "optim.lr": 3e-3, "eval.every": 5,
+                "data.train": chats, "data.eval": chats, "task_eval.prompts": prompts,
+                "task_eval.stop_at": 1.0, "task_eval.cooldown_steps": 6,
+                "schedule.kind": "constant", "schedule.min_lr_ratio": 0.1}
+    command = [sys.executable, "-m", "lathe.posttrain.sft"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    processes.run([*command, *quick(whole, base, **settings)], timeout=300, cwd=ROOT)
+    result = summary(whole)
+    reached = 5 * result["accuracy"].index(1.0)
+    assert 0 < reached and result["steps"] == reached + 6 < 400
+    rates = {r["step"]: r["lr"] for r in map(json.loads, (whole / "metrics.jsonl").open())
+             if "lr" in r}
+    assert rates[reached] == pytest.approx(3e-3)
+    assert [rates[reached + k] for k in range(1, 7)] == pytest.approx(
+        [3e-3 * (1 - 0.9 * k / 6) for k in range(1, 7)])
+    assert result["accuracy"][-1] == 1.0  # the evaluation at its end is recorded
+    saving = quick(killed, base, **settings, **{"checkpoint.every": reached + 2})
+    kill = dict(os.environ, LATHE_FAILPOINT=f"step@{reached + 4}")  # saved 2 steps in
+    failed = processes.run([*command, *saving], timeout=300, cwd=ROOT, check=False, env=kill)
+    assert failed.returncode != 0
+    processes.run([*command, *saving, "--resume", "auto"], timeout=300, cwd=ROOT)
+    assert summary(killed)["steps"] == result["steps"]
+    resumed = {r["step"]: r["lr"] for r in map(json.loads, (killed / "metrics.jsonl").open())
+               if "lr" in r}
+    assert resumed == pytest.approx(rates)
+    torch.testing.assert_close(load_checkpoint(killed / "final").state_dict(),
+                               load_checkpoint(whole / "final").state_dict(), atol=1e-6,
+                               rtol=1e-6)
+
+
 def test_the_held_out_task_is_off_on_your_own_data_and_when_examples_is_0(base, tmp_path,
                                                                           capsys):
     """A model fine-tuned on a user's chats is not scored on lathe's arithmetic unless asked:

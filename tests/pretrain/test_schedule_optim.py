@@ -30,6 +30,18 @@ def test_wsd_is_flat_then_decays_linearly_over_the_last_fraction():
     assert lr_factor(5, 20, ScheduleConfig(kind="constant", warmup_steps=0)) == 1.0
 
 
+def test_a_cooldown_falls_linearly_from_where_it_begins_to_the_floor():
+    """Begun at step 8 of a 20-step cosine, the factor leaves the cosine there and falls
+    linearly to min_lr_ratio at the cooldown's last step; before it, the schedule is
+    unchanged."""
+    config = ScheduleConfig(kind="cosine", warmup_steps=2, min_lr_ratio=0.1)
+    begin = lr_factor(8, 20, config)
+    factors = [lr_factor(s, 20, config, cooldown=(8, 12)) for s in range(12)]
+    assert factors[:8] == [lr_factor(s, 20, config) for s in range(8)]
+    assert factors[8:] == pytest.approx([begin - (begin - 0.1) * k / 4 for k in (1, 2, 3, 4)])
+    assert factors[-1] == pytest.approx(0.1) and 0.1 < begin < 1
+
+
 def test_weight_decay_only_on_matrices():
     model = tiny_model()
     decay, no_decay = param_groups(model, 0.1)
