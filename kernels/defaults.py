@@ -7,7 +7,7 @@ as the best of what it replaces there — eager PyTorch and torch.compile — in
 is used for (forward + backward for a training op, forward for an inference op). A tie
 that is not a win stays off; a case never measured stays off, with one exception, whose
 entry says so: torch's own grouped GEMM for mixtures of experts on CUDA, where what it
-replaces waits on the host once per expert. On CUDA the kernels are
+replaces waits on the host once a layer and runs a GEMM per expert. On CUDA the kernels are
 Triton's; on CPU they are lathe's native C++ ops (`cpu_native`) or, for the quantized
 GEMMs, torch's own int8/int4 GEMMs, which take the place of dequantize-then-matmul.
 Update an entry only from a new run of its command, and say what it measured.

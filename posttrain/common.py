@@ -321,9 +321,10 @@ def percent(accuracy: float) -> str:
 def stop_reached(runtime: Runtime, task_eval: TaskEvalConfig, accuracy: float) -> bool:
     """Whether to stop now: held-out accuracy has reached `task_eval.stop_at` (said once,
     on rank 0). With `cooldown_steps` the first time begins the runtime's cooldown instead,
-    and the loop ends where it does. Every rank decides alike: `evaluate_task` reduces the
-    accuracy over ranks."""
-    if (task_eval.stop_at is None or runtime.cooldown is not None
+    and the loop ends where it does. The evaluation before the first step is the baseline
+    and does neither. Every rank decides alike: `evaluate_task` reduces the accuracy over
+    ranks."""
+    if (task_eval.stop_at is None or runtime.step == 0 or runtime.cooldown is not None
             or not accuracy >= task_eval.stop_at):
         return False
     reached = (f"step {runtime.step}: held-out {task_eval.task} accuracy {accuracy:.1%} "

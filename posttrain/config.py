@@ -46,6 +46,9 @@ class TaskEvalConfig:
         if self.cooldown_steps < 0:
             raise ConfigError(f"task_eval.cooldown_steps={self.cooldown_steps}: a number of "
                               "steps after stop_at is reached, or 0 to stop at once")
+        if self.cooldown_steps and self.stop_at is None:
+            raise ConfigError(f"task_eval.cooldown_steps={self.cooldown_steps} begins when "
+                              "task_eval.stop_at is reached; set stop_at, or cooldown_steps 0")
 
 
 @dataclass

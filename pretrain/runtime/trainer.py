@@ -429,9 +429,10 @@ class Runtime:
         """Train `steps` more (no further than the planned end) with the learning rate
         falling linearly to the schedule's floor, then end: the run's last step moves there.
         Every rank calls it alike (on a metric reduced over ranks); a resume restores it."""
-        self._set_cooldown(self.step, min(self.step + steps, self.total_steps))
+        self._set_cooldown(self.step, self.step + steps)
 
     def _set_cooldown(self, start: int, end: int) -> None:
+        end = min(end, self.total_steps)  # a resume may plan fewer steps
         self.cooldown = (start, end)
         self.total_steps = end
         if self._progress is not None:
