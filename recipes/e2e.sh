@@ -28,15 +28,15 @@ echo "== generate: reload the exported base checkpoint and continue a prompt"
 lathe generate "$OUT/pretrain/final" --prompt "def main(" --max-new-tokens 32
 
 echo "== sft: the chat format on two- and three-digit arithmetic chats, assistant tokens"
-echo "   only, until three-digit accuracy passes 60% -> $OUT/sft"
+echo "   only, until three-digit accuracy passes 60%, then 200 steps of decaying rate -> $OUT/sft"
 lathe sft --config recipes/sft/e2e.yaml --out_dir "$OUT/sft" --model "$OUT/pretrain/final" \
     "${seed[@]}"
 
 echo "== dpo: right three-digit results preferred over near misses -> $OUT/dpo"
 lathe dpo --config recipes/dpo/e2e.yaml --out_dir "$OUT/dpo" --model "$OUT/sft/final" "${seed[@]}"
 
-echo "== grpo: exact-answer reward on 8 sampled completions per three-digit prompt,"
-echo "   weighted toward three digits by three -> $OUT/grpo"
+echo "== grpo: exact-answer reward on 8 sampled completions per three-digit prompt"
+echo "   -> $OUT/grpo"
 lathe grpo --config recipes/grpo/e2e.yaml --out_dir "$OUT/grpo" --model "$OUT/dpo/final" \
     "${seed[@]}"
 
