@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The end-to-end run on the embedded default corpus (Python's standard library): every
 # stage that exists so far, in order. Outputs go to runs/e2e/ (override with OUT=...);
-# a rerun starts from scratch. SEED=N seeds every training stage with N instead of the
-# recipes' own seeds (how docs/readme-run-quality.md measures the run's spread).
+# a rerun starts from scratch. Each stage's header says how many seconds the run had taken
+# when it began. SEED=N seeds every training stage with N instead of the recipes' own
+# seeds (how docs/readme-run-quality.md measures the run's spread).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH"
@@ -10,57 +11,57 @@ OUT=${OUT:-runs/e2e}
 seed=(${SEED:+"--seed=$SEED"})
 rm -rf "$OUT"
 
-echo "== clean: stdlib .py files and pydoc pages -> $OUT/clean"
+echo "== [${SECONDS} s] clean: stdlib .py files and pydoc pages -> $OUT/clean"
 lathe clean --recipe recipes/data/stdlib.yaml --input stdlib --output "$OUT/clean"
 
-echo "== tokenizer: byte-level BPE on the cleaned text -> $OUT/tokenizer"
+echo "== [${SECONDS} s] tokenizer: byte-level BPE on the cleaned text -> $OUT/tokenizer"
 lathe tokenizer train --input "$OUT/clean" --vocab-size 4096 --max-digits 1 \
     --output "$OUT/tokenizer"
 
-echo "== shards: tokenize into train/val token shards -> $OUT/shards"
+echo "== [${SECONDS} s] shards: tokenize into train/val token shards -> $OUT/shards"
 lathe shards --input "$OUT/clean" --tokenizer "$OUT/tokenizer" --output "$OUT/shards"
 
-echo "== pretrain: the tiny preset on the shards (about 8 minutes on 2 cores) -> $OUT/pretrain"
+echo "== [${SECONDS} s] pretrain: the tiny preset on the shards (about 8 minutes on 2 cores) -> $OUT/pretrain"
 lathe pretrain --config recipes/pretrain/e2e.yaml --out_dir "$OUT/pretrain" \
     --data.shards "$OUT/shards" --data.tokenizer "$OUT/tokenizer" "${seed[@]}"
 
-echo "== generate: reload the exported base checkpoint and continue a prompt"
+echo "== [${SECONDS} s] generate: reload the exported base checkpoint and continue a prompt"
 lathe generate "$OUT/pretrain/final" --prompt "def main(" --max-new-tokens 32
 
-echo "== sft: the chat format on two- and three-digit arithmetic chats, assistant tokens"
+echo "== [${SECONDS} s] sft: the chat format on two- and three-digit arithmetic chats, assistant tokens"
 echo "   only, until three-digit accuracy passes 60%, then 200 steps of decaying rate -> $OUT/sft"
 lathe sft --config recipes/sft/e2e.yaml --out_dir "$OUT/sft" --model "$OUT/pretrain/final" \
     "${seed[@]}"
 
-echo "== dpo: right three-digit results preferred over near misses -> $OUT/dpo"
+echo "== [${SECONDS} s] dpo: right three-digit results preferred over near misses -> $OUT/dpo"
 lathe dpo --config recipes/dpo/e2e.yaml --out_dir "$OUT/dpo" --model "$OUT/sft/final" "${seed[@]}"
 
-echo "== grpo: exact-answer reward on 8 sampled completions per three-digit prompt"
+echo "== [${SECONDS} s] grpo: exact-answer reward on 8 sampled completions per three-digit prompt"
 echo "   -> $OUT/grpo"
 lathe grpo --config recipes/grpo/e2e.yaml --out_dir "$OUT/grpo" --model "$OUT/dpo/final" \
     "${seed[@]}"
 
-echo "== distill: a student of one in two of the chat model's layers (0 and 2, as DistilBERT"
+echo "== [${SECONDS} s] distill: a student of one in two of the chat model's layers (0 and 2, as DistilBERT"
 echo "   takes them) learns its distributions -> $OUT/distill"
 lathe init --from-teacher "$OUT/grpo/final" --keep-layers 0,2 --out "$OUT/student"
 lathe distill --config recipes/distill/e2e.yaml --out_dir "$OUT/distill" \
     --model "$OUT/student" --teacher "$OUT/grpo/final" "${seed[@]}"
 
-echo "== tools: the chat model learns to call the calculator (SFT on calculator chats),"
+echo "== [${SECONDS} s] tools: the chat model learns to call the calculator (SFT on calculator chats),"
 echo "   then GRPO with multi-turn tool rollouts -> $OUT/sft-tools, $OUT/grpo-tools"
 lathe sft --config recipes/sft/tools.yaml --out_dir "$OUT/sft-tools" --model "$OUT/grpo/final" \
     "${seed[@]}"
 lathe grpo --config recipes/grpo/tools.yaml --out_dir "$OUT/grpo-tools" \
     --model "$OUT/sft-tools/final" "${seed[@]}"
 
-echo "== eval: lm-eval's harness on lathe's engine — the base, SFT and GRPO models on the"
+echo "== [${SECONDS} s] eval: lm-eval's harness on lathe's engine — the base, SFT and GRPO models on the"
 echo "   held-out three-digit problems (recipes/eval) -> $OUT/<stage>/eval.json"
 for stage in pretrain sft grpo; do
     lathe eval "$OUT/$stage/final" --tasks lathe_arithmetic3 --include-path recipes/eval \
         --apply-chat-template --output "$OUT/$stage/eval.json"
 done
 
-echo "== report: each stage's metric, curves and samples -> $OUT/report.md"
+echo "== [${SECONDS} s] report: each stage's metric, curves and samples -> $OUT/report.md"
 lathe report "$OUT"
 
 PORT=${PORT:-8765}
@@ -82,7 +83,7 @@ else:
 PY
 }
 
-echo "== serve: the chat model behind the OpenAI-compatible API, its student drafting"
+echo "== [${SECONDS} s] serve: the chat model behind the OpenAI-compatible API, its student drafting"
 echo "   speculative tokens, one chat request, then stop"
 lathe serve "$OUT/grpo/final" --draft "$OUT/distill/final" --num-speculative-tokens 3 \
     --port "$PORT" --log-level warning > "$OUT/serve.log" 2>&1 &
@@ -96,7 +97,7 @@ print(*(line for line in text.splitlines() if line.startswith("lathe:spec_decode
 PY
 kill "$SERVER" && wait "$SERVER" 2>/dev/null || true
 
-echo "== serve the tool model: one question through the OpenAI tool-calling API; the model"
+echo "== [${SECONDS} s] serve the tool model: one question through the OpenAI tool-calling API; the model"
 echo "   calls the calculator, lathe chat runs it and sends the result back, the model answers"
 lathe serve "$OUT/grpo-tools/final" --tool-call-parser hermes --port "$PORT" \
     --log-level warning > "$OUT/serve-tools.log" 2>&1 &
@@ -105,4 +106,4 @@ wait_healthy
 lathe chat "http://127.0.0.1:$PORT" --tool calculator --prompt "What is 382 + 247?" \
     --max-tokens 80 --temperature 0
 kill "$SERVER" && wait "$SERVER" 2>/dev/null || true
-echo "== done: $OUT/grpo/final and $OUT/grpo-tools/final served; server logs in $OUT/serve*.log"
+echo "== done in ${SECONDS} s: $OUT/grpo/final and $OUT/grpo-tools/final served; server logs in $OUT/serve*.log"
