@@ -36,8 +36,8 @@ lathe sft --config recipes/sft/e2e.yaml --out_dir "$OUT/sft" --model "$OUT/pretr
 echo "== [${SECONDS} s] dpo: right three-digit results preferred over near misses -> $OUT/dpo"
 lathe dpo --config recipes/dpo/e2e.yaml --out_dir "$OUT/dpo" --model "$OUT/sft/final" "${seed[@]}"
 
-echo "== [${SECONDS} s] grpo: exact-answer reward on 8 sampled completions per three-digit prompt"
-echo "   -> $OUT/grpo"
+echo "== [${SECONDS} s] grpo: exact-answer reward on 8 sampled completions per three-digit"
+echo "   prompt -> $OUT/grpo"
 lathe grpo --config recipes/grpo/e2e.yaml --out_dir "$OUT/grpo" --model "$OUT/dpo/final" \
     "${seed[@]}"
 

@@ -1,10 +1,10 @@
 """Addition and subtraction with verifiable answers: `arithmetic`, numbers up to two digits
 ("What is 47 + 85?" -> "132"); `arithmetic3`, up to three digits ("What is 604 - 87?" ->
 "517"); and `arithmetic3x3`, the slice of `arithmetic3` whose operands both have three digits
-("What is 604 - 387?" -> "217"), its hardest problems, which GRPO has room to improve on once
-the rest saturate. `arithmetic3_tool` and `arithmetic3x3_tool` are the same problems (and
-splits) answered through the calculator tool: the assistant calls `calculator` with the
-question's expression, reads its result and answers with it.
+("What is 604 - 387?" -> "217"), its hardest problems, where a model that has not finished
+learning the carry fails most. `arithmetic3_tool` and `arithmetic3x3_tool` are the same
+problems (and splits) answered through the calculator tool: the assistant calls
+`calculator` with the question's expression, reads its result and answers with it.
 
 All 15,050 two-digit problems exist in a fixed shuffled order; the three-digit task is a
 fixed seeded sample of 60,000 of its ~1.5 million. About 10 % of each are held out by a
