@@ -29,7 +29,7 @@ echo "== [${SECONDS} s] generate: reload the exported base checkpoint and contin
 lathe generate "$OUT/pretrain/final" --prompt "def main(" --max-new-tokens 32
 
 echo "== [${SECONDS} s] sft: the chat format on two- and three-digit arithmetic chats, assistant tokens"
-echo "   only, until three-digit accuracy passes 60%, then 200 steps of decaying rate -> $OUT/sft"
+echo "   only, until three-digit accuracy passes 60%, then 1,000 steps of decaying rate -> $OUT/sft"
 lathe sft --config recipes/sft/e2e.yaml --out_dir "$OUT/sft" --model "$OUT/pretrain/final" \
     "${seed[@]}"
 
