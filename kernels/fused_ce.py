@@ -3,7 +3,9 @@
 A 150k–260k vocabulary makes the logits the largest tensor of a training step (8,192 tokens:
 5–8.6 GB in fp32, the same again for their gradient). Here the (N, D) final hidden states
 go through the (V, D) head a chunk of rows at a time (`chunk_rows`: at most 32M fp32 logits,
-128M on a GPU), and each chunk's logits are freed before the next is made:
+128M on a GPU), and each chunk's logits are freed before the next is made. The two
+label-driven paths take only the rows that have a label (`labelled_rows`), so a chat's
+prompt and padding never reach the head:
 
 - `linear_cross_entropy`: mean next-token loss (plus PaLM's z-loss, with a soft cap). The
   loss is a scalar, so each chunk's gradient (softmax − one-hot, written over the chunk's
@@ -65,6 +67,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor,
     whose label is not `ignore_index`, and the mean squared log-normalizer (z). The loss is
     cross-entropy + `z_loss` · z; logits are capped to softcap · tanh(logits / softcap)
     first when `softcap` is set. No rows labelled: 0."""
+    keep = labelled_rows(labels, ignore_index)
+    if keep is not None:
+        hidden, labels = hidden.index_select(0, keep), labels.index_select(0, keep)
     if not (softcap or z_loss) and use_triton("linear_cross_entropy", hidden):
         from lathe.kernels.fused_ce_triton import linear_cross_entropy_triton
         loss = linear_cross_entropy_triton(hidden, weight, labels, ignore_index)
@@ -83,9 +88,24 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor,
     (V, D) head, fp32; 0 where the label is `ignore_index`."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be positive")
-    return _TokenLogprobs.apply(hidden, weight, labels, ignore_index, softcap,
-                                float(temperature),
-                                chunk or chunk_rows(weight.shape[0], weight.device))
+    chunk = chunk or chunk_rows(weight.shape[0], weight.device)
+    keep = labelled_rows(labels, ignore_index)
+    if keep is None:
+        return _TokenLogprobs.apply(hidden, weight, labels, ignore_index, softcap,
+                                    float(temperature), chunk)
+    logps = _TokenLogprobs.apply(hidden.index_select(0, keep), weight,
+                                 labels.index_select(0, keep), ignore_index, softcap,
+                                 float(temperature), chunk)
+    return logps.new_zeros(labels.shape[0]).index_copy(0, keep, logps)
+
+
+def labelled_rows(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor | None:
+    """The indices of the rows that have a label, or None when all or none do. The losses
+    go through the head for these rows only: the rows a loss ignores (a chat's prompt and
+    padding; four rows in five in the README run's SFT, DPO and GRPO) would
+    cost a full head matmul each and add nothing. It costs one host sync (the count)."""
+    keep = (labels != ignore_index).nonzero()[:, 0]
+    return None if keep.numel() in (0, labels.numel()) else keep
 
 
 def linear_reduce(hidden: Tensor, weight: Tensor, row_function: RowFunction, *,

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lathe.kernels import fused_ce
 from lathe.kernels.fused_ce import (
     linear_cross_entropy,
     linear_reduce,
@@ -112,6 +113,35 @@ def test_a_row_reduction_and_its_gradient_equal_the_whole_logits():
     for a, b in zip(torch.autograd.grad(ours, [hidden, weight]),
                     torch.autograd.grad(ref, [hidden, weight]), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_only_labelled_rows_go_through_the_head(monkeypatch):
+    """A chat's prompt rows carry no label: the head's matmul sees the labelled rows alone
+    (28 of 37 here; four in five of the README SFT's rows are prompt), so an ignored row
+    costs nothing and even a non-finite one changes no loss or gradient."""
+    hidden, weight, labels = inputs()
+    with torch.no_grad():
+        hidden[0] = float("nan")  # labels[0] is -100
+    rows_seen = []
+    head_logits = fused_ce._logits
+
+    def counting(h, w, softcap, slope):
+        rows_seen.append(h.shape[0])
+        return head_logits(h, w, softcap, slope)
+
+    monkeypatch.setattr(fused_ce, "_logits", counting)
+    labelled = int((labels != -100).sum())
+    loss, _ = linear_cross_entropy(hidden, weight, labels, chunk=1000)
+    logps = linear_token_logprobs(hidden, weight, labels, chunk=1000)
+    assert rows_seen == [labelled, labelled]
+    assert torch.isfinite(loss) and torch.isfinite(logps).all()
+    grad = torch.autograd.grad(loss + logps.sum(), hidden)[0]
+    assert not grad[labels == -100].any() and grad[labels != -100].isfinite().all()
+    assert not logps[labels == -100].any()
+    clean = hidden.detach().clone()
+    clean[0] = 0
+    torch.testing.assert_close(loss, linear_cross_entropy(clean, weight, labels)[0],
+                               rtol=1e-12, atol=0)
 
 
 def test_bf16_inputs_and_bf16_autocast_round_the_head_as_the_reference_does():
