@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lathe.core.errors import ConfigError
-from lathe.kernels.fused_ce import linear_reduce
+from lathe.kernels.fused_ce import labelled_rows, linear_reduce
 from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.config import DistillConfig
 from lathe.pretrain.runtime.trainer import Runtime
@@ -50,15 +50,15 @@ def kd_loss(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor,
     return (per_token * mask).sum() / mask.sum().clamp(min=1)
 
 
-TeacherRows = Callable[[slice], Tensor]
+TeacherRows = Callable[[slice | Tensor], Tensor]
 
 
 def teacher_rows(runtime: Runtime, teacher: nn.Module, ids: Tensor,
                  documents: Tensor | None = None) -> TeacherRows:
-    """The teacher's logits for a slice of the batch's scored positions (position t of row
-    b is b·(T − 1) + t). Its forward runs now; the logits of each slice are made when asked
-    for, from the final hidden states — unless the teacher is sharded, whose head only its
-    forward can apply: then they are made whole, once."""
+    """The teacher's logits for a slice (or the indices) of the batch's scored positions
+    (position t of row b is b·(T − 1) + t). Its forward runs now; the logits of each slice
+    are made when asked for, from the final hidden states — unless the teacher is sharded,
+    whose head only its forward can apply: then they are made whole, once."""
     with torch.no_grad(), runtime.autocast():
         if not runtime.head_whole_in_forward:
             logits = teacher(ids, documents=documents).logits[:, :-1].flatten(0, 1)
@@ -66,7 +66,7 @@ def teacher_rows(runtime: Runtime, teacher: nn.Module, ids: Tensor,
         hidden = teacher(ids, documents=documents, head=False).hidden[:, :-1].flatten(0, 1)
     head = runtime.accelerator.unwrap_model(teacher)
 
-    def rows_logits(rows: slice) -> Tensor:
+    def rows_logits(rows: slice | Tensor) -> Tensor:
         with torch.no_grad(), runtime.autocast():
             return head.compute_logits(hidden[rows])
     return rows_logits
@@ -89,14 +89,22 @@ class DistillationLoss:
     parts: dict[str, Tensor] = dataclasses.field(default_factory=dict)
 
     def chunked(self, hidden: Tensor, weight: Tensor, softcap: float | None) -> Tensor:
-        return linear_reduce(hidden[:, :-1].flatten(0, 1), weight, self._rows(),
-                             softcap=softcap)
+        """Through the head for the labelled positions only (`labelled_rows`): a chat's
+        prompt is most of its rows and adds nothing to either term."""
+        scored, rows_loss = hidden[:, :-1].flatten(0, 1), self._rows()
+        keep = labelled_rows(self.labels[:, 1:].flatten())
+        if keep is None:
+            return linear_reduce(scored, weight, rows_loss, softcap=softcap)
+        return linear_reduce(scored.index_select(0, keep), weight,
+                             lambda logits, rows: rows_loss(logits, keep[rows]), softcap=softcap)
 
     def from_logits(self, logits: Tensor) -> Tensor:
         scored = logits[:, :-1].flatten(0, 1).float()
         return self._rows()(scored, slice(0, scored.shape[0])).sum()
 
-    def _rows(self) -> Callable[[Tensor, slice], Tensor]:
+    def _rows(self) -> Callable[[Tensor, slice | Tensor], Tensor]:
+        """The loss of a chunk's logits, for the scored positions `rows` (a slice of them,
+        or their indices)."""
         targets = self.labels[:, 1:].flatten()
         valid = targets != IGNORE_INDEX
         count = valid.sum().clamp(min=1)
@@ -105,7 +113,7 @@ class DistillationLoss:
         per_row = self.labels.shape[1] - 1
         self.parts = {}
 
-        def rows_loss(logits: Tensor, rows: slice) -> Tensor:
+        def rows_loss(logits: Tensor, rows: slice | Tensor) -> Tensor:
             mask, target = valid[rows], targets[rows].clamp(min=0)[:, None]
             ce = (torch.logsumexp(logits, -1) - logits.gather(1, target)[:, 0]) * mask
             kd = kd_per_token(logits, self.teacher(rows), c.loss, c.temperature,
@@ -114,7 +122,7 @@ class DistillationLoss:
             pg = torch.zeros_like(ce)
             if self.advantages is not None:
                 scaled = logits / c.temperature
-                position = torch.arange(rows.start, rows.stop, device=logits.device)
+                position = torch.arange(targets.shape[0], device=logits.device)[rows]
                 pg = (torch.logsumexp(scaled, -1) - scaled.gather(1, target)[:, 0]) * mask \
                     * self.advantages[position // per_row]
                 loss = loss + c.reward_weight * pg

@@ -176,6 +176,15 @@ def test_a_reward_mixes_reinforce_into_the_divergence():
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
     assert op.parts["pg"].item() == pytest.approx(
         ((advantages[:, None] * nll) * mask).sum().item() / mask.sum().item(), rel=1e-5)
+    # the chunked path takes the 5 labelled positions of 8 through the head, each with its
+    # own row's advantage: the same loss and gradient as the whole logits
+    hidden = torch.randn(2, 5, 4, generator=g, requires_grad=True)
+    weight = torch.randn(11, 4, generator=g)
+    chunked = op.chunked(hidden, weight, None)
+    whole = op.from_logits(hidden @ weight.T)
+    assert chunked.item() == pytest.approx(whole.item(), rel=1e-5)
+    torch.testing.assert_close(torch.autograd.grad(chunked, hidden)[0],
+                               torch.autograd.grad(whole, hidden)[0], rtol=1e-5, atol=1e-6)
     with pytest.raises(ConfigError, match="a reward mixes into mode=on_policy only"):
         DistillConfig(rewards=[RewardSpec("exact_number")], reward_weight=0.3)
     with pytest.raises(ConfigError, match="a reward mixes into mode=on_policy only"):
