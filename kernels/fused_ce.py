@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from lathe.kernels.dispatch import use_triton
 
@@ -103,7 +104,10 @@ def labelled_rows(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor | 
     """The indices of the rows that have a label, or None when all or none do. The losses
     go through the head for these rows only: the rows a loss ignores (a chat's prompt and
     padding; four rows in five in the README run's SFT, DPO and GRPO) would
-    cost a full head matmul each and add nothing. It costs one host sync (the count)."""
+    cost a full head matmul each and add nothing. It costs one host sync (the count). A
+    traced step (the memory plan's fake tensors, which have no values) keeps every row."""
+    if is_fake(labels):
+        return None
     keep = (labels != ignore_index).nonzero()[:, 0]
     return None if keep.numel() in (0, labels.numel()) else keep
 

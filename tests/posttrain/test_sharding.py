@@ -104,7 +104,8 @@ def test_grpo_with_a_sharded_reference_matches_one_process(recipe, base, tmp_pat
         assert sorted(b) == [1, 2, 3]
         assert max(abs(a[s] - b[s]) / max(1.0, abs(a[s])) for s in a) < 1e-5, (key, a, b)
     assert step_metrics(one, "kl")[3] > 0  # the policy moved away from the reference
-    assert len(set(step_metrics(one, "reward/mean").values())) == 3
+    # the steps drew different rollouts: the comparison above is not of three equal steps
+    assert len(set(step_metrics(one, "reward/mean").values())) > 1
 
 
 def test_dpo_under_zero3_bf16_starts_at_log_2(base, tmp_path):
