@@ -89,23 +89,21 @@ def linear_token_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor,
     (V, D) head, fp32; 0 where the label is `ignore_index`."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be positive")
-    chunk = chunk or chunk_rows(weight.shape[0], weight.device)
     keep = labelled_rows(labels, ignore_index)
-    if keep is None:
-        return _TokenLogprobs.apply(hidden, weight, labels, ignore_index, softcap,
-                                    float(temperature), chunk)
-    logps = _TokenLogprobs.apply(hidden.index_select(0, keep), weight,
-                                 labels.index_select(0, keep), ignore_index, softcap,
-                                 float(temperature), chunk)
-    return logps.new_zeros(labels.shape[0]).index_copy(0, keep, logps)
+    rows, row_labels = (hidden, labels) if keep is None else (
+        hidden.index_select(0, keep), labels.index_select(0, keep))
+    logps = _TokenLogprobs.apply(rows, weight, row_labels, ignore_index, softcap,
+                                 float(temperature),
+                                 chunk or chunk_rows(weight.shape[0], weight.device))
+    return logps if keep is None else logps.new_zeros(labels.shape[0]).index_copy(0, keep, logps)
 
 
 def labelled_rows(labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor | None:
     """The indices of the rows that have a label, or None when all or none do. The losses
-    go through the head for these rows only: the rows a loss ignores (a chat's prompt and
-    padding; four rows in five in the README run's SFT, DPO and GRPO) would
-    cost a full head matmul each and add nothing. It costs one host sync (the count). A
-    traced step (the memory plan's fake tensors, which have no values) keeps every row."""
+    put only these rows through the head: the rows a loss ignores (a chat's prompt and
+    padding, four rows in five in the README run's SFT, DPO and GRPO) would cost a head
+    matmul each and add nothing. It costs one host sync (the count). A traced step (the
+    memory plan's fake tensors, which have no values) keeps every row."""
     if is_fake(labels):
         return None
     keep = (labels != ignore_index).nonzero()[:, 0]

@@ -164,12 +164,11 @@ def sampling_probs(logits: Tensor, batch: SamplingBatch, rows: Tensor) -> Tensor
 
 def exponential_race(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
     """One draw per row of (R, vocab) probabilities (unnormalized is fine): argmax(p / q),
-    q ~ Exp(1), each row's q from its own generator when it has one. q is drawn as -log(u),
-    u ~ U[0, 1): on a CPU torch's `exponential_` takes 3-4x as long, which a GRPO step's
-    64 rows over the vocabulary, every token, notice."""
+    q ~ Exp(1), each row's q from its own generator when it has one. q is drawn as −log(u),
+    u ~ U[0, 1): torch's `exponential_` takes 3–4× as long on a CPU, and a GRPO step draws
+    over its rows × the vocabulary for every token."""
     uniform = torch.empty_like(probs)
-    unseeded = [j for j, generator in enumerate(generators) if generator is None]
-    if len(unseeded) == len(generators):
+    if all(generator is None for generator in generators):
         uniform.uniform_()
     else:
         for j, generator in enumerate(generators):
