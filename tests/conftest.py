@@ -15,9 +15,14 @@ import torch  # noqa: E402
 from tests.builders import reset_accelerate  # noqa: E402
 
 # Two intra-op threads, split among the workers: two workers each spinning two OpenMP threads
-# on two cores slowed some tests sixfold. Tests of threaded paths set their own count.
+# on two cores slowed some tests sixfold. The processes a test starts inherit the worker's
+# share through OMP_NUM_THREADS (a one-process run would otherwise take both cores beside the
+# other worker; torchrun's ranks already take one each). Tests of threaded paths set their
+# own count.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // WORKERS))
+THREADS = max(1, min(2, os.cpu_count() or 1) // WORKERS)
+os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+torch.set_num_threads(THREADS)
 
 
 @pytest.fixture(scope="session", autouse=True)

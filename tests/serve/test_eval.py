@@ -13,7 +13,7 @@ import pytest
 
 from lathe.core.cli import run_command
 from lathe.serve.engine import LLMEngine
-from lathe.serve.evaluate import LatheLM, special_ids
+from lathe.serve.evaluate import LatheLM, special_ids, task_manager
 from tests.serve.test_lm_eval import write_task
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -59,9 +59,8 @@ metric_list:
 
 
 def responses(model, folder, task: str, chat: bool = False) -> list:
-    from lm_eval.tasks import TaskManager
     result = lm_eval.simple_evaluate(model=model, tasks=[task], log_samples=True,
-                                     task_manager=TaskManager(include_path=str(folder)),
+                                     task_manager=task_manager(folder, [task]),
                                      batch_size=1, apply_chat_template=chat)
     return [s["resps"] for s in sorted(result["samples"][task], key=lambda s: s["doc_id"])]
 
@@ -123,8 +122,6 @@ def test_the_shipped_arithmetic_task_scores_as_lathes_own_evaluation(checkpoint,
     task:arithmetic3, each generation the engine's greedy reply to the question rendered
     through the chat template (lathe's own held-out evaluation's), scored by its last
     integer."""
-    from lm_eval.tasks import TaskManager
-
     from lathe.data.chat_encoding import chat_encoder
     from lathe.data.tasks import task_examples
     from lathe.serve.sampling_params import SamplingParams
@@ -138,7 +135,8 @@ def test_the_shipped_arithmetic_task_scores_as_lathes_own_evaluation(checkpoint,
     encoder = chat_encoder(checkpoint)
     result = lm_eval.simple_evaluate(
         model=LatheLM(engine, *special_ids(checkpoint, engine), encoder),
-        tasks=["lathe_arithmetic3"], task_manager=TaskManager(include_path="recipes/eval"),
+        tasks=["lathe_arithmetic3"],
+        task_manager=task_manager(Path("recipes/eval"), ["lathe_arithmetic3"]),
         apply_chat_template=True, log_samples=True, limit=20)
     samples = sorted(result["samples"]["lathe_arithmetic3"], key=lambda s: s["doc_id"])
     prompts = [encoder.prompt([{"role": "user", "content": row["question"]}])
@@ -152,7 +150,6 @@ def test_the_shipped_arithmetic_task_scores_as_lathes_own_evaluation(checkpoint,
 def test_the_task_index_is_the_include_paths_alone_when_it_defines_every_task(tmp_path):
     """lm-eval's own ~14,000 task files are indexed (~11 s) only when a task asked for is
     not in `--include-path`, and then its tasks are still found."""
-    from lathe.serve.evaluate import task_manager
     choice, ppl, _ = write_tasks(tmp_path)
     local = task_manager(tmp_path, [choice, ppl])
     assert sorted(local.all_tasks) == sorted([choice, "lathe_gen", ppl])

@@ -44,9 +44,9 @@ metric_list:
 
 
 def scores(model: str, model_args: str, folder, task: str) -> list:
-    from lm_eval.tasks import TaskManager
+    from lathe.serve.evaluate import task_manager
     result = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[task],
-                                     task_manager=TaskManager(include_path=str(folder)),
+                                     task_manager=task_manager(folder, [task]),
                                      log_samples=True, batch_size=1)
     samples = sorted(result["samples"][task], key=lambda s: s["doc_id"])
     return [s["filtered_resps"] for s in samples]
