@@ -23,7 +23,11 @@ from pathlib import Path
 def _known() -> dict[str, tuple[str, str]]:
     """Each known template's normalized text -> (its name, its training version). TRL's
     folder is found without importing trl, whose import (~1 s) every chat stage would pay."""
-    folder = Path(find_spec("trl").submodule_search_locations[0]) / "chat_templates"
+    spec = find_spec("trl")
+    if spec is None:
+        raise ModuleNotFoundError("trl is not installed: lathe reads the training versions of "
+                                  "the families' chat templates from it; pip install 'trl>=1.16'")
+    folder = Path(spec.submodule_search_locations[0]) / "chat_templates"
     known = {}
     for entry in folder.iterdir():
         name = entry.name.removesuffix(".jinja")

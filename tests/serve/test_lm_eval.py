@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from lathe.serve.evaluate import task_manager
 from tests.serve.conftest import start_server, wait_healthy
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -44,7 +45,6 @@ metric_list:
 
 
 def scores(model: str, model_args: str, folder, task: str) -> list:
-    from lathe.serve.evaluate import task_manager
     result = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[task],
                                      task_manager=task_manager(folder, [task]),
                                      log_samples=True, batch_size=1)
