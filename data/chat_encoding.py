@@ -191,7 +191,8 @@ class ChatEncoder:
             if message["role"] != "assistant":
                 continue
             before = self.render(messages[:i], tools) if i else ""
-            through = self._through(messages[:i + 1], tools)
+            through = self._through(messages[:i + 1], tools,
+                                    full if i == len(messages) - 1 else None)
             if through.startswith(before) and full.startswith(through):
                 span = (len(before), len(before) + len(through[len(before):].rstrip()))
             elif not (span := self._located_span(messages, i, tools, full, before)):
@@ -331,11 +332,13 @@ class ChatEncoder:
                             add_generation_prompt=False)
         return self._ending(probe[len(closed):]) or "" if probe.startswith(closed) else ""
 
-    def _through(self, messages: list[Message], tools: Tools) -> str:
+    def _through(self, messages: list[Message], tools: Tools, closed: str | None = None) -> str:
         """The conversation rendered through its last message, less what the template
         writes only when a conversation ends there (Phi-3's end-of-text token): cut where
-        the renderings with and without a generation prompt first differ by a token."""
-        closed = self.render(messages, tools, add_generation_prompt=False)
+        the renderings with and without a generation prompt first differ by a token.
+        `closed`: the rendering without a generation prompt, when the caller has it."""
+        if closed is None:
+            closed = self.render(messages, tools, add_generation_prompt=False)
         opened = self.render(messages, tools)
         if opened.startswith(closed):
             return closed
