@@ -101,14 +101,6 @@ def with_calculator(rows: list[TaskExample]) -> list[TaskExample]:
     return out
 
 
-def arithmetic3_tool_examples(split: str, limit: int | None = None) -> list[TaskExample]:
-    return with_calculator(arithmetic3_examples(split, limit))
-
-
-def arithmetic3x3_tool_examples(split: str, limit: int | None = None) -> list[TaskExample]:
-    return with_calculator(arithmetic3x3_examples(split, limit))
-
-
 def extract_number(text: str) -> int | None:
     """The last integer in a completion (how arithmetic answers are verified)."""
     found = NUMBER.findall(text)
