@@ -60,7 +60,7 @@ def task_examples(name: str, split: str, limit: int | None = None) -> list[TaskE
     # each task's problems, and what answers them through a tool (run after a mixture's cut,
     # so that a limit pays only for the rows it keeps: the calculator takes ~45 us a row)
     tasks: dict[str, tuple[Callable[[str, int | None], list[TaskExample]],
-                           Callable[[list[TaskExample]], list[TaskExample]] | None]] = {
+                           Callable[[TaskExample], TaskExample] | None]] = {
         "arithmetic": (arithmetic_examples, None), "arithmetic3": (arithmetic3_examples, None),
         "arithmetic3x3": (arithmetic3x3_examples, None),
         "arithmetic3_tool": (arithmetic3_examples, with_calculator),
@@ -78,4 +78,4 @@ def task_examples(name: str, split: str, limit: int | None = None) -> list[TaskE
     if mixture:
         random.Random(0).shuffle(drawn)
         drawn = drawn[:limit]
-    return [finish([row])[0] if finish else row for finish, row in drawn]
+    return [finish(row) if finish else row for finish, row in drawn]

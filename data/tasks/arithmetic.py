@@ -84,21 +84,18 @@ def arithmetic3x3_examples(split: str, limit: int | None = None) -> list[TaskExa
     return _examples(problems, split, limit)
 
 
-def with_calculator(rows: list[TaskExample]) -> list[TaskExample]:
-    """Each problem answered through the calculator: a call with the question's expression,
+def with_calculator(row: TaskExample) -> TaskExample:
+    """The problem answered through the calculator: a call with the question's expression,
     the tool's result (computed here by the tool itself), then the result as the answer."""
-    out = []
-    for row in rows:
-        expression = row.prompt.removeprefix("What is ").removesuffix("?")
-        result = calculator(expression)
-        call = {"type": "function", "id": "call_0",
-                "function": {"name": "calculator", "arguments": {"expression": expression}}}
-        reply = ({"role": "assistant", "tool_calls": [call]},
-                 {"role": "tool", "tool_call_id": "call_0", "name": "calculator",
-                  "content": result},
-                 {"role": "assistant", "content": result})
-        out.append(TaskExample(row.prompt, result, row.reference, reply, ("calculator",)))
-    return out
+    expression = row.prompt.removeprefix("What is ").removesuffix("?")
+    result = calculator(expression)
+    call = {"type": "function", "id": "call_0",
+            "function": {"name": "calculator", "arguments": {"expression": expression}}}
+    reply = ({"role": "assistant", "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "call_0", "name": "calculator",
+              "content": result},
+             {"role": "assistant", "content": result})
+    return TaskExample(row.prompt, result, row.reference, reply, ("calculator",))
 
 
 def extract_number(text: str) -> int | None:

@@ -68,6 +68,12 @@ def test_three_digit_task_and_mixtures():
     digits = [len(r.prompt.split()[2]) for r in mixed[:200]]
     assert 2 in digits and 3 in digits  # interleaved, not one task after the other
     assert task_examples("arithmetic+arithmetic3", "test", 10) == mixed[:10]
+    # a tool mixture answers its rows through the calculator after the cut: the same rows
+    tools = task_examples("arithmetic3_tool+arithmetic3x3_tool", "test", 300)
+    answered = {r.prompt: r for r in task_examples("arithmetic3_tool", "test")}
+    assert len(tools) == 300 and all(r == answered[r.prompt] for r in tools)
+    assert [r.prompt for r in tools] == [r.prompt for r in task_examples(
+        "arithmetic3+arithmetic3x3", "test", 300)]  # the plain mixture's seeded order
     with pytest.raises(ConfigError, match="unknown task 'poetry' in 'arithmetic\\+poetry'"):
         task_examples("arithmetic+poetry", "train")
 
