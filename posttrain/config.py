@@ -299,7 +299,8 @@ class RolloutConfig:
     --weights-root, on a filesystem both see). Its API key comes from the environment
     variable named by `api_key_env`, never from a recipe. `url: local` starts lathe serve on
     the policy in a process of its own for the run (pushes under out_dir/rollout-weights
-    unless `weights_dir` says otherwise)."""
+    unless `weights_dir` says otherwise), with the in-process engine's KV cache and, off
+    CUDA, its eager steps."""
 
     url: str | None = None
     weights_dir: str | None = None

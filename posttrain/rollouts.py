@@ -138,8 +138,13 @@ class RolloutGenerator:
             if url == "local":  # the main process starts it; every rank learns where
                 if pushes:
                     weights.mkdir(parents=True, exist_ok=True)
+                    # the in-process engine's cache, and off CUDA its eager steps: the
+                    # server's compiles would take the trainer's cores for the whole run
+                    # (README GRPO stage on 2 cores: 188 s against 95 s eager)
                     self.server = LocalServer(opened.path, weights, remote.timeout,
-                                              lora.r if self.pushes_adapters else None)
+                                              lora.r if self.pushes_adapters else None,
+                                              eager=device.type != "cuda",
+                                              num_blocks=ROLLOUT_BLOCKS)
                 address = [self.server.url, self.server.api_key] if self.server else [None, None]
                 broadcast_object_list(address)
                 url, key = address

@@ -198,10 +198,13 @@ class LocalServer:
     """`lathe serve CHECKPOINT` in a process of its own on a free loopback port, taking
     pushes from `weights_root` under a fresh API key (passed in its environment), until
     `stop` — or until the process that started it dies (the kernel ends it then, on
-    Linux). `url` and `api_key` once it answers /health."""
+    Linux). `url` and `api_key` once it answers /health. `eager` runs every step eagerly
+    (`--enforce-eager`) and `num_blocks` fixes its KV cache (`--num-blocks`), as a trainer
+    beside it on the same cores or card needs."""
 
     def __init__(self, checkpoint: str | Path, weights_root: str | Path,
-                 timeout: float = 600.0, lora_rank: int | None = None) -> None:
+                 timeout: float = 600.0, lora_rank: int | None = None, eager: bool = False,
+                 num_blocks: int | None = None) -> None:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
@@ -211,7 +214,9 @@ class LocalServer:
             [sys.executable, "-m", "lathe.core.cli", "serve", str(checkpoint), "--host",
              "127.0.0.1", "--port", str(port), "--weights-root", str(weights_root),
              *([] if lora_rank is None else ["--lora-root", str(weights_root), "--max-loras",
-                                             "2", "--max-lora-rank", str(lora_rank)])],
+                                             "2", "--max-lora-rank", str(lora_rank)]),
+             *(["--enforce-eager"] if eager else []),
+             *([] if num_blocks is None else ["--num-blocks", str(num_blocks)])],
             env={**os.environ, "LATHE_API_KEY": self.api_key, END_WITH: str(os.getpid())},
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout

@@ -1,7 +1,8 @@
 """A rollout server that fails on the way (busy, restarting: 429, 503) costs a trainer a
 retry, not its run: `RemoteEngine` sends the request again after a backoff and gets the
 tokens the server would have drawn; an error that retrying cannot fix fails at once, and a
-server that keeps failing fails after `max_retries`."""
+server that keeps failing fails after `max_retries`. A trainer's own server (`LocalServer`)
+runs eagerly on the KV cache it is given, leaving the trainer beside it its cores."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import threading
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from lathe.serve.config import EngineConfig, ServerConfig
 from lathe.serve.connections import LatheServer, uvicorn_config
 from lathe.serve.engine import LLMEngine
-from lathe.serve.remote import RemoteEngine
+from lathe.serve.remote import LocalServer, RemoteEngine
 from lathe.serve.sampling_params import SamplingParams
 from lathe.serve.server import build_app
 from tests.serve.conftest import wait_healthy
@@ -101,3 +103,22 @@ def test_an_error_retrying_cannot_fix_fails_at_once(checkpoint):
             remote.generate([[5, 6, 7]], too_long)
         assert app.completions == 1
         remote.close()
+
+
+def test_a_trainers_local_server_runs_eagerly_and_takes_pushes(checkpoint, tmp_path):
+    """No compiled step is built behind a trainer's back (a compile takes the cores the
+    trainer steps on), and the server answers greedily as the engine in process does."""
+    offline = LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=64))
+    (want,) = offline.generate([[5, 6, 7, 8]], GREEDY)
+    server = LocalServer(checkpoint, tmp_path, timeout=120, eager=True, num_blocks=64)
+    try:
+        remote = RemoteEngine(server.url, offline.eos_token_ids, server.api_key)
+        (completion,) = remote.generate([[5, 6, 7, 8]], GREEDY)
+        assert completion.outputs[0].token_ids == want.outputs[0].token_ids
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10,
+                            headers={"Authorization": f"Bearer {server.api_key}"}).text
+        assert "lathe:num_requests_running" in metrics
+        assert "decode_graphs" not in metrics
+        remote.close()
+    finally:
+        server.stop()
