@@ -444,6 +444,27 @@ def test_grpo_samples_from_a_server_it_pushes_its_weights_to(base, tmp_path, mon
     assert [p.name for p in pushes.iterdir()] == ["push-000017"]  # the start's and 16 steps'
 
 
+def test_synchronous_rollouts_from_a_server_are_the_in_process_engines(base, tmp_path):
+    """Where the rollouts are sampled is all rollout.url changes: a synchronous run on a
+    server of its own draws, step for step, the rewards the in-process engine draws from the
+    same seeds, and ends on the same policy."""
+    rewards = '[{name: "tests.posttrain.test_stages:digit_share"}]'
+    settings = {"optim.lr": 3e-3, "eval.every": 4, "prompts_per_step": 4,
+                "num_generations": 4, "max_completion_tokens": 6, "rewards": rewards}
+    runs = {}
+    for where in ("engine", "server"):
+        out = tmp_path / where
+        extra = {"rollout.url": "local"} if where == "server" else {}
+        assert main(["grpo", *quick(out, base, max_steps=4, **settings, **extra)]) == 0
+        runs[where] = summary(out)
+    assert runs["server"]["reward"] == runs["engine"]["reward"]
+    assert runs["server"]["heldout_accuracy"] == runs["engine"]["heldout_accuracy"]
+    assert len(set(runs["engine"]["reward"])) > 1  # the policy moved between the steps
+    engine = load_checkpoint(tmp_path / "engine" / "final").state_dict()
+    for name, weight in load_checkpoint(tmp_path / "server" / "final").state_dict().items():
+        assert torch.equal(weight, engine[name]), name
+
+
 def test_a_lora_policy_pushes_its_adapters_alone_to_the_server(base, tmp_path):
     """rollout.url=local with LoRA: each step's adapters go to the server as a peft folder
     it loads under a name of its own (policy-N), never merged full weights; the server keeps
