@@ -312,7 +312,8 @@ def step_shape(config: GRPOConfig, parallelism: Parallelism,
     """One GRPO micro-batch, for memory plans: each rank's rollouts split into
     grad_accum_steps micro-batches of prompt + completion tokens through per-token
     log-probs, beside the reference (beta > 0 without LoRA), the reward models and the rank's
-    rollout engine — its own fp32 copy of the policy and its KV cache. Rows are as long as
+    rollout engine — its own fp32 copy of the policy and its KV cache (a server's at
+    rollout.url only when the run starts it on this machine). Rows are as long as
     the longest prompt the run has (`longest_prompt`, once its prompts are fitted) or may
     have (max_prompt_length, else the context) and a whole completion."""
     model_config = model_config or read_model_config(config.model)
@@ -322,8 +323,11 @@ def step_shape(config: GRPOConfig, parallelism: Parallelism,
     length = (model_config.max_seq_len if prompt is None
               else prompt + config.max_completion_tokens)
     frozen, cache = rollout_engine_bytes(model_config, parallelism.mixed_precision)
-    if config.rollout.url is not None:  # a server samples; under LoRA a base copy merges
-        frozen, cache = frozen if config.lora.enabled else 0, 0
+    if config.rollout.url is not None:
+        # a server samples; under LoRA a base copy merges. One the run starts (`local`) is
+        # on this machine, on its card too, with the in-process engine's copy and cache
+        local = config.rollout.url == "local"
+        frozen, cache = frozen * (local + config.lora.enabled), cache if local else 0
     if config.beta > 0 and not config.lora.enabled:
         frozen += frozen_weight_bytes(model_config, parallelism)
     frozen += sum(4 * read_model_config(r.model).num_params()  # reward models, fp32

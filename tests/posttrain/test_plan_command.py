@@ -39,6 +39,12 @@ def test_each_post_training_stage_plans_a_checkpoint(capsys, base):
     assert "micro-batch 16 × 128 tokens" in dpo  # chosen and rejected rows
     grpo = plan(capsys, "grpo", *common, "--max_completion_tokens=16")
     assert "KV cache" in grpo  # the rollout engine's
+    # a server the run starts holds the same engine on the same card; one elsewhere, none
+    local = plan(capsys, "grpo", *common, "--max_completion_tokens=16", "--rollout.url=local")
+    assert peak_of(local) == peak_of(grpo)
+    remote = plan(capsys, "grpo", *common, "--max_completion_tokens=16",
+                  "--rollout.url=http://rollouts:8000", "--rollout.weights_dir=/shared")
+    assert peak_of(remote) < peak_of(grpo) and "KV cache" not in remote
     distill = plan(capsys, "distill", *common, "--teacher", str(base))
     assert peak_of(distill) > peak_of(sft)  # the teacher's weights
     on_policy = plan(capsys, "distill", *common, "--teacher", str(base), "--mode=on_policy")
