@@ -1,9 +1,10 @@
 """`python -m lathe.posttrain.rollout_bench`: where GRPO's rollouts are sampled, and what a
 step costs for it — the README run's GRPO stage (recipes/grpo/e2e.yaml, plain sampling:
 asynchronous GRPO does not take dynamic sampling) from the same checkpoint, for the same
-steps and seed, four ways, each a `lathe grpo` run of its own, one after the other:
+steps and seed, five ways, each a `lathe grpo` run of its own, one after the other:
 
-- the in-process engine, one process (the default);
+- the in-process engine, one process (the default), and the same on one thread (a rank's
+  share of this machine's cores under two processes: the baseline for two ranks);
 - each rank's own engine, two processes (recipes/accelerate/cpu-ddp.yaml; off CUDA only);
 - a server of the run's own (`rollout.url=local`), synchronous: sample, train, push;
 - the same server, asynchronous (`rollout.max_staleness=1`): the next step sampled while
@@ -46,10 +47,12 @@ class RolloutCase:
     label: str
     flags: tuple[str, ...] = ()
     launch: str | None = None  # a recipes/accelerate file's stem; None: one process
+    one_thread: bool = False  # OMP_NUM_THREADS=1
 
 
 CASES = [
     RolloutCase("in-process engine, one process"),
+    RolloutCase("in-process engine, one process on one thread", one_thread=True),
     RolloutCase("each rank's engine, DDP × 2", launch="cpu-ddp"),
     RolloutCase("server (rollout.url=local), synchronous", ("--rollout.url=local",)),
     RolloutCase("server, asynchronous (max_staleness 1)",
@@ -68,8 +71,9 @@ def run_case(case: RolloutCase, checkpoint: Path, steps: int, seed: int,
     command = [sys.executable, *stage] if case.launch is None else [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file",
         str(RECIPES / "accelerate" / f"{case.launch}.yaml"), *stage]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=3600,
-                            env=dict(os.environ, WANDB_MODE="disabled"))
+    env = dict(os.environ, WANDB_MODE="disabled", **({"OMP_NUM_THREADS": "1"}
+                                                      if case.one_thread else {}))
+    result = subprocess.run(command, capture_output=True, text=True, timeout=3600, env=env)
     if result.returncode != 0:
         raise RuntimeError(f"{case.label}: exit {result.returncode}\n{result.stdout[-3000:]}"
                            f"\n{result.stderr[-3000:]}")
