@@ -4,7 +4,8 @@ asynchronous GRPO does not take dynamic sampling) from the same checkpoint, for 
 steps and seed, five ways, each a `lathe grpo` run of its own, one after the other:
 
 - the in-process engine, one process (the default), and the same on one thread (a rank's
-  share of this machine's cores under two processes: the baseline for two ranks);
+  share of this machine's cores under two processes: the baseline for two ranks; off
+  CUDA only);
 - each rank's own engine, two processes (recipes/accelerate/cpu-ddp.yaml; off CUDA only);
 - a server of the run's own (`rollout.url=local`), synchronous: sample, train, push;
 - the same server, asynchronous (`rollout.max_staleness=1`): the next step sampled while
@@ -94,7 +95,8 @@ def run_case(case: RolloutCase, checkpoint: Path, steps: int, seed: int,
 
 def rollout_table(checkpoint: Path | None, steps: int, seed: int, out: Path | None) -> str:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cases = [c for c in CASES if c.launch is None or device.type != "cuda"]
+    # two CPU processes, and one process on one thread, are this machine's cores' baselines
+    cases = [c for c in CASES if device.type != "cuda" or (c.launch is None and not c.one_thread)]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model = checkpoint or readme_checkpoint(Path(tmp) / "random")

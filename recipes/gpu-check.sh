@@ -4,8 +4,9 @@
 # on the GPU: pretraining on the 1B shape (bf16, kernels off, compile, FP8, against
 # transformers), the chunked and fused linear + cross-entropy against Liger's, a LoRA SFT step
 # on the 1B shape against transformers + peft, serving a random-init 1B model (offline
-# against transformers, single stream against the copy roofline) and the rest of the kernel
-# bench. It resumes: LEDGER lists "COMMIT STEP" for what passed before, and
+# against transformers, single stream against the copy roofline), the rest of the kernel
+# bench and GRPO's rollouts in process against a server of the run's own, synchronous and
+# asynchronous. It resumes: LEDGER lists "COMMIT STEP" for what passed before, and
 # what passed at this COMMIT is not run again (a smoke step still reruns when a step to run
 # needs its output). At the end, whatever the budget cut, it writes to OUT: summary.txt (a
 # line per step), passed.txt (the ledger with this run's passes added) and logs.tar.gz (every
@@ -89,5 +90,6 @@ bench bench-fused-ce 40 "$PY" -m lathe.kernels.bench --only linear_cross_entropy
 bench bench-lora-1b 100 "$PY" -m lathe.posttrain.bench --only lora --steps 4 --warmup 2 --no-write
 bench bench-serve-1b 120 bash -c serve_bench
 bench bench-kernels 90 "$PY" -m lathe.kernels.bench --no-write
+bench bench-rollouts 150 "$PY" -m lathe.posttrain.rollout_bench --steps 30 --no-write
 
 note "gpu-check: $(grep -c "^$COMMIT " "$OUT/passed.txt") steps passed at $COMMIT; $(left)s left"
