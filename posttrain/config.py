@@ -313,7 +313,8 @@ class RolloutConfig:
     max_retries: int = 5
     # 0: synchronous (sample, train, push); 1: the next step's rollouts are sampled while this
     # step trains, by the weights the server holds then — one step old (asynchronous GRPO;
-    # it needs sampling_correction to correct the gap). Needs url.
+    # it needs sampling_correction to correct the gap; dynamic sampling's further rounds are
+    # drawn when the step asks, by the current weights). Needs url.
     max_staleness: int = 0
 
     def __post_init__(self) -> None:
@@ -392,10 +393,6 @@ class GRPOConfig(PosttrainConfig):
             raise ConfigError("rollout.max_staleness=1 trains on rollouts sampled by the policy "
                               "one step before: correct for it with sampling_correction "
                               "(token_truncate, as TRL's vLLM rollouts do by default)")
-        if self.rollout.max_staleness and self.dynamic_sampling:
-            raise ConfigError("dynamic_sampling=true with rollout.max_staleness=1: dynamic "
-                              "sampling's rounds agree across ranks by a collective, which a "
-                              "background sampler cannot take; use one or the other")
         if self.rollout.url is not None and self.sampling_correction != "none" \
                 and self.temperature != 1.0:
             raise ConfigError(f"sampling_correction={self.sampling_correction} with rollout.url "

@@ -173,34 +173,52 @@ def per_token_logps(model: nn.Module, ids: Tensor, labels: Tensor,
     return model(ids, head_op=op).head
 
 
+Round = tuple[list[Rollout], dict[str, float]]  # a generation round's rollouts, tool metrics
+
+
+def sample_round(runtime: Runtime, config: GRPOConfig, sampler: ShuffledBatches,
+                 generator: RolloutGenerator, first: int, step: int, index: int) -> Round:
+    """Generation round `index` of step `step` (which seeds it): the next batch of prompts
+    from `sampler`, this rank's share of them (from its `first`), `num_generations`
+    completions each, scored, the overlong rule applied. No collective, so a background
+    thread may draw it."""
+    wanted = config.prompts_per_step // runtime.world_size
+    params = SamplingParams(max_tokens=config.max_completion_tokens,
+                            temperature=config.temperature, top_p=config.top_p,
+                            n=config.num_generations, logprobs=0,
+                            logprobs_at_temperature=True)
+    mine = sampler.next()[first:first + wanted]
+    with runtime.autocast():
+        rollouts, tool_metrics = generator(mine, params,
+                                           seed=config.seed * 7919 + step * 104729,
+                                           first=index * config.prompts_per_step + first)
+    for r in rollouts:
+        if config.overlong == "soft_penalty":
+            r.reward += overlong_penalty(len(r.completion_ids), config.max_completion_tokens,
+                                         config.overlong_buffer)
+        r.masked = r.truncated and config.overlong == "filter"
+    return rollouts, tool_metrics
+
+
 def sample_groups(runtime: Runtime, config: GRPOConfig, sampler: ShuffledBatches,
                   generator: RolloutGenerator, first: int, step: int,
+                  drawn: Round | None = None,
                   ) -> tuple[list[list[Rollout]], list[Rollout], dict[str, float]]:
     """This rank's groups to train on this step, every rollout it sampled, and its
-    per-rank metrics. One generation round of the rank's share of the step's prompts; with
-    dynamic sampling, rounds until every rank holds enough groups whose rewards differ or
-    the rounds are spent (collective: every rank draws every round, so the ranks' prompt
-    samplers stay in step and a resumed run draws what the killed one would have). `step`:
-    the optimizer step the rollouts are for, which seeds them."""
+    per-rank metrics. One generation round of the rank's share of the step's prompts (or
+    `drawn`, the first round already sampled); with dynamic sampling, rounds until every
+    rank holds enough groups whose rewards differ or the rounds are spent (collective:
+    every rank draws every round, so the ranks' prompt samplers stay in step and a resumed
+    run draws what the killed one would have). `step`: the optimizer step the rollouts are
+    for, which seeds them."""
     wanted = config.prompts_per_step // runtime.world_size
     size = config.num_generations
-    params = SamplingParams(max_tokens=config.max_completion_tokens,
-                            temperature=config.temperature, top_p=config.top_p, n=size,
-                            logprobs=0, logprobs_at_temperature=True)
     groups: list[list[Rollout]] = []
     sampled: list[Rollout] = []
     rounds: list[dict[str, float]] = []
     while len(rounds) < (config.dynamic_sampling_rounds if config.dynamic_sampling else 1):
-        mine = sampler.next()[first:first + wanted]
-        with runtime.autocast():
-            rollouts, tool_metrics = generator(
-                mine, params, seed=config.seed * 7919 + step * 104729,
-                first=len(rounds) * config.prompts_per_step + first)
-        for r in rollouts:
-            if config.overlong == "soft_penalty":
-                r.reward += overlong_penalty(len(r.completion_ids), config.max_completion_tokens,
-                                             config.overlong_buffer)
-            r.masked = r.truncated and config.overlong == "filter"
+        rollouts, tool_metrics = drawn if drawn is not None and not rounds else sample_round(
+            runtime, config, sampler, generator, first, step, len(rounds))
         sampled += rollouts
         rounds.append(tool_metrics)
         groups += [rollouts[i:i + size] for i in range(0, len(rollouts), size)]
@@ -210,8 +228,8 @@ def sample_groups(runtime: Runtime, config: GRPOConfig, sampler: ShuffledBatches
             break
     metrics = {name: sum(r[name] for r in rounds) / len(rounds) for name in rounds[0]}
     if config.dynamic_sampling:
-        drawn = len(groups)
-        metrics["dynamic/informative_share"] = sum(map(informative, groups)) / drawn
+        drawn_groups = len(groups)
+        metrics["dynamic/informative_share"] = sum(map(informative, groups)) / drawn_groups
         groups, filled = select_groups(groups, wanted)
         metrics["dynamic/rounds"] = float(len(rounds))
         metrics["dynamic/filled_share"] = filled / wanted
@@ -220,10 +238,12 @@ def sample_groups(runtime: Runtime, config: GRPOConfig, sampler: ShuffledBatches
 
 class RolloutSampler:
     """Each step's rollouts: sampled when the step asks for them (synchronous), or with
-    rollout.max_staleness 1 sampled in a thread while the step before trains — by the
-    weights the server holds then, one step older than the policy that trains on them. The
-    prompt order is the same either way, and `resume_state` is the prompt sampler's state
-    before any draw not yet trained on."""
+    rollout.max_staleness 1 its first generation round sampled in a thread while the step
+    before trains — by the weights the server holds then, one step older than the policy
+    that trains on them; dynamic sampling's further rounds, whose count the ranks agree on
+    by a collective, are drawn when the step asks, by the current weights. The prompt order
+    is the same either way, and `resume_state` is the prompt sampler's state before any
+    draw not yet trained on."""
 
     def __init__(self, runtime: Runtime, config: GRPOConfig, sampler: ShuffledBatches,
                  generator: RolloutGenerator, first: int) -> None:
@@ -237,23 +257,22 @@ class RolloutSampler:
     def resume_state(self) -> dict[str, int]:
         return self._held if self.ahead is not None else self.sampler.state_dict()
 
-    def _sample(self, step: int) -> tuple[list[list[Rollout]], list[Rollout],
-                                         dict[str, float]]:
-        return sample_groups(self.runtime, self.config, self.sampler, self.generator,
-                             self.first, step)
-
     def take(self, step: int) -> tuple[list[list[Rollout]], list[Rollout], dict[str, float],
                                        float]:
         """Step `step`'s rollouts, and the seconds spent waiting for them; asynchronous, the
-        next step's start sampling as this returns."""
+        next step's first round starts sampling as this returns."""
         started = time.perf_counter()
         stale = self.ahead is not None
-        groups, sampled, metrics = self.ahead.result() if stale else self._sample(step)
+        groups, sampled, metrics = sample_groups(
+            self.runtime, self.config, self.sampler, self.generator, self.first, step,
+            self.ahead.result() if stale else None)
         seconds = time.perf_counter() - started
         if self.pool is None:
             return groups, sampled, metrics, seconds
         self._held = self.sampler.state_dict()
-        self.ahead = self.pool.submit(self._sample, step + self.config.updates_per_batch)
+        self.ahead = self.pool.submit(sample_round, self.runtime, self.config, self.sampler,
+                                      self.generator, self.first,
+                                      step + self.config.updates_per_batch, 0)
         return groups, sampled, {**metrics, "rollout/staleness": float(stale)}, seconds
 
     def close(self) -> None:

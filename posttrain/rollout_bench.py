@@ -1,7 +1,7 @@
 """`python -m lathe.posttrain.rollout_bench`: where GRPO's rollouts are sampled, and what a
 step costs for it — the README run's GRPO stage (recipes/grpo/e2e.yaml, plain sampling:
-asynchronous GRPO does not take dynamic sampling) from the same checkpoint, for the same
-steps and seed, five ways, each a `lathe grpo` run of its own, one after the other:
+one generation round a step every way) from the same checkpoint, for the same steps and
+seed, five ways, each a `lathe grpo` run of its own, one after the other:
 
 - the in-process engine, one process (the default), and the same on one thread (a rank's
   share of this machine's cores under two processes: the baseline for two ranks; off

@@ -371,8 +371,6 @@ def test_rollout_settings_are_checked():
     remote = RolloutConfig(url="http://h:1", weights_dir="w", max_staleness=1)
     with pytest.raises(ConfigError, match="correct for it with sampling_correction"):
         GRPOConfig(rollout=remote)
-    with pytest.raises(ConfigError, match="dynamic_sampling=true with rollout.max_staleness=1"):
-        GRPOConfig(rollout=remote, dynamic_sampling=True, sampling_correction="token_truncate")
     with pytest.raises(ConfigError, match="a server's log-probs are of the distribution before "
                                           "temperature"):
         GRPOConfig(rollout=remote, sampling_correction="token_truncate", temperature=0.7)

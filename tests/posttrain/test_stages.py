@@ -465,6 +465,30 @@ def test_synchronous_rollouts_from_a_server_are_the_in_process_engines(base, tmp
         assert torch.equal(weight, engine[name]), name
 
 
+def test_asynchronous_dynamic_sampling_draws_the_synchronous_runs_prompts(base, tmp_path):
+    """With a policy that does not move (lr 1e-30: no update survives fp32 rounding),
+    stale weights are the current ones, so an
+    asynchronous run with dynamic sampling (its first round drawn in the background, the
+    further rounds when the step asks) must draw what a synchronous run draws: the same
+    rounds and rewards, step for step."""
+    rewards = '[{name: "tests.posttrain.test_stages:starts_with_a_digit"}]'
+    settings = {"optim.lr": 1e-30, "eval.every": 100, "prompts_per_step": 4,
+                "num_generations": 4, "max_completion_tokens": 6, "rewards": rewards,
+                "dynamic_sampling": "true", "sampling_correction": "token_truncate",
+                "logging.log_every": 1}
+    runs = {}
+    for where, extra in (("sync", {}), ("async", {"rollout.url": "local",
+                                                  "rollout.max_staleness": 1})):
+        assert main(["grpo", *quick(tmp_path / where, base, max_steps=4, **settings,
+                                    **extra)]) == 0
+        runs[where] = step_records(tmp_path / where)
+    assert [r["rollout/staleness"] for r in runs["async"].values()] == [0.0, 1.0, 1.0, 1.0]
+    for key in ("dynamic/rounds", "reward/mean", "dynamic/informative_share"):
+        assert [r[key] for r in runs["async"].values()] == [r[key] for r in
+                                                             runs["sync"].values()], key
+    assert any(r["dynamic/rounds"] > 1 for r in runs["sync"].values())
+
+
 def test_a_lora_policy_pushes_its_adapters_alone_to_the_server(base, tmp_path):
     """rollout.url=local with LoRA: each step's adapters go to the server as a peft folder
     it loads under a name of its own (policy-N), never merged full weights; the server keeps
