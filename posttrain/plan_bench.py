@@ -82,20 +82,28 @@ def sft_recipe(case: PlanCase, checkpoint: Path, out_dir: Path) -> dict:
     }
 
 
+def run_stage(label: str, stage: list[str], launch: str | None, timeout: float,
+              **env: str) -> None:
+    """`python -m <stage...>` to the end, in one process (`launch` None) or under
+    `accelerate launch` with a recipes/accelerate file (its stem), W&B off and `env` added;
+    a failure raises with the run's output."""
+    command = [sys.executable, *stage] if launch is None else [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+        str(RECIPES / f"{launch}.yaml"), *stage]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                            env=dict(os.environ, WANDB_MODE="disabled", **env))
+    if result.returncode != 0:
+        raise RuntimeError(f"{label}: exit {result.returncode}\n{result.stdout[-3000:]}"
+                           f"\n{result.stderr[-3000:]}")
+
+
 def measure(case: PlanCase, checkpoint: Path, folder: Path) -> dict[str, float]:
     """Run `case` to the end; its summary's {"plan_gib", "peak_gib"}."""
     out_dir = folder / case.label.replace(" ", "_").replace(",", "").replace("×", "x")
     recipe = out_dir.with_suffix(".yaml")
     recipe.write_text(yaml.safe_dump(sft_recipe(case, checkpoint, out_dir)))
-    stage = ["-m", "lathe.posttrain.sft", "--config", str(recipe)]
-    command = [sys.executable, *stage] if case.launch is None else [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-        str(RECIPES / f"{case.launch}.yaml"), *stage]
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", WANDB_MODE="disabled")
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
-    if result.returncode != 0:
-        raise RuntimeError(f"{case.label}: exit {result.returncode}\n{result.stdout[-3000:]}"
-                           f"\n{result.stderr[-3000:]}")
+    run_stage(case.label, ["-m", "lathe.posttrain.sft", "--config", str(recipe)], case.launch,
+              900, MALLOC_MMAP_THRESHOLD_="131072")
     return json.loads((out_dir / "summary.json").read_text())["memory"]
 
 

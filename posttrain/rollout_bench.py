@@ -26,10 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +36,7 @@ import yaml
 
 from lathe.core.bench_history import add_history_arguments, history_folder, record
 from lathe.posttrain.bench import device_name, readme_checkpoint
+from lathe.posttrain.plan_bench import run_stage
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -69,15 +67,8 @@ def run_case(case: RolloutCase, checkpoint: Path, steps: int, seed: int,
              f"--max_steps={steps}", f"--eval.every={steps}", f"--checkpoint.every={steps}",
              "--dynamic_sampling=false", "--sampling_correction=token_truncate",
              "--logging.report_to=none", *case.flags]
-    command = [sys.executable, *stage] if case.launch is None else [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-        str(RECIPES / "accelerate" / f"{case.launch}.yaml"), *stage]
-    env = dict(os.environ, WANDB_MODE="disabled", **({"OMP_NUM_THREADS": "1"}
-                                                      if case.one_thread else {}))
-    result = subprocess.run(command, capture_output=True, text=True, timeout=3600, env=env)
-    if result.returncode != 0:
-        raise RuntimeError(f"{case.label}: exit {result.returncode}\n{result.stdout[-3000:]}"
-                           f"\n{result.stderr[-3000:]}")
+    run_stage(case.label, stage, case.launch, 3600,
+              **({"OMP_NUM_THREADS": "1"} if case.one_thread else {}))
     summary = json.loads((out_dir / "summary.json").read_text())
     recipe = yaml.safe_load((RECIPES / "grpo" / "e2e.yaml").read_text())
     rollouts = recipe["prompts_per_step"] * recipe["num_generations"]

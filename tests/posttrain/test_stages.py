@@ -467,10 +467,9 @@ def test_synchronous_rollouts_from_a_server_are_the_in_process_engines(base, tmp
 
 def test_asynchronous_dynamic_sampling_draws_the_synchronous_runs_prompts(base, tmp_path):
     """With a policy that does not move (lr 1e-30: no update survives fp32 rounding),
-    stale weights are the current ones, so an
-    asynchronous run with dynamic sampling (its first round drawn in the background, the
-    further rounds when the step asks) must draw what a synchronous run draws: the same
-    rounds and rewards, step for step."""
+    stale weights are the current ones, so an asynchronous run with dynamic sampling (its
+    first round drawn in the background, the further rounds when the step asks) must draw
+    what a synchronous run draws: the same rounds and rewards, step for step."""
     rewards = '[{name: "tests.posttrain.test_stages:starts_with_a_digit"}]'
     settings = {"optim.lr": 1e-30, "eval.every": 100, "prompts_per_step": 4,
                 "num_generations": 4, "max_completion_tokens": 6, "rewards": rewards,
