@@ -1,8 +1,8 @@
 """lathe.kernels: Triton kernels, each beside its PyTorch reference, and the dispatch
 between them (see docs/design.md); native C++ kernels for CPU decoding, which Triton cannot
-serve off-GPU (`cpu_native`, `decode_linear`, `argmax`). Each op's Triton kernels live in
-`<op>_triton.py`, imported only when a Triton path runs: lathe imports, trains and serves
-where Triton is not installed. Imports only torch (and triton, lazily)."""
+serve off-GPU (`cpu_native`, `decode_linear`, `argmax`, `lora_bgmv`). Each op's Triton
+kernels live in `<op>_triton.py`, imported only when a Triton path runs: lathe imports,
+trains and serves where Triton is not installed. Imports only torch (and triton, lazily)."""
 
 from lathe.kernels.attention import (
     PLAIN,

@@ -35,6 +35,7 @@ from lathe.kernels.decode_linear import (
 )
 from lathe.kernels.fused_ce import linear_cross_entropy, linear_cross_entropy_reference
 from lathe.kernels.fused_ce_triton import linear_cross_entropy_triton
+from lathe.kernels.lora_bgmv import lora_bgmv_cpu, lora_bgmv_reference
 from lathe.kernels.paged_attention import paged_decode_cpu, paged_decode_reference
 from lathe.kernels.paged_attention_triton import paged_decode_triton
 from lathe.kernels.quant_matmul import (
@@ -485,6 +486,35 @@ def cpu_argmax_cases(shapes: list[tuple[int, int]]) -> list[Case]:
     return result
 
 
+# (rows, slots, in, out): rank-16 adapters in 16 slots on the 88M model's projections at a
+# decode step's rows, within the slots (each row's own A and B) and past them
+CPU_LORA_SHAPES = [(1, 16, 768, 768), (16, 16, 768, 2048), (64, 16, 768, 2048)]
+
+
+def cpu_lora_cases(shapes: list[tuple[int, int, int, int]], compile: bool = True) -> list[Case]:
+    """Each row's own adapter (`lora_bgmv`): the native op against its reference, eager and
+    compiled, fp32: GB/s of the A and B of the slots the rows name."""
+    result = []
+    for rows, slots, in_features, out_features in shapes:
+        g = torch.Generator().manual_seed(rows)
+        args = (torch.randn(rows, out_features, generator=g),
+                torch.randn(rows, in_features, generator=g),
+                torch.randn(slots, in_features, 16, generator=g) * 0.02,
+                torch.randn(slots, 16, out_features, generator=g) * 0.02,
+                torch.ones(slots), torch.randint(0, slots, (rows,), generator=g))
+        impls = {"native C++": lambda a=args: lora_bgmv_cpu(*a),
+                 "torch (eager)": lambda a=args: lora_bgmv_reference(*a)}
+        if compile:
+            compiled = torch.compile(lora_bgmv_reference, dynamic=False)
+            impls["torch.compile"] = lambda a=args, f=compiled: f(*a)
+        named = args[5].unique().numel()  # the slots the rows read
+        result.append(Case(f"lora_bgmv, {rows} rows × {slots} slots, {in_features} → "
+                           f"{out_features}", "GB/s",
+                           named * (args[2][0].numel() + args[3][0].numel()) * 4, impls,
+                           backward=False))
+    return result
+
+
 @dataclass(frozen=True)
 class PrefillShape:
     """The element-wise layers of one prefill chunk: `tokens` rows of a model's widths."""
@@ -564,7 +594,8 @@ def run_cpu(cases: list[Case], out: Path | None) -> str:
         f"{torch.get_num_threads()} threads, torch {torch.__version__}", "",
         "Command: `python -m lathe.kernels.bench` without a GPU — fp32; paged decode over "
         "16-token blocks scattered over the pool; rate: the K/V (paged decode), weight "
-        "(linear; int8 bytes for int8 weights) or logit (argmax) bytes a call must read, or "
+        "(linear; int8 bytes for int8 weights), logit (argmax) or adapter (lora_bgmv) bytes a "
+        "call must read, or "
         "the activations an element-wise layer must read and write, per second; for the bf16 "
         "linear, its multiply-adds × 2 per second.", "",
         "| case | implementation | µs | rate |", "|---|---|---:|---:|", *lines, ""])
@@ -597,6 +628,7 @@ def main(argv: list[str] | None = None) -> int:
                              + cpu_int8_linear_cases(int8_shapes)
                              + cpu_bf16_linear_cases(CPU_BF16_LINEAR_SHAPES)
                              + cpu_argmax_cases(CPU_ARGMAX_SHAPES)
+                             + cpu_lora_cases(CPU_LORA_SHAPES)
                              + cpu_elementwise_cases(CPU_PREFILL_SHAPES), only), out))
         return 0
     print(run(Sizes(**args), out, only))

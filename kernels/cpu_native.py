@@ -3,10 +3,10 @@
 implementations of ops defined in Python: `lathe::paged_decode_cpu`, the weight-only
 GEMMs a compiled step calls (`lathe::int8_matmul_cpu_native`, `int4_matmul_cpu_native`),
 its few-row float32 and int8 linears (`lathe::decode_linear_cpu`,
-`lathe::decode_linear_int8_cpu`), the greedy pick (`lathe::argmax_cpu`), and the fused
-element-wise layers of an eager float32 forward (`lathe::rms_norm_cpu`,
-`add_rms_norm_cpu`, `swiglu_cpu`, `rope_cpu`), which the serve engine's forwards take
-(`native_inference`, `use_native_cpu`).
+`lathe::decode_linear_int8_cpu`), each row's own LoRA adapter (`lathe::lora_bgmv_cpu`),
+the greedy pick (`lathe::argmax_cpu`), and the fused element-wise layers of an eager
+float32 forward (`lathe::rms_norm_cpu`, `add_rms_norm_cpu`, `swiglu_cpu`, `rope_cpu`),
+which the serve engine's forwards take (`native_inference`, `use_native_cpu`).
 Their loops run on torch's intra-op threads (OpenMP); a build whose loops come out serial
 is warned about.
 
@@ -57,7 +57,8 @@ from lathe.kernels.dispatch import opaque_op, use_cpu_kernel
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_decode_cpu.cpp", "quant_matmul_cpu.cpp", "decode_linear_cpu.cpp",
-                         "argmax_cpu.cpp", "parallel_probe_cpu.cpp", "elementwise_cpu.cpp")]
+                         "argmax_cpu.cpp", "parallel_probe_cpu.cpp", "elementwise_cpu.cpp",
+                         "lora_bgmv_cpu.cpp")]
 
 # the intra-op thread that ran each item of a parallel loop over `items`, one item a task
 parallel_probe_cpu = opaque_op("parallel_probe_cpu", "(Tensor items) -> Tensor", None,

@@ -105,6 +105,10 @@ DEFAULTS: dict[tuple[str, str], Default] = {
     ("decode_linear", "cpu"): Default(
         True, "1 x 128 -> 4096, 16.8 us against F.linear's 65.1; 64 x 128 -> 4096 421.3 "
         "against 438.8", CPU_LATE, BENCH),
+    ("lora_bgmv", "cpu"): Default(
+        True, "16 rank-16 slots, 768 -> 2048: 16 rows 65.4 us against torch.compile's 136.4 "
+        "(eager 742.2), 64 rows 324.9 against 790.5; 1 row (768 -> 768) 9.1 against 60.1",
+        "2026-11-30, Intel Xeon (AVX-512), 2 threads, torch 2.13.0+cpu, float32", BENCH),
     ("argmax", "cpu"): Default(
         True, "1 x 4096, 1.9 us against torch.argmax's 5.1", CPU_LATE, BENCH),
     ("int8_matmul", "cpu"): Default(

@@ -34,7 +34,7 @@ HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 KERNELS = ("rms_norm", "add_rms_norm", "swiglu", "rope", "int8_matmul", "int4_matmul",
            "linear_cross_entropy", "paged_decode", "causal_attention", "document_attention",
-           "decode_linear", "argmax", "grouped_matmul")
+           "decode_linear", "argmax", "grouped_matmul", "lora_bgmv")
 DEVICES = ("cuda", "cpu")
 
 

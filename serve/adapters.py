@@ -12,11 +12,10 @@ of the base model (slot -1) get nothing added.
 
 A compiled decode step (`lathe.serve.decode_graph`) cannot take a Python list of rows: it
 reads each row's slot from `row_slots`, a device tensor every projection shares, which the
-engine fills before the step (padding rows -1). The graph, one per batch bucket, computes
-for a bucket of at most `max_loras` rows each row's own (x Aᵀ) Bᵀ from gathered slots
-(BGMV), and for a larger one every slot's A over all rows then each row's own B, masked
-(the slots' weights read once, not once a row); adapters loaded or swapped later are read
-by the same graphs, as the base weights are.
+engine fills before the step (padding rows -1), and adds each row's own delta by
+`lathe.kernels.lora_bgmv`: one native call a projection on CPU, gathers and masks the
+graph traces elsewhere; adapters loaded or swapped later are read by the same graphs, as
+the base weights are.
 
 Adapters are peft folders (`adapter_config.json`, `adapter_model.safetensors`), read with
 safetensors only and checked against the base when loaded: every LoRA weight must name a
@@ -46,6 +45,7 @@ from torch import Tensor, nn
 
 from lathe.core.checkpoint_files import checkpoint_file, read_json_object
 from lathe.core.errors import CheckpointError
+from lathe.kernels.lora_bgmv import lora_bgmv
 from lathe.model.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -142,22 +142,9 @@ class MultiLoraLinear(nn.Module):
 
     def _static_rows(self, x: Tensor, y: Tensor) -> Tensor:
         """A compiled decode step's adapters, by `row_slots` (see the module docstring)."""
-        flat_x = x.reshape(-1, self.in_features).to(self.lora_a.dtype)
-        index = self.row_slots[:flat_x.shape[0]]
-        slot = index.clamp(min=0)
-        slots, _, rank = self.lora_a.shape
-        # rows are selected with `where`, never multiplied by a 0/1 mask: another slot's
-        # NaN or Inf times 0 is NaN, and would reach every row of the batch
-        if flat_x.shape[0] <= slots:  # each row's own A and B
-            h = torch.bmm(flat_x[:, None], self.lora_a[slot])
-            delta = torch.bmm(h, self.lora_b[slot])[:, 0]
-        else:  # every slot's A once, then each row's rank-r slice on its B
-            h = torch.einsum("ni,sir->nsr", flat_x, self.lora_a)
-            mine = torch.nn.functional.one_hot(slot, slots).bool()
-            h = torch.where(mine[..., None], h, 0).view(-1, slots * rank)
-            delta = h @ self.lora_b.view(slots * rank, self.out_features)
-        delta = torch.where((index >= 0)[:, None], delta * self.scale[slot][:, None], 0)
-        return y + delta.to(y.dtype).view(y.shape)
+        flat_y = lora_bgmv(y.reshape(-1, self.out_features), x.reshape(-1, self.in_features),
+                           self.lora_a, self.lora_b, self.scale, self.row_slots)
+        return flat_y.view(y.shape)
 
     def load(self, slot: int, a: Tensor, b: Tensor, scale: float) -> None:
         self.clear(slot)

@@ -7,13 +7,16 @@ context length, so a bucket's step has one set of shapes. Each bucket's step is
 `torch.compile`d whole (`fullgraph`, static shapes). On CUDA in mode "reduce-overhead",
 which captures it as a CUDA graph and replays it. Elsewhere each shape is compiled ahead of
 its first step (`aot_compile`) into a graph of its own, which inductor's C++ wrapper runs
-and which is called without dynamo's guard check: this module picks the graph by shape,
-and nothing else a guard would check (module structure, dtypes, grad mode, the
-`LATHE_KERNELS` switches) changes in an engine's life. Inductor fuses the norms, RoPE,
-SwiGLU and residual adds around the GEMMs, so a step is a few dozen kernel calls instead
-of ~150 ATen ops; with lathe's native CPU kernels loaded, a graph pass
-(`lathe.kernels.decode_linear_pass`) also moves the linears of buckets up to 32 rows off BLAS,
-one call for the linears that read the same input.
+and which is called without dynamo's guard check (the wrapper, one function of thousands
+of lines, is built at -O1 apart from the kernels at -O3: built with them at -O3 it had been
+30% of the 88M model's graph builds, and 57% of its builds with LoRA slots); this module
+picks the graph by shape, and nothing else a guard would check (module structure, dtypes,
+grad mode, the `LATHE_KERNELS` switches) changes in an engine's life. Inductor fuses the
+norms, RoPE, SwiGLU and residual adds around the GEMMs, so a step is a few dozen kernel
+calls instead of ~150 ATen ops; with lathe's native CPU kernels loaded, a graph pass
+(`lathe.kernels.decode_linear_pass`) also moves the linears of buckets up to 32 rows off
+BLAS, one call for the linears that read the same input, and each projection's LoRA slots
+are one call of `lathe.kernels.lora_bgmv`.
 
 How much of the block table a step passes is a second bucket. Where a paged kernel runs
 (Triton on CUDA, the native one on CPU) it is always the full width, one graph per batch
@@ -171,6 +174,9 @@ class DecodeGraphs:
             # batch-1 step
             options = {"cpp_wrapper": True, "size_asserts": False,
                        "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+            if hasattr(torch._inductor.config, "cpp_wrapper_build_separate"):
+                # the wrapper at -O1, the kernels at -O3 (see the module docstring)
+                options["cpp_wrapper_build_separate"] = True
             if native_kernel("decode_linear", slabs.k[0]):
                 # imported here: it imports inductor (~1.2 s), which an eager engine never needs
                 from lathe.kernels.decode_linear_pass import DecodeLinearPass

@@ -63,15 +63,19 @@ def test_on_cpu_the_native_kernels_are_timed_against_their_references():
     picks = bench.cpu_argmax_cases([(3, 100)])
     results = {name: fn() for name, fn in picks[0].impls.items()}
     assert torch.equal(results["native C++"], results["torch.argmax"])
+    adapters = bench.cpu_lora_cases([(2, 2, 24, 40), (5, 2, 24, 40)], compile=False)
+    for case in adapters:
+        results = {name: fn() for name, fn in case.impls.items()}
+        torch.testing.assert_close(results["native C++"], results["torch (eager)"])
     layers = bench.cpu_elementwise_cases([bench.PrefillShape(5, 16, 24, 4, 2, 8)],
                                          compile=False)
     for case in layers:
         results = {name: bench._outputs(fn()) for name, fn in case.impls.items()}
         for got, expected in zip(results["native C++"], results["torch (eager)"], strict=True):
             torch.testing.assert_close(got, expected)
-    table = bench.run_cpu(cases + linears + half + picks + layers, out=None)
+    table = bench.run_cpu(cases + linears + half + picks + adapters + layers, out=None)
     rows = [line for line in table.splitlines()
-            if line.startswith(("| paged_decode", "| decode_linear", "| argmax", "| rms_norm",
-                                "| add_rms_norm", "| swiglu", "| rope"))]
-    assert len(rows) == 19 and all(float(row.split("|")[3].replace(",", "")) > 0
+            if line.startswith(("| paged_decode", "| decode_linear", "| argmax", "| lora_bgmv",
+                                "| rms_norm", "| add_rms_norm", "| swiglu", "| rope"))]
+    assert len(rows) == 23 and all(float(row.split("|")[3].replace(",", "")) > 0
                                    for row in rows)
