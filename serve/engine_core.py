@@ -210,7 +210,8 @@ def serve_engine(load: Callable[[], LLMEngine], loras: dict[str, Path],
                  commands: Connection, events: Connection) -> None:
     """Build the engine (`load`, the adapters, the warm-up), report it ready and serve the
     front end's messages until told to stop; this thread then owns all of its torch work
-    but the building of compiled steps in the background (`compile_in_background`)."""
+    but the building of compiled steps in the background (`compile_in_background`), which
+    starts once the engine is ready."""
     lock = threading.Lock()
 
     def send(message: object) -> None:
@@ -232,7 +233,8 @@ def serve_engine(load: Callable[[], LLMEngine], loras: dict[str, Path],
                 send(Status(f"warming up: {done}/{total} compiled decode steps built"))
                 if core is not None:
                     core.poke()
-            engine.warm_up(warming)
+            if not engine.builds_in_background:
+                engine.warm_up(warming)
         except Exception as error:
             if not isinstance(error, LatheError):  # a user's to fix: its message says it all
                 log.exception("loading the engine failed")
@@ -252,6 +254,8 @@ def serve_engine(load: Callable[[], LLMEngine], loras: dict[str, Path],
         freeze_startup_heap()
         send(Deltas([], engine.stats()))  # /metrics has the engine's state from the start
         send(Ready(info))
+        if engine.builds_in_background:  # from now on: nothing before Ready shares the cores
+            engine.warm_up(warming)
         try:
             core.run()
         finally:  # closed, or the front end gone: a background build still running ends quietly

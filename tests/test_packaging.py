@@ -77,14 +77,19 @@ def test_training_imports_no_torchao_and_lora_imports_it_quietly():
 def test_importing_every_stage_and_loading_a_checkpoint_import_no_torch_compiler(tmp_path):
     """torch._dynamo takes ~1.5 s to import; a process that never compiles (an eval, a CPU
     training stage, a server without compiled steps) must not pay it, at import or when it
-    loads a checkpoint."""
+    loads a checkpoint; nor a CPU server's engine before it is ready, whose compiled steps
+    are built in the background (the build imports it)."""
     code = ("import sys\n"
             "import lathe.model, lathe.serve.engine, lathe.posttrain.grpo, lathe.pretrain.train\n"
             "from lathe.model import ModelConfig, Transformer\n"
             "from lathe.model.checkpoint import load_checkpoint, save_checkpoint\n"
+            "from lathe.serve.config import serving_engine\n"
             "config = ModelConfig.from_preset('tiny', vocab_size=64, n_layers=1)\n"
             f"save_checkpoint(Transformer(config), {str(tmp_path)!r})\n"
             f"load_checkpoint({str(tmp_path)!r})\n"
+            "engine = lathe.serve.engine.LLMEngine.from_checkpoint(\n"
+            f"    {str(tmp_path)!r}, serving_engine())\n"
+            "assert engine.runner.graphs is not None and engine.builds_in_background\n"
             "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'\n")
     processes.run([sys.executable, "-c", code], timeout=120, cwd=ROOT)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -344,6 +345,36 @@ def test_the_server_warms_its_decode_steps_up_before_health_turns_ok(checkpoint,
         assert built() == before and before[("tiny",)] == 0
 
 
+def at_full_priority(monkeypatch) -> None:
+    """Background builds at the test process's own niceness: at a low one, a test waiting on
+    them is starved by whatever the other test worker runs."""
+    monkeypatch.setattr("lathe.serve.decode_graph.BUILDING_NICENESS",
+                        os.getpriority(os.PRIO_PROCESS, 0))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own niceness is Linux's")
+def test_a_background_build_runs_at_a_low_cpu_priority_and_the_engine_does_not(monkeypatch):
+    """The building thread (and the compilers it starts) at niceness BUILDING_NICENESS, so
+    that steps served meanwhile take the cores first; the serving thread keeps its own."""
+    from lathe.serve.decode_graph import BUILDING_NICENESS, DecodeGraphs
+    niceness = []
+
+    def recorded(self, shape, inputs):
+        niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        self.stopping = True
+        raise RuntimeError("not compiled in this test")
+    monkeypatch.setattr(DecodeGraphs, "_build", recorded)
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    _, compiled = engine_pair(serve_model(256), compile_in_background=True)
+    compiled.warm_up()
+    deadline = time.monotonic() + 60
+    while any(t.name == "lathe-decode-graphs" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the background build did not end"
+        time.sleep(0.01)
+    assert niceness == [max(own, BUILDING_NICENESS)] and BUILDING_NICENESS > 0
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
+
+
 @pytest.mark.slow
 def test_a_server_answers_while_its_graphs_build_and_then_runs_them(checkpoint, monkeypatch):
     """`compile_in_background` (`lathe serve`'s default off CUDA): /health is ok before any
@@ -351,6 +382,7 @@ def test_a_server_answers_while_its_graphs_build_and_then_runs_them(checkpoint, 
     once the graphs are built the same greedy requests run through them, to the same
     tokens; /metrics says how many are still pending."""
     from lathe.serve.decode_graph import DecodeGraphs
+    at_full_priority(monkeypatch)
     gate = threading.Event()
     build = DecodeGraphs._build
 
@@ -402,6 +434,7 @@ def test_a_background_build_that_fails_keeps_what_it_built_and_runs_the_rest_eag
     """A compile that fails in the background leaves the buckets built by then compiled and
     the rest eager for good (never compiled under load); outputs equal eager's."""
     from lathe.serve.decode_graph import DecodeGraphs
+    at_full_priority(monkeypatch)
     build = DecodeGraphs._build
 
     def only_one_row(self, shape, inputs):
