@@ -5,24 +5,15 @@ takes it only for float32 CPU logits with the kernel enabled."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from lathe.kernels.argmax import argmax_cpu, greedy_argmax
-from lathe.kernels.cpu_native import load_cpu_kernels
 from lathe.kernels.dispatch import kernels_off
 
-pytestmark = [pytest.mark.native_cpu,
-              pytest.mark.skipif(shutil.which("c++") is None,
-                                 reason="the native kernels need a C++ compiler")]
+pytestmark = pytest.mark.native_cpu
 
-
-@pytest.fixture(scope="module", autouse=True)
-def native():
-    assert load_cpu_kernels(), "the native CPU kernels did not build"
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 65])

@@ -6,14 +6,12 @@ relative (the sums are reordered)."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lathe.kernels.cpu_native import load_cpu_kernels
 from lathe.kernels.decode_linear import (
     MAX_ROWS,
     DecodeLinear,
@@ -25,14 +23,8 @@ from lathe.kernels.decode_linear_pass import DecodeLinearPass
 from lathe.kernels.quant_matmul import int8_matmul_cpu, int8_matmul_reference
 from lathe.serve.quant import quantize_int8
 
-pytestmark = [pytest.mark.native_cpu,
-              pytest.mark.skipif(shutil.which("c++") is None,
-                                 reason="the native kernels need a C++ compiler")]
+pytestmark = pytest.mark.native_cpu
 
-
-@pytest.fixture(scope="module", autouse=True)
-def native():
-    assert load_cpu_kernels(), "the native CPU kernels did not build"
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 17])

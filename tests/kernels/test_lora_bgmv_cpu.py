@@ -6,24 +6,15 @@ float32 CPU tensors with the kernel enabled."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lathe.kernels.cpu_native import load_cpu_kernels
 from lathe.kernels.dispatch import kernels_off
 from lathe.kernels.lora_bgmv import lora_bgmv, lora_bgmv_cpu, lora_bgmv_reference
 
-pytestmark = [pytest.mark.native_cpu,
-              pytest.mark.skipif(shutil.which("c++") is None,
-                                 reason="the native kernels need a C++ compiler")]
+pytestmark = pytest.mark.native_cpu
 
-
-@pytest.fixture(scope="module", autouse=True)
-def native():
-    assert load_cpu_kernels(), "the native CPU kernels did not build"
 
 
 def case(rows: int, slots: int, rank: int, d_in: int, d_out: int, seed: int = 0):

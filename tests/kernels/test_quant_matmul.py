@@ -4,8 +4,6 @@ output scale (different summation order over K); fp16 and bf16 inputs 1e-2 and 2
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import triton
@@ -210,7 +208,6 @@ def test_int8_cpu_matmul_of_a_width_torchs_gemm_cannot_take(rows, k):
 
 
 @pytest.mark.native_cpu
-@pytest.mark.skipif(shutil.which("c++") is None, reason="the native ops need a C++ compiler")
 def test_native_cpu_gemm_ops_equal_the_python_ones_and_a_compiled_graph_calls_them():
     """With lathe's native CPU kernels loaded, a compiled graph calls the GEMMs as C++ ops
     (no interpreter per call): the same results as the Python ops, misaligned weight
