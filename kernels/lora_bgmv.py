@@ -47,10 +47,16 @@ def lora_bgmv_reference(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, sc
     return y + delta.to(y.dtype)
 
 
+def native_lora_bgmv(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, scale: Tensor,
+                     row_slots: Tensor) -> bool:
+    """Whether `lora_bgmv` takes the native op for these tensors."""
+    return (native_kernel("lora_bgmv", y) and row_slots.device.type == "cpu"
+            and all(t.dtype == torch.float32 for t in (y, x, lora_a, lora_b, scale)))
+
+
 def lora_bgmv(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, scale: Tensor,
               row_slots: Tensor) -> Tensor:
     """`lora_bgmv_reference`'s answer, by the native op where it applies."""
-    if (native_kernel("lora_bgmv", y) and row_slots.device.type == "cpu"
-            and all(t.dtype == torch.float32 for t in (y, x, lora_a, lora_b, scale))):
+    if native_lora_bgmv(y, x, lora_a, lora_b, scale, row_slots):
         return lora_bgmv_cpu(y, x, lora_a, lora_b, scale, row_slots)
     return lora_bgmv_reference(y, x, lora_a, lora_b, scale, row_slots)

@@ -72,25 +72,33 @@ def generate(engine: LLMEngine, requests: list[tuple[str, str | None]], tokens: 
     return [out[i] for i in ids]
 
 
-@pytest.mark.parametrize(("decode_steps", "gather_rows", "compiled"), [
-    (1, 1 << 23, False), (4, 1 << 23, False), (1, 0, False), (1, 1 << 23, True),
-    (4, 1 << 23, True)])
+@pytest.mark.parametrize(("decode_steps", "way", "compiled"), [
+    (1, "native", False), (4, "native", False), (1, "gathered", False),
+    (1, "segments", False), (1, "native", True), (4, "native", True)])
 def test_mixed_adapters_in_one_batch_equal_their_merged_checkpoints(checkpoint, adapters,
-                                                                    decode_steps, gather_rows,
+                                                                    decode_steps, way,
                                                                     compiled, monkeypatch):
-    """Gathered per row (BGMV) or looped per adapter (segments), multi-step or not; and in
-    compiled decode steps, whose buckets of up to 2 rows (the slots) gather each row's
-    adapter and larger ones read every slot once — all built at warm-up."""
-    monkeypatch.setattr("lathe.serve.adapters.GATHER_ELEMENTS", gather_rows)
+    """One native call per projection (CPU), gathered per row (BGMV) or looped per adapter
+    (segments), multi-step or not; and in compiled decode steps (one native call on CPU,
+    else buckets of up to 2 rows (the slots) gather each row's adapter and larger ones read
+    every slot once) — all built at warm-up."""
+    if way != "native":
+        monkeypatch.setenv("LATHE_KERNELS_DISABLE", "lora_bgmv")
+    monkeypatch.setattr("lathe.serve.adapters.GATHER_ELEMENTS",
+                        0 if way == "segments" else 1 << 23)
     folders, merged = adapters
     # compiled, 4 rows a step: buckets of 1 and 2 rows (the slots) and one larger is every
     # case, in 3 graphs a width where 16 rows would compile 5
     engine = served(checkpoint, folders, decode_steps=decode_steps, compile_decode=compiled,
                     max_num_seqs=4 if compiled else 16)
+    monkeypatch.delenv("LATHE_KERNELS_DISABLE", raising=False)  # read when an engine is built
     if compiled:
         engine.warm_up()
     requests = [(p, a) for p in PROMPTS for a in (None, "small", "large")]
-    mixed = generate(engine, requests)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        mixed = generate(engine, requests)
+    native = any(e.key == "lathe::lora_bgmv_cpu" for e in prof.key_averages())
+    assert native == (way == "native" and cpu_kernels_loaded())
     alone = {None: LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=256)),
              **{name: LLMEngine.from_checkpoint(path, EngineConfig(num_blocks=256))
                 for name, path in merged.items()}}
@@ -103,10 +111,6 @@ def test_mixed_adapters_in_one_batch_equal_their_merged_checkpoints(checkpoint, 
     assert engine.block_manager.usage == 0
     if compiled:
         assert engine.runner.graphs.steps > 0 and engine.runner.graphs.late == 0
-        if cpu_kernels_loaded():  # each projection's slots are one native call in the graph
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                generate(engine, requests[:3], tokens=2)
-            assert any(e.key == "lathe::lora_bgmv_cpu" for e in prof.key_averages())
 
 
 def test_no_prefix_cache_block_is_shared_across_adapters(checkpoint, adapters):
