@@ -16,7 +16,6 @@ from lathe.kernels.lora_bgmv import lora_bgmv, lora_bgmv_cpu, lora_bgmv_referenc
 pytestmark = pytest.mark.native_cpu
 
 
-
 def case(rows: int, slots: int, rank: int, d_in: int, d_out: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     # the slot vector is longer than the step, as the engine's (the largest bucket's)
@@ -101,3 +100,15 @@ def test_lora_bgmv_takes_the_native_op_only_where_it_applies():
     assert not ran_native(*(t.bfloat16() if t.is_floating_point() else t for t in args))
     with kernels_off("lora_bgmv"):
         assert not ran_native(*args)
+
+
+def test_a_compiled_graph_traces_the_reference_where_the_native_op_is_off():
+    """The way a CUDA decode step takes it: the dispatch traces whole (no graph break, as
+    `fullgraph` demands; inductor's code generation is not what is tested) into the
+    reference's gathers, which then equal the native op's answer."""
+    args = case(6, 3, 4, 16, 24)  # past the slots: the every-slot formulation
+    with kernels_off("lora_bgmv"), profile(activities=[ProfilerActivity.CPU]) as prof:
+        compiled = torch.compile(lora_bgmv, fullgraph=True, dynamic=False,
+                                 backend="aot_eager")(*args)
+    assert not any(event.key == "lathe::lora_bgmv_cpu" for event in prof.key_averages())
+    torch.testing.assert_close(compiled, lora_bgmv_cpu(*args), rtol=1e-5, atol=1e-5)

@@ -5,6 +5,7 @@ base is refused by name."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -16,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from lathe.core.errors import CheckpointError
 from lathe.kernels.cpu_native import cpu_kernels_loaded
+from lathe.kernels.dispatch import kernels_off
 from lathe.model import load_checkpoint, save_checkpoint
 from lathe.model.lora import LoraSection, apply_lora, load_adapter, merge_lora, save_adapter
 from lathe.serve.config import EngineConfig
@@ -82,8 +84,6 @@ def test_mixed_adapters_in_one_batch_equal_their_merged_checkpoints(checkpoint, 
     (segments), multi-step or not; and in compiled decode steps (one native call on CPU,
     else buckets of up to 2 rows (the slots) gather each row's adapter and larger ones read
     every slot once) — all built at warm-up."""
-    if way != "native":
-        monkeypatch.setenv("LATHE_KERNELS_DISABLE", "lora_bgmv")
     monkeypatch.setattr("lathe.serve.adapters.GATHER_ELEMENTS",
                         0 if way == "segments" else 1 << 23)
     folders, merged = adapters
@@ -91,11 +91,11 @@ def test_mixed_adapters_in_one_batch_equal_their_merged_checkpoints(checkpoint, 
     # case, in 3 graphs a width where 16 rows would compile 5
     engine = served(checkpoint, folders, decode_steps=decode_steps, compile_decode=compiled,
                     max_num_seqs=4 if compiled else 16)
-    monkeypatch.delenv("LATHE_KERNELS_DISABLE", raising=False)  # read when an engine is built
     if compiled:
         engine.warm_up()
     requests = [(p, a) for p in PROMPTS for a in (None, "small", "large")]
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with (kernels_off("lora_bgmv") if way != "native" else contextlib.nullcontext()), \
+            profile(activities=[ProfilerActivity.CPU]) as prof:
         mixed = generate(engine, requests)
     native = any(e.key == "lathe::lora_bgmv_cpu" for e in prof.key_averages())
     assert native == (way == "native" and cpu_kernels_loaded())
