@@ -13,32 +13,32 @@ from torch import Tensor
 @triton.jit
 def _rope_kernel(X, COS, SIN, Y, n_rows, heads, seq, half, SIGN: tl.constexpr,
                  BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    """Rotate rows of (B·H·T, D) X; SIGN = -1 rotates backwards (the gradient)."""
+    """Rotate a tile of ROWS rows of (B·H·T, D) X at once; SIGN = -1 rotates backwards (the
+    gradient)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    ok = cols < half
-    for i in range(ROWS):
-        row = tl.program_id(0) * ROWS + i
-        if row < n_rows:
-            b = row // (heads * seq)
-            t = row % seq
-            base = row * 2 * half
-            trig = (b * seq + t) * 2 * half
-            x1 = tl.load(X + base + cols, mask=ok, other=0.0).to(tl.float32)
-            x2 = tl.load(X + base + half + cols, mask=ok, other=0.0).to(tl.float32)
-            c = tl.load(COS + trig + cols, mask=ok, other=0.0).to(tl.float32)
-            s = tl.load(SIN + trig + cols, mask=ok, other=0.0).to(tl.float32) * SIGN
-            tl.store(Y + base + cols, (x1 * c - x2 * s).to(Y.dtype.element_ty), mask=ok)
-            tl.store(Y + base + half + cols, (x2 * c + x1 * s).to(Y.dtype.element_ty), mask=ok)
+    ok = (rows < n_rows)[:, None] & (cols < half)[None, :]
+    at = (rows * 2 * half)[:, None] + cols[None, :]
+    trig = (((rows // (heads * seq)) * seq + rows % seq) * 2 * half)[:, None] + cols[None, :]
+    x1 = tl.load(X + at, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(X + at + half, mask=ok, other=0.0).to(tl.float32)
+    c = tl.load(COS + trig, mask=ok, other=0.0).to(tl.float32)
+    s = tl.load(SIN + trig, mask=ok, other=0.0).to(tl.float32) * SIGN
+    tl.store(Y + at, (x1 * c - x2 * s).to(Y.dtype.element_ty), mask=ok)
+    tl.store(Y + at + half, (x2 * c + x1 * s).to(Y.dtype.element_ty), mask=ok)
+
+
+TILE = 1024  # elements of one half a program rotates: 16 rows of a 128-wide head
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor, sign: int) -> Tensor:
     x = x.contiguous()
     batch, heads, seq, dim = x.shape
     y = torch.empty_like(x)
-    rows, per_program = batch * heads * seq, 8
+    rows, block = batch * heads * seq, triton.next_power_of_2(dim // 2)
+    per_program = max(1, TILE // block)
     _rope_kernel[(triton.cdiv(rows, per_program),)](
-        x, cos, sin, y, rows, heads, seq, dim // 2, SIGN=sign,
-        BLOCK=triton.next_power_of_2(dim // 2), ROWS=per_program)
+        x, cos, sin, y, rows, heads, seq, dim // 2, SIGN=sign, BLOCK=block, ROWS=per_program)
     return y
 
 
