@@ -393,8 +393,10 @@ def test_a_server_answers_while_its_graphs_build_and_then_runs_them(checkpoint, 
     engines: list[LLMEngine] = []
 
     def load() -> LLMEngine:
+        # the warm-up test's shapes: its graphs come from the session's cache, built or
+        # loaded in the background alike
         engines.append(LLMEngine.from_checkpoint(checkpoint, EngineConfig(
-            compile_decode=True, compile_in_background=True, max_num_seqs=4,
+            compile_decode=True, compile_in_background=True, max_num_seqs=4, block_size=4,
             num_blocks=128)))
         return engines[0]
     server, thread, url = start_server(checkpoint, load)
