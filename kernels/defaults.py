@@ -58,7 +58,9 @@ DEFAULTS: dict[tuple[str, str], Default] = {
         False, "4 x 2048 tokens, 32/8 heads of 64, forward+backward 590 us; torch.compile "
         "872, Liger 601, eager 720; forward alone 174 against compile's 146 — on the H100 "
         "808 against compile's 328: off until a GPU run with it on passes "
-        "recipes/gpu-smoke.sh and the pretrain bench", H200, BENCH),
+        "recipes/gpu-smoke.sh and the pretrain bench. Measured on the kernel that looped "
+        "over 8 rows a program; it now rotates a tile of rows at once, not yet timed on a GPU",
+        H200, BENCH),
     ("linear_cross_entropy", "cuda"): Default(
         False, "8192 x 2048 -> 128256, forward+backward 110,698 us; the chunked PyTorch head "
         "(`fused_ce`, what runs instead) 39,781 (2.8 GiB), torch.compile 21,502 (2.5 GiB), "
