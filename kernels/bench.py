@@ -36,6 +36,7 @@ from lathe.kernels.decode_linear import (
 from lathe.kernels.fused_ce import linear_cross_entropy, linear_cross_entropy_reference
 from lathe.kernels.fused_ce_triton import linear_cross_entropy_triton
 from lathe.kernels.lora_bgmv import lora_bgmv_cpu, lora_bgmv_reference
+from lathe.kernels.lora_bgmv_triton import lora_bgmv_triton
 from lathe.kernels.paged_attention import paged_decode_cpu, paged_decode_reference
 from lathe.kernels.paged_attention_triton import paged_decode_triton
 from lathe.kernels.quant_matmul import (
@@ -226,6 +227,31 @@ def _quant_cases(s: Sizes, device: str, dtype: torch.dtype, compile: bool) -> li
     return result
 
 
+def _lora_cases(s: Sizes, device: str, dtype: torch.dtype, compile: bool) -> list[Case]:
+    """Each row's own rank-16 adapter of 16 slots on the up projection (`lora_bgmv`), at one
+    row and at a decode batch: GB/s of the A and B of the slots the rows name."""
+    if compile:
+        compiled = torch.compile(lora_bgmv_reference, dynamic=False)
+    result = []
+    for rows in (1, s.decode_batch):
+        g = torch.Generator().manual_seed(rows)
+        args = (torch.randn(rows, s.hidden, generator=g).to(device, dtype),
+                torch.randn(rows, s.dim, generator=g).to(device, dtype),
+                (torch.randn(16, s.dim, 16, generator=g) * 0.02).to(device, dtype),
+                (torch.randn(16, 16, s.hidden, generator=g) * 0.02).to(device, dtype),
+                torch.ones(16, device=device),
+                torch.randint(0, 16, (rows,), generator=g).to(device))
+        case = Case(f"lora_bgmv, {rows} rows × 16 slots, {s.dim} → {s.hidden}", "GB/s",
+                    args[5].unique().numel() * (args[2][0].numel() + args[3][0].numel())
+                    * args[2].element_size(), {
+                        "triton": lambda a=args: lora_bgmv_triton(*a),
+                        "torch": lambda a=args: lora_bgmv_reference(*a)}, backward=False)
+        if compile:
+            case.impls["torch.compile"] = lambda a=args: compiled(*a)
+        result.append(case)
+    return result
+
+
 def _paged_inputs(shape: PagedShape, block_size: int, device: str,
                   dtype: torch.dtype) -> tuple[tuple, int]:
     """Decode-attention arguments for `shape`, each sequence's blocks scattered over the
@@ -310,6 +336,7 @@ def cases(sizes: Sizes, device: str = "cuda", dtype: torch.dtype = torch.bfloat1
         _rope_case(sizes, device, dtype, compile),
         _cross_entropy_case(sizes, device, dtype, compile),
         *_quant_cases(sizes, device, dtype, compile),
+        *_lora_cases(sizes, device, dtype, compile),
         _attention_case(sizes, device, dtype, compile),
         _document_attention_case(sizes, device, dtype, compile),
         _paged_case("paged_decode", sizes.decode_batch, sizes.context, sizes, device, dtype,

@@ -1,7 +1,8 @@
 """Each row's own LoRA adapter added to a projection's output at a fixed shape (Punica's
 BGMV), as a compiled decode step with adapter slots computes it: `lathe::lora_bgmv_cpu`
-(csrc/lora_bgmv_cpu.cpp) for float32 on CPU once the native kernels are loaded, beside
-its reference `lora_bgmv_reference`, which the step traces everywhere else.
+(csrc/lora_bgmv_cpu.cpp) for float32 on CPU once the native kernels are loaded, Triton's
+shrink and expand (`lora_bgmv_triton`) on CUDA where the kernel policy turns them on, and
+their reference `lora_bgmv_reference`, which the step traces everywhere else.
 
 Row n adds scale[s] · (x[n] · A[s]) · B[s], s = row_slots[n]; a row of slot -1 (the base
 model's, or padding) gets nothing. A (slots × in × rank) and B (slots × rank × out) are the
@@ -18,7 +19,7 @@ import torch
 from torch import Tensor
 
 from lathe.kernels.cpu_native import native_kernel
-from lathe.kernels.dispatch import opaque_op
+from lathe.kernels.dispatch import opaque_op, use_triton
 
 lora_bgmv_cpu = opaque_op(
     "lora_bgmv_cpu",
@@ -54,9 +55,20 @@ def native_lora_bgmv(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, scale
             and all(t.dtype == torch.float32 for t in (y, x, lora_a, lora_b, scale)))
 
 
+def fused_lora_bgmv(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, scale: Tensor,
+                    row_slots: Tensor) -> bool:
+    """Whether `lora_bgmv` takes a kernel (Triton's or the native op), not the reference."""
+    return use_triton("lora_bgmv", y) or native_lora_bgmv(y, x, lora_a, lora_b, scale,
+                                                          row_slots)
+
+
 def lora_bgmv(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, scale: Tensor,
               row_slots: Tensor) -> Tensor:
-    """`lora_bgmv_reference`'s answer, by the native op where it applies."""
+    """`lora_bgmv_reference`'s answer, by Triton's kernels or the native op where they
+    apply."""
+    if use_triton("lora_bgmv", y):
+        from lathe.kernels.lora_bgmv_triton import lora_bgmv_triton
+        return lora_bgmv_triton(y, x, lora_a, lora_b, scale, row_slots)
     if native_lora_bgmv(y, x, lora_a, lora_b, scale, row_slots):
         return lora_bgmv_cpu(y, x, lora_a, lora_b, scale, row_slots)
     return lora_bgmv_reference(y, x, lora_a, lora_b, scale, row_slots)

@@ -5,19 +5,19 @@ holding `max_loras` adapter slots (Aᵀ: slots × in × max_rank, Bᵀ: slots ×
 scale per slot; an adapter of lower rank fills its slot's leading ranks and leaves zeros).
 Each step the engine says which slot each token row belongs to (`AdapterSlots.rows`); a
 projection then adds (x A_slotᵀ) B_slotᵀ · scale to each adapted row's base output: over
-several adapters, on CPU in one native call that reads each row's own slot
-(`lathe.kernels.lora_bgmv`) for a step of at most the largest decode bucket's rows, else
-in one batched matmul pair over every row's own gathered A and B (Punica's BGMV) while
-those stay small (`GATHER_ELEMENTS`), else one matmul pair per adapter over its rows
-(SGMV's segments); over all rows when they share one adapter. Rows of the base model
-(slot -1) get nothing added.
+several adapters, in one kernel call that reads each row's own slot
+(`lathe.kernels.lora_bgmv`: the native op on CPU, Triton's where the kernel policy turns it
+on) for a step of at most the largest decode bucket's rows, else in one batched matmul pair
+over every row's own gathered A and B (Punica's BGMV) while those stay small
+(`GATHER_ELEMENTS`), else one matmul pair per adapter over its rows (SGMV's segments); over
+all rows when they share one adapter. Rows of the base model (slot -1) get nothing added.
 
 A compiled decode step (`lathe.serve.decode_graph`) cannot take a Python list of rows: it
 reads each row's slot from `row_slots`, a device tensor every projection shares, which the
 engine fills before the step (padding rows -1), and adds each row's own delta by
-`lathe.kernels.lora_bgmv`: one native call a projection on CPU, gathers and masks the
-graph traces elsewhere; adapters loaded or swapped later are read by the same graphs, as
-the base weights are.
+`lathe.kernels.lora_bgmv`: one native call a projection on CPU, Triton's shrink and expand
+where they are on, else gathers and masks the graph traces; adapters loaded or swapped
+later are read by the same graphs, as the base weights are.
 
 Adapters are peft folders (`adapter_config.json`, `adapter_model.safetensors`), read with
 safetensors only and checked against the base when loaded: every LoRA weight must name a
@@ -47,7 +47,7 @@ from torch import Tensor, nn
 
 from lathe.core.checkpoint_files import checkpoint_file, read_json_object
 from lathe.core.errors import CheckpointError
-from lathe.kernels.lora_bgmv import lora_bgmv, lora_bgmv_cpu, native_lora_bgmv
+from lathe.kernels.lora_bgmv import fused_lora_bgmv, lora_bgmv
 from lathe.model.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -123,11 +123,11 @@ class MultiLoraLinear(nn.Module):
             return y
         flat_x, flat_y = x.reshape(-1, self.in_features), y.view(-1, self.out_features)
         gathered = self.context.gathered
-        if gathered is not None and len(flat_x) <= len(self.row_slots) and native_lora_bgmv(
+        if gathered is not None and len(flat_x) <= len(self.row_slots) and fused_lora_bgmv(
                 flat_y, flat_x, self.lora_a, self.lora_b, self.scale, self.row_slots):
-            # several adapters over a step's few rows: one native call, as a compiled step's
-            return lora_bgmv_cpu(flat_y, flat_x, self.lora_a, self.lora_b, self.scale,
-                                 self.row_slots).view(y.shape)
+            # several adapters over a step's few rows: one kernel call, as a compiled step's
+            return lora_bgmv(flat_y, flat_x, self.lora_a, self.lora_b, self.scale,
+                             self.row_slots).view(y.shape)
         if gathered is not None and len(gathered[0]) * max(self.in_features, self.out_features) \
                 * self.lora_a.shape[-1] <= GATHER_ELEMENTS:  # one batched matmul pair
             index, slots = gathered
