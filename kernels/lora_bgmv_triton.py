@@ -7,8 +7,10 @@ Shrink: h[n] = x[n] · A[slot] over `in`, split into `split_k` parts a row so th
 step of a few rows still fills the GPU; each part writes its own fp32 partial (no atomics:
 the sum is the same every run). Expand: out[n] = y[n] + scale[slot] · (Σ parts h[n]) · B[slot]
 over a tile of `out` a program; a row of slot -1 (the base model's, or padding) is copied.
-Every load of a slot's weights is masked by the row's slot being >= 0, so no row reads
-another's, and an adapter's NaN stays in its own rows.
+Every load of a slot's weights is masked by the row's slot being one of the slots, so no
+row reads another's, and an adapter's NaN stays in its own rows; a slot past the slots,
+which the host cannot see without waiting on the device, is read as none rather than out
+of bounds.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ from torch import Tensor
 
 
 @triton.jit
-def _shrink(X, A, ROW_SLOTS, H, d_in, rank, chunk, split_k,
+def _shrink(X, A, ROW_SLOTS, H, n_slots, d_in, rank, chunk, split_k,
             BLOCK_K: tl.constexpr, RANK: tl.constexpr):
     row, part = tl.program_id(0), tl.program_id(1)
     slot = tl.load(ROW_SLOTS + row)
-    reads = tl.where(slot >= 0, d_in, 0)  # a base row reads nothing
+    reads = tl.where((slot >= 0) & (slot < n_slots), d_in, 0)  # a base row reads nothing
     ranks = tl.arange(0, RANK)
     rank_ok = ranks < rank
     acc = tl.zeros([RANK], dtype=tl.float32)
@@ -41,21 +43,21 @@ def _shrink(X, A, ROW_SLOTS, H, d_in, rank, chunk, split_k,
 
 
 @triton.jit
-def _expand(Y, H, B, SCALE, ROW_SLOTS, OUT, d_out, rank, split_k,
+def _expand(Y, H, B, SCALE, ROW_SLOTS, OUT, n_slots, d_out, rank, split_k,
             BLOCK_N: tl.constexpr, RANK: tl.constexpr, SPLIT_PAD: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < d_out
     y = tl.load(Y + row * d_out + cols, mask=col_ok, other=0.0)
     slot = tl.load(ROW_SLOTS + row)
-    mine = slot >= 0
+    mine = (slot >= 0) & (slot < n_slots)
     reads = tl.where(mine, rank, 0)  # a base row reads nothing
     ranks, parts = tl.arange(0, RANK), tl.arange(0, SPLIT_PAD)
     h = tl.sum(tl.load(H + (row * split_k + parts[:, None]) * RANK + ranks[None, :],
                        mask=(parts < split_k)[:, None], other=0.0), axis=0)
     b = tl.load(B + (tl.maximum(slot, 0) * rank + ranks[:, None]) * d_out + cols[None, :],
                 mask=(ranks < reads)[:, None] & col_ok[None, :], other=0.0)
-    scale = tl.load(SCALE + tl.maximum(slot, 0))
+    scale = tl.load(SCALE + tl.minimum(tl.maximum(slot, 0), n_slots - 1))
     delta = tl.sum(h[:, None] * b.to(tl.float32), axis=0) * scale
     out = tl.where(mine, y + delta.to(y.dtype), y)
     tl.store(OUT + row * d_out + cols, out.to(OUT.dtype.element_ty), mask=col_ok)
@@ -67,14 +69,36 @@ def _expand(Y, H, B, SCALE, ROW_SLOTS, OUT, d_out, rank, split_k,
 A_TILE, TARGET_PROGRAMS, BLOCK_N = 2048, 128, 128
 
 
+def _check(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, scale: Tensor,
+           row_slots: Tensor) -> None:
+    """The shapes the kernels index by, checked before they read: what the native op checks,
+    but the slot values, which the host cannot read without waiting on the device."""
+    if x.dim() != 2 or y.dim() != 2 or lora_a.dim() != 3 or lora_b.dim() != 3:
+        raise ValueError("lora_bgmv: x and y must be 2-d, lora_a and lora_b 3-d; got "
+                         f"{x.dim()}, {y.dim()}, {lora_a.dim()}, {lora_b.dim()}")
+    slots, d_in, rank = lora_a.shape
+    if (y.shape[0] != x.shape[0] or x.shape[1] != d_in or lora_b.shape[:2] != (slots, rank)
+            or y.shape[1] != lora_b.shape[2] or scale.shape != (slots,)):
+        raise ValueError(f"lora_bgmv: shapes do not chain: y {tuple(y.shape)}, x "
+                         f"{tuple(x.shape)}, lora_a {tuple(lora_a.shape)}, lora_b "
+                         f"{tuple(lora_b.shape)}, scale {tuple(scale.shape)}")
+    if row_slots.dim() != 1 or row_slots.shape[0] < x.shape[0]:
+        raise ValueError(f"lora_bgmv: row_slots needs at least {x.shape[0]} entries, one a "
+                         f"row; got shape {tuple(row_slots.shape)}")
+    if lora_a.dtype != lora_b.dtype:
+        raise ValueError(f"lora_bgmv: lora_a is {lora_a.dtype} and lora_b {lora_b.dtype}; "
+                         "store the slots in one dtype")
+
+
 def lora_bgmv_triton(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, scale: Tensor,
                      row_slots: Tensor) -> Tensor:
     """`lora_bgmv_reference`'s answer: (rows, out) `y` plus each (rows, in) `x` row's own
     adapter delta, in y's dtype (h kept in fp32 between the two kernels)."""
+    _check(y, x, lora_a, lora_b, scale, row_slots)
     rows, d_in = x.shape
     if rows == 0:
         return torch.empty_like(y)
-    _, _, rank = lora_a.shape
+    n_slots, _, rank = lora_a.shape
     d_out = lora_b.shape[-1]
     x, y = x.contiguous(), y.contiguous()
     lora_a, lora_b = lora_a.contiguous(), lora_b.contiguous()
@@ -86,9 +110,9 @@ def lora_bgmv_triton(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, scale
     split_k = triton.cdiv(d_in, chunk)  # no part left empty
     h = torch.empty(rows, split_k, rank_pad, device=x.device, dtype=torch.float32)
     out = torch.empty_like(y)
-    _shrink[(rows, split_k)](x, lora_a, row_slots, h, d_in, rank, chunk, split_k,
+    _shrink[(rows, split_k)](x, lora_a, row_slots, h, n_slots, d_in, rank, chunk, split_k,
                              BLOCK_K=block_k, RANK=rank_pad)
     _expand[(rows, triton.cdiv(d_out, BLOCK_N))](
-        y, h, lora_b, scale, row_slots, out, d_out, rank, split_k, BLOCK_N=BLOCK_N,
+        y, h, lora_b, scale, row_slots, out, n_slots, d_out, rank, split_k, BLOCK_N=BLOCK_N,
         RANK=rank_pad, SPLIT_PAD=triton.next_power_of_2(split_k))
     return out

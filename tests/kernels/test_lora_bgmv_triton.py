@@ -1,8 +1,9 @@
 """Triton's per-row LoRA kernels (shrink, expand) against `lora_bgmv_reference`: each row its
 own slot's delta and base rows (slot -1) copied, at one row (the shrink split over `in`)
 and at many, ranks below the padded tile, widths past a tile; a NaN slot reaches only its
-own rows; and the dispatch takes them where the policy turns `lora_bgmv` on. Run by the
-interpreter on CPU, compiled on a GPU (tests/kernels/target.py)."""
+own rows, a slot past the slots reads nothing, malformed shapes are refused; and the
+dispatch takes them where the policy turns `lora_bgmv` on. Run by the interpreter on CPU,
+compiled on a GPU (tests/kernels/target.py)."""
 
 from __future__ import annotations
 
@@ -68,3 +69,31 @@ def test_the_dispatch_takes_the_triton_kernels_where_the_policy_turns_them_on(mo
     torch.testing.assert_close(got, lora_bgmv_reference(*args))
     # the reference's batched matmuls never ran: the delta came from the kernels
     assert not any(e.key == "aten::bmm" for e in prof.key_averages())
+
+
+def test_a_slot_past_the_slots_is_read_as_none_not_out_of_bounds():
+    """The host cannot check the slots without a sync; the kernels never read past them."""
+    y, x, a, b, scale, _ = case(3, 2, 4, 16, 24, torch.float32)
+    row_slots = torch.tensor([1, 2, 7], device=DEVICE)
+    out = lora_bgmv_triton(y, x, a, b, scale, row_slots)
+    torch.testing.assert_close(out[0], y[0] + scale[1] * (x[0] @ a[1]) @ b[1])
+    assert torch.equal(out[1:], y[1:])
+
+
+def wrong(**changes):
+    names = ("y", "x", "lora_a", "lora_b", "scale", "row_slots")
+    args = dict(zip(names, case(4, 2, 4, 8, 6, torch.float32), strict=True))
+    return tuple({**args, **changes}.values())
+
+
+@pytest.mark.parametrize("args, message", [
+    (wrong(row_slots=torch.tensor([0, 1], device=DEVICE)), "at least 4 entries"),
+    (wrong(lora_a=torch.zeros(2, 9, 4, device=DEVICE)), "shapes do not chain"),
+    (wrong(y=torch.zeros(3, 6, device=DEVICE)), "shapes do not chain"),
+    (wrong(scale=torch.ones(3, device=DEVICE)), "shapes do not chain"),
+    (wrong(lora_b=torch.zeros(2, 4, 6, device=DEVICE, dtype=torch.float16)), "one dtype"),
+    (wrong(x=torch.zeros(4, 2, 4, device=DEVICE)), "must be 2-d"),
+])
+def test_malformed_calls_are_refused_before_a_kernel_reads(args, message):
+    with pytest.raises(ValueError, match=message):
+        lora_bgmv_triton(*args)
