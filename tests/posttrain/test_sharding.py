@@ -3,7 +3,8 @@ rank holds half of a policy weight and half of the reference's; an SFT step with
 accumulation on 2 ranks is the one-process step on the same 8 chats; GRPO with a sharded
 reference and its rollout engine synced from the shards reproduces the one-process run, and
 so does on-policy distillation from a sharded teacher, and a reward model's training; GRPO's
-dynamic sampling keeps both ranks drawing the same rounds."""
+dynamic sampling keeps both ranks drawing the same rounds; asynchronous GRPO's two ranks
+share one rollout server the main process starts, pushes to and stops."""
 
 from __future__ import annotations
 
@@ -106,6 +107,40 @@ def test_grpo_with_a_sharded_reference_matches_one_process(recipe, base, tmp_pat
     assert step_metrics(one, "kl")[3] > 0  # the policy moved away from the reference
     # the steps drew different rollouts: the comparison above is not of three equal steps
     assert len(set(step_metrics(one, "reward/mean").values())) > 1
+
+
+def test_asynchronous_grpo_on_two_ranks_shares_one_server_and_draws_the_one_process_rewards(
+        base, tmp_path):
+    """rollout.url=local under DDP: the main process starts one server, both ranks sample
+    their halves of each step there while the step before trains, and the main process
+    pushes each step's weights. With a policy that does not move (lr 1e-30: no update
+    survives fp32 rounding), stale weights are the current ones, so the rewards are a
+    synchronous one-process run's, step for step; and the server stops with the run."""
+    settings = {**GRPO, "max_steps": 4, "optim.lr": 1e-30, "beta": 0.0,
+                "logging.log_every": 1}
+    one = tmp_path / "one"
+    reset_accelerate()
+    grpo(load_config(GRPOConfig, None, quick(one, base, **settings, grad_accum_steps=2)))
+    two = tmp_path / "async"
+    processes.run(launch("cpu-ddp", "-m", "lathe.posttrain.grpo", *quick(two, base, **{
+        **settings, "rollout.url": "local", "rollout.max_staleness": 1,
+        "sampling_correction": "token_truncate"})), timeout=300, cwd=ROOT)
+    assert list(step_metrics(two, "rollout/staleness").values()) == [0.0, 1.0, 1.0, 1.0]
+    assert set(step_metrics(two, "rollout/policy_version_spread").values()) <= {0.0, 1.0}
+    assert step_metrics(two, "reward/mean") == step_metrics(one, "reward/mean")
+    assert len(set(step_metrics(one, "reward/mean").values())) > 1  # four different draws
+    assert [p.name for p in (two / "rollout-weights").iterdir()] == ["push-000005"]
+    serving = str(two / "rollout-weights").encode()
+    assert not [entry for entry in Path("/proc").iterdir() if entry.name.isdigit()
+                and processes.alive(int(entry.name))
+                and serving in _cmdline(entry)]  # the server stopped with the run
+
+
+def _cmdline(entry: Path) -> bytes:
+    try:
+        return (entry / "cmdline").read_bytes()
+    except OSError:  # gone meanwhile
+        return b""
 
 
 def test_dpo_under_zero3_bf16_starts_at_log_2(base, tmp_path):
