@@ -12,25 +12,16 @@ from torch.profiler import ProfilerActivity, profile
 
 from lathe.kernels.dispatch import kernels_off
 from lathe.kernels.lora_bgmv import lora_bgmv, lora_bgmv_cpu, lora_bgmv_reference
+from tests.kernels.lora_rows import assert_a_nan_slot_stays_in_its_rows, lora_case
 
 pytestmark = pytest.mark.native_cpu
-
-
-def case(rows: int, slots: int, rank: int, d_in: int, d_out: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    # the slot vector is longer than the step, as the engine's (the largest bucket's)
-    row_slots = torch.randint(-1, slots, (rows + 5,), generator=g)
-    return (torch.randn(rows, d_out, generator=g), torch.randn(rows, d_in, generator=g),
-            torch.randn(slots, d_in, rank, generator=g) * 0.1,
-            torch.randn(slots, rank, d_out, generator=g) * 0.1,
-            torch.rand(slots, generator=g) * 2, row_slots)
 
 
 @pytest.mark.parametrize("rows, slots, rank, d_in, d_out", [
     (1, 1, 8, 64, 96), (3, 4, 16, 128, 384), (16, 4, 8, 384, 1024), (64, 16, 16, 96, 40),
     (7, 2, 3, 17, 33)])
 def test_each_row_adds_its_own_slots_delta(rows, slots, rank, d_in, d_out):
-    y, x, a, b, scale, row_slots = case(rows, slots, rank, d_in, d_out)
+    y, x, a, b, scale, row_slots = lora_case(rows, slots, rank, d_in, d_out)
     got = lora_bgmv_cpu(y, x, a, b, scale, row_slots)
     torch.testing.assert_close(got, lora_bgmv_reference(y, x, a, b, scale, row_slots),
                                rtol=1e-5, atol=1e-5)
@@ -44,29 +35,19 @@ def test_each_row_adds_its_own_slots_delta(rows, slots, rank, d_in, d_out):
 @pytest.mark.parametrize("rows", [2, 6])  # within the slots, and past them (the reference)
 @pytest.mark.parametrize("op", [lora_bgmv_cpu, lora_bgmv_reference], ids=["native", "reference"])
 def test_a_non_finite_slot_reaches_no_other_row(rows, op):
-    """An adapter that overflowed leaves the base rows and the other slot's rows as they
-    are — a 0/1 mask multiplied in had turned every row of the batch into NaN."""
-    y, x, a, b, scale, _ = case(rows, 3, 2, 8, 6)
-    a[0] = float("nan")
-    row_slots = torch.tensor([-1, 1, 0, -1, 1, 0][:rows])
-    out = op(y, x, a, b, scale, row_slots)
-    for n, slot in enumerate(row_slots.tolist()):
-        if slot == 0:
-            assert out[n].isnan().all()
-            continue
-        want = y[n] if slot < 0 else y[n] + scale[1] * (x[n] @ a[1]) @ b[1]
-        torch.testing.assert_close(out[n], want)
+    """An adapter that overflowed leaves the other rows as they are."""
+    assert_a_nan_slot_stays_in_its_rows(op, rows)
 
 
 def test_strided_inputs_are_read_as_their_values():
-    y, x, a, b, scale, row_slots = case(5, 3, 4, 24, 20)
+    y, x, a, b, scale, row_slots = lora_case(5, 3, 4, 24, 20)
     x_t = x.t().contiguous().t()
     torch.testing.assert_close(lora_bgmv_cpu(y, x_t, a, b, scale, row_slots),
                                lora_bgmv_reference(y, x, a, b, scale, row_slots))
 
 
 def wrong(**changes):
-    args = dict(zip(("y", "x", "lora_a", "lora_b", "scale", "row_slots"), case(4, 2, 4, 8, 6),
+    args = dict(zip(("y", "x", "lora_a", "lora_b", "scale", "row_slots"), lora_case(4, 2, 4, 8, 6),
                     strict=True))
     return tuple({**args, **changes}.values())
 
@@ -95,7 +76,7 @@ def ran_native(*args: torch.Tensor) -> bool:
 
 
 def test_lora_bgmv_takes_the_native_op_only_where_it_applies():
-    args = case(4, 2, 4, 8, 6)
+    args = lora_case(4, 2, 4, 8, 6)
     assert ran_native(*args)
     assert not ran_native(*(t.bfloat16() if t.is_floating_point() else t for t in args))
     with kernels_off("lora_bgmv"):
@@ -106,7 +87,7 @@ def test_a_compiled_graph_traces_the_reference_where_the_native_op_is_off():
     """The way a CUDA decode step takes it: the dispatch traces whole (no graph break, as
     `fullgraph` demands; inductor's code generation is not what is tested) into the
     reference's gathers, which then equal the native op's answer."""
-    args = case(6, 3, 4, 16, 24)  # past the slots: the every-slot formulation
+    args = lora_case(6, 3, 4, 16, 24)  # past the slots: the every-slot formulation
     with kernels_off("lora_bgmv"), profile(activities=[ProfilerActivity.CPU]) as prof:
         compiled = torch.compile(lora_bgmv, fullgraph=True, dynamic=False,
                                  backend="aot_eager")(*args)

@@ -12,21 +12,10 @@ import torch
 
 from lathe.kernels.lora_bgmv import fused_lora_bgmv, lora_bgmv, lora_bgmv_reference
 from lathe.kernels.lora_bgmv_triton import lora_bgmv_triton
+from tests.kernels.lora_rows import assert_a_nan_slot_stays_in_its_rows, lora_case
 from tests.kernels.target import DEVICE, DTYPES, enable_kernels
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-
-
-def case(rows: int, slots: int, rank: int, d_in: int, d_out: int, dtype: torch.dtype,
-         seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    # the slot vector is longer than the step, as the engine's (the largest bucket's)
-    row_slots = torch.randint(-1, slots, (rows + 5,), generator=g)
-    tensors = (torch.randn(rows, d_out, generator=g), torch.randn(rows, d_in, generator=g),
-               torch.randn(slots, d_in, rank, generator=g) * 0.1,
-               torch.randn(slots, rank, d_out, generator=g) * 0.1)
-    return (*(t.to(DEVICE, dtype) for t in tensors),
-            (torch.rand(slots, generator=g) * 2).to(DEVICE), row_slots.to(DEVICE))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -34,7 +23,7 @@ def case(rows: int, slots: int, rank: int, d_in: int, d_out: int, dtype: torch.d
     (1, 2, 16, 640, 96),  # one row: its `in` split over several shrink programs
     (3, 4, 8, 128, 384), (24, 4, 16, 96, 200), (7, 2, 3, 17, 33)])
 def test_each_row_adds_its_own_slots_delta(rows, slots, rank, d_in, d_out, dtype):
-    y, x, a, b, scale, row_slots = case(rows, slots, rank, d_in, d_out, dtype)
+    y, x, a, b, scale, row_slots = lora_case(rows, slots, rank, d_in, d_out, dtype, DEVICE)
     got = lora_bgmv_triton(y, x, a, b, scale, row_slots)
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(got, lora_bgmv_reference(y, x, a, b, scale, row_slots),
@@ -48,20 +37,11 @@ def test_each_row_adds_its_own_slots_delta(rows, slots, rank, d_in, d_out, dtype
 
 
 def test_a_non_finite_slot_reaches_no_other_row():
-    y, x, a, b, scale, _ = case(6, 3, 2, 8, 6, torch.float32)
-    a[0] = float("nan")
-    row_slots = torch.tensor([-1, 1, 0, -1, 1, 0], device=DEVICE)
-    out = lora_bgmv_triton(y, x, a, b, scale, row_slots)
-    for n, slot in enumerate(row_slots.tolist()):
-        if slot == 0:
-            assert out[n].isnan().all()
-            continue
-        want = y[n] if slot < 0 else y[n] + scale[1] * (x[n] @ a[1]) @ b[1]
-        torch.testing.assert_close(out[n], want)
+    assert_a_nan_slot_stays_in_its_rows(lora_bgmv_triton, 6, DEVICE)
 
 
 def test_the_dispatch_takes_the_triton_kernels_where_the_policy_turns_them_on(monkeypatch):
-    args = case(4, 2, 4, 32, 48, torch.float32)
+    args = lora_case(4, 2, 4, 32, 48, device=DEVICE)
     enable_kernels(monkeypatch)
     assert fused_lora_bgmv(*args)
     with torch.profiler.profile() as prof:
@@ -73,7 +53,7 @@ def test_the_dispatch_takes_the_triton_kernels_where_the_policy_turns_them_on(mo
 
 def test_a_slot_past_the_slots_is_read_as_none_not_out_of_bounds():
     """The host cannot check the slots without a sync; the kernels never read past them."""
-    y, x, a, b, scale, _ = case(3, 2, 4, 16, 24, torch.float32)
+    y, x, a, b, scale, _ = lora_case(3, 2, 4, 16, 24, device=DEVICE)
     row_slots = torch.tensor([1, 2, 7], device=DEVICE)
     out = lora_bgmv_triton(y, x, a, b, scale, row_slots)
     torch.testing.assert_close(out[0], y[0] + scale[1] * (x[0] @ a[1]) @ b[1])
@@ -82,7 +62,7 @@ def test_a_slot_past_the_slots_is_read_as_none_not_out_of_bounds():
 
 def wrong(**changes):
     names = ("y", "x", "lora_a", "lora_b", "scale", "row_slots")
-    args = dict(zip(names, case(4, 2, 4, 8, 6, torch.float32), strict=True))
+    args = dict(zip(names, lora_case(4, 2, 4, 8, 6, device=DEVICE), strict=True))
     return tuple({**args, **changes}.values())
 
 
