@@ -36,6 +36,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lathe.core.errors import ConfigError, LatheError
+from lathe.kernels.dispatch import kernels_off
 from lathe.kernels.fused_ce import linear_cross_entropy, linear_token_logprobs
 from lathe.model.config import ModelConfig
 from lathe.model.head_ops import LabelLogprobs
@@ -258,7 +259,9 @@ def plan_memory(config: ModelConfig, shape: StepShape, parallelism: Parallelism,
             apply_lora(model, replace(lora, qlora=False))
     if activation_checkpointing:
         enable_activation_checkpointing(model)
-    with FakeTensorMode(allow_non_fake_inputs=True):  # the meta weights, made fake here
+    # the references, whatever the kernel policy: a kernel launched on fake tensors (Triton
+    # under LATHE_KERNELS=force) would read their storage, which they do not have
+    with FakeTensorMode(allow_non_fake_inputs=True), kernels_off():  # meta weights made fake
         model.to_empty(device="cpu")
         model.tie_weights()
         if parallelism.strategy == "zero3":

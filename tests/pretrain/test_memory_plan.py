@@ -50,6 +50,22 @@ def test_the_traced_step_counts_what_real_tensors_hold():
     assert peaks[0][0] > 2 * 128 * CONFIG.dim * 4 * CONFIG.n_layers  # activations are there
 
 
+def test_the_plan_traces_the_references_whatever_the_kernel_policy(monkeypatch):
+    """Under LATHE_KERNELS=force a Triton kernel would run on the fake tensors and read
+    storage they do not have (the interpreter warned of it); the trace takes the
+    references, so the plan is the default policy's."""
+    import warnings
+
+    from lathe.kernels import dispatch
+    shape = StepShape(2, 64)
+    default = plan_memory(CONFIG, shape, Parallelism())
+    monkeypatch.setenv("LATHE_KERNELS", "force")
+    dispatch.configure()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert plan_memory(CONFIG, shape, Parallelism()) == default
+
+
 @pytest.mark.parametrize("strategy,processes,mixed,device,weights,optimizer", [
     ("single", 1, "no", "cpu", 4 * P, 8 * P),
     ("ddp", 4, "bf16", "cuda", 4 * P, 8 * P),
