@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lathe.core.errors import ConfigError, LatheError
-from lathe.kernels.dispatch import kernels_off
+from lathe.kernels.dispatch import KERNELS, kernels_off
 from lathe.kernels.fused_ce import linear_cross_entropy, linear_token_logprobs
 from lathe.model.config import ModelConfig
 from lathe.model.head_ops import LabelLogprobs
@@ -50,6 +50,8 @@ STRATEGIES = ("single", "ddp", "fsdp2", "zero1", "zero2", "zero3")
 GIB = 2**30
 # what returns freed blocks to the system at once, as the bench and tests measure with
 RETAIN_OFF = "MALLOC_MMAP_THRESHOLD_=131072"
+# the kernels a plan traces the references of (see plan_memory)
+OFF_IN_TRACE = tuple(name for name in KERNELS if name != "grouped_matmul")
 ZERO3_MAX_LIVE_PARAMETERS = 10**9  # DeepSpeed's default stage3_max_live_parameters
 
 
@@ -259,9 +261,11 @@ def plan_memory(config: ModelConfig, shape: StepShape, parallelism: Parallelism,
             apply_lora(model, replace(lora, qlora=False))
     if activation_checkpointing:
         enable_activation_checkpointing(model)
-    # the references, whatever the kernel policy: a kernel launched on fake tensors (Triton
-    # under LATHE_KERNELS=force) would read their storage, which they do not have
-    with FakeTensorMode(allow_non_fake_inputs=True), kernels_off():  # meta weights made fake
+    # the meta weights, made fake here; the references, whatever the kernel policy: a kernel
+    # launched on fake tensors (Triton under LATHE_KERNELS=force) would read storage they do
+    # not have. But torch's own grouped GEMM, which fake tensors run, where the experts'
+    # reference loop splits by counts it reads
+    with FakeTensorMode(allow_non_fake_inputs=True), kernels_off(*OFF_IN_TRACE):
         model.to_empty(device="cpu")
         model.tie_weights()
         if parallelism.strategy == "zero3":
