@@ -131,10 +131,11 @@ KILLS = [
 # The kills probe lathe's save protocol, which is one for every backend: one process goes
 # through all of them (bit-exact; its one rank makes the two ranks' save kills one);
 # DDP through those of a rank other than the first (mid-step) and of each rank writing its
-# part. A sharded backend adds only its own files: FSDP2 and ZeRO-3 are killed as each rank
-# writes, ZeRO-2 once (ZeRO-1 writes the same files: each rank's optimizer partition).
+# part. A sharded backend adds only its own files, so FSDP2, ZeRO-2 and ZeRO-3 are killed
+# once each, as the second rank writes its part (ZeRO-1 writes ZeRO-2's files: each rank's
+# optimizer partition).
 STAGE_KILLS = {"cpu": [*KILLS[:4], KILLS[5]], "cpu-ddp": [KILLS[1], *KILLS[3:5]],
-               "cpu-fsdp2": KILLS[3:5], "cpu-zero3": KILLS[3:5], "cpu-zero2": KILLS[4:5]}
+               "cpu-fsdp2": KILLS[4:5], "cpu-zero3": KILLS[4:5], "cpu-zero2": KILLS[4:5]}
 
 
 @pytest.mark.parametrize(("recipe", "micro_batch_size", "tolerance"), [
