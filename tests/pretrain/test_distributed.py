@@ -45,12 +45,16 @@ def settings(corpus: Path, out: Path, micro_batch_size: int, steps: int = STEPS)
 
 
 def command(recipe: str, config: dict, resume: str = "never") -> list[str]:
+    """`accelerate launch` of `recipe`; "cpu", one process, runs as `lathe pretrain` does
+    (the README's run), without a launcher."""
     path = Path(config["out_dir"]).with_suffix(".yaml")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config))
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-            str(ROOT / "recipes" / "accelerate" / f"{recipe}.yaml"), "-m", "lathe.pretrain",
-            "--config", str(path), "--resume", resume]
+    launcher = [] if recipe == "cpu" else [
+        "-m", "accelerate.commands.launch", "--config_file",
+        str(ROOT / "recipes" / "accelerate" / f"{recipe}.yaml")]
+    return [sys.executable, *launcher, "-m", "lathe.pretrain", "--config", str(path),
+            "--resume", resume]
 
 
 def run(cmd: list[str], failpoint: str | None = None) -> str:
