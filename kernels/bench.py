@@ -227,6 +227,21 @@ def _quant_cases(s: Sizes, device: str, dtype: torch.dtype, compile: bool) -> li
     return result
 
 
+def _lora_inputs(rows: int, slots: int, in_features: int, out_features: int, device: str,
+                 dtype: torch.dtype) -> tuple[tuple[Tensor, ...], int]:
+    """`lora_bgmv`'s arguments for rank-16 adapters in `slots` slots, each row on a random
+    slot, and the bytes of the A and B of the slots the rows name."""
+    g = torch.Generator().manual_seed(rows)
+    args = (torch.randn(rows, out_features, generator=g).to(device, dtype),
+            torch.randn(rows, in_features, generator=g).to(device, dtype),
+            (torch.randn(slots, in_features, 16, generator=g) * 0.02).to(device, dtype),
+            (torch.randn(slots, 16, out_features, generator=g) * 0.02).to(device, dtype),
+            torch.ones(slots, device=device),
+            torch.randint(0, slots, (rows,), generator=g).to(device))
+    named = args[5].unique().numel()
+    return args, named * (args[2][0].numel() + args[3][0].numel()) * args[2].element_size()
+
+
 def _lora_cases(s: Sizes, device: str, dtype: torch.dtype, compile: bool) -> list[Case]:
     """Each row's own rank-16 adapter of 16 slots on the up projection (`lora_bgmv`), at one
     row and at a decode batch: GB/s of the A and B of the slots the rows name."""
@@ -234,18 +249,10 @@ def _lora_cases(s: Sizes, device: str, dtype: torch.dtype, compile: bool) -> lis
         compiled = torch.compile(lora_bgmv_reference, dynamic=False)
     result = []
     for rows in (1, s.decode_batch):
-        g = torch.Generator().manual_seed(rows)
-        args = (torch.randn(rows, s.hidden, generator=g).to(device, dtype),
-                torch.randn(rows, s.dim, generator=g).to(device, dtype),
-                (torch.randn(16, s.dim, 16, generator=g) * 0.02).to(device, dtype),
-                (torch.randn(16, 16, s.hidden, generator=g) * 0.02).to(device, dtype),
-                torch.ones(16, device=device),
-                torch.randint(0, 16, (rows,), generator=g).to(device))
-        case = Case(f"lora_bgmv, {rows} rows × 16 slots, {s.dim} → {s.hidden}", "GB/s",
-                    args[5].unique().numel() * (args[2][0].numel() + args[3][0].numel())
-                    * args[2].element_size(), {
-                        "triton": lambda a=args: lora_bgmv_triton(*a),
-                        "torch": lambda a=args: lora_bgmv_reference(*a)}, backward=False)
+        args, work = _lora_inputs(rows, 16, s.dim, s.hidden, device, dtype)
+        case = Case(f"lora_bgmv, {rows} rows × 16 slots, {s.dim} → {s.hidden}", "GB/s", work, {
+            "triton": lambda a=args: lora_bgmv_triton(*a),
+            "torch": lambda a=args: lora_bgmv_reference(*a)}, backward=False)
         if compile:
             case.impls["torch.compile"] = lambda a=args: compiled(*a)
         result.append(case)
@@ -523,22 +530,14 @@ def cpu_lora_cases(shapes: list[tuple[int, int, int, int]], compile: bool = True
     compiled, fp32: GB/s of the A and B of the slots the rows name."""
     result = []
     for rows, slots, in_features, out_features in shapes:
-        g = torch.Generator().manual_seed(rows)
-        args = (torch.randn(rows, out_features, generator=g),
-                torch.randn(rows, in_features, generator=g),
-                torch.randn(slots, in_features, 16, generator=g) * 0.02,
-                torch.randn(slots, 16, out_features, generator=g) * 0.02,
-                torch.ones(slots), torch.randint(0, slots, (rows,), generator=g))
+        args, work = _lora_inputs(rows, slots, in_features, out_features, "cpu", torch.float32)
         impls = {"native C++": lambda a=args: lora_bgmv_cpu(*a),
                  "torch (eager)": lambda a=args: lora_bgmv_reference(*a)}
         if compile:
             compiled = torch.compile(lora_bgmv_reference, dynamic=False)
             impls["torch.compile"] = lambda a=args, f=compiled: f(*a)
-        named = args[5].unique().numel()  # the slots the rows read
         result.append(Case(f"lora_bgmv, {rows} rows × {slots} slots, {in_features} → "
-                           f"{out_features}", "GB/s",
-                           named * (args[2][0].numel() + args[3][0].numel()) * 4, impls,
-                           backward=False))
+                           f"{out_features}", "GB/s", work, impls, backward=False))
     return result
 
 

@@ -56,19 +56,20 @@ def native_lora_bgmv(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, scale
 
 
 def fused_lora_bgmv(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, scale: Tensor,
-                    row_slots: Tensor) -> bool:
-    """Whether `lora_bgmv` takes a kernel (Triton's or the native op), not the reference."""
-    return use_triton("lora_bgmv", y) or native_lora_bgmv(y, x, lora_a, lora_b, scale,
-                                                          row_slots)
-
-
-def lora_bgmv(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, scale: Tensor,
-              row_slots: Tensor) -> Tensor:
-    """`lora_bgmv_reference`'s answer, by Triton's kernels or the native op where they
-    apply."""
+                    row_slots: Tensor) -> Tensor | None:
+    """`lora_bgmv_reference`'s answer by a kernel, Triton's or the native op, where one
+    applies; None where only the reference does."""
     if use_triton("lora_bgmv", y):
         from lathe.kernels.lora_bgmv_triton import lora_bgmv_triton
         return lora_bgmv_triton(y, x, lora_a, lora_b, scale, row_slots)
     if native_lora_bgmv(y, x, lora_a, lora_b, scale, row_slots):
         return lora_bgmv_cpu(y, x, lora_a, lora_b, scale, row_slots)
-    return lora_bgmv_reference(y, x, lora_a, lora_b, scale, row_slots)
+    return None
+
+
+def lora_bgmv(y: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, scale: Tensor,
+              row_slots: Tensor) -> Tensor:
+    """`lora_bgmv_reference`'s answer, by a kernel where one applies."""
+    fused = fused_lora_bgmv(y, x, lora_a, lora_b, scale, row_slots)
+    return fused if fused is not None else lora_bgmv_reference(y, x, lora_a, lora_b, scale,
+                                                               row_slots)

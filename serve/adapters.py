@@ -123,11 +123,12 @@ class MultiLoraLinear(nn.Module):
             return y
         flat_x, flat_y = x.reshape(-1, self.in_features), y.view(-1, self.out_features)
         gathered = self.context.gathered
-        if gathered is not None and len(flat_x) <= len(self.row_slots) and fused_lora_bgmv(
-                flat_y, flat_x, self.lora_a, self.lora_b, self.scale, self.row_slots):
+        if gathered is not None and len(flat_x) <= len(self.row_slots):
             # several adapters over a step's few rows: one kernel call, as a compiled step's
-            return lora_bgmv(flat_y, flat_x, self.lora_a, self.lora_b, self.scale,
-                             self.row_slots).view(y.shape)
+            fused = fused_lora_bgmv(flat_y, flat_x, self.lora_a, self.lora_b, self.scale,
+                                    self.row_slots)
+            if fused is not None:
+                return fused.view(y.shape)
         if gathered is not None and len(gathered[0]) * max(self.in_features, self.out_features) \
                 * self.lora_a.shape[-1] <= GATHER_ELEMENTS:  # one batched matmul pair
             index, slots = gathered

@@ -45,6 +45,20 @@ def alive(pid: int) -> bool:
         return False
 
 
+def running(marker: bytes) -> list[int]:
+    """Every live process whose command line holds `marker`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or not alive(int(entry.name)):
+            continue
+        try:
+            if marker in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile
+            continue
+    return found
+
+
 def kill_tree(pid: int) -> None:
     for target in [*descendants(pid), pid]:
         try:

@@ -261,10 +261,10 @@ def plan_memory(config: ModelConfig, shape: StepShape, parallelism: Parallelism,
             apply_lora(model, replace(lora, qlora=False))
     if activation_checkpointing:
         enable_activation_checkpointing(model)
-    # the meta weights, made fake here; the references, whatever the kernel policy: a kernel
-    # launched on fake tensors (Triton under LATHE_KERNELS=force) would read storage they do
-    # not have. But torch's own grouped GEMM, which fake tensors run, where the experts'
-    # reference loop splits by counts it reads
+    # the meta weights, made fake here, run through the references whatever the kernel
+    # policy: a kernel launched on fake tensors (Triton under LATHE_KERNELS=force) would read
+    # storage they do not have. Torch's own grouped GEMM stays on: fake tensors run it, and
+    # the experts' reference loop splits by counts it would have to read
     with FakeTensorMode(allow_non_fake_inputs=True), kernels_off(*OFF_IN_TRACE):
         model.to_empty(device="cpu")
         model.tie_weights()

@@ -522,6 +522,5 @@ def test_asynchronous_grpo_on_a_server_of_its_own(base, tmp_path):
     reward = summary(out)["reward"]
     assert sum(reward[-3:]) > sum(reward[:3])
     assert [p.name for p in (out / "rollout-weights").iterdir()] == ["push-000009"]
-    left = [pid for pid in processes.descendants(os.getpid()) if processes.alive(pid)
-            and b"lathe.core.cli" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    left = set(processes.descendants(os.getpid())) & set(processes.running(b"lathe.core.cli"))
     assert not left  # the server stopped with the run
