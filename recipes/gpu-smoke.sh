@@ -210,7 +210,7 @@ serve_burst() {
 import asyncio, sys, time
 import httpx
 url = f"http://127.0.0.1:{sys.argv[1]}"
-deadline = time.monotonic() + 600  # the start captures a CUDA graph per batch bucket
+deadline = time.monotonic() + 600
 started = time.monotonic()
 while time.monotonic() < deadline:
     try:
@@ -222,6 +222,17 @@ while time.monotonic() < deadline:
 else:
     sys.exit("lathe serve did not become healthy")
 print(f"healthy after {time.monotonic() - started:.1f}s")
+
+
+def pending():  # decode steps still compiling in the background, steps eager meanwhile
+    metrics = httpx.get(f"{url}/metrics").text
+    return float(next(line.split()[-1] for line in metrics.splitlines()
+                      if line.startswith("lathe:decode_graphs_pending")))
+while pending():
+    if time.monotonic() > deadline:
+        sys.exit("the decode steps were not all built")
+    time.sleep(0.5)
+print(f"decode steps built after {time.monotonic() - started:.1f}s")
 
 async def one(client, i):
     r = await client.post(f"{url}/v1/chat/completions", json={

@@ -96,9 +96,9 @@ class EngineConfig:
         "starts under $LATHE_CACHE_DIR, default ~/.cache/lathe)", negate="--enforce-eager"))
     compile_in_background: bool = field(default=False, metadata=cli(
         "build every compiled step before /health turns ok (no eager step after the start: "
-        "for benchmarks). By default, off CUDA, they are built on a thread of their own "
-        "while the server already answers eagerly, each batch size switching to its graphs "
-        "once built; on CUDA always first", negate="--compile-before-ready"))
+        "for benchmarks). By default they are built on a thread of their own while the "
+        "server already answers eagerly, each batch size switching to its graphs once "
+        "built", negate="--compile-before-ready"))
     # process-wide and for good (`lathe.serve.host_memory`). A training stage that generates
     # between its steps turns it off: kept, a step's freed activations stay resident (a
     # 57M-parameter LoRA SFT on CPU peaked at 1.24 GiB instead of 0.82)

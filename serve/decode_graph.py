@@ -4,14 +4,14 @@ gpt-fast's compiled decode).
 A decode-only step is padded to the smallest batch bucket that holds it (1, 2, 4, 8, 16,
 then multiples of 16 up to the engine's `max_num_seqs`); its attention masks each row by
 context length, so a bucket's step has one set of shapes. Each bucket's step is
-`torch.compile`d whole (`fullgraph`, static shapes). On CUDA in mode "reduce-overhead",
-which captures it as a CUDA graph and replays it. Elsewhere each shape is compiled ahead of
-its first step (`aot_compile`) into a graph of its own, which inductor's C++ wrapper runs
-and which is called without dynamo's guard check (the wrapper, one function of thousands
-of lines, is built at -O1 apart from the kernels at -O3: built with them at -O3 it had been
-30% of the 88M model's graph builds, and 57% of its builds with LoRA slots); this module
-picks the graph by shape, and nothing else a guard would check (module structure, dtypes,
-grad mode, the `LATHE_KERNELS` switches) changes in an engine's life. Inductor fuses the
+`torch.compile`d whole (`fullgraph`, static shapes), ahead of its first step
+(`aot_compile`), into a graph of its own that is called without dynamo's guard check: this
+module picks the graph by shape, and nothing else a guard would check (module structure,
+dtypes, grad mode, the `LATHE_KERNELS` switches) changes in an engine's life. On CUDA each
+graph is then captured as a CUDA graph and replayed (`lathe.serve.captured_step`). Elsewhere
+inductor's C++ wrapper runs it (the wrapper, one function of thousands of lines, is built at
+-O1 apart from the kernels at -O3: built with them at -O3 it had been 30% of the 88M model's
+graph builds, and 57% of its builds with LoRA slots). Inductor fuses the
 norms, RoPE, SwiGLU and residual adds around the GEMMs, so a step is a few dozen kernel
 calls instead of ~150 ATen ops; with lathe's native CPU kernels loaded, a graph pass
 (`lathe.kernels.decode_linear_pass`) also moves the linears of buckets up to 32 rows off
@@ -34,14 +34,15 @@ bucket when it has more tokens; other steps stay eager. Weights are read, not fr
 the graph, so `LLMEngine.load_weights` (GRPO's refresh) needs no recompile.
 
 `warm_up` builds every shape before it returns, so that no step under load pays a compile;
-`late` counts the graphs built after it. Off CUDA `build_in_background` builds them on a
-thread of their own instead, smallest batch size first, while the engine serves eagerly (a
-server answers at once, not minutes later): a batch size's step runs compiled once every
-graph it calls is built (`ready_for`), and eagerly until then — no step waits on a compile,
-and on Linux the thread and its compilers run at a low CPU priority (niceness 10), so that
-the steps are not slowed by them either.
-On CUDA the graphs are captured by the thread that replays them (cudagraph trees are
-per-thread), so there `build_in_background` builds them before it returns, as `warm_up`.
+`late` counts the graphs built after it. `build_in_background` builds them on a thread of
+their own instead, smallest batch size first, while the engine serves eagerly (a server
+answers at once, not minutes later): a batch size's step runs compiled once every graph it
+calls is built (`ready_for`), and eagerly until then — no step waits on a compile, and on
+Linux the thread and its compilers run at a low CPU priority (niceness 10), so that the
+steps are not slowed by them either. On CUDA the serving thread captures a built graph the
+first time a step asks for it (a CUDA graph is replayed by the thread that records it; the
+capture takes milliseconds, the compile seconds); a graph that fails to capture leaves its
+batch size eager.
 
 Off CUDA each compiled graph is saved under `cache_root()` (the user's own cache,
 as inductor's; torch deserializes it) keyed by everything the graph was traced from — torch
@@ -75,6 +76,7 @@ from lathe.kernels import AttentionVariant, paged_decode
 from lathe.kernels.cpu_native import cpu_kernels_loaded, native_kernel
 from lathe.kernels.dispatch import policy
 from lathe.model.transformer import Transformer
+from lathe.serve.captured_step import CapturedStep
 from lathe.serve.config import cache_root
 from lathe.serve.paged_cache import KVSlabs
 
@@ -158,23 +160,11 @@ class DecodeGraphs:
         paged_kernel = cuda or native_kernel("paged_decode", slabs.k[0])
         self.widths = [max_blocks] if paged_kernel else width_buckets(max_blocks)
         self._graphs: dict[tuple[int, int], Callable[..., Tensor]] = {}
-        # size_asserts re-check every extern op's output layout on each call (5-20% of the
-        # README model's step; the equality tests against eager cover the layouts)
-        if cuda:
-            # the slabs are written in place by every replay: CUDA graphs must see them as
-            # fixed buffers (as parameters are), or cudagraph trees skip a mutating graph
-            for slab in (*slabs.k, *slabs.v):
-                torch._dynamo.mark_static_address(slab)
-            # every engine's buckets are entries of one code object's cache (`_forward`'s);
-            # past dynamo's limit of 8 the rest would silently run eager. "triton.cudagraphs"
-            # is mode "reduce-overhead"
-            torch._dynamo.config.recompile_limit += len(self.buckets)
-            self._step = torch.compile(self._forward, fullgraph=True, dynamic=False,
-                                       options={"triton.cudagraphs": True,
-                                                "size_asserts": False})
-        else:
-            self._compiler: Callable | None = None  # made by the first build (`_cpu_compiler`)
-            self._options: list[str] = []
+        self._compiler: Callable | None = None  # made by the first build (`_make_compiler`)
+        self._options: list[str] = []
+        # on CUDA: each shape's graph as recorded by the serving thread, in one memory pool
+        self._captured: dict[tuple[int, int], CapturedStep] = {}
+        self._pool: tuple[int, int] | None = None
 
     def stats(self) -> dict[str, float]:
         """Graphs compiled, loaded from the cache, built under load, and still to build."""
@@ -194,9 +184,7 @@ class DecodeGraphs:
         run once on padding rows, which touch only the scratch slot."""
         shapes = self.shapes
         for done, (size, width) in enumerate(shapes):
-            # CUDA graph trees run a new graph eagerly once and record it on the next call
-            for _ in range(2 if self.cuda else 1):
-                self.run(*self._padding(size, width))
+            self.run(*self._padding(size, width))
             if width == self.widths[-1]:
                 self.ready.add(size)
             if progress is not None:
@@ -205,13 +193,10 @@ class DecodeGraphs:
 
     def build_in_background(self, progress: Progress | None = None,
                             failed: Callable[[Exception], None] | None = None) -> None:
-        """Off CUDA, build every shape's graph on a thread of its own (compiled, or loaded
-        from the cache, never run there) and return at once; each batch bucket joins `ready`
-        when its widths are all built. A failure stops the building (`failed` is told):
-        the buckets ready by then stay compiled, the rest run eagerly. On CUDA: `warm_up`."""
-        if self.cuda:
-            self.warm_up(progress)
-            return
+        """Build every shape's graph on a thread of its own (compiled, or loaded from the
+        cache, never run there) and return at once; each batch bucket joins `ready` when its
+        widths are all built. A failure stops the building (`failed` is told): the buckets
+        ready by then stay compiled, the rest run eagerly."""
         self.background = True
         threading.Thread(target=self._build_all, args=(progress, failed),
                          name="lathe-decode-graphs", daemon=True).start()
@@ -259,8 +244,9 @@ class DecodeGraphs:
 
     def ready_for(self, rows: int) -> bool:
         """Whether a step of `rows` tokens calls only built graphs (past the largest bucket
-        it runs as calls of that bucket, and one of the rest)."""
-        if self.warm or not self.background:
+        it runs as calls of that bucket, and one of the rest); on CUDA each is captured the
+        first time it is asked for, on this (the serving) thread."""
+        if not self.background or (self.warm and not self.cuda):
             return True
         largest = self.buckets[-1]
         if rows <= largest:
@@ -268,7 +254,33 @@ class DecodeGraphs:
         else:
             rest = rows % largest
             wanted = {largest, self.bucket(rest)} if rest else {largest}
-        return wanted <= self.ready
+        if not wanted <= self.ready:
+            return False
+        return not self.cuda or all(self._captures(size) for size in wanted)
+
+    def _captures(self, size: int) -> bool:
+        """Whether the built graph of batch bucket `size` is captured, capturing it now if
+        not; one that fails to is dropped from `ready`, its steps eager from then on."""
+        shape = (size, self.widths[-1])
+        if shape in self._captured:
+            return True
+        try:
+            self._capture(shape, self._graphs[shape])
+        except Exception as error:  # whatever recording the compiled step raises
+            log.warning("capturing the decode step of shape %s as a CUDA graph failed (%s: "
+                        "%s); its steps run eagerly", shape, type(error).__name__, error)
+            self.ready.discard(size)
+            return False
+        return True
+
+    def _capture(self, shape: tuple[int, int], graph: Callable[..., Tensor]) -> CapturedStep:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.no_grad():
+            captured = CapturedStep(functools.partial(graph, self), self._padding(*shape),
+                                    self._pool)
+        self._captured[shape] = captured
+        return captured
 
     def _padding(self, size: int, width: int) -> tuple[Tensor, ...]:
         """A step of `size` padding rows with a `width`-block table (no two arguments one
@@ -321,24 +333,28 @@ class DecodeGraphs:
         graph = self._graphs.get(shape)
         if graph is None:
             graph = self._graphs[shape] = self._build(shape, inputs)
-        if self.cuda:  # a new step: the last replay's outputs may be overwritten
-            torch.compiler.cudagraph_mark_step_begin()
-            return graph(*inputs)[:batch]
+        if self.cuda:
+            captured = self._captured.get(shape) or self._capture(shape, graph)
+            return captured(*inputs)[:batch]
         return graph(self, *inputs)[:batch]
 
-    def _cpu_compiler(self) -> Callable:
-        """The compiled step every CPU graph is built from, made by the first build, on the
+    def _make_compiler(self) -> Callable:
+        """The compiled step every graph is built from, made by the first build, on the
         thread that builds: importing dynamo and inductor takes seconds, which an engine that
         serves eagerly meanwhile (`build_in_background`) need not wait for to start."""
         if self._compiler is not None:
             return self._compiler
         # vLLM's way: the check of ~700 guards on the model's modules and tensors, and the
-        # Python wrapper's ~100 tensor views, had been half of the README model's batch-1 step
-        options = {"cpp_wrapper": True, "size_asserts": False,
+        # Python wrapper's ~100 tensor views, had been half of the README model's batch-1
+        # step on CPU; size_asserts re-check every extern op's output layout on each call
+        # (5-20% of that step; the equality tests against eager cover the layouts)
+        options = {"size_asserts": False,
                    "guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
-        if hasattr(torch._inductor.config, "cpp_wrapper_build_separate"):
-            # the wrapper at -O1, the kernels at -O3 (see the module docstring)
-            options["cpp_wrapper_build_separate"] = True
+        if not self.cuda:  # a CUDA graph's replay runs no wrapper
+            options["cpp_wrapper"] = True
+            if hasattr(torch._inductor.config, "cpp_wrapper_build_separate"):
+                # the wrapper at -O1, the kernels at -O3 (see the module docstring)
+                options["cpp_wrapper_build_separate"] = True
         if native_kernel("decode_linear", self.slabs.k[0]):
             from lathe.kernels.decode_linear_pass import DecodeLinearPass
             options["post_grad_custom_post_pass"] = DecodeLinearPass()
@@ -354,30 +370,33 @@ class DecodeGraphs:
         return self._compiler
 
     def _build(self, shape: tuple[int, int], inputs: tuple[Tensor, ...]) -> Callable[..., Tensor]:
-        """The graph of one shape: on CUDA the compiled step (its first call captures it),
-        elsewhere compiled ahead of time, or loaded from the cache."""
+        """The graph of one shape, compiled ahead of time, or off CUDA loaded from the cache
+        (the cache's key describes a CPU's graph)."""
         if self.warm:
             self.late += 1
             log.warning("decode step of shape %s was not warmed up: compiling it under load",
                         shape)
+        compiler = self._make_compiler()  # before the key, which holds its options
         if self.cuda:
-            self.built["compiled"] += 1
-            return self._step
-        compiler = self._cpu_compiler()  # before the key, which holds its options
+            return self._compile(compiler, inputs)
         key = hashlib.sha256((self._describe() + repr(shape)).encode()).hexdigest()
         path = cache_root() / "decode-graphs" / f"{key[:32]}.bin"
         graph = self._load(path)
         if graph is not None:
             self.built["cached"] += 1
             return graph
-        graph = compiler.aot_compile((inputs, {}))
-        graph.disable_guard_check()
-        self.built["compiled"] += 1
+        graph = self._compile(compiler, inputs)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             graph.save_compiled_function(str(path))  # written to a temporary, then renamed
         except (OSError, RuntimeError) as error:
             log.warning("cannot cache the decode graph at %s: %s", path, error)
+        return graph
+
+    def _compile(self, compiler: Callable, inputs: tuple[Tensor, ...]) -> Callable[..., Tensor]:
+        graph = compiler.aot_compile((inputs, {}))
+        graph.disable_guard_check()
+        self.built["compiled"] += 1
         return graph
 
     @staticmethod

@@ -272,9 +272,8 @@ class LLMEngine:
     @property
     def builds_in_background(self) -> bool:
         """Whether `warm_up` returns at once, its compiled steps built on a thread of their
-        own while the engine serves eagerly (`compile_in_background`, off CUDA)."""
-        graphs = self.runner.graphs
-        return self.config.compile_in_background and graphs is not None and not graphs.cuda
+        own while the engine serves eagerly (`compile_in_background`)."""
+        return self.config.compile_in_background and self.runner.graphs is not None
 
     def load_weights(self, state_dict: Mapping[str, Tensor]) -> None:
         """Swap in new weights (e.g. the policy after a GRPO update) between requests; the

@@ -320,6 +320,58 @@ def test_cuda_graph_decode_matches_eager_on_gpu():
     assert graphed.runner.graphs.steps > 0
 
 
+def built_in_the_background(engine: LLMEngine) -> LLMEngine:
+    """`engine` once its background build has built every graph."""
+    engine.warm_up()
+    deadline = time.monotonic() + 600
+    while not engine.runner.graphs.warm:
+        assert time.monotonic() < deadline, "the background build did not finish"
+        time.sleep(0.05)
+    return engine
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_cuda_graphs_built_in_the_background_replay_what_eager_computes_on_gpu():
+    """The graphs compile on a thread of their own, as off CUDA; the serving thread captures
+    each the first time a step needs it; weights loaded after the capture are the ones its
+    replays read (they are copied in place)."""
+    model = serve_model(256).cuda()
+    eager, graphed = engine_pair(model, max_num_seqs=8, compile_in_background=True)
+    batch = prompts([3, 17, 40, 9, 25])
+    greedy = SamplingParams(max_tokens=24, temperature=0)
+    want = [r.outputs[0].token_ids for r in eager.generate(batch, greedy)]
+    assert [r.outputs[0].token_ids for r in built_in_the_background(graphed).generate(
+        batch, greedy)] == want
+    graphs = graphed.runner.graphs
+    assert graphs.steps > 0 and graphs.late == 0
+    torch.manual_seed(5)
+    swapped = {name: tensor + 0.05 * torch.randn_like(tensor)
+               for name, tensor in model.state_dict().items()}
+    graphed.load_weights(swapped)  # the engines share `model`: eager reads them too
+    want = [r.outputs[0].token_ids for r in eager.generate(batch, greedy)]
+    assert [r.outputs[0].token_ids for r in graphed.generate(batch, greedy)] == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+def test_a_cuda_graph_that_fails_to_capture_leaves_its_batch_size_eager_on_gpu(
+        monkeypatch, caplog):
+    import lathe.serve.decode_graph as decode_graph
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("refused by this test")
+    monkeypatch.setattr(decode_graph, "CapturedStep", refused)
+    model = serve_model(256).cuda()
+    eager, graphed = engine_pair(model, max_num_seqs=8, compile_in_background=True)
+    batch = prompts([3, 17])
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    want = [r.outputs[0].token_ids for r in eager.generate(batch, greedy)]
+    with caplog.at_level(logging.WARNING, logger="lathe.serve"):
+        got = [r.outputs[0].token_ids for r in built_in_the_background(graphed).generate(
+            batch, greedy)]
+    assert got == want and graphed.runner.graphs.steps == 0
+    assert "as a CUDA graph failed (RuntimeError: refused by this test)" in caplog.text
+
+
 @pytest.mark.slow
 def test_the_server_warms_its_decode_steps_up_before_health_turns_ok(checkpoint, caplog):
     """Healthy means every compiled step is built: concurrent requests then build none."""
@@ -377,7 +429,7 @@ def test_a_background_build_runs_at_a_low_cpu_priority_and_the_engine_does_not(m
 
 @pytest.mark.slow
 def test_a_server_answers_while_its_graphs_build_and_then_runs_them(checkpoint, monkeypatch):
-    """`compile_in_background` (`lathe serve`'s default off CUDA): /health is ok before any
+    """`compile_in_background` (`lathe serve`'s default): /health is ok before any
     graph is built and requests are answered eagerly meanwhile, none waiting on a compile;
     once the graphs are built the same greedy requests run through them, to the same
     tokens; /metrics says how many are still pending."""
