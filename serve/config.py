@@ -64,15 +64,20 @@ class EngineConfig:
     num_blocks: int | None = field(default=None, metadata=cli(
         "KV cache blocks (default: as many as the memory budget holds)"))
     # KV budget, on any device (vLLM's kv_cache_memory_bytes). Unset: on CUDA the share of
-    # the card gpu_memory_utilization leaves; off-GPU what max_num_seqs sequences of the
-    # model's full length take, at most DEFAULT_KV_MB (a budget too small for the batch
+    # the card gpu_memory_utilization leaves; off-GPU what max_num_seqs sequences of
+    # max_model_len take, at most DEFAULT_KV_MB (a budget too small for the batch
     # preempts under load: 256 MiB held 22 of 64 concurrent 160-token requests on a 88M model)
     kv_cache_memory_mb: float | None = field(default=None, metadata=cli(
         "KV budget, on a GPU too (default: on a GPU, the share --gpu-memory-utilization "
-        "leaves; off it, what --max-num-seqs sequences of the model's full length take, at "
-        f"most {DEFAULT_KV_MB} MiB)"))
+        "leaves; off it, what --max-num-seqs sequences of --max-model-len take, at most "
+        f"{DEFAULT_KV_MB} MiB)"))
     gpu_memory_utilization: float = field(default=0.9, metadata=cli(
         "on a GPU without --kv-cache-memory-mb: the fraction of its memory to fill"))
+    # vLLM's: a 128k-position checkpoint served where requests stay short, its default
+    # completions' length and (off a GPU) its KV budget with them
+    max_model_len: int | None = field(default=None, metadata=cli(
+        "the longest sequence, prompt and output together, a request may reach (default: "
+        "the model's max_position_embeddings; no more than that)"))
     max_num_seqs: int = field(default=64, metadata=cli("sequences running at once"))
     max_num_batched_tokens: int = field(default=512, metadata=cli("tokens one step runs"))
     # (Sarathi-Serve) the estimate is `lathe.serve.scheduler.StepCost`'s, a block's worth of
@@ -125,6 +130,9 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len={self.max_model_len} must be >= 1 (or None: "
+                              "the model's max_position_embeddings)")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"num_blocks={self.num_blocks} must be >= 1 (or None: sized "
                               "from the memory budget)")

@@ -25,8 +25,10 @@ from tokenizers import Tokenizer
 from torch import Tensor
 
 from lathe.core.checkpoint_files import read_eos_ids
+from lathe.core.errors import ConfigError
 from lathe.kernels import configure_kernels
 from lathe.model.checkpoint import read_weights
+from lathe.model.config import ModelConfig
 from lathe.model.transformer import Transformer
 from lathe.serve.adapters import AdapterSlots
 from lathe.serve.block_manager import BlockManager
@@ -49,6 +51,17 @@ from lathe.serve.speculative import Speculator, check_draft, load_draft
 from lathe.serve.structured import compile_structured
 
 
+def serving_length(config: EngineConfig, model: ModelConfig) -> int:
+    """The longest sequence an engine serves: `max_model_len`, at most the model's own."""
+    if config.max_model_len is None:
+        return model.max_seq_len
+    if config.max_model_len > model.max_seq_len:
+        raise ConfigError(f"max_model_len={config.max_model_len} exceeds this model's "
+                          f"max_position_embeddings ({model.max_seq_len}): positions past it "
+                          f"are not the model's; set max_model_len <= {model.max_seq_len}")
+    return config.max_model_len
+
+
 class LLMEngine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer | None = None,
                  config: EngineConfig | None = None,
@@ -65,12 +78,13 @@ class LLMEngine:
         self.eos_token_ids = set(eos_token_ids)
         self.weight_version = 0  # weight loads so far (`load_weights`, `update_weights`)
         self.device = model.model.embed_tokens.weight.device
+        self.max_model_len = serving_length(self.config, model.config)
         dtype = kv_dtype or activation_dtype(model)
         speculative = self.config.speculative
         check_draft(model, draft_model, speculative)
         num_blocks = self.config.num_blocks or blocks_in_budget(
             self.config, [m.config for m in (model, draft_model) if m is not None], self.device,
-            dtype)
+            dtype, self.max_model_len)
         block_size = self.config.block_size
         self.block_manager = BlockManager(num_blocks, block_size)
         self.slabs = KVSlabs(model.config, num_blocks, block_size, self.device, dtype)
@@ -87,7 +101,8 @@ class LLMEngine:
         self.step_cost = StepCost(self.config.max_decode_stall, block_size)
         # a compiled step reads each row's adapter slot from one tensor the largest bucket
         # long, so with adapters a step runs compiled only within one bucket
-        self.runner = ModelRunner(model, self.slabs, self.device, self.config.max_num_seqs,
+        self.runner = ModelRunner(model, self.slabs, self.device, self.max_model_len,
+                                  self.config.max_num_seqs,
                                   compile_decode=self.config.compile_decode,
                                   retain_memory=self.config.retain_freed_memory,
                                   max_static_rows=None if self.adapters is None
@@ -124,10 +139,6 @@ class LLMEngine:
         draft = load_draft(path, config.speculative if config is not None else None, tokenizer,
                            quantize, dtype, device)
         return cls(model, tokenizer, config, read_eos_ids(path, vocab), draft_model=draft)
-
-    @property
-    def max_model_len(self) -> int:
-        return self.model.config.max_seq_len
 
     # requests ---------------------------------------------------------------------------
 

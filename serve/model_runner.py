@@ -78,12 +78,12 @@ def select_rows(tensor: Tensor, rows: list[int]) -> Tensor:
 
 class ModelRunner:
     def __init__(self, model: Transformer, slabs: KVSlabs, device: torch.device,
-                 rows: int = 64, compile_decode: bool = False,
+                 max_model_len: int, rows: int = 64, compile_decode: bool = False,
                  retain_memory: bool = True,
                  max_static_rows: int | None = None) -> None:
-        """`max_static_rows`: the most tokens a compiled step may have (None: any number, in
-        several calls past the largest bucket); `retain_memory`: as
-        `EngineConfig.retain_freed_memory`."""
+        """`max_model_len`: the longest sequence served; `max_static_rows`: the most tokens a
+        compiled step may have (None: any number, in several calls past the largest bucket);
+        `retain_memory`: as `EngineConfig.retain_freed_memory`."""
         self.model, self.slabs, self.device = model, slabs, device
         self.max_static_rows = max_static_rows if max_static_rows is not None else 1 << 62
         if device.type == "cpu":  # paged decode attention, and the GEMMs' graph ops
@@ -93,7 +93,7 @@ class ModelRunner:
         self.block_size = slabs.block_size
         # no sequence holds more blocks than the cache has: a table as wide as a config's
         # max_position_embeddings alone (1e10 of them: 320 GB) would never be filled
-        self.max_blocks = min(-(-model.config.max_seq_len // self.block_size),
+        self.max_blocks = min(-(-max_model_len // self.block_size),
                               slabs.scratch_slot // self.block_size)
         self.graphs = DecodeGraphs(model, slabs, rows, self.max_blocks) \
             if compile_decode else None

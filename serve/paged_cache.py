@@ -120,11 +120,11 @@ class PagedBatch:
 
 
 def blocks_in_budget(config: EngineConfig, models: list[ModelConfig], device: torch.device,
-                     dtype: torch.dtype) -> int:
+                     dtype: torch.dtype, max_model_len: int) -> int:
     """KV blocks an engine's budget holds (each of `models` — a target and its draft — takes
     its share of every block): `kv_cache_memory_mb` when set, on any device; else on CUDA
     what `gpu_memory_utilization` leaves of the card, and off it what `max_num_seqs`
-    sequences of the target's full length take, at most DEFAULT_KV_MB."""
+    sequences of `max_model_len` tokens take, at most DEFAULT_KV_MB."""
     per_block = sum(KVSlabs.bytes_per_block(m, config.block_size, dtype) for m in models)
     on_gpu_share = device.type == "cuda" and config.kv_cache_memory_mb is None
     if config.kv_cache_memory_mb is not None:  # a set budget wins, on a GPU too
@@ -137,7 +137,7 @@ def blocks_in_budget(config: EngineConfig, models: list[ModelConfig], device: to
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         budget = free - (1 - config.gpu_memory_utilization) * total
     else:
-        per_sequence = -(-models[0].max_seq_len // config.block_size)
+        per_sequence = -(-max_model_len // config.block_size)
         budget = min(DEFAULT_KV_MB * 2**20, (config.max_num_seqs * per_sequence + 1) * per_block)
     blocks = int(budget // per_block) - 1  # the slabs add a scratch block
     if blocks < 1:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from lathe.core.errors import ConfigError
 from lathe.serve.config import EngineConfig
 from lathe.serve.engine import LLMEngine
 from lathe.serve.request_checks import RequestError
@@ -94,8 +95,8 @@ def test_runner_rows_are_reused_grown_and_rewritten_after_preemption():
     model = serve_model(256)
     batch = prompts([10, 14, 6, 12, 9, 11], seed=2)
     engine = engine_for(model, num_blocks=20, max_num_seqs=6)
-    engine.runner = engine.executor.runner = type(engine.runner)(model, engine.slabs,
-                                                                  engine.device, rows=2)
+    engine.runner = engine.executor.runner = type(engine.runner)(
+        model, engine.slabs, engine.device, engine.max_model_len, rows=2)
     params = SamplingParams(max_tokens=14, temperature=0, n=2)
     results = engine.generate(batch, params)
     assert engine.scheduler.num_preemptions > 0
@@ -172,6 +173,29 @@ def test_requests_over_the_context_window_are_refused_with_both_numbers():
         engine.add_request([1] * 250, SamplingParams(max_tokens=10))
     with pytest.raises(RequestError, match="outside the vocabulary"):
         engine.add_request([300], SamplingParams())
+
+
+def test_max_model_len_caps_requests_the_table_and_the_default_kv_budget():
+    """vLLM's --max-model-len on a model of 256 positions: requests past 40 tokens are
+    refused with that number, a sequence stops at it, each table row holds its blocks and
+    no more, and the default budget holds max_num_seqs sequences of it; past the model's
+    own length it is refused, naming both."""
+    model = serve_model(256)
+    engine = LLMEngine(model, config=EngineConfig(max_num_seqs=3, max_model_len=40))
+    assert engine.max_model_len == engine.limits.max_model_len == 40
+    with pytest.raises(RequestError, match="maximum context length is 40 .* prompt has 35 "
+                                           "tokens and max_tokens is 6"):
+        engine.add_request([1] * 35, SamplingParams(max_tokens=6))
+    (out,) = engine.generate([[1] * 35], SamplingParams(max_tokens=5, temperature=0,
+                                                        ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
+    assert engine.runner.max_blocks == 3  # 40 tokens in blocks of 16
+    assert len(engine.block_manager.blocks) == 3 * 3
+    with pytest.raises(ConfigError, match=r"max_model_len=257 exceeds this model's "
+                                          r"max_position_embeddings \(256\).*<= 256"):
+        LLMEngine(model, config=EngineConfig(max_model_len=257))
+    with pytest.raises(ConfigError, match="max_model_len=0 must be >= 1"):
+        EngineConfig(max_model_len=0)
 
 
 def test_text_stop_strings_and_eos_from_a_checkpoint(checkpoint):

@@ -79,6 +79,7 @@ def test_a_yaml_file_and_flags_over_it(checkpoint, started, tmp_path, monkeypatc
     (["--header-timeout", "0"], r"--header-timeout=0.0 must be > 0"),
     (["--max-num-seqs", "0"], r"--max-num-seqs=0 must be >= 1"),
     (["--gpu-memory-utilization", "1.5"], r"--gpu-memory-utilization=1.5 must be in \(0, 1\]"),
+    (["--max-model-len", "0"], r"--max-model-len=0 must be >= 1"),
     (["--engine-threads", "0"], r"--engine-threads=0 must be >= 1"),
     (["--max-tool-calls", "0"], r"--max-tool-calls=0 must be >= 1"),
     (["--lora", "a=x", "--lora", "a=y"], r"--lora a=...: the name 'a' is given twice"),

@@ -238,3 +238,21 @@ def test_the_start_heap_is_frozen_while_serving_and_let_go_at_shutdown(checkpoin
         assert len(gc.get_objects()) < frozen // 10
         assert httpx.get(f"{url}/v1/models").status_code == 200
     assert gc.get_freeze_count() == 0
+
+
+def test_max_model_len_is_what_models_reports_and_what_an_open_request_runs_to(checkpoint):
+    """`--max-model-len` below the model's 256 positions: /v1/models reports it, a chat
+    request without max_tokens generates up to it, and one asking past it is a 400 naming
+    it."""
+    with served(checkpoint, engine=EngineConfig(num_blocks=64, max_model_len=40)) as url:
+        (model,) = httpx.get(f"{url}/v1/models").json()["data"]
+        assert model["max_model_len"] == 40
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "the cat sat"}],
+                "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+        usage = reply["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 40
+        assert reply["choices"][0]["finish_reason"] == "length"
+        refused = httpx.post(f"{url}/v1/chat/completions", json={**body, "max_tokens": 40})
+        assert refused.status_code == 400
+        assert "maximum context length is 40 tokens" in refused.json()["error"]["message"]
