@@ -50,9 +50,11 @@ def chat_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("target", help="checkpoint folder or server URL")
     parser.add_argument("--system", help="system prompt")
     parser.add_argument("--prompt", help="send this one message, print the answer and exit")
-    parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--top-p", type=float, default=0.9)
-    parser.add_argument("--top-k", type=int, default=0)
+    recommended = " (default: the model's recommended, from its generation_config.json; " \
+        "else %s)"
+    parser.add_argument("--temperature", type=float, help=recommended % "1")
+    parser.add_argument("--top-p", type=float, help=recommended % "1: off")
+    parser.add_argument("--top-k", type=int, help=recommended % "0: off")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--api-key", default=os.environ.get("LATHE_API_KEY"))
@@ -84,8 +86,10 @@ def chat_main(argv: Sequence[str] | None = None) -> int:
     if runner is not None:
         tools = (tools or []) + runner.definitions()
 
-    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-                "max_tokens": args.max_tokens, "seed": args.seed}
+    # what is not given stays unset: the server's (or the local checkpoint's) defaults
+    sampling = {name: value for name, value in (
+        ("temperature", args.temperature), ("top_p", args.top_p), ("top_k", args.top_k),
+        ("max_tokens", args.max_tokens), ("seed", args.seed)) if value is not None}
     try:
         SamplingParams(**sampling)
     except SamplingError as error:

@@ -215,6 +215,12 @@ class ServerConfig:
         "how this model writes its reasoning, split into reasoning_content (qwen3, "
         "deepseek_r1: <think> blocks; default: qwen3 when the chat template renders "
         "</think>, else none)", choices=(*REASONING_PARSERS, "none")))
+    # vLLM's flag and default (its "vllm" is "none" here): `lathe.serve.sampling_defaults`
+    generation_config: str = field(default="auto", metadata=cli(
+        "the sampling defaults of requests that set none: auto takes the checkpoint's "
+        "generation_config.json (its temperature, top_p, top_k, min_p, repetition_penalty; "
+        "its max_new_tokens limits every request's output), none takes OpenAI's "
+        "(temperature 1), or a folder holding a generation_config.json", metavar="auto|none|DIR"))
     trust_request_chat_template: bool = field(default=False, metadata=cli(
         "let requests bring their own chat_template (rendered with the same time and "
         "memory limits)"))
@@ -272,6 +278,11 @@ class ServerConfig:
                 if not Path(root).is_dir():
                     raise ConfigError(f"{name}: {root} is not a folder; give the folder "
                                       f"{what}")
+        if self.generation_config not in ("auto", "none") \
+                and not (Path(self.generation_config) / "generation_config.json").is_file():
+            raise ConfigError(f"generation_config={self.generation_config!r}: give auto (the "
+                              "checkpoint's sampling defaults), none (OpenAI's), or a folder "
+                              "holding a generation_config.json")
         self._check_adapters()
         speculative = self.engine.speculative
         if speculative is not None and speculative.method == "draft" \

@@ -55,6 +55,7 @@ from lathe.serve.replies import (
     reasoning_tokens,
     whole_reply,
 )
+from lathe.serve.sampling_defaults import SamplingDefaults, with_defaults
 from lathe.serve.sampling_params import (
     BOUNDS,
     INT32_MAX,
@@ -385,22 +386,25 @@ class _Request(BaseModel):
                         structured: StructuredOutput | None = None,
                         bad_words_ids: list[list[int]] | None = None,
                         skip_special_tokens: bool | None = None,
-                        score_only: bool = False) -> SamplingParams:
+                        score_only: bool = False,
+                        defaults: SamplingDefaults | None = None) -> SamplingParams:
         """The engine's parameters (raises `SamplingError` naming a field out of range).
         `bad_words_ids`: the request's bad words as the tokenizer spells them;
         `skip_special_tokens`: the request's, unless a tool or reasoning parser needs the
-        markers it reads kept; `score_only`: echo with max_tokens=0."""
+        markers it reads kept; `score_only`: echo with max_tokens=0; `defaults`: the
+        checkpoint's sampling, for what the request leaves unset, and its output limit."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        given = {
-            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-            "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+        given = with_defaults({
+            "max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+            "top_k": self.top_k, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty, "n": self.n,
             "stop_token_ids": self.stop_token_ids, "logit_bias": self.logit_bias,
-            "min_tokens": self.min_tokens, "allowed_token_ids": self.allowed_token_ids}
+            "min_tokens": self.min_tokens, "allowed_token_ids": self.allowed_token_ids},
+            defaults or {})
         return SamplingParams(
-            max_tokens=max_tokens, seed=self.seed, stop=stop, ignore_eos=self.ignore_eos,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured,
+            seed=self.seed, stop=stop, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, structured=structured,
             bad_words_ids=bad_words_ids or [],
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens if skip_special_tokens is None

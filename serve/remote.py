@@ -13,9 +13,13 @@ is busy or restarting (408, 409, 429, 5xx, as OpenAI's client retries) — is se
 a backoff (its Retry-After when given), up to `max_retries` times; with a seed the server
 draws the same tokens again. Any other answer fails at once.
 
-The log-probabilities a server returns are of the distribution before temperature (vLLM's
-default, and lathe serve's): at temperature 1, the one sampled from. `LocalServer` starts
-`lathe serve` in a process of its own for a trainer that has no server to point at.
+Every sampling field is sent, each at its "off" value too, so that a server's recommended
+defaults (a generation config, `lathe.serve.sampling_defaults`) change no rollout; a
+server that still cuts completions short (its generation config's max_new_tokens) is
+reported once. The log-probabilities a server returns are of the distribution before
+temperature (vLLM's default, and lathe serve's): at temperature 1, the one sampled from.
+`LocalServer` starts `lathe serve` in a process of its own for a trainer that has no server
+to point at.
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ class RemoteEngine:
             raise ConfigError(f"rollout.url={url!r} serves no model")
         self.model = model or names[0]
         self.weight_version = 0
+        self._warned_short = False  # a completion the server cut short: said once
         self._pushed: Path | None = None
         self._adapters: list[tuple[str, Path]] = []  # pushed adapters the server holds
 
@@ -90,13 +95,17 @@ class RemoteEngine:
             return list(pool.map(self._complete, prompts, params_list, [model] * len(prompts)))
 
     def _complete(self, prompt: list[int], params: SamplingParams, model: str) -> Completion:
+        # every sampling field, at its "off" value too: a server fills what a request leaves
+        # unset with its checkpoint's recommended sampling (vLLM's --generation-config
+        # auto, lathe serve's), which would change the distribution rollouts are drawn from
         body: dict[str, Any] = {
             "model": model, "prompt": list(prompt), "n": params.n,
             "max_tokens": params.max_tokens, "temperature": params.temperature,
-            "top_p": params.top_p, "seed": params.seed, "return_token_ids": True,
-            "skip_special_tokens": params.skip_special_tokens}
-        if params.top_k is not None and params.top_k > 0:
-            body["top_k"] = params.top_k
+            "top_p": params.top_p, "top_k": params.top_k if params.top_k > 0 else -1,
+            "min_p": params.min_p, "repetition_penalty": params.repetition_penalty,
+            "presence_penalty": params.presence_penalty,
+            "frequency_penalty": params.frequency_penalty, "seed": params.seed,
+            "return_token_ids": True, "skip_special_tokens": params.skip_special_tokens}
         if params.stop:
             body["stop"] = list(params.stop)
         if params.logprobs is not None:
@@ -112,6 +121,13 @@ class RemoteEngine:
             if ids is None:
                 raise RuntimeError(f"{self.url} returned no token_ids: it must take "
                                    "return_token_ids (lathe serve, vLLM >= 0.10.2)")
+            if choice.get("finish_reason") == "length" and len(ids) < params.max_tokens \
+                    and not self._warned_short:
+                self._warned_short = True
+                log.warning("%s ended a completion at %d of its max_tokens=%d: the server "
+                            "limits every output (a generation config's max_new_tokens); "
+                            "start it with --generation-config none (vLLM: vllm) for whole "
+                            "rollouts", self.url, len(ids), params.max_tokens)
             scored = (choice.get("logprobs") or {}).get("token_logprobs") or []
             outputs.append(CompletionOutput(
                 len(outputs), list(ids), choice.get("text") or "",
@@ -200,7 +216,8 @@ class LocalServer:
     `stop` — or until the process that started it dies (the kernel ends it then, on
     Linux). `url` and `api_key` once it answers /health. `eager` runs every step eagerly
     (`--enforce-eager`) and `num_blocks` fixes its KV cache (`--num-blocks`), as a trainer
-    beside it on the same cores or card needs."""
+    beside it on the same cores or card needs; the checkpoint's generation config is not
+    applied (`--generation-config none`)."""
 
     def __init__(self, checkpoint: str | Path, weights_root: str | Path,
                  timeout: float = 600.0, lora_rank: int | None = None, eager: bool = False,
@@ -215,6 +232,7 @@ class LocalServer:
              "127.0.0.1", "--port", str(port), "--weights-root", str(weights_root),
              *([] if lora_rank is None else ["--lora-root", str(weights_root), "--max-loras",
                                              "2", "--max-lora-rank", str(lora_rank)]),
+             "--generation-config", "none",  # rollouts sample as the trainer asks, in full
              *(["--enforce-eager"] if eager else []),
              *([] if num_blocks is None else ["--num-blocks", str(num_blocks)])],
             env={**os.environ, "LATHE_API_KEY": self.api_key, END_WITH: str(os.getpid())},

@@ -15,7 +15,7 @@ class SamplingError(ValueError):
     """A sampling parameter outside its allowed range (the message names field and range)."""
 
 
-def _number(value: object) -> bool:
+def is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -116,15 +116,16 @@ class SamplingParams:
             value = getattr(self, name, None)
             if name in ("logit_bias", "token_id") or value is None:
                 continue
-            if not _number(value) or not bound.holds(value):
+            if not is_number(value) or not bound.holds(value):
                 _refuse(name, value, str(bound))
         token_id = BOUNDS["token_id"]
         if not (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS and all(
-                _number(t) and token_id.holds(t) for t in self.stop_token_ids)):
+                is_number(t) and token_id.holds(t) for t in self.stop_token_ids)):
             _refuse("stop_token_ids", self.stop_token_ids,
                     f"at most {MAX_STOP_TOKEN_IDS} token ids, each {token_id}")
         if not (len(self.logit_bias) <= MAX_LOGIT_BIAS and all(
-                _number(t) and token_id.holds(t) and _number(v) and BOUNDS["logit_bias"].holds(v)
+                is_number(t) and token_id.holds(t)
+                and is_number(v) and BOUNDS["logit_bias"].holds(v)
                 for t, v in self.logit_bias.items())):
             _refuse("logit_bias", self.logit_bias,
                     f"a map of at most {MAX_LOGIT_BIAS} token ids to a bias "
@@ -136,13 +137,13 @@ class SamplingParams:
             _refuse("min_tokens", self.min_tokens, f"at most max_tokens ({self.max_tokens})")
         if not (len(self.bad_words_ids) <= MAX_BAD_WORDS and all(
                 isinstance(ids, list) and 0 < len(ids) <= MAX_BAD_WORD_TOKENS
-                and all(_number(t) and token_id.holds(t) for t in ids)
+                and all(is_number(t) and token_id.holds(t) for t in ids)
                 for ids in self.bad_words_ids)):
             _refuse("bad_words", self.bad_words_ids,
                     f"at most {MAX_BAD_WORDS} words of 1 to {MAX_BAD_WORD_TOKENS} tokens each")
         if self.allowed_token_ids is not None and not (
                 0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS
-                and all(_number(t) and token_id.holds(t) for t in self.allowed_token_ids)):
+                and all(is_number(t) and token_id.holds(t) for t in self.allowed_token_ids)):
             _refuse("allowed_token_ids", self.allowed_token_ids,
                     f"1 to {MAX_ALLOWED_TOKEN_IDS} token ids, each {token_id}")
         if not (len(self.stop) <= MAX_STOP and all(

@@ -171,6 +171,10 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
         ctx.engine = engine
         log.info("serving %s as %r (engine core: %d intra-op threads)", config.checkpoint,
                  ctx.name, engine.info.threads)
+        if ctx.sampling_defaults:
+            log.info("requests that do not set them sample with %s, from the generation "
+                     "config (--generation-config none: OpenAI's defaults)",
+                     ctx.sampling_defaults)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -19,6 +19,7 @@ from lathe.serve.config import ServerConfig
 from lathe.serve.metrics import ServerMetrics
 from lathe.serve.reasoning import ReasoningParser, reasoning_parser
 from lathe.serve.request_checks import RequestError
+from lathe.serve.sampling_defaults import sampling_defaults
 from lathe.serve.structured import GrammarError, Literals, StructuredOutput
 from lathe.serve.tool_calls import ToolCallParser, tool_call_parser
 
@@ -75,6 +76,9 @@ class Serving:
         self.warming: str | None = None  # how far the decode steps' warm-up is
         self.literals = Literals({})  # how grammars spell markers (the tokenizer's added tokens)
         self.reasoning: ReasoningParser | None = None
+        # the checkpoint's recommended sampling (`--generation-config`), read before the port
+        # is bound: a wrong file is refused at the start, not on every request
+        self.sampling_defaults = sampling_defaults(config.generation_config, config.checkpoint)
 
     def ready(self, model: str | None = None) -> AsyncEngine:
         """The engine, for a request naming `model` (the base or one of its adapters); a 503

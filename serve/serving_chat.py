@@ -100,7 +100,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     # the parsers read markers that may be special tokens (Mistral's [TOOL_CALLS])
     keep_markers = reply.tools is not None or reply.reasoning is not None
     params = sampling_params(body, max_tokens, logprobs, body.prompt_logprobs, structured,
-                     bad_words_ids(engine, body), False if keep_markers else None)
+                     bad_words_ids(engine, body), False if keep_markers else None,
+                     defaults=ctx.sampling_defaults)
     builder = ResponseBuilder("chat", ctx.name, engine.tokenizer, ResponseOptions(
         [prompt], params.n, body.return_token_ids, body.prompt_logprobs is not None,
         reply, body.include_reasoning, body.request_id))

@@ -26,6 +26,7 @@ from lathe.serve.protocol import (
     ResponseOptions,
 )
 from lathe.serve.request_checks import AdapterError, RequestError
+from lathe.serve.sampling_defaults import SamplingDefaults
 from lathe.serve.sampling_params import SamplingError, SamplingParams
 from lathe.serve.serving import APIError, authorize, error_event, serving
 from lathe.serve.structured import Literals, StructuredOutput
@@ -58,7 +59,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 
     bad_words = bad_words_ids(engine, body)
     params = [sampling_params(body, budget(p), logprobs, prompt_logprobs, structured, bad_words,
-                      score_only=score_only) for p in prompts]
+                      score_only=score_only, defaults=ctx.sampling_defaults) for p in prompts]
     echoes = [Echo(g if isinstance(g, str) and not body.truncate_prompt_tokens else None,
                    ids) for g, ids in zip(given, prompts, strict=True)] \
         if body.echo else None
@@ -142,10 +143,10 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, max_tokens:
             structured: StructuredOutput | None = None,
             bad_words_ids: list[list[int]] | None = None,
             skip_special_tokens: bool | None = None, score_only: bool = False,
-            ) -> SamplingParams:
+            defaults: SamplingDefaults | None = None) -> SamplingParams:
     try:
         return body.sampling_params(max_tokens, logprobs, prompt_logprobs, structured,
-                                    bad_words_ids, skip_special_tokens, score_only)
+                                    bad_words_ids, skip_special_tokens, score_only, defaults)
     except SamplingError as error:
         raise APIError(400, str(error), param=str(error).split("=")[0]) from None
 
