@@ -32,19 +32,24 @@ class CapturedStep:
     def __init__(self, step: Callable[..., Tensor], example: tuple[Tensor, ...],
                  pool: tuple[int, int]) -> None:
         self.inputs = tuple(tensor.clone() for tensor in example)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARM_UP_CALLS):
-                step(*self.inputs)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        # "thread_local": the thread compiling the other steps may call CUDA meanwhile
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-            self.output = step(*self.inputs)
+        # streams, capture and replay are the current device's: the step's, whichever the
+        # serving thread's current device is
+        self.device = example[0].device
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(WARM_UP_CALLS):
+                    step(*self.inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            # "thread_local": the thread compiling the other steps may call CUDA meanwhile
+            with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+                self.output = step(*self.inputs)
 
     def __call__(self, *inputs: Tensor) -> Tensor:
         for recorded, given in zip(self.inputs, inputs, strict=True):
             recorded.copy_(given)
-        self.graph.replay()
+        with torch.cuda.device(self.device):
+            self.graph.replay()
         return self.output.clone()
