@@ -42,7 +42,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 from tokenizers import Tokenizer
 
@@ -282,7 +290,21 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Request(BaseModel):
+class _Body(BaseModel):
+    """A request body whose text is valid Unicode (a lone surrogate cannot be encoded)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, body: Any) -> Any:
+        where = _lone_surrogate(body)
+        if where is not None:
+            raise PydanticCustomError(
+                "lone_surrogate", "{where}: text holds a lone UTF-16 surrogate; send valid "
+                "Unicode", {"where": where.encode("ascii", "backslashreplace").decode()})
+        return body
+
+
+class _Request(_Body):
     model_config = ConfigDict(extra="allow")
 
     model: str
@@ -324,16 +346,6 @@ class _Request(BaseModel):
     priority: Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)] = 0
     request_id: Annotated[str, Field(min_length=1, max_length=128,
                                      pattern=r"^[A-Za-z0-9._:-]+$")] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, body: Any) -> Any:
-        where = _lone_surrogate(body)
-        if where is not None:
-            raise PydanticCustomError(
-                "lone_surrogate", "{where}: text holds a lone UTF-16 surrogate; send valid "
-                "Unicode", {"where": where.encode("ascii", "backslashreplace").decode()})
-        return body
 
     @property
     def include_usage(self) -> bool:
@@ -462,15 +474,11 @@ class ToolPlan:
     named: bool = False  # tool_choice named the function (OpenAI then finishes with "stop")
 
 
-class ChatCompletionRequest(_Request):
+class ChatRendering(_Body):
+    """What a chat is rendered from: its messages and tools, and the template's switches."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    max_tokens: _bounded(int, "max_tokens") | None = None
-    max_completion_tokens: _bounded(int, "max_tokens") | None = None
-    logprobs: bool | None = False
-    top_logprobs: _bounded(int, "logprobs") | None = None
     # extra chat template variables (vLLM's), e.g. {"enable_thinking": false} for Qwen3
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -479,12 +487,9 @@ class ChatCompletionRequest(_Request):
     chat_template: Annotated[str, Field(max_length=1 << 16)] | None = None
     documents: Annotated[list[dict[str, Any]], Field(max_length=1024)] | None = None
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
-    include_reasoning: bool = True
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ProtocolError("top_logprobs needs logprobs=true", "top_logprobs")
+    def check_rendering(self) -> None:
+        """Raise `ProtocolError` for template switches that cannot go together."""
         for key in self.chat_template_kwargs or {}:
             if key in TEMPLATE_ARGUMENTS:
                 raise ProtocolError(f"chat_template_kwargs.{key}: the server sets {key!r} "
@@ -501,6 +506,25 @@ class ChatCompletionRequest(_Request):
         if self.reasoning_effort is not None:
             kwargs["reasoning_effort"] = self.reasoning_effort
         return kwargs
+
+    def chat(self) -> list[Message]:
+        return [message_text(i, message) for i, message in enumerate(self.messages)]
+
+
+class ChatCompletionRequest(_Request, ChatRendering):
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_tokens: _bounded(int, "max_tokens") | None = None
+    max_completion_tokens: _bounded(int, "max_tokens") | None = None
+    logprobs: bool | None = False
+    top_logprobs: _bounded(int, "logprobs") | None = None
+    include_reasoning: bool = True
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ProtocolError("top_logprobs needs logprobs=true", "top_logprobs")
+        self.check_rendering()
 
     def tool_plan(self, parser: ToolCallParser | None, literals: Literals,
                   max_tool_calls: int) -> ToolPlan | None:
@@ -558,8 +582,42 @@ class ChatCompletionRequest(_Request):
             return self.max_completion_tokens
         return self.max_tokens
 
-    def chat(self) -> list[Message]:
-        return [message_text(i, message) for i, message in enumerate(self.messages)]
+
+# `POST /tokenize` and `/detokenize`, as vLLM's: a prompt, or a chat rendered through the
+# served template, as the token ids the model would be given, and back
+class TokenizeCompletionRequest(_Body):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatRendering):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    return_token_strs: bool = False
+
+
+def _tokenize_kind(body: Any) -> str:
+    return "[chat]" if isinstance(body, dict) and "messages" in body else "[prompt]"
+
+
+# a body with messages is a chat, else a prompt: an error then is the one member's (the
+# server leaves bracketed tags out of the field's path)
+TokenizeRequest = Annotated[
+    Annotated[TokenizeChatRequest, Tag("[chat]")]
+    | Annotated[TokenizeCompletionRequest, Tag("[prompt]")],
+    Discriminator(_tokenize_kind)]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=1 << 20)]
 
 
 class UpdateWeightsRequest(BaseModel):

@@ -15,13 +15,14 @@ from fastapi.responses import Response
 from lathe.data.chat_template import CHECK_TOOLS, ChatTemplateError
 from lathe.serve.protocol import (
     ChatCompletionRequest,
+    ChatRendering,
     ProtocolError,
     ResponseBuilder,
     ResponseOptions,
 )
 from lathe.serve.replies import ReplyFormat
 from lathe.serve.request_checks import RequestError
-from lathe.serve.serving import APIError, authorize, serving
+from lathe.serve.serving import APIError, Serving, authorize, serving
 from lathe.serve.serving_completions import (
     bad_words_ids,
     check_supported,
@@ -39,12 +40,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     ctx = serving(request)
     check_supported(body)
     engine = ctx.ready(body.model)
-    if ctx.template is None:
-        raise APIError(400, ctx.no_template)
-    if body.chat_template is not None and not ctx.config.trust_request_chat_template:
-        raise APIError(400, "chat_template: this server renders its own chat template "
-                            "only; start it with --trust-request-chat-template to take "
-                            "templates from requests", param="chat_template")
+    render = chat_renderer(ctx, request, body)
     try:
         plan = body.tool_plan(ctx.tool_parser, ctx.literals, ctx.config.max_tool_calls)
     except ProtocolError as error:
@@ -59,15 +55,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     structured = await ctx.compile_structured(engine, asked)
     tools = plan.tools if plan is not None else None
     try:
-        messages = body.chat()
-        kwargs = {**body.template_kwargs(), "template": body.chat_template,
-                  "continue_final_message": body.continue_final_message}
-
-        client = request.client.host if request.client else ""
-
-        def render(with_tools: list[dict[str, Any]] | None) -> str:
-            return ctx.template.render(messages, body.add_generation_prompt, with_tools,
-                                         body.documents, client=client, **kwargs)
         loop = asyncio.get_running_loop()
         text = await loop.run_in_executor(ctx.renders, render, tools)
         if tools and not await loop.run_in_executor(ctx.renders, _shows_tools, render,
@@ -81,8 +68,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             raise APIError(400, f"this chat template needs tools to render ({error}); "
                                 "send tools, or serve another template (--chat-template)",
                            param="messages") from None
-        raise APIError(400, str(error), param="messages") from None
-    except ProtocolError as error:
         raise APIError(400, str(error), param="messages") from None
     try:
         prompt = truncated(engine, await asyncio.to_thread(
@@ -109,7 +94,35 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                           bool(body.logprobs))
 
 
-def _renders_with_tools(render: Callable[[list[dict[str, Any]] | None], str]) -> bool:
+Render = Callable[[list[dict[str, Any]] | None], str]
+
+
+def chat_renderer(ctx: Serving, request: Request, body: ChatRendering) -> Render:
+    """`body`'s chat as the served template renders it (the request's own template where
+    the server trusts them), given the tools to show; run it on `ctx.renders`, whose
+    template workers bound its time and memory. A 400 for a chat that cannot be rendered."""
+    if ctx.template is None:
+        raise APIError(400, ctx.no_template)
+    if body.chat_template is not None and not ctx.config.trust_request_chat_template:
+        raise APIError(400, "chat_template: this server renders its own chat template "
+                            "only; start it with --trust-request-chat-template to take "
+                            "templates from requests", param="chat_template")
+    try:
+        messages = body.chat()
+    except ProtocolError as error:
+        raise APIError(400, str(error), param="messages") from None
+    kwargs = {**body.template_kwargs(), "template": body.chat_template,
+              "continue_final_message": body.continue_final_message}
+    client = request.client.host if request.client else ""
+    template = ctx.template
+
+    def render(with_tools: list[dict[str, Any]] | None) -> str:
+        return template.render(messages, body.add_generation_prompt, with_tools,
+                               body.documents, client=client, **kwargs)
+    return render
+
+
+def _renders_with_tools(render: Render) -> bool:
     try:
         render(CHECK_TOOLS)
     except ChatTemplateError:
@@ -117,7 +130,7 @@ def _renders_with_tools(render: Callable[[list[dict[str, Any]] | None], str]) ->
     return True
 
 
-def _shows_tools(render: Callable[[list[dict[str, Any]] | None], str], text: str) -> bool:
+def _shows_tools(render: Render, text: str) -> bool:
     """Whether `text`, rendered with tools, differs from the chat rendered without them
     (a template that fails without tools surely shows them)."""
     try:

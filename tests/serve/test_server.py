@@ -53,6 +53,46 @@ def test_chat_through_the_checkpoint_template_and_seeds(client):
     assert len(content[0].top_logprobs) == 3
 
 
+def test_tokenize_gives_the_ids_the_model_is_given_and_detokenize_reverses_them(running):
+    """vLLM's /tokenize: a prompt as a completion takes it, a chat as the chat route renders
+    it (its prompt_token_ids), with the count and the context; /detokenize turns ids back
+    to text; bad bodies, ids and models are refused by name."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+
+    def post(path: str, **body) -> httpx.Response:
+        return httpx.post(f"{running.url}{path}", json=body, headers=auth, timeout=30)
+    engine = running.engine()
+    prompt = post("/tokenize", prompt="The river ran").json()
+    ids = engine.tokenizer.encode("The river ran", add_special_tokens=True).ids
+    assert prompt == {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+                      "token_strs": None}
+    bare = post("/tokenize", model="tiny", prompt="The river ran", add_special_tokens=False,
+                return_token_strs=True).json()
+    assert bare["tokens"] == engine.tokenizer.encode("The river ran").ids
+    assert bare["token_strs"] == [engine.tokenizer.id_to_token(i) for i in bare["tokens"]]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    chat = post("/tokenize", messages=messages).json()
+    served = post("/v1/chat/completions", model="tiny", messages=messages, max_tokens=1,
+                  return_token_ids=True).json()
+    assert chat["tokens"] == served["prompt_token_ids"]
+    assert chat["count"] == served["usage"]["prompt_tokens"]
+    unprompted = post("/tokenize", messages=messages, add_generation_prompt=False).json()
+    assert chat["tokens"][:unprompted["count"]] == unprompted["tokens"] != chat["tokens"]
+    assert post("/detokenize", tokens=chat["tokens"]).json() == {
+        "prompt": engine.tokenizer.decode(chat["tokens"], skip_special_tokens=False)}
+    vocab = engine.tokenizer.get_vocab_size(with_added_tokens=True)
+    for path, body, status, message in (
+            ("/detokenize", {"tokens": [5, vocab]}, 400, f"tokens: {vocab} is outside the "
+                                                         "vocabulary"),
+            ("/tokenize", {"prompt": "x", "temperature": 1}, 400, "temperature"),
+            ("/tokenize", {"messages": messages, "continue_final_message": True}, 400,
+             "continue_final_message and add_generation_prompt"),
+            ("/tokenize", {"model": "other", "prompt": "x"}, 404, "`other` does not exist")):
+        answer = post(path, **body)
+        assert answer.status_code == status and message in answer.json()["error"]["message"]
+    assert httpx.post(f"{running.url}/tokenize", json={"prompt": "x"}).status_code == 401
+
+
 def test_streaming_with_and_without_the_usage_chunk(client):
     kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Tell me"}],
                   max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
