@@ -172,7 +172,8 @@ def read_chat_template(path: str | Path,
 def checkpoint_chat_template(path: str | Path,
                              tokenizer_config: dict[str, Any] | None = None) -> str | None:
     """The template a checkpoint carries: tokenizer_config.json's `chat_template`, else
-    chat_template.jinja; None when it carries none."""
+    chat_template.jinja, else chat_template.json's (a multimodal processor's, as Gemma 3's
+    checkpoints from 4B up carry it); None when it carries none."""
     path = Path(path)
     config_file = checkpoint_file(path, "tokenizer_config.json")
     if tokenizer_config is None:
@@ -187,6 +188,12 @@ def checkpoint_chat_template(path: str | Path,
             template = jinja_file.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as error:
             raise CheckpointError(f"{jinja_file}: cannot be read ({error})") from None
+    processor_file = checkpoint_file(path, "chat_template.json")
+    if not template and processor_file.is_file():
+        template = read_json_object(processor_file).get("chat_template")
+        if not isinstance(template, str):
+            raise CheckpointError(f"{processor_file}: chat_template must be a string (one "
+                                  f"Jinja template), not {type(template).__name__}")
     return template or None
 
 

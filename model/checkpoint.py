@@ -36,7 +36,14 @@ from lathe.core.checkpoint_files import (
 )
 from lathe.core.errors import CheckpointError, ConfigError
 from lathe.model.config import ModelConfig
-from lathe.model.families import join_fused, split_fused, stack_experts, unstack_experts
+from lathe.model.families import (
+    join_fused,
+    language_model_config,
+    language_model_weights,
+    split_fused,
+    stack_experts,
+    unstack_experts,
+)
 from lathe.model.transformer import FP32_BUFFERS, Transformer
 
 WEIGHTS_FILE = "model.safetensors"
@@ -214,7 +221,7 @@ def _read_state(path: Path, config: ModelConfig, device: torch.device
     state: dict[str, torch.Tensor] = {}
     for file in _weight_files(path):
         state.update(load_safetensors(file, device))
-    return stack_experts(split_fused(state, config), config)
+    return stack_experts(split_fused(language_model_weights(state), config), config)
 
 
 def _build(config: ModelConfig, state: dict[str, torch.Tensor], path: Path,
@@ -272,7 +279,10 @@ def check_memory(config: ModelConfig, path: Path, device: torch.device,
 def read_model_config(path: str | Path) -> ModelConfig:
     """The `ModelConfig` of a checkpoint folder, from its config.json."""
     file = checkpoint_file(path, CONFIG_FILE)
-    hf = read_config_json(path)
+    try:
+        hf = language_model_config(read_config_json(path))
+    except ConfigError as error:
+        raise CheckpointError(f"{file}: {str(error).removeprefix(CONFIG_FILE + ': ')}") from None
     for name in _INT_FIELDS:
         value = hf.get(name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):

@@ -13,7 +13,13 @@ from typing import Any
 
 from lathe.core.config import from_dict
 from lathe.core.errors import ConfigError
-from lathe.model.families import FAMILIES, family_switches, fresh_switches
+from lathe.model.families import (
+    FAMILIES,
+    WRAPPERS,
+    family_switches,
+    fresh_switches,
+    language_model_config,
+)
 
 ROPE_TYPES = ("llama3", "linear", "yarn", "longrope", "dynamic")
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -579,13 +585,17 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
         """Read an HF `config.json` of a family lathe takes (transformers 4.x or 5.x layout);
-        anything it cannot compute exactly is refused, naming the field."""
+        anything it cannot compute exactly is refused, naming the field. A multimodal
+        checkpoint of a family's language model (`WRAPPERS`) is read as that model's."""
+        hf = language_model_config(hf)
         model_type = hf.get("model_type")
         if model_type not in FAMILIES:
             raise ConfigError(
                 f"config.json: model_type={model_type!r} is not supported; lathe loads "
-                f"{', '.join(FAMILIES)}")
+                f"{', '.join(FAMILIES)}, and the language model of "
+                f"{', '.join(WRAPPERS)}")
         family = FAMILIES[model_type]
+        hf = {**family.defaults, **hf}
         if hf.get("mlp_bias", False):
             raise ConfigError(f"config.json: mlp_bias={hf['mlp_bias']!r} is not supported "
                               "(only False)")

@@ -25,6 +25,12 @@ splits into lathe's q/k/v and gate/up and an export joins again (`split_fused`,
 | qwen2_moe (Qwen1.5-MoE) | Qwen2MoeForCausalLM | Qwen2's attention; experts, a shared one |
 | glm4_moe (GLM-4.5) | Glm4MoeForCausalLM | partial RoPE, q/k norms optional; DeepSeek-V3's router |
 
+A multimodal checkpoint whose language model is one of these (`WRAPPERS`: Gemma 3 from 4B
+up, `gemma3`) loads as that language model: its `text_config` read as the family's
+config.json, what it leaves out filled with the family's transformers defaults
+(`Family.defaults`), its weights renamed from the wrapper's and the vision tower's left out
+(`language_model_weights`); it exports as the text model.
+
 Gemma's: (1 + w) norms, a norm after attention and after the MLP as well, embeddings
 times √dim; from config.json, soft-capped scores and logits, `query_pre_attn_scalar`, and
 (Gemma 3, whose text model is `gemma3_text`) the sliding layers' own RoPE base.
@@ -50,7 +56,7 @@ load.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -95,6 +101,10 @@ class Family:
     # config.json -> the ModelConfig fields only this family reads (SmolLM3's NoPE layers,
     # Gemma 3's local RoPE base)
     read: Callable[[dict[str, Any]], dict[str, Any]] = lambda hf: {}
+    # what its transformers config class holds for a key a config.json leaves out, where
+    # lathe's own default would differ (a multimodal checkpoint's text_config holds only
+    # the keys that differ from the class's)
+    defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def classifier(self) -> str | None:
@@ -217,6 +227,13 @@ def _gemma_extra(config: Any) -> dict[str, Any]:
 
 GEMMA = {"norm_unit_offset": True, "sandwich_norms": True, "embed_scale": True}
 GEMMA_FIELDS = ("query_pre_attn_scalar", "attn_softcap", "final_softcap")
+# Gemma3TextConfig's (its RoPE bases and window default in `_gemma3_rope`, `_gemma3_read`
+# and `_gemma_window`)
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}
 
 
 def _windows_written(config: Any) -> dict[str, Any]:
@@ -365,7 +382,7 @@ FAMILIES: dict[str, Family] = {
                    "use_bidirectional_attention": False},
         sliding="layers", takes=(*GEMMA_FIELDS, "rope_local_theta"),
         classifier_class="Gemma3TextForSequenceClassification", rope=_gemma3_rope,
-        read=_gemma3_read),
+        read=_gemma3_read, defaults=GEMMA3_TEXT_DEFAULTS),
     "mixtral": Family(
         "MixtralForCausalLM", lambda hf: {}, _mistral_window,
         lambda c: {"sliding_window": c.sliding_window, **MIXTRAL_EXPERTS.written(c)},
@@ -396,6 +413,45 @@ FAMILIES: dict[str, Family] = {
         _no_window, lambda c: {"attention_bias": c.qkv_bias, **OLMOE_EXPERTS.written(c)},
         takes=("clip_qkv",), experts=OLMOE_EXPERTS, classifier_class=""),
 }
+
+# multimodal checkpoints whose language model is a family's (Gemma 3 from 4B up): their
+# text_config is read as that family's config.json, and a load keeps the language model's
+# weights alone (`language_model_weights`); an export is the text model, as the family's
+WRAPPERS = {"gemma3": "gemma3_text"}
+WRAPPER_PREFIXES = ("language_model.model.", "model.language_model.")  # 4.x's, 5.x's
+WRAPPER_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                 "model.multi_modal_projector.")
+
+
+def language_model_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """`hf`, or a multimodal wrapper's (`WRAPPERS`) text_config as a config of its own."""
+    inner = WRAPPERS.get(hf.get("model_type"))
+    if inner is None:
+        return hf
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"config.json: model_type={hf['model_type']!r} needs its language "
+                          f"model's settings as an object in text_config, not {text!r}")
+    return {**text, "model_type": inner}
+
+
+def language_model_weights(state: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal wrapper's state dict as its language model's (`model.`, `lm_head.`
+    names), without the vision tower and projector; any other state dict as it is."""
+    if not any(name.startswith(WRAPPER_PREFIXES + ("language_model.lm_head.",))
+               for name in state):
+        return state
+    out = {}
+    for name, tensor in state.items():
+        if name.startswith(WRAPPER_PARTS):
+            continue
+        for prefix in WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                name = "model." + name.removeprefix(prefix)
+                break
+        out[name.removeprefix("language_model.")] = tensor
+    return out
+
 
 SWITCHES = ("qkv_bias", "o_bias", "qk_norm", "norm_unit_offset", "sandwich_norms", "embed_scale",
             "qk_norm_projection", "shared_expert_gate", "sigmoid_router")

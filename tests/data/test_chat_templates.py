@@ -282,3 +282,24 @@ def test_a_system_prompt_the_template_leaves_out_is_counted(tokenizer):
     assert fit.system_dropped == 2
     assert "2 chats' system prompts are not in their tokens" in fit.report()
     assert "system prompts" not in ChatFit(whole=3).report()
+
+
+def test_a_processors_chat_template_json_is_the_template_where_the_tokenizer_has_none(
+        tmp_path):
+    """Gemma 3 from 4B up, like other multimodal checkpoints, may keep its template in the
+    processor's chat_template.json: it is read after tokenizer_config.json's and
+    chat_template.jinja, and one that is not a string is refused by name."""
+    from lathe.core.errors import CheckpointError
+    from lathe.data.chat_template import checkpoint_chat_template
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>"}))
+    assert checkpoint_chat_template(tmp_path) is None
+    source = "{% for m in messages %}<start_of_turn>{{ m.content }}{% endfor %}"
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": source}))
+    assert checkpoint_chat_template(tmp_path) == source
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0].content }}")
+    assert checkpoint_chat_template(tmp_path) == "{{ messages[0].content }}"
+    (tmp_path / "chat_template.jinja").unlink()
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": 5}))
+    with pytest.raises(CheckpointError, match="chat_template.json: chat_template must be a "
+                                              "string"):
+        checkpoint_chat_template(tmp_path)

@@ -147,6 +147,79 @@ def test_load_and_export_as_the_same_model_with_the_same_logits(tmp_path, name):
         assert (again(ids).logits - expected).abs().max() <= 1e-4
 
 
+def gemma3_with_vision(folder, text: dict):
+    """A Gemma 3 multimodal checkpoint (`Gemma3ForConditionalGeneration`, as every Gemma 3
+    from 4B up is) with a tiny SigLIP tower, its language model sharpened as `hf_model`'s."""
+    config = transformers.Gemma3Config(
+        text_config=transformers.Gemma3TextConfig(**text).to_dict(),
+        vision_config=transformers.SiglipVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            image_size=28, patch_size=7).to_dict(),
+        mm_tokens_per_image=4, boi_token_index=297, eoi_token_index=298, image_token_index=299)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    language = model.model.language_model
+    with torch.no_grad():
+        language.embed_tokens.weight.mul_(30)  # the tied head
+        for layer in language.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.normal_(1, 0.3)
+    model.save_pretrained(folder)
+    return model
+
+
+def test_a_multimodal_gemma3_checkpoint_loads_and_exports_as_its_language_model(tmp_path):
+    """A Gemma 3 4B-27B checkpoint: its text_config is the language model's (left sparse,
+    as transformers 4.x writes a nested config and the hub's checkpoints hold it, every key
+    left out is Gemma3TextConfig's default: 8 heads of 256, GELU, a tied head, ...), its
+    weights under language_model.model. beside the vision tower's; lathe loads the language
+    model with transformers' text logits, exports it as Gemma3ForCausalLM with the same
+    logits, and its engine's greedy tokens are transformers'."""
+    default = transformers.Gemma3TextConfig()
+    hf = gemma3_with_vision(tmp_path / "hf", {
+        "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "sliding_window": 12, "max_position_embeddings": 512})
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    sparse = {key: value for key, value in written["text_config"].items()
+              if key == "model_type" or value != getattr(default, key, None)}
+    assert "num_attention_heads" not in sparse and "hidden_activation" not in sparse
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**written,
+                                                             "text_config": sparse}))
+    ids = torch.randint(0, 296, (2, SEQ))
+    with torch.no_grad():
+        expected = hf(input_ids=ids).logits
+        ours = load_checkpoint(tmp_path / "hf")
+        assert (ours.config.family, ours.config.n_heads, ours.config.head_dim) == (
+            "gemma3_text", 8, 256)
+        assert (ours(ids).logits - expected).abs().max() <= 1e-4
+    save_checkpoint(ours, tmp_path / "lathe")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lathe",
+                                                              dtype=torch.float32).eval()
+    assert type(again).__name__ == "Gemma3ForCausalLM"
+    with torch.no_grad():
+        assert (again(ids).logits - expected).abs().max() <= 1e-4
+    prompt = ids[0, :20].tolist()
+    engine = LLMEngine.from_checkpoint(tmp_path / "hf", EngineConfig(num_blocks=64))
+    (output,) = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0,
+                                                         ignore_eos=True))
+    assert output.outputs[0].token_ids == greedy(again, prompt, 16)
+
+
+def test_a_multimodal_config_without_its_text_config_is_refused_by_name(tmp_path):
+    from lathe.core.errors import CheckpointError
+    from lathe.model.checkpoint import read_model_config
+    tmp_path.joinpath("config.json").write_text(json.dumps({"model_type": "gemma3"}))
+    with pytest.raises(CheckpointError, match="model_type='gemma3' needs its language "
+                                              "model's settings as an object in text_config"):
+        read_model_config(tmp_path)
+    tmp_path.joinpath("config.json").write_text(json.dumps({"model_type": "llava"}))
+    with pytest.raises(CheckpointError, match="lathe loads llama, .*the language model of "
+                                              "gemma3"):
+        read_model_config(tmp_path)
+
+
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama-attention-bias", "mistral-window",
                                   "gemma2", "gemma3", "phi3", "qwen3_moe", "olmoe", "glm4_moe"])
 def test_bf16_autocast_stays_close(tmp_path, name):
