@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from lathe.core.checkpoint_files import checkpoint_file, read_json_object
 from lathe.core.errors import CheckpointError
 from lathe.kernels.lora_bgmv import fused_lora_bgmv, lora_bgmv
+from lathe.model.families import language_model_weights
 from lathe.model.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -226,9 +227,11 @@ def read_adapter(name: str, path: str | Path, layers: dict[str, MultiLoraLinear]
                                   "server serves plain LoRA adapters only")
     if not tensors:
         raise CheckpointError(f"{weights_file}: no LoRA weights")
-    try:  # a family's fused projections (Phi-3's qkv_proj) as the projections they stack
+    try:  # a family's fused projections (Phi-3's qkv_proj) as the projections they stack,
+        # and a multimodal base's language model's names as the text model's
         pairs = split_fused_pairs(
-            adapter_pairs({key.removeprefix(PEFT_PREFIX): t for key, t in tensors.items()}),
+            adapter_pairs(language_model_weights(
+                {key.removeprefix(PEFT_PREFIX): t for key, t in tensors.items()})),
             {module: layer.out_features for module, layer in layers.items()})
     except ValueError as error:
         raise CheckpointError(f"{weights_file}: {error}") from None

@@ -207,6 +207,35 @@ def test_a_multimodal_gemma3_checkpoint_loads_and_exports_as_its_language_model(
     assert output.outputs[0].token_ids == greedy(again, prompt, 16)
 
 
+def test_a_peft_adapter_of_a_multimodal_gemma3_serves_over_its_language_model(tmp_path):
+    """peft names a wrapper's projections by its module path (language_model..., and the
+    vision tower's q_proj too when a target matches them): the served adapter is the
+    language model's part, with the merged model's greedy tokens."""
+    peft = pytest.importorskip("peft")
+    hf = gemma3_with_vision(tmp_path / "hf", {
+        "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "sliding_window": 12, "max_position_embeddings": 512})
+    adapted = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=8,
+                                                      target_modules=["q_proj", "v_proj"]))
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    assert any("vision_tower" in name and "lora_" in name
+               for name, _ in adapted.named_parameters())
+    adapted.save_pretrained(tmp_path / "adapter")
+    merged = adapted.merge_and_unload().eval()
+    engine = LLMEngine.from_checkpoint(tmp_path / "hf", EngineConfig(
+        num_blocks=64, max_loras=1, max_lora_rank=8))
+    engine.add_adapter("a", tmp_path / "adapter")
+    prompt = torch.randint(0, 296, (20,)).tolist()
+    (output,) = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0,
+                                                         ignore_eos=True), adapter="a")
+    assert output.outputs[0].token_ids == greedy(merged, prompt, 12)
+
+
 def test_a_multimodal_config_without_its_text_config_is_refused_by_name(tmp_path):
     from lathe.core.errors import CheckpointError
     from lathe.model.checkpoint import read_model_config
