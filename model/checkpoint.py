@@ -108,6 +108,7 @@ def save_checkpoint(model: Transformer, path: str | Path, tokenizer: str | Path 
             for name in TOKENIZER_FILES:
                 if (Path(tokenizer) / name).is_file():
                     shutil.copy2(Path(tokenizer) / name, tmp / name)
+            _keep_processor_template(Path(tokenizer), tmp)
         if chat_template is not None:
             _replace_chat_template(tmp, chat_template)
         _write_json(tmp / PROVENANCE_FILE, {
@@ -149,6 +150,19 @@ def read_weights(path: str | Path, config: ModelConfig,
     with torch.device("meta"):
         _check_state_dict(Transformer(config), state, path)
     return state
+
+
+def _keep_processor_template(source: Path, folder: Path) -> None:
+    """A multimodal processor's chat_template.json (Gemma 3's), where the tokenizer files
+    carry no template, written as the text model's chat_template.jinja."""
+    processor = checkpoint_file(source, "chat_template.json")
+    config_file = folder / "tokenizer_config.json"
+    if not processor.is_file() or (folder / "chat_template.jinja").is_file() or (
+            config_file.is_file() and read_json_object(config_file).get("chat_template")):
+        return
+    template = read_json_object(processor).get("chat_template")
+    if isinstance(template, str) and template:
+        (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
 
 
 def _replace_chat_template(folder: Path, template: str) -> None:

@@ -194,7 +194,15 @@ def test_a_multimodal_gemma3_checkpoint_loads_and_exports_as_its_language_model(
         assert (ours.config.family, ours.config.n_heads, ours.config.head_dim) == (
             "gemma3_text", 8, 256)
         assert (ours(ids).logits - expected).abs().max() <= 1e-4
-    save_checkpoint(ours, tmp_path / "lathe")
+    # its template where the processor keeps it; the text model's export keeps it as its own
+    template = "{% for m in messages %}<start_of_turn>{{ m.content }}{% endfor %}"
+    tokenizer_config = with_tokenizer(tmp_path / "hf") / "tokenizer_config.json"
+    fields = json.loads(tokenizer_config.read_text())
+    tokenizer_config.write_text(json.dumps({key: value for key, value in fields.items()
+                                            if key != "chat_template"}))
+    (tmp_path / "hf" / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    save_checkpoint(ours, tmp_path / "lathe", tokenizer=tmp_path / "hf")
+    assert (tmp_path / "lathe" / "chat_template.jinja").read_text() == template
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lathe",
                                                               dtype=torch.float32).eval()
     assert type(again).__name__ == "Gemma3ForCausalLM"
