@@ -595,7 +595,6 @@ class ModelConfig:
                 f"{', '.join(FAMILIES)}, and the language model of "
                 f"{', '.join(WRAPPERS)}")
         family = FAMILIES[model_type]
-        hf = {**family.defaults, **hf}
         if hf.get("mlp_bias", False):
             raise ConfigError(f"config.json: mlp_bias={hf['mlp_bias']!r} is not supported "
                               "(only False)")

@@ -26,9 +26,10 @@ splits into lathe's q/k/v and gate/up and an export joins again (`split_fused`,
 | glm4_moe (GLM-4.5) | Glm4MoeForCausalLM | partial RoPE, q/k norms optional; DeepSeek-V3's router |
 
 A multimodal checkpoint whose language model is one of these (`WRAPPERS`: Gemma 3 from 4B
-up, `gemma3`) loads as that language model: its `text_config` read as the family's
-config.json, what it leaves out filled with the family's transformers defaults
-(`Family.defaults`), its weights renamed from the wrapper's and the vision tower's left out
+up, `gemma3`; Mistral Small 3.1 and 3.2, `mistral3`) loads as that language model: its `text_config` read as the family's
+config.json, what it leaves out filled with the wrapper's transformers defaults for it
+(a nested config is written as its difference from them), its weights renamed from the
+wrapper's and the vision tower's left out
 (`language_model_weights`); it exports as the text model.
 
 Gemma's: (1 + w) norms, a norm after attention and after the MLP as well, embeddings
@@ -56,7 +57,7 @@ load.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -101,10 +102,6 @@ class Family:
     # config.json -> the ModelConfig fields only this family reads (SmolLM3's NoPE layers,
     # Gemma 3's local RoPE base)
     read: Callable[[dict[str, Any]], dict[str, Any]] = lambda hf: {}
-    # what its transformers config class holds for a key a config.json leaves out, where
-    # lathe's own default would differ (a multimodal checkpoint's text_config holds only
-    # the keys that differ from the class's)
-    defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def classifier(self) -> str | None:
@@ -227,13 +224,6 @@ def _gemma_extra(config: Any) -> dict[str, Any]:
 
 GEMMA = {"norm_unit_offset": True, "sandwich_norms": True, "embed_scale": True}
 GEMMA_FIELDS = ("query_pre_attn_scalar", "attn_softcap", "final_softcap")
-# Gemma3TextConfig's (its RoPE bases and window default in `_gemma3_rope`, `_gemma3_read`
-# and `_gemma_window`)
-GEMMA3_TEXT_DEFAULTS = {
-    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
-    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
-    "head_dim": 256, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
-    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}
 
 
 def _windows_written(config: Any) -> dict[str, Any]:
@@ -382,7 +372,7 @@ FAMILIES: dict[str, Family] = {
                    "use_bidirectional_attention": False},
         sliding="layers", takes=(*GEMMA_FIELDS, "rope_local_theta"),
         classifier_class="Gemma3TextForSequenceClassification", rope=_gemma3_rope,
-        read=_gemma3_read, defaults=GEMMA3_TEXT_DEFAULTS),
+        read=_gemma3_read),
     "mixtral": Family(
         "MixtralForCausalLM", lambda hf: {}, _mistral_window,
         lambda c: {"sliding_window": c.sliding_window, **MIXTRAL_EXPERTS.written(c)},
@@ -414,10 +404,38 @@ FAMILIES: dict[str, Family] = {
         takes=("clip_qkv",), experts=OLMOE_EXPERTS, classifier_class=""),
 }
 
-# multimodal checkpoints whose language model is a family's (Gemma 3 from 4B up): their
-# text_config is read as that family's config.json, and a load keeps the language model's
-# weights alone (`language_model_weights`); an export is the text model, as the family's
-WRAPPERS = {"gemma3": "gemma3_text"}
+@dataclass(frozen=True)
+class Wrapper:
+    """A multimodal checkpoint whose language model is a family's."""
+
+    language_model: str  # the family's model_type
+    # the wrapper's default text_config, which transformers writes a text_config as the
+    # difference from (4.x's nested configs; the hub's checkpoints): a key left out is this
+    text_defaults: dict[str, Any]
+    # its RoPE base, where the text_config names none (at the top, 4.x, or among its
+    # rope_parameters, 5.x)
+    rope_theta: float | None = None
+
+
+# their text_config is read as that family's config.json, and a load keeps the language
+# model's weights alone (`language_model_weights`); an export is the text model, as the
+# family's. Gemma 3 from 4B up (Gemma3TextConfig's defaults; its RoPE bases and window
+# default in `_gemma3_rope`, `_gemma3_read` and `_gemma_window`); Mistral Small 3.1 and 3.2
+# (Mistral3Config's text_config)
+WRAPPERS = {
+    "gemma3": Wrapper("gemma3_text", {
+        "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 256, "query_pre_attn_scalar": 256,
+        "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": True}),
+    "mistral3": Wrapper("mistral", {
+        "vocab_size": 131_072, "hidden_size": 5120, "intermediate_size": 32_768,
+        "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 131_072,
+        "rms_norm_eps": 1e-5, "sliding_window": None, "tie_word_embeddings": False},
+        rope_theta=1e9),
+}
 WRAPPER_PREFIXES = ("language_model.model.", "model.language_model.")  # 4.x's, 5.x's
 WRAPPER_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
                  "model.multi_modal_projector.")
@@ -425,14 +443,21 @@ WRAPPER_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.
 
 def language_model_config(hf: dict[str, Any]) -> dict[str, Any]:
     """`hf`, or a multimodal wrapper's (`WRAPPERS`) text_config as a config of its own."""
-    inner = WRAPPERS.get(hf.get("model_type"))
-    if inner is None:
+    wrapper = WRAPPERS.get(hf.get("model_type"))
+    if wrapper is None:
         return hf
     text = hf.get("text_config")
     if not isinstance(text, dict):
         raise ConfigError(f"config.json: model_type={hf['model_type']!r} needs its language "
                           f"model's settings as an object in text_config, not {text!r}")
-    return {**text, "model_type": inner}
+    config = {**wrapper.text_defaults, **text, "model_type": wrapper.language_model}
+    if hf.get("tie_word_embeddings") is not None:  # transformers 5 ties by the wrapper's
+        config["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    rope = config.get("rope_parameters")
+    if wrapper.rope_theta is not None and config.get("rope_theta") is None and not (
+            isinstance(rope, dict) and rope.get("rope_theta") is not None):
+        config["rope_theta"] = wrapper.rope_theta
+    return config
 
 
 def language_model_weights(state: dict[str, Any]) -> dict[str, Any]:

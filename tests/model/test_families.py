@@ -147,52 +147,82 @@ def test_load_and_export_as_the_same_model_with_the_same_logits(tmp_path, name):
         assert (again(ids).logits - expected).abs().max() <= 1e-4
 
 
-def gemma3_with_vision(folder, text: dict):
-    """A Gemma 3 multimodal checkpoint (`Gemma3ForConditionalGeneration`, as every Gemma 3
-    from 4B up is) with a tiny SigLIP tower, its language model sharpened as `hf_model`'s."""
-    config = transformers.Gemma3Config(
-        text_config=transformers.Gemma3TextConfig(**text).to_dict(),
-        vision_config=transformers.SiglipVisionConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            image_size=28, patch_size=7).to_dict(),
-        mm_tokens_per_image=4, boi_token_index=297, eoi_token_index=298, image_token_index=299)
+# multimodal checkpoints of a family's language model, each with a tiny vision tower: the
+# wrapper's config class, its text config class, the tower's, and the text model's class
+MULTIMODAL = {
+    "gemma3": ("Gemma3Config", "Gemma3TextConfig", "Gemma3ForConditionalGeneration",
+               "Gemma3ForCausalLM", transformers.SiglipVisionConfig(
+                   hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                   num_attention_heads=2, image_size=28, patch_size=7),
+               {"mm_tokens_per_image": 4, "boi_token_index": 297, "eoi_token_index": 298,
+                "image_token_index": 299}),
+    "mistral3": ("Mistral3Config", "MistralConfig", "Mistral3ForConditionalGeneration",
+                 "MistralForCausalLM", transformers.PixtralVisionConfig(
+                     hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, image_size=28, patch_size=14, head_dim=16),
+                 {"image_token_index": 299}),
+}
+
+
+def with_vision(kind: str, folder, text: dict):
+    """A `kind` multimodal checkpoint (`MULTIMODAL`), its language model sharpened as
+    `hf_model`'s, written by `save_pretrained` with its text_config left sparse, as
+    transformers 4.x writes a nested config (the difference from the wrapper's default
+    text config) and the hub's checkpoints hold it."""
+    wrapper, text_class, model_class, _, vision, extra = MULTIMODAL[kind]
+    config = getattr(transformers, wrapper)(
+        text_config=getattr(transformers, text_class)(**text).to_dict(),
+        vision_config=vision.to_dict(), **extra)
     torch.manual_seed(0)
-    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    model = getattr(transformers, model_class)(config).eval()
     language = model.model.language_model
     with torch.no_grad():
-        language.embed_tokens.weight.mul_(30)  # the tied head
+        language.embed_tokens.weight.mul_(30)
+        if not config.tie_word_embeddings:
+            model.lm_head.weight.mul_(30)
         for layer in language.layers:
             layer.self_attn.q_proj.weight.mul_(8)
             layer.self_attn.k_proj.weight.mul_(8)
-            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
-                norm.weight.normal_(1, 0.3)
+            for norm in (getattr(layer.self_attn, "q_norm", None),
+                         getattr(layer.self_attn, "k_norm", None)):
+                if norm is not None:
+                    norm.weight.normal_(1, 0.3)
     model.save_pretrained(folder)
+    written = json.loads((folder / "config.json").read_text())
+    default = getattr(transformers, wrapper)().text_config.to_dict()
+    sparse = {key: value for key, value in written["text_config"].items()
+              if key == "model_type" or value != default.get(key)}
+    (folder / "config.json").write_text(json.dumps({**written, "text_config": sparse}))
     return model
 
 
-def test_a_multimodal_gemma3_checkpoint_loads_and_exports_as_its_language_model(tmp_path):
-    """A Gemma 3 4B-27B checkpoint: its text_config is the language model's (left sparse,
-    as transformers 4.x writes a nested config and the hub's checkpoints hold it, every key
-    left out is Gemma3TextConfig's default: 8 heads of 256, GELU, a tied head, ...), its
-    weights under language_model.model. beside the vision tower's; lathe loads the language
-    model with transformers' text logits, exports it as Gemma3ForCausalLM with the same
-    logits, and its engine's greedy tokens are transformers'."""
-    default = transformers.Gemma3TextConfig()
-    hf = gemma3_with_vision(tmp_path / "hf", {
+@pytest.mark.parametrize(("kind", "text", "defaults"), [
+    # 8 heads of 256, GELU, a tied head, ...: Gemma3TextConfig's
+    ("gemma3", {"sliding_window": 12},
+     {"n_heads": 8, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh"}),
+    # Mistral Small 3.1's: 32 heads of 128 (MistralConfig would make 2 of 64 / 32), RoPE
+    # base 1e9, no window
+    ("mistral3", {"head_dim": 128, "sliding_window": None,
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 1e9}},
+     {"n_heads": 32, "head_dim": 128, "rope_theta": 1e9, "sliding_window": None}),
+])
+def test_a_multimodal_checkpoint_loads_and_exports_as_its_language_model(tmp_path, kind, text,
+                                                                         defaults):
+    """Gemma 3 from 4B up and Mistral Small 3.x are multimodal checkpoints: the language
+    model's text_config (every key it leaves out the wrapper's default), its weights under
+    language_model.model. beside the vision tower's. lathe loads the language model with
+    transformers' text logits, exports it as the text model's class with the same logits,
+    keeps the processor's chat template, and its engine's greedy tokens are transformers'."""
+    hf = with_vision(kind, tmp_path / "hf", {
         "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "sliding_window": 12, "max_position_embeddings": 512})
-    written = json.loads((tmp_path / "hf" / "config.json").read_text())
-    sparse = {key: value for key, value in written["text_config"].items()
-              if key == "model_type" or value != getattr(default, key, None)}
-    assert "num_attention_heads" not in sparse and "hidden_activation" not in sparse
-    (tmp_path / "hf" / "config.json").write_text(json.dumps({**written,
-                                                             "text_config": sparse}))
+        "num_hidden_layers": 2, "max_position_embeddings": 512, **text})
+    sparse = json.loads((tmp_path / "hf" / "config.json").read_text())["text_config"]
+    assert not {"num_attention_heads", "head_dim"} & set(sparse)
     ids = torch.randint(0, 296, (2, SEQ))
     with torch.no_grad():
         expected = hf(input_ids=ids).logits
         ours = load_checkpoint(tmp_path / "hf")
-        assert (ours.config.family, ours.config.n_heads, ours.config.head_dim) == (
-            "gemma3_text", 8, 256)
+        assert {key: getattr(ours.config, key) for key in defaults} == defaults
         assert (ours(ids).logits - expected).abs().max() <= 1e-4
     # its template where the processor keeps it; the text model's export keeps it as its own
     template = "{% for m in messages %}<start_of_turn>{{ m.content }}{% endfor %}"
@@ -205,7 +235,7 @@ def test_a_multimodal_gemma3_checkpoint_loads_and_exports_as_its_language_model(
     assert (tmp_path / "lathe" / "chat_template.jinja").read_text() == template
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lathe",
                                                               dtype=torch.float32).eval()
-    assert type(again).__name__ == "Gemma3ForCausalLM"
+    assert type(again).__name__ == MULTIMODAL[kind][3]
     with torch.no_grad():
         assert (again(ids).logits - expected).abs().max() <= 1e-4
     prompt = ids[0, :20].tolist()
@@ -220,7 +250,7 @@ def test_a_peft_adapter_of_a_multimodal_gemma3_serves_over_its_language_model(tm
     vision tower's q_proj too when a target matches them): the served adapter is the
     language model's part, with the merged model's greedy tokens."""
     peft = pytest.importorskip("peft")
-    hf = gemma3_with_vision(tmp_path / "hf", {
+    hf = with_vision("gemma3", tmp_path / "hf", {
         "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 16, "sliding_window": 12, "max_position_embeddings": 512})
