@@ -179,9 +179,12 @@ def checkpoint_chat_template(path: str | Path,
     if tokenizer_config is None:
         tokenizer_config = read_json_object(config_file) if config_file.is_file() else {}
     template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):
+        template = _named_templates(config_file, template)
     if template is not None and not isinstance(template, str):
         raise CheckpointError(f"{config_file}: chat_template must be a string (one Jinja "
-                              f"template), not a {type(template).__name__}")
+                              "template) or a list of {\"name\", \"template\"} objects, not a "
+                              f"{type(template).__name__}")
     jinja_file = checkpoint_file(path, "chat_template.jinja")
     if not template and jinja_file.is_file():
         try:
@@ -195,6 +198,26 @@ def checkpoint_chat_template(path: str | Path,
             raise CheckpointError(f"{processor_file}: chat_template must be a string (one "
                                   f"Jinja template), not {type(template).__name__}")
     return template or None
+
+
+def _named_templates(config_file: Path, entries: list[Any]) -> str:
+    """transformers' named templates (Hermes 3's, Command R's) as one template: its
+    `tool_use` one where a chat has tools, else its `default` one, as `apply_chat_template`
+    picks them. The `{{ '' }}` beside each tag keeps the environment's trim_blocks and
+    lstrip_blocks off the templates' own first and last characters."""
+    if not all(isinstance(entry, dict) and isinstance(entry.get("name"), str)
+               and isinstance(entry.get("template"), str) for entry in entries):
+        raise CheckpointError(f"{config_file}: chat_template, a list, must hold "
+                              "{\"name\": ..., \"template\": ...} objects of strings")
+    named = {entry["name"]: entry["template"] for entry in entries}
+    if "default" not in named:
+        raise CheckpointError(f"{config_file}: chat_template names {sorted(named)} but no "
+                              "\"default\" template, which a chat without tools renders with; "
+                              "give one with --chat_template FILE")
+    if "tool_use" not in named:
+        return named["default"]
+    return ("{% if tools is not none %}{{ '' }}" + named["tool_use"] + "{{ '' }}{% else %}"
+            "{{ '' }}" + named["default"] + "{{ '' }}{% endif %}")
 
 
 def read_template_file(file: str | Path) -> str:

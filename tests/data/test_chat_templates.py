@@ -303,3 +303,35 @@ def test_a_processors_chat_template_json_is_the_template_where_the_tokenizer_has
     with pytest.raises(CheckpointError, match="chat_template.json: chat_template must be a "
                                               "string"):
         checkpoint_chat_template(tmp_path)
+
+
+def test_named_templates_render_as_transformers_picks_them(tokenizer, tmp_path):
+    """A tokenizer_config.json whose chat_template is transformers' list of named templates
+    (Hermes 3's, Command R's): a chat with tools renders through `tool_use`, one without
+    through `default`, as `apply_chat_template` picks them — to the character, the
+    templates' own leading newline and trailing spaces kept."""
+    from transformers import AutoTokenizer
+
+    from lathe.core.errors import CheckpointError
+    from lathe.data.chat_template import ChatTemplate
+    default = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+               "{% if add_generation_prompt %}<|assistant|>{% endif %}   ")
+    tool_use = ("\n{{ tools | length }} tools: {% for t in tools %}{{ t.function.name }} "
+                "{% endfor %}\n{% for m in messages %}[{{ m.role }}] {{ m.content }}\n"
+                "{% endfor %}")
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                  "chat_template": [{"name": "default", "template": default},
+                                                    {"name": "tool_use", "template": tool_use}]}))
+    ours, theirs = ChatTemplate.from_checkpoint(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    for tools in (None, TOOLS):
+        assert ours.render(MULTI.messages, tools=tools) == theirs.apply_chat_template(
+            MULTI.messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert ours.render(MULTI.messages, tools=TOOLS).startswith("\n1 tools: add")
+    config.write_text(json.dumps({"chat_template": [{"name": "default", "template": default}]}))
+    assert ChatTemplate.from_checkpoint(tmp_path).render(SINGLE.messages).endswith(
+        "<|assistant|>   ")
+    config.write_text(json.dumps({"chat_template": [{"name": "tool_use", "template": tool_use}]}))
+    with pytest.raises(CheckpointError, match=r"names \['tool_use'\] but no \"default\""):
+        ChatTemplate.from_checkpoint(tmp_path)
