@@ -224,14 +224,16 @@ else:
 print(f"healthy after {time.monotonic() - started:.1f}s")
 
 
-def pending():  # decode steps still compiling in the background, steps eager meanwhile
+def graphs(name):  # decode steps still compiling in the background, or failed to
     metrics = httpx.get(f"{url}/metrics").text
     return float(next(line.split()[-1] for line in metrics.splitlines()
-                      if line.startswith("lathe:decode_graphs_pending")))
-while pending():
+                      if line.startswith(f"lathe:decode_graphs_{name}")))
+while graphs("pending"):
     if time.monotonic() > deadline:
         sys.exit("the decode steps were not all built")
     time.sleep(0.5)
+if graphs("failed"):
+    sys.exit("building the decode steps failed (the server's log says why)")
 print(f"decode steps built after {time.monotonic() - started:.1f}s")
 
 async def one(client, i):

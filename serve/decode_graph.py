@@ -156,6 +156,7 @@ class DecodeGraphs:
         # a bucket's first step compiles it, as without a warm-up)
         self.background = False
         self.stopping = False  # the engine is closing: a background build ends quietly
+        self.failed = False  # a background build stopped on an error: nothing pending since
         self.cuda = cuda = slabs.k[0].device.type == "cuda"
         paged_kernel = cuda or native_kernel("paged_decode", slabs.k[0])
         self.widths = [max_blocks] if paged_kernel else width_buckets(max_blocks)
@@ -167,11 +168,14 @@ class DecodeGraphs:
         self._pool: tuple[int, int] | None = None
 
     def stats(self) -> dict[str, float]:
-        """Graphs compiled, loaded from the cache, built under load, and still to build."""
+        """Graphs compiled, loaded from the cache, built under load, and still to build;
+        whether a background build failed."""
         return {"decode_graphs_compiled": self.built["compiled"],
                 "decode_graphs_cached": self.built["cached"],
                 "decode_graphs_late": self.late,
-                "decode_graphs_pending": len(self.shapes) - sum(self.built.values())}
+                "decode_graphs_pending": 0 if self.failed
+                else len(self.shapes) - sum(self.built.values()),
+                "decode_graphs_failed": int(self.failed)}
 
     @property
     def shapes(self) -> list[tuple[int, int]]:
@@ -237,8 +241,10 @@ class DecodeGraphs:
                 if progress is not None:
                     progress(done + 1, len(shapes))
         except Exception as error:  # whatever the compiler stack raises
-            if failed is not None and not self.stopping:  # else torn down under it
-                failed(error)
+            if not self.stopping:  # else torn down under it
+                self.failed = True
+                if failed is not None:
+                    failed(error)
             return
         self.warm = True
 

@@ -66,6 +66,12 @@ class _EngineCollector(Collector):
                                         labels=["model_name"])
             pending.add_metric([self.model], stats["decode_graphs_pending"])
             yield pending
+            failed = GaugeMetricFamily("lathe:decode_graphs_failed", "1 once building the "
+                                       "compiled decode steps in the background failed (the "
+                                       "batch sizes not built by then run eager; the log "
+                                       "says why).", labels=["model_name"])
+            failed.add_metric([self.model], stats["decode_graphs_failed"])
+            yield failed
         if "spec_decode_num_drafts" in stats:
             yield from self._speculation(stats)
 

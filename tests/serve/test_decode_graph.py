@@ -486,7 +486,8 @@ def test_a_server_answers_while_its_graphs_build_and_then_runs_them(checkpoint, 
 def test_a_background_build_that_fails_keeps_what_it_built_and_runs_the_rest_eager(
         monkeypatch, caplog):
     """A compile that fails in the background leaves the buckets built by then compiled and
-    the rest eager for good (never compiled under load); outputs equal eager's."""
+    the rest eager for good (never compiled under load), and says so; outputs equal
+    eager's."""
     from lathe.serve.decode_graph import DecodeGraphs
     at_full_priority(monkeypatch)
     build = DecodeGraphs._build
@@ -506,6 +507,10 @@ def test_a_background_build_that_fails_keeps_what_it_built_and_runs_the_rest_eag
     graphs = compiled.runner.graphs
     assert "(but at batch sizes [1], built by then)" in caplog.text
     assert graphs.ready == {1} and not graphs.warm
+    # /metrics: nothing pending any more, and the failure
+    assert {key: value for key, value in graphs.stats().items()
+            if key in ("decode_graphs_pending", "decode_graphs_failed")} == {
+        "decode_graphs_pending": 0, "decode_graphs_failed": 1}
     greedy = SamplingParams(max_tokens=6, temperature=0)
     for batch in (prompts([5]), prompts([5, 7, 3, 9], seed=1)):
         want = [r.outputs[0].token_ids for r in eager.generate(batch, greedy)]
