@@ -44,6 +44,7 @@ from lathe.serve.quant import load_serving_model, serving_tokenizer, weight_byte
 from lathe.serve.request_checks import AdapterError, RequestError, RequestLimits
 from lathe.serve.sampler import Sampler
 from lathe.serve.sampling import seeded_generator
+from lathe.serve.sampling_defaults import SamplingDefaults, read_sampling_defaults
 from lathe.serve.sampling_params import SamplingParams
 from lathe.serve.scheduler import Scheduler, StepCost
 from lathe.serve.sequence import Sequence, Status, request_sequences
@@ -76,6 +77,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.eos_token_ids = set(eos_token_ids)
+        # a checkpoint's recommended sampling (`lathe.serve.sampling_defaults`), from_checkpoint's
+        self.sampling_defaults: SamplingDefaults = {}
         self.weight_version = 0  # weight loads so far (`load_weights`, `update_weights`)
         self.device = model.model.embed_tokens.weight.device
         self.max_model_len = serving_length(self.config, model.config)
@@ -138,7 +141,15 @@ class LLMEngine:
         tokenizer = serving_tokenizer(path, vocab)
         draft = load_draft(path, config.speculative if config is not None else None, tokenizer,
                            quantize, dtype, device)
-        return cls(model, tokenizer, config, read_eos_ids(path, vocab), draft_model=draft)
+        engine = cls(model, tokenizer, config, read_eos_ids(path, vocab), draft_model=draft)
+        engine.sampling_defaults = read_sampling_defaults(path)
+        return engine
+
+    def default_sampling_params(self) -> SamplingParams:
+        """The sampling `generate` uses when given none: the checkpoint's recommended
+        (its generation_config.json's), else `SamplingParams`' defaults — vLLM's
+        `LLM.get_default_sampling_params`."""
+        return SamplingParams(**self.sampling_defaults)
 
     # requests ---------------------------------------------------------------------------
 

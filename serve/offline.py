@@ -18,10 +18,11 @@ def generate(engine: LLMEngine, prompts: list[str] | list[list[int]],
              params: SamplingParams | list[SamplingParams] | None = None,
              progress: bool = False, adapter: str | None = None) -> list[Completion]:
     """Complete every prompt (text or token ids) on `engine`, on the LoRA adapter named
-    `adapter` if given, with one `SamplingParams` for all or one per prompt; a progress bar
-    of finished sequences when `progress`."""
-    params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(
-        prompts)
+    `adapter` if given, with one `SamplingParams` for all or one per prompt (none: the
+    engine's defaults, its checkpoint's recommended sampling); a progress bar of finished
+    sequences when `progress`."""
+    params_list = params if isinstance(params, list) else [
+        params or engine.default_sampling_params()] * len(prompts)
     if len(params_list) != len(prompts):
         raise RequestError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
     completions: dict[str, Completion] = {}

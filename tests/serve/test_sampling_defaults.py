@@ -153,3 +153,16 @@ def test_rollouts_sample_as_the_trainer_asks_whatever_the_server_recommends(reco
         remote.close()
     finally:
         server.stop()
+
+
+def test_the_offline_engine_samples_as_recommended_when_given_no_params(recommending):
+    """vLLM's `LLM.generate` without sampling params: the checkpoint's recommended (top_k 1:
+    greedy at temperature 1; 5 tokens), `default_sampling_params`."""
+    from lathe.serve.engine import LLMEngine
+    from lathe.serve.sampling_params import SamplingParams
+    engine = LLMEngine.from_checkpoint(recommending, EngineConfig(num_blocks=64))
+    assert engine.default_sampling_params() == SamplingParams(top_k=1, max_tokens=5)
+    (given,) = engine.generate([[5, 6, 7, 8]])
+    (greedy,) = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=5, temperature=0))
+    assert given.outputs[0].token_ids == greedy.outputs[0].token_ids
+    assert LLMEngine(engine.model).default_sampling_params() == SamplingParams()
