@@ -50,11 +50,14 @@ def chat_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("target", help="checkpoint folder or server URL")
     parser.add_argument("--system", help="system prompt")
     parser.add_argument("--prompt", help="send this one message, print the answer and exit")
-    recommended = " (default: the model's recommended, from its generation_config.json; " \
+    recommended = "%s (default: the model's recommended, from its generation_config.json; " \
         "else %s)"
-    parser.add_argument("--temperature", type=float, help=recommended % "1")
-    parser.add_argument("--top-p", type=float, help=recommended % "1: off")
-    parser.add_argument("--top-k", type=int, help=recommended % "0: off")
+    parser.add_argument("--temperature", type=float,
+                        help=recommended % ("sampling temperature, 0: greedy", "1"))
+    parser.add_argument("--top-p", type=float,
+                        help=recommended % ("nucleus sampling's mass", "1: off"))
+    parser.add_argument("--top-k", type=int,
+                        help=recommended % ("the most likely tokens drawn from", "0: off"))
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--api-key", default=os.environ.get("LATHE_API_KEY"))
