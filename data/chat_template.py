@@ -169,18 +169,23 @@ def read_chat_template(path: str | Path,
     return template, specials
 
 
-def checkpoint_chat_template(path: str | Path,
-                             tokenizer_config: dict[str, Any] | None = None) -> str | None:
-    """The template a checkpoint carries: tokenizer_config.json's `chat_template`, else
-    chat_template.jinja, else chat_template.json's (a multimodal processor's, as Gemma 3's
-    checkpoints from 4B up carry it); None when it carries none."""
+# transformers' named templates: {"name": ..., "template": ...} objects, "default" among them
+NamedTemplates = list[dict[str, str]]
+
+
+def checkpoint_chat_templates(path: str | Path, tokenizer_config: dict[str, Any] | None = None,
+                              ) -> str | NamedTemplates | None:
+    """The template a checkpoint carries, as it holds it: tokenizer_config.json's
+    `chat_template` (one template, or transformers' named ones, as Hermes 3 and Command R
+    ship them), else chat_template.jinja, else chat_template.json's (a multimodal
+    processor's, as Gemma 3's checkpoints from 4B up carry it); None when it carries none."""
     path = Path(path)
     config_file = checkpoint_file(path, "tokenizer_config.json")
     if tokenizer_config is None:
         tokenizer_config = read_json_object(config_file) if config_file.is_file() else {}
     template = tokenizer_config.get("chat_template")
     if isinstance(template, list):
-        template = _named_templates(config_file, template)
+        return _checked_names(config_file, template)
     if template is not None and not isinstance(template, str):
         raise CheckpointError(f"{config_file}: chat_template must be a string (one Jinja "
                               "template) or a list of {\"name\", \"template\"} objects, not a "
@@ -200,24 +205,34 @@ def checkpoint_chat_template(path: str | Path,
     return template or None
 
 
-def _named_templates(config_file: Path, entries: list[Any]) -> str:
-    """transformers' named templates (Hermes 3's, Command R's) as one template: its
-    `tool_use` one where a chat has tools, else its `default` one, as `apply_chat_template`
-    picks them. The `{{ '' }}` beside each tag keeps the environment's trim_blocks and
-    lstrip_blocks off the templates' own first and last characters."""
+def checkpoint_chat_template(path: str | Path,
+                             tokenizer_config: dict[str, Any] | None = None) -> str | None:
+    """The checkpoint's template (`checkpoint_chat_templates`) as the one template lathe
+    renders: named ones as `apply_chat_template` picks them — `tool_use` where a chat has
+    tools, else `default`."""
+    templates = checkpoint_chat_templates(path, tokenizer_config)
+    if not isinstance(templates, list):
+        return templates
+    named = {entry["name"]: entry["template"] for entry in templates}
+    if "tool_use" not in named:
+        return named["default"]
+    # `{{ '' }}` beside each tag keeps the environment's trim_blocks and lstrip_blocks off
+    # the templates' own first and last characters
+    return ("{% if tools is not none %}{{ '' }}" + named["tool_use"] + "{{ '' }}{% else %}"
+            "{{ '' }}" + named["default"] + "{{ '' }}{% endif %}")
+
+
+def _checked_names(config_file: Path, entries: list[Any]) -> NamedTemplates:
     if not all(isinstance(entry, dict) and isinstance(entry.get("name"), str)
                and isinstance(entry.get("template"), str) for entry in entries):
         raise CheckpointError(f"{config_file}: chat_template, a list, must hold "
                               "{\"name\": ..., \"template\": ...} objects of strings")
-    named = {entry["name"]: entry["template"] for entry in entries}
-    if "default" not in named:
-        raise CheckpointError(f"{config_file}: chat_template names {sorted(named)} but no "
+    names = sorted(entry["name"] for entry in entries)
+    if "default" not in names:
+        raise CheckpointError(f"{config_file}: chat_template names {names} but no "
                               "\"default\" template, which a chat without tools renders with; "
                               "give one with --chat_template FILE")
-    if "tool_use" not in named:
-        return named["default"]
-    return ("{% if tools is not none %}{{ '' }}" + named["tool_use"] + "{{ '' }}{% else %}"
-            "{{ '' }}" + named["default"] + "{{ '' }}{% endif %}")
+    return [{"name": entry["name"], "template": entry["template"]} for entry in entries]
 
 
 def read_template_file(file: str | Path) -> str:

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lathe.data.chat_template import checkpoint_chat_template
+from lathe.data.chat_template import checkpoint_chat_templates
 from lathe.model.checkpoint import CheckpointError, load_checkpoint
 from lathe.model.config import ModelConfig
 from lathe.model.families import join_fused
@@ -278,8 +278,10 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f16") -> 
     writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(FILE_TYPES[dtype])
     vocabulary.write(writer)
-    if (template := checkpoint_chat_template(checkpoint)) is not None:
-        writer.add_chat_template(template)
+    # named templates as llama.cpp's converter writes them: the default one, and each other
+    # under tokenizer.chat_template.NAME
+    if (templates := checkpoint_chat_templates(checkpoint)) is not None:
+        writer.add_chat_template(templates)
 
     for name, array in gguf_tensors(model.state_dict(), config).items():
         # q8_0 rounds rows in blocks of 32 (narrower ones stay f16, as llama.cpp's converter)

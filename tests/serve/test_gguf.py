@@ -173,6 +173,24 @@ def test_gguf_carries_hyperparameters_vocabulary_and_special_tokens(checkpoint, 
     assert tensors["blk.0.attn_norm.weight"].dtype == torch.float32
 
 
+def test_named_chat_templates_are_written_as_llama_cpps_converter_writes_them(checkpoint,
+                                                                             tmp_path):
+    """transformers' named templates (Hermes 3's default and tool_use): the default as
+    tokenizer.chat_template, each other as tokenizer.chat_template.NAME, listed."""
+    import shutil
+    folder = shutil.copytree(checkpoint, tmp_path / "named")
+    config_file = folder / "tokenizer_config.json"
+    named = [{"name": "default", "template": "{{ messages[0].content }}"},
+             {"name": "tool_use", "template": "{{ tools | length }}"}]
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()),
+                                       "chat_template": named}))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    fields, _ = read_gguf(export_gguf(folder, tmp_path / "m.gguf"))
+    assert fields["tokenizer.chat_template"] == "{{ messages[0].content }}"
+    assert fields["tokenizer.chat_template.tool_use"] == "{{ tools | length }}"
+    assert fields["tokenizer.chat_templates"] == ["tool_use"]
+
+
 def test_pre_tokenizer_names_follow_the_digit_grouping(tmp_path):
     """lathe's regex with 3-digit groups is Llama 3's, with single digits Qwen2's (spelled
     `\\p{N}{1,1}`, read as Qwen's `\\p{N}`); any other grouping has no llama.cpp name and
