@@ -116,13 +116,13 @@ def _within(bound: Bound) -> Callable[[Any], Any]:
     return check
 
 
-def _bounded(kind: type, name: str) -> Any:
+def bounded(kind: type, name: str) -> Any:
     """`kind` (int or float) within `BOUNDS[name]`; floats must be finite."""
     extra = {"allow_inf_nan": False} if kind is float else {}
     return Annotated[kind, Field(**extra), AfterValidator(_within(BOUNDS[name]))]
 
 
-TokenId = _bounded(int, "token_id")
+TokenId = bounded(int, "token_id")
 
 
 def _harmless(values: tuple) -> Callable[[Any], bool]:
@@ -290,7 +290,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
     """A request body whose text is valid Unicode (a lone surrogate cannot be encoded)."""
 
     @model_validator(mode="before")
@@ -304,24 +304,24 @@ class _Body(BaseModel):
         return body
 
 
-class _Request(_Body):
+class _Request(RequestBody):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    temperature: _bounded(float, "temperature") | None = None
-    top_p: _bounded(float, "top_p") | None = None
-    n: _bounded(int, "n") | None = None
+    temperature: bounded(float, "temperature") | None = None
+    top_p: bounded(float, "top_p") | None = None
+    n: bounded(int, "n") | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
-    seed: _bounded(int, "seed") | None = None
-    presence_penalty: _bounded(float, "presence_penalty") | None = None
-    frequency_penalty: _bounded(float, "frequency_penalty") | None = None
-    logit_bias: Annotated[dict[TokenId, _bounded(float, "logit_bias")],
+    seed: bounded(int, "seed") | None = None
+    presence_penalty: bounded(float, "presence_penalty") | None = None
+    frequency_penalty: bounded(float, "frequency_penalty") | None = None
+    logit_bias: Annotated[dict[TokenId, bounded(float, "logit_bias")],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    top_k: _bounded(int, "top_k") | None = None
-    min_p: _bounded(float, "min_p") | None = None
-    repetition_penalty: _bounded(float, "repetition_penalty") | None = None
+    top_k: bounded(int, "top_k") | None = None
+    min_p: bounded(float, "min_p") | None = None
+    repetition_penalty: bounded(float, "repetition_penalty") | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
     response_format: dict[str, Any] | None = None
@@ -330,7 +330,7 @@ class _Request(_Body):
     guided_choice: Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
-    min_tokens: _bounded(int, "min_tokens") | None = None
+    min_tokens: bounded(int, "min_tokens") | None = None
     bad_words: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
                          Field(max_length=MAX_BAD_WORDS)] | None = None
     allowed_token_ids: Annotated[list[TokenId], Field(
@@ -339,7 +339,7 @@ class _Request(_Body):
     skip_special_tokens: bool = True
     # only slow (Python) tokenizers put spaces there; a tokenizer.json never does (vLLM too)
     spaces_between_special_tokens: bool = True
-    prompt_logprobs: _bounded(int, "prompt_logprobs") | None = None
+    prompt_logprobs: bounded(int, "prompt_logprobs") | None = None
     # keep the prompt's last k tokens (-1: as many as the context holds)
     truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     return_token_ids: bool = False
@@ -427,9 +427,9 @@ class _Request(_Body):
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: Annotated[int, Field(ge=0, le=BOUNDS["max_tokens"].high)] | None = 16
-    logprobs: _bounded(int, "logprobs") | None = None
+    logprobs: bounded(int, "logprobs") | None = None
     echo: bool = False
-    best_of: _bounded(int, "n") | None = None
+    best_of: bounded(int, "n") | None = None
     add_special_tokens: bool = True  # a text prompt gets the tokenizer's BOS and the like
 
     def check_supported(self) -> None:
@@ -474,7 +474,7 @@ class ToolPlan:
     named: bool = False  # tool_choice named the function (OpenAI then finishes with "stop")
 
 
-class ChatRendering(_Body):
+class ChatRendering(RequestBody):
     """What a chat is rendered from: its messages and tools, and the template's switches."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -514,10 +514,10 @@ class ChatRendering(_Body):
 class ChatCompletionRequest(_Request, ChatRendering):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    max_tokens: _bounded(int, "max_tokens") | None = None
-    max_completion_tokens: _bounded(int, "max_tokens") | None = None
+    max_tokens: bounded(int, "max_tokens") | None = None
+    max_completion_tokens: bounded(int, "max_tokens") | None = None
     logprobs: bool | None = False
-    top_logprobs: _bounded(int, "logprobs") | None = None
+    top_logprobs: bounded(int, "logprobs") | None = None
     include_reasoning: bool = True
 
     def check_supported(self) -> None:
@@ -585,7 +585,7 @@ class ChatCompletionRequest(_Request, ChatRendering):
 
 # `POST /tokenize` and `/detokenize`, as vLLM's: a prompt, or a chat rendered through the
 # served template, as the token ids the model would be given, and back
-class TokenizeCompletionRequest(_Body):
+class TokenizeCompletionRequest(RequestBody):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None

@@ -43,7 +43,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lathe.core.errors import LatheError
 from lathe.data.chat_template import read_chat_template
 from lathe.data.template_worker import TemplateWorker
-from lathe.serve import serving_chat, serving_completions, serving_models, serving_tokens
+from lathe.serve import (
+    serving_chat,
+    serving_completions,
+    serving_models,
+    serving_responses,
+    serving_tokens,
+)
 from lathe.serve.async_engine import AsyncEngine, EngineDead
 from lathe.serve.config import ServerConfig
 from lathe.serve.connections import LatheServer, raise_file_limit, uvicorn_config
@@ -236,7 +242,8 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
             return app.openapi()
 
     for router in (serving_models.open_router, serving_models.router,
-                   serving_completions.router, serving_chat.router, serving_tokens.router):
+                   serving_completions.router, serving_chat.router, serving_responses.router,
+                   serving_tokens.router):
         app.include_router(router)
     return app
 

@@ -305,6 +305,36 @@ def test_qwen3_templates_imply_the_reasoning_parser(qwen_checkpoint):
         assert off.choices[0].message.model_extra["reasoning_content"] is None
 
 
+def test_responses_carry_the_reasoning_as_a_reasoning_item(qwen_checkpoint):
+    """Through the Responses API the parsed reasoning is a reasoning item before the
+    message, whole and streamed, as the chat route splits it; vLLM's extensions (seed,
+    structured_outputs) pass through."""
+    template = qwen_checkpoint.parent / "qwen3.jinja"
+    template.write_text(plain(QWEN3))
+    tokenizer = Tokenizer.from_file(str(qwen_checkpoint / "tokenizer.json"))
+    think, end = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
+    grammar = f'start: <[{think}]> /[a-z]{{1,8}}/ <[{end}]> "\\n\\n" /[a-z]{{1,8}}/'
+    with served(qwen_checkpoint, load=load(qwen_checkpoint), chat_template=template) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        extra = {"seed": 0, "structured_outputs": {"grammar": grammar}}
+        message = client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=40,
+            extra_body=extra).choices[0].message
+        response = client.responses.create(model="tiny", input=MESSAGES,
+                                           max_output_tokens=40, extra_body=extra)
+        reasoning, reply = response.output
+        assert (reasoning.type, reply.type) == ("reasoning", "message")
+        assert reasoning.content[0].text == message.model_extra["reasoning_content"]
+        assert response.output_text == message.content
+        events = list(client.responses.create(model="tiny", input=MESSAGES,
+                                              max_output_tokens=40, extra_body=extra,
+                                              stream=True))
+        assert "".join(event.delta for event in events
+                       if event.type == "response.reasoning_text.delta") == \
+            reasoning.content[0].text
+        assert events[-1].response.output_text == message.content
+
+
 # vLLM's request fields ------------------------------------------------------------------
 
 

@@ -93,6 +93,52 @@ def test_tokenize_gives_the_ids_the_model_is_given_and_detokenize_reverses_them(
     assert httpx.post(f"{running.url}/tokenize", json={"prompt": "x"}).status_code == 401
 
 
+def test_responses_answer_as_the_chat_route_does_whole_and_streamed(client):
+    """OpenAI's Responses API through the official client: the instructions and input are
+    the chat, the output text, status and usage its reply's; the streamed events build the
+    same text in order; a message-list input (a developer message, text parts) is the same
+    chat; what a stateless text server cannot do is a 400 naming the field."""
+    kwargs = dict(model="tiny", input="Hi there", instructions="Be brief.",
+                  max_output_tokens=6, temperature=0)
+    response = client.responses.create(**kwargs)
+    chat = client.chat.completions.create(
+        model="tiny", max_tokens=6, temperature=0,
+        messages=[{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "Hi there"}])
+    assert response.output_text == chat.choices[0].message.content
+    assert response.status == ("incomplete" if chat.choices[0].finish_reason == "length"
+                               else "completed")
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (
+        chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert response.store is False and response.id.startswith("resp_")
+    events = list(client.responses.create(**kwargs, stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[:3] == ["response.created", "response.in_progress",
+                         "response.output_item.added"]
+    assert kinds[-1] == f"response.{response.status}"
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert "".join(event.delta for event in events
+                   if event.type == "response.output_text.delta") == response.output_text
+    assert events[-1].response.output_text == response.output_text
+    listed = client.responses.create(
+        model="tiny", max_output_tokens=6, temperature=0,
+        input=[{"role": "developer", "content": "Be brief."},
+               {"type": "message", "role": "user",
+                "content": [{"type": "input_text", "text": "Hi there"}]}])
+    assert listed.output_text == response.output_text
+    for extra, message in (
+            ({"previous_response_id": "resp_1"}, "previous_response_id: this server stores "
+                                                 "no responses"),
+            ({"tools": [{"type": "web_search"}]}, "only function tools are served"),
+            ({"input": [{"role": "user", "content": [{"type": "input_image",
+                                                      "image_url": "x"}]}]},
+             "type='input_image' is not served"),
+            ({"extra_body": {"frobnicate": 1}}, "frobnicate")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(**{**kwargs, **extra})
+        assert message in caught.value.body["message"]
+
+
 def test_streaming_with_and_without_the_usage_chunk(client):
     kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Tell me"}],
                   max_tokens=8, temperature=0, extra_body={"ignore_eos": True})

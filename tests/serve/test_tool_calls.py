@@ -107,6 +107,41 @@ def test_the_next_turn_takes_the_calls_and_their_results(tool_server):
         max_tokens=1).usage.prompt_tokens
 
 
+def test_responses_call_functions_and_take_their_outputs(tool_server):
+    """The Responses API's flat function tools and named tool_choice: the forced call is the
+    chat route's, as a function_call item (streamed as its arguments' deltas); the next turn
+    takes the call and its function_call_output as the chat's tool call and tool message."""
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]  # Responses' flat form
+    kwargs = dict(model="tiny", input="What is 2 + 3?", tools=tools, max_output_tokens=96,
+                  temperature=0, tool_choice={"type": "function", "name": "add"})
+    (call,) = [item for item in tool_server.responses.create(**kwargs).output
+               if item.type == "function_call"]
+    (chat,) = tool_server.chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=96, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "add"}}).choices[0].message.tool_calls
+    assert (call.name, call.arguments, call.call_id) == ("add", chat.function.arguments,
+                                                        call.call_id)
+    jsonschema.validate(json.loads(call.arguments), ADD)
+    events = list(tool_server.responses.create(**kwargs, stream=True))
+    assert "".join(event.delta for event in events
+                   if event.type == "response.function_call_arguments.delta") == call.arguments
+    (added,) = [event.item for event in events if event.type == "response.output_item.added"]
+    assert (added.type, added.name) == ("function_call", "add")
+    turn = tool_server.responses.create(
+        model="tiny", tools=tools, tool_choice="none", max_output_tokens=4, input=[
+            {"role": "user", "content": "What is 2 + 3?"},
+            {"type": "function_call", "call_id": call.call_id, "name": "add",
+             "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "5"}])
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.call_id, "type": "function",
+         "function": {"name": "add", "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "5"}]
+    assert turn.usage.input_tokens == tool_server.chat.completions.create(
+        model="tiny", messages=history, tools=TOOLS, tool_choice="none",
+        max_tokens=1).usage.prompt_tokens
+
+
 @pytest.mark.parametrize(("extra", "param", "named"), [
     ({"tool_choice": {"type": "function", "function": {"name": "fly"}}}, "tool_choice",
      "names 'fly', which is not among the tools (add, shout)"),
