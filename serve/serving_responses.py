@@ -36,7 +36,8 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 # vLLM's sampling extensions a request may add (`extra_body`), passed to the chat route,
 # which checks them as its own
 PASSED = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-          "frequency_penalty", "stop", "structured_outputs", "chat_template_kwargs")
+          "frequency_penalty", "stop", "ignore_eos", "structured_outputs",
+          "chat_template_kwargs")
 # Responses fields taken with the value that means "not used", and why anything else is not
 UNUSED = {
     "previous_response_id": (None, "this server stores no responses; send the whole "
@@ -129,9 +130,10 @@ def chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                              "content": _text(output, where)})
         elif kind == "reasoning":
-            parts = (item.get("content") or []) + (item.get("summary") or [])
-            reasoning = "".join(part.get("text", "") for part in parts
-                                if isinstance(part, dict))
+            parts = [part for key in ("content", "summary")
+                     if isinstance(item.get(key), list) for part in item[key]]
+            reasoning = "".join(part["text"] for part in parts
+                                if isinstance(part, dict) and isinstance(part.get("text"), str))
         else:
             raise _refuse(f"{where}.type={kind!r} is not served (message, function_call, "
                           "function_call_output and reasoning items are)", where)
@@ -182,6 +184,8 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     """`text.format` as the chat route's response_format."""
     spec = (text or {}).get("format")
+    if spec is not None and not isinstance(spec, dict):
+        raise _refuse("text.format must be an object with a type", "text")
     if spec is None or spec.get("type") == "text":
         return None
     if spec.get("type") == "json_object":
@@ -384,18 +388,23 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
         stream = EventStream(shell)
         for event in stream.start():
             yield event
-        async for raw in chunks:
-            text = raw if isinstance(raw, str) else raw.decode()
-            for line in text.splitlines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: "):])
-                if "error" in chunk:  # the reply failed after the stream opened
-                    yield stream.event("error", **{key: chunk["error"].get(key) for key in (
-                        "message", "code", "param")})
-                    return
-                for event in stream.chunk(chunk):
-                    yield event
+        try:
+            async for raw in chunks:
+                text = raw if isinstance(raw, str) else raw.decode()
+                for line in text.splitlines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[len("data: "):])
+                    if "error" in chunk:  # the reply failed after the stream opened
+                        yield stream.event("error", **{key: chunk["error"].get(key)
+                                                       for key in ("message", "code", "param")})
+                        return
+                    for event in stream.chunk(chunk):
+                        yield event
+        finally:  # the client gone: the chat's stream aborts its requests now
+            close = getattr(chunks, "aclose", None)
+            if close is not None:
+                await close()
         for event in stream.finish():
             yield event
     return StreamingResponse(events(), media_type="text/event-stream")

@@ -133,7 +133,12 @@ def test_responses_answer_as_the_chat_route_does_whole_and_streamed(client):
             ({"input": [{"role": "user", "content": [{"type": "input_image",
                                                       "image_url": "x"}]}]},
              "type='input_image' is not served"),
-            ({"extra_body": {"frobnicate": 1}}, "frobnicate")):
+            ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
+            ({"text": {"format": "json"}}, "text.format must be an object"),
+            ({"input": [{"type": "reasoning", "content": 5}, {"type": "telepathy"}]},
+             "input[1].type='telepathy' is not served"),
+            ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role='robot'"),
+            ({"extra_body": {"seed": -2**70}}, "seed")):
         with pytest.raises(openai.BadRequestError) as caught:
             client.responses.create(**{**kwargs, **extra})
         assert message in caught.value.body["message"]
@@ -195,12 +200,12 @@ def test_every_error_has_its_status_and_message(client, running):
     assert not_json.status_code == 400
 
 
-def test_disconnect_mid_stream_aborts_and_frees_blocks(running):
+def left_mid_stream(running, path: str, body: dict) -> None:
+    """A 240-token stream at `path` whose client reads one line and leaves: the request is
+    aborted and its blocks freed, long before its tokens are all generated."""
     engine = running.engine()
     before = engine.outputs.generation_tokens_total
-    body = {"model": "tiny", "prompt": "The river", "max_tokens": 240, "stream": True,
-            "ignore_eos": True, "temperature": 0}
-    with httpx.stream("POST", f"{running.url}/v1/completions", json=body,
+    with httpx.stream("POST", f"{running.url}{path}", json=body,
                       headers={"Authorization": f"Bearer {API_KEY}"}) as response:
         next(response.iter_lines())
     deadline = time.monotonic() + 10
@@ -208,6 +213,18 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(running):
         assert time.monotonic() < deadline, "aborted request still holds blocks"
         time.sleep(0.01)
     assert engine.outputs.generation_tokens_total - before < 240
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(running):
+    left_mid_stream(running, "/v1/completions", {
+        "model": "tiny", "prompt": "The river", "max_tokens": 240, "stream": True,
+        "ignore_eos": True, "temperature": 0})
+
+
+def test_a_responses_stream_the_client_leaves_aborts_and_frees_blocks(running):
+    left_mid_stream(running, "/v1/responses", {
+        "model": "tiny", "input": "The river", "max_output_tokens": 240, "stream": True,
+        "ignore_eos": True, "temperature": 0})
 
 
 def test_chat_cli_one_shot_against_the_server(client, running, capsys):
