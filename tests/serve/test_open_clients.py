@@ -284,6 +284,9 @@ def test_reasoning_is_split_and_a_call_after_it_is_read(qwen_checkpoint):
 
 
 def test_qwen3_templates_imply_the_reasoning_parser(qwen_checkpoint):
+    """A Qwen3 template turns the reasoning parser on: the reply's think block is its
+    reasoning_content (in the Responses API a reasoning item), and enable_thinking=false
+    renders the empty block."""
     template = qwen_checkpoint.parent / "qwen3.jinja"
     template.write_text(plain(QWEN3))
     tokenizer = Tokenizer.from_file(str(qwen_checkpoint / "tokenizer.json"))
@@ -303,23 +306,9 @@ def test_qwen3_templates_imply_the_reasoning_parser(qwen_checkpoint):
         prompt = tokenizer.decode(off.model_extra["prompt_token_ids"], skip_special_tokens=False)
         assert prompt.endswith("<think>\n\n</think>\n\n")
         assert off.choices[0].message.model_extra["reasoning_content"] is None
-
-
-def test_responses_carry_the_reasoning_as_a_reasoning_item(qwen_checkpoint):
-    """Through the Responses API the parsed reasoning is a reasoning item before the
-    message, whole and streamed, as the chat route splits it; vLLM's extensions (seed,
-    structured_outputs) pass through."""
-    template = qwen_checkpoint.parent / "qwen3.jinja"
-    template.write_text(plain(QWEN3))
-    tokenizer = Tokenizer.from_file(str(qwen_checkpoint / "tokenizer.json"))
-    think, end = tokenizer.token_to_id("<think>"), tokenizer.token_to_id("</think>")
-    grammar = f'start: <[{think}]> /[a-z]{{1,8}}/ <[{end}]> "\\n\\n" /[a-z]{{1,8}}/'
-    with served(qwen_checkpoint, load=load(qwen_checkpoint), chat_template=template) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        # the Responses API: the reasoning a reasoning item before the message, whole and
+        # streamed; vLLM's extensions (seed, structured_outputs) pass through
         extra = {"seed": 0, "structured_outputs": {"grammar": grammar}}
-        message = client.chat.completions.create(
-            model="tiny", messages=MESSAGES, max_tokens=40,
-            extra_body=extra).choices[0].message
         response = client.responses.create(model="tiny", input=MESSAGES,
                                            max_output_tokens=40, extra_body=extra)
         reasoning, reply = response.output
