@@ -45,7 +45,11 @@ UNUSED = {
     "background": ((None, False), "this server answers in the foreground only"),
     "truncation": ((None, "disabled"), "this server does not truncate a conversation; "
                                        "trim the input"),
-    "include": ((None, []), "this server returns no extra output data"),
+    # reasoning items carry their text, so nothing is encrypted to send back
+    "include": ((None, [], ["reasoning.encrypted_content"]),
+                "this server returns no extra output data"),
+    "top_logprobs": ((None, 0), "this server returns no log-probabilities here; use "
+                                "/v1/chat/completions"),
     "service_tier": ((None, "auto", "default"), "this server has one tier"),
 }
 
@@ -68,10 +72,13 @@ class ResponsesRequest(RequestBody):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    safety_identifier: str | None = None  # `user`'s newer name
+    prompt_cache_key: str | None = None  # a routing hint: the prefix cache needs none
     previous_response_id: str | None = None
     background: bool | None = None
     truncation: str | None = None
     include: list[str] | None = None
+    top_logprobs: int | None = None
     service_tier: str | None = None
 
 

@@ -126,6 +126,19 @@ def test_responses_answer_as_the_chat_route_does_whole_and_streamed(client):
                {"type": "message", "role": "user",
                 "content": [{"type": "input_text", "text": "Hi there"}]}])
     assert listed.output_text == response.output_text
+    # the next turn as an agent SDK sends it: the last response's output items back as
+    # input, no state on the server
+    again = client.responses.create(
+        model="tiny", max_output_tokens=2, temperature=0, store=False,
+        include=["reasoning.encrypted_content"], instructions="Be brief.",
+        input=[{"role": "user", "content": "Hi there"},
+               *(item.model_dump(exclude_none=True) for item in response.output),
+               {"role": "user", "content": "And?"}])
+    assert again.usage.input_tokens == client.chat.completions.create(
+        model="tiny", max_tokens=1, messages=[
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+            {"role": "assistant", "content": response.output_text},
+            {"role": "user", "content": "And?"}]).usage.prompt_tokens
     for extra, message in (
             ({"previous_response_id": "resp_1"}, "previous_response_id: this server stores "
                                                  "no responses"),
