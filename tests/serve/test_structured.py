@@ -69,6 +69,20 @@ def test_each_kind_of_constraint_holds_on_both_endpoints(client, extra, check):
     assert all(reason == "stop" for _, reason in outputs) or "json_object" in str(extra)
 
 
+def test_the_responses_text_format_constrains_as_response_format_does(client):
+    """The Responses API's text.format json_schema is the chat route's response_format:
+    at the same seed the same output, which parses and holds to the schema."""
+    response = client.responses.create(
+        model="tiny", input=MESSAGES, max_output_tokens=96, temperature=1.0,
+        extra_body={"seed": 5}, text={"format": {"type": "json_schema", "name": "river",
+                                                 "schema": SCHEMA, "strict": True}})
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=96,
+                                          temperature=1.0, seed=5,
+                                          response_format=json_format())
+    assert response.output_text == chat.choices[0].message.content
+    jsonschema.validate(json.loads(response.output_text), SCHEMA)
+
+
 def test_a_stream_concatenates_to_the_unstreamed_result(client):
     kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=96, temperature=1.0, seed=11,
                   response_format=json_format(), logprobs=True)
