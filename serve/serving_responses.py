@@ -243,9 +243,9 @@ def _status(finish_reason: str | None) -> Literal["completed", "incomplete"]:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
     return {"type": "reasoning", "id": item_id, "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
+            "content": [{"type": "reasoning_text", "text": text}], "status": status}
 
 
 def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
@@ -319,7 +319,8 @@ class EventStream:
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
             if delta.get("reasoning_content"):
-                index, opened = self._open("reasoning", _reasoning_item(f"rs_{suffix}", ""))
+                index, opened = self._open("reasoning", _reasoning_item(f"rs_{suffix}", "",
+                                                                        "in_progress"))
                 item = self.items[index]
                 item["content"][0]["text"] += delta["reasoning_content"]
                 events += opened + [self.event(
@@ -357,7 +358,7 @@ class EventStream:
                 text = item["content"][0]["text"]
                 events.append(self.event("response.reasoning_text.done", item_id=item["id"],
                                          output_index=index, content_index=0, text=text))
-                done = item
+                done = _reasoning_item(item["id"], text)
             elif item["type"] == "message":
                 text = item.pop("text", "")
                 done = _message_item(item["id"], text)
