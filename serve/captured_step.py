@@ -3,8 +3,9 @@ of a compiled model: `torch.cuda.CUDAGraph` over static input buffers, one memor
 by every batch size's graph).
 
 The step is compiled elsewhere — on any thread, ahead of time (`lathe.serve.decode_graph`) —
-and captured here, on the thread that will replay it, in milliseconds: a server on CUDA can
-answer eagerly while its steps compile in the background and take each graph as it is built.
+and captured here, on the thread that will replay it, which runs the compiled step three
+times, no compile: a server on CUDA can answer eagerly while its steps compile in the
+background and take each graph as it is built.
 Capture runs the step twice on a side stream first (kernels loaded, autotuning settled), then
 records one call on padding inputs, which write only the KV slabs' scratch slot. A replay
 copies its inputs into the recorded ones and returns a copy of the output: the graphs share a

@@ -40,9 +40,9 @@ answers at once, not minutes later): a batch size's step runs compiled once ever
 calls is built (`ready_for`), and eagerly until then — no step waits on a compile, and on
 Linux the thread and its compilers run at a low CPU priority (niceness 10), so that the
 steps are not slowed by them either. On CUDA the serving thread captures a built graph the
-first time a step asks for it (a CUDA graph is replayed by the thread that records it; the
-capture takes milliseconds, the compile seconds); a graph that fails to capture leaves its
-batch size eager.
+first time a step asks for it (a CUDA graph is replayed by the thread that records it; a
+capture runs the compiled step three times, where a compile traces and builds it); a graph
+that fails to capture leaves its batch size eager.
 
 Off CUDA each compiled graph is saved under `cache_root()` (the user's own cache,
 as inductor's; torch deserializes it) keyed by everything the graph was traced from — torch
