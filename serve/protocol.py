@@ -642,9 +642,11 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage; `cached_tokens`: the prompt tokens the prefix cache held."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _token_text(tokenizer: Tokenizer | None, token_id: int) -> str:
@@ -757,15 +759,16 @@ class ResponseBuilder:
                 self.tokenizer, self.prompt_logprobs[prompt_index])
         return extras
 
-    def _usage(self, prompt_tokens: int, completion_tokens: int,
+    def _usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
                reasoning: int | None) -> dict[str, Any]:
-        counted = usage(prompt_tokens, completion_tokens)
+        counted = usage(prompt_tokens, completion_tokens, cached_tokens)
         if reasoning is not None:
             counted["completion_tokens_details"] = {"reasoning_tokens": reasoning}
         return counted
 
     def response(self, outputs: list[CompletionOutput], want_logprobs: bool,
-                 prompt_tokens: int, echoes: list[Echo | None] | None = None) -> dict[str, Any]:
+                 prompt_tokens: int, cached_tokens: int,
+                 echoes: list[Echo | None] | None = None) -> dict[str, Any]:
         """`echoes[i]`: the prompt to put in front of choice i (completions with echo)."""
         completion_tokens = sum(len(o.token_ids) for o in outputs)
         form = self.options.reply
@@ -797,7 +800,7 @@ class ResponseBuilder:
                             **({"token_ids": o.token_ids} if ids else {})})
         if self.kind == "completion":
             return self._envelope("text_completion", choices,
-                                  usage=usage(prompt_tokens, completion_tokens))
+                                  usage=usage(prompt_tokens, completion_tokens, cached_tokens))
         extra: dict[str, Any] = {}
         if ids:
             extra["prompt_token_ids"] = self.options.prompts[0]
@@ -805,7 +808,8 @@ class ResponseBuilder:
             extra["prompt_logprobs"] = prompt_logprobs_json(self.tokenizer,
                                                             self.prompt_logprobs[0])
         return self._envelope("chat.completion", choices, **extra, usage=self._usage(
-            prompt_tokens, completion_tokens, reasoned if form.reasoning else None))
+            prompt_tokens, completion_tokens, cached_tokens,
+            reasoned if form.reasoning else None))
 
     def chunk(self, index: int, text: str, token_ids: list[int],
               logprobs: list[TokenLogprob] | None, finish_reason: str | None,
@@ -844,14 +848,15 @@ class ResponseBuilder:
                                                             self.prompt_logprobs[0])
         return self._envelope("chat.completion.chunk", [choice], **extra)
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int,
+                    cached_tokens: int) -> dict[str, Any]:
         if self.kind == "completion":
             return self._envelope("text_completion", [],
-                                  usage=usage(prompt_tokens, completion_tokens))
+                                  usage=usage(prompt_tokens, completion_tokens, cached_tokens))
         reasoned = None
         if self.options.reply.reasoning is not None:
             reasoned = sum(reasoning_tokens(self.tokenizer, self._token_ids.get(i, []),
                                             stream.reasoning)
                            for i, stream in self._streams.items())
         return self._envelope("chat.completion.chunk", [], usage=self._usage(
-            prompt_tokens, completion_tokens, reasoned))
+            prompt_tokens, completion_tokens, cached_tokens, reasoned))

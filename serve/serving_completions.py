@@ -196,9 +196,13 @@ async def respond(request: Request, engine: AsyncEngine, metrics: ServerMetrics,
     def choice_echo(prompt_index: int) -> Echo | None:
         return echoes[prompt_index] if echoes is not None else None
 
+    cached: dict[int, int] = {}  # prompt -> its tokens the prefix cache held (first sample's)
+
     def visible(prompt_index: int, delta: Any) -> Any:
         """The delta as the client sees it: echo's prompt log-probs kept, and with
-        `score_only` its generated token dropped."""
+        `score_only` its generated token dropped; its prompt's cached tokens counted."""
+        if delta.index == 0:
+            cached.setdefault(prompt_index, delta.num_cached_tokens)
         echo = choice_echo(prompt_index)
         if delta.prompt_logprobs is not None:
             builder.prompt_logprobs[prompt_index] = delta.prompt_logprobs
@@ -228,7 +232,7 @@ async def respond(request: Request, engine: AsyncEngine, metrics: ServerMetrics,
         timer.done()
         choice_echoes = [choice_echo(i // n) for i in range(len(outputs))] if echoes else None
         return JSONResponse(builder.response(outputs, want_logprobs, prompt_tokens,
-                                             choice_echoes))
+                                             sum(cached.values()), choice_echoes))
 
     async def events() -> AsyncIterator[str]:
         completion_tokens, started = 0, set()
@@ -251,8 +255,9 @@ async def respond(request: Request, engine: AsyncEngine, metrics: ServerMetrics,
         else:
             timer.done()
             if body.include_usage:
-                yield (f"data: {json.dumps(builder.usage_chunk(prompt_tokens, completion_tokens))}"
-                       "\n\n")
+                counted = builder.usage_chunk(prompt_tokens, completion_tokens,
+                                              sum(cached.values()))
+                yield f"data: {json.dumps(counted)}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")

@@ -40,8 +40,8 @@ PASSED = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
           "chat_template_kwargs")
 # Responses fields taken with the value that means "not used", and why anything else is not
 UNUSED = {
-    "previous_response_id": (None, "this server stores no responses; send the whole "
-                                   "conversation as input"),
+    "previous_response_id": ((None,), "this server stores no responses; send the whole "
+                                      "conversation as input"),
     "background": ((None, False), "this server answers in the foreground only"),
     "truncation": ((None, "disabled"), "this server does not truncate a conversation; "
                                        "trim the input"),
@@ -117,8 +117,7 @@ def chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise _refuse(f"{where}.role={role!r} is not one of user, assistant, system, "
                               "developer", where)
-            message = {"role": "system" if role == "developer" else role,
-                       "content": _text(item.get("content"), where)}
+            message = {"role": role, "content": _text(item.get("content"), where)}
             if role == "assistant" and reasoning is not None:
                 message["reasoning_content"], reasoning = reasoning, None
             messages.append(message)
@@ -157,7 +156,7 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
                           "remove it", shown)
     for name, (allowed, reason) in UNUSED.items():
         value = getattr(body, name)
-        if value not in (allowed if isinstance(allowed, tuple) else (allowed,)):
+        if value not in allowed:
             raise _refuse(f"{name}: {reason}", name)
     tools = []
     for i, tool in enumerate(body.tools or []):
@@ -233,7 +232,7 @@ def _usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     details = usage.get("completion_tokens_details") or {}
     return {"input_tokens": usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": usage["prompt_tokens_details"],
             "output_tokens": usage["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": details.get("reasoning_tokens", 0)},
             "total_tokens": usage["total_tokens"]}

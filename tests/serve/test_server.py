@@ -35,6 +35,13 @@ def test_models_completions_and_usage(client, running):
     assert all(len(c.logprobs.top_logprobs[0]) == 2 for c in batch.choices)
     ids = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=2, temperature=0)
     assert ids.usage.prompt_tokens == 3
+    # the prompt tokens the prefix cache held: none the first time, its full blocks after
+    long = list(range(40, 80))
+    first, again = (client.completions.create(model="tiny", prompt=long, max_tokens=1)
+                    for _ in range(2))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    block = engine.block_manager.block_size
+    assert again.usage.prompt_tokens_details.cached_tokens == (len(long) - 1) // block * block
 
 
 def test_chat_through_the_checkpoint_template_and_seeds(client):
@@ -126,6 +133,7 @@ def test_responses_answer_as_the_chat_route_does_whole_and_streamed(client):
                {"type": "message", "role": "user",
                 "content": [{"type": "input_text", "text": "Hi there"}]}])
     assert listed.output_text == response.output_text
+    assert listed.usage.input_tokens_details.cached_tokens > 0  # the same prompt, again
     # the next turn as an agent SDK sends it: the last response's output items back as
     # input, no state on the server
     again = client.responses.create(
