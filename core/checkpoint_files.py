@@ -23,6 +23,8 @@ from typing import Any
 from lathe.core.errors import CheckpointError
 
 CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+PROCESSOR_TEMPLATE_FILE = "chat_template.json"  # a multimodal processor's chat template
 
 MAX_JSON_BYTES = 256 << 20  # a large tokenizer.json (Gemma's) is ~35 MB
 
@@ -104,7 +106,7 @@ def read_config_json(folder: str | Path) -> dict[str, Any]:
 def read_eos_ids(path: str | Path, vocab_size: int) -> list[int]:
     """The end-of-sequence ids in a checkpoint's generation_config.json (an id or a list of
     them; none when the file or the field is absent), each checked against the vocabulary."""
-    file = checkpoint_file(path, "generation_config.json")
+    file = checkpoint_file(path, GENERATION_CONFIG_FILE)
     eos = read_json_if_present(file).get("eos_token_id")
     if eos is None:
         return []
@@ -114,3 +116,16 @@ def read_eos_ids(path: str | Path, vocab_size: int) -> list[int]:
         raise CheckpointError(f"{file}: eos_token_id={eos!r} must be a token id in "
                               f"[0, {vocab_size}) or a non-empty list of them")
     return ids
+
+
+def read_processor_template(folder: str | Path) -> str | None:
+    """The chat template of a multimodal processor's chat_template.json (Gemma 3's from 4B
+    up), None when the folder has none."""
+    file = checkpoint_file(folder, PROCESSOR_TEMPLATE_FILE)
+    if not file.is_file():
+        return None
+    template = read_json_object(file).get("chat_template")
+    if not isinstance(template, str):
+        raise CheckpointError(f"{file}: chat_template must be a string (one Jinja template), "
+                              f"not {type(template).__name__}")
+    return template or None

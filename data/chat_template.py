@@ -35,7 +35,11 @@ from jinja2 import TemplateError, nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from lathe.core.checkpoint_files import checkpoint_file, read_json_object
+from lathe.core.checkpoint_files import (
+    checkpoint_file,
+    read_json_object,
+    read_processor_template,
+)
 from lathe.core.errors import CheckpointError, ConfigError
 
 CHECK_MESSAGES = [{"role": "user", "content": "Hi"}]  # what every chat template must render
@@ -196,13 +200,7 @@ def checkpoint_chat_templates(path: str | Path, tokenizer_config: dict[str, Any]
             template = jinja_file.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as error:
             raise CheckpointError(f"{jinja_file}: cannot be read ({error})") from None
-    processor_file = checkpoint_file(path, "chat_template.json")
-    if not template and processor_file.is_file():
-        template = read_json_object(processor_file).get("chat_template")
-        if not isinstance(template, str):
-            raise CheckpointError(f"{processor_file}: chat_template must be a string (one "
-                                  f"Jinja template), not {type(template).__name__}")
-    return template or None
+    return template or read_processor_template(path)
 
 
 def checkpoint_chat_template(path: str | Path,

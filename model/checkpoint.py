@@ -28,11 +28,13 @@ from tokenizers import Tokenizer
 from lathe.core.atomic import atomic_directory
 from lathe.core.checkpoint_files import (
     CONFIG_FILE,
+    GENERATION_CONFIG_FILE,
     checkpoint_file,
     read_config_json,
     read_eos_ids,
     read_json_if_present,
     read_json_object,
+    read_processor_template,
 )
 from lathe.core.errors import CheckpointError, ConfigError
 from lathe.model.config import ModelConfig
@@ -48,7 +50,6 @@ from lathe.model.transformer import FP32_BUFFERS, Transformer
 
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
-GENERATION_CONFIG_FILE = "generation_config.json"
 PROVENANCE_FILE = "lathe.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
@@ -153,15 +154,14 @@ def read_weights(path: str | Path, config: ModelConfig,
 
 
 def _keep_processor_template(source: Path, folder: Path) -> None:
-    """A multimodal processor's chat_template.json (Gemma 3's), where the tokenizer files
-    carry no template, written as the text model's chat_template.jinja."""
-    processor = checkpoint_file(source, "chat_template.json")
+    """A multimodal processor's chat template (Gemma 3's), where the tokenizer files carry
+    none, written as the text model's chat_template.jinja."""
     config_file = folder / "tokenizer_config.json"
-    if not processor.is_file() or (folder / "chat_template.jinja").is_file() or (
+    if (folder / "chat_template.jinja").is_file() or (
             config_file.is_file() and read_json_object(config_file).get("chat_template")):
         return
-    template = read_json_object(processor).get("chat_template")
-    if isinstance(template, str) and template:
+    template = read_processor_template(source)
+    if template is not None:
         (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
 
 

@@ -26,10 +26,10 @@ splits into lathe's q/k/v and gate/up and an export joins again (`split_fused`,
 | glm4_moe (GLM-4.5) | Glm4MoeForCausalLM | partial RoPE, q/k norms optional; DeepSeek-V3's router |
 
 A multimodal checkpoint whose language model is one of these (`WRAPPERS`: Gemma 3 from 4B
-up, `gemma3`; Mistral Small 3.1 and 3.2, `mistral3`) loads as that language model: its `text_config` read as the family's
-config.json, what it leaves out filled with the wrapper's transformers defaults for it
-(a nested config is written as its difference from them), its weights renamed from the
-wrapper's and the vision tower's left out
+up, `gemma3`; Mistral Small 3.1 and 3.2, `mistral3`) loads as that language model: its
+`text_config` read as the family's config.json, what it leaves out filled with the
+wrapper's transformers defaults for it (a nested config is written as its difference from
+them), its weights renamed from the wrapper's and the vision tower's left out
 (`language_model_weights`); it exports as the text model.
 
 Gemma's: (1 + w) norms, a norm after attention and after the MLP as well, embeddings
@@ -403,6 +403,7 @@ FAMILIES: dict[str, Family] = {
         _no_window, lambda c: {"attention_bias": c.qkv_bias, **OLMOE_EXPERTS.written(c)},
         takes=("clip_qkv",), experts=OLMOE_EXPERTS, classifier_class=""),
 }
+
 
 @dataclass(frozen=True)
 class Wrapper:

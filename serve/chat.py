@@ -25,7 +25,7 @@ from lathe.data.chat_encoding import chat_encoder
 from lathe.data.tool_runner import ToolRunner
 from lathe.serve.config import QuantMode
 from lathe.serve.engine import LLMEngine
-from lathe.serve.sampling_defaults import read_sampling_defaults, with_defaults
+from lathe.serve.sampling_defaults import with_defaults
 from lathe.serve.sampling_params import SamplingParams
 
 HELP = "commands: /reset (forget the conversation), /system TEXT (set the system prompt), /quit"
@@ -42,12 +42,11 @@ class LocalChat:
                  chat_template: Path | None = None, dtype: torch.dtype | None = None) -> None:
         self.engine = LLMEngine.from_checkpoint(checkpoint, quantize=quantize, dtype=dtype)
         self.encoder = chat_encoder(checkpoint, chat_template, tokenizer=self.engine.tokenizer)
-        self.defaults = read_sampling_defaults(checkpoint)  # as `lathe serve` samples
 
     def reply(self, messages: list[dict[str, str]], sampling: dict[str, Any]) -> Iterator[str]:
         prompt = self.encoder.prompt(messages)
         room = self.engine.max_model_len - len(prompt)
-        fields = with_defaults(sampling, self.defaults)
+        fields = with_defaults(sampling, self.engine.sampling_defaults)  # as `lathe serve`
         params = SamplingParams(**{**fields, "max_tokens": min(fields["max_tokens"], room)})
         request_id = self.engine.add_request(prompt, params)
         try:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from lathe.core.checkpoint_files import GENERATION_CONFIG_FILE
 from lathe.core.config import cli
 from lathe.core.errors import ConfigError
 from lathe.serve.connections import ConnectionLimits
@@ -279,7 +280,7 @@ class ServerConfig:
                     raise ConfigError(f"{name}: {root} is not a folder; give the folder "
                                       f"{what}")
         if self.generation_config not in ("auto", "none") \
-                and not (Path(self.generation_config) / "generation_config.json").is_file():
+                and not (Path(self.generation_config) / GENERATION_CONFIG_FILE).is_file():
             raise ConfigError(f"generation_config={self.generation_config!r}: give auto (the "
                               "checkpoint's sampling defaults), none (OpenAI's), or a folder "
                               "holding a generation_config.json")

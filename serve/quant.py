@@ -31,7 +31,7 @@ from tokenizers import Tokenizer
 from torch import Tensor, nn
 
 from lathe.core.atomic import atomic_directory
-from lathe.core.checkpoint_files import checkpoint_file, read_json_object
+from lathe.core.checkpoint_files import GENERATION_CONFIG_FILE, checkpoint_file, read_json_object
 from lathe.core.errors import ConfigError
 from lathe.data.tokenizer import load_tokenizer
 from lathe.kernels.decode_linear import HALF_DTYPES, use_decode_linears
@@ -44,7 +44,6 @@ from lathe.kernels.quant_matmul import (
 )
 from lathe.model.checkpoint import (
     CONFIG_FILE,
-    GENERATION_CONFIG_FILE,
     PROVENANCE_FILE,
     TOKENIZER_FILES,
     WEIGHTS_FILE,

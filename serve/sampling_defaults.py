@@ -15,12 +15,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lathe.core.checkpoint_files import checkpoint_file, read_json_if_present
+from lathe.core.checkpoint_files import (
+    GENERATION_CONFIG_FILE,
+    checkpoint_file,
+    read_json_if_present,
+)
 from lathe.core.errors import CheckpointError
 from lathe.serve.sampling_params import BOUNDS, is_number
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-GENERATION_CONFIG = "generation_config.json"
+# each default -> its generation_config.json key
+KEYS = {**{name: name for name in SAMPLING_FIELDS}, "max_tokens": "max_new_tokens"}
 
 # the defaults, with "max_tokens" (from max_new_tokens) the limit of every request's output
 SamplingDefaults = dict[str, float | int]
@@ -29,10 +34,10 @@ SamplingDefaults = dict[str, float | int]
 def read_sampling_defaults(folder: str | Path) -> SamplingDefaults:
     """The sampling fields `folder`'s generation_config.json sets (none when it has no such
     file), each checked against the range a request's own must lie in."""
-    file = checkpoint_file(folder, GENERATION_CONFIG)
+    file = checkpoint_file(folder, GENERATION_CONFIG_FILE)
     raw = read_json_if_present(file)
     defaults: SamplingDefaults = {}
-    for name, key in ((*zip(SAMPLING_FIELDS, SAMPLING_FIELDS), ("max_tokens", "max_new_tokens"))):
+    for name, key in KEYS.items():
         value = raw.get(key)
         if value is None:
             continue
