@@ -57,7 +57,8 @@ def test_a_generation_config_flag_names_a_folder_that_holds_one(checkpoint, tmp_
     with pytest.raises(ConfigError, match="generation_config='vllm': give auto"):
         ServerConfig(checkpoint=checkpoint, generation_config="vllm")
     write_generation_config(tmp_path, QWEN3)
-    assert ServerConfig(checkpoint=checkpoint, generation_config=str(tmp_path))
+    folder = ServerConfig(checkpoint=checkpoint, generation_config=str(tmp_path))
+    assert sampling_defaults(folder.generation_config, checkpoint)["top_k"] == 20
 
 
 @pytest.fixture
