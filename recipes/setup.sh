@@ -15,4 +15,21 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     .venv/bin/python -m pip install -q "${LATHE_TORCH:-torch==2.13.0}"
 fi
 .venv/bin/python -m pip install -q -e ".[dev]"
+
+# llama.cpp itself, the tests' reference for exported GGUF files (tokens, text, logits):
+# node-llama-cpp's prebuilt CPU libraries from the npm registry, pinned to the build whose
+# llama.h tests/llama_cpp_runtime.py declares. Without npm, or off Linux x86-64, those
+# checks skip.
+LLAMA_CPP=.venv/llama.cpp
+if [ ! -f "$LLAMA_CPP/libllama.v0.5.0.so" ] && [ "$(uname -sm)" = "Linux x86_64" ] \
+        && command -v npm > /dev/null; then
+    download=$(mktemp -d)
+    if (cd "$download" && npm pack -q --silent @node-llama-cpp/linux-x64@3.22.1 > /dev/null); then
+        mkdir -p "$LLAMA_CPP"
+        tar -xzf "$download"/*.tgz -C "$LLAMA_CPP" --strip-components=3 package/bins/linux-x64
+    else
+        echo "llama.cpp not installed (npm pack failed): the GGUF checks against it will skip"
+    fi
+    rm -rf "$download"
+fi
 .venv/bin/python -c "import torch, lathe.model; print(f'lathe ready: torch {torch.__version__}')"

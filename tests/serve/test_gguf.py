@@ -16,6 +16,7 @@ import torch
 
 from lathe.model import load_checkpoint, save_checkpoint
 from lathe.serve.gguf_export import export_gguf
+from tests import llama_cpp_runtime
 from tests.builders import (
     CODE,
     MULTILINGUAL,
@@ -176,7 +177,8 @@ def test_gguf_carries_hyperparameters_vocabulary_and_special_tokens(checkpoint, 
 def test_named_chat_templates_are_written_as_llama_cpps_converter_writes_them(checkpoint,
                                                                              tmp_path):
     """transformers' named templates (Hermes 3's default and tool_use): the default as
-    tokenizer.chat_template, each other as tokenizer.chat_template.NAME, listed."""
+    tokenizer.chat_template, each other as tokenizer.chat_template.NAME, listed — and
+    llama.cpp reads each by its name."""
     import shutil
     folder = shutil.copytree(checkpoint, tmp_path / "named")
     config_file = folder / "tokenizer_config.json"
@@ -189,6 +191,9 @@ def test_named_chat_templates_are_written_as_llama_cpps_converter_writes_them(ch
     assert fields["tokenizer.chat_template"] == "{{ messages[0].content }}"
     assert fields["tokenizer.chat_template.tool_use"] == "{{ tools | length }}"
     assert fields["tokenizer.chat_templates"] == ["tool_use"]
+    reference = llama_cpp_runtime.runtime(tmp_path / "m.gguf")
+    assert reference.chat_template() == "{{ messages[0].content }}"
+    assert reference.chat_template("tool_use") == "{{ tools | length }}"
 
 
 def test_pre_tokenizer_names_follow_the_digit_grouping(tmp_path):
@@ -264,20 +269,40 @@ def test_a_qwen_vocabulary_names_qwens_pre_tokenizer_and_every_end_id(tmp_path):
         exported_with(tok, tmp_path / "many", {"eos_token_id": [text_end, im_end, 5, 6]})
 
 
+CHATS = {  # a rendered turn in each shape's own special tokens, as a server tokenizes it
+    "llama2": "[INST] hi there [/INST] Sure: ∑ ok</s><end_of_turn>\n",
+    "gemma": "<end_of_turn>\nuser says: café 東京<end_of_turn>\n",
+    "qwen": ("<|im_start|>user\nadd 2 and 3<|im_end|>\n<|im_start|>assistant\n<tool_call>\n"
+             '{"name": "add", "arguments": {"a": 2}}<|im_end|><|endoftext|>'),
+}
+
+
 @pytest.mark.parametrize("shape", ["llama2", "gemma", "qwen"])
 def test_llama_cpp_tokenizes_and_detokenizes_the_export_as_hf_does(shape, tmp_path):
-    """The file's text, not only its ids: llama.cpp's own tokenizer (llama-cpp-python, where
-    built) splits a multilingual text, code and characters the vocabulary lacks (byte
-    fallback) into HF's ids, and turns HF's ids back into HF's text — for SentencePiece with
-    a prepended "▁" (Llama 2, Mistral) and without (Gemma), and for Qwen's byte-level BPE."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    """The file's text, not only its ids, in llama.cpp itself: its tokenizer splits a
+    multilingual text, code and characters the vocabulary lacks (byte fallback) into HF's
+    ids, and a rendered chat's special and added tokens (parsed as llama-server parses a
+    prompt) too; it turns generated ids back into HF's text, special tokens shown or not;
+    and it stops on every end id of the generation config — for SentencePiece with a
+    prepended "▁" (Llama 2, Mistral) and without (Gemma), and for Qwen's byte-level BPE."""
     from tokenizers import Tokenizer
     tok = (build_qwen_tokenizer(tmp_path / "tok") if shape == "qwen" else
            build_sentencepiece_tokenizer(tmp_path / "tok", prepend=shape == "llama2"))
-    _, out = exported_with(tok, tmp_path, {})
     hf = Tokenizer.from_file(str(tok / "tokenizer.json"))
-    runtime = llama_cpp.Llama(str(out), vocab_only=True, verbose=False)
+    ends = ([hf.token_to_id("<|im_end|>"), hf.token_to_id("<|endoftext|>")] if shape == "qwen"
+            else [2, hf.token_to_id("<end_of_turn>")])
+    _, out = exported_with(tok, tmp_path, {"eos_token_id": ends})
+    reference = llama_cpp_runtime.runtime(out)
     for text in (MULTILINGUAL, CODE, "unseen: ∑ ж ß → ok"):
         ids = hf.encode(text).ids
-        assert runtime.tokenize(text.encode(), add_bos=True) == ids, text
-        assert runtime.detokenize(ids).decode() == hf.decode(ids), text
+        assert reference.tokenize(text) == ids, text
+        generated = ids[1:] if shape != "qwen" else ids  # after the prompt's BOS
+        assert reference.detokenize(generated) == hf.decode(generated), text
+    chat = hf.encode(CHATS[shape]).ids
+    assert reference.tokenize(CHATS[shape], special=True) == chat
+    generated = chat[1:] if shape != "qwen" else chat
+    assert reference.detokenize(generated, special=True) == hf.decode(
+        generated, skip_special_tokens=False)
+    assert reference.detokenize(generated) == hf.decode(generated)
+    assert [reference.is_end(i) for i in ends] == [True] * len(ends)
+    assert not any(reference.is_end(i) for i in hf.encode(CODE).ids)
