@@ -3,9 +3,9 @@ detokenizer, the chat template it reads and its logits at every position.
 
 The library is node-llama-cpp's prebuilt CPU build of llama.cpp (`recipes/setup.sh` unpacks
 npm's `@node-llama-cpp/linux-x64@3.22.1` into `.venv/llama.cpp`), so CI checks GGUF files
-against llama.cpp without compiling it. The structs below are that build's `llama.h`, and its
-library names carry the release, so a different build is not found rather than misread. A test calls `runtime()`, which skips where
-the library is absent."""
+against llama.cpp without compiling it. The structs below are that build's `llama.h`, and
+its library names carry the release, so a different build is not found rather than
+misread. A test calls `runtime()`, which skips where the library is absent."""
 from __future__ import annotations
 
 import ctypes

@@ -124,7 +124,7 @@ def unpermute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 def test_gguf_logits_match_lathe_on_many_tokens(sharpened, tmp_path, dtype):
     """The reference forward over the file equals lathe's forward on the same weights
     (for bf16 and q8_0: lathe given the file's rounded weights, which stay within 1% of the
-    originals), to 2e-4 of the largest logit."""
+    originals), to 2e-4 of the largest logit; llama.cpp's, to its rounding."""
     path, model = sharpened
     out = export_gguf(path, tmp_path / f"model-{dtype}.gguf", dtype=dtype)
     fields, tensors = read_gguf(out)
@@ -150,6 +150,11 @@ def test_gguf_logits_match_lathe_on_many_tokens(sharpened, tmp_path, dtype):
         with torch.inference_mode():
             off = gguf_forward(fields, wrong, ids.tolist())
         assert (off - expected).abs().max() / scale > 1e-2
+    # and llama.cpp runs the file: exactly in f32; past it, its matmuls round the
+    # activations to the weights' type too (f16, bf16, 8-bit blocks)
+    theirs = llama_cpp_runtime.runtime(out, 32).logits(ids.tolist())
+    assert (theirs - expected).abs().max() / scale < {
+        "f32": 1e-5, "f16": 1e-2, "bf16": 5e-2, "q8_0": 6e-2}[dtype]
 
 
 def test_gguf_carries_hyperparameters_vocabulary_and_special_tokens(checkpoint, tmp_path):
@@ -269,40 +274,59 @@ def test_a_qwen_vocabulary_names_qwens_pre_tokenizer_and_every_end_id(tmp_path):
         exported_with(tok, tmp_path / "many", {"eos_token_id": [text_end, im_end, 5, 6]})
 
 
-CHATS = {  # a rendered turn in each shape's own special tokens, as a server tokenizes it
-    "llama2": "[INST] hi there [/INST] Sure: ∑ ok</s><end_of_turn>\n",
-    "gemma": "<end_of_turn>\nuser says: café 東京<end_of_turn>\n",
-    "qwen": ("<|im_start|>user\nadd 2 and 3<|im_end|>\n<|im_start|>assistant\n<tool_call>\n"
+def lathe_tokenizer(folder, max_digits: int):
+    """lathe's own tokenizer, as `lathe tokenizer train` writes it (its chat specials)."""
+    from lathe.data.tokenizer import save_tokenizer, train_tokenizer
+    texts = [MULTILINGUAL, CODE, "x = 12345 + 678; print(x)"] * 20
+    save_tokenizer(train_tokenizer(texts, 400, max_digits=max_digits, show_progress=False),
+                   folder)
+    return folder
+
+
+TOKENIZER_SHAPES = {  # builder, end tokens, a turn rendered in its special tokens
+    "llama2": (lambda folder: build_sentencepiece_tokenizer(folder, prepend=True),
+               ["</s>", "<end_of_turn>"], "[INST] hi there [/INST] Sure: ∑ ok</s><end_of_turn>\n"),
+    "gemma": (lambda folder: build_sentencepiece_tokenizer(folder, prepend=False),
+              ["</s>", "<end_of_turn>"], "<end_of_turn>\nuser says: café 東京<end_of_turn>\n"),
+    "qwen": (build_qwen_tokenizer, ["<|im_end|>", "<|endoftext|>"],
+             "<|im_start|>user\nadd 2 and 3<|im_end|>\n<|im_start|>assistant\n<tool_call>\n"
              '{"name": "add", "arguments": {"a": 2}}<|im_end|><|endoftext|>'),
+    "lathe": (lambda folder: lathe_tokenizer(folder, 1), ["<|end_of_turn|>"],
+              "<|begin_of_text|><|user|>\nadd 12 and 345<|end_of_turn|><|assistant|>\n357"),
+    "lathe-3-digits": (lambda folder: lathe_tokenizer(folder, 3), ["<|end_of_turn|>"],
+                       "<|begin_of_text|><|user|>\n12345 + 678<|end_of_turn|>"),
 }
 
 
-@pytest.mark.parametrize("shape", ["llama2", "gemma", "qwen"])
+@pytest.mark.parametrize("shape", TOKENIZER_SHAPES)
 def test_llama_cpp_tokenizes_and_detokenizes_the_export_as_hf_does(shape, tmp_path):
     """The file's text, not only its ids, in llama.cpp itself: its tokenizer splits a
     multilingual text, code and characters the vocabulary lacks (byte fallback) into HF's
     ids, and a rendered chat's special and added tokens (parsed as llama-server parses a
     prompt) too; it turns generated ids back into HF's text, special tokens shown or not;
     and it stops on every end id of the generation config — for SentencePiece with a
-    prepended "▁" (Llama 2, Mistral) and without (Gemma), and for Qwen's byte-level BPE."""
+    prepended "▁" (Llama 2, Mistral) and without (Gemma), Qwen's byte-level BPE, and
+    lathe's own (digits one by one, read as qwen2's split; in threes, as Llama 3's)."""
     from tokenizers import Tokenizer
-    tok = (build_qwen_tokenizer(tmp_path / "tok") if shape == "qwen" else
-           build_sentencepiece_tokenizer(tmp_path / "tok", prepend=shape == "llama2"))
+    build, end_tokens, chat_text = TOKENIZER_SHAPES[shape]
+    tok = build(tmp_path / "tok")
     hf = Tokenizer.from_file(str(tok / "tokenizer.json"))
-    ends = ([hf.token_to_id("<|im_end|>"), hf.token_to_id("<|endoftext|>")] if shape == "qwen"
-            else [2, hf.token_to_id("<end_of_turn>")])
+    ends = [hf.token_to_id(token) for token in end_tokens]
     _, out = exported_with(tok, tmp_path, {"eos_token_id": ends})
     reference = llama_cpp_runtime.runtime(out)
+    bos = hf.token_to_id("<s>")
+
+    def generated(ids):  # a completion: the ids after the prompt's BOS
+        return ids[1:] if ids[0] == bos else ids
+
     for text in (MULTILINGUAL, CODE, "unseen: ∑ ж ß → ok"):
         ids = hf.encode(text).ids
         assert reference.tokenize(text) == ids, text
-        generated = ids[1:] if shape != "qwen" else ids  # after the prompt's BOS
-        assert reference.detokenize(generated) == hf.decode(generated), text
-    chat = hf.encode(CHATS[shape]).ids
-    assert reference.tokenize(CHATS[shape], special=True) == chat
-    generated = chat[1:] if shape != "qwen" else chat
-    assert reference.detokenize(generated, special=True) == hf.decode(
-        generated, skip_special_tokens=False)
-    assert reference.detokenize(generated) == hf.decode(generated)
+        assert reference.detokenize(generated(ids)) == hf.decode(generated(ids)), text
+    chat = hf.encode(chat_text).ids
+    assert reference.tokenize(chat_text, special=True) == chat
+    assert reference.detokenize(generated(chat), special=True) == hf.decode(
+        generated(chat), skip_special_tokens=False)
+    assert reference.detokenize(generated(chat)) == hf.decode(generated(chat))
     assert [reference.is_end(i) for i in ends] == [True] * len(ends)
     assert not any(reference.is_end(i) for i in hf.encode(CODE).ids)
