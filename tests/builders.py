@@ -100,26 +100,48 @@ def build_sentencepiece_tokenizer(folder: Path, end_of_turn: str = "<end_of_turn
     return folder
 
 
-def build_qwen_tokenizer(folder: Path) -> Path:
-    """The shape of Qwen2.5's and Qwen3's tokenizer.json: byte-level BPE behind Qwen's own
-    regex (single digits, spelled `\\p{N}`), `<|endoftext|>`, `<|im_start|>` and
-    `<|im_end|>` as specials and `<tool_call>` as an added non-special token; no BOS."""
+def build_byte_level_tokenizer(folder: Path, pre_tokenizer, specials: list[str],
+                               added: list[str], config: dict, bos: str | None = None) -> Path:
+    """A byte-level BPE (GPT-2's byte alphabet, its decoder) trained on the test corpus
+    behind `pre_tokenizer`, with `specials` and `added` (non-special) tokens after the
+    pieces, `config` as its tokenizer_config.json and `bos` prepended when given."""
+    from tokenizers import processors
     tokenizer = Tokenizer(models.BPE())
-    qwen_regex = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}"
-                  r"\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-    from tokenizers import Regex
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(qwen_regex), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.pre_tokenizer = pre_tokenizer
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=400, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(_CORPUS * 10, trainer)
-    tokenizer.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    tokenizer.add_tokens(["<tool_call>"])
+    tokenizer.add_special_tokens(specials)
+    tokenizer.add_tokens(added)
+    if bos:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+            special_tokens=[(bos, tokenizer.token_to_id(bos))])
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "Qwen2TokenizerFast", "add_bos_token": False, "bos_token": None,
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
+
+
+def split_then_bytes(regex: str):
+    """HF's pre-tokenizer for a split regex, as Qwen's, Llama 3's and Tekken's files spell it."""
+    from tokenizers import Regex
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+QWEN_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}"
+              r"\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def build_qwen_tokenizer(folder: Path) -> Path:
+    """The shape of Qwen2.5's and Qwen3's tokenizer.json: byte-level BPE behind Qwen's own
+    regex (single digits, spelled `\\p{N}`), `<|endoftext|>`, `<|im_start|>` and
+    `<|im_end|>` as specials and `<tool_call>` as an added non-special token; no BOS."""
+    return build_byte_level_tokenizer(
+        folder, split_then_bytes(QWEN_REGEX), ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        ["<tool_call>"], {"tokenizer_class": "Qwen2TokenizerFast", "add_bos_token": False,
+                          "bos_token": None, "eos_token": "<|im_end|>",
+                          "pad_token": "<|endoftext|>"})

@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from tokenizers import pre_tokenizers
 
 from lathe.model import load_checkpoint, save_checkpoint
 from lathe.serve.gguf_export import export_gguf
@@ -20,8 +21,10 @@ from tests import llama_cpp_runtime
 from tests.builders import (
     CODE,
     MULTILINGUAL,
+    build_byte_level_tokenizer,
     build_qwen_tokenizer,
     build_sentencepiece_tokenizer,
+    split_then_bytes,
     tiny_model,
 )
 
@@ -283,6 +286,16 @@ def lathe_tokenizer(folder, max_digits: int):
     return folder
 
 
+def tekken_tokenizer(folder):
+    """Mistral's Tekken (Mistral Nemo, Small 3.x): byte-level BPE behind its case-aware split,
+    a BOS added, [INST] and [TOOL_CALLS] as specials."""
+    from lathe.serve.gguf_vocab import TEKKEN_REGEX
+    return build_byte_level_tokenizer(
+        folder, split_then_bytes(TEKKEN_REGEX),
+        ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]"], [],
+        {"add_bos_token": True, "bos_token": "<s>", "eos_token": "</s>"}, bos="<s>")
+
+
 TOKENIZER_SHAPES = {  # builder, end tokens, a turn rendered in its special tokens
     "llama2": (lambda folder: build_sentencepiece_tokenizer(folder, prepend=True),
                ["</s>", "<end_of_turn>"], "[INST] hi there [/INST] Sure: ∑ ok</s><end_of_turn>\n"),
@@ -291,6 +304,16 @@ TOKENIZER_SHAPES = {  # builder, end tokens, a turn rendered in its special toke
     "qwen": (build_qwen_tokenizer, ["<|im_end|>", "<|endoftext|>"],
              "<|im_start|>user\nadd 2 and 3<|im_end|>\n<|im_start|>assistant\n<tool_call>\n"
              '{"name": "add", "arguments": {"a": 2}}<|im_end|><|endoftext|>'),
+    "tekken": (tekken_tokenizer, ["</s>"],
+               "[INST] add 2 and 3[/INST][TOOL_CALLS] [{\"name\": \"add\"}]</s>"),
+    "gpt-2": (lambda folder: build_byte_level_tokenizer(
+        folder, pre_tokenizers.ByteLevel(add_prefix_space=False), ["<|endoftext|>"], [],
+        {"eos_token": "<|endoftext|>"}), ["<|endoftext|>"], "12345 apples<|endoftext|>"),
+    "smollm": (lambda folder: build_byte_level_tokenizer(
+        folder, pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                         pre_tokenizers.ByteLevel(add_prefix_space=False)]),
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], [], {"eos_token": "<|im_end|>"}),
+               ["<|im_end|>"], "<|im_start|>user\n12345 + 678<|im_end|>\n"),
     "lathe": (lambda folder: lathe_tokenizer(folder, 1), ["<|end_of_turn|>"],
               "<|begin_of_text|><|user|>\nadd 12 and 345<|end_of_turn|><|assistant|>\n357"),
     "lathe-3-digits": (lambda folder: lathe_tokenizer(folder, 3), ["<|end_of_turn|>"],
@@ -305,8 +328,8 @@ def test_llama_cpp_tokenizes_and_detokenizes_the_export_as_hf_does(shape, tmp_pa
     ids, and a rendered chat's special and added tokens (parsed as llama-server parses a
     prompt) too; it turns generated ids back into HF's text, special tokens shown or not;
     and it stops on every end id of the generation config — for SentencePiece with a
-    prepended "▁" (Llama 2, Mistral) and without (Gemma), Qwen's byte-level BPE, and
-    lathe's own (digits one by one, read as qwen2's split; in threes, as Llama 3's)."""
+    prepended "▁" (Llama 2, Mistral) and without (Gemma), the byte-level BPEs behind Qwen's,
+    Tekken's, GPT-2's and SmolLM's splits, and lathe's own (digits one by one, read as qwen2's split; in threes, as Llama 3's)."""
     from tokenizers import Tokenizer
     build, end_tokens, chat_text = TOKENIZER_SHAPES[shape]
     tok = build(tmp_path / "tok")
