@@ -329,7 +329,8 @@ def test_llama_cpp_tokenizes_and_detokenizes_the_export_as_hf_does(shape, tmp_pa
     prompt) too; it turns generated ids back into HF's text, special tokens shown or not;
     and it stops on every end id of the generation config — for SentencePiece with a
     prepended "▁" (Llama 2, Mistral) and without (Gemma), the byte-level BPEs behind Qwen's,
-    Tekken's, GPT-2's and SmolLM's splits, and lathe's own (digits one by one, read as qwen2's split; in threes, as Llama 3's)."""
+    Tekken's, GPT-2's and SmolLM's splits, and lathe's own (digits one by one, read as
+    qwen2's split; in threes, as Llama 3's)."""
     from tokenizers import Tokenizer
     build, end_tokens, chat_text = TOKENIZER_SHAPES[shape]
     tok = build(tmp_path / "tok")
