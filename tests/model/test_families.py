@@ -213,7 +213,8 @@ def test_a_multimodal_checkpoint_loads_and_exports_as_its_language_model(tmp_pat
     model's text_config (every key it leaves out the wrapper's default), its weights under
     language_model.model. beside the vision tower's. lathe loads the language model with
     transformers' text logits, exports it as the text model's class with the same logits,
-    keeps the processor's chat template, and its engine's greedy tokens are transformers'."""
+    keeps the processor's chat template, and its engine's greedy tokens are transformers';
+    its GGUF file gives llama.cpp the same logits."""
     hf = with_vision(kind, tmp_path / "hf", {
         "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "max_position_embeddings": 512, **text})
@@ -244,6 +245,12 @@ def test_a_multimodal_checkpoint_loads_and_exports_as_its_language_model(tmp_pat
     (output,) = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0,
                                                          ignore_eos=True))
     assert output.outputs[0].token_ids == greedy(again, prompt, 16)
+    # and its GGUF is the language model's in llama.cpp (Gemma's GELU there reads f16s)
+    from lathe.serve.gguf_export import export_gguf
+    out = export_gguf(tmp_path / "hf", tmp_path / "m.gguf", dtype="f32")
+    theirs = llama_cpp_runtime.runtime(out, 64).logits(prompt)
+    error = (theirs - expected[0, :20]).abs().max() / expected[0, :20].abs().max()
+    assert error < (1e-3 if kind == "gemma3" else 1e-5)
 
 
 def test_a_peft_adapter_of_a_multimodal_gemma3_serves_over_its_language_model(tmp_path):
