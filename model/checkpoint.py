@@ -96,7 +96,7 @@ def save_checkpoint(model: Transformer, path: str | Path, tokenizer: str | Path 
     if tokenizer is not None:
         special_ids.update(_source_fields(Path(tokenizer) / CONFIG_FILE, SPECIAL_ID_FIELDS))
         generation = {**special_ids, **_source_fields(Path(tokenizer) / GENERATION_CONFIG_FILE)}
-    state = _hf_layout(model.state_dict(), config)
+    state = hf_layout(model.state_dict(), config)
     dtype = next(iter(state.values())).dtype
     with atomic_directory(path) as tmp:
         save_torch_state_dict(state, tmp, max_shard_size=max_shard_size,
@@ -122,9 +122,10 @@ def save_checkpoint(model: Transformer, path: str | Path, tokenizer: str | Path 
     return Path(path)
 
 
-def _hf_layout(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+def hf_layout(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """A model's state dict as its family's checkpoints store it: projections fused where
-    the family fuses them, experts one by one, a tied LM head left out."""
+    the family fuses them, experts one by one, a tied LM head left out (whole rows moved,
+    so per-row quantities of the weights map the same way)."""
     return unstack_experts(join_fused({
         name: tensor.detach().contiguous() for name, tensor in state.items()
         if not (config.tie_embeddings and name == "lm_head.weight")}, config), config)
@@ -136,7 +137,7 @@ def write_weights(state: dict[str, torch.Tensor], config: ModelConfig, path: str
     trainer's push of new weights to an engine that already holds the model
     (`read_weights`)."""
     with atomic_directory(path) as tmp:
-        save_torch_state_dict(_hf_layout(state, config), tmp, max_shard_size=max_shard_size,
+        save_torch_state_dict(hf_layout(state, config), tmp, max_shard_size=max_shard_size,
                               metadata={"format": "pt"})
     return Path(path)
 
@@ -232,10 +233,28 @@ class OpenCheckpoint:
 
 def _read_state(path: Path, config: ModelConfig, device: torch.device
                 ) -> dict[str, torch.Tensor]:
+    quantization = read_config_json(path).get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise CheckpointError(
+            f"{path / CONFIG_FILE}: the weights are quantized ({method}); training, merging "
+            "and exporting start from the full-precision checkpoint it was made from "
+            "(lathe serve and lathe chat load this one)")
     state: dict[str, torch.Tensor] = {}
-    for file in _weight_files(path):
+    for file in weight_files(path):
         state.update(load_safetensors(file, device))
-    return stack_experts(split_fused(language_model_weights(state), config), config)
+    return lathe_layout(state, config)
+
+
+def lathe_layout(state: dict[str, torch.Tensor], config: ModelConfig,
+                 per_row: bool = False) -> dict[str, torch.Tensor]:
+    """A checkpoint's state dict (its family's, or a multimodal wrapper's) as a
+    `Transformer` of `config` names it: the language model's, fused projections split,
+    experts stacked. Every step moves whole rows, so it also maps tensors that hold a
+    per-row quantity of each weight (`per_row`: quantization scales, whose columns are
+    groups of the weight's) — only their rows are checked."""
+    return stack_experts(split_fused(language_model_weights(state), config), config,
+                         per_row=per_row)
 
 
 def _build(config: ModelConfig, state: dict[str, torch.Tensor], path: Path,
@@ -315,7 +334,7 @@ def read_model_config(path: str | Path) -> ModelConfig:
         raise CheckpointError(f"{file}: {str(error).removeprefix(CONFIG_FILE + ': ')}") from None
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
     index = checkpoint_file(path, WEIGHTS_INDEX_FILE)
     if index.is_file():
         weight_map = read_json_object(index).get("weight_map")

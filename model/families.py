@@ -533,10 +533,11 @@ def _expert_names(layout: ExpertLayout, name: str) -> tuple[str, int, int] | Non
     return prefix, int(expert), layout.projections.index(projection)
 
 
-def stack_experts(state: dict[str, Any], config: Any) -> dict[str, Any]:
+def stack_experts(state: dict[str, Any], config: Any, per_row: bool = False) -> dict[str, Any]:
     """A checkpoint's state dict with per-expert tensors stacked into lathe's layout (and
     Mixtral's `block_sparse_moe` router named `mlp.gate`); one already stacked passes. A
-    missing or mis-shaped expert tensor is a CheckpointError naming it."""
+    missing or mis-shaped expert tensor is a CheckpointError naming it (`per_row`: tensors
+    of one value per row or per group of a row, whose rows alone are checked)."""
     layout = FAMILIES[config.family].experts
     if layout is None:
         return state
@@ -561,7 +562,7 @@ def stack_experts(state: dict[str, Any], config: Any) -> dict[str, Any]:
                 if tensor is None:
                     raise CheckpointError(f"{key} is missing: every one of the {config.n_experts}"
                                           " experts needs its gate, up and down projections")
-                if tuple(tensor.shape) != shape:
+                if (tensor.shape[:1] != shape[:1]) if per_row else tuple(tensor.shape) != shape:
                     raise CheckpointError(f"{key} has shape {tuple(tensor.shape)}, expected "
                                           f"{shape}")
         if len(tensors) != 3 * config.n_experts:

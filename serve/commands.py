@@ -136,7 +136,8 @@ def _read_tools(path: Path) -> list[dict]:
 def export_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="lathe export", description="Write a servable variant of a checkpoint: a "
-        "weight-only quantized checkpoint folder (lathe serve loads it) or one GGUF file "
+        "weight-only quantized checkpoint folder (compressed-tensors: lathe, vLLM and "
+        "transformers load it) or one GGUF file "
         "(llama.cpp, Ollama).")
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("--format", default="hf", choices=["hf", "quantized", "gguf"],

@@ -1,37 +1,32 @@
-"""Weight-only quantization of linear layers for serving (gpt-fast style).
+"""Weight-only quantization of linear layers for serving (gpt-fast style), rounded as
+compressed-tensors rounds llm-compressor's W8A16 and W4A16_ASYM schemes.
 
-int8: symmetric, one fp scale per output channel: w ≈ q · scale, q in [-127, 127].
-int4: asymmetric, one (scale, minimum) pair per group of `group_size` input columns:
-w ≈ q · scale + minimum, q in [0, 15], two values packed per byte (low nibble = even
-column). Activations stay in the model's dtype; the matmuls are `lathe.kernels`' (a Triton
-dequantize-in-tile matmul on CUDA; torch's int8/int4 CPU GEMMs on CPU, int4 repacked once
-into their layout on first use).
+int8: symmetric, one fp scale per output channel: w ≈ q · scale, q in [-128, 127].
+int4: asymmetric, one (scale, integer zero point) pair per group of `group_size` input
+columns, held as w ≈ q · scale + minimum with q in [0, 15] and minimum = −(zero point + 8)
+· scale, two values packed per byte (low nibble = even column). Activations stay in the
+model's dtype; the matmuls are `lathe.kernels`' (a Triton dequantize-in-tile matmul on
+CUDA; torch's int8/int4 CPU GEMMs on CPU, int4 repacked once into their layout on first
+use). The LM head and MoE routers keep full precision. A mixture of experts' stacked
+experts become one quantized linear per expert and projection
+(`...mlp.experts.gate_up.3`, `...mlp.experts.down.3`), each token running through its own
+experts' quantized GEMMs.
 
-A quantized checkpoint is an ordinary checkpoint folder whose config.json carries a
-`quantization_config` ({"quant_method": "lathe", "mode", "group_size"}) and whose
-safetensors hold each linear's packed weight and scales under the module's name
-(`...q_proj.weight`, `...q_proj.scale`, for int4 also `...q_proj.minimum`). A mixture of
-experts' stacked experts become one quantized linear per expert and projection
-(`...mlp.experts.gate_up.3.weight`, `...mlp.experts.down.3.weight`), each token running
-through its own experts' quantized GEMMs. Only lathe loads it (`load_serving_model`, with
-`serving_tokenizer` the checkpoint's tokenizer checked against the model); for other
-runtimes export GGUF.
+A quantized checkpoint is compressed-tensors' (`lathe.serve.quant_format`): lathe writes
+it, and loads it or a hub W4A16 / W8A16 checkpoint with `load_serving_model`
+(`serving_tokenizer` the checkpoint's tokenizer checked against the model).
 """
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
-from lathe.core.atomic import atomic_directory
-from lathe.core.checkpoint_files import GENERATION_CONFIG_FILE, checkpoint_file, read_json_object
+from lathe.core.checkpoint_files import checkpoint_file
 from lathe.core.errors import ConfigError
 from lathe.data.tokenizer import load_tokenizer
 from lathe.kernels.decode_linear import HALF_DTYPES, use_decode_linears
@@ -43,19 +38,19 @@ from lathe.kernels.quant_matmul import (
     int8_matmul,
 )
 from lathe.model.checkpoint import (
-    CONFIG_FILE,
-    PROVENANCE_FILE,
-    TOKENIZER_FILES,
-    WEIGHTS_FILE,
     CheckpointError,
     load_checkpoint,
-    load_safetensors,
     read_model_config,
 )
 from lathe.model.transformer import Experts, MoE, Transformer, gated, run_each_expert
 from lathe.serve.config import QuantMode
 from lathe.serve.half_weights import use_half_weights
 from lathe.serve.host_memory import hold_in_huge_pages
+from lathe.serve.quant_format import (
+    read_quant_scheme,
+    read_quantized_weights,
+    write_quantized_checkpoint,
+)
 
 # a server's or chat's weight dtype by name (auto: the checkpoint's own)
 WEIGHT_DTYPES: dict[str, torch.dtype | None] = {
@@ -63,32 +58,47 @@ WEIGHT_DTYPES: dict[str, torch.dtype | None] = {
     "float16": torch.float16}
 
 
+def _nonzero(scale: Tensor) -> Tensor:
+    """A zero scale (an all-zero row or group) as the dtype's epsilon, as compressed-tensors
+    sets it, so that quantizing divides by something."""
+    return torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale)
+
+
 def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """(int8 weight, per-output-channel scale) of an (out, in) weight."""
+    """(int8 weight, per-output-channel scale) of an (out, in) weight: symmetric over
+    [-128, 127], scale = max |w| / 127.5 — compressed-tensors' W8A16 rounding."""
     w = weight.float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    scale = _nonzero(w.abs().amax(dim=1) / 127.5)
+    q = torch.round(torch.clamp(w / scale[:, None], -128, 127)).to(torch.int8)
     return q, scale
 
 
+def pack_nibbles(q: Tensor) -> Tensor:
+    """(out, in) values in [0, 15] as (out, in / 2) bytes, the low nibble an even column."""
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
 def quantize_int4(weight: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(packed uint8 (out, in/2), scales (out, in/group), minimums (out, in/group))."""
+    """(packed uint8 (out, in/2), scales (out, in/group), minimums (out, in/group)):
+    asymmetric in groups of `group_size` input columns with an integer zero point, as
+    compressed-tensors' W4A16_ASYM rounds them (each group's range widened to hold 0);
+    w ≈ q · scale + minimum with q in [0, 15] and minimum = −(zero_point + 8) · scale."""
     out_features, in_features = weight.shape
     if in_features % group_size or group_size % 2:
         raise ValueError(f"int4: in_features={in_features} must be a multiple of the even "
                          f"group_size={group_size}; use group_size 32 for narrow layers")
     groups = weight.float().reshape(out_features, in_features // group_size, group_size)
-    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    scale = ((high - low) / 15).clamp(min=1e-12)
-    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
-    q = q.reshape(out_features, in_features)
-    packed = q[:, 0::2] | (q[:, 1::2] << 4)
-    return packed, scale, low
+    low = groups.amin(dim=-1).clamp(max=0)
+    high = groups.amax(dim=-1).clamp(min=0)
+    scale = _nonzero((high - low) / 15)
+    zero_point = torch.round(torch.clamp(-8 - low / scale, -8, 7))
+    q = torch.round(torch.clamp(groups / scale[..., None] + zero_point[..., None], -8, 7))
+    packed = pack_nibbles((q + 8).to(torch.uint8).reshape(out_features, in_features))
+    return packed, scale, -(zero_point + 8) * scale
 
 
-def _keep_bias(module: nn.Module, linear: nn.Linear) -> None:
+def _keep_bias(module: nn.Module, bias: Tensor | None) -> None:
     """A quantized linear keeps its layer's bias (Qwen2's q, k, v) in full precision."""
-    bias = linear.bias
     module.register_buffer("bias", None if bias is None else bias.detach().clone())
 
 
@@ -97,30 +107,40 @@ def _add_bias(y: Tensor, bias: Tensor | None) -> Tensor:
 
 
 class Int8Linear(nn.Module):
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None = None) -> None:
         super().__init__()
-        q, scale = quantize_int8(linear.weight.detach())
         self.register_buffer("weight", q)
-        self.register_buffer("scale", scale.to(linear.weight.dtype))
-        _keep_bias(self, linear)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("scale", scale)
+        _keep_bias(self, bias)
+        self.out_features, self.in_features = q.shape
+
+    @classmethod
+    def quantize(cls, linear: nn.Linear) -> Int8Linear:
+        q, scale = quantize_int8(linear.weight.detach())
+        return cls(q, scale.to(linear.weight.dtype), linear.bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return _add_bias(int8_matmul(x, self.weight, self.scale), self.bias)
 
 
 class Int4Linear(nn.Module):
-    def __init__(self, linear: nn.Linear, group_size: int) -> None:
+    def __init__(self, packed: Tensor, scale: Tensor, minimum: Tensor,
+                 bias: Tensor | None = None) -> None:
         super().__init__()
-        packed, scale, low = quantize_int4(linear.weight.detach(), group_size)
         self.register_buffer("weight", packed)
-        self.register_buffer("scale", scale.to(linear.weight.dtype))
-        self.register_buffer("minimum", low.to(linear.weight.dtype))
-        _keep_bias(self, linear)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.group_size = group_size
+        self.register_buffer("scale", scale)
+        self.register_buffer("minimum", minimum)
+        _keep_bias(self, bias)
+        self.out_features, self.in_features = packed.shape[0], 2 * packed.shape[1]
+        self.group_size = self.in_features // scale.shape[1]
         self.cpu_pack: tuple[Tensor, Tensor] | None = None
         self.register_load_state_dict_post_hook(Int4Linear._forget_cpu_pack)
+
+    @classmethod
+    def quantize(cls, linear: nn.Linear, group_size: int) -> Int4Linear:
+        packed, scale, minimum = quantize_int4(linear.weight.detach(), group_size)
+        dtype = linear.weight.dtype
+        return cls(packed, scale.to(dtype), minimum.to(dtype), linear.bias)
 
     @staticmethod
     def _forget_cpu_pack(module: Int4Linear, _: object) -> None:
@@ -138,8 +158,9 @@ def quantized_linear(linear: nn.Linear, mode: QuantMode, group_size: int) -> nn.
     """`linear` as an Int8Linear or Int4Linear (int4: groups of 32 where `group_size`
     does not divide its input width)."""
     if mode == "int8":
-        return Int8Linear(linear)
-    return Int4Linear(linear, group_size if linear.in_features % group_size == 0 else 32)
+        return Int8Linear.quantize(linear)
+    return Int4Linear.quantize(linear, group_size if linear.in_features % group_size == 0
+                               else 32)
 
 
 class QuantizedExperts(nn.Module):
@@ -147,18 +168,20 @@ class QuantizedExperts(nn.Module):
     projection (gate and up together); each expert that tokens were routed to runs its
     own quantized GEMMs (the quantized GEMMs take one matrix each)."""
 
-    def __init__(self, experts: Experts, mode: QuantMode, group_size: int) -> None:
+    def __init__(self, gate_up: list[nn.Module], down: list[nn.Module], gelu: bool) -> None:
         super().__init__()
+        self.gate_up, self.down, self.gelu = nn.ModuleList(gate_up), nn.ModuleList(down), gelu
 
+    @classmethod
+    def quantize(cls, experts: Experts, mode: QuantMode, group_size: int) -> QuantizedExperts:
         def linear(weight: Tensor) -> nn.Module:
             plain = nn.Linear(weight.shape[1], weight.shape[0], bias=False,
                               device=weight.device, dtype=weight.dtype)
             plain.weight = nn.Parameter(weight.detach(), requires_grad=False)
             return quantized_linear(plain, mode, group_size)
 
-        self.gate_up = nn.ModuleList(linear(w) for w in experts.gate_up_proj)
-        self.down = nn.ModuleList(linear(w) for w in experts.down_proj)
-        self.gelu = experts.gelu
+        return cls([linear(w) for w in experts.gate_up_proj],
+                   [linear(w) for w in experts.down_proj], experts.gelu)
 
     def forward(self, x: Tensor, experts: Tensor, weights: Tensor) -> Tensor:
         def mlp(expert: int, rows: Tensor) -> Tensor:
@@ -167,22 +190,25 @@ class QuantizedExperts(nn.Module):
         return run_each_expert(x, experts, weights, mlp)
 
 
-def quantize_linears(model: nn.Module, mode: QuantMode, group_size: int = 128) -> int:
-    """Replace every `nn.Linear` (and a mixture of experts' experts) of `model` in place;
-    returns how many linears were replaced. Routers keep full precision: their top-k
-    picks the experts, and they are a sliver of the weights.
-
-    A tied LM head is quantized as its own copy (the embedding lookup keeps full precision).
-    For int4, layers narrower than `group_size` fall back to groups of 32.
-    """
+def quantize_linears(model: nn.Module, mode: QuantMode, group_size: int = 128,
+                     only: set[str] | None = None) -> int:
+    """Replace the linears of `model` in place (the ones named in `only`, when given, a
+    mixture of experts' by its `Experts` module's name); returns how many linears were
+    replaced. The LM head and the routers keep full precision, as llm-compressor's recipes
+    keep them: a head's rounding reaches every logit, a router's top-k picks the experts,
+    and both are slivers of the weights. For int4, layers narrower than `group_size` fall
+    back to groups of 32."""
     replaced = 0
-    for parent in list(model.modules()):
+    for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
+            full_name = f"{parent_name}.{name}" if parent_name else name
+            if full_name == "lm_head" or (only is not None and full_name not in only):
+                continue
             if isinstance(child, nn.Linear) and not isinstance(parent, MoE):
                 setattr(parent, name, quantized_linear(child, mode, group_size))
                 replaced += 1
             elif isinstance(child, Experts):
-                setattr(parent, name, QuantizedExperts(child, mode, group_size))
+                setattr(parent, name, QuantizedExperts.quantize(child, mode, group_size))
                 replaced += 2 * child.gate_up_proj.shape[0]
     return replaced
 
@@ -197,35 +223,14 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def quantization_config(path: str | Path) -> dict | None:
-    """The `quantization_config` of a checkpoint folder, or None for a plain checkpoint."""
-    quant = read_json_object(checkpoint_file(path, CONFIG_FILE)).get("quantization_config")
-    if quant is not None and (not isinstance(quant, dict) or quant.get("quant_method") != "lathe"
-                              or quant.get("mode") not in ("int8", "int4")
-                              or not isinstance(quant.get("group_size"), int)
-                              or quant["group_size"] < 1):
-        raise CheckpointError(f"{path}: quantization_config {quant} is not one lathe wrote "
-                              "(quant_method 'lathe', mode int8|int4, group_size >= 1)")
-    return quant
-
-
 def save_quantized_checkpoint(source: str | Path, out: str | Path, mode: QuantMode,
                               group_size: int = 128) -> Path:
-    """Quantize a checkpoint folder's linears and write the result as a new folder."""
+    """Quantize a checkpoint folder's linears and write the result as a new folder, in
+    compressed-tensors' format (`lathe.serve.quant_format`: vLLM and transformers load it)."""
     source = Path(source)
     model = load_checkpoint(source, dtype=torch.float32)
     quantize_linears(model, mode, group_size)
-    state = {name: t.contiguous() for name, t in model.state_dict().items()}
-    config = json.loads((source / CONFIG_FILE).read_text())
-    config["quantization_config"] = {"quant_method": "lathe", "mode": mode,
-                                     "group_size": group_size}
-    with atomic_directory(out) as tmp:
-        save_file(state, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        for name in (GENERATION_CONFIG_FILE, PROVENANCE_FILE, *TOKENIZER_FILES):
-            if (source / name).is_file():
-                shutil.copy2(source / name, tmp / name)
-    return Path(out)
+    return write_quantized_checkpoint(model, model.config, source, Path(out), mode, group_size)
 
 
 def load_serving_model(path: str | Path, quantize: QuantMode | None = None,
@@ -243,7 +248,7 @@ def load_serving_model(path: str | Path, quantize: QuantMode | None = None,
     read_model_config(path).require_language_model(f"serving {path}")
     device = torch.device(device if device is not None else
                           "cuda" if torch.cuda.is_available() else "cpu")
-    quant = quantization_config(path)
+    quant = read_quant_scheme(path)
     if quant is None:
         if device.type != "cpu":
             model = load_checkpoint(path, dtype=dtype, device=device)
@@ -260,15 +265,21 @@ def load_serving_model(path: str | Path, quantize: QuantMode | None = None,
         if quantize is not None:
             quantize_linears(model, quantize, group_size)
         return _ready(model)
-    if quantize is not None and quantize != quant["mode"]:
-        raise CheckpointError(f"{path} is already quantized to {quant['mode']}; "
+    if quantize is not None and quantize != quant.mode:
+        raise CheckpointError(f"{path} is already quantized to {quant.mode}; "
                               f"drop --quantize {quantize} or start from the full checkpoint")
+    config = read_model_config(path)
     with torch.device("meta"):
-        model = Transformer(read_model_config(path))
-    quantize_linears(model, quant["mode"], quant["group_size"])
-    state = load_safetensors(checkpoint_file(path, WEIGHTS_FILE), device)
-    if dtype is not None:
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        model = Transformer(config)
+    state, quantized = read_quantized_weights(Path(path), config, quant, device)
+    quantize_linears(model, quant.mode, quant.group_size or 128, only=quantized)
+    if config.tie_embeddings and "lm_head.weight" not in state:
+        state["lm_head.weight"] = state.get("model.embed_tokens.weight")
+    if dtype is None:  # the CPU's activations; on a GPU the checkpoint's (a hub one's bf16)
+        dtype = torch.float32 if device.type == "cpu" else \
+            state["model.embed_tokens.weight"].dtype
+    state = {k: v.to(dtype) if v is not None and v.is_floating_point() else v
+             for k, v in state.items()}
     expected = model.state_dict()
     if set(state) != set(expected):
         raise CheckpointError(f"{path}: quantized weights do not match config.json (missing "
@@ -276,12 +287,13 @@ def load_serving_model(path: str | Path, quantize: QuantMode | None = None,
                               f"{sorted(set(state) - set(expected))[:4]})")
     wrong = [f"{name} {tuple(t.shape)} {t.dtype} (expected {tuple(expected[name].shape)} "
              f"{expected[name].dtype})" for name, t in sorted(state.items())
-             if t.shape != expected[name].shape or t.is_floating_point()
+             if t is None or t.shape != expected[name].shape or t.is_floating_point()
              != expected[name].is_floating_point()]
     if wrong:
         raise CheckpointError(f"{path}: quantized weights of the wrong shape or kind: "
                               f"{', '.join(wrong[:4])}")
     model.load_state_dict(state, assign=True)
+    model.tie_weights()
     model.reset_rotary(device)
     return _ready(model.eval())
 

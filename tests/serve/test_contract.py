@@ -390,7 +390,8 @@ def test_serving_load_errors_name_the_file_and_the_problem(checkpoint, tmp_path)
 
     for change, named in ((corrupt_tokenizer, "tokenizer.json: not a tokenizer"),
                           (bad_eos, "eos_token_id='</s>' must be a token id"),
-                          (bad_quant, "quantization_config 4 is not one lathe wrote")):
+                          (bad_quant, "quantization_config.quant_method=4: not "
+                                      "compressed-tensors")):
         folder = broken_copy(checkpoint, tmp_path, change.__name__, change)
         with pytest.raises(CheckpointError, match=named):
             LLMEngine.from_checkpoint(folder, EngineConfig(num_blocks=8))

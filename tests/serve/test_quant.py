@@ -28,10 +28,11 @@ from tests.builders import tiny_model
 
 
 def test_int8_round_trip_error_is_within_half_a_step():
+    """Over [-128, 127] with max |w| / 127.5 a step, the largest weight is half a step off."""
     w = torch.randn(96, 160)
     q, scale = quantize_int8(w)
     assert q.dtype == torch.int8 and scale.shape == (96,)
-    assert ((dequantize_int8(q, scale) - w).abs() <= scale[:, None] / 2 + 1e-7).all()
+    assert ((dequantize_int8(q, scale) - w).abs() <= scale[:, None] / 2 * (1 + 1e-4)).all()
 
 
 @pytest.mark.parametrize("group_size", [32, 128])
@@ -53,21 +54,23 @@ def test_quantized_matmul_error_against_fp32():
     x = torch.randn(8, 512)
     reference = linear(x)
     relative = {}
-    for name, layer in (("int8", Int8Linear(linear)), ("int4-128", Int4Linear(linear, 128)),
-                        ("int4-32", Int4Linear(linear, 32))):
+    for name, layer in (("int8", Int8Linear.quantize(linear)),
+                        ("int4-128", Int4Linear.quantize(linear, 128)),
+                        ("int4-32", Int4Linear.quantize(linear, 32))):
         relative[name] = ((layer(x) - reference).norm() / reference.norm()).item()
     # measured: int8 0.40 %, int4 g128 6.5 %, g32 6.2 % relative Frobenius error
     assert relative["int8"] < 0.01
     assert relative["int4-32"] < relative["int4-128"] < 0.08
 
 
-def test_every_linear_of_the_model_is_swapped_and_logits_stay_close():
+def test_every_linear_but_the_head_is_swapped_and_logits_stay_close():
     model = tiny_model()
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         reference = model(ids).logits
         quantize_linears(model, "int8")
-        assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+        assert [name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+                ] == ["lm_head"]
         quantized = model(ids).logits
     assert ((quantized - reference).norm() / reference.norm()).item() < 0.02
 

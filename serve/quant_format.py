@@ -1,0 +1,334 @@
+"""A weight-only quantized checkpoint on disk, in compressed-tensors' format: the one
+llm-compressor writes, vLLM and transformers load, and the hub's W4A16 / W8A16
+checkpoints (Qwen3, Llama, Gemma, Mistral, their mixtures of experts) are in.
+
+A checkpoint folder in this format is an ordinary HF checkpoint whose config.json carries
+a `quantization_config` (quant_method "compressed-tensors", format "pack-quantized") and
+whose quantized linears hold `weight_packed` (signed ints packed into int32),
+`weight_scale` and `weight_shape`, and `weight_zero_point` when asymmetric, in place of
+`weight`; the head, embedding and routers stay full precision, named in `ignore`.
+
+lathe reads every integer weight-only scheme its quantized linears compute exactly: 4 bits
+in groups of 32, 64 or 128 columns, symmetric or with zero points, and 8 bits per output
+channel, symmetric (also the older `int-quantized` format, int8 stored unpacked). A 4-bit
+linear becomes an `Int4Linear` (nibbles q + 8, scale, minimum = −(zero_point + 8) · scale),
+an 8-bit one an `Int8Linear`, through the same name mapping as a full checkpoint's weights
+(a wrapper's language model, fused projections split, experts stacked). Anything else —
+activation quantization (W8A8, FP8), float types, activation-ordered groups (`g_idx`),
+other group sizes, mixed schemes — is refused, naming the field. lathe writes int4
+(asymmetric, `W4A16_ASYM`) and int8 (`W8A16`) the same way, through compressed-tensors' own
+compressor and config."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lathe.core.atomic import atomic_directory
+from lathe.core.checkpoint_files import (
+    GENERATION_CONFIG_FILE,
+    checkpoint_file,
+    read_json_object,
+)
+from lathe.model.checkpoint import (
+    CONFIG_FILE,
+    PROVENANCE_FILE,
+    TOKENIZER_FILES,
+    CheckpointError,
+    hf_layout,
+    lathe_layout,
+    load_safetensors,
+    weight_files,
+)
+from lathe.model.config import ModelConfig
+from lathe.serve.config import QuantMode
+
+GROUP_SIZES = (32, 64, 128)  # what lathe's int4 kernels take (a K tile never crosses one)
+FORMATS = ("pack-quantized", "int-quantized")
+QUANTIZED_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point",
+                      "weight_g_idx")
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """A checkpoint's weight quantization, as lathe's linears hold it."""
+    mode: QuantMode
+    group_size: int  # int4: input columns per scale; int8: 0 (one scale per output channel)
+    symmetric: bool
+    packed: bool  # pack-quantized (ints packed into int32), else int-quantized (int8)
+
+
+def read_quant_scheme(path: str | Path) -> QuantScheme | None:
+    """The weight quantization of a checkpoint folder's config.json, or None for a
+    full-precision checkpoint; a scheme lathe cannot serve exactly is a CheckpointError
+    naming the field, its value and what lathe serves instead."""
+    file = checkpoint_file(path, CONFIG_FILE)
+    quant = read_json_object(file).get("quantization_config")
+    if quant is None:
+        return None
+
+    def refuse(field: str, value: Any, why: str) -> CheckpointError:
+        return CheckpointError(f"{file}: quantization_config.{field}={value!r}: {why}; lathe "
+                               "serves compressed-tensors' weight-only integer checkpoints "
+                               "(W4A16 in groups of 32/64/128, W8A16 per channel) — for any "
+                               "other, serve the full-precision checkpoint (with --quantize "
+                               "int4|int8 to quantize it at load)")
+
+    if not isinstance(quant, dict) or quant.get("quant_method") != "compressed-tensors":
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise refuse("quant_method", method, "not compressed-tensors")
+    from compressed_tensors.quantization import QuantizationScheme
+    from pydantic import ValidationError
+    groups = quant.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise refuse("config_groups", groups, "no quantization scheme")
+    schemes = {}
+    for name, group in groups.items():
+        try:
+            scheme = QuantizationScheme.model_validate(group)
+        except ValidationError as error:
+            first = error.errors()[0]
+            raise refuse(f"config_groups.{name}", group,
+                         f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+        field = f"config_groups.{name}"
+        if scheme.input_activations is not None or scheme.output_activations is not None:
+            raise refuse(f"{field}.input_activations", group.get("input_activations"),
+                         "activations are quantized too")
+        weights = scheme.weights
+        if weights is None:
+            raise refuse(f"{field}.weights", None, "no weight quantization")
+        schemes[name] = _weight_scheme(weights, quant.get("format"), group.get("format"),
+                                       lambda key, value, why: refuse(f"{field}.{key}", value,
+                                                                      why))
+    # groups that differ in group size alone are one scheme: each linear's own is read
+    # from its scales (lathe writes layers too narrow for the group size in groups of 32)
+    kinds = {(scheme.mode, scheme.symmetric, scheme.packed) for scheme in schemes.values()}
+    if len(kinds) > 1:
+        raise refuse("config_groups", sorted(groups), "its groups quantize differently")
+    return max(schemes.values(), key=lambda scheme: scheme.group_size)
+
+
+def _value(field: Any) -> Any:
+    """A compressed-tensors enum field's plain value."""
+    return getattr(field, "value", field)
+
+
+def _weight_scheme(weights: Any, model_format: Any, group_format: Any, refuse) -> QuantScheme:
+    fmt = group_format or model_format
+    if fmt not in FORMATS:
+        raise refuse("format", fmt, f"not one of {', '.join(FORMATS)}")
+    if _value(weights.type) != "int":
+        raise refuse("weights.type", _value(weights.type), "not integer")
+    if weights.dynamic:
+        raise refuse("weights.dynamic", weights.dynamic, "scales computed at run time")
+    strategy = _value(weights.strategy)
+    if weights.num_bits == 4:
+        if strategy != "group" or weights.group_size not in GROUP_SIZES:
+            raise refuse("weights.group_size", weights.group_size,
+                         f"int4 must be in groups of {', '.join(map(str, GROUP_SIZES))}")
+        return QuantScheme("int4", weights.group_size, weights.symmetric, fmt == FORMATS[0])
+    if weights.num_bits == 8:
+        if strategy != "channel" or not weights.symmetric:
+            raise refuse("weights.strategy", strategy, "int8 must be symmetric, per channel")
+        return QuantScheme("int8", 0, True, fmt == FORMATS[0])
+    raise refuse("weights.num_bits", weights.num_bits, "not 4 or 8")
+
+
+def read_quantized_weights(path: Path, config: ModelConfig, scheme: QuantScheme,
+                           device: torch.device) -> tuple[dict[str, Tensor], set[str]]:
+    """A compressed-tensors checkpoint's weights as a `Transformer` quantized by
+    `lathe.serve.quant.quantize_linears(..., only=names)` names and holds them: its state
+    dict, and `names`, the modules (a linear, or a mixture of experts' `Experts`) that
+    are quantized."""
+    raw: dict[str, Tensor] = {}
+    for file in weight_files(path):
+        raw.update(load_safetensors(file, device))
+    prefixes = sorted({name.removesuffix(".weight_scale") for name in raw
+                       if name.endswith(".weight_scale")})
+    values, scales, minimums = {}, {}, {}
+    for prefix in prefixes:
+        parts = {suffix: raw.pop(f"{prefix}.{suffix}") for suffix in QUANTIZED_SUFFIXES
+                 if f"{prefix}.{suffix}" in raw}
+        if not scheme.packed:
+            parts["weight"] = raw.pop(f"{prefix}.weight", None)
+        ints, scale, zero_point = _unpacked(prefix, parts, scheme, path)
+        name = f"{prefix}.weight"
+        if scheme.mode == "int4":
+            values[name] = (ints + 8).to(torch.uint8)
+            minimums[name] = -(zero_point.float() + 8) * scale.float()
+        else:
+            values[name] = ints
+        scales[name] = scale.reshape(ints.shape[0], -1) if scheme.mode == "int4" else \
+            scale.reshape(-1)
+    dense = lathe_layout({**raw, **values}, config)
+    scales = lathe_layout(scales, config, per_row=True)
+    minimums = lathe_layout(minimums, config, per_row=True)
+    state, quantized = {}, set()
+    for name, tensor in dense.items():
+        if name not in scales:
+            state[name] = tensor
+            continue
+        module = name.removesuffix(".weight")
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            module, kind = name.rsplit(".", 1)
+            for expert in range(tensor.shape[0]):
+                _put(state, f"{module}.{kind.removesuffix('_proj')}.{expert}",
+                     tensor[expert], scales[name][expert],
+                     minimums[name][expert] if minimums else None)
+        else:
+            _put(state, module, tensor, scales[name], minimums.get(name))
+        quantized.add(module)
+    return state, quantized
+
+
+def _unpacked(prefix: str, parts: dict[str, Tensor], scheme: QuantScheme,
+              path: Path) -> tuple[Tensor, Tensor, Tensor]:
+    """One linear's (signed ints (out, in), scale, zero point) from its stored tensors."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    if "weight_g_idx" in parts:
+        raise CheckpointError(f"{path}: {prefix}.weight_g_idx: columns regrouped in "
+                              "activation order, which lathe's kernels do not gather")
+    bits = 4 if scheme.mode == "int4" else 8
+    scale = parts["weight_scale"]
+    if scheme.packed:
+        if "weight_packed" not in parts or "weight_shape" not in parts:
+            raise CheckpointError(f"{path}: {prefix} has a weight_scale but no weight_packed "
+                                  "and weight_shape beside it")
+        shape = torch.Size(int(n) for n in parts["weight_shape"].tolist())
+        ints = unpack_from_int32(parts["weight_packed"], bits, shape)
+    else:
+        ints = parts.get("weight")
+        if ints is None or ints.dtype != torch.int8:
+            raise CheckpointError(f"{path}: {prefix}.weight must be int8 beside its "
+                                  "weight_scale (format int-quantized)")
+    out_features, in_features = ints.shape
+    groups = scale.shape[-1] if scheme.mode == "int4" and scale.dim() == 2 else 1
+    if scheme.mode == "int4" and (in_features % groups
+                                  or in_features // groups not in GROUP_SIZES):
+        raise CheckpointError(f"{path}: {prefix}.weight_scale has shape {tuple(scale.shape)}: "
+                              f"groups of {in_features / groups:g} columns of its "
+                              f"{in_features}; lathe's int4 kernels take groups of "
+                              f"{', '.join(map(str, GROUP_SIZES))}")
+    if scale.numel() != out_features * groups:
+        raise CheckpointError(f"{path}: {prefix}.weight_scale has shape {tuple(scale.shape)}; "
+                              f"a {out_features}×{in_features} weight in this scheme has "
+                              f"{out_features}×{groups} scales")
+    zero_point = torch.zeros(out_features, groups, dtype=torch.int8, device=ints.device)
+    if not scheme.symmetric:
+        stored = parts.get("weight_zero_point")
+        if stored is None:
+            raise CheckpointError(f"{path}: {prefix}.weight_zero_point is missing (the "
+                                  "scheme is asymmetric)")
+        zero_point = unpack_from_int32(stored, bits, torch.Size((out_features, groups)),
+                                       packed_dim=0) if scheme.packed else stored
+    return ints, scale, zero_point.reshape(out_features, groups)
+
+
+def _put(state: dict[str, Tensor], module: str, ints: Tensor, scale: Tensor,
+         minimum: Tensor | None) -> None:
+    """One quantized linear's buffers under `module`, as Int4Linear / Int8Linear hold them."""
+    from lathe.serve.quant import pack_nibbles
+    if minimum is None:
+        state[f"{module}.weight"], state[f"{module}.scale"] = ints, scale
+    else:
+        state[f"{module}.weight"] = pack_nibbles(ints)
+        state[f"{module}.scale"], state[f"{module}.minimum"] = scale, minimum
+
+
+def write_quantized_checkpoint(model: nn.Module, config: ModelConfig, source: Path, out: Path,
+                               mode: QuantMode, group_size: int) -> Path:
+    """`model`, quantized by `quantize_linears`, as a compressed-tensors checkpoint folder
+    at `out` (atomically), with `source`'s tokenizer, generation config and provenance:
+    each quantized linear compressed by compressed-tensors' pack-quantized compressor from
+    its exact dequantized weight, so that the ints written are the ones lathe holds."""
+    from compressed_tensors.compressors import ModelCompressor, PackedQuantizationCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+    )
+    from safetensors.torch import save_file
+
+    from lathe.serve.quant import Int4Linear, Int8Linear, QuantizedExperts
+
+    weights, scales, zero_points, dense = {}, {}, {}, {}
+    experts = [name for name, module in model.named_modules()
+               if isinstance(module, QuantizedExperts)]
+    for name, module in model.named_modules():
+        if any(name.startswith(f"{prefix}.") for prefix in experts):
+            continue  # an expert's linear, written with its experts'
+        if isinstance(module, QuantizedExperts):
+            for kind, linears in (("gate_up_proj", module.gate_up), ("down_proj", module.down)):
+                parts = [_dequantized(linear) for linear in linears]
+                key = f"{name}.{kind}"
+                for target, index in ((weights, 0), (scales, 1), (zero_points, 2)):
+                    target[key] = torch.stack([part[index] for part in parts])
+        elif isinstance(module, (Int4Linear, Int8Linear)):
+            key = f"{name}.weight"
+            weights[key], scales[key], zero_points[key] = _dequantized(module)
+            if module.bias is not None:
+                dense[f"{name}.bias"] = module.bias
+    quantized_modules = {name for name, module in model.named_modules()
+                         if isinstance(module, (Int4Linear, Int8Linear, QuantizedExperts))}
+    for name, tensor in model.state_dict().items():
+        if name.rsplit(".", 1)[0] not in quantized_modules and not any(
+                name.startswith(f"{m}.") for m in quantized_modules):
+            dense[name] = tensor
+    def scheme(targets: list[str], group: int) -> QuantizationScheme:
+        return QuantizationScheme(targets=targets, weights=QuantizationArgs(
+            num_bits=4 if mode == "int4" else 8, type="int", symmetric=mode == "int8",
+            strategy="group" if mode == "int4" else "channel",
+            group_size=group if mode == "int4" else None))
+
+    state = hf_layout(dense, config)
+    ignore = ["lm_head"] + sorted(name.removesuffix(".weight") for name, tensor in state.items()
+                                  if tensor.dim() == 2 and "embed_tokens" not in name
+                                  and name != "lm_head.weight")
+    hf_scales, hf_zero_points = hf_layout(scales, config), hf_layout(zero_points, config)
+    narrow = []  # linears in groups of 32, too narrow for group_size
+    for name, weight in hf_layout(weights, config).items():
+        prefix = name.removesuffix(".weight")
+        group = weight.shape[1] // hf_scales[name].shape[1] if mode == "int4" else group_size
+        if group != group_size:
+            narrow.append(prefix)
+        parts = {"weight": weight, "weight_scale": hf_scales[name].contiguous()}
+        if mode == "int4":
+            parts["weight_zero_point"] = hf_zero_points[name].contiguous()
+        state.update({f"{prefix}.{key}": tensor.contiguous() for key, tensor in
+                      PackedQuantizationCompressor.compress(parts, scheme([], group)).items()})
+    groups = {"group_0": scheme(["Linear"], group_size)}
+    if narrow:  # a module's own name outranks the class target
+        groups["group_1"] = scheme(sorted(narrow), 32)
+    quant_config = QuantizationConfig(config_groups=groups, ignore=ignore,
+                                      format="pack-quantized",
+                                      quantization_status="compressed")
+    with atomic_directory(out) as tmp:
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        hf_config = json.loads((source / CONFIG_FILE).read_text())
+        hf_config.pop("quantization_config", None)
+        (tmp / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
+        ModelCompressor(quantization_config=quant_config).update_config(str(tmp))
+        for name in (GENERATION_CONFIG_FILE, PROVENANCE_FILE, *TOKENIZER_FILES):
+            if (source / name).is_file():
+                shutil.copy2(source / name, tmp / name)
+    return out
+
+
+def _dequantized(linear: nn.Module) -> tuple[Tensor, Tensor, Tensor]:
+    """(its weight dequantized in float32, its scale, its zero point) of an Int4Linear or
+    Int8Linear: the weight compressed-tensors quantizes back to exactly its ints."""
+    from lathe.kernels.quant_matmul import dequantize_int4, dequantize_int8
+    if hasattr(linear, "minimum"):
+        scale = linear.scale.float()
+        zero_point = torch.round(-linear.minimum.float() / scale) - 8
+        return (dequantize_int4(linear.weight, linear.scale, linear.minimum), scale,
+                zero_point.to(torch.int8))
+    scale = linear.scale.float()
+    return dequantize_int8(linear.weight, scale), scale[:, None], torch.zeros_like(scale)

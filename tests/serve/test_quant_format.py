@@ -1,0 +1,211 @@
+"""Quantized checkpoints in compressed-tensors' format, against the real thing: a checkpoint
+compressed-tensors itself writes (as llm-compressor's round-to-nearest W4A16 / W8A16
+recipes do) loads into lathe's quantized linears with the weights transformers
+decompresses; the one lathe writes loads in transformers with lathe's weights; any other
+scheme is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lathe.kernels.quant_matmul import dequantize_int4, dequantize_int8
+from lathe.model import load_checkpoint
+from lathe.model.checkpoint import CheckpointError
+from lathe.serve.config import EngineConfig
+from lathe.serve.engine import LLMEngine
+from lathe.serve.quant import (
+    Int4Linear,
+    Int8Linear,
+    load_serving_model,
+    save_quantized_checkpoint,
+)
+from lathe.serve.sampling_params import SamplingParams
+from tests.model.test_families import with_tokenizer
+
+transformers = pytest.importorskip("transformers")
+compressed_tensors = pytest.importorskip("compressed_tensors")
+
+SHAPE = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+             max_position_embeddings=256, tie_word_embeddings=False)
+
+SCHEMES = {  # llm-compressor's presets, in round-to-nearest
+    "W4A16": dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128),
+    "W4A16_ASYM-g32": dict(num_bits=4, type="int", symmetric=False, strategy="group",
+                           group_size=32),
+    "W8A16": dict(num_bits=8, type="int", symmetric=True, strategy="channel"),
+}
+
+
+def compressed_by_the_library(folder, scheme: dict, fmt: str = "pack-quantized",
+                              family: str = "Qwen3", shape: dict | None = None):
+    """A model of `family` quantized and saved by compressed-tensors: each linear but the
+    head given round-to-nearest scales and zero points (`calculate_qparams` over its rows
+    or groups, as llm-compressor's min-max observer computes them), compressed by the
+    library's ModelCompressor and written by save_pretrained."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        QuantizationStatus,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    config = getattr(transformers, f"{family}Config")(**(shape or SHAPE))
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4)  # attention that is not uniform
+    args = QuantizationArgs(**scheme)
+    apply_quantization_config(model, QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+        ignore=["lm_head"], quantization_status=QuantizationStatus.INITIALIZED))
+    for module in model.modules():
+        if not hasattr(module, "weight_scale"):
+            continue
+        weight = module.weight.data
+        rows = (weight.reshape(weight.shape[0], -1, args.group_size)
+                if args.group_size else weight[:, None, :])
+        scale, zero_point = calculate_qparams(rows.amin(-1), rows.amax(-1), args)
+        module.weight_scale.data = scale.reshape(module.weight_scale.shape).to(
+            module.weight_scale.dtype)
+        if getattr(module, "weight_zero_point", None) is not None:
+            module.weight_zero_point.data = zero_point.reshape(
+                module.weight_zero_point.shape).to(module.weight_zero_point.dtype)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    compressor.compress_model(model)
+    model.save_pretrained(folder)
+    compressor.update_config(str(folder))
+    with_tokenizer(folder, vocab_size=300)
+    return folder
+
+
+def decompressed(folder):
+    """transformers' model of a compressed-tensors folder, its weights decompressed."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32,
+        quantization_config=transformers.CompressedTensorsConfig(run_compressed=False)).eval()
+
+
+def dequantized(linear) -> torch.Tensor:
+    if isinstance(linear, Int4Linear):
+        return dequantize_int4(linear.weight, linear.scale, linear.minimum)
+    assert isinstance(linear, Int8Linear)
+    return dequantize_int8(linear.weight, linear.scale)
+
+
+def linears(model):
+    """(name, module) of each projection of lathe's model or transformers'."""
+    for i, layer in enumerate(model.model.layers):
+        for group in ("self_attn", "mlp"):
+            for name, module in getattr(layer, group).named_children():
+                if name.endswith("_proj"):
+                    yield f"{i}.{group}.{name}", module
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_checkpoint_the_library_compressed_serves_with_the_weights_transformers_reads(
+        tmp_path, scheme):
+    """Each linear holds exactly the weights transformers decompresses (int4 as nibbles,
+    scale and minimum; int8 as ints and scale); the head stays full precision; the logits
+    are transformers' to the CPU GEMMs' bf16 rounding of activations; the engine serves it."""
+    folder = compressed_by_the_library(tmp_path / "ct", SCHEMES[scheme])
+    reference = decompressed(folder)
+    ours = load_serving_model(folder, device="cpu")
+    kind = Int8Linear if scheme == "W8A16" else Int4Linear
+    theirs = dict(linears(reference))
+    for name, linear in linears(ours):
+        assert isinstance(linear, kind), name
+        torch.testing.assert_close(dequantized(linear), theirs[name].weight, rtol=1e-6,
+                                   atol=1e-7, msg=name)
+    assert isinstance(ours.lm_head, torch.nn.Linear)
+    ids = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = reference(ids).logits, ours(ids).logits
+    assert (got - expected).abs().max() / expected.abs().max() < 2e-2
+    engine = LLMEngine.from_checkpoint(folder, EngineConfig(num_blocks=32))
+    (output,) = engine.generate([ids[0, :8].tolist()], SamplingParams(max_tokens=4,
+                                                                       temperature=0))
+    assert len(output.outputs[0].token_ids) == 4
+
+
+def test_the_older_int_quantized_format_reads_the_same(tmp_path):
+    """W8A16 written as `int-quantized` (int8 stored unpacked) reads as the packed one."""
+    packed = load_serving_model(compressed_by_the_library(
+        tmp_path / "packed", SCHEMES["W8A16"]), device="cpu")
+    plain = load_serving_model(compressed_by_the_library(
+        tmp_path / "plain", SCHEMES["W8A16"], fmt="int-quantized"), device="cpu")
+    for (name, a), (_, b) in zip(linears(packed), linears(plain), strict=True):
+        assert torch.equal(a.weight, b.weight) and torch.equal(a.scale, b.scale), name
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_lathes_quantized_export_loads_in_transformers_with_lathes_weights(
+        checkpoint, tmp_path, mode):
+    """`lathe export --format quantized` is compressed-tensors' format: transformers
+    decompresses each linear to the weight lathe serves, and its logits are lathe's
+    quantized model's computed in float32."""
+    out = save_quantized_checkpoint(checkpoint, tmp_path / mode, mode, group_size=32)
+    quant = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert (quant["quant_method"], quant["format"]) == ("compressed-tensors", "pack-quantized")
+    ours = load_serving_model(out, device="cpu")
+    theirs = decompressed(out)
+    expected = {name: dequantized(linear) for name, linear in linears(ours)}
+    for name, linear in linears(theirs):
+        torch.testing.assert_close(linear.weight, expected[name], rtol=1e-6, atol=1e-7,
+                                   msg=name)
+    full = load_checkpoint(checkpoint)
+    with torch.no_grad():
+        for name, linear in linears(full):
+            linear.weight.copy_(expected[name])
+        ids = torch.randint(0, 400, (1, 24), generator=torch.Generator().manual_seed(0))
+        torch.testing.assert_close(theirs(ids).logits, full(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
+                            "strategy": "token", "dynamic": True}}, "input_activations"),
+    ({"weights": {"num_bits": 8, "type": "float", "symmetric": True,
+                  "strategy": "channel"}}, "weights.type"),
+    ({"weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                  "group_size": 16}}, "weights.group_size"),
+    ({"weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "group",
+                  "group_size": 128}}, "weights.strategy"),
+])
+def test_schemes_lathes_kernels_do_not_compute_are_refused_by_field(tmp_path, change, field):
+    folder = compressed_by_the_library(tmp_path / "ct", SCHEMES["W4A16"])
+    config = json.loads((folder / "config.json").read_text())
+    group = config["quantization_config"]["config_groups"]["group_0"]
+    group.update(change)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=rf"config_groups\.group_0\.{field}"):
+        load_serving_model(folder, device="cpu")
+
+
+def test_other_quantization_methods_and_training_on_a_quantized_checkpoint_are_refused(
+        tmp_path):
+    folder = compressed_by_the_library(tmp_path / "ct", SCHEMES["W4A16"])
+    with pytest.raises(CheckpointError, match=r"quantized \(compressed-tensors\).*full-precision"):
+        load_checkpoint(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="quant_method='gptq': not compressed-tensors"):
+        load_serving_model(folder, device="cpu")
+
+
+def test_a_scale_of_the_wrong_shape_is_a_checkpoint_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+    folder = compressed_by_the_library(tmp_path / "ct", SCHEMES["W4A16_ASYM-g32"])
+    state = load_file(folder / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight_scale"
+    state[name] = state[name][:, :3].contiguous()
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"up_proj\.weight_scale has shape \(256, 3\)"):
+        load_serving_model(folder, device="cpu")
