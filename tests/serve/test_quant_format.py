@@ -209,3 +209,33 @@ def test_a_scale_of_the_wrong_shape_is_a_checkpoint_error(tmp_path):
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"up_proj\.weight_scale has shape \(256, 3\)"):
         load_serving_model(folder, device="cpu")
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_lathe_rounds_as_compressed_tensors_rounds_its_presets(mode):
+    """lathe's quantizers give compressed-tensors' own round-to-nearest result for
+    W4A16_ASYM (groups of 32) and W8A16 — zero rows, one-signed groups and outliers
+    included — so a model quantized at load serves what llm-compressor would have written."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    from lathe.serve.quant import quantize_int4, quantize_int8
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 256, generator=g)
+    weight[0] = 0
+    weight[1] = weight[1].abs()
+    weight[2, 5] = 40.0
+    if mode == "int4":
+        args = QuantizationArgs(**SCHEMES["W4A16_ASYM-g32"])
+        groups = weight.reshape(64, -1, 32)
+        ours = dequantize_int4(*quantize_int4(weight, 32))
+    else:
+        args = QuantizationArgs(**SCHEMES["W8A16"])
+        groups = weight[:, None, :]
+        ours = dequantize_int8(*quantize_int8(weight))
+    scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+    if mode == "int8":
+        scale, zero_point = scale.reshape(-1, 1), zero_point.reshape(-1, 1)
+    theirs = fake_quantize(weight, scale, zero_point, args)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
