@@ -201,8 +201,14 @@ def _unpacked(prefix: str, parts: dict[str, Tensor], scheme: QuantScheme,
         if "weight_packed" not in parts or "weight_shape" not in parts:
             raise CheckpointError(f"{path}: {prefix} has a weight_scale but no weight_packed "
                                   "and weight_shape beside it")
-        shape = torch.Size(int(n) for n in parts["weight_shape"].tolist())
-        ints = unpack_from_int32(parts["weight_packed"], bits, shape)
+        packed, stored_shape = parts["weight_packed"], parts["weight_shape"].tolist()
+        shape = torch.Size(int(n) for n in stored_shape) if len(stored_shape) == 2 else None
+        if (shape is None or packed.dtype != torch.int32 or packed.dim() != 2
+                or packed.shape != (shape[0], -(-shape[1] * bits // 32))):
+            raise CheckpointError(f"{path}: {prefix}.weight_packed {packed.dtype} "
+                                  f"{tuple(packed.shape)} does not hold a weight of "
+                                  f"weight_shape {stored_shape} at {bits} bits")
+        ints = unpack_from_int32(packed, bits, shape)
     else:
         ints = parts.get("weight")
         if ints is None or ints.dtype != torch.int8:
@@ -216,7 +222,7 @@ def _unpacked(prefix: str, parts: dict[str, Tensor], scheme: QuantScheme,
                               f"groups of {in_features / groups:g} columns of its "
                               f"{in_features}; lathe's int4 kernels take groups of "
                               f"{', '.join(map(str, GROUP_SIZES))}")
-    if scale.numel() != out_features * groups:
+    if not scale.is_floating_point() or scale.numel() != out_features * groups:
         raise CheckpointError(f"{path}: {prefix}.weight_scale has shape {tuple(scale.shape)}; "
                               f"a {out_features}×{in_features} weight in this scheme has "
                               f"{out_features}×{groups} scales")
@@ -226,7 +232,13 @@ def _unpacked(prefix: str, parts: dict[str, Tensor], scheme: QuantScheme,
         if stored is None:
             raise CheckpointError(f"{path}: {prefix}.weight_zero_point is missing (the "
                                   "scheme is asymmetric)")
-        zero_point = unpack_from_int32(stored, bits, torch.Size((out_features, groups)),
+        packed_rows = -(-out_features * bits // 32) if scheme.packed else out_features
+        if stored.numel() != packed_rows * groups:
+            raise CheckpointError(f"{path}: {prefix}.weight_zero_point has shape "
+                                  f"{tuple(stored.shape)}; {out_features}×{groups} zero points "
+                                  f"take {packed_rows}×{groups}")
+        zero_point = unpack_from_int32(stored.reshape(packed_rows, groups), bits,
+                                       torch.Size((out_features, groups)),
                                        packed_dim=0) if scheme.packed else stored
     return ints, scale, zero_point.reshape(out_features, groups)
 

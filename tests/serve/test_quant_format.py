@@ -200,14 +200,22 @@ def test_other_quantization_methods_and_training_on_a_quantized_checkpoint_are_r
         load_serving_model(folder, device="cpu")
 
 
-def test_a_scale_of_the_wrong_shape_is_a_checkpoint_error(tmp_path):
+@pytest.mark.parametrize(("tensor", "change", "message"), [
+    ("weight_scale", lambda t: t[:, :3], r"up_proj\.weight_scale has shape \(256, 3\)"),
+    ("weight_shape", lambda t: torch.tensor([256, 1 << 40]),
+     r"up_proj\.weight_packed torch.int32 \(256, 16\) does not hold a weight of weight_shape"),
+    ("weight_zero_point", lambda t: t[:1], r"up_proj\.weight_zero_point has shape \(1, 4\)"),
+])
+def test_a_corrupt_quantized_linear_is_a_checkpoint_error(tmp_path, tensor, change, message):
+    """A scale, shape or zero point that does not fit its packed weight is refused, naming
+    it, before anything the size it claims is allocated."""
     from safetensors.torch import load_file, save_file
     folder = compressed_by_the_library(tmp_path / "ct", SCHEMES["W4A16_ASYM-g32"])
     state = load_file(folder / "model.safetensors")
-    name = "model.layers.0.mlp.up_proj.weight_scale"
-    state[name] = state[name][:, :3].contiguous()
+    name = f"model.layers.0.mlp.up_proj.{tensor}"
+    state[name] = change(state[name]).contiguous()
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"up_proj\.weight_scale has shape \(256, 3\)"):
+    with pytest.raises(CheckpointError, match=message):
         load_serving_model(folder, device="cpu")
 
 
