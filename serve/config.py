@@ -222,6 +222,10 @@ class ServerConfig:
         "generation_config.json (its temperature, top_p, top_k, min_p, repetition_penalty; "
         "its max_new_tokens limits every request's output), none takes OpenAI's "
         "(temperature 1), or a folder holding a generation_config.json", metavar="auto|none|DIR"))
+    responses_store: int = field(default=1000, metadata=cli(
+        "Responses API responses kept in memory for previous_response_id and GET "
+        "/v1/responses/{id}, the oldest dropped first (and past 256 MiB of them); 0: none",
+        metavar="N"))
     trust_request_chat_template: bool = field(default=False, metadata=cli(
         "let requests bring their own chat_template (rendered with the same time and "
         "memory limits)"))
@@ -252,6 +256,9 @@ class ServerConfig:
         if self.max_waiting < 0:
             raise ConfigError(f"max_waiting={self.max_waiting} must be >= 0 (0: every "
                               "request that would wait is answered 429)")
+        if self.responses_store < 0:
+            raise ConfigError(f"responses_store={self.responses_store} must be >= 0 (0: keep "
+                              "no responses)")
         for name in ("max_body_bytes", "max_tool_calls"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")

@@ -19,11 +19,13 @@ from lathe.serve.config import ServerConfig
 from lathe.serve.metrics import ServerMetrics
 from lathe.serve.reasoning import ReasoningParser, reasoning_parser
 from lathe.serve.request_checks import RequestError
+from lathe.serve.response_store import ResponseStore
 from lathe.serve.sampling_defaults import sampling_defaults
 from lathe.serve.structured import GrammarError, Literals, StructuredOutput
 from lathe.serve.tool_calls import ToolCallParser, tool_call_parser
 
 RENDER_THREADS = 64  # chat-template renders waiting or running at once
+RESPONSES_STORE_BYTES = 256 << 20  # the stored responses' JSON, at most
 
 
 class APIError(Exception):
@@ -79,6 +81,8 @@ class Serving:
         # the checkpoint's recommended sampling (`--generation-config`), read before the port
         # is bound: a wrong file is refused at the start, not on every request
         self.sampling_defaults = sampling_defaults(config.generation_config, config.checkpoint)
+        self.responses = ResponseStore(config.responses_store, RESPONSES_STORE_BYTES) \
+            if config.responses_store else None
 
     def ready(self, model: str | None = None) -> AsyncEngine:
         """The engine, for a request naming `model` (the base or one of its adapters); a 503

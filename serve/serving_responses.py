@@ -7,9 +7,12 @@ parsers, forced calls, structured outputs); its reply comes back as a Response w
 items are the reasoning, the message and each function call, or streamed as the Responses
 events (`response.created` ... `response.completed`).
 
-Nothing is stored: `previous_response_id` and `background` are refused with the reason,
-`store` is taken and every response says `store: false`. Only function tools are served,
-and only text comes in and goes out. vLLM's sampling extensions (`seed`, `top_k`,
+A response is stored unless the request says `store: false` (or the server keeps none,
+`--responses-store 0`): `previous_response_id` continues it — the chain's input and output
+items come before the request's input, its instructions do not carry over — and GET /
+DELETE /v1/responses/{id} read and remove it (`lathe.serve.response_store`). `background`
+is refused with the reason. Only function tools are served, and only text comes in and
+goes out. vLLM's sampling extensions (`seed`, `top_k`,
 `structured_outputs`, `chat_template_kwargs`, ...) pass through to the chat route.
 """
 
@@ -27,7 +30,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ConfigDict, ValidationError
 
 from lathe.serve.protocol import ChatCompletionRequest, RequestBody, bounded
-from lathe.serve.serving import APIError, authorize
+from lathe.serve.response_store import MissingResponse, ResponseStore, StoredResponse
+from lathe.serve.serving import APIError, authorize, serving
 from lathe.serve.serving_chat import chat_completions
 
 router = APIRouter(dependencies=[Depends(authorize)])
@@ -40,8 +44,6 @@ PASSED = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
           "chat_template_kwargs")
 # Responses fields taken with the value that means "not used", and why anything else is not
 UNUSED = {
-    "previous_response_id": ((None,), "this server stores no responses; send the whole "
-                                      "conversation as input"),
     "background": ((None, False), "this server answers in the foreground only"),
     "truncation": ((None, "disabled"), "this server does not truncate a conversation; "
                                        "trim the input"),
@@ -102,15 +104,21 @@ def _text(content: Any, where: str) -> str:
     return "".join(texts)
 
 
-def chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
-    """The chat the request's instructions and input items make."""
+def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as items (a string is one user message)."""
+    return [{"type": "message", "role": "user", "content": body.input}] \
+        if isinstance(body.input, str) else body.input
+
+
+def chat_messages(instructions: str | None, items: list[dict[str, Any]], first: int = 0
+                  ) -> list[dict[str, Any]]:
+    """The chat the instructions and the conversation's items make (`first`: the index
+    the request's own input starts from, after the stored items it continues)."""
     messages: list[dict[str, Any]] = []
-    if body.instructions:
-        messages.append({"role": "system", "content": body.instructions})
-    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) \
-        else body.input
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
     reasoning = None  # a reasoning item's text, for the assistant turn it precedes
-    for i, item in enumerate(items):
+    for i, item in enumerate(items, -first):
         where, kind = f"input[{i}]", item.get("type", "message")
         if kind == "message":
             role = item.get("role")
@@ -146,8 +154,10 @@ def chat_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat completion the Responses request asks for."""
+def chat_request(body: ResponsesRequest, context: list[dict[str, Any]]
+                 ) -> ChatCompletionRequest:
+    """The chat completion the Responses request asks for: its input after `context`, the
+    stored items it continues."""
     extra = body.model_extra or {}
     for name in extra:
         if name not in PASSED:
@@ -173,7 +183,9 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
                           "required or a function are served", "tool_choice")
         choice = {"type": "function", "function": {"name": choice.get("name")}}
     fields: dict[str, Any] = {
-        "model": body.model, "messages": chat_messages(body), "tools": tools or None,
+        "model": body.model,
+        "messages": chat_messages(body.instructions, context + input_items(body), len(context)),
+        "tools": tools or None,
         "tool_choice": choice, "parallel_tool_calls": body.parallel_tool_calls,
         "max_completion_tokens": body.max_output_tokens, "temperature": body.temperature,
         "top_p": body.top_p, "stream": body.stream,
@@ -207,7 +219,7 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 class Shell:
     """The Response object's fields that do not depend on the reply."""
 
-    def __init__(self, body: ResponsesRequest) -> None:
+    def __init__(self, body: ResponsesRequest, stored: bool) -> None:
         self.id = f"resp_{uuid.uuid4().hex}"
         self.fields = {
             "id": self.id, "object": "response", "created_at": int(time.time()),
@@ -217,7 +229,8 @@ class Shell:
             "max_output_tokens": body.max_output_tokens, "temperature": body.temperature,
             "top_p": body.top_p, "text": body.text or {"format": {"type": "text"}},
             "reasoning": body.reasoning, "metadata": body.metadata or {}, "user": body.user,
-            "store": False, "truncation": "disabled", "previous_response_id": None,
+            "store": stored, "truncation": "disabled",
+            "previous_response_id": body.previous_response_id,
             "error": None}
 
     def response(self, status: str, output: list[dict[str, Any]],
@@ -285,6 +298,7 @@ class EventStream:
         self.by_key: dict[Any, int] = {}  # "reasoning", "message", ("call", index) -> item
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
+        self.response: dict[str, Any] | None = None  # the whole Response, once finished
 
     def event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -376,17 +390,65 @@ class EventStream:
                                      item=done))
             output.append(done)
         status = _status(self.finish_reason)
-        response = self.shell.response(status, output, _usage(self.usage))
-        return events + [self.event(f"response.{status}", response=response)]
+        self.response = self.shell.response(status, output, _usage(self.usage))
+        return events + [self.event(f"response.{status}", response=self.response)]
+
+
+def _conversation(store: ResponseStore | None, previous_id: str | None
+                  ) -> list[dict[str, Any]]:
+    """The stored items a request continues (none without `previous_response_id`)."""
+    if previous_id is None:
+        return []
+    if store is None:
+        raise _refuse("previous_response_id: this server keeps no responses "
+                      "(--responses-store 0); send the whole conversation as input",
+                      "previous_response_id")
+    try:
+        return store.conversation(previous_id)
+    except MissingResponse as missing:
+        raise APIError(404, f"previous_response_id: no response with id "
+                       f"'{missing.response_id}' is stored here (never stored, deleted, or "
+                       "dropped as the oldest); send the whole conversation as input",
+                       param="previous_response_id") from None
+
+
+def _stored(request: Request, response_id: str) -> StoredResponse:
+    store = serving(request).responses
+    entry = store.get(response_id) if store is not None else None
+    if entry is None:
+        raise APIError(404, f"no response with id '{response_id}' is stored here",
+                       param="response_id")
+    return entry
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve(response_id: str, request: Request) -> JSONResponse:
+    return JSONResponse(_stored(request, response_id).response)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete(response_id: str, request: Request) -> JSONResponse:
+    _stored(request, response_id)
+    serving(request).responses.delete(response_id)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request) -> Response:
-    chat_body = chat_request(body)
-    shell = Shell(body)
+    store = serving(request).responses
+    items = input_items(body)
+    chat_body = chat_request(body, _conversation(store, body.previous_response_id))
+    keep = store is not None and body.store is not False
+    shell = Shell(body, stored=keep)
+
+    def kept(response: dict[str, Any]) -> dict[str, Any]:
+        if keep:
+            store.put(response, items, body.previous_response_id)
+        return response
+
     answer = await chat_completions(chat_body, request)
     if isinstance(answer, JSONResponse):
-        return JSONResponse(response_of(shell, json.loads(answer.body)))
+        return JSONResponse(kept(response_of(shell, json.loads(answer.body))))
     if not isinstance(answer, StreamingResponse):
         return answer  # the client left
     chunks = answer.body_iterator
@@ -412,6 +474,8 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
             close = getattr(chunks, "aclose", None)
             if close is not None:
                 await close()
-        for event in stream.finish():
+        finished = stream.finish()
+        kept(stream.response)
+        for event in finished:
             yield event
     return StreamingResponse(events(), media_type="text/event-stream")

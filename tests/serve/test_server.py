@@ -104,7 +104,7 @@ def test_responses_answer_as_the_chat_route_does_whole_and_streamed(client):
     """OpenAI's Responses API through the official client: the instructions and input are
     the chat, the output text, status and usage its reply's; the streamed events build the
     same text in order; a message-list input (a developer message, text parts) is the same
-    chat; what a stateless text server cannot do is a 400 naming the field."""
+    chat; what a text server cannot do is a 400 naming the field."""
     kwargs = dict(model="tiny", input="Hi there", instructions="Be brief.",
                   max_output_tokens=6, temperature=0)
     response = client.responses.create(**kwargs)
@@ -117,7 +117,7 @@ def test_responses_answer_as_the_chat_route_does_whole_and_streamed(client):
                                else "completed")
     assert (response.usage.input_tokens, response.usage.output_tokens) == (
         chat.usage.prompt_tokens, chat.usage.completion_tokens)
-    assert response.store is False and response.id.startswith("resp_")
+    assert response.store is True and response.id.startswith("resp_")
     events = list(client.responses.create(**kwargs, stream=True))
     kinds = [event.type for event in events]
     assert kinds[:3] == ["response.created", "response.in_progress",
@@ -148,8 +148,6 @@ def test_responses_answer_as_the_chat_route_does_whole_and_streamed(client):
             {"role": "assistant", "content": response.output_text},
             {"role": "user", "content": "And?"}]).usage.prompt_tokens
     for extra, message in (
-            ({"previous_response_id": "resp_1"}, "previous_response_id: this server stores "
-                                                 "no responses"),
             ({"tools": [{"type": "web_search"}]}, "only function tools are served"),
             ({"input": [{"role": "user", "content": [{"type": "input_image",
                                                       "image_url": "x"}]}]},
@@ -163,6 +161,43 @@ def test_responses_answer_as_the_chat_route_does_whole_and_streamed(client):
         with pytest.raises(openai.BadRequestError) as caught:
             client.responses.create(**{**kwargs, **extra})
         assert message in caught.value.body["message"]
+
+
+def test_stored_responses_continue_read_and_delete_as_openais_do(client):
+    """`store` (OpenAI's default): previous_response_id continues a response — its input and
+    output items before the new input, its instructions not carried over — exactly as the
+    whole conversation sent again; a streamed response is stored too; GET reads one back,
+    DELETE removes it, and a chain through a removed response is a 404 naming it;
+    store=False keeps nothing."""
+    first = client.responses.create(model="tiny", input="Hi there", instructions="Be brief.",
+                                    max_output_tokens=4, temperature=0)
+    second = client.responses.create(model="tiny", input="And?", previous_response_id=first.id,
+                                     max_output_tokens=3, temperature=0)
+    assert (first.store, second.previous_response_id) == (True, first.id)
+    whole = client.responses.create(
+        model="tiny", store=False, max_output_tokens=3, temperature=0,
+        input=[{"role": "user", "content": "Hi there"},
+               *(item.model_dump(exclude_none=True) for item in first.output),
+               {"role": "user", "content": "And?"}])
+    assert (second.usage.input_tokens, second.output_text) == (whole.usage.input_tokens,
+                                                               whole.output_text)
+    events = list(client.responses.create(model="tiny", input="More", stream=True,
+                                          previous_response_id=second.id, max_output_tokens=2,
+                                          temperature=0))
+    third = events[-1].response
+    assert third.usage.input_tokens > second.usage.input_tokens
+    for response in (first, second, third):
+        stored = client.responses.retrieve(response.id)
+        assert (stored.output_text, stored.usage) == (response.output_text, response.usage)
+    client.responses.delete(second.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(second.id)
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.responses.create(model="tiny", input="x", previous_response_id=third.id)
+    assert f"no response with id '{second.id}'" in caught.value.body["message"]
+    assert whole.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(whole.id)
 
 
 def test_streaming_with_and_without_the_usage_chunk(client):
@@ -380,3 +415,17 @@ def test_max_model_len_is_what_models_reports_and_what_an_open_request_runs_to(c
         refused = httpx.post(f"{url}/v1/chat/completions", json={**body, "max_tokens": 40})
         assert refused.status_code == 400
         assert "maximum context length is 40 tokens" in refused.json()["error"]["message"]
+
+
+def test_a_server_that_keeps_no_responses_says_so(checkpoint):
+    """`--responses-store 0`: every response says store false, and previous_response_id
+    is a 400 saying the server keeps none."""
+    with served(checkpoint, engine=EngineConfig(num_blocks=32), responses_store=0) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        response = client.responses.create(model="tiny", input="Hi", max_output_tokens=2)
+        assert response.store is False
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(model="tiny", input="x", previous_response_id=response.id)
+        assert "keeps no responses (--responses-store 0)" in caught.value.body["message"]
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(response.id)
