@@ -266,7 +266,7 @@ def write_quantized_checkpoint(model: nn.Module, config: ModelConfig, source: Pa
         QuantizationConfig,
         QuantizationScheme,
     )
-    from safetensors.torch import save_file
+    from huggingface_hub import save_torch_state_dict
 
     from lathe.serve.quant import Int4Linear, Int8Linear, QuantizedExperts
 
@@ -299,7 +299,15 @@ def write_quantized_checkpoint(model: nn.Module, config: ModelConfig, source: Pa
             strategy="group" if mode == "int4" else "channel",
             group_size=group if mode == "int4" else None))
 
-    state = hf_layout(dense, config)
+    hf_config = json.loads((source / CONFIG_FILE).read_text())
+    hf_config.pop("quantization_config", None)
+    # the full-precision rest in the source's dtype (a bf16 model's embedding and head stay
+    # bf16); the scales stay float32, the ones the ints were rounded with
+    stored = getattr(torch, str(hf_config.get("torch_dtype") or hf_config.get("dtype")
+                                or "float32"), torch.float32)
+    state = {name: tensor.to(stored) if tensor.is_floating_point() and isinstance(
+        stored, torch.dtype) and stored.is_floating_point else tensor
+        for name, tensor in hf_layout(dense, config).items()}
     ignore = ["lm_head"] + sorted(name.removesuffix(".weight") for name, tensor in state.items()
                                   if tensor.dim() == 2 and "embed_tokens" not in name
                                   and name != "lm_head.weight")
@@ -322,9 +330,7 @@ def write_quantized_checkpoint(model: nn.Module, config: ModelConfig, source: Pa
                                       format="pack-quantized",
                                       quantization_status="compressed")
     with atomic_directory(out) as tmp:
-        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-        hf_config = json.loads((source / CONFIG_FILE).read_text())
-        hf_config.pop("quantization_config", None)
+        save_torch_state_dict(state, tmp, max_shard_size="5GB", metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n")
         ModelCompressor(quantization_config=quant_config).update_config(str(tmp))
         for name in (GENERATION_CONFIG_FILE, PROVENANCE_FILE, *TOKENIZER_FILES):

@@ -247,3 +247,21 @@ def test_lathe_rounds_as_compressed_tensors_rounds_its_presets(mode):
         scale, zero_point = scale.reshape(-1, 1), zero_point.reshape(-1, 1)
     theirs = fake_quantize(weight, scale, zero_point, args)
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_a_bf16_checkpoint_exports_its_full_precision_rest_in_bf16(checkpoint, tmp_path):
+    """The embedding, norms and head keep the source's bf16 (not float32, twice the
+    bytes); the scales stay the float32 ones the ints were rounded with."""
+    from safetensors import safe_open
+
+    from lathe.model import save_checkpoint
+    source = save_checkpoint(load_checkpoint(checkpoint, dtype=torch.bfloat16),
+                             tmp_path / "bf16", tokenizer=checkpoint)
+    out = save_quantized_checkpoint(source, tmp_path / "int4", "int4", group_size=32)
+    with safe_open(out / "model.safetensors", "pt") as weights:
+        assert weights.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+        assert weights.get_tensor("model.norm.weight").dtype == torch.bfloat16
+        assert weights.get_tensor(
+            "model.layers.0.self_attn.q_proj.weight_scale").dtype == torch.float32
+    served = load_serving_model(out, device="cpu")
+    assert served.model.embed_tokens.weight.dtype == torch.float32  # the CPU computes in it
