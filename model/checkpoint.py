@@ -233,7 +233,9 @@ class OpenCheckpoint:
 
 def _read_state(path: Path, config: ModelConfig, device: torch.device
                 ) -> dict[str, torch.Tensor]:
-    quantization = read_config_json(path).get("quantization_config")
+    # (a trainer's pushed weights have no config.json)
+    quantization = read_json_if_present(checkpoint_file(path, CONFIG_FILE)).get(
+        "quantization_config")
     if quantization is not None:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else None
         raise CheckpointError(

@@ -201,7 +201,7 @@ def _unpacked(prefix: str, parts: dict[str, Tensor], scheme: QuantScheme,
         if "weight_packed" not in parts or "weight_shape" not in parts:
             raise CheckpointError(f"{path}: {prefix} has a weight_scale but no weight_packed "
                                   "and weight_shape beside it")
-        packed, stored_shape = parts["weight_packed"], parts["weight_shape"].tolist()
+        packed, stored_shape = parts["weight_packed"], parts["weight_shape"].reshape(-1).tolist()
         shape = torch.Size(int(n) for n in stored_shape) if len(stored_shape) == 2 else None
         if (shape is None or packed.dtype != torch.int32 or packed.dim() != 2
                 or packed.shape != (shape[0], -(-shape[1] * bits // 32))):
