@@ -60,8 +60,9 @@ def compressed_by_the_library(folder, scheme: dict, fmt: str = "pack-quantized",
     torch.manual_seed(0)
     model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
     with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(4)  # attention that is not uniform
+        for layer in model.model.layers:  # attention that is not uniform
+            attention = layer.self_attn
+            getattr(attention, "q_proj", getattr(attention, "qkv_proj", None)).weight.mul_(4)
     args = QuantizationArgs(**scheme)
     apply_quantization_config(model, QuantizationConfig(
         config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
@@ -133,6 +134,21 @@ def test_a_checkpoint_the_library_compressed_serves_with_the_weights_transformer
     (output,) = engine.generate([ids[0, :8].tolist()], SamplingParams(max_tokens=4,
                                                                        temperature=0))
     assert len(output.outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("family", ["Qwen2", "Phi3"])
+def test_biases_and_fused_projections_load_from_compressed_tensors(tmp_path, family):
+    """Qwen2's q/k/v biases stay full precision beside their quantized weights; Phi-3's
+    fused qkv and gate_up projections split into lathe's, their scales and zero points by
+    the same rows: the logits are transformers' to the CPU GEMMs' rounding."""
+    shape = {key: value for key, value in SHAPE.items() if key != "head_dim"}
+    folder = compressed_by_the_library(tmp_path / "ct", SCHEMES["W4A16_ASYM-g32"],
+                                       family=family, shape={**shape, "pad_token_id": 0})
+    ids = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = decompressed(folder)(ids).logits
+        got = load_serving_model(folder, device="cpu")(ids).logits
+    assert (got - expected).abs().max() / expected.abs().max() < 2e-2
 
 
 def test_the_older_int_quantized_format_reads_the_same(tmp_path):
