@@ -264,10 +264,12 @@ kernel_tests() {
     # shellcheck disable=SC2046  # workers prints nothing or two words
     "$PY" -m pytest -q -rfE $(workers) -m "not native_cpu" tests/kernels
 }
-# decode steps captured as CUDA graphs against eager, token for token, and the engine's KV
-# budget on a GPU (the file's CPU tests are CI's: on a GPU machine they only cost minutes)
+# decode steps captured as CUDA graphs against eager, token for token, the engine's KV
+# budget on a GPU, and compressed-tensors checkpoints through the Triton quantized matmuls
+# (the files' CPU tests are CI's: on a GPU machine they only cost minutes)
 decode_graphs() {
-    "$PY" -m pytest -q -rfE tests/serve/test_decode_graph.py tests/serve/test_engine.py -k cuda
+    "$PY" -m pytest -q -rfE tests/serve/test_decode_graph.py tests/serve/test_engine.py \
+        tests/serve/test_quant_format.py -k cuda
 }
 qlora_tests() { "$PY" -m pytest -q -rfE tests/posttrain/test_qlora.py; }
 

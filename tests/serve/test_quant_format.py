@@ -151,6 +151,20 @@ def test_biases_and_fused_projections_load_from_compressed_tensors(tmp_path, fam
     assert (got - expected).abs().max() / expected.abs().max() < 2e-2
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_compressed_checkpoint_serves_on_cuda_with_transformers_logits(tmp_path, scheme):
+    """On a GPU the quantized linears run lathe's Triton kernels over the format's weights,
+    scales and minimums in bf16: transformers' bf16 logits, to bf16's rounding."""
+    folder = compressed_by_the_library(tmp_path / "ct", SCHEMES[scheme])
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0)).cuda()
+    reference = decompressed(folder).to("cuda", torch.bfloat16)
+    ours = load_serving_model(folder, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        expected, got = reference(ids).logits.float(), ours(ids).logits.float()
+    assert (got - expected).abs().max() / expected.abs().max() < 5e-2
+
+
 def test_the_older_int_quantized_format_reads_the_same(tmp_path):
     """W8A16 written as `int-quantized` (int8 stored unpacked) reads as the packed one."""
     packed = load_serving_model(compressed_by_the_library(
