@@ -110,7 +110,8 @@ def test_the_next_turn_takes_the_calls_and_their_results(tool_server):
 def test_responses_call_functions_and_take_their_outputs(tool_server):
     """The Responses API's flat function tools and named tool_choice: the forced call is the
     chat route's, as a function_call item (streamed as its arguments' deltas); the next turn
-    takes the call and its function_call_output as the chat's tool call and tool message."""
+    takes the call and its function_call_output as the chat's tool call and tool message,
+    sent whole or as the output alone after the stored response that made the call."""
     tools = [{"type": "function", **t["function"]} for t in TOOLS]  # Responses' flat form
     kwargs = dict(model="tiny", input="What is 2 + 3?", tools=tools, max_output_tokens=96,
                   temperature=0, tool_choice={"type": "function", "name": "add"})
@@ -140,6 +141,14 @@ def test_responses_call_functions_and_take_their_outputs(tool_server):
     assert turn.usage.input_tokens == tool_server.chat.completions.create(
         model="tiny", messages=history, tools=TOOLS, tool_choice="none",
         max_tokens=1).usage.prompt_tokens
+    # the agent loop on the server's memory: only the output goes back, after the response
+    # that made the call
+    called = tool_server.responses.create(**kwargs)
+    stored_turn = tool_server.responses.create(
+        model="tiny", tools=tools, tool_choice="none", max_output_tokens=4,
+        previous_response_id=called.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "5"}])
+    assert stored_turn.usage.input_tokens == turn.usage.input_tokens
 
 
 @pytest.mark.parametrize(("extra", "param", "named"), [
