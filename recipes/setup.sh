@@ -24,7 +24,8 @@ LLAMA_CPP=.venv/llama.cpp
 if [ ! -f "$LLAMA_CPP/libllama.v0.5.0.so" ] && [ "$(uname -sm)" = "Linux x86_64" ] \
         && command -v npm > /dev/null; then
     download=$(mktemp -d)
-    if (cd "$download" && npm pack -q --silent @node-llama-cpp/linux-x64@3.22.1 > /dev/null); then
+    if (cd "$download" && timeout 180 npm pack -q --silent @node-llama-cpp/linux-x64@3.22.1 \
+            > /dev/null); then
         mkdir -p "$LLAMA_CPP"
         tar -xzf "$download"/*.tgz -C "$LLAMA_CPP" --strip-components=3 package/bins/linux-x64
     else
