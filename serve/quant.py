@@ -47,6 +47,7 @@ from lathe.serve.config import QuantMode
 from lathe.serve.half_weights import use_half_weights
 from lathe.serve.host_memory import hold_in_huge_pages
 from lathe.serve.quant_format import (
+    GROUP_SIZES,
     read_quant_scheme,
     read_quantized_weights,
     write_quantized_checkpoint,
@@ -154,13 +155,17 @@ class Int4Linear(nn.Module):
         return _add_bias(int4_matmul(x, self.weight, self.scale, self.minimum), self.bias)
 
 
+def int4_group_size(in_features: int, group_size: int) -> int:
+    """The int4 group size of a linear `in_features` wide: `group_size`, or 32 where that
+    does not divide it."""
+    return group_size if in_features % group_size == 0 else 32
+
+
 def quantized_linear(linear: nn.Linear, mode: QuantMode, group_size: int) -> nn.Module:
-    """`linear` as an Int8Linear or Int4Linear (int4: groups of 32 where `group_size`
-    does not divide its input width)."""
+    """`linear` as an Int8Linear or Int4Linear (int4 in `int4_group_size` groups)."""
     if mode == "int8":
         return Int8Linear.quantize(linear)
-    return Int4Linear.quantize(linear, group_size if linear.in_features % group_size == 0
-                               else 32)
+    return Int4Linear.quantize(linear, int4_group_size(linear.in_features, group_size))
 
 
 class QuantizedExperts(nn.Module):
@@ -272,7 +277,7 @@ def load_serving_model(path: str | Path, quantize: QuantMode | None = None,
     with torch.device("meta"):
         model = Transformer(config)
     state, quantized = read_quantized_weights(Path(path), config, quant, device)
-    quantize_linears(model, quant.mode, quant.group_size or 128, only=quantized)
+    quantize_linears(model, quant.mode, quant.group_size or GROUP_SIZES[-1], only=quantized)
     if config.tie_embeddings and "lm_head.weight" not in state:
         state["lm_head.weight"] = state.get("model.embed_tokens.weight")
     if dtype is None:  # the CPU's activations; on a GPU the checkpoint's (a hub one's bf16)

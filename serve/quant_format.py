@@ -9,15 +9,15 @@ whose quantized linears hold `weight_packed` (signed ints packed into int32),
 `weight`; the head, embedding and routers stay full precision, named in `ignore`.
 
 lathe reads every integer weight-only scheme its quantized linears compute exactly: 4 bits
-in groups of 32, 64 or 128 columns, symmetric or with zero points, and 8 bits per output
-channel, symmetric (also the older `int-quantized` format, int8 stored unpacked). A 4-bit
-linear becomes an `Int4Linear` (nibbles q + 8, scale, minimum = −(zero_point + 8) · scale),
-an 8-bit one an `Int8Linear`, through the same name mapping as a full checkpoint's weights
-(a wrapper's language model, fused projections split, experts stacked). Anything else —
-activation quantization (W8A8, FP8), float types, activation-ordered groups (`g_idx`),
-other group sizes, mixed schemes — is refused, naming the field. lathe writes int4
-(asymmetric, `W4A16_ASYM`) and int8 (`W8A16`) the same way, through compressed-tensors' own
-compressor and config."""
+in groups of 32, 64 or 128 columns or per output channel (its scale repeated for each
+group), symmetric or with zero points, and 8 bits per output channel, symmetric (also the
+older `int-quantized` format, int8 stored unpacked). A 4-bit linear becomes an `Int4Linear`
+(nibbles q + 8, scale, minimum = −(zero_point + 8) · scale), an 8-bit one an `Int8Linear`,
+through the same name mapping as a full checkpoint's weights (a wrapper's language model,
+fused projections split, experts stacked). Anything else — activation quantization (W8A8,
+FP8), float types, activation-ordered groups (`g_idx`), other group sizes, mixed schemes —
+is refused, naming the field. lathe writes int4 (asymmetric, `W4A16_ASYM`) and int8
+(`W8A16`) the same way, through compressed-tensors' own compressor and config."""
 
 from __future__ import annotations
 
@@ -129,9 +129,12 @@ def _weight_scheme(weights: Any, model_format: Any, group_format: Any, refuse) -
         raise refuse("weights.dynamic", weights.dynamic, "scales computed at run time")
     strategy = _value(weights.strategy)
     if weights.num_bits == 4:
+        if strategy == "channel":  # one scale a row: the same scale for each of its groups
+            return QuantScheme("int4", 0, weights.symmetric, fmt == FORMATS[0])
         if strategy != "group" or weights.group_size not in GROUP_SIZES:
             raise refuse("weights.group_size", weights.group_size,
-                         f"int4 must be in groups of {', '.join(map(str, GROUP_SIZES))}")
+                         f"int4 must be per channel or in groups of "
+                         f"{', '.join(map(str, GROUP_SIZES))}")
         return QuantScheme("int4", weights.group_size, weights.symmetric, fmt == FORMATS[0])
     if weights.num_bits == 8:
         if strategy != "channel" or not weights.symmetric:
@@ -215,9 +218,9 @@ def _unpacked(prefix: str, parts: dict[str, Tensor], scheme: QuantScheme,
             raise CheckpointError(f"{path}: {prefix}.weight must be int8 beside its "
                                   "weight_scale (format int-quantized)")
     out_features, in_features = ints.shape
-    groups = scale.shape[-1] if scheme.mode == "int4" and scale.dim() == 2 else 1
-    if scheme.mode == "int4" and (in_features % groups
-                                  or in_features // groups not in GROUP_SIZES):
+    grouped = scheme.mode == "int4" and scheme.group_size > 0
+    groups = scale.shape[-1] if grouped and scale.dim() == 2 else 1
+    if grouped and (in_features % groups or in_features // groups not in GROUP_SIZES):
         raise CheckpointError(f"{path}: {prefix}.weight_scale has shape {tuple(scale.shape)}: "
                               f"groups of {in_features / groups:g} columns of its "
                               f"{in_features}; lathe's int4 kernels take groups of "
@@ -240,7 +243,14 @@ def _unpacked(prefix: str, parts: dict[str, Tensor], scheme: QuantScheme,
         zero_point = unpack_from_int32(stored.reshape(packed_rows, groups), bits,
                                        torch.Size((out_features, groups)),
                                        packed_dim=0) if scheme.packed else stored
-    return ints, scale, zero_point.reshape(out_features, groups)
+    scale, zero_point = scale.reshape(out_features, groups), zero_point.reshape(out_features,
+                                                                                groups)
+    if scheme.mode == "int4" and not grouped:  # a row's scale for each group of the row
+        from lathe.serve.quant import int4_group_size
+        width = in_features // int4_group_size(in_features, GROUP_SIZES[-1])
+        scale = scale.expand(-1, width).contiguous()
+        zero_point = zero_point.expand(-1, width).contiguous()
+    return ints, scale, zero_point
 
 
 def _put(state: dict[str, Tensor], module: str, ints: Tensor, scale: Tensor,
