@@ -431,6 +431,15 @@ def sharpened(hf):
     return hf
 
 
+def gguf_family_model(name: str):
+    """transformers' model of `GGUF_FAMILIES[name]`, seeded, with a 512-token vocabulary."""
+    config_class, extra = GGUF_FAMILIES[name]
+    config = getattr(transformers, config_class)(**{**SHAPE, "vocab_size": 512, "pad_token_id": 0,
+                                                    "bos_token_id": 1, "eos_token_id": 2, **extra})
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).float().eval()
+
+
 @pytest.mark.parametrize("name", GGUF_FAMILIES)
 def test_gguf_export_of_a_family_gives_llama_cpps_logits(tmp_path, name):
     """The file as llama.cpp's own architecture for the family (NEOX RoPE unpermuted, biases,
@@ -439,11 +448,7 @@ def test_gguf_export_of_a_family_gives_llama_cpps_logits(tmp_path, name):
     llama.cpp, past the window, to 1e-5 of the largest logit. Gemma's are 3e-4 apart, not a
     wrong weight: ggml's CPU GELU reads a table of f16 values."""
     llama_cpp_runtime.library()
-    config_class, extra = GGUF_FAMILIES[name]
-    config = getattr(transformers, config_class)(**{**SHAPE, "vocab_size": 512, "pad_token_id": 0,
-                                                    "bos_token_id": 1, "eos_token_id": 2, **extra})
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    hf = gguf_family_model(name)
     with torch.no_grad():
         for parameter_name, parameter in hf.named_parameters():
             if parameter.dim() == 2:
@@ -457,7 +462,8 @@ def test_gguf_export_of_a_family_gives_llama_cpps_logits(tmp_path, name):
                 buffer.normal_(0, 0.3)
     # named after its family: llama.cpp looks up Phi-3's special tokens when the model's
     # name says phi3, which this vocabulary lacks (the export renames it)
-    tolerance = 1e-3 if "gelu" in (getattr(config, "hidden_activation", None) or "") else 1e-5
+    gelu = "gelu" in (getattr(hf.config, "hidden_activation", None) or "")
+    tolerance = 1e-3 if gelu else 1e-5
     assert llama_cpp_error(hf, tmp_path / f"{name}-tiny", 40, 64) < tolerance
 
 
@@ -468,11 +474,7 @@ def test_a_q8_0_gguf_of_a_family_runs_in_llama_cpp_to_its_rounding(tmp_path, nam
     8-bit rounding of weights and activations (measured 4% and 1.5%; a transposed or
     misordered tensor is ~100% off)."""
     llama_cpp_runtime.library()
-    config_class, extra = GGUF_FAMILIES[name]
-    config = getattr(transformers, config_class)(**{**SHAPE, "vocab_size": 512, "pad_token_id": 0,
-                                                    "bos_token_id": 1, "eos_token_id": 2, **extra})
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    hf = gguf_family_model(name)
     assert llama_cpp_error(hf, tmp_path / f"{name}-tiny", 40, 64, dtype="q8_0") < 0.15
 
 
