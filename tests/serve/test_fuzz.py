@@ -1,6 +1,7 @@
-"""A property-based fuzz of both endpoints of the real server: every request field is drawn
-from its whole type — 64-bit and bigger integers, NaN and infinities, long and nested
-lists, values of the wrong type, unknown keys — and raw bodies that are not JSON at all.
+"""A property-based fuzz of the real server's generating endpoints (completions, chat,
+Responses): every request field is drawn from its whole type — 64-bit and bigger
+integers, NaN and infinities, long and nested lists, values of the wrong type, unknown
+keys — and raw bodies that are not JSON at all.
 Whatever arrives, the server answers without a 5xx, the engine stays alive and ends idle,
 and the next ordinary request is served.
 """
@@ -100,6 +101,30 @@ CHAT = {
 }
 
 
+items = st.lists(st.one_of(
+    st.fixed_dictionaries({"role": typed(st.sampled_from(["user", "assistant", "developer"])),
+                           "content": typed(st.one_of(texts, st.lists(st.fixed_dictionaries(
+                               {"type": typed(st.sampled_from(["input_text", "output_text"])),
+                                "text": typed(texts)}), max_size=2)))}),
+    st.fixed_dictionaries({"type": st.sampled_from(["function_call", "function_call_output",
+                                                    "reasoning", "message"])},
+                          optional={"call_id": typed(texts), "name": typed(texts),
+                                    "arguments": typed(texts), "output": junk,
+                                    "content": junk, "summary": junk}),
+    junk), max_size=4)
+RESPONSES = {
+    "input": typed(st.one_of(texts, items)), "instructions": typed(texts),
+    "tools": junk, "tool_choice": junk, "parallel_tool_calls": typed(st.booleans()),
+    "max_output_tokens": typed(integers), "temperature": typed(floats),
+    "top_p": typed(floats), "text": junk, "reasoning": junk, "stream": typed(st.booleans()),
+    "store": typed(st.booleans()), "metadata": junk, "user": typed(texts),
+    "previous_response_id": typed(texts), "background": typed(st.booleans()),
+    "truncation": typed(texts), "include": junk, "top_logprobs": typed(integers),
+    "service_tier": typed(texts), "seed": typed(integers), "top_k": typed(integers),
+    "structured_outputs": SHARED["structured_outputs"],
+}
+
+
 def bodies(fields: dict[str, st.SearchStrategy], base: dict) -> st.SearchStrategy:
     """A request that is valid but for one to three drawn fields, so that most drawn
     values reach the engine; one in ten also carries an unknown key."""
@@ -115,7 +140,9 @@ requests = st.one_of(
     bodies(COMPLETION, {"model": "tiny", "prompt": "The river", "max_tokens": 3}).map(
         lambda body: ("/v1/completions", body)),
     bodies(CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
-                  "max_tokens": 3}).map(lambda body: ("/v1/chat/completions", body)))
+                  "max_tokens": 3}).map(lambda body: ("/v1/chat/completions", body)),
+    bodies(RESPONSES, {"model": "tiny", "input": "Hi", "max_output_tokens": 3}).map(
+        lambda body: ("/v1/responses", body)))
 raw_bodies = st.one_of(st.binary(max_size=64), st.sampled_from([
     b"", b"{", b"[]", b"3", b"null", b'"text"', b"{}", b"\xff\xfe", b'{"model": "tiny"}',
     b"[" * 5000 + b"]" * 5000, b'{"model": "tiny", "prompt": "x"' + b"]" * 1000,
@@ -176,7 +203,7 @@ def test_fuzzed_raw_bodies_never_break_the_server(running):
     sent = []
 
     @settings(FUZZ, max_examples=100)
-    @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+    @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/responses"]),
            content=raw_bodies)
     def one(path: str, content: bytes) -> None:
         sent.append(content)
