@@ -273,6 +273,10 @@ def load_serving_model(path: str | Path, quantize: QuantMode | None = None,
     if quantize is not None and quantize != quant.mode:
         raise CheckpointError(f"{path} is already quantized to {quant.mode}; "
                               f"drop --quantize {quantize} or start from the full checkpoint")
+    if device.type == "cpu" and dtype in HALF_DTYPES:
+        raise ConfigError(f"dtype {str(dtype).removeprefix('torch.')}: {path} is quantized "
+                          f"({quant.mode}), and on the CPU what stays full precision is "
+                          "float32; drop the dtype")
     config = read_model_config(path)
     with torch.device("meta"):
         model = Transformer(config)

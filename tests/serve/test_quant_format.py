@@ -220,7 +220,10 @@ def test_schemes_lathes_kernels_do_not_compute_are_refused_by_field(tmp_path, ch
 
 def test_other_quantization_methods_and_training_on_a_quantized_checkpoint_are_refused(
         tmp_path):
+    from lathe.core.errors import ConfigError
     folder = compressed_by_the_library(tmp_path / "ct", SCHEMES["W4A16"])
+    with pytest.raises(ConfigError, match="on the CPU what stays full precision is float32"):
+        load_serving_model(folder, dtype=torch.bfloat16, device="cpu")
     with pytest.raises(CheckpointError, match=r"quantized \(compressed-tensors\).*full-precision"):
         load_checkpoint(folder)
     config = json.loads((folder / "config.json").read_text())
