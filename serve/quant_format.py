@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,23 +161,16 @@ def read_quantized_weights(path: Path, config: ModelConfig, scheme: QuantScheme,
                  if f"{prefix}.{suffix}" in raw}
         if not scheme.packed:
             parts["weight"] = raw.pop(f"{prefix}.weight", None)
-        ints, scale, zero_point = _unpacked(prefix, parts, scheme, path)
         name = f"{prefix}.weight"
+        values[name], scale, zero_point = _unpacked(prefix, parts, scheme, path)
+        scales[name] = scale if scheme.mode == "int4" else scale.reshape(-1)
         if scheme.mode == "int4":
-            values[name] = (ints + 8).to(torch.uint8)
             minimums[name] = -(zero_point.float() + 8) * scale.float()
-        else:
-            values[name] = ints
-        scales[name] = scale.reshape(ints.shape[0], -1) if scheme.mode == "int4" else \
-            scale.reshape(-1)
-    dense = lathe_layout({**raw, **values}, config)
-    scales = lathe_layout(scales, config, per_row=True)
-    minimums = lathe_layout(minimums, config, per_row=True)
-    state, quantized = {}, set()
-    for name, tensor in dense.items():
-        if name not in scales:
-            state[name] = tensor
-            continue
+    # every quantized tensor moves by whole rows, so one mapping fits them all
+    values, scales, minimums = (lathe_layout(tensors, config, per_row=True)
+                                for tensors in (values, scales, minimums))
+    state, quantized = lathe_layout(raw, config), set()
+    for name, tensor in values.items():
         module = name.removesuffix(".weight")
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             module, kind = name.rsplit(".", 1)
@@ -192,9 +186,14 @@ def read_quantized_weights(path: Path, config: ModelConfig, scheme: QuantScheme,
 
 def _unpacked(prefix: str, parts: dict[str, Tensor], scheme: QuantScheme,
               path: Path) -> tuple[Tensor, Tensor, Tensor]:
-    """One linear's (signed ints (out, in), scale, zero point) from its stored tensors."""
+    """One linear's weight as lathe holds it (int4: nibbles q + 8, (out, in / 2) bytes;
+    int8: ints), its scales (out, groups) and its zero points (out, groups), from its
+    stored tensors. compressed-tensors packs 4-bit values as lathe does — eight a word,
+    the low nibble first, offset by 8 — so on a little-endian host an int4 weight is its
+    packed words viewed as bytes, not unpacked: a 70B model loads in its int4 size."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
+    from lathe.serve.quant import pack_nibbles
     if "weight_g_idx" in parts:
         raise CheckpointError(f"{path}: {prefix}.weight_g_idx: columns regrouped in "
                               "activation order, which lathe's kernels do not gather")
@@ -211,13 +210,19 @@ def _unpacked(prefix: str, parts: dict[str, Tensor], scheme: QuantScheme,
             raise CheckpointError(f"{path}: {prefix}.weight_packed {packed.dtype} "
                                   f"{tuple(packed.shape)} does not hold a weight of "
                                   f"weight_shape {stored_shape} at {bits} bits")
-        ints = unpack_from_int32(packed, bits, shape)
+        out_features, in_features = shape
+        if bits == 4 and in_features % 8 == 0 and sys.byteorder == "little":
+            values = packed.view(torch.uint8)
+        else:
+            values = unpack_from_int32(packed, bits, shape)
     else:
-        ints = parts.get("weight")
-        if ints is None or ints.dtype != torch.int8:
-            raise CheckpointError(f"{path}: {prefix}.weight must be int8 beside its "
-                                  "weight_scale (format int-quantized)")
-    out_features, in_features = ints.shape
+        values = parts.get("weight")
+        if values is None or values.dtype != torch.int8 or values.dim() != 2:
+            raise CheckpointError(f"{path}: {prefix}.weight must be a 2-D int8 tensor beside "
+                                  "its weight_scale (format int-quantized)")
+        out_features, in_features = values.shape
+    if bits == 4 and values.dtype == torch.int8:
+        values = pack_nibbles((values + 8).to(torch.uint8))
     grouped = scheme.mode == "int4" and scheme.group_size > 0
     groups = scale.shape[-1] if grouped and scale.dim() == 2 else 1
     if grouped and (in_features % groups or in_features // groups not in GROUP_SIZES):
@@ -229,7 +234,7 @@ def _unpacked(prefix: str, parts: dict[str, Tensor], scheme: QuantScheme,
         raise CheckpointError(f"{path}: {prefix}.weight_scale has shape {tuple(scale.shape)}; "
                               f"a {out_features}×{in_features} weight in this scheme has "
                               f"{out_features}×{groups} scales")
-    zero_point = torch.zeros(out_features, groups, dtype=torch.int8, device=ints.device)
+    zero_point = torch.zeros(out_features, groups, dtype=torch.int8, device=values.device)
     if not scheme.symmetric:
         stored = parts.get("weight_zero_point")
         if stored is None:
@@ -250,18 +255,15 @@ def _unpacked(prefix: str, parts: dict[str, Tensor], scheme: QuantScheme,
         width = in_features // int4_group_size(in_features, GROUP_SIZES[-1])
         scale = scale.expand(-1, width).contiguous()
         zero_point = zero_point.expand(-1, width).contiguous()
-    return ints, scale, zero_point
+    return values, scale, zero_point
 
 
-def _put(state: dict[str, Tensor], module: str, ints: Tensor, scale: Tensor,
+def _put(state: dict[str, Tensor], module: str, values: Tensor, scale: Tensor,
          minimum: Tensor | None) -> None:
     """One quantized linear's buffers under `module`, as Int4Linear / Int8Linear hold them."""
-    from lathe.serve.quant import pack_nibbles
-    if minimum is None:
-        state[f"{module}.weight"], state[f"{module}.scale"] = ints, scale
-    else:
-        state[f"{module}.weight"] = pack_nibbles(ints)
-        state[f"{module}.scale"], state[f"{module}.minimum"] = scale, minimum
+    state[f"{module}.weight"], state[f"{module}.scale"] = values, scale
+    if minimum is not None:
+        state[f"{module}.minimum"] = minimum
 
 
 def write_quantized_checkpoint(model: nn.Module, config: ModelConfig, source: Path, out: Path,
