@@ -280,31 +280,30 @@ def write_quantized_checkpoint(model: nn.Module, config: ModelConfig, source: Pa
     )
     from huggingface_hub import save_torch_state_dict
 
-    from lathe.serve.quant import Int4Linear, Int8Linear, QuantizedExperts
+    from lathe.serve.quant import WEIGHT_DTYPES, Int4Linear, Int8Linear, QuantizedExperts
+
+    quantized = {name: module for name, module in model.named_modules()
+                 if isinstance(module, (Int4Linear, Int8Linear, QuantizedExperts))}
+
+    def inside(name: str) -> bool:  # a name within a quantized module
+        return any(name.startswith(f"{module}.") for module in quantized)
 
     weights, scales, zero_points, dense = {}, {}, {}, {}
-    experts = [name for name, module in model.named_modules()
-               if isinstance(module, QuantizedExperts)]
-    for name, module in model.named_modules():
-        if any(name.startswith(f"{prefix}.") for prefix in experts):
-            continue  # an expert's linear, written with its experts'
+    for name, module in quantized.items():
         if isinstance(module, QuantizedExperts):
             for kind, linears in (("gate_up_proj", module.gate_up), ("down_proj", module.down)):
                 parts = [_dequantized(linear) for linear in linears]
                 key = f"{name}.{kind}"
                 for target, index in ((weights, 0), (scales, 1), (zero_points, 2)):
                     target[key] = torch.stack([part[index] for part in parts])
-        elif isinstance(module, (Int4Linear, Int8Linear)):
+        elif not inside(name):  # an expert's linear is written with its experts'
             key = f"{name}.weight"
             weights[key], scales[key], zero_points[key] = _dequantized(module)
             if module.bias is not None:
                 dense[f"{name}.bias"] = module.bias
-    quantized_modules = {name for name, module in model.named_modules()
-                         if isinstance(module, (Int4Linear, Int8Linear, QuantizedExperts))}
-    for name, tensor in model.state_dict().items():
-        if name.rsplit(".", 1)[0] not in quantized_modules and not any(
-                name.startswith(f"{m}.") for m in quantized_modules):
-            dense[name] = tensor
+    dense.update({name: tensor for name, tensor in model.state_dict().items()
+                  if not inside(name)})
+
     def scheme(targets: list[str], group: int) -> QuantizationScheme:
         return QuantizationScheme(targets=targets, weights=QuantizationArgs(
             num_bits=4 if mode == "int4" else 8, type="int", symmetric=mode == "int8",
@@ -315,11 +314,10 @@ def write_quantized_checkpoint(model: nn.Module, config: ModelConfig, source: Pa
     hf_config.pop("quantization_config", None)
     # the full-precision rest in the source's dtype (a bf16 model's embedding and head stay
     # bf16); the scales stay float32, the ones the ints were rounded with
-    stored = getattr(torch, str(hf_config.get("torch_dtype") or hf_config.get("dtype")
-                                or "float32"), torch.float32)
-    state = {name: tensor.to(stored) if tensor.is_floating_point() and isinstance(
-        stored, torch.dtype) and stored.is_floating_point else tensor
-        for name, tensor in hf_layout(dense, config).items()}
+    stored = WEIGHT_DTYPES.get(str(hf_config.get("torch_dtype") or hf_config.get("dtype"))) \
+        or torch.float32
+    state = {name: tensor.to(stored) if tensor.is_floating_point() else tensor
+             for name, tensor in hf_layout(dense, config).items()}
     ignore = ["lm_head"] + sorted(name.removesuffix(".weight") for name, tensor in state.items()
                                   if tensor.dim() == 2 and "embed_tokens" not in name
                                   and name != "lm_head.weight")

@@ -5,7 +5,7 @@ The library is node-llama-cpp's prebuilt CPU build of llama.cpp (`recipes/setup.
 npm's `@node-llama-cpp/linux-x64@3.22.1` into `.venv/llama.cpp`), so CI checks GGUF files
 against llama.cpp without compiling it. The structs below are that build's `llama.h`, and
 its library names carry the release, so a different build is not found rather than
-misread. A test calls `runtime()`, which skips where the library is absent."""
+misread. A test that builds a `LlamaCpp` skips where the library is absent."""
 from __future__ import annotations
 
 import ctypes
@@ -105,8 +105,8 @@ silent = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(
 
 
 class LlamaCpp:
-    """One GGUF file as llama.cpp loads it: the vocabulary alone, or the model with a context
-    of `n_ctx` positions."""
+    """One GGUF file as llama.cpp loads it: the vocabulary alone (`n_ctx` 0), or the model
+    with a context of `n_ctx` positions."""
 
     def __init__(self, path: Path, n_ctx: int = 0):
         self.lib = library()
@@ -176,10 +176,4 @@ class LlamaCpp:
             self.lib.llama_free(self.context)
         if getattr(self, "model", None):
             self.lib.llama_model_free(self.model)
-
-
-def runtime(path: Path, n_ctx: int = 0) -> LlamaCpp:
-    """`path` loaded by llama.cpp (its vocabulary alone when `n_ctx` is 0); the test skips
-    where llama.cpp is not installed."""
-    return LlamaCpp(path, n_ctx)
 

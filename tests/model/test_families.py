@@ -248,7 +248,7 @@ def test_a_multimodal_checkpoint_loads_and_exports_as_its_language_model(tmp_pat
     # and its GGUF is the language model's in llama.cpp (Gemma's GELU there reads f16s)
     from lathe.serve.gguf_export import export_gguf
     out = export_gguf(tmp_path / "hf", tmp_path / "m.gguf", dtype="f32")
-    theirs = llama_cpp_runtime.runtime(out, 64).logits(prompt)
+    theirs = llama_cpp_runtime.LlamaCpp(out, 64).logits(prompt)
     error = (theirs - expected[0, :20]).abs().max() / expected[0, :20].abs().max()
     assert error < (1e-3 if kind == "gemma3" else 1e-5)
 
@@ -415,7 +415,7 @@ def llama_cpp_error(hf, folder, length: int, n_ctx: int, dtype: str = "f32") -> 
     ids = torch.randint(3, 300, (length,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         ours = load_checkpoint(folder)(torch.tensor([ids])).logits[0]
-    theirs = llama_cpp_runtime.runtime(out, n_ctx).logits(ids)
+    theirs = llama_cpp_runtime.LlamaCpp(out, n_ctx).logits(ids)
     return float((theirs - ours).abs().max() / ours.abs().max())
 
 

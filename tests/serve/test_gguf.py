@@ -155,7 +155,7 @@ def test_gguf_logits_match_lathe_on_many_tokens(sharpened, tmp_path, dtype):
         assert (off - expected).abs().max() / scale > 1e-2
     # and llama.cpp runs the file: exactly in f32; past it, its matmuls round the
     # activations to the weights' type too (f16, bf16, 8-bit blocks)
-    theirs = llama_cpp_runtime.runtime(out, 32).logits(ids.tolist())
+    theirs = llama_cpp_runtime.LlamaCpp(out, 32).logits(ids.tolist())
     assert (theirs - expected).abs().max() / scale < {
         "f32": 1e-5, "f16": 1e-2, "bf16": 5e-2, "q8_0": 6e-2}[dtype]
 
@@ -199,7 +199,7 @@ def test_named_chat_templates_are_written_as_llama_cpps_converter_writes_them(ch
     assert fields["tokenizer.chat_template"] == "{{ messages[0].content }}"
     assert fields["tokenizer.chat_template.tool_use"] == "{{ tools | length }}"
     assert fields["tokenizer.chat_templates"] == ["tool_use"]
-    reference = llama_cpp_runtime.runtime(tmp_path / "m.gguf")
+    reference = llama_cpp_runtime.LlamaCpp(tmp_path / "m.gguf")
     assert reference.chat_template() == "{{ messages[0].content }}"
     assert reference.chat_template("tool_use") == "{{ tools | length }}"
 
@@ -337,7 +337,7 @@ def test_llama_cpp_tokenizes_and_detokenizes_the_export_as_hf_does(shape, tmp_pa
     hf = Tokenizer.from_file(str(tok / "tokenizer.json"))
     ends = [hf.token_to_id(token) for token in end_tokens]
     _, out = exported_with(tok, tmp_path, {"eos_token_id": ends})
-    reference = llama_cpp_runtime.runtime(out)
+    reference = llama_cpp_runtime.LlamaCpp(out)
     bos = hf.token_to_id("<s>")
 
     def generated(ids):  # a completion: the ids after the prompt's BOS
