@@ -1,11 +1,12 @@
-"""`POST /v1/responses`: OpenAI's Responses API, stateless (as an agent SDK or Codex-style
-client calls it). The request's instructions and input items become a chat — messages,
-`function_call` items as the assistant's tool calls, `function_call_output` items as tool
-messages, `reasoning` items as the next assistant turn's reasoning — which the chat route
-answers (`lathe.serve.serving_chat`: the served template, the tool-call and reasoning
-parsers, forced calls, structured outputs); its reply comes back as a Response whose output
-items are the reasoning, the message and each function call, or streamed as the Responses
-events (`response.created` ... `response.completed`).
+"""`POST /v1/responses`: OpenAI's Responses API (as an agent SDK or a Codex-style client
+calls it, stateless or continuing a stored response). The request's instructions and
+input items become a chat — messages, `function_call` items as the assistant's tool
+calls, `function_call_output` items as tool messages, `reasoning` items as the next
+assistant turn's reasoning — which the chat route answers (`lathe.serve.serving_chat`:
+the served template, the tool-call and reasoning parsers, forced calls, structured
+outputs); its reply comes back as a Response whose output items are the reasoning, the
+message and each function call, or streamed as the Responses events (`response.created`
+... `response.completed`).
 
 A response is stored unless the request says `store: false` (or the server keeps none,
 `--responses-store 0`): `previous_response_id` continues it — the chain's input and output
