@@ -111,7 +111,8 @@ class EpisodeRunner:
             for index, (episode, out) in enumerate(zip(group, completion.outputs, strict=True)):
                 pending.append((episode, prompt, _one(sp, index), out))
         while pending:
-            calls = [(episode, prompt, sp, self._close_turn(episode, out, engine.eos_token_ids))
+            calls = [(episode, prompt, sp,
+                      self._close_turn(episode, prompt.tools, out, engine.eos_token_ids))
                      for episode, prompt, sp, out in pending]
             calls = [c for c in calls if c[3]]
             results = self.tools.run_many([(call.name, call.arguments) for *_, turn in calls
@@ -134,7 +135,8 @@ class EpisodeRunner:
                        for (e, p, sp), completion in zip(follow, done, strict=True)]
         return episodes
 
-    def _close_turn(self, episode: Episode, out: Any, eos: set[int]) -> list[ToolCall]:
+    def _close_turn(self, episode: Episode, tools: Tools, out: Any,
+                    eos: set[int]) -> list[ToolCall]:
         """Record one generated turn; the calls to run before the next, if any."""
         episode.add_turn(out.token_ids, [lp.logprob for lp in out.logprobs])
         episode.policy_version = out.weight_version if episode.policy_version is None \
@@ -144,7 +146,8 @@ class EpisodeRunner:
             episode.answer = out.text
             episode.messages.append({"role": "assistant", "content": out.text})
             return []
-        content, calls = self.parser.split(out.text)
+        offered = tools if tools is not None else self.definitions() or []
+        content, calls = self.parser.for_tools(offered).split(out.text)
         episode.answer = content
         if not calls:
             episode.messages.append({"role": "assistant", "content": out.text})

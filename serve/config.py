@@ -207,9 +207,10 @@ class ServerConfig:
         "seconds a request's structured output may take to compile (a 400 past them)",
         flag="--grammar-timeout"))
     tool_call_parser: str | None = field(default=None, metadata=cli(
-        "how this model writes tool calls (hermes: Qwen2.5/Qwen3/Hermes <tool_call>; "
-        "llama3_json: Llama 3.1+; mistral: [TOOL_CALLS]); without it only tool_choice=none "
-        "is served", choices=PARSERS))
+        "how this model writes tool calls (hermes: Qwen2.5/Qwen3/Hermes <tool_call> JSON; "
+        "llama3_json: Llama 3.1+; mistral: [TOOL_CALLS]; qwen3_coder: Qwen3-Coder/Qwen3.5 "
+        "<function=...>; glm45, glm47: GLM-4.5/4.6, GLM-4.7 <arg_key>); without it only "
+        "tool_choice=none is served", choices=PARSERS))
     max_tool_calls: int = field(default=8, metadata=cli(
         "calls one reply may make when tool_choice is \"required\""))
     reasoning_parser: str | None = field(default=None, metadata=cli(

@@ -562,6 +562,7 @@ class ChatCompletionRequest(_Request, ChatRendering):
             raise ProtocolError("tool calling needs the server started with --tool-call-parser "
                                 f"({', '.join(PARSERS)}), the format this model writes calls "
                                 "in; or send tool_choice=\"none\"", "tools")
+        parser = parser.for_tools(tools)
         if choice == "auto":
             return ToolPlan(tools, parser, None)
         forced = tools if choice == "required" else [t for t in tools

@@ -152,6 +152,8 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
                                                             config.chat_template)
                 ctx.reasoning = ctx.named_reasoning if config.reasoning_parser is not None \
                     else template_reasoning_parser(source)
+                if ctx.tool_parser is not None:
+                    ctx.tool_parser = ctx.tool_parser.for_template(source)
                 template = TemplateWorker(source, special_tokens,
                                           seconds=config.template_seconds)
                 ctx.template = template

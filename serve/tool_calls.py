@@ -7,8 +7,22 @@ see now and the calls it gets at the end.
   \\n</tool_call>`, one block per call;
 - llama3_json (Llama 3.1+): the reply is a JSON object `{"name": ..., "parameters": {...}}`
   (after `<|python_tag|>` or not), several separated by `;`;
-- mistral: `[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}`; its
-  templates take only call ids of 9 letters and digits, so its calls get such ids.
+- mistral: `[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}` (Mistral
+  7B v0.3, Nemo, Small 3.1), or `[TOOL_CALLS]name[ARGS]{...}` per call (Mistral Small 3.2,
+  Magistral, Devstral: templates that write `[ARGS]`); both are read, and a grammar writes
+  the served template's; its templates take only call ids of 9 letters and digits, so its
+  calls get such ids;
+- qwen3_coder (Qwen3-Coder, Qwen3.5): `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE
+  \n</parameter>\n</function>\n</tool_call>`;
+- glm45 (GLM-4.5, GLM-4.6): `<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE
+  </arg_value>\n</tool_call>`; glm47 (GLM-4.7) the same without the newlines.
+
+In the last three a value is text: a parameter the tool's schema types as a string is its
+text as written, any other is read as JSON (Qwen's templates write Python's `True`,
+`False` and `None` for scalars, which read as JSON's), and one the schema does not name
+stays text, as vLLM's parsers read them; so these parsers are bound to a request's tools
+(`for_tools`). A forcing grammar writes a string value as free text up to its closing
+marker, an enum's as one of its values, any other as JSON valid against its schema.
 
 A grammar spells each marker as the tokenizer does (`structured.Literals`): Qwen's
 `<tool_call>` and Mistral's `[TOOL_CALLS]` are added tokens, which the matcher takes only
@@ -21,7 +35,9 @@ that opens a call and writes junk gets its junk back as content, never a crash.
 
 from __future__ import annotations
 
+import copy
 import json
+import re
 import secrets
 import string
 import uuid
@@ -30,7 +46,7 @@ from typing import Any
 
 from lathe.serve.structured import Literals, StructuredOutput
 
-PARSERS = ("hermes", "llama3_json", "mistral")
+PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder", "glm45", "glm47")
 
 
 @dataclass
@@ -89,6 +105,19 @@ class ToolCallParser:
     markers: tuple[str, ...] = ()
     at_start = False
     arguments_key = "arguments"
+    schemas: dict[str, Any] = {}  # a bound request's tools: name -> parameters schema
+
+    def for_tools(self, tools: list[dict[str, Any]]) -> ToolCallParser:
+        """This parser reading the calls of one request's (normalized) `tools`."""
+        bound = copy.copy(self)
+        bound.schemas = {t["function"]["name"]: t["function"].get("parameters") or {}
+                         for t in tools}
+        return bound
+
+    def for_template(self, template: str) -> ToolCallParser:
+        """This parser for a model served with chat `template` (where a family's templates
+        write calls in more than one way)."""
+        return self
 
     def new_id(self) -> str:
         return f"call_{uuid.uuid4().hex[:24]}"
@@ -148,17 +177,25 @@ class ToolCallParser:
         return calls if calls and all(calls) else []
 
     def _call_schema(self, tools: list[dict[str, Any]]) -> str:
-        def arguments(function: dict[str, Any]) -> Any:
-            schema = function.get("parameters") or {"type": "object"}
-            return strict_schema(schema) if function.get("strict") else schema
         options = [{"type": "object", "additionalProperties": False,
                     "required": ["name", self.arguments_key],
                     "properties": {"name": {"const": t["function"]["name"]},
-                                   self.arguments_key: arguments(t["function"])}}
+                                   self.arguments_key: arguments_schema(t["function"])}}
                    for t in tools]
         schema = options[0] if len(options) == 1 else {"anyOf": options}
-        # compact JSON: a model may not pad a call with whitespace until max_tokens
-        return json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}})
+        return compact_json(schema)
+
+
+def arguments_schema(function: dict[str, Any]) -> Any:
+    """The schema a call's arguments must meet (strict: no keys beyond the properties)."""
+    schema = function.get("parameters") or {"type": "object"}
+    return strict_schema(schema) if function.get("strict") else schema
+
+
+def compact_json(schema: Any) -> str:
+    """`schema` for a grammar's `%json`, written compact: a model may not pad a call with
+    whitespace until max_tokens."""
+    return json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}})
 
 
 def _repeat(call: str, separator: str, max_calls: int) -> str:
@@ -215,6 +252,12 @@ class Llama3JsonParser(ToolCallParser):
 class MistralParser(ToolCallParser):
     name = "mistral"
     markers = ("[TOOL_CALLS]",)
+    named_args = False  # a grammar writes [TOOL_CALLS]name[ARGS]{...}, not a JSON list
+
+    def for_template(self, template: str) -> ToolCallParser:
+        bound = copy.copy(self)
+        bound.named_args = "[ARGS]" in template
+        return bound
 
     def new_id(self) -> str:
         """Mistral's templates refuse any call id but 9 letters and digits."""
@@ -224,12 +267,46 @@ class MistralParser(ToolCallParser):
     def parse_calls(self, text: str, truncated: bool) -> list[ToolCall]:
         body = text.removeprefix("[TOOL_CALLS]").lstrip()
         if not body.startswith("["):
-            return []
+            return self._named_calls(text, truncated)
         values, rest = _json_values(body[1:], " \t\r\n,")
         return self._calls(values) if rest.strip() == "]" or truncated else []
 
+    def _named_calls(self, text: str, truncated: bool) -> list[ToolCall]:
+        """`[TOOL_CALLS]name[ARGS]{...}` calls, one after another (a `[CALL_ID]id` before
+        `[ARGS]`, as some of Mistral's tokenizers write, is read past)."""
+        calls, rest, decoder = [], text, json.JSONDecoder()
+        while rest.strip():
+            rest = rest.lstrip()
+            if not rest.startswith("[TOOL_CALLS]"):
+                if truncated and "[TOOL_CALLS]".startswith(rest):
+                    break
+                return []
+            head, found, rest = rest[len("[TOOL_CALLS]"):].partition("[ARGS]")
+            name = head.partition("[CALL_ID]")[0]
+            try:
+                arguments, end = decoder.raw_decode(rest) if found else (None, 0)
+            except (json.JSONDecodeError, RecursionError):
+                arguments, end = None, 0
+            call = self.call({"name": name, "arguments": arguments}) \
+                if found and re.fullmatch(r"[\w.-]+", name) and arguments is not None else None
+            if call is None:
+                if truncated:
+                    break  # cut inside this call
+                return []
+            calls.append(call)
+            rest = rest[end:]
+        return calls
+
     def grammar(self, tools: list[dict[str, Any]], max_calls: int,
                 literals: Literals) -> StructuredOutput:
+        if self.named_args:
+            rules = [f"call_{i}: {literals('[TOOL_CALLS]' + t['function']['name'] + '[ARGS]')}"
+                     f" %json {compact_json(arguments_schema(t['function']))}"
+                     for i, t in enumerate(tools)]
+            return StructuredOutput(grammar=(
+                f"start: call{{1,{max_calls}}}\n"
+                f"call: {' | '.join(f'call_{i}' for i in range(len(tools)))}\n"
+                + "\n".join(rules) + "\n"))
         items = json.loads(self._call_schema(tools))
         array: dict[str, Any] = {"type": "array", "minItems": 1, "maxItems": max_calls,
                                  "x-guidance": items.pop("x-guidance"), "items": items}
@@ -237,9 +314,187 @@ class MistralParser(ToolCallParser):
                                         f"calls: %json {json.dumps(array)}\n")
 
 
+def _types(schema: Any) -> set[str]:
+    """The JSON types `schema` admits, as far as its `type`, `enum`, `const` and
+    `anyOf`/`oneOf` say (empty: it does not say)."""
+    if not isinstance(schema, dict):
+        return set()
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return {kind}
+    if isinstance(kind, list):
+        return {k for k in kind if isinstance(k, str)}
+    values = schema["enum"] if isinstance(schema.get("enum"), list) else \
+        [schema["const"]] if "const" in schema else None
+    if values:
+        return {"string" if isinstance(v, str) else "other" for v in values}
+    options = schema.get("anyOf", schema.get("oneOf"))
+    return set().union(*(_types(o) for o in options)) if isinstance(options, list) else set()
+
+
+def typed_value(text: str, schema: Any) -> Any:
+    """A parameter written as text, as its schema types it: itself for a string (and for a
+    parameter the tool does not name), JSON for anything else, Python's spellings of
+    true, false and null (Qwen's templates write scalars with `| string`) as JSON's; text
+    that does not read as JSON stays text."""
+    if schema is None:
+        return text
+    kinds, word = _types(schema), text.strip()
+    if "null" in kinds and word in ("null", "None"):
+        return None
+    if "string" in kinds:
+        return text
+    if "boolean" in kinds and word.lower() in ("true", "false"):
+        return word.lower() == "true"
+    if "null" in kinds or not kinds:
+        word = {"None": "null", "True": "true", "False": "false"}.get(word, word)
+    try:
+        return json.loads(word)
+    except (json.JSONDecodeError, RecursionError):
+        return text
+
+
+def _flexible(text: str) -> str:
+    """A regex of written marker text where each newline may be any whitespace."""
+    return r"\s*".join(re.escape(part) for part in text.split("\n"))
+
+
+def _lark_regex(text: str) -> str:
+    """`text` escaped for a Lark regex between slashes."""
+    return "".join("\\n" if ch == "\n" else "\\" + ch if ch in "\\/.^$|?*+()[]{}" else ch
+                   for ch in text)
+
+
+@dataclass(frozen=True)
+class XmlForm:
+    """How a family writes a call in markup, `{name}` and `{key}` where the function's and
+    a parameter's names go: the call's head, each argument's head (its value after it) and
+    tail, the call's tail, and what goes between calls."""
+
+    call_head: str
+    arg_head: str
+    arg_tail: str
+    call_tail: str
+    separator: str
+    python_scalars: bool = False  # scalars written as Python's str() writes them
+
+
+class XmlToolCallParser(ToolCallParser):
+    """Calls written as markup, each argument's value as text (`XmlForm`), read back with
+    each newline of the markers as any whitespace; a value ends at the first closing
+    marker that the next argument or the call's end follows."""
+
+    markers = ("<tool_call>",)
+    form: XmlForm
+
+    def parse_calls(self, text: str, truncated: bool) -> list[ToolCall]:
+        form = self.form
+        head = re.compile(_flexible(form.call_head.split("{name}")[0]) + r"\s*([\w.-]+)"
+                          + _flexible(form.call_head.split("{name}")[1]))
+        before_key, after_key = form.arg_head.split("{key}")
+        arg = re.compile(r"\s*" + _flexible(before_key) + r"\s*([^\s<>]+?)\s*"
+                         + _flexible(after_key.rstrip("\n"))
+                         + ("\n?" if after_key.endswith("\n") else ""))
+        close = form.arg_tail.strip()
+        next_part = re.compile(r"\s*(?:" + re.escape(before_key.strip()) + "|"
+                               + re.escape(form.call_tail.strip().split("\n")[0]) + ")")
+        tail = re.compile(r"\s*" + _flexible(form.call_tail.strip()))
+        calls, at = [], 0
+        while text[at:].strip():
+            at = len(text) - len(text[at:].lstrip())
+            match = head.match(text, at)
+            if match is None:  # not a call; or, cut short, the head of the next one
+                rest = text[at:]
+                cut = rest.startswith("<tool_call>") or "<tool_call>".startswith(rest)
+                return calls if truncated and cut else []
+            name, at, arguments = match.group(1), match.end(), {}
+            properties = (self.schemas.get(name) or {}).get("properties") or {}
+            while (key := arg.match(text, at)) is not None:
+                end = key.end()
+                while (end := text.find(close, end)) >= 0 \
+                        and not next_part.match(text, end + len(close)):
+                    end += 1
+                if end < 0:
+                    return calls if truncated else []
+                value = text[key.end():end]
+                if form.arg_tail.startswith("\n"):
+                    value = value.removesuffix("\n")
+                arguments[key.group(1)] = typed_value(value, properties.get(key.group(1)))
+                at = end + len(close)
+            ended = tail.match(text, at)
+            if ended is None:
+                return calls if truncated else []
+            calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False),
+                                  self.new_id()))
+            at = ended.end()
+        return calls
+
+    def grammar(self, tools: list[dict[str, Any]], max_calls: int,
+                literals: Literals) -> StructuredOutput:
+        form, rules, calls = self.form, [], []
+        tail_added = any(token in form.arg_tail for token in literals.added)
+        text_value = f"TEXT {literals(form.arg_tail)}" if tail_added else "TEXT_TAIL"
+        for i, tool in enumerate(tools):
+            function = tool["function"]
+            schema = arguments_schema(function)
+            required = set(schema.get("required", []))
+            parts = []
+            for j, (key, sub) in enumerate((schema.get("properties") or {}).items()):
+                rules.append(f"arg_{i}_{j}: {literals(form.arg_head.format(key=key))} "
+                             f"{self._value(sub, schema, literals, text_value)}")
+                parts.append(f"arg_{i}_{j}" + ("" if key in required else "?"))
+            head = literals(form.call_head.format(name=function["name"]))
+            rules.append(f"call_{i}: {' '.join([head, *parts, literals(form.call_tail)])}")
+            calls.append(f"call_{i}")
+        separator = literals(form.separator) if form.separator else None
+        start = _repeat("call", separator, max_calls) if separator else \
+            f"call{{1,{max_calls}}}"
+        tail = _lark_regex(form.arg_tail)
+        return StructuredOutput(grammar="\n".join([
+            f"start: {start}", f"call: {' | '.join(calls)}", *rules,
+            "TEXT: /(.|\\n)*/",
+            f"TEXT_TAIL: /(.|\\n)*{tail}/ & ~/(.|\\n)*{tail}(.|\\n)+/", ""]))
+
+    def _value(self, schema: Any, parameters: dict[str, Any], literals: Literals,
+               text_value: str) -> str:
+        """A parameter's value and the argument's tail, as a Lark sequence."""
+        tail = literals(self.form.arg_tail)
+        kinds = _types(schema)
+        values = schema.get("enum") if isinstance(schema, dict) else None
+        if kinds == {"string"} and isinstance(values, list):
+            return f"({' | '.join(json.dumps(v) for v in values)}) {tail}"
+        if "string" in kinds or not kinds:
+            return text_value
+        if self.form.python_scalars and kinds <= {"boolean", "null"}:
+            words = (["True", "False"] if "boolean" in kinds else []) + \
+                (["None"] if "null" in kinds else [])
+            return f"({' | '.join(json.dumps(w) for w in words)}) {tail}"
+        shared = {k: parameters[k] for k in ("$defs", "definitions") if k in parameters}
+        return f"%json {compact_json({**shared, **schema})} {tail}"
+
+
+class Qwen3CoderParser(XmlToolCallParser):
+    name = "qwen3_coder"
+    form = XmlForm("<tool_call>\n<function={name}>\n", "<parameter={key}>\n",
+                   "\n</parameter>\n", "</function>\n</tool_call>", "\n", python_scalars=True)
+
+
+class Glm45Parser(XmlToolCallParser):
+    name = "glm45"
+    form = XmlForm("<tool_call>{name}\n", "<arg_key>{key}</arg_key>\n<arg_value>",
+                   "</arg_value>\n", "</tool_call>", "\n")
+
+
+class Glm47Parser(XmlToolCallParser):
+    name = "glm47"
+    form = XmlForm("<tool_call>{name}", "<arg_key>{key}</arg_key><arg_value>",
+                   "</arg_value>", "</tool_call>", "")
+
+
 def tool_call_parser(name: str) -> ToolCallParser:
-    parsers = {"hermes": HermesParser, "llama3_json": Llama3JsonParser,
-               "mistral": MistralParser}
+    parsers = {parser.name: parser for parser in (
+        HermesParser, Llama3JsonParser, MistralParser, Qwen3CoderParser, Glm45Parser,
+        Glm47Parser)}
     if name not in parsers:
         raise ValueError(f"--tool-call-parser {name!r}: choose one of {', '.join(PARSERS)}")
     return parsers[name]()

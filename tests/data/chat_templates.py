@@ -182,6 +182,32 @@ MISTRAL_NEMO = (
     "{%- endfor %}"
 )
 
+# Mistral Small 3.2 (Magistral, Devstral): [INST] turns, the tools before the last user
+# message, each call as [TOOL_CALLS]name[ARGS] and its arguments' JSON, closed by EOS
+MISTRAL_ARGS = (
+    "{{- bos_token }}"
+    "{%- set users = messages | selectattr('role', 'equalto', 'user') | list %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' %}"
+    "{{- '[SYSTEM_PROMPT]' + message.content + '[/SYSTEM_PROMPT]' }}"
+    "{%- elif message.role == 'user' %}"
+    "{%- if tools and message == users[-1] %}"
+    "{{- '[AVAILABLE_TOOLS]' + tools | tojson + '[/AVAILABLE_TOOLS]' }}{%- endif %}"
+    "{{- '[INST]' + message.content + '[/INST]' }}"
+    "{%- elif message.role == 'assistant' %}" + GEN +
+    "{{- message.content or '' }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{%- set arguments = call.function.arguments %}"
+    "{{- '[TOOL_CALLS]' + call.function.name + '[ARGS]' "
+    "+ (arguments if arguments is string else arguments | tojson) }}"
+    "{%- endfor %}"
+    "{{- eos_token }}" + END +
+    "{%- elif message.role == 'tool' %}"
+    "{{- '[TOOL_RESULTS]' + message.content + '[/TOOL_RESULTS]' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+)
+
 # GLM-4.5: no end-of-turn token; an assistant turn ends where the next turn's opener
 # starts (<|user|>, or <|observation|> before tool results), and those openers are end ids
 # of its generation config. The shipped template writes each opener in the turn it opens;
@@ -201,7 +227,8 @@ GLM4_TURNS = (
     "{%- for call in m.tool_calls or [] %}"
     "{{- '\n<tool_call>' + call.function.name }}"
     "{%- for k, v in call.function.arguments.items() %}"
-    "{{- '\n<arg_key>' + k + '</arg_key>\n<arg_value>' + v | tojson + '</arg_value>' }}"
+    "{{- '\n<arg_key>' + k + '</arg_key>\n<arg_value>' + (v if v is string else v | tojson) "
+    "+ '</arg_value>' }}"
     "{%- endfor %}{{- '\n</tool_call>' }}"
     "{%- endfor %}"
     "ASSISTANT_END" + END +

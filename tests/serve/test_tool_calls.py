@@ -178,21 +178,40 @@ def test_a_template_that_ignores_tools_is_refused(checkpoint, tmp_path):
                                            tool_choice="none", max_tokens=4)
 
 
-CALLS = {  # parser: (what the model writes, the calls it holds)
-    "hermes": ('Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n'
-               '</tool_call>\n<tool_call>\n{"name": "shout", "arguments": {"word": "hi"}}'
-               "\n</tool_call>", "Let me add."),
-    "llama3_json": ('<|python_tag|>{"name": "add", "parameters": {"a": 2, "b": 3}}; '
-                    '{"name": "shout", "parameters": {"word": "hi"}}', ""),
-    "mistral": ('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 2, "b": 3}}, '
+CALLS = {  # format: (its parser, what the model writes, the text before the calls)
+    "hermes": ("hermes", 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, '
+               '"b": 3}}\n</tool_call>\n<tool_call>\n{"name": "shout", "arguments": {"word": '
+               '"hi"}}\n</tool_call>', "Let me add."),
+    "llama3_json": ("llama3_json", '<|python_tag|>{"name": "add", "parameters": {"a": 2, '
+                    '"b": 3}}; {"name": "shout", "parameters": {"word": "hi"}}', ""),
+    "mistral": ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 2, "b": 3}}, '
                 '{"name": "shout", "arguments": {"word": "hi"}}]', ""),
+    "mistral_args": ("mistral", '[TOOL_CALLS]add[ARGS]{"a": 2, "b": 3}[TOOL_CALLS]shout[ARGS]'
+                     '{"word": "hi"}', ""),
+    "qwen3_coder": ("qwen3_coder", "Adding.\n\n<tool_call>\n<function=add>\n<parameter=a>\n2\n"
+                    "</parameter>\n<parameter=b>\n3\n</parameter>\n</function>\n</tool_call>\n"
+                    "<tool_call>\n<function=shout>\n<parameter=word>\nhi\n</parameter>\n"
+                    "</function>\n</tool_call>", "Adding."),
+    "glm45": ("glm45", "\n<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>2</arg_value>\n"
+              "<arg_key>b</arg_key>\n<arg_value>3</arg_value>\n</tool_call>\n<tool_call>shout\n"
+              "<arg_key>word</arg_key>\n<arg_value>hi</arg_value>\n</tool_call>", ""),
+    "glm47": ("glm47", "<tool_call>add<arg_key>a</arg_key><arg_value>2</arg_value><arg_key>b"
+              "</arg_key><arg_value>3</arg_value></tool_call><tool_call>shout<arg_key>word"
+              "</arg_key><arg_value>hi</arg_value></tool_call>", ""),
 }
 
 
-@pytest.mark.parametrize("family", sorted(CALLS))
-def test_each_parser_reads_its_family_whole_and_streamed(family):
-    parser = tool_call_parser(family)
-    text, content = CALLS[family]
+def parser_of(form: str):
+    """The format's parser, bound to TOOLS (and, for Mistral's [ARGS] calls, to a template
+    that writes them)."""
+    parser = tool_call_parser(CALLS[form][0]).for_tools(TOOLS)
+    return parser.for_template("[ARGS]") if form == "mistral_args" else parser
+
+
+@pytest.mark.parametrize("form", sorted(CALLS))
+def test_each_parser_reads_its_family_whole_and_streamed(form):
+    parser = parser_of(form)
+    _, text, content = CALLS[form]
     expected = [("add", {"a": 2, "b": 3}), ("shout", {"word": "hi"})]
     said, calls = parser.split(text)
     assert said == content and [(c.name, json.loads(c.arguments)) for c in calls] == expected
@@ -209,9 +228,16 @@ def test_each_parser_reads_its_family_whole_and_streamed(family):
     ("hermes", "Use <tool_ca"),
     ("llama3_json", "{not json at all"),
     ("mistral", "[TOOL_CALLS] {\"name\": \"add\"}"),
+    ("mistral", "[TOOL_CALLS]add[ARGS]{\"a\": 2"),  # never closed
+    ("mistral", "[TOOL_CALLS]two words[ARGS]{}"),
+    ("qwen3_coder", "<tool_call>\n{\"name\": \"add\", \"arguments\": {}}\n</tool_call>"),
+    ("qwen3_coder", "<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n"),
+    ("qwen3_coder", "<tool_call>\n<function=add>\n</function>\n</tool_call> and then text"),
+    ("glm45", "<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>2\n</tool_call>"),
+    ("glm45", "<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>2</arg_value>\n"),
 ])
 def test_what_is_not_a_call_comes_back_as_text(family, text):
-    parser = tool_call_parser(family)
+    parser = tool_call_parser(family).for_tools(TOOLS)
     assert parser.split(text) == (text, [])
     stream = ToolStream(parser)
     shown = "".join(stream.feed(ch) for ch in text)
@@ -225,17 +251,17 @@ def test_grammars_admit_the_calls_their_parser_reads(checkpoint):
 
     engine = LLMEngine.from_checkpoint(checkpoint)
     literals = Literals.of(engine.tokenizer)
-    for family in sorted(CALLS):
-        parser = tool_call_parser(family)
+    for form in sorted(CALLS):
+        parser = parser_of(form)
         params = [SamplingParams(max_tokens=120, temperature=1.0, seed=s, structured=parser.grammar(
                       TOOLS, 4 if s % 2 else 1, literals))
                   for s in range(8)]
         done = [d.outputs[0] for d in engine.generate(["The river"] * 8, params)]
         finished = [output for output in done if output.finish_reason == "stop"]
-        assert len(finished) >= 4, (family, [o.text for o in done])
+        assert len(finished) >= 4, (form, [o.text for o in done])
         for output in finished:
             _, calls = parser.split(output.text)
-            assert calls, (family, output.text)
+            assert calls, (form, output.text)
             for call in calls:
                 jsonschema.validate(json.loads(call.arguments), schema_of(call.name))
 
