@@ -22,7 +22,8 @@ text as written, any other is read as JSON (Qwen's templates write Python's `Tru
 `False` and `None` for scalars, which read as JSON's), and one the schema does not name
 stays text, as vLLM's parsers read them; so these parsers are bound to a request's tools
 (`for_tools`). A forcing grammar writes a string value as free text up to its closing
-marker, an enum's as one of its values, any other as JSON valid against its schema.
+marker, an enum's as one of its values, a boolean or null as JSON or Python spells it,
+any other as JSON valid against its schema.
 
 A grammar spells each marker as the tokenizer does (`structured.Literals`): Qwen's
 `<tool_call>` and Mistral's `[TOOL_CALLS]` are added tokens, which the matcher takes only
@@ -193,9 +194,11 @@ def arguments_schema(function: dict[str, Any]) -> Any:
 
 
 def compact_json(schema: Any) -> str:
-    """`schema` for a grammar's `%json`, written compact: a model may not pad a call with
-    whitespace until max_tokens."""
-    return json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}})
+    """`schema` for a grammar's `%json`, spaced as the templates' `tojson` (Python's
+    `json.dumps`) writes it and in no other way: a model may not pad a call with whitespace
+    until max_tokens."""
+    return json.dumps({**schema, "x-guidance": {
+        "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}})
 
 
 def _repeat(call: str, separator: str, max_calls: int) -> str:
@@ -376,7 +379,6 @@ class XmlForm:
     arg_tail: str
     call_tail: str
     separator: str
-    python_scalars: bool = False  # scalars written as Python's str() writes them
 
 
 class XmlToolCallParser(ToolCallParser):
@@ -465,9 +467,9 @@ class XmlToolCallParser(ToolCallParser):
             return f"({' | '.join(json.dumps(v) for v in values)}) {tail}"
         if "string" in kinds or not kinds:
             return text_value
-        if self.form.python_scalars and kinds <= {"boolean", "null"}:
-            words = (["True", "False"] if "boolean" in kinds else []) + \
-                (["None"] if "null" in kinds else [])
+        if kinds <= {"boolean", "null"}:  # as JSON or as Python writes them
+            words = (["true", "false", "True", "False"] if "boolean" in kinds else []) + \
+                (["null", "None"] if "null" in kinds else [])
             return f"({' | '.join(json.dumps(w) for w in words)}) {tail}"
         shared = {k: parameters[k] for k in ("$defs", "definitions") if k in parameters}
         return f"%json {compact_json({**shared, **schema})} {tail}"
@@ -476,7 +478,7 @@ class XmlToolCallParser(ToolCallParser):
 class Qwen3CoderParser(XmlToolCallParser):
     name = "qwen3_coder"
     form = XmlForm("<tool_call>\n<function={name}>\n", "<parameter={key}>\n",
-                   "\n</parameter>\n", "</function>\n</tool_call>", "\n", python_scalars=True)
+                   "\n</parameter>\n", "</function>\n</tool_call>", "\n")
 
 
 class Glm45Parser(XmlToolCallParser):

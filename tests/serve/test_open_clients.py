@@ -215,7 +215,8 @@ def test_strict_tools_admit_no_extra_keys(qwen_checkpoint):
         tools = [{"type": "function", "function": {"name": "add", "parameters": ADD,
                                                    "strict": strict}}]
         matcher = constraints.compile(parser.grammar(tools, 1, literals))
-        text = '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2,"c":3}}\n</tool_call>'
+        text = ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2, "c": 3}}\n'
+                '</tool_call>')
         ids = engine.encode(text)
         assert (matcher.validate_tokens(ids) == len(ids)) is admitted
 

@@ -7,6 +7,7 @@ streamed or whole, and gives back as text what is not a call."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jsonschema
 import openai
@@ -15,8 +16,8 @@ import pytest
 from lathe.model import load_checkpoint, save_checkpoint
 from lathe.serve.structured import Literals
 from lathe.serve.tool_calls import ToolStream, tool_call_parser
-from tests.builders import serve_model
-from tests.data.chat_templates import CHATML, plain
+from tests.builders import QWEN_REGEX, build_byte_level_tokenizer, serve_model, split_then_bytes
+from tests.data.chat_templates import CHATML, GLM4, MISTRAL_ARGS, plain
 from tests.serve.conftest import served, start_server, wait_healthy
 
 ADD = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
@@ -243,6 +244,95 @@ def test_what_is_not_a_call_comes_back_as_text(family, text):
     shown = "".join(stream.feed(ch) for ch in text)
     rest, calls = stream.finish()
     assert shown + rest == text and calls == []
+
+
+TYPED = [{"type": "function", "function": {"name": "read_file", "parameters": {
+    "type": "object", "required": ["path", "lines"], "properties": {
+        "path": {"type": "string"}, "lines": {"type": "integer"}, "exact": {"type": "boolean"},
+        "span": {"type": "array", "items": {"type": "integer"}},
+        "options": {"type": "object", "properties": {"depth": {"type": "number"}}},
+        "note": {"type": ["string", "null"]}}}}}, *TOOLS]
+TYPED_CALLS = [("read_file", {"path": "src/a.py\n</parameter> is text", "lines": 30,
+                              "exact": True, "span": [1, 2], "options": {"depth": 1.5},
+                              "note": None}),
+               ("add", {"a": 2, "b": 3})]
+MARKERS = ["<|im_end|>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+           "</arg_value>", "[TOOL_CALLS]", "[ARGS]", "</s>", "<s>"]
+
+
+def trl_template(name: str) -> str:
+    import trl
+    return (Path(trl.__file__).parent / "chat_templates" / f"{name}.jinja").read_text()
+
+
+# parser: (the family's chat template, what ends its assistant turn)
+TEMPLATES = {"qwen3_coder": [("qwen3_5_nothink", "<|im_end|>"), ("qwen3_6", "<|im_end|>"),
+                             ("nemotron_3_nano", "<|im_end|>")],
+             "glm45": [("glm4moe", None), ("GLM4", None)],
+             "mistral": [("MISTRAL_ARGS", "</s>")]}
+
+
+@pytest.fixture(scope="module")
+def marker_tokenizer(tmp_path_factory):
+    """A byte-level tokenizer whose added tokens are the families' markers, as theirs are."""
+    from transformers import PreTrainedTokenizerFast
+    folder = build_byte_level_tokenizer(tmp_path_factory.mktemp("markers"),
+                                        split_then_bytes(QWEN_REGEX), MARKERS, [], {})
+    return PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"),
+                                   bos_token="<s>", eos_token="</s>")
+
+
+def admits(grammar: str, text: str, tokenizer) -> bool:
+    """Whether `grammar` admits `text` as `tokenizer` splits it (markers as their tokens)."""
+    from llguidance import LLMatcher, LLTokenizer, grammar_from
+    backend = tokenizer.backend_tokenizer
+    matcher = LLMatcher(LLTokenizer(backend.to_str(), n_vocab=backend.get_vocab_size(),
+                                    eos_token=[tokenizer.eos_token_id]),
+                        grammar_from("lark", grammar), log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    return all(matcher.consume_token(t) for t in tokenizer.encode(
+        text, add_special_tokens=False)) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize(("parser_name", "template", "end"), [
+    (parser, *t) for parser, templates in TEMPLATES.items() for t in templates])
+def test_calls_rendered_by_the_real_templates_read_back_and_fit_the_grammar(
+        parser_name, template, end, marker_tokenizer):
+    """transformers renders an assistant turn of typed calls with the family's template
+    (TRL's copies of Qwen3.5's, Qwen3.6's, Nemotron 3's and GLM-4.5's); the turn reads back
+    as those calls, whole and streamed, and the grammar that forces calls admits it."""
+    source = trl_template(template) if template.islower() else plain(
+        {"GLM4": GLM4, "MISTRAL_ARGS": MISTRAL_ARGS}[template])
+    parser = tool_call_parser(parser_name).for_template(source).for_tools(TYPED)
+    calls = [{"type": "function", "id": f"abcdefgh{i}", "function": {"name": name,
+                                                                      "arguments": arguments}}
+             for i, (name, arguments) in enumerate(TYPED_CALLS)]
+    messages = [{"role": "user", "content": "Read it."},
+                {"role": "assistant", "content": "", "tool_calls": calls}]
+
+    def render(chat, prompt):
+        return marker_tokenizer.apply_chat_template(
+            chat, tools=TYPED, chat_template=source, tokenize=False,
+            add_generation_prompt=prompt, enable_thinking=False)
+    whole, prompt = render(messages, False), render(messages[:1], True)
+    assert whole.startswith(prompt)
+    reply = whole[len(prompt):]
+    reply = reply[:reply.rindex(end)] if end else reply
+    reply = reply.split("</think>")[-1]
+    content, read = parser.split(reply)
+    assert content.strip() == ""
+    assert [(c.name, json.loads(c.arguments)) for c in read] == TYPED_CALLS
+    stream = ToolStream(parser)
+    shown = "".join(stream.feed(reply[i:i + 5]) for i in range(0, len(reply), 5))
+    rest, streamed = stream.finish()
+    assert (shown + rest).strip() == "" and [c.arguments for c in streamed] == \
+        [c.arguments for c in read]
+    calls_text = reply[min(reply.index(m) for m in parser.markers if m in reply):].rstrip()
+    grammar = parser.grammar(TYPED, 4, Literals.of(marker_tokenizer.backend_tokenizer)).grammar
+    assert admits(grammar, calls_text, marker_tokenizer)
+    wrong = calls_text.replace("30", "thirty", 1)
+    assert "thirty" in wrong and not admits(grammar, wrong, marker_tokenizer)
+    assert not admits(grammar, calls_text.replace("read_file", "rm_file", 1), marker_tokenizer)
 
 
 def test_grammars_admit_the_calls_their_parser_reads(checkpoint):
