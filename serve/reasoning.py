@@ -10,11 +10,19 @@ opened it has the reply start in its answer, unless the reply itself opens with 
 The `deepseek_r1` parser has every reply start in reasoning (R1's first templates left the
 opening tag to the model). A reply cut before `</think>` is all reasoning, streamed or not,
 so the streamed deltas always add up to the unstreamed message.
+
+A constraint on a reasoning model's reply (a JSON schema, a forced tool call) holds for its
+answer: the model reasons freely first (`constraint_prefix`), as vLLM's structured outputs
+apply once the reasoning ends. Constrained from its first token, a model whose prompt opens
+`<think>` wrote its JSON or its call inside the reasoning, and the client got neither.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+from lathe.serve.structured import Literals, text_until
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 START, END = "<think>", "</think>"
@@ -39,6 +47,24 @@ class ReasoningParser:
         if not stream.reasoned:
             return None, content + rest_content
         return reasoning + rest_reasoning, content + rest_content
+
+    def constraint_prefix(self, inside: bool, literals: Literals,
+                          eos_token_ids: Iterable[int]) -> str:
+        """The start of a grammar that constrains only a reply's answer (`@answer`), as
+        vLLM applies structured outputs once the reasoning ends: the reasoning's rest
+        through `</think>` where the reply starts inside it, else an optional think block;
+        then any whitespace. Where `</think>` is a token the reasoning may hold any token
+        but it and the end of the sequence; where it is text, text only."""
+        end = literals.added.get(END)
+        if end is None:
+            text, rules = text_until(END, literals, "REASONING")
+        else:
+            excluded = ",".join(str(i) for i in sorted({end, *eos_token_ids}))
+            text = f"reasoning <[{end}]>"
+            rules = f"reasoning: (REASONING | <[^{excluded}]>)*\nREASONING: /(.|\\n)+/"
+        block = f"{text} SPACE?"
+        start = block if inside else f"({literals(START)} {block})?"
+        return f"start: {start} @answer\n{rules}\nSPACE: /[ \\t\\r\\n]+/\n"
 
 
 def reasoning_parser(name: str) -> ReasoningParser:

@@ -6,6 +6,7 @@ the rest is the completions route's plumbing (`lathe.serve.serving_completions`)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -52,7 +53,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                                 "cannot constrain as well; send one of them",
                            param=asked[0])
         asked = ("tool_choice", plan.structured)
-    structured = await ctx.compile_structured(engine, asked)
     tools = plan.tools if plan is not None else None
     try:
         loop = asyncio.get_running_loop()
@@ -82,6 +82,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     reply = ReplyFormat(reasoning, reasoning is not None and reasoning.starts_inside(text),
                         plan.parser if plan is not None else None,
                         plan is not None and plan.named)
+    if asked is not None and reasoning is not None:
+        field, spec = asked
+        asked = field, dataclasses.replace(spec, prefix=reasoning.constraint_prefix(
+            reply.starts_inside, ctx.literals, engine.info.eos_token_ids))
+    structured = await ctx.compile_structured(engine, asked)
     # the parsers read markers that may be special tokens (Mistral's [TOOL_CALLS])
     keep_markers = reply.tools is not None or reply.reasoning is not None
     params = sampling_params(body, max_tokens, logprobs, body.prompt_logprobs, structured,

@@ -41,7 +41,7 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 # vLLM's sampling extensions a request may add (`extra_body`), passed to the chat route,
 # which checks them as its own
 PASSED = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-          "frequency_penalty", "stop", "ignore_eos", "structured_outputs",
+          "frequency_penalty", "stop", "ignore_eos", "structured_outputs", "logit_bias",
           "chat_template_kwargs")
 # Responses fields taken with the value that means "not used", and why anything else is not
 UNUSED = {

@@ -53,6 +53,9 @@ class StructuredOutput:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None  # Lark, or GBNF (told apart by its "::=")
+    # a Lark grammar whose `start` admits what comes before the constrained text and names
+    # that text `@answer` (a reasoning block: `ReasoningParser.constraint_prefix`)
+    prefix: str | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar")
@@ -68,6 +71,15 @@ class StructuredOutput:
             raise GrammarError("choice needs at least one string")
 
     def llguidance_grammar(self) -> str:
+        grammar = self._constraint()
+        if self.prefix is None:
+            return grammar
+        inner = json.loads(grammar)["grammars"] if grammar.startswith("{") else \
+            [{"lark_grammar": grammar}]
+        return json.dumps({"grammars": [{"lark_grammar": self.prefix},
+                                        {**inner[0], "name": "answer"}, *inner[1:]]})
+
+    def _constraint(self) -> str:
         if self.json is not None:
             try:
                 return LLMatcher.grammar_from_json_schema(
@@ -109,6 +121,11 @@ class Literals:
         return cls({token.content: token_id
                     for token_id, token in tokenizer.get_added_tokens_decoder().items()})
 
+    def first_added(self, text: str) -> int:
+        """Where the first added token in `text` starts (its length when none does)."""
+        found = self._pattern.search(text) if self._pattern is not None else None
+        return found.start() if found is not None else len(text)
+
     def __call__(self, text: str) -> str:
         """`text` as a Lark sequence (`""` when empty)."""
         if self._pattern is None:
@@ -122,6 +139,24 @@ class Literals:
         if at < len(text) or not parts:
             parts.append(json.dumps(text[at:]))
         return " ".join(parts)
+
+
+def lark_regex(text: str) -> str:
+    """`text` as a Lark regex (between slashes) that matches it literally."""
+    return "".join("\\n" if ch == "\n" else "\\" + ch if ch in "\\/.^$|?*+()[]{}" else ch
+                   for ch in text)
+
+
+def text_until(marker: str, literals: Literals, name: str) -> tuple[str, str]:
+    """Free text up to and including `marker`, holding no earlier `marker`: a Lark sequence
+    and the definition of the lexeme `name` it uses. Text ending in a marker is one lexeme
+    (llguidance's lexemes are greedy, so free text and then the marker's text would never
+    end); an added token in the marker ends free text by itself."""
+    at = literals.first_added(marker)
+    head, rest = marker[:at], marker[at:]
+    pattern = f"/(.|\\n)*{lark_regex(head)}/ & ~/(.|\\n)*{lark_regex(head)}(.|\\n)+/" \
+        if head else "/(.|\\n)*/"
+    return name + (f" {literals(rest)}" if rest else ""), f"{name}: {pattern}"
 
 
 class GrammarCompiler:

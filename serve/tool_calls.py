@@ -45,7 +45,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from lathe.serve.structured import Literals, StructuredOutput
+from lathe.serve.structured import Literals, StructuredOutput, text_until
 
 PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder", "glm45", "glm47")
 
@@ -362,12 +362,6 @@ def _flexible(text: str) -> str:
     return r"\s*".join(re.escape(part) for part in text.split("\n"))
 
 
-def _lark_regex(text: str) -> str:
-    """`text` escaped for a Lark regex between slashes."""
-    return "".join("\\n" if ch == "\n" else "\\" + ch if ch in "\\/.^$|?*+()[]{}" else ch
-                   for ch in text)
-
-
 @dataclass(frozen=True)
 class XmlForm:
     """How a family writes a call in markup, `{name}` and `{key}` where the function's and
@@ -434,8 +428,7 @@ class XmlToolCallParser(ToolCallParser):
     def grammar(self, tools: list[dict[str, Any]], max_calls: int,
                 literals: Literals) -> StructuredOutput:
         form, rules, calls = self.form, [], []
-        tail_added = any(token in form.arg_tail for token in literals.added)
-        text_value = f"TEXT {literals(form.arg_tail)}" if tail_added else "TEXT_TAIL"
+        text_value, text_lexeme = text_until(form.arg_tail, literals, "TEXT")
         for i, tool in enumerate(tools):
             function = tool["function"]
             schema = arguments_schema(function)
@@ -451,11 +444,8 @@ class XmlToolCallParser(ToolCallParser):
         separator = literals(form.separator) if form.separator else None
         start = _repeat("call", separator, max_calls) if separator else \
             f"call{{1,{max_calls}}}"
-        tail = _lark_regex(form.arg_tail)
         return StructuredOutput(grammar="\n".join([
-            f"start: {start}", f"call: {' | '.join(calls)}", *rules,
-            "TEXT: /(.|\\n)*/",
-            f"TEXT_TAIL: /(.|\\n)*{tail}/ & ~/(.|\\n)*{tail}(.|\\n)+/", ""]))
+            f"start: {start}", f"call: {' | '.join(calls)}", *rules, text_lexeme, ""]))
 
     def _value(self, schema: Any, parameters: dict[str, Any], literals: Literals,
                text_value: str) -> str:

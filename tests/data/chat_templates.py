@@ -23,6 +23,18 @@ QWEN_CALLS = (
     "+ '\\n</tool_response><|im_end|>\\n' }}"
 )
 
+# Qwen3-Coder's assistant turn: calls as <function=...> markup, a string parameter written
+# as itself and any other as JSON (Qwen3.6's way)
+QWEN_XML_CALLS = QWEN_CALLS.replace(
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' "
+    "+ call.function.arguments | tojson + '}\\n</tool_call>' }}",
+    "{{- '\\n<tool_call>\\n<function=' + call.function.name + '>\\n' }}"
+    "{%- for key, value in call.function.arguments.items() %}"
+    "{{- '<parameter=' + key + '>\\n' + (value if value is string else value | tojson) "
+    "+ '\\n</parameter>\\n' }}"
+    "{%- endfor %}"
+    "{{- '</function>\\n</tool_call>' }}")
+
 # Qwen2.5: ChatML turns, a default system prompt, tools listed in the system turn, calls as
 # <tool_call> JSON, tool results inside a user turn
 CHATML = (
@@ -46,6 +58,8 @@ CHATML = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+
+QWEN3_CODER = CHATML.replace(QWEN_CALLS, QWEN_XML_CALLS)
 
 # Qwen3: ChatML with reasoning and Qwen2.5's tools; a turn after the last user message
 # (tool results are not one) shows its <think> block (an empty one when it is the last

@@ -6,6 +6,7 @@ streamed or whole, and gives back as text what is not a call."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -14,7 +15,8 @@ import openai
 import pytest
 
 from lathe.model import load_checkpoint, save_checkpoint
-from lathe.serve.structured import Literals
+from lathe.serve.reasoning import reasoning_parser
+from lathe.serve.structured import Literals, StructuredOutput
 from lathe.serve.tool_calls import ToolStream, tool_call_parser
 from tests.builders import QWEN_REGEX, build_byte_level_tokenizer, serve_model, split_then_bytes
 from tests.data.chat_templates import CHATML, GLM4, MISTRAL_ARGS, plain
@@ -257,7 +259,7 @@ TYPED_CALLS = [("read_file", {"path": "src/a.py\n</parameter> is text", "lines":
                               "note": None}),
                ("add", {"a": 2, "b": 3})]
 MARKERS = ["<|im_end|>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
-           "</arg_value>", "[TOOL_CALLS]", "[ARGS]", "</s>", "<s>"]
+           "</arg_value>", "[TOOL_CALLS]", "[ARGS]", "</s>", "<s>", "<think>", "</think>"]
 
 
 def trl_template(name: str) -> str:
@@ -288,7 +290,8 @@ def admits(grammar: str, text: str, tokenizer) -> bool:
     backend = tokenizer.backend_tokenizer
     matcher = LLMatcher(LLTokenizer(backend.to_str(), n_vocab=backend.get_vocab_size(),
                                     eos_token=[tokenizer.eos_token_id]),
-                        grammar_from("lark", grammar), log_level=0)
+                        grammar if grammar.startswith("{") else grammar_from("lark", grammar),
+                        log_level=0)
     assert not matcher.is_error(), matcher.get_error()
     return all(matcher.consume_token(t) for t in tokenizer.encode(
         text, add_special_tokens=False)) and matcher.is_accepting()
@@ -333,6 +336,30 @@ def test_calls_rendered_by_the_real_templates_read_back_and_fit_the_grammar(
     wrong = calls_text.replace("30", "thirty", 1)
     assert "thirty" in wrong and not admits(grammar, wrong, marker_tokenizer)
     assert not admits(grammar, calls_text.replace("read_file", "rm_file", 1), marker_tokenizer)
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_reasoning_model_reasons_before_its_constrained_answer(inside, marker_tokenizer):
+    """With a reasoning parser a constraint holds for the answer: before it, the rest of
+    the reasoning through </think> where the reply starts inside it (DeepSeek-R1's
+    prompts), else an optional think block (Qwen3's)."""
+    literals = Literals.of(marker_tokenizer.backend_tokenizer)
+    prefix = reasoning_parser("qwen3").constraint_prefix(inside, literals,
+                                                         [marker_tokenizer.eos_token_id])
+    schema = StructuredOutput(json=json.dumps(ADD), prefix=prefix).llguidance_grammar()
+    forced = dataclasses.replace(tool_call_parser("hermes").grammar(TOOLS, 1, literals),
+                                 prefix=prefix).llguidance_grammar()
+    opened = "" if inside else "<think>"
+    answer = '{"a":2,"b":3}'
+    for reasoning in ("Add them: </tool_call> {2}.</think>\n\n", "</think>"):
+        assert admits(schema, opened + reasoning + answer, marker_tokenizer)
+    assert admits(schema, answer, marker_tokenizer) is not inside
+    assert not admits(schema, opened + "x</think>\n\nnot json", marker_tokenizer)
+    assert not admits(schema, opened + "x</think></think>" + answer, marker_tokenizer)
+    assert not admits(schema, opened + "x</s>y</think>" + answer, marker_tokenizer)
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    assert admits(forced, opened + "Plan.</think>\n\n" + call, marker_tokenizer)
+    assert not admits(forced, opened + "Plan.</think>\n\nNo call.", marker_tokenizer)
 
 
 def test_grammars_admit_the_calls_their_parser_reads(checkpoint):
