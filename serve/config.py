@@ -215,8 +215,9 @@ class ServerConfig:
         "calls one reply may make when tool_choice is \"required\""))
     reasoning_parser: str | None = field(default=None, metadata=cli(
         "how this model writes its reasoning, split into reasoning_content (qwen3, "
-        "deepseek_r1: <think> blocks; default: qwen3 when the chat template renders "
-        "</think>, else none)", choices=(*REASONING_PARSERS, "none")))
+        "deepseek_r1: <think> blocks; mistral: Magistral's [THINK] blocks; default: the "
+        "one whose markers the chat template renders, else none)",
+        choices=(*REASONING_PARSERS, "none")))
     # vLLM's flag and default (its "vllm" is "none" here): `lathe.serve.sampling_defaults`
     generation_config: str = field(default="auto", metadata=cli(
         "the sampling defaults of requests that set none: auto takes the checkpoint's "

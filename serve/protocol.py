@@ -789,7 +789,9 @@ class ResponseBuilder:
                 continue
             logprobs = chat_logprobs(self.tokenizer, o.logprobs) if want_logprobs else None
             reply = whole_reply(form, o.text, o.finish_reason)
-            reasoned += reasoning_tokens(self.tokenizer, o.token_ids, reply.reasoning)
+            if form.reasoning is not None:
+                reasoned += reasoning_tokens(self.tokenizer, o.token_ids, reply.reasoning,
+                                             form.reasoning)
             message: dict[str, Any] = {"role": "assistant", "content": reply.content}
             if form.reasoning is not None and self.options.include_reasoning:
                 message["reasoning_content"] = reply.reasoning or None
@@ -857,7 +859,7 @@ class ResponseBuilder:
         reasoned = None
         if self.options.reply.reasoning is not None:
             reasoned = sum(reasoning_tokens(self.tokenizer, self._token_ids.get(i, []),
-                                            stream.reasoning)
+                                            stream.reasoning, self.options.reply.reasoning)
                            for i, stream in self._streams.items())
         return self._envelope("chat.completion.chunk", [], usage=self._usage(
             prompt_tokens, completion_tokens, cached_tokens, reasoned))

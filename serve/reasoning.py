@@ -1,5 +1,6 @@
 """Reasoning output: the thinking a model writes between `<think>` and `</think>` (Qwen3,
-DeepSeek-R1, SmolLM3, GLM-4.5) split from its answer, as vLLM's `--reasoning-parser` does —
+DeepSeek-R1, SmolLM3, GLM-4.5), or between `[THINK]` and `[/THINK]` (Magistral: the
+`mistral` parser), split from its answer, as vLLM's `--reasoning-parser` does —
 `reasoning_content` beside `content` in a chat response, and as deltas of their own when
 streamed.
 
@@ -24,20 +25,24 @@ from dataclasses import dataclass
 
 from lathe.serve.structured import Literals, text_until
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "mistral")
 START, END = "<think>", "</think>"
+MISTRAL_START, MISTRAL_END = "[THINK]", "[/THINK]"  # Magistral's, special tokens
 
 
 @dataclass(frozen=True)
 class ReasoningParser:
-    """`always_starts_inside`: every reply starts in reasoning (deepseek_r1)."""
+    """`always_starts_inside`: every reply starts in reasoning (deepseek_r1); `start` and
+    `end`: the markers around the reasoning."""
 
     name: str
     always_starts_inside: bool = False
+    start: str = START
+    end: str = END
 
     def starts_inside(self, prompt: str) -> bool:
         """Whether a reply to the rendered `prompt` starts in reasoning."""
-        return self.always_starts_inside or prompt.rfind(START) > prompt.rfind(END)
+        return self.always_starts_inside or prompt.rfind(self.start) > prompt.rfind(self.end)
 
     def split(self, text: str, inside: bool) -> tuple[str | None, str]:
         """(reasoning, content) of a whole reply; reasoning None when it has none."""
@@ -52,18 +57,18 @@ class ReasoningParser:
                           eos_token_ids: Iterable[int]) -> str:
         """The start of a grammar that constrains only a reply's answer (`@answer`), as
         vLLM applies structured outputs once the reasoning ends: the reasoning's rest
-        through `</think>` where the reply starts inside it, else an optional think block;
-        then any whitespace. Where `</think>` is a token the reasoning may hold any token
+        through its end (`</think>`) where the reply starts inside it, else an optional think block;
+        then any whitespace. Where the end is a token the reasoning may hold any token
         but it and the end of the sequence; where it is text, text only."""
-        end = literals.added.get(END)
+        end = literals.added.get(self.end)
         if end is None:
-            text, rules = text_until(END, literals, "REASONING")
+            text, rules = text_until(self.end, literals, "REASONING")
         else:
             excluded = ",".join(str(i) for i in sorted({end, *eos_token_ids}))
             text = f"reasoning <[{end}]>"
             rules = f"reasoning: (REASONING | <[^{excluded}]>)*\nREASONING: /(.|\\n)+/"
         block = f"{text} SPACE?"
-        start = block if inside else f"({literals(START)} {block})?"
+        start = block if inside else f"({literals(self.start)} {block})?"
         return f"start: {start} @answer\n{rules}\nSPACE: /[ \\t\\r\\n]+/\n"
 
 
@@ -71,12 +76,17 @@ def reasoning_parser(name: str) -> ReasoningParser:
     if name not in REASONING_PARSERS:
         raise ValueError(f"--reasoning-parser {name!r}: choose one of "
                          f"{', '.join(REASONING_PARSERS)}")
+    if name == "mistral":
+        return ReasoningParser(name, start=MISTRAL_START, end=MISTRAL_END)
     return ReasoningParser(name, always_starts_inside=name == "deepseek_r1")
 
 
 def template_reasoning_parser(template: str) -> ReasoningParser | None:
-    """The parser a chat template implies when none is named: `qwen3` for one that
-    renders `<think>` or `</think>` (its model thinks in such blocks), else None."""
+    """The parser a chat template implies when none is named: `mistral` for one that
+    renders `[THINK]` (Magistral), `qwen3` for one that renders `<think>` or `</think>`
+    (its model thinks in such blocks), else None."""
+    if MISTRAL_START in template or MISTRAL_END in template:
+        return reasoning_parser("mistral")
     return reasoning_parser("qwen3") if START in template or END in template else None
 
 
@@ -91,6 +101,7 @@ class ReasoningStream:
     returns the rest."""
 
     def __init__(self, parser: ReasoningParser, inside: bool) -> None:
+        self.start, self.end = parser.start, parser.end
         self.inside = inside
         self.reasoned = inside  # the reply has reasoning (it may be empty)
         self.opening = True  # no non-space text yet: a `<think>` here opens reasoning
@@ -102,24 +113,24 @@ class ReasoningStream:
         while self.pending:
             if self.opening:
                 stripped = self.pending.lstrip()
-                if stripped.startswith(START):
+                if stripped.startswith(self.start):
                     self.inside = self.reasoned = True
-                    self.pending = stripped[len(START):]
+                    self.pending = stripped[len(self.start):]
                     self.opening = False
                     continue
-                if START.startswith(stripped):
+                if self.start.startswith(stripped):
                     break  # whitespace, or the start of `<think>`: wait
                 self.opening = False
             if not self.inside:
                 content, self.pending = content + self.pending, ""
                 break
-            end = self.pending.find(END)
+            end = self.pending.find(self.end)
             if end >= 0:
                 reasoning += self.pending[:end]
-                self.pending = self.pending[end + len(END):]
+                self.pending = self.pending[end + len(self.end):]
                 self.inside = False
                 continue
-            keep = _held(self.pending, END)
+            keep = _held(self.pending, self.end)
             reasoning += self.pending[:len(self.pending) - keep]
             self.pending = self.pending[len(self.pending) - keep:]
             break

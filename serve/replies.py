@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
-from lathe.serve.reasoning import END, ReasoningParser, ReasoningStream
+from lathe.serve.reasoning import ReasoningParser, ReasoningStream
 from lathe.serve.tool_calls import ToolCall, ToolCallParser, ToolStream
 
 
@@ -86,13 +86,13 @@ class ReplyStream:
 
 
 def reasoning_tokens(tokenizer: Tokenizer | None, token_ids: list[int],
-                     reasoning: str | None) -> int:
+                     reasoning: str | None, parser: ReasoningParser) -> int:
     """How many of a reply's tokens were reasoning (`reasoning`: its text, None when it
-    had none): up to and including `</think>` when that is one token, else the reasoning
-    text's own token count."""
+    had none): up to and including the end marker (`</think>`) when that is one token,
+    else the reasoning text's own token count."""
     if reasoning is None:
         return 0
-    end = tokenizer.token_to_id(END) if tokenizer is not None else None
+    end = tokenizer.token_to_id(parser.end) if tokenizer is not None else None
     if end is not None:
         return token_ids.index(end) + 1 if end in token_ids else len(token_ids)
     if tokenizer is None or not reasoning:

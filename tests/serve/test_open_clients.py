@@ -23,7 +23,7 @@ from tokenizers import AddedToken, Tokenizer
 from lathe.model import load_checkpoint, save_checkpoint
 from lathe.serve.config import EngineConfig
 from lathe.serve.engine import LLMEngine
-from lathe.serve.reasoning import ReasoningStream, reasoning_parser
+from lathe.serve.reasoning import ReasoningStream, reasoning_parser, template_reasoning_parser
 from lathe.serve.structured import GrammarCompiler, Literals
 from lathe.serve.tool_calls import tool_call_parser
 from tests.builders import serve_model
@@ -260,6 +260,18 @@ def test_reasoning_streams_add_up_to_the_whole_split(chunk):
     assert parser.starts_inside("<|im_start|>assistant\n<think>\n")
     assert not parser.starts_inside("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert reasoning_parser("deepseek_r1").starts_inside("no tag at all")
+    magistral = reasoning_parser("mistral")
+    assert magistral.split("[THINK]plan[/THINK]answer", False) == ("plan", "answer")
+    assert magistral.split("<think>x</think>y", False) == (None, "<think>x</think>y")
+    stream = ReasoningStream(magistral, False)
+    pieces = [stream.feed(ch) for ch in "[THINK]a[/THIN"] + [stream.feed("K]b"), stream.finish()]
+    assert ("".join(r for r, _ in pieces), "".join(c for _, c in pieces)) == ("a", "b")
+    # a template's markers imply its parser: Magistral's system prompt shows both
+    assert template_reasoning_parser("[SYSTEM_PROMPT]Think: [THINK]draft[/THINK]answer"
+                                     "[/SYSTEM_PROMPT]").name == "mistral"
+    assert template_reasoning_parser("{{ '<think>' }}").name == "qwen3"
+    assert template_reasoning_parser("[INST]{{ m }}[/INST]") is None
+    assert not magistral.starts_inside("[THINK]draft[/THINK]answer[INST]hi[/INST]")
 
 
 def test_reasoning_is_split_and_a_call_after_it_is_read(qwen_checkpoint):

@@ -339,27 +339,32 @@ def test_calls_rendered_by_the_real_templates_read_back_and_fit_the_grammar(
 
 
 @pytest.mark.parametrize("inside", [False, True])
-def test_a_reasoning_model_reasons_before_its_constrained_answer(inside, marker_tokenizer):
+@pytest.mark.parametrize("name", ["qwen3", "mistral"])
+def test_a_reasoning_model_reasons_before_its_constrained_answer(name, inside,
+                                                                 marker_tokenizer):
     """With a reasoning parser a constraint holds for the answer: before it, the rest of
-    the reasoning through </think> where the reply starts inside it (DeepSeek-R1's
-    prompts), else an optional think block (Qwen3's)."""
+    the reasoning through its end where the reply starts inside it (DeepSeek-R1's
+    prompts), else an optional think block (Qwen3's). </think> is a token here, so the
+    reasoning may hold other tokens; Magistral's [/THINK] is text here, so it holds text."""
     literals = Literals.of(marker_tokenizer.backend_tokenizer)
-    prefix = reasoning_parser("qwen3").constraint_prefix(inside, literals,
-                                                         [marker_tokenizer.eos_token_id])
+    parser = reasoning_parser(name)
+    prefix = parser.constraint_prefix(inside, literals, [marker_tokenizer.eos_token_id])
     schema = StructuredOutput(json=json.dumps(ADD), prefix=prefix).llguidance_grammar()
     forced = dataclasses.replace(tool_call_parser("hermes").grammar(TOOLS, 1, literals),
                                  prefix=prefix).llguidance_grammar()
-    opened = "" if inside else "<think>"
+    opened, end = "" if inside else parser.start, parser.end
     answer = '{"a":2,"b":3}'
-    for reasoning in ("Add them: </tool_call> {2}.</think>\n\n", "</think>"):
+    for reasoning in (f"Add them: <tool {{2}}.{end}\n\n", end):
         assert admits(schema, opened + reasoning + answer, marker_tokenizer)
     assert admits(schema, answer, marker_tokenizer) is not inside
-    assert not admits(schema, opened + "x</think>\n\nnot json", marker_tokenizer)
-    assert not admits(schema, opened + "x</think></think>" + answer, marker_tokenizer)
-    assert not admits(schema, opened + "x</s>y</think>" + answer, marker_tokenizer)
+    assert admits(schema, f"{opened}a </tool_call> b{end}{answer}", marker_tokenizer) \
+        is (name == "qwen3")
+    assert not admits(schema, f"{opened}x{end}\n\nnot json", marker_tokenizer)
+    assert not admits(schema, f"{opened}x{end}{end}{answer}", marker_tokenizer)
+    assert not admits(schema, f"{opened}x</s>y{end}{answer}", marker_tokenizer)
     call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
-    assert admits(forced, opened + "Plan.</think>\n\n" + call, marker_tokenizer)
-    assert not admits(forced, opened + "Plan.</think>\n\nNo call.", marker_tokenizer)
+    assert admits(forced, f"{opened}Plan.{end}\n\n{call}", marker_tokenizer)
+    assert not admits(forced, f"{opened}Plan.{end}\n\nNo call.", marker_tokenizer)
 
 
 def test_grammars_admit_the_calls_their_parser_reads(checkpoint):
