@@ -209,8 +209,9 @@ class ServerConfig:
     tool_call_parser: str | None = field(default=None, metadata=cli(
         "how this model writes tool calls (hermes: Qwen2.5/Qwen3/Hermes <tool_call> JSON; "
         "llama3_json: Llama 3.1+; mistral: [TOOL_CALLS]; qwen3_coder: Qwen3-Coder/Qwen3.5 "
-        "<function=...>; glm45, glm47: GLM-4.5/4.6, GLM-4.7 <arg_key>); without it only "
-        "tool_choice=none is served", choices=PARSERS))
+        "<function=...>; glm45, glm47: GLM-4.5/4.6, GLM-4.7 <arg_key>; default: the one "
+        "whose format the chat template writes; none: only tool_choice=none is served)",
+        choices=(*PARSERS, "none")))
     max_tool_calls: int = field(default=8, metadata=cli(
         "calls one reply may make when tool_choice is \"required\""))
     reasoning_parser: str | None = field(default=None, metadata=cli(
@@ -269,9 +270,9 @@ class ServerConfig:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
         if self.engine_threads is not None and self.engine_threads < 1:
             raise ConfigError(f"engine_threads={self.engine_threads} must be >= 1")
-        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+        if self.tool_call_parser not in (None, "none", *PARSERS):
             raise ConfigError(f"tool_call_parser={self.tool_call_parser!r}: choose one of "
-                              f"{', '.join(PARSERS)}")
+                              f"{', '.join((*PARSERS, 'none'))}")
         if self.reasoning_parser not in (None, "none", *REASONING_PARSERS):
             raise ConfigError(f"reasoning_parser={self.reasoning_parser!r}: choose one of "
                               f"{', '.join((*REASONING_PARSERS, 'none'))}")

@@ -559,9 +559,10 @@ class ChatCompletionRequest(_Request, ChatRendering):
         if choice == "none":
             return ToolPlan(tools, None, None)
         if parser is None:
-            raise ProtocolError("tool calling needs the server started with --tool-call-parser "
-                                f"({', '.join(PARSERS)}), the format this model writes calls "
-                                "in; or send tool_choice=\"none\"", "tools")
+            raise ProtocolError("tool calling needs to know the format this model writes "
+                                "calls in, which its chat template does not show: start the "
+                                f"server with --tool-call-parser ({', '.join(PARSERS)}); or "
+                                "send tool_choice=\"none\"", "tools")
         parser = parser.for_tools(tools)
         if choice == "auto":
             return ToolPlan(tools, parser, None)

@@ -57,6 +57,7 @@ from lathe.serve.core_messages import EngineSpec, freeze_startup_heap
 from lathe.serve.reasoning import template_reasoning_parser
 from lathe.serve.serving import APIError, Serving, authorize, error_response
 from lathe.serve.structured import Literals
+from lathe.serve.tool_calls import template_tool_call_parser
 
 if TYPE_CHECKING:  # the front end imports no torch: only a `load` brings an engine
     from lathe.serve.engine import LLMEngine
@@ -152,7 +153,12 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
                                                             config.chat_template)
                 ctx.reasoning = ctx.named_reasoning if config.reasoning_parser is not None \
                     else template_reasoning_parser(source)
-                if ctx.tool_parser is not None:
+                if config.tool_call_parser is None:
+                    ctx.tool_parser = template_tool_call_parser(source)
+                    if ctx.tool_parser is not None:
+                        log.info("tool calls read as %s (the chat template's format; "
+                                 "--tool-call-parser names another)", ctx.tool_parser.name)
+                elif ctx.tool_parser is not None:
                     ctx.tool_parser = ctx.tool_parser.for_template(source)
                 template = TemplateWorker(source, special_tokens,
                                           seconds=config.template_seconds)

@@ -63,7 +63,7 @@ class Serving:
         self.metrics = ServerMetrics(lambda: self.engine.stats if self.engine else None,
                                      self.name)
         self.tool_parser: ToolCallParser | None = tool_call_parser(config.tool_call_parser) \
-            if config.tool_call_parser is not None else None
+            if config.tool_call_parser not in (None, "none") else None
         self.named_reasoning: ReasoningParser | None = reasoning_parser(
             config.reasoning_parser) if config.reasoning_parser not in (None, "none") else None
         self.engine: AsyncEngine | None = None

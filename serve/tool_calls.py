@@ -483,6 +483,28 @@ class Glm47Parser(XmlToolCallParser):
                    "</arg_value>", "</tool_call>", "")
 
 
+def template_tool_call_parser(template: str) -> ToolCallParser | None:
+    """The parser whose format a chat template writes calls in, when none is named (as
+    llama.cpp's server reads it off the template): GLM's `<arg_key>` (glm47 where a value
+    follows its key at once), Qwen3-Coder's `<function=`, Mistral's `[TOOL_CALLS]`,
+    Hermes' `<tool_call>` JSON, Llama 3.1's `"parameters"` JSON; None for a template that
+    writes none of them."""
+    if "<arg_key>" in template:
+        name = "glm47" if "</arg_key><arg_value>" in template else "glm45"
+    elif "<function=" in template:
+        name = "qwen3_coder"
+    elif "[TOOL_CALLS]" in template:
+        name = "mistral"
+    elif "<tool_call>" in template:
+        name = "hermes"
+    elif "<|python_tag|>" in template or ('"parameters": ' in template
+                                          and "<|start_header_id|>" in template):
+        name = "llama3_json"
+    else:
+        return None
+    return tool_call_parser(name).for_template(template)
+
+
 def tool_call_parser(name: str) -> ToolCallParser:
     parsers = {parser.name: parser for parser in (
         HermesParser, Llama3JsonParser, MistralParser, Qwen3CoderParser, Glm45Parser,

@@ -163,8 +163,7 @@ def test_content_parts_other_than_text_strings_are_a_400(running, part, named):
 
 
 @pytest.mark.parametrize("field,value,named", [
-    ("tools", [{"type": "function", "function": {"name": "f"}}],
-     "tool calling needs the server started with --tool-call-parser"),
+    ("tools", [{"type": "function", "function": "f"}], "tools[0] must be {\"type\""),
     ("tool_choice", "auto", "tool_choice='auto' needs tools"),
     ("response_format", {"type": "json_schema"}, "response_format.json_schema must be"),
     ("functions", [{"name": "f"}], "functions: function calling"),

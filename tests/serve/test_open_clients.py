@@ -135,24 +135,25 @@ def streamed(client, **request) -> tuple[str, str, list, str, list]:
     return content, reasoning, calls, finish, chunks
 
 
-FORCED = {  # format: (its parser, a template that writes it)
-    "hermes": ("hermes", lambda: plain(CHATML)),
-    "llama3_json": ("llama3_json", lambda: plain(CHATML)),
-    "mistral": ("mistral", lambda: MISTRAL_TOOLS),
-    "mistral_args": ("mistral", lambda: plain(MISTRAL_ARGS)),
-    "qwen3_coder": ("qwen3_coder", lambda: plain(QWEN3_CODER)),
-    "glm45": ("glm45", lambda: plain(GLM4)),
+FORCED = {  # format: (its parser, a template that writes it, --tool-call-parser)
+    "hermes": ("hermes", lambda: plain(CHATML), None),
+    "llama3_json": ("llama3_json", lambda: plain(CHATML), "llama3_json"),
+    "mistral": ("mistral", lambda: MISTRAL_TOOLS, None),
+    "mistral_args": ("mistral", lambda: plain(MISTRAL_ARGS), None),
+    "qwen3_coder": ("qwen3_coder", lambda: plain(QWEN3_CODER), None),
+    "glm45": ("glm45", lambda: plain(GLM4), "glm45"),
 }
 
 
 @pytest.mark.parametrize("form", sorted(FORCED))
 def test_forced_calls_on_added_token_markers_work_for_every_parser(qwen_checkpoint, form):
     """20 seeds, required (one call, then parallel) and named, streamed and not: every
-    reply is calls whose arguments validate (strict `add` takes no extra keys). The calls
-    start at the reply's first token (no reasoning parser: GLM's think blocks are the
-    reasoning tests')."""
-    family, template = FORCED[form]
-    with client_with(qwen_checkpoint, f"{form}.jinja", template(), tool_call_parser=family,
+    reply is calls whose arguments validate (strict `add` takes no extra keys). The parser
+    is the template's format unless named (a template writing <tool_call> serves a
+    llama3_json model here). The calls start at the reply's first token (no reasoning
+    parser: GLM's think blocks are the reasoning tests')."""
+    family, template, named = FORCED[form]
+    with client_with(qwen_checkpoint, f"{form}.jinja", template(), tool_call_parser=named,
                      max_tool_calls=3, reasoning_parser="none") as client:
         for seed in range(20):
             request = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=200,

@@ -19,7 +19,7 @@ from lathe.serve.reasoning import reasoning_parser
 from lathe.serve.structured import Literals, StructuredOutput
 from lathe.serve.tool_calls import ToolStream, tool_call_parser
 from tests.builders import QWEN_REGEX, build_byte_level_tokenizer, serve_model, split_then_bytes
-from tests.data.chat_templates import CHATML, GLM4, MISTRAL_ARGS, plain
+from tests.data.chat_templates import CHATML, GLM4, MISTRAL_ARGS, MISTRAL_NEMO, plain
 from tests.serve.conftest import served, start_server, wait_healthy
 
 ADD = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
@@ -365,6 +365,47 @@ def test_a_reasoning_model_reasons_before_its_constrained_answer(name, inside,
     call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
     assert admits(forced, f"{opened}Plan.{end}\n\n{call}", marker_tokenizer)
     assert not admits(forced, f"{opened}Plan.{end}\n\nNo call.", marker_tokenizer)
+
+
+@pytest.mark.parametrize(("template", "parser"), [
+    ("qwen2_5", "hermes"), ("qwen3", "hermes"), ("qwen3_instruct_2507", "hermes"),
+    ("qwen3_5_think", "qwen3_coder"), ("qwen3_8", "qwen3_coder"),
+    ("nemotron_3_nano", "qwen3_coder"), ("glm4moe", "glm45"), ("llama3_1", "llama3_json"),
+    ("llama3_2", "llama3_json"), ("gemma3", None), ("phi3", None), ("llama3", None),
+    ("deepseekv3", None), ("MISTRAL_ARGS", "mistral"), ("MISTRAL_NEMO", "mistral"),
+    ("GLM47", "glm47"), ("lathe", "hermes")])
+def test_a_template_implies_the_format_it_writes_calls_in(template, parser):
+    """Without --tool-call-parser the server reads calls in the format its chat template
+    writes them (TRL's copies of the families' templates; GLM-4.7's keeps a value next to
+    its key); a template that writes no calls implies none."""
+    from lathe.data.chat import CHAT_TEMPLATE
+    from lathe.serve.tool_calls import template_tool_call_parser
+
+    sources = {"MISTRAL_ARGS": plain(MISTRAL_ARGS), "MISTRAL_NEMO": plain(MISTRAL_NEMO),
+               "GLM47": plain(GLM4).replace("</arg_key>\n<arg_value>",
+                                            "</arg_key><arg_value>"),
+               "lathe": CHAT_TEMPLATE}
+    source = sources[template] if template in sources else trl_template(template)
+    implied = template_tool_call_parser(source)
+    assert (implied.name if implied is not None else None) == parser
+    if template == "MISTRAL_ARGS":
+        assert implied.named_args
+
+
+def test_tools_without_a_format_are_a_400_naming_the_flag():
+    """A template that writes no calls (or --tool-call-parser none) leaves the format
+    unknown: a request with tools is a 400 that names the flag; tool_choice none renders."""
+    from lathe.serve.config import ServerConfig
+    from lathe.serve.protocol import ChatCompletionRequest, ProtocolError
+
+    assert ServerConfig(checkpoint="x", tool_call_parser="none").tool_call_parser == "none"
+    body = ChatCompletionRequest(model="tiny", tools=TOOLS, messages=MESSAGES)
+    with pytest.raises(ProtocolError, match="--tool-call-parser") as raised:
+        body.tool_plan(None, Literals({}), 8)
+    assert raised.value.param == "tools"
+    none = ChatCompletionRequest(model="tiny", tools=TOOLS, tool_choice="none",
+                                 messages=MESSAGES).tool_plan(None, Literals({}), 8)
+    assert none.parser is None and none.tools
 
 
 def test_grammars_admit_the_calls_their_parser_reads(checkpoint):
