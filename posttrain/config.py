@@ -59,14 +59,16 @@ class ToolsConfig:
 
     # registered names (calculator) or package.module:function; empty: no tools
     names: list[str] = field(default_factory=list)
-    parser: str = "hermes"  # how the model writes calls (lathe.serve.tool_calls.PARSERS)
+    # how the model writes calls (lathe.serve.tool_calls.PARSERS); "": its chat template's way
+    parser: str = ""
     max_tool_turns: int = 2  # assistant turns that may call tools; the next must answer
     seconds: float = 5.0  # a call's time limit
     max_chars: int = 4096  # a call's output limit
 
     def __post_init__(self) -> None:
-        if self.parser not in PARSERS:
-            raise ConfigError(f"tools.parser={self.parser!r}: choose one of {', '.join(PARSERS)}")
+        if self.parser not in ("", *PARSERS):
+            raise ConfigError(f"tools.parser={self.parser!r}: choose one of {', '.join(PARSERS)} "
+                              "(or leave it empty for the chat template's format)")
         for name in ("max_tool_turns", "seconds", "max_chars"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"tools.{name}={getattr(self, name)} must be positive")

@@ -29,7 +29,13 @@ from lathe.data.tools import load_tools
 from lathe.posttrain.config import ToolsConfig
 from lathe.serve.engine import LLMEngine
 from lathe.serve.sampling_params import SamplingParams
-from lathe.serve.tool_calls import ToolCall, tool_call_parser
+from lathe.serve.tool_calls import (
+    PARSERS,
+    ToolCall,
+    ToolCallParser,
+    template_tool_call_parser,
+    tool_call_parser,
+)
 
 Tools = list[dict[str, Any]] | None
 
@@ -91,9 +97,21 @@ class EpisodeRunner:
 
     def __init__(self, encoder: ChatEncoder, config: ToolsConfig) -> None:
         self.encoder, self.config = encoder, config
+        self.parser = self._parser(encoder, config) if config.names else None
         self.tools = ToolRunner(load_tools(config.names), config.seconds, config.max_chars) \
             if config.names else None
-        self.parser = tool_call_parser(config.parser) if self.tools is not None else None
+
+    @staticmethod
+    def _parser(encoder: ChatEncoder, config: ToolsConfig) -> ToolCallParser:
+        """`tools.parser`, or the format the chat template writes calls in."""
+        source = encoder.template.source
+        if config.parser:
+            return tool_call_parser(config.parser).for_template(source)
+        implied = template_tool_call_parser(source)
+        if implied is None:
+            raise ConfigError(f"tools: {encoder.name} writes no tool calls in a format lathe "
+                              f"reads; name the model's with tools.parser ({', '.join(PARSERS)})")
+        return implied
 
     def definitions(self) -> Tools:
         """What a prompt without its own `tools` is offered."""

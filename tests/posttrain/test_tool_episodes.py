@@ -230,3 +230,28 @@ def test_a_foreign_template_writing_after_its_end_of_turn_token(tmp_path):
                                  skip_special_tokens=False)
     assert tool_text == "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>" \
         "\n<|im_start|>assistant\n"
+
+
+def test_the_parser_is_the_chat_templates_format_unless_named(base):
+    """tools.parser left empty reads calls as the chat template writes them; a template
+    that writes none is refused by name before a tool process starts."""
+    import pytest
+
+    from lathe.core.errors import ConfigError
+    from lathe.data.chat_encoding import ChatEncoder
+    from lathe.data.chat_template import ChatTemplate
+    from tests.data.chat_templates import GEMMA, QWEN3_CODER, plain
+
+    tokenizer = chat_encoder(base).tokenizer
+
+    def runner(template: str, parser: str = "") -> EpisodeRunner:
+        encoder = ChatEncoder(tokenizer, ChatTemplate(plain(template), {}), "the template")
+        return EpisodeRunner(encoder, ToolsConfig(names=[COUNTER], parser=parser))
+
+    for template, parser, expected in ((QWEN3_CODER, "", "qwen3_coder"),
+                                       (QWEN3_CODER, "hermes", "hermes")):
+        episodes = runner(template, parser)
+        assert episodes.parser.name == expected
+        episodes.close()
+    with pytest.raises(ConfigError, match="tools.parser"):
+        runner(GEMMA)
