@@ -67,11 +67,12 @@ class QuantScheme:
 
 def read_quant_scheme(path: str | Path) -> QuantScheme | None:
     """The weight quantization of a checkpoint folder's config.json, or None for a
-    full-precision checkpoint; a scheme lathe cannot serve exactly is a CheckpointError
-    naming the field, its value and what lathe serves instead."""
+    checkpoint loaded in full precision (a plain one, or an FP8 one read back to it); a
+    scheme lathe cannot serve exactly is a CheckpointError naming the field, its value and
+    what lathe serves instead."""
     file = checkpoint_file(path, CONFIG_FILE)
     quant = read_json_object(file).get("quantization_config")
-    if quant is None:
+    if quant is None or isinstance(quant, dict) and quant.get("quant_method") == "fp8":
         return None
 
     def refuse(field: str, value: Any, why: str) -> CheckpointError:
