@@ -1,6 +1,6 @@
 """The Responses API's stored responses: what `store` keeps, `previous_response_id`
-continues, and GET / DELETE /v1/responses/{id} read and remove — in the server's memory,
-bounded.
+continues, GET / DELETE /v1/responses/{id} read and remove and GET
+/v1/responses/{id}/input_items lists — in the server's memory, bounded.
 
 Each entry is one response with its own input items (the ones its request sent, without
 the instructions, which OpenAI does not carry over) and the id of the response it

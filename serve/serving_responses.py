@@ -10,8 +10,9 @@ message and each function call, or streamed as the Responses events (`response.c
 
 A response is stored unless the request says `store: false` (or the server keeps none,
 `--responses-store 0`): `previous_response_id` continues it — the chain's input and output
-items come before the request's input, its instructions do not carry over — and GET /
-DELETE /v1/responses/{id} read and remove it (`lathe.serve.response_store`). `background`
+items come before the request's input, its instructions do not carry over — GET /
+DELETE /v1/responses/{id} read and remove it (`lathe.serve.response_store`), and GET
+/v1/responses/{id}/input_items lists the request's own items, each with an id. `background`
 is refused with the reason. Only function tools are served, and only text comes in and
 goes out. vLLM's sampling extensions (`seed`, `top_k`,
 `structured_outputs`, `chat_template_kwargs`, ...) pass through to the chat route.
@@ -109,6 +110,29 @@ def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
     """The request's input as items (a string is one user message)."""
     return [{"type": "message", "role": "user", "content": body.input}] \
         if isinstance(body.input, str) else body.input
+
+
+ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                 "reasoning": "rs"}
+
+
+def listed_items(items: list[dict[str, Any]], response_id: str) -> list[dict[str, Any]]:
+    """A request's input items as OpenAI lists them back: each with an id (the client's,
+    or one of its own) and a message's text as a content part."""
+    listed = []
+    suffix = response_id.removeprefix("resp_")
+    for index, item in enumerate(items):
+        kind = item.get("type", "message")
+        item = {"type": kind, "id": f"{ITEM_PREFIXES.get(kind, 'item')}_{suffix}_in{index}",
+                **item}
+        if kind == "message":
+            item.setdefault("status", "completed")
+            if isinstance(item.get("content"), str):
+                part = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": part, "text": item["content"],
+                                    **({"annotations": []} if part == "output_text" else {})}]
+        listed.append(item)
+    return listed
 
 
 def chat_messages(instructions: str | None, items: list[dict[str, Any]], first: int = 0
@@ -427,6 +451,30 @@ async def retrieve(response_id: str, request: Request) -> JSONResponse:
     return JSONResponse(_stored(request, response_id).response)
 
 
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, request: Request, limit: str = "20",
+                           order: str = "desc", after: str | None = None) -> JSONResponse:
+    """The response's input items, newest first unless `order` is asc, `limit` a page
+    (1 to 100) after the item `after`, as OpenAI's list."""
+    if not (limit.isdigit() and 1 <= int(limit) <= 100):
+        raise _refuse(f"limit={limit!r} must be a whole number from 1 to 100", "limit")
+    if order not in ("asc", "desc"):
+        raise _refuse(f"order={order!r} is not asc or desc", "order")
+    items = _stored(request, response_id).input_items
+    ordered = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise _refuse(f"after={after!r} is not an input item of {response_id}", "after")
+        start = ids.index(after) + 1
+    page = ordered[start:start + int(limit)]
+    return JSONResponse({"object": "list", "data": page,
+                         "first_id": page[0]["id"] if page else None,
+                         "last_id": page[-1]["id"] if page else None,
+                         "has_more": start + int(limit) < len(ordered)})
+
+
 @router.delete("/v1/responses/{response_id}")
 async def delete(response_id: str, request: Request) -> JSONResponse:
     _stored(request, response_id)
@@ -444,7 +492,8 @@ async def responses(body: ResponsesRequest, request: Request) -> Response:
 
     def kept(response: dict[str, Any]) -> dict[str, Any]:
         if keep:
-            store.put(response, items, body.previous_response_id)
+            store.put(response, listed_items(items, response["id"]),
+                      body.previous_response_id)
         return response
 
     answer = await chat_completions(chat_body, request)

@@ -200,6 +200,34 @@ def test_stored_responses_continue_read_and_delete_as_openais_do(client):
         client.responses.retrieve(whole.id)
 
 
+def test_a_stored_responses_input_items_list_as_openais_do(client):
+    """GET /v1/responses/{id}/input_items: the request's own items (not the chain's), each
+    with an id (the client's where it gave one) and its text as a content part; newest
+    first, or oldest with order=asc; pages of `limit` after an item, which the official
+    client walks through; a bad limit is a 400 naming it, an unknown response a 404."""
+    first = client.responses.create(model="tiny", input="Hi", max_output_tokens=2)
+    sent = [{"role": "user", "content": "One"},
+            {"type": "message", "role": "assistant", "content": "Two", "id": "msg_mine"},
+            {"role": "user", "content": [{"type": "input_text", "text": "Three"}]}]
+    second = client.responses.create(model="tiny", input=sent, max_output_tokens=2,
+                                     previous_response_id=first.id)
+    listed = client.responses.input_items.list(second.id)
+    texts = [item.content[0].text for item in listed.data]
+    assert texts == ["Three", "Two", "One"] and not listed.has_more
+    assert listed.data[1].id == "msg_mine" and listed.data[1].role == "assistant"
+    assert len({item.id for item in listed.data}) == 3
+    pages = client.responses.input_items.list(second.id, order="asc", limit=1)
+    assert [item.content[0].text for item in pages] == ["One", "Two", "Three"]  # 3 pages
+    assert pages.has_more and pages.last_id == pages.data[0].id
+    assert [item.content[0].text for item in client.responses.input_items.list(
+        first.id).data] == ["Hi"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.input_items.list(second.id, limit=0)
+    assert caught.value.body["param"] == "limit"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_missing")
+
+
 def test_streaming_with_and_without_the_usage_chunk(client):
     kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Tell me"}],
                   max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
