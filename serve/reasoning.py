@@ -57,9 +57,9 @@ class ReasoningParser:
                           eos_token_ids: Iterable[int]) -> str:
         """The start of a grammar that constrains only a reply's answer (`@answer`), as
         vLLM applies structured outputs once the reasoning ends: the reasoning's rest
-        through its end (`</think>`) where the reply starts inside it, else an optional think block;
-        then any whitespace. Where the end is a token the reasoning may hold any token
-        but it and the end of the sequence; where it is text, text only."""
+        through its end (`</think>`) where the reply starts inside it, else an optional
+        think block; then any whitespace. Where the end is a token the reasoning may hold
+        any token but it and the end of the sequence; where it is text, text only."""
         end = literals.added.get(self.end)
         if end is None:
             text, rules = text_until(self.end, literals, "REASONING")

@@ -184,7 +184,7 @@ class ToolCallParser:
                                    self.arguments_key: arguments_schema(t["function"])}}
                    for t in tools]
         schema = options[0] if len(options) == 1 else {"anyOf": options}
-        return compact_json(schema)
+        return tojson_schema(schema)
 
 
 def arguments_schema(function: dict[str, Any]) -> Any:
@@ -193,7 +193,7 @@ def arguments_schema(function: dict[str, Any]) -> Any:
     return strict_schema(schema) if function.get("strict") else schema
 
 
-def compact_json(schema: Any) -> str:
+def tojson_schema(schema: Any) -> str:
     """`schema` for a grammar's `%json`, spaced as the templates' `tojson` (Python's
     `json.dumps`) writes it and in no other way: a model may not pad a call with whitespace
     until max_tokens."""
@@ -304,7 +304,7 @@ class MistralParser(ToolCallParser):
                 literals: Literals) -> StructuredOutput:
         if self.named_args:
             rules = [f"call_{i}: {literals('[TOOL_CALLS]' + t['function']['name'] + '[ARGS]')}"
-                     f" %json {compact_json(arguments_schema(t['function']))}"
+                     f" %json {tojson_schema(arguments_schema(t['function']))}"
                      for i, t in enumerate(tools)]
             return StructuredOutput(grammar=(
                 f"start: call{{1,{max_calls}}}\n"
@@ -462,7 +462,7 @@ class XmlToolCallParser(ToolCallParser):
                 (["null", "None"] if "null" in kinds else [])
             return f"({' | '.join(json.dumps(w) for w in words)}) {tail}"
         shared = {k: parameters[k] for k in ("$defs", "definitions") if k in parameters}
-        return f"%json {compact_json({**shared, **schema})} {tail}"
+        return f"%json {tojson_schema({**shared, **schema})} {tail}"
 
 
 class Qwen3CoderParser(XmlToolCallParser):
