@@ -5,7 +5,9 @@ float8 beside a `weight_scale_inv` holding one float32 scale per block of
 back to full precision, each weight times its block's scale, as transformers does where
 there is no FP8 GPU — so lathe serves, fine-tunes and exports such a checkpoint (an export
 is then full precision). Weights the checkpoint left unquantized (embeddings, norms,
-often the LM head) are read as they are."""
+often the LM head) are read as they are. The activations are not quantized: the config's
+`activation_scheme: "dynamic"` describes vLLM's FP8 kernels, which round each token's
+inputs to FP8 as they multiply; transformers' read-back leaves that out as well."""
 
 from __future__ import annotations
 
