@@ -58,8 +58,9 @@ class ReasoningParser:
         """The start of a grammar that constrains only a reply's answer (`@answer`), as
         vLLM applies structured outputs once the reasoning ends: the reasoning's rest
         through its end (`</think>`) where the reply starts inside it, else an optional
-        think block; then any whitespace. Where the end is a token the reasoning may hold
-        any token but it and the end of the sequence; where it is text, text only."""
+        think block (after whitespace or not); then any whitespace. Where the end is a
+        token the reasoning may hold any token but it and the end of the sequence; where
+        it is text, text only."""
         end = literals.added.get(self.end)
         if end is None:
             text, rules = text_until(self.end, literals, "REASONING")
@@ -68,7 +69,8 @@ class ReasoningParser:
             text = f"reasoning <[{end}]>"
             rules = f"reasoning: (REASONING | <[^{excluded}]>)*\nREASONING: /(.|\\n)+/"
         block = f"{text} SPACE?"
-        start = block if inside else f"({literals(self.start)} {block})?"
+        # GLM-4.5 opens its think block after a newline
+        start = block if inside else f"(SPACE? {literals(self.start)} {block})?"
         return f"start: {start} @answer\n{rules}\nSPACE: /[ \\t\\r\\n]+/\n"
 
 

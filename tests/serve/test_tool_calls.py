@@ -364,6 +364,7 @@ def test_a_reasoning_model_reasons_before_its_constrained_answer(name, inside,
     assert not admits(schema, f"{opened}x</s>y{end}{answer}", marker_tokenizer)
     call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
     assert admits(forced, f"{opened}Plan.{end}\n\n{call}", marker_tokenizer)
+    assert admits(forced, f"\n{opened}Plan.{end}\n{call}", marker_tokenizer)  # GLM's way
     assert not admits(forced, f"{opened}Plan.{end}\n\nNo call.", marker_tokenizer)
 
 
