@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -32,8 +33,17 @@ HELP = "commands: /reset (forget the conversation), /system TEXT (set the system
 MAX_TOOL_TURNS = 4
 
 
+@dataclass(frozen=True)
+class Aside:
+    """Text a reply shows but the conversation does not keep: a server's reasoning, the
+    calls a reply makes."""
+
+    text: str
+
+
 class ChatBackend(Protocol):
-    def reply(self, messages: list[dict[str, str]], sampling: dict[str, Any]) -> Iterator[str]:
+    def reply(self, messages: list[dict[str, str]], sampling: dict[str, Any]
+              ) -> Iterator[str | Aside]:
         ...
 
 
@@ -43,7 +53,8 @@ class LocalChat:
         self.engine = LLMEngine.from_checkpoint(checkpoint, quantize=quantize, dtype=dtype)
         self.encoder = chat_encoder(checkpoint, chat_template, tokenizer=self.engine.tokenizer)
 
-    def reply(self, messages: list[dict[str, str]], sampling: dict[str, Any]) -> Iterator[str]:
+    def reply(self, messages: list[dict[str, str]], sampling: dict[str, Any]
+              ) -> Iterator[str | Aside]:
         prompt = self.encoder.prompt(messages)
         room = self.engine.max_model_len - len(prompt)
         fields = with_defaults(sampling, self.engine.sampling_defaults)  # as `lathe serve`
@@ -60,7 +71,8 @@ class LocalChat:
 class RemoteChat:
     """`tools`: OpenAI tool definitions sent with every request; the calls the model makes
     are shown as `[tool call NAME(ARGUMENTS)]` and kept in `calls` (OpenAI's form) for the
-    caller to run."""
+    caller to run. A reasoning model's `reasoning_content` is shown as it streams, after
+    `[thinking] `, and left out of the conversation."""
 
     def __init__(self, url: str, api_key: str | None = None, model: str | None = None,
                  tools: list[dict[str, Any]] | None = None) -> None:
@@ -75,7 +87,8 @@ class RemoteChat:
         _raise_for_error(response)
         return response.json()["data"][0]["id"]
 
-    def reply(self, messages: list[dict[str, str]], sampling: dict[str, Any]) -> Iterator[str]:
+    def reply(self, messages: list[dict[str, str]], sampling: dict[str, Any]
+              ) -> Iterator[str | Aside]:
         body = {"model": self.model, "messages": messages, "stream": True, **sampling}
         if self.tools:
             body["tools"] = self.tools
@@ -85,6 +98,7 @@ class RemoteChat:
             if response.status_code != 200:
                 response.read()
                 _raise_for_error(response)
+            thinking = False
             for line in response.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -92,13 +106,21 @@ class RemoteChat:
                 if "error" in event:  # the request failed after the stream opened
                     raise RuntimeError(f"server error: {event['error']['message']}")
                 for choice in event["choices"]:
-                    yield choice["delta"].get("content") or ""
-                    for call in choice["delta"].get("tool_calls") or []:
+                    delta = choice["delta"]
+                    if delta.get("reasoning_content"):
+                        yield Aside(("" if thinking else "[thinking] ")
+                                    + delta["reasoning_content"])
+                        thinking = True
+                    if thinking and (delta.get("content") or delta.get("tool_calls")):
+                        yield Aside("\n")
+                        thinking = False
+                    yield delta.get("content") or ""
+                    for call in delta.get("tool_calls") or []:
                         function = call.get("function", {})
                         self.calls.append({"type": "function", "id": call.get("id"),
                                            "function": function})
-                        yield (f"\n[tool call {function.get('name')}"
-                               f"({function.get('arguments', '')})]")
+                        yield Aside(f"\n[tool call {function.get('name')}"
+                                    f"({function.get('arguments', '')})]")
 
 
 def _raise_for_error(response: httpx.Response) -> None:
@@ -118,9 +140,12 @@ def say(backend: ChatBackend, messages: list[dict[str, Any]], sampling: dict[str
     added: list[dict[str, Any]] = []
     for _ in range(MAX_TOOL_TURNS + 1):
         parts = []
-        for text in backend.reply(messages + added, sampling):
-            parts.append(text)
-            write(text)
+        for piece in backend.reply(messages + added, sampling):
+            if isinstance(piece, Aside):
+                write(piece.text)
+            else:
+                parts.append(piece)
+                write(piece)
         calls = getattr(backend, "calls", []) if tools is not None else []
         if not calls:
             added.append({"role": "assistant", "content": "".join(parts)})

@@ -314,6 +314,19 @@ def test_reasoning_is_split_and_a_call_after_it_is_read(qwen_checkpoint):
                                              "include_reasoning": False}})
             assert "reasoning_content" not in hidden.choices[0].message.model_extra or \
                 hidden.choices[0].message.model_extra["reasoning_content"] is None
+        # `lathe chat URL` shows the reasoning as it streams and keeps the answer alone
+        from lathe.serve.chat import RemoteChat, say
+        written: list[str] = []
+        sampling = {"max_tokens": 40, "seed": 0, "temperature": 1.0,
+                    "logit_bias": {str(end): 5}, "ignore_eos": True}
+        added = say(RemoteChat(url, model="tiny"), MESSAGES, sampling, written.append)
+        answer = client.chat.completions.create(model="tiny", messages=MESSAGES, **{
+            k: v for k, v in sampling.items() if k != "ignore_eos"},
+            extra_body={"ignore_eos": True}).choices[0].message
+        shown = "".join(written)
+        assert shown.startswith("[thinking] " + answer.model_extra["reasoning_content"] + "\n")
+        assert added == [{"role": "assistant", "content": answer.content}] and answer.content
+        assert shown.endswith(answer.content)
 
 
 def test_qwen3_templates_imply_the_reasoning_parser(qwen_checkpoint):
