@@ -485,3 +485,45 @@ def test_forcing_a_call_to_tools_past_the_grammar_limit_is_a_400_naming_tools():
     with pytest.raises(ProtocolError, match="tools: the grammar that forces a call") as raised:
         body.tool_plan(tool_call_parser("hermes"), Literals({}), 8)
     assert raised.value.param == "tools"
+
+
+FRAGMENTS = ["<tool_call>", "</tool_call>", "\n", " ", "<function=add>", "</function>",
+             "<parameter=a>", "<parameter=word>", "</parameter>", "<arg_key>", "</arg_key>",
+             "<arg_value>", "</arg_value>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[", "]",
+             "<|python_tag|>", '{"name": "add", "arguments": {"a": 2, "b": 3}}',
+             '{"name": "shout", "parameters": {"word": "hi"}}', '{"a": 1', "}", ";", ",",
+             "add", "shout", "2", "hi", "True", "null", "é\U0001f600", "\\", '"', "<", ">"]
+
+
+@pytest.mark.parametrize("form", sorted(CALLS))
+def test_no_output_crashes_a_parser_and_a_stream_adds_up_to_the_whole(form):
+    """Hostile model output, made of every format's markers and fragments: each parser
+    reads it without raising, whole or cut (max_tokens), and what a stream shows plus what
+    it returns at the end is what the whole reply gives."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    parser = parser_of(form)
+    text = CALLS[form][1]  # the format's own calls, whole, halved and line by line
+    example = text[min(text.index(m) for m in parser.markers if m in text):]
+    own = [example] * 30 + [example[:len(example) // 2], example[len(example) // 2:]] * 8 \
+        + example.split("\n")
+
+    @settings(max_examples=150, deadline=None, derandomize=True, database=None)
+    @given(st.lists(st.sampled_from(FRAGMENTS + own), max_size=8), st.integers(1, 9),
+           st.booleans())
+    def check(pieces, chunk, truncated):
+        text = "".join(pieces)
+        content, calls = parser.split(text, truncated)
+        assert (content, calls) == (text, []) or calls
+        for call in calls:
+            assert isinstance(json.loads(call.arguments), dict)
+        stream = ToolStream(parser)
+        shown = "".join(stream.feed(text[i:i + chunk]) for i in range(0, len(text), chunk))
+        rest, streamed = stream.finish(truncated)
+        assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments)
+                                                              for c in calls]
+        assert shown + rest == (content if calls else text) or \
+            (calls and (shown + rest).rstrip() == content.rstrip())
+
+    check()
