@@ -319,6 +319,12 @@ def test_calls_rendered_by_the_real_templates_read_back_and_fit_the_grammar(
             add_generation_prompt=prompt, enable_thinking=False)
     whole, prompt = render(messages, False), render(messages[:1], True)
     assert whole.startswith(prompt)
+    # lathe's renderer (the server's and the trainers') writes the calls as transformers does
+    from lathe.data.chat_template import ChatTemplate
+    from lathe.data.messages import normalize_message, normalize_tools
+    assert ChatTemplate(source, {"bos_token": "<s>", "eos_token": "</s>"}).render(
+        [normalize_message(m, "m") for m in messages], False, normalize_tools(TYPED, "tools"),
+        enable_thinking=False) == whole
     reply = whole[len(prompt):]
     reply = reply[:reply.rindex(end)] if end else reply
     reply = reply.split("</think>")[-1]
