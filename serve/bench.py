@@ -718,13 +718,22 @@ def grammar_library_rows(checkpoint: Path, vocab: int) -> list[str]:
 
     import llguidance.torch
     from llguidance import LLMatcher, LLTokenizer
+
+    from lathe.serve.reasoning import reasoning_parser
+    from lathe.serve.structured import Literals, StructuredOutput
     ll_tokenizer = LLTokenizer(tokenizer.to_str(), n_vocab=vocab, eos_token=eos)
     grammar = LLMatcher.grammar_from_json_schema(json.dumps(BENCH_SCHEMA),
                                                  defaults={"whitespace_flexible": False})
-    rows = [row("llguidance", *walk(
-        lambda: LLMatcher(ll_tokenizer, grammar, log_level=0),
+    # the same schema after a reasoning block, the reply inside it (as a thinking model's
+    # is): masks of the reasoning's free text, which lathe allows before a constraint
+    after_reasoning = StructuredOutput(json=json.dumps(BENCH_SCHEMA), prefix=reasoning_parser(
+        "qwen3").constraint_prefix(True, Literals.of(tokenizer), eos)).llguidance_grammar()
+    rows = [row(name, *walk(
+        lambda grammar=grammar: LLMatcher(ll_tokenizer, grammar, log_level=0),
         lambda m, b: llguidance.torch.fill_next_token_bitmask(m, b, 0),
-        lambda m, t: m.consume_token(t)))]
+        lambda m, t: m.consume_token(t)))
+        for name, grammar in (("llguidance", grammar),
+                              ("llguidance, after reasoning", after_reasoning))]
     try:
         import xgrammar
         from transformers import PreTrainedTokenizerFast
