@@ -18,7 +18,13 @@ from lathe.model import load_checkpoint, save_checkpoint
 from lathe.serve.reasoning import reasoning_parser
 from lathe.serve.structured import Literals, StructuredOutput
 from lathe.serve.tool_calls import ToolStream, tool_call_parser
-from tests.builders import QWEN_REGEX, build_byte_level_tokenizer, serve_model, split_then_bytes
+from tests.builders import (
+    QWEN_REGEX,
+    build_byte_level_tokenizer,
+    build_sentencepiece_tokenizer,
+    serve_model,
+    split_then_bytes,
+)
 from tests.data.chat_templates import CHATML, GLM4, MISTRAL_ARGS, MISTRAL_NEMO, plain
 from tests.serve.conftest import served, start_server, wait_healthy
 
@@ -274,12 +280,20 @@ TEMPLATES = {"qwen3_coder": [("qwen3_5_nothink", "<|im_end|>"), ("qwen3_6", "<|i
              "mistral": [("MISTRAL_ARGS", "</s>")]}
 
 
-@pytest.fixture(scope="module")
-def marker_tokenizer(tmp_path_factory):
-    """A byte-level tokenizer whose added tokens are the families' markers, as theirs are."""
+@pytest.fixture(scope="module", params=["byte-level", "sentencepiece"])
+def marker_tokenizer(request, tmp_path_factory):
+    """A tokenizer whose added tokens are the families' markers, as theirs are: Qwen's and
+    GLM's byte-level shape, or Gemma's and Mistral's SentencePiece one (byte fallback)."""
+    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
-    folder = build_byte_level_tokenizer(tmp_path_factory.mktemp("markers"),
-                                        split_then_bytes(QWEN_REGEX), MARKERS, [], {})
+    folder = tmp_path_factory.mktemp("markers")
+    if request.param == "byte-level":
+        build_byte_level_tokenizer(folder, split_then_bytes(QWEN_REGEX), MARKERS, [], {})
+    else:
+        build_sentencepiece_tokenizer(folder, prepend=False)
+        tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        tokenizer.add_special_tokens(MARKERS)
+        tokenizer.save(str(folder / "tokenizer.json"))
     return PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"),
                                    bos_token="<s>", eos_token="</s>")
 
