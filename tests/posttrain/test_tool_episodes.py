@@ -48,8 +48,8 @@ class Scripted(Transformer):
         return out._replace(logits=logits)
 
 
-def setup(base, names, max_tool_turns=2):
-    encoder = chat_encoder(base)
+def setup(base, names, max_tool_turns=2, template=None):
+    encoder = chat_encoder(base, template)
     vocab = encoder.tokenizer.get_vocab_size(with_added_tokens=True)
     eos = read_eos_ids(base, vocab)
     torch.manual_seed(0)
@@ -255,3 +255,51 @@ def test_the_parser_is_the_chat_templates_format_unless_named(base):
         episodes.close()
     with pytest.raises(ConfigError, match="tools.parser"):
         runner(GEMMA)
+
+
+JSON_CALL = ("{{ '<tool_call>\\n{\\\"name\\\": ' + call['name'] | tojson + "
+             "', \\\"arguments\\\": ' }}"
+             "{{ call['arguments'] if call['arguments'] is string "
+             "else call['arguments'] | tojson }}"
+             "{{ '}\\n</tool_call>' }}")
+XML_CALL = ("{{ '<tool_call>\\n<function=' + call['name'] + '>\\n' }}"
+            "{% for key, value in call['arguments'].items() %}"
+            "{{ '<parameter=' + key + '>\\n' + (value if value is string else value | tojson) "
+            "+ '\\n</parameter>\\n' }}{% endfor %}"
+            "{{ '</function>\\n</tool_call>' }}")
+
+
+def test_an_episode_reads_calls_in_its_templates_markup(base, tmp_path):
+    """lathe's template with calls written as Qwen3-Coder's markup: with tools.parser left
+    empty the episode reads the model's call in it, its parameter typed by the tool's
+    schema (41, the integer the counter takes, not "41"), and the episode is the
+    template's rendering token for token."""
+    from lathe.data.chat import CHAT_TEMPLATE
+
+    assert JSON_CALL in CHAT_TEMPLATE
+    template = tmp_path / "markup.jinja"
+    template.write_text(CHAT_TEMPLATE.replace(JSON_CALL, XML_CALL))
+    encoder, model, engine, runner, eot = setup(base, [COUNTER], template=template)
+    assert runner.parser.name == "qwen3_coder"
+    tools = [load_tool(COUNTER).definition]
+    question = [{"role": "user", "content": "Count on from 41."}]
+    prompt = encoder.prompt(question, tools)
+    turn1 = encoder.encode("<tool_call>\n<function=counter>\n<parameter=start>\n41\n"
+                           "</parameter>\n</function>\n</tool_call>") + [eot]
+    call = {"type": "function", "id": "call_1_0",
+            "function": {"name": "counter", "arguments": {"start": 41}}}
+    conversation = question + [{"role": "assistant", "tool_calls": [call]},
+                               {"role": "tool", "tool_call_id": "call_1_0", "name": "counter",
+                                "content": "42"}]
+    before_answer = encoder.prompt(conversation, tools)
+    turn2 = encoder.encode("It is 42.") + [eot]
+    model.write(len(prompt) - 1, turn1)
+    model.write(len(before_answer) - 1, turn2)
+    [[episode]] = runner.run(engine, [EpisodePrompt(prompt, question, tools)],
+                             [SamplingParams(max_tokens=200, temperature=0)])
+    full = conversation + [{"role": "assistant", "content": "It is 42."}]
+    assert episode.messages == full
+    assert prompt + episode.completion_ids == encoder.encode(
+        encoder.render(full, tools, add_generation_prompt=False))
+    assert (episode.answer, episode.tool_calls, episode.tool_errors) == ("It is 42.", 1, 0)
+    runner.close()
