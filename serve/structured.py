@@ -74,8 +74,10 @@ class StructuredOutput:
         grammar = self._constraint()
         if self.prefix is None:
             return grammar
-        inner = json.loads(grammar)["grammars"] if grammar.startswith("{") else \
-            [{"lark_grammar": grammar}]
+        try:  # llguidance's grammar JSON (a schema's, a regex's), or Lark text
+            inner = json.loads(grammar)["grammars"]
+        except (json.JSONDecodeError, TypeError, KeyError):
+            inner = [{"lark_grammar": grammar}]
         return json.dumps({"grammars": [{"lark_grammar": self.prefix},
                                         {**inner[0], "name": "answer"}, *inner[1:]]})
 

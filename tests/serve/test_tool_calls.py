@@ -382,6 +382,12 @@ def test_a_reasoning_model_reasons_before_its_constrained_answer(name, inside,
     assert not admits(schema, f"{opened}x{end}\n\nnot json", marker_tokenizer)
     assert not admits(schema, f"{opened}x{end}{end}{answer}", marker_tokenizer)
     assert not admits(schema, f"{opened}x</s>y{end}{answer}", marker_tokenizer)
+    for other, said in ((StructuredOutput(choice=("yes", "no"), prefix=prefix), "no"),
+                        (StructuredOutput(regex="[0-9]{2}", prefix=prefix), "42"),
+                        (StructuredOutput(grammar='start: "ok"', prefix=prefix), "ok")):
+        grammar = other.llguidance_grammar()
+        assert admits(grammar, f"{opened}Hm.{end} {said}", marker_tokenizer)
+        assert not admits(grammar, f"{opened}Hm.{end} maybe", marker_tokenizer)
     call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
     assert admits(forced, f"{opened}Plan.{end}\n\n{call}", marker_tokenizer)
     assert admits(forced, f"\n{opened}Plan.{end}\n{call}", marker_tokenizer)  # GLM's way
