@@ -48,6 +48,7 @@ from typing import Any
 from lathe.serve.structured import Literals, StructuredOutput, text_until
 
 PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder", "glm45", "glm47")
+_SPACE = re.compile(r"\s*")
 
 
 @dataclass
@@ -147,8 +148,8 @@ class ToolCallParser:
     def opening(self, text: str) -> int | None:
         """Where the calls begin in `text`, if they do."""
         if self.at_start:
-            stripped = len(text) - len(text.lstrip())
-            return stripped if text.lstrip().startswith(self.markers) else None
+            stripped = _SPACE.match(text).end()
+            return stripped if text.startswith(self.markers, stripped) else None
         found = [i for i in (text.find(m) for m in self.markers) if i >= 0]
         return min(found) if found else None
 
@@ -156,8 +157,8 @@ class ToolCallParser:
         """How many trailing characters of `text` may be the start of a marker (kept from
         the stream until the next token decides)."""
         if self.at_start:
-            return len(text) if not text.strip() or any(
-                m.startswith(text.lstrip()) for m in self.markers) else 0
+            head = text[_SPACE.match(text).end():]
+            return len(text) if any(m.startswith(head) for m in self.markers) else 0
         return max((k for m in self.markers for k in range(1, len(m))
                     if text.endswith(m[:k])), default=0)
 
@@ -517,26 +518,37 @@ def tool_call_parser(name: str) -> ToolCallParser:
 class ToolStream:
     """One streamed choice's text, split as it arrives: `feed` returns what the client may
     see now (nothing of a call, nor of what may yet open one); `finish` returns the rest
-    of the text and the calls."""
+    of the text and the calls. Only the text not yet sent is searched for a marker (what
+    may start one is held back), so a long reply costs its length once."""
 
     def __init__(self, parser: ToolCallParser) -> None:
-        self.parser, self.text, self.sent, self.in_calls = parser, "", 0, False
+        self.parser = parser
+        self.sent: list[str] = []  # what the client was given
+        self.held = ""  # what may still open calls
+        self.calls: list[str] | None = None  # the text from the first marker on
 
     def feed(self, delta: str) -> str:
-        self.text += delta
-        if self.in_calls:
+        if self.calls is not None:
+            self.calls.append(delta)
             return ""
-        start = self.parser.opening(self.text)
-        if start is not None:
-            self.in_calls = True
-            out, self.sent = self.text[self.sent:start], start
-            return out
-        end = len(self.text) - self.parser.held_back(self.text)
-        out, self.sent = self.text[self.sent:max(end, self.sent)], max(end, self.sent)
+        self.held += delta
+        if self.parser.at_start and self.sent:  # the reply began with text: no calls
+            out, self.held = self.held, ""
+        else:
+            start = self.parser.opening(self.held)
+            if start is not None:
+                out, self.calls, self.held = self.held[:start], [self.held[start:]], ""
+            else:
+                end = len(self.held) - self.parser.held_back(self.held)
+                out, self.held = self.held[:end], self.held[end:]
+        if out:
+            self.sent.append(out)
         return out
 
     def finish(self, truncated: bool = False) -> tuple[str, list[ToolCall]]:
-        content, calls = self.parser.split(self.text, truncated)
+        sent = "".join(self.sent)
+        text = sent + (self.held if self.calls is None else "".join(self.calls))
+        content, calls = self.parser.split(text, truncated)
         if calls:
-            return content[self.sent:] if len(content) > self.sent else "", calls
-        return self.text[self.sent:], []
+            return content[len(sent):] if len(content) > len(sent) else "", calls
+        return text[len(sent):], []
