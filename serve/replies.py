@@ -60,23 +60,23 @@ class ReplyStream:
         self.thinking = ReasoningStream(form.reasoning, form.starts_inside) \
             if form.reasoning is not None else None
         self.calls = ToolStream(form.tools) if form.tools is not None else None
-        self._reasoning = ""
+        self._reasoning: list[str] = []  # joined when asked: a long think costs it once
 
     @property
     def reasoning(self) -> str | None:
-        return self._reasoning if self.thinking is not None and self.thinking.reasoned \
-            else None
+        return "".join(self._reasoning) if self.thinking is not None and \
+            self.thinking.reasoned else None
 
     def feed(self, delta: str) -> tuple[str, str]:
         reasoning, content = self.thinking.feed(delta) if self.thinking else ("", delta)
-        self._reasoning += reasoning
+        self._reasoning.append(reasoning)
         if self.calls is not None:
             content = self.calls.feed(content)
         return reasoning, content
 
     def finish(self, finish_reason: str | None) -> Reply:
         reasoning, content = self.thinking.finish() if self.thinking else ("", "")
-        self._reasoning += reasoning
+        self._reasoning.append(reasoning)
         calls: list[ToolCall] = []
         if self.calls is not None:
             content = self.calls.feed(content)
