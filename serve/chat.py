@@ -2,8 +2,9 @@
 
 Both back ends take the conversation so far and yield the reply's text as it is
 generated: `LocalChat` runs an `LLMEngine` in-process through the checkpoint's chat
-template, `RemoteChat` reads Server-Sent Events from `/v1/chat/completions`. The loop
-keeps the history and understands `/reset`, `/system TEXT` and `/quit`.
+template, `RemoteChat` reads Server-Sent Events from `/v1/chat/completions`. A reasoning
+model's thinking is shown as it comes (after `[thinking] `) but only its answer is kept.
+The loop keeps the history and understands `/reset`, `/system TEXT` and `/quit`.
 
 With tools to run (`lathe chat URL --tool calculator`), a reply that calls them is answered
 as an OpenAI client would: the calls run here (`lathe.data.tool_runner`, bounded child
@@ -26,6 +27,7 @@ from lathe.data.chat_encoding import chat_encoder
 from lathe.data.tool_runner import ToolRunner
 from lathe.serve.config import QuantMode
 from lathe.serve.engine import LLMEngine
+from lathe.serve.reasoning import ReasoningStream, template_reasoning_parser
 from lathe.serve.sampling_defaults import with_defaults
 from lathe.serve.sampling_params import SamplingParams
 
@@ -41,6 +43,27 @@ class Aside:
     text: str
 
 
+class Thinking:
+    """A reply's reasoning and answer as they stream, as `say` takes them: the reasoning
+    shown after `[thinking] ` (an aside), a line break where the answer or a call follows
+    it, the answer kept."""
+
+    def __init__(self) -> None:
+        self.open = False
+
+    def pieces(self, reasoning: str, content: str, ends: bool = False
+               ) -> Iterator[str | Aside]:
+        """`ends`: something else (a call) follows the reasoning."""
+        if reasoning:
+            yield Aside(("" if self.open else "[thinking] ") + reasoning)
+            self.open = True
+        if self.open and (content or ends):
+            yield Aside("\n")
+            self.open = False
+        if content:
+            yield content
+
+
 class ChatBackend(Protocol):
     def reply(self, messages: list[dict[str, str]], sampling: dict[str, Any]
               ) -> Iterator[str | Aside]:
@@ -48,22 +71,36 @@ class ChatBackend(Protocol):
 
 
 class LocalChat:
+    """The checkpoint's engine in this process; a template that renders `<think>` (or
+    `[THINK]`) has its model's reasoning split off as `lathe serve` splits it."""
+
     def __init__(self, checkpoint: Path, quantize: QuantMode | None = None,
                  chat_template: Path | None = None, dtype: torch.dtype | None = None) -> None:
         self.engine = LLMEngine.from_checkpoint(checkpoint, quantize=quantize, dtype=dtype)
         self.encoder = chat_encoder(checkpoint, chat_template, tokenizer=self.engine.tokenizer)
+        self.reasoning = template_reasoning_parser(self.encoder.template.source)
 
     def reply(self, messages: list[dict[str, str]], sampling: dict[str, Any]
               ) -> Iterator[str | Aside]:
-        prompt = self.encoder.prompt(messages)
+        text = self.encoder.render(messages)
+        prompt = self.encoder.encode(text)
         room = self.engine.max_model_len - len(prompt)
         fields = with_defaults(sampling, self.engine.sampling_defaults)  # as `lathe serve`
-        params = SamplingParams(**{**fields, "max_tokens": min(fields["max_tokens"], room)})
+        # the parser reads markers that may be special tokens (Magistral's [THINK]), as
+        # `lathe serve`'s does
+        params = SamplingParams(**{**fields, "max_tokens": min(fields["max_tokens"], room)},
+                                **({"skip_special_tokens": False} if self.reasoning else {}))
+        split = ReasoningStream(self.reasoning, self.reasoning.starts_inside(text)) \
+            if self.reasoning is not None else None
+        shown = Thinking()
         request_id = self.engine.add_request(prompt, params)
         try:
             while self.engine.has_unfinished():
                 for delta in self.engine.step():
-                    yield delta.text
+                    yield from shown.pieces(*split.feed(delta.text)) if split is not None \
+                        else (delta.text,)
+            if split is not None:
+                yield from shown.pieces(*split.finish())
         finally:
             self.engine.abort(request_id)
 
@@ -98,7 +135,7 @@ class RemoteChat:
             if response.status_code != 200:
                 response.read()
                 _raise_for_error(response)
-            thinking = False
+            shown = Thinking()
             for line in response.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -107,14 +144,9 @@ class RemoteChat:
                     raise RuntimeError(f"server error: {event['error']['message']}")
                 for choice in event["choices"]:
                     delta = choice["delta"]
-                    if delta.get("reasoning_content"):
-                        yield Aside(("" if thinking else "[thinking] ")
-                                    + delta["reasoning_content"])
-                        thinking = True
-                    if thinking and (delta.get("content") or delta.get("tool_calls")):
-                        yield Aside("\n")
-                        thinking = False
-                    yield delta.get("content") or ""
+                    yield from shown.pieces(delta.get("reasoning_content") or "",
+                                            delta.get("content") or "",
+                                            ends=bool(delta.get("tool_calls")))
                     for call in delta.get("tool_calls") or []:
                         function = call.get("function", {})
                         self.calls.append({"type": "function", "id": call.get("id"),

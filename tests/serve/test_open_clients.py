@@ -327,6 +327,12 @@ def test_reasoning_is_split_and_a_call_after_it_is_read(qwen_checkpoint):
         assert shown.startswith("[thinking] " + answer.model_extra["reasoning_content"] + "\n")
         assert added == [{"role": "assistant", "content": answer.content}] and answer.content
         assert shown.endswith(answer.content)
+    # `lathe chat CHECKPOINT` splits the reasoning off as the server does
+    from lathe.serve.chat import LocalChat
+    written = []
+    local = say(LocalChat(qwen_checkpoint, chat_template=template), MESSAGES,
+                {**sampling, "logit_bias": {end: 5}}, written.append)
+    assert "".join(written) == shown and local == added
 
 
 def test_qwen3_templates_imply_the_reasoning_parser(qwen_checkpoint):
