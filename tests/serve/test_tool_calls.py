@@ -553,3 +553,35 @@ def test_no_output_crashes_a_parser_and_a_stream_adds_up_to_the_whole(form):
             (calls and (shown + rest).rstrip() == content.rstrip())
 
     check()
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_reasoning_replys_stream_adds_up_to_the_whole_reply(inside):
+    """Reasoning, answer and calls (Qwen3's markers and hermes calls, fragments of them in
+    any order), streamed in chunks of any size: the reasoning and text the client was
+    sent and the calls at the end are those of the whole reply read at once."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from lathe.serve.replies import ReplyFormat, ReplyStream, whole_reply
+
+    form = ReplyFormat(reasoning_parser("qwen3"), inside, parser_of("hermes"))
+    pieces = ["<think>", "</think>", "\n", "plan ", "answer", "<thi", "nk>", "</th",
+              CALLS["hermes"][1][CALLS["hermes"][1].index("<tool_call>"):], "<tool_call>"]
+
+    @settings(max_examples=150, deadline=None, derandomize=True, database=None)
+    @given(st.lists(st.sampled_from(pieces), max_size=10), st.integers(1, 7),
+           st.sampled_from(["stop", "length"]))
+    def check(chosen, chunk, finish):
+        text = "".join(chosen)
+        whole = whole_reply(form, text, finish)
+        stream = ReplyStream(form)
+        sent = [stream.feed(text[i:i + chunk]) for i in range(0, len(text), chunk)]
+        end = stream.finish(finish)
+        assert "".join(r for r, _ in sent) + (end.reasoning or "") == (whole.reasoning or "")
+        assert "".join(c for _, c in sent) + end.content == whole.content
+        assert [(c.name, c.arguments) for c in end.calls] == [(c.name, c.arguments)
+                                                               for c in whole.calls]
+        assert (end.finish_reason, stream.reasoning) == (whole.finish_reason, whole.reasoning)
+
+    check()
