@@ -472,6 +472,7 @@ class ToolPlan:
     parser: ToolCallParser | None
     structured: StructuredOutput | None
     named: bool = False  # tool_choice named the function (OpenAI then finishes with "stop")
+    parallel: bool = True  # parallel_tool_calls false: a reply's first call alone
 
 
 class ChatRendering(RequestBody):
@@ -564,17 +565,18 @@ class ChatCompletionRequest(_Request, ChatRendering):
                                 f"server with --tool-call-parser ({', '.join(PARSERS)}); or "
                                 "send tool_choice=\"none\"", "tools")
         parser = parser.for_tools(tools)
+        parallel = self.parallel_tool_calls is not False
         if choice == "auto":
-            return ToolPlan(tools, parser, None)
+            return ToolPlan(tools, parser, None, parallel=parallel)
         forced = tools if choice == "required" else [t for t in tools
                                                      if t["function"]["name"] == name]
-        several = choice == "required" and self.parallel_tool_calls is not False
+        several = choice == "required" and parallel
         try:
             grammar = parser.grammar(forced, max_tool_calls if several else 1, literals)
         except GrammarError as error:
             raise ProtocolError(f"tools: the grammar that forces a call to them cannot be "
                                 f"built: {error}; send fewer or smaller tools", "tools") from None
-        return ToolPlan(tools, parser, grammar, named=choice != "required")
+        return ToolPlan(tools, parser, grammar, named=choice != "required", parallel=parallel)
 
     @property
     def completion_budget(self) -> int | None:

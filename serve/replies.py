@@ -4,7 +4,8 @@
 count of reasoning tokens for the usage block.
 
 A reply cut by max_tokens keeps the calls it completed. OpenAI ends a reply with calls as
-"tool_calls", but a named `tool_choice` as "stop".
+"tool_calls", but a named `tool_choice` as "stop". With `parallel_tool_calls: false` a reply
+returns its first call alone, as vLLM's does (a forced one is made to write no more).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class ReplyFormat:
     starts_inside: bool = False
     tools: ToolCallParser | None = None
     named_call: bool = False
+    parallel_calls: bool = True  # false: a reply's first call alone (vLLM's, OpenAI's)
 
 
 @dataclass
@@ -82,6 +84,8 @@ class ReplyStream:
             content = self.calls.feed(content)
             rest, calls = self.calls.finish(truncated=finish_reason == "length")
             content += rest
+            if not self.form.parallel_calls:
+                calls = calls[:1]
         return Reply(content, reasoning, calls, _finish_reason(self.form, calls, finish_reason))
 
 

@@ -81,7 +81,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     reasoning = ctx.reasoning
     reply = ReplyFormat(reasoning, reasoning is not None and reasoning.starts_inside(text),
                         plan.parser if plan is not None else None,
-                        plan is not None and plan.named)
+                        plan is not None and plan.named, plan is None or plan.parallel)
     if asked is not None and reasoning is not None:
         field, spec = asked
         asked = field, dataclasses.replace(spec, prefix=reasoning.constraint_prefix(

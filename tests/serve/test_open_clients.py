@@ -187,6 +187,25 @@ def test_forced_calls_on_added_token_markers_work_for_every_parser(qwen_checkpoi
                 "glm45": "<arg_key>a</arg_key>"}.get(form, "") in written, written
 
 
+def test_parallel_tool_calls_false_returns_a_replys_first_call_alone(hermes, qwen_checkpoint):
+    """tool_choice auto: a reply that makes two calls (made to by a grammar here) returns
+    the first alone when parallel_tool_calls is false, streamed or not, as vLLM's does."""
+    tokenizer = Tokenizer.from_file(str(qwen_checkpoint / "tokenizer.json"))
+    grammar = tool_call_parser("hermes").grammar(TOOLS, 2, Literals.of(tokenizer)).grammar
+    for seed in range(10):
+        request = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=200,
+                       temperature=1.0, seed=seed,
+                       extra_body={"structured_outputs": {"grammar": grammar}})
+        both = calls_of(hermes.chat.completions.create(**request).choices[0])
+        if len(both) == 2:
+            break
+    assert len(both) == 2
+    alone = hermes.chat.completions.create(**request, parallel_tool_calls=False).choices[0]
+    assert calls_of(alone) == both[:1] and alone.finish_reason == "tool_calls"
+    _, _, streamed_calls, finish, _ = streamed(hermes, **request, parallel_tool_calls=False)
+    assert (streamed_calls, finish) == (both[:1], "tool_calls")
+
+
 def test_a_truncated_parallel_reply_returns_its_complete_calls(hermes):
     cut = 0
     for seed in range(12):
