@@ -321,6 +321,8 @@ class EventStream:
         self.shell, self.sequence = shell, 0
         self.items: list[dict[str, Any]] = []  # open items, in output order
         self.by_key: dict[Any, int] = {}  # "reasoning", "message", ("call", index) -> item
+        # each item's text (reasoning, message) or arguments as its deltas, joined at the end
+        self.texts: dict[int, list[str]] = {}
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
         self.response: dict[str, Any] | None = None  # the whole Response, once finished
@@ -360,7 +362,7 @@ class EventStream:
                 index, opened = self._open("reasoning", _reasoning_item(f"rs_{suffix}", "",
                                                                         "in_progress"))
                 item = self.items[index]
-                item["content"][0]["text"] += delta["reasoning_content"]
+                self.texts.setdefault(index, []).append(delta["reasoning_content"])
                 events += opened + [self.event(
                     "response.reasoning_text.delta", item_id=item["id"], output_index=index,
                     content_index=0, delta=delta["reasoning_content"])]
@@ -368,7 +370,7 @@ class EventStream:
                 index, opened = self._open("message", {
                     **_message_item(f"msg_{suffix}", "", "in_progress"), "content": []})
                 item = self.items[index]
-                item["text"] = item.get("text", "") + delta["content"]
+                self.texts.setdefault(index, []).append(delta["content"])
                 events += opened + [self.event(
                     "response.output_text.delta", item_id=item["id"], output_index=index,
                     content_index=0, delta=delta["content"], logprobs=[])]
@@ -381,7 +383,7 @@ class EventStream:
                 item = self.items[index]
                 events += opened
                 if function.get("arguments"):
-                    item["arguments"] += function["arguments"]
+                    self.texts.setdefault(index, []).append(function["arguments"])
                     events.append(self.event(
                         "response.function_call_arguments.delta", item_id=item["id"],
                         output_index=index, delta=function["arguments"]))
@@ -392,13 +394,12 @@ class EventStream:
     def finish(self) -> list[str]:
         events, output = [], []
         for index, item in enumerate(self.items):
+            text = "".join(self.texts.get(index, []))
             if item["type"] == "reasoning":
-                text = item["content"][0]["text"]
                 events.append(self.event("response.reasoning_text.done", item_id=item["id"],
                                          output_index=index, content_index=0, text=text))
                 done = _reasoning_item(item["id"], text)
             elif item["type"] == "message":
-                text = item.pop("text", "")
                 done = _message_item(item["id"], text)
                 part = done["content"][0]
                 events += [self.event("response.output_text.done", item_id=item["id"],
@@ -407,10 +408,10 @@ class EventStream:
                            self.event("response.content_part.done", item_id=item["id"],
                                       output_index=index, content_index=0, part=part)]
             else:
-                done = {**item, "status": "completed"}
+                done = {**item, "arguments": text, "status": "completed"}
                 events.append(self.event("response.function_call_arguments.done",
                                          item_id=item["id"], output_index=index,
-                                         arguments=item["arguments"]))
+                                         arguments=text))
             events.append(self.event("response.output_item.done", output_index=index,
                                      item=done))
             output.append(done)
