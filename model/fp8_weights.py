@@ -39,26 +39,28 @@ def dequantize_fp8(state: dict[str, torch.Tensor], block: tuple[int, int],
                    dtype: torch.dtype | None, where: Path) -> dict[str, torch.Tensor]:
     """`state` with each float8 weight times its block scales, in `dtype` (default: the
     checkpoint's unquantized weights' dtype) and its scale dropped; a float8 weight without
-    a scale, or a scale that does not tile its weight, is a CheckpointError naming it."""
+    a scale, a scale without a weight, or a scale that does not tile its weight, is a
+    CheckpointError naming it. `state` is consumed: each float8 weight is let go as its
+    full-precision one is made, so the load holds one copy of the model and a weight."""
+    orphans = sorted(name for name in state if name.endswith(SCALE_SUFFIX)
+                     and name.removesuffix(SCALE_SUFFIX) not in state)
+    if orphans:
+        raise CheckpointError(f"{where}: {orphans[0]} scales no weight (no "
+                              f"{orphans[0].removesuffix(SCALE_SUFFIX)})")
     if dtype is None:
         dtype = next((t.dtype for name, t in state.items() if t.is_floating_point()
                       and t.dtype not in FP8_DTYPES and not name.endswith(SCALE_SUFFIX)),
                      torch.bfloat16)
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        if name.endswith(SCALE_SUFFIX):
-            if name.removesuffix(SCALE_SUFFIX) not in state:
-                raise CheckpointError(f"{where}: {name} scales no weight (no "
-                                      f"{name.removesuffix(SCALE_SUFFIX)})")
-            continue
-        scale = state.get(name + SCALE_SUFFIX)
+    for name in [name for name in state if not name.endswith(SCALE_SUFFIX)]:
+        tensor, scale = state.pop(name), state.get(name + SCALE_SUFFIX)
         if scale is None:
             if tensor.dtype in FP8_DTYPES:
                 raise CheckpointError(f"{where}: {name} is {tensor.dtype} with no "
                                       f"{name}{SCALE_SUFFIX} to read it back by")
             out[name] = tensor
-            continue
-        out[name] = _dequantized(tensor, scale, block, f"{where}: {name}").to(dtype)
+        else:
+            out[name] = _dequantized(tensor, scale, block, f"{where}: {name}").to(dtype)
     return out
 
 

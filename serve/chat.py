@@ -37,8 +37,8 @@ MAX_TOOL_TURNS = 4
 
 @dataclass(frozen=True)
 class Aside:
-    """Text a reply shows but the conversation does not keep: a server's reasoning, the
-    calls a reply makes."""
+    """Text a reply shows but the conversation does not keep: the model's reasoning, the
+    calls it makes."""
 
     text: str
 

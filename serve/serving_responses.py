@@ -123,8 +123,9 @@ def listed_items(items: list[dict[str, Any]], response_id: str) -> list[dict[str
     suffix = response_id.removeprefix("resp_")
     for index, item in enumerate(items):
         kind = item.get("type", "message")
-        item = {"type": kind, "id": f"{ITEM_PREFIXES.get(kind, 'item')}_{suffix}_in{index}",
-                **item}
+        given = item.get("id")
+        item = {**item, "type": kind, "id": given if isinstance(given, str) and given
+                else f"{ITEM_PREFIXES.get(kind, 'item')}_{suffix}_in{index}"}
         if kind == "message":
             item.setdefault("status", "completed")
             if isinstance(item.get("content"), str):

@@ -37,6 +37,7 @@ that opens a call and writes junk gets its junk back as content, never a crash.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 import secrets
@@ -375,6 +376,21 @@ class XmlForm:
     call_tail: str
     separator: str
 
+    @functools.cached_property
+    def readers(self) -> tuple[re.Pattern, re.Pattern, re.Pattern, re.Pattern]:
+        """The regexes that read it back (built once a form): the call's head (its name),
+        an argument's head (its key), what may follow a value's closing marker, the
+        call's tail."""
+        before_name, after_name = self.call_head.split("{name}")
+        before_key, after_key = self.arg_head.split("{key}")
+        return (re.compile(_flexible(before_name) + r"\s*([\w.-]+)" + _flexible(after_name)),
+                re.compile(r"\s*" + _flexible(before_key) + r"\s*([^\s<>]+?)\s*"
+                           + _flexible(after_key.rstrip("\n"))
+                           + ("\n?" if after_key.endswith("\n") else "")),
+                re.compile(r"\s*(?:" + re.escape(before_key.strip()) + "|"
+                           + re.escape(self.call_tail.strip().split("\n")[0]) + ")"),
+                re.compile(r"\s*" + _flexible(self.call_tail.strip())))
+
 
 class XmlToolCallParser(ToolCallParser):
     """Calls written as markup, each argument's value as text (`XmlForm`), read back with
@@ -386,16 +402,8 @@ class XmlToolCallParser(ToolCallParser):
 
     def parse_calls(self, text: str, truncated: bool) -> list[ToolCall]:
         form = self.form
-        head = re.compile(_flexible(form.call_head.split("{name}")[0]) + r"\s*([\w.-]+)"
-                          + _flexible(form.call_head.split("{name}")[1]))
-        before_key, after_key = form.arg_head.split("{key}")
-        arg = re.compile(r"\s*" + _flexible(before_key) + r"\s*([^\s<>]+?)\s*"
-                         + _flexible(after_key.rstrip("\n"))
-                         + ("\n?" if after_key.endswith("\n") else ""))
+        head, arg, next_part, tail = form.readers
         close = form.arg_tail.strip()
-        next_part = re.compile(r"\s*(?:" + re.escape(before_key.strip()) + "|"
-                               + re.escape(form.call_tail.strip().split("\n")[0]) + ")")
-        tail = re.compile(r"\s*" + _flexible(form.call_tail.strip()))
         calls, at = [], 0
         while text[at:].strip():
             at = len(text) - len(text[at:].lstrip())

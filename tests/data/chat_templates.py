@@ -60,6 +60,7 @@ CHATML = (
 )
 
 QWEN3_CODER = CHATML.replace(QWEN_CALLS, QWEN_XML_CALLS)
+assert "<parameter=" in QWEN3_CODER  # the calls above were found and replaced
 
 # Qwen3: ChatML with reasoning and Qwen2.5's tools; a turn after the last user message
 # (tool results are not one) shows its <think> block (an empty one when it is the last

@@ -104,6 +104,7 @@ def test_ragged_edge_blocks_are_read_by_their_own_scales(tmp_path):
     folder, original = fp8_folder(tmp_path / "ragged", 72, 40)
     state = load_file(folder / "model.safetensors")
     model = load_checkpoint(folder, dtype=torch.float32)
+    half = load_checkpoint(folder, dtype=torch.bfloat16)
     for layer, (module, name) in enumerate([("self_attn", "q_proj"), ("mlp", "down_proj")]):
         key = f"model.layers.{layer}.{module}.{name}.weight"
         quantized, scale = state[key].float(), state[key + "_scale_inv"]
@@ -115,6 +116,9 @@ def test_ragged_edge_blocks_are_read_by_their_own_scales(tmp_path):
                 expected[cut] = quantized[cut] * scale[i, j]
         read = getattr(getattr(model.model.layers[layer], module), name).weight
         assert torch.equal(read, expected)
+        # read straight into bf16, the GPU's dtype: the float32 product rounded once
+        bf16 = getattr(getattr(half.model.layers[layer], module), name).weight
+        assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, expected.to(torch.bfloat16))
         # within float8's rounding of each block (3 mantissa bits: half a step is 1/16)
         assert ((read - original[key]).abs() <= original[key].abs() / 16 + 1e-6).all()
 
