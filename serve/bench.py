@@ -17,7 +17,7 @@
     servers up at once, measured in turn in interleaved rounds, each round's ratio against
     the baseline measured beside it;
 (c) single-stream decode tok/s for the checkpoint's weights, bf16 (on the CPU: half
-    weights, float32 compute), int8 and int4, eager, with decode steps
+    weights, float32 compute), int8, int4 and fp8 (W8A8), eager, with decode steps
     compiled (`EngineConfig.compile_decode`: CUDA graphs on a GPU) and compiled with
     multi-step decoding (`EngineConfig.decode_steps`), and the memory bandwidth it
     implies (weight bytes streamed per token × tok/s) as a fraction of this machine's
@@ -815,7 +815,7 @@ def decode_section(checkpoint: Path, prompt: list[int], device: torch.device,
                f", compiled, {args.decode_steps} passes a step": EngineConfig(
                    compile_decode=True, decode_steps=args.decode_steps)}
     for quantize, dtype in ((None, None), (None, torch.bfloat16), ("int8", None),
-                            ("int4", None)):
+                            ("int4", None), ("fp8", None)):
         ppl = ""
         if eval_ids is not None:
             served = load_serving_model(checkpoint, quantize=quantize, dtype=dtype)

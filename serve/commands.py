@@ -13,7 +13,7 @@ from lathe.core.checkpoint_files import read_config_json
 from lathe.core.config import add_config_flags, config_from_flags
 from lathe.core.errors import ConfigError
 from lathe.data.chat_template import read_template_file
-from lathe.serve.config import ServerConfig, WeightDtype, cache_root
+from lathe.serve.config import QuantMode, ServerConfig, WeightDtype, cache_root
 from lathe.serve.core_messages import END_WITH, end_with
 
 
@@ -62,7 +62,8 @@ def chat_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--api-key", default=os.environ.get("LATHE_API_KEY"))
     parser.add_argument("--model", help="model id on the server (default: its first)")
-    parser.add_argument("--quantize", choices=["int8", "int4"], help="local checkpoints only")
+    parser.add_argument("--quantize", choices=typing.get_args(QuantMode),
+                        help="local checkpoints only")
     parser.add_argument("--dtype", choices=typing.get_args(WeightDtype), default="auto",
                         help="local checkpoints: the weights' dtype (auto: the checkpoint's); "
                              "see `lathe serve --help`")
@@ -136,7 +137,7 @@ def _read_tools(path: Path) -> list[dict]:
 def export_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="lathe export", description="Write a servable variant of a checkpoint: a "
-        "weight-only quantized checkpoint folder (compressed-tensors: lathe, vLLM and "
+        "quantized checkpoint folder (compressed-tensors: lathe, vLLM and "
         "transformers load it) or one GGUF file "
         "(llama.cpp, Ollama).")
     parser.add_argument("checkpoint", type=Path)
@@ -145,8 +146,9 @@ def export_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--merge-lora", type=Path, metavar="ADAPTER",
                         help="fold this peft adapter folder into the weights first")
     parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--quantize", choices=["int8", "int4"], default="int8",
-                        help="--format quantized: weight-only scheme")
+    parser.add_argument("--quantize", choices=typing.get_args(QuantMode), default="int8",
+                        help="--format quantized: the scheme (int8 / int4 weight-only, fp8 "
+                        "W8A8)")
     parser.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128],
                         help="--format quantized, int4: input columns per scale")
     parser.add_argument("--dtype", choices=["f32", "f16", "bf16", "q8_0"], default="f16",

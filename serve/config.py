@@ -20,7 +20,7 @@ from lathe.serve.reasoning import REASONING_PARSERS
 from lathe.serve.tool_calls import PARSERS
 
 DEFAULT_KV_MB = 2048  # the largest KV budget off-GPU when none is given (vLLM's CPU: 4 GiB)
-QuantMode = Literal["int8", "int4"]
+QuantMode = Literal["int8", "int4", "fp8"]
 WeightDtype = Literal["auto", "float32", "bfloat16", "float16"]
 LogLevel = Literal["critical", "error", "warning", "info", "debug", "trace"]
 
@@ -189,7 +189,8 @@ class ServerConfig:
     log_level: LogLevel = field(default="info", metadata=cli(
         "the HTTP server's (uvicorn's) log level"))
     quantize: QuantMode | None = field(default=None, metadata=cli(
-        "weight-only quantization applied at load"))
+        "quantization applied at load: int8 / int4 weight-only, or fp8 (float8 weights per "
+        "row, each token's inputs rounded to float8: W8A8, FP8 tensor cores on a GPU)"))
     dtype: WeightDtype = field(default="auto", metadata=cli(
         "the weights' dtype (auto: the checkpoint's). On a GPU the activations' too; on the "
         "CPU activations are float32 and bfloat16/float16 keep the linears and the embedding "

@@ -1,19 +1,21 @@
-"""Weight-only quantization of linear layers for serving (gpt-fast style), rounded as
-compressed-tensors rounds llm-compressor's W8A16 and W4A16_ASYM schemes.
+"""Quantization of linear layers for serving (gpt-fast style), rounded as compressed-tensors
+rounds llm-compressor's W8A16, W4A16_ASYM and FP8_DYNAMIC schemes.
 
 int8: symmetric, one fp scale per output channel: w ≈ q · scale, q in [-128, 127].
 int4: asymmetric, one (scale, integer zero point) pair per group of `group_size` input
 columns, held as w ≈ q · scale + minimum with q in [0, 15] and minimum = −(zero point + 8)
-· scale, two values packed per byte (low nibble = even column). Activations stay in the
-model's dtype; the matmuls are `lathe.kernels`' (a Triton dequantize-in-tile matmul on
-CUDA; torch's int8/int4 CPU GEMMs on CPU, int4 repacked once into their layout on first
-use). The LM head and MoE routers keep full precision. A mixture of experts' stacked
-experts become one quantized linear per expert and projection
-(`...mlp.experts.gate_up.3`, `...mlp.experts.down.3`), each token running through its own
-experts' quantized GEMMs.
+· scale, two values packed per byte (low nibble = even column). For both the activations
+stay in the model's dtype; the matmuls are `lathe.kernels`' (a Triton dequantize-in-tile
+matmul on CUDA; torch's int8/int4 CPU GEMMs on CPU, int4 repacked once into their layout on
+first use). fp8: float8 e4m3 weights with one float32 scale per output channel, and each
+token's inputs rounded to float8 by its own scale as it runs (W8A8,
+`lathe.kernels.fp8_matmul`: FP8 tensor cores where the GPU has them). The LM head and MoE
+routers keep full precision. A mixture of experts' stacked experts become one quantized
+linear per expert and projection (`...mlp.experts.gate_up.3`, `...mlp.experts.down.3`), each
+token running through its own experts' quantized GEMMs.
 
 A quantized checkpoint is compressed-tensors' (`lathe.serve.quant_format`): lathe writes
-it, and loads it or a hub W4A16 / W8A16 checkpoint with `load_serving_model`
+it, and loads it or a hub W4A16 / W8A16 / FP8-dynamic checkpoint with `load_serving_model`
 (`serving_tokenizer` the checkpoint's tokenizer checked against the model).
 """
 
@@ -31,6 +33,7 @@ from lathe.core.errors import ConfigError
 from lathe.data.tokenizer import load_tokenizer
 from lathe.kernels.decode_linear import HALF_DTYPES, use_decode_linears
 from lathe.kernels.dispatch import use_cpu_kernel
+from lathe.kernels.fp8_matmul import fp8_matmul, quantize_fp8_rows, uses_tensor_cores
 from lathe.kernels.quant_matmul import (
     int4_matmul,
     int4_matmul_cpu,
@@ -155,6 +158,39 @@ class Int4Linear(nn.Module):
         return _add_bias(int4_matmul(x, self.weight, self.scale, self.minimum), self.bias)
 
 
+class Fp8Linear(nn.Module):
+    """W8A8 FP8 (compressed-tensors' FP8_DYNAMIC): a float8 weight with one float32 scale
+    per output row, each input row rounded to float8 by its own scale as it is multiplied
+    (`lathe.kernels.fp8_matmul`). Where FP8 tensor cores are missing (the CPU, older GPUs)
+    the weight is also held widened to bfloat16, made on first use."""
+
+    def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None = None) -> None:
+        super().__init__()
+        self.register_buffer("weight", q)
+        self.register_buffer("scale", scale)
+        _keep_bias(self, bias)
+        self.out_features, self.in_features = q.shape
+        self.widened: Tensor | None = None
+        self.register_load_state_dict_post_hook(Fp8Linear._forget_widened)
+
+    @classmethod
+    def quantize(cls, linear: nn.Linear) -> Fp8Linear:
+        q, scale = quantize_fp8_rows(linear.weight.detach())
+        return cls(q, scale, linear.bias)
+
+    @staticmethod
+    def _forget_widened(module: Fp8Linear, _: object) -> None:
+        module.widened = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        widened = None
+        if not uses_tensor_cores(x, self.weight):
+            if self.widened is None:
+                self.widened = self.weight.to(torch.bfloat16)
+            widened = self.widened
+        return _add_bias(fp8_matmul(x, self.weight, self.scale, widened), self.bias)
+
+
 def int4_group_size(in_features: int, group_size: int) -> int:
     """The int4 group size of a linear `in_features` wide: `group_size`, or 32 where that
     does not divide it."""
@@ -162,9 +198,12 @@ def int4_group_size(in_features: int, group_size: int) -> int:
 
 
 def quantized_linear(linear: nn.Linear, mode: QuantMode, group_size: int) -> nn.Module:
-    """`linear` as an Int8Linear or Int4Linear (int4 in `int4_group_size` groups)."""
+    """`linear` as an Int8Linear, Fp8Linear or Int4Linear (int4 in `int4_group_size`
+    groups)."""
     if mode == "int8":
         return Int8Linear.quantize(linear)
+    if mode == "fp8":
+        return Fp8Linear.quantize(linear)
     return Int4Linear.quantize(linear, int4_group_size(linear.in_features, group_size))
 
 
@@ -219,7 +258,7 @@ def quantize_linears(model: nn.Module, mode: QuantMode, group_size: int = 128,
 
 
 def is_quantized(model: nn.Module) -> bool:
-    return any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules())
+    return any(isinstance(m, (Int8Linear, Int4Linear, Fp8Linear)) for m in model.modules())
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -287,8 +326,10 @@ def load_serving_model(path: str | Path, quantize: QuantMode | None = None,
     if dtype is None:  # the CPU's activations; on a GPU the checkpoint's (a hub one's bf16)
         dtype = torch.float32 if device.type == "cpu" else \
             state["model.embed_tokens.weight"].dtype
-    state = {k: v.to(dtype) if v is not None and v.is_floating_point() else v
-             for k, v in state.items()}
+    kept = {f"{name}.{buffer}" for name, module in model.named_modules()
+            if isinstance(module, Fp8Linear) for buffer in ("weight", "scale")}
+    state = {k: v.to(dtype) if v is not None and v.is_floating_point() and k not in kept
+             else v for k, v in state.items()}
     expected = model.state_dict()
     if set(state) != set(expected):
         raise CheckpointError(f"{path}: quantized weights do not match config.json (missing "

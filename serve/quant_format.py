@@ -1,23 +1,27 @@
-"""A weight-only quantized checkpoint on disk, in compressed-tensors' format: the one
-llm-compressor writes, vLLM and transformers load, and the hub's W4A16 / W8A16
-checkpoints (Qwen3, Llama, Gemma, Mistral, their mixtures of experts) are in.
+"""A quantized checkpoint on disk, in compressed-tensors' format: the one llm-compressor
+writes, vLLM and transformers load, and the hub's W4A16 / W8A16 / FP8-dynamic checkpoints
+(Qwen3, Llama, Gemma, Mistral, their mixtures of experts) are in.
 
 A checkpoint folder in this format is an ordinary HF checkpoint whose config.json carries
-a `quantization_config` (quant_method "compressed-tensors", format "pack-quantized") and
-whose quantized linears hold `weight_packed` (signed ints packed into int32),
-`weight_scale` and `weight_shape`, and `weight_zero_point` when asymmetric, in place of
-`weight`; the head, embedding and routers stay full precision, named in `ignore`.
+a `quantization_config` (quant_method "compressed-tensors", format "pack-quantized" or
+"float-quantized") and whose quantized linears hold `weight_packed` (signed ints packed into
+int32), `weight_scale` and `weight_shape`, and `weight_zero_point` when asymmetric, in place
+of `weight` — or, for FP8, a float8 `weight` and its `weight_scale`; the head, embedding and
+routers stay full precision, named in `ignore`.
 
-lathe reads every integer weight-only scheme its quantized linears compute exactly: 4 bits
-in groups of 32, 64 or 128 columns or per output channel (its scale repeated for each
-group), symmetric or with zero points, and 8 bits per output channel, symmetric (also the
-older `int-quantized` format, int8 stored unpacked). A 4-bit linear becomes an `Int4Linear`
+lathe reads every scheme its quantized linears compute exactly: 4 bits in groups of 32, 64
+or 128 columns or per output channel (its scale repeated for each group), symmetric or with
+zero points, and 8 bits per output channel, symmetric (also the older `int-quantized`
+format, int8 stored unpacked), weight-only; and FP8_DYNAMIC, float8 weights per channel (or
+per tensor, its scale repeated for each row) with each token's inputs rounded to float8 as
+it runs, as vLLM and transformers compute it. A 4-bit linear becomes an `Int4Linear`
 (nibbles q + 8, scale, minimum = −(zero_point + 8) · scale), an 8-bit one an `Int8Linear`,
-through the same name mapping as a full checkpoint's weights (a wrapper's language model,
-fused projections split, experts stacked). Anything else — activation quantization (W8A8,
-FP8), float types, activation-ordered groups (`g_idx`), other group sizes, mixed schemes —
-is refused, naming the field. lathe writes int4 (asymmetric, `W4A16_ASYM`) and int8
-(`W8A16`) the same way, through compressed-tensors' own compressor and config."""
+an FP8 one an `Fp8Linear`, through the same name mapping as a full checkpoint's weights (a
+wrapper's language model, fused projections split, experts stacked). Anything else — integer
+or static activation quantization, FP8 blocks, float types other than FP8,
+activation-ordered groups (`g_idx`), other group sizes, mixed schemes — is refused, naming
+the field. lathe writes int4 (asymmetric, `W4A16_ASYM`), int8 (`W8A16`) and FP8
+(`FP8_DYNAMIC`) the same way, through compressed-tensors' own compressors and config."""
 
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ from lathe.core.checkpoint_files import (
     checkpoint_file,
     read_json_object,
 )
+from lathe.kernels.fp8_matmul import FP8
 from lathe.model.checkpoint import (
     CONFIG_FILE,
     PROVENANCE_FILE,
@@ -52,6 +57,7 @@ from lathe.serve.config import QuantMode
 
 GROUP_SIZES = (32, 64, 128)  # what lathe's int4 kernels take (a K tile never crosses one)
 FORMATS = ("pack-quantized", "int-quantized")
+FP8_FORMAT = "float-quantized"
 QUANTIZED_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point",
                       "weight_g_idx")
 
@@ -77,10 +83,10 @@ def read_quant_scheme(path: str | Path) -> QuantScheme | None:
 
     def refuse(field: str, value: Any, why: str) -> CheckpointError:
         return CheckpointError(f"{file}: quantization_config.{field}={value!r}: {why}; lathe "
-                               "serves compressed-tensors' weight-only integer checkpoints "
-                               "(W4A16 in groups of 32/64/128, W8A16 per channel) — for any "
+                               "serves compressed-tensors' W4A16 (in groups of 32/64/128), "
+                               "W8A16 (per channel) and FP8_DYNAMIC checkpoints — for any "
                                "other, serve the full-precision checkpoint (with --quantize "
-                               "int4|int8 to quantize it at load)")
+                               "int4|int8|fp8 to quantize it at load)")
 
     if not isinstance(quant, dict) or quant.get("quant_method") != "compressed-tensors":
         method = quant.get("quant_method") if isinstance(quant, dict) else quant
@@ -99,13 +105,14 @@ def read_quant_scheme(path: str | Path) -> QuantScheme | None:
             raise refuse(f"config_groups.{name}", group,
                          f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
         field = f"config_groups.{name}"
-        if scheme.input_activations is not None or scheme.output_activations is not None:
-            raise refuse(f"{field}.input_activations", group.get("input_activations"),
-                         "activations are quantized too")
         weights = scheme.weights
         if weights is None:
             raise refuse(f"{field}.weights", None, "no weight quantization")
-        schemes[name] = _weight_scheme(weights, quant.get("format"), group.get("format"),
+        if scheme.output_activations is not None:
+            raise refuse(f"{field}.output_activations", group.get("output_activations"),
+                         "outputs are quantized too")
+        schemes[name] = _weight_scheme(weights, scheme.input_activations, quant.get("format"),
+                                       group.get("format"),
                                        lambda key, value, why: refuse(f"{field}.{key}", value,
                                                                       why))
     # groups that differ in group size alone are one scheme: each linear's own is read
@@ -121,12 +128,18 @@ def _value(field: Any) -> Any:
     return getattr(field, "value", field)
 
 
-def _weight_scheme(weights: Any, model_format: Any, group_format: Any, refuse) -> QuantScheme:
+def _weight_scheme(weights: Any, activations: Any, model_format: Any, group_format: Any,
+                   refuse) -> QuantScheme:
     fmt = group_format or model_format
+    if _value(weights.type) == "float":
+        return _fp8_scheme(weights, activations, fmt, refuse)
     if fmt not in FORMATS:
         raise refuse("format", fmt, f"not one of {', '.join(FORMATS)}")
     if _value(weights.type) != "int":
-        raise refuse("weights.type", _value(weights.type), "not integer")
+        raise refuse("weights.type", _value(weights.type), "not integer or float")
+    if activations is not None:
+        raise refuse("input_activations", activations.model_dump(exclude_defaults=True),
+                     "integer activations are quantized too")
     if weights.dynamic:
         raise refuse("weights.dynamic", weights.dynamic, "scales computed at run time")
     strategy = _value(weights.strategy)
@@ -143,6 +156,26 @@ def _weight_scheme(weights: Any, model_format: Any, group_format: Any, refuse) -
             raise refuse("weights.strategy", strategy, "int8 must be symmetric, per channel")
         return QuantScheme("int8", 0, True, fmt == FORMATS[0])
     raise refuse("weights.num_bits", weights.num_bits, "not 4 or 8")
+
+
+def _fp8_scheme(weights: Any, activations: Any, fmt: Any, refuse) -> QuantScheme:
+    """FP8_DYNAMIC: float8 weights with a scale per row (or one for the tensor, which is
+    the same scale for every row), each token's inputs rounded to float8 as it runs."""
+    if fmt != FP8_FORMAT:
+        raise refuse("format", fmt, f"float weights are {FP8_FORMAT}")
+    if weights.num_bits != 8 or not weights.symmetric or weights.dynamic \
+            or _value(weights.strategy) not in ("channel", "tensor"):
+        raise refuse("weights", weights.model_dump(exclude_defaults=True),
+                     "FP8 weights must be 8 bits, symmetric, static, per channel or tensor "
+                     "(blocks are read back to full precision as quant_method fp8 only)")
+    if activations is None or _value(activations.type) != "float" \
+            or activations.num_bits != 8 or not activations.symmetric \
+            or activations.dynamic is not True or _value(activations.strategy) != "token":
+        raise refuse("input_activations",
+                     activations and activations.model_dump(exclude_defaults=True),
+                     "FP8 weights are served with each token's inputs rounded to float8 on "
+                     "the fly (8 bits, symmetric, dynamic, strategy token)")
+    return QuantScheme("fp8", 0, True, False)
 
 
 def read_quantized_weights(path: Path, config: ModelConfig, scheme: QuantScheme,
@@ -198,6 +231,8 @@ def _unpacked(prefix: str, parts: dict[str, Tensor], scheme: QuantScheme,
     if "weight_g_idx" in parts:
         raise CheckpointError(f"{path}: {prefix}.weight_g_idx: columns regrouped in "
                               "activation order, which lathe's kernels do not gather")
+    if scheme.mode == "fp8":
+        return _fp8_weight(prefix, parts, path)
     bits = 4 if scheme.mode == "int4" else 8
     scale = parts["weight_scale"]
     if scheme.packed:
@@ -259,6 +294,22 @@ def _unpacked(prefix: str, parts: dict[str, Tensor], scheme: QuantScheme,
     return values, scale, zero_point
 
 
+def _fp8_weight(prefix: str, parts: dict[str, Tensor],
+                path: Path) -> tuple[Tensor, Tensor, Tensor]:
+    """An FP8 linear's float8 weight, its (out, 1) float32 scales (a tensor's one scale
+    repeated for each row) and no zero points."""
+    weight, scale = parts.get("weight"), parts["weight_scale"]
+    if weight is None or weight.dtype != FP8 or weight.dim() != 2:
+        raise CheckpointError(f"{path}: {prefix}.weight must be a 2-D float8_e4m3fn tensor "
+                              "beside its weight_scale (format float-quantized)")
+    rows = weight.shape[0]
+    if not scale.is_floating_point() or scale.numel() not in (1, rows):
+        raise CheckpointError(f"{path}: {prefix}.weight_scale has shape {tuple(scale.shape)}; "
+                              f"a weight of {rows} rows has one scale a row or one in all")
+    scale = scale.float().reshape(-1, 1).expand(rows, 1).contiguous()
+    return weight, scale, torch.zeros(rows, 1, dtype=torch.int8, device=weight.device)
+
+
 def _put(state: dict[str, Tensor], module: str, values: Tensor, scale: Tensor,
          minimum: Tensor | None) -> None:
     """One quantized linear's buffers under `module`, as Int4Linear / Int8Linear hold them."""
@@ -271,20 +322,32 @@ def write_quantized_checkpoint(model: nn.Module, config: ModelConfig, source: Pa
                                mode: QuantMode, group_size: int) -> Path:
     """`model`, quantized by `quantize_linears`, as a compressed-tensors checkpoint folder
     at `out` (atomically), with `source`'s tokenizer, generation config and provenance:
-    each quantized linear compressed by compressed-tensors' pack-quantized compressor from
-    its exact dequantized weight, so that the ints written are the ones lathe holds."""
-    from compressed_tensors.compressors import ModelCompressor, PackedQuantizationCompressor
+    each quantized linear compressed by compressed-tensors' pack-quantized (int) or
+    float-quantized (FP8_DYNAMIC) compressor from its exact dequantized weight, so that the
+    values written are the ones lathe holds."""
+    from compressed_tensors.compressors import (
+        FloatQuantizationCompressor,
+        ModelCompressor,
+        PackedQuantizationCompressor,
+    )
     from compressed_tensors.quantization import (
         QuantizationArgs,
         QuantizationConfig,
         QuantizationScheme,
+        preset_name_to_scheme,
     )
     from huggingface_hub import save_torch_state_dict
 
-    from lathe.serve.quant import WEIGHT_DTYPES, Int4Linear, Int8Linear, QuantizedExperts
+    from lathe.serve.quant import (
+        WEIGHT_DTYPES,
+        Fp8Linear,
+        Int4Linear,
+        Int8Linear,
+        QuantizedExperts,
+    )
 
     quantized = {name: module for name, module in model.named_modules()
-                 if isinstance(module, (Int4Linear, Int8Linear, QuantizedExperts))}
+                 if isinstance(module, (Int4Linear, Int8Linear, Fp8Linear, QuantizedExperts))}
 
     def inside(name: str) -> bool:  # a name within a quantized module
         return any(name.startswith(f"{module}.") for module in quantized)
@@ -306,6 +369,8 @@ def write_quantized_checkpoint(model: nn.Module, config: ModelConfig, source: Pa
                   if not inside(name)})
 
     def scheme(targets: list[str], group: int) -> QuantizationScheme:
+        if mode == "fp8":
+            return preset_name_to_scheme("FP8_DYNAMIC", targets)
         return QuantizationScheme(targets=targets, weights=QuantizationArgs(
             num_bits=4 if mode == "int4" else 8, type="int", symmetric=mode == "int8",
             strategy="group" if mode == "int4" else "channel",
@@ -323,6 +388,7 @@ def write_quantized_checkpoint(model: nn.Module, config: ModelConfig, source: Pa
                                   if tensor.dim() == 2 and "embed_tokens" not in name
                                   and name != "lm_head.weight")
     hf_scales, hf_zero_points = hf_layout(scales, config), hf_layout(zero_points, config)
+    compressor = FloatQuantizationCompressor if mode == "fp8" else PackedQuantizationCompressor
     narrow = []  # linears in groups of 32, too narrow for group_size
     for name, weight in hf_layout(weights, config).items():
         prefix = name.removesuffix(".weight")
@@ -333,12 +399,12 @@ def write_quantized_checkpoint(model: nn.Module, config: ModelConfig, source: Pa
         if mode == "int4":
             parts["weight_zero_point"] = hf_zero_points[name].contiguous()
         state.update({f"{prefix}.{key}": tensor.contiguous() for key, tensor in
-                      PackedQuantizationCompressor.compress(parts, scheme([], group)).items()})
+                      compressor.compress(parts, scheme([], group)).items()})
     groups = {"group_0": scheme(["Linear"], group_size)}
     if narrow:  # a module's own name outranks the class target
         groups["group_1"] = scheme(sorted(narrow), 32)
     quant_config = QuantizationConfig(config_groups=groups, ignore=ignore,
-                                      format="pack-quantized",
+                                      format=FP8_FORMAT if mode == "fp8" else FORMATS[0],
                                       quantization_status="compressed")
     with atomic_directory(out) as tmp:
         save_torch_state_dict(state, tmp, max_shard_size="5GB", metadata={"format": "pt"})
@@ -351,9 +417,13 @@ def write_quantized_checkpoint(model: nn.Module, config: ModelConfig, source: Pa
 
 
 def _dequantized(linear: nn.Module) -> tuple[Tensor, Tensor, Tensor]:
-    """(its weight dequantized in float32, its scale, its zero point) of an Int4Linear or
-    Int8Linear: the weight compressed-tensors quantizes back to exactly its ints."""
+    """(its weight dequantized in float32, its scale, its zero point) of an Int4Linear,
+    Int8Linear or Fp8Linear: the weight compressed-tensors quantizes back to exactly its
+    ints or float8 values."""
     from lathe.kernels.quant_matmul import dequantize_int4, dequantize_int8
+    if linear.weight.dtype == FP8:
+        scale = linear.scale.float()[:, None]
+        return linear.weight.float() * scale, scale, torch.zeros_like(scale)
     if hasattr(linear, "minimum"):
         scale = linear.scale.float()
         zero_point = torch.round(-linear.minimum.float() / scale) - 8

@@ -17,6 +17,7 @@ from lathe.model.checkpoint import CheckpointError
 from lathe.serve.config import EngineConfig
 from lathe.serve.engine import LLMEngine
 from lathe.serve.quant import (
+    Fp8Linear,
     Int4Linear,
     Int8Linear,
     load_serving_model,
@@ -41,11 +42,13 @@ SCHEMES = {  # llm-compressor's presets, in round-to-nearest
 
 
 def compressed_by_the_library(folder, scheme: dict, fmt: str = "pack-quantized",
-                              family: str = "Qwen3", shape: dict | None = None):
+                              family: str = "Qwen3", shape: dict | None = None,
+                              activations: dict | None = None):
     """A model of `family` quantized and saved by compressed-tensors: each linear but the
-    head given round-to-nearest scales and zero points (`calculate_qparams` over its rows
-    or groups, as llm-compressor's min-max observer computes them), compressed by the
-    library's ModelCompressor and written by save_pretrained."""
+    head given round-to-nearest scales and zero points (`calculate_qparams` over its rows,
+    groups or whole weight, as llm-compressor's min-max observer computes them), its
+    inputs quantized as `activations` says, compressed by the library's ModelCompressor
+    and written by save_pretrained."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -64,15 +67,18 @@ def compressed_by_the_library(folder, scheme: dict, fmt: str = "pack-quantized",
             attention = layer.self_attn
             getattr(attention, "q_proj", getattr(attention, "qkv_proj", None)).weight.mul_(4)
     args = QuantizationArgs(**scheme)
+    inputs = QuantizationArgs(**activations) if activations else None
     apply_quantization_config(model, QuantizationConfig(
-        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args,
+                                                     input_activations=inputs)},
         ignore=["lm_head"], quantization_status=QuantizationStatus.INITIALIZED))
     for module in model.modules():
         if not hasattr(module, "weight_scale"):
             continue
         weight = module.weight.data
-        rows = (weight.reshape(weight.shape[0], -1, args.group_size)
-                if args.group_size else weight[:, None, :])
+        rows = (weight.reshape(weight.shape[0], -1, args.group_size) if args.group_size
+                else weight.reshape(1, 1, -1) if args.strategy == "tensor"
+                else weight[:, None, :])
         scale, zero_point = calculate_qparams(rows.amin(-1), rows.amax(-1), args)
         module.weight_scale.data = scale.reshape(module.weight_scale.shape).to(
             module.weight_scale.dtype)
@@ -202,7 +208,7 @@ def test_lathes_quantized_export_loads_in_transformers_with_lathes_weights(
     ({"input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
                             "strategy": "token", "dynamic": True}}, "input_activations"),
     ({"weights": {"num_bits": 8, "type": "float", "symmetric": True,
-                  "strategy": "channel"}}, "weights.type"),
+                  "strategy": "channel"}}, "format"),
     ({"weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
                   "group_size": 16}}, "weights.group_size"),
     ({"weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "group",
@@ -298,3 +304,167 @@ def test_a_bf16_checkpoint_exports_its_full_precision_rest_in_bf16(checkpoint, t
             "model.layers.0.self_attn.q_proj.weight_scale").dtype == torch.float32
     served = load_serving_model(out, device="cpu")
     assert served.model.embed_tokens.weight.dtype == torch.float32  # the CPU computes in it
+
+
+FP8_WEIGHTS = {strategy: dict(num_bits=8, type="float", symmetric=True, strategy=strategy)
+               for strategy in ("channel", "tensor")}
+FP8_TOKENS = dict(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)
+
+
+def fp8_by_the_library(folder, strategy: str = "channel", **kwargs):
+    """FP8_DYNAMIC (or its per-tensor-weight variant) as compressed-tensors writes it."""
+    return compressed_by_the_library(folder, FP8_WEIGHTS[strategy], fmt="float-quantized",
+                                     activations=FP8_TOKENS, **kwargs)
+
+
+def served_by_transformers(folder):
+    """transformers' model of a compressed-tensors folder as it serves it by default: the
+    weights decompressed, each linear's inputs fake-quantized as the scheme says."""
+    return transformers.AutoModelForCausalLM.from_pretrained(folder,
+                                                             dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_an_fp8_dynamic_checkpoint_serves_as_transformers_computes_it(tmp_path, strategy):
+    """Each linear holds the library's float8 values and scales (a tensor's one scale for
+    each row); the logits are transformers' — each token's inputs rounded to float8, which
+    moves them far more than float32's rounding (the weights alone are 1e-2 away) — and the
+    engine's greedy tokens are transformers' `generate`."""
+    folder = fp8_by_the_library(tmp_path / "fp8", strategy)
+    reference = served_by_transformers(folder)
+    ours = load_serving_model(folder, device="cpu")
+    theirs = dict(linears(decompressed(folder)))
+    for name, linear in linears(ours):
+        assert isinstance(linear, Fp8Linear) and linear.weight.dtype == torch.float8_e4m3fn
+        assert linear.scale.dtype == torch.float32
+        torch.testing.assert_close(linear.weight.float() * linear.scale[:, None],
+                                   theirs[name].weight, rtol=0, atol=0, msg=name)
+    assert isinstance(ours.lm_head, torch.nn.Linear)
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = reference(ids).logits, ours(ids).logits
+        weights_only = decompressed(folder)(ids).logits
+    scale = expected.abs().max()
+    assert (got - expected).abs().max() / scale < 1e-5
+    assert (weights_only - expected).abs().max() / scale > 1e-3
+    prompt = ids[0, :8]
+    with torch.no_grad():
+        greedy = reference.generate(prompt[None], max_new_tokens=6, do_sample=False,
+                                    min_new_tokens=6)[0, 8:].tolist()
+    engine = LLMEngine.from_checkpoint(folder, EngineConfig(num_blocks=32))
+    (output,) = engine.generate([prompt.tolist()], SamplingParams(max_tokens=6, temperature=0,
+                                                                  ignore_eos=True))
+    assert output.outputs[0].token_ids == greedy
+
+
+def test_lathes_fp8_export_is_the_librarys_fp8_dynamic_byte_for_byte(tmp_path):
+    """`lathe export --format quantized --quantize fp8` of a model writes the tensors and
+    scheme compressed-tensors writes for FP8_DYNAMIC of the same model; `--quantize fp8` at
+    load serves exactly what the export serves."""
+    from safetensors.torch import load_file
+    library = fp8_by_the_library(tmp_path / "library")
+    source = tmp_path / "full"
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SHAPE))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4)
+    model.save_pretrained(source)
+    with_tokenizer(source)
+    out = save_quantized_checkpoint(source, tmp_path / "lathe", "fp8")
+    theirs, ours = load_file(library / "model.safetensors"), load_file(out / "model.safetensors")
+    assert set(theirs) == set(ours)
+    for name, tensor in theirs.items():
+        assert tensor.dtype == ours[name].dtype and torch.equal(
+            tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor,
+            ours[name].view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn
+            else ours[name]), name
+    group = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert group["format"] == "float-quantized"
+    assert group["config_groups"]["group_0"]["input_activations"]["strategy"] == "token"
+    ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(load_serving_model(source, quantize="fp8", device="cpu")(ids)
+                                   .logits, load_serving_model(out, device="cpu")(ids).logits,
+                                   rtol=0, atol=0)
+
+
+def test_a_mixture_of_experts_serves_fp8_per_expert(tmp_path):
+    """A Qwen3-MoE's experts become one FP8 linear per expert and projection, written in
+    the per-expert layout and read back to the same values; the router stays full
+    precision; an expert computes the reference FP8 product, and the model stays within
+    float8's rounding of the full-precision one."""
+    from lathe.kernels.fp8_matmul import fp8_matmul_reference
+    from lathe.serve.quant import QuantizedExperts
+    config = transformers.Qwen3MoeConfig(**SHAPE, moe_intermediate_size=64, num_experts=4,
+                                         num_experts_per_tok=2, decoder_sparse_step=1)
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "full")
+    with_tokenizer(tmp_path / "full")
+    out = save_quantized_checkpoint(tmp_path / "full", tmp_path / "fp8", "fp8")
+    ours = load_serving_model(out, device="cpu")
+    at_load = load_serving_model(tmp_path / "full", quantize="fp8", device="cpu")
+    experts = ours.model.layers[0].mlp.experts
+    assert isinstance(experts, QuantizedExperts) and isinstance(experts.down[3], Fp8Linear)
+    assert type(ours.model.layers[0].mlp.gate) is not Fp8Linear
+    for a, b in zip(ours.buffers(), at_load.buffers(), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a.float(), b.float())
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(experts.down[3](x), fp8_matmul_reference(
+        x, experts.down[3].weight, experts.down[3].scale), rtol=1e-5, atol=1e-5)
+    ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = load_checkpoint(tmp_path / "full")(ids).logits
+        got = ours(ids).logits
+    assert (got - full).abs().max() / full.abs().max() < 0.15  # float8's rounding, no more
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_an_fp8_checkpoint_serves_on_cuda_with_transformers_logits(tmp_path):
+    """On a GPU (FP8 tensor cores where it has them) in bf16: transformers' bf16 logits,
+    its inputs fake-quantized the same way, to bf16's rounding; the engine generates."""
+    folder = fp8_by_the_library(tmp_path / "fp8")
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0)).cuda()
+    reference = served_by_transformers(folder).to("cuda", torch.bfloat16)
+    ours = load_serving_model(folder, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        expected, got = reference(ids).logits.float(), ours(ids).logits.float()
+    assert (got - expected).abs().max() / expected.abs().max() < 5e-2
+    engine = LLMEngine.from_checkpoint(folder, EngineConfig(num_blocks=32))
+    (output,) = engine.generate([ids[0, :8].tolist()], SamplingParams(max_tokens=4,
+                                                                       temperature=0))
+    assert len(output.outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"input_activations": {**FP8_TOKENS, "strategy": "tensor", "dynamic": False}},
+     "input_activations"),
+    ({"input_activations": None}, "input_activations"),
+    ({"weights": {**FP8_WEIGHTS["channel"], "strategy": "block",
+                  "block_structure": [128, 128]}}, "weights"),
+    ({"weights": {**FP8_WEIGHTS["channel"], "num_bits": 4}}, "weights"),
+])
+def test_fp8_schemes_lathe_does_not_compute_are_refused_by_field(tmp_path, change, field):
+    """Static input scales, weight-only FP8, FP8 blocks and FP4 are refused before a weight
+    is read, naming the field."""
+    folder = fp8_by_the_library(tmp_path / "fp8")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"].update(change)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=rf"config_groups\.group_0\.{field}="):
+        load_serving_model(folder, device="cpu")
+
+
+@pytest.mark.parametrize(("tensor", "change", "message"), [
+    ("weight", lambda t: t.to(torch.bfloat16), r"up_proj\.weight must be a 2-D float8_e4m3fn"),
+    ("weight_scale", lambda t: t[:3], r"up_proj\.weight_scale has shape \(3, 1\)"),
+])
+def test_a_corrupt_fp8_linear_is_a_checkpoint_error(tmp_path, tensor, change, message):
+    from safetensors.torch import load_file, save_file
+    folder = fp8_by_the_library(tmp_path / "fp8")
+    state = load_file(folder / "model.safetensors")
+    name = f"model.layers.0.mlp.up_proj.{tensor}"
+    state[name] = change(state[name]).contiguous()
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=message):
+        load_serving_model(folder, device="cpu")
