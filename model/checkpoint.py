@@ -46,7 +46,7 @@ from lathe.model.families import (
     stack_experts,
     unstack_experts,
 )
-from lathe.model.fp8_weights import dequantize_fp8, fp8_block_size
+from lathe.model.fp8_weights import dequantize_fp8, fp8_format
 from lathe.model.transformer import FP32_BUFFERS, Transformer
 
 WEIGHTS_FILE = "model.safetensors"
@@ -234,23 +234,23 @@ class OpenCheckpoint:
 
 def _read_state(path: Path, config: ModelConfig, device: torch.device,
                 dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The checkpoint's weights as lathe names them; an FP8 checkpoint's read back to
-    `dtype` (default: its unquantized weights')."""
+    """The checkpoint's weights as lathe names them; an FP8 checkpoint's (block-scaled, or
+    compressed-tensors') read back to `dtype` (default: its unquantized weights')."""
     # (a trainer's pushed weights have no config.json)
     quantization = read_json_if_present(checkpoint_file(path, CONFIG_FILE)).get(
         "quantization_config")
     method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-    if quantization is not None and method != "fp8":
+    form = fp8_format(quantization, path / CONFIG_FILE)
+    if quantization is not None and form is None:
         raise CheckpointError(
             f"{path / CONFIG_FILE}: the weights are quantized ({method}); training, merging "
             "and exporting start from the full-precision checkpoint it was made from "
             "(lathe serve and lathe chat load this one)")
-    block = fp8_block_size(quantization, path / CONFIG_FILE) if method == "fp8" else None
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(path):
         state.update(load_safetensors(file, device))
-    if block is not None:
-        state = dequantize_fp8(state, block, dtype, path)
+    if form is not None:
+        state = dequantize_fp8(state, form, dtype, path)
     return lathe_layout(state, config)
 
 

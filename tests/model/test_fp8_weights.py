@@ -146,15 +146,16 @@ def test_stacked_experts_read_as_each_expert_alone():
     as each of its experts would alone."""
     from pathlib import Path
 
-    from lathe.model.fp8_weights import dequantize_fp8
+    from lathe.model.fp8_weights import Fp8Format, dequantize_fp8
 
     torch.manual_seed(0)
     experts = [block_quantized(torch.randn(40, 72)) for _ in range(3)]
     name = "model.layers.0.mlp.experts.gate_up_proj"
     stacked = dequantize_fp8({name: torch.stack([w for w, _ in experts]),
                               name + "_scale_inv": torch.stack([s for _, s in experts])},
-                             tuple(BLOCK), torch.float32, Path("x"))
+                             Fp8Format("_scale_inv", tuple(BLOCK)), torch.float32, Path("x"))
     for index, (weight, scale) in enumerate(experts):
-        alone = dequantize_fp8({"w": weight, "w_scale_inv": scale}, tuple(BLOCK),
-                               torch.float32, Path("x"))["w"]
+        alone = dequantize_fp8({"w": weight, "w_scale_inv": scale},
+                               Fp8Format("_scale_inv", tuple(BLOCK)), torch.float32,
+                               Path("x"))["w"]
         assert torch.equal(stacked[name][index], alone)

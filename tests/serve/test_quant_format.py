@@ -1,8 +1,10 @@
 """Quantized checkpoints in compressed-tensors' format, against the real thing: a checkpoint
 compressed-tensors itself writes (as llm-compressor's round-to-nearest W4A16 / W8A16
 recipes do) loads into lathe's quantized linears with the weights transformers
-decompresses; the one lathe writes loads in transformers with lathe's weights; any other
-scheme is refused by name."""
+decompresses; an FP8_DYNAMIC one serves with transformers' logits (each token's inputs
+rounded to float8), and every FP8 one trains from the weights transformers decompresses; the
+checkpoints lathe writes load in transformers with lathe's weights (FP8: the library's own
+bytes); any other scheme is refused by name."""
 
 from __future__ import annotations
 
@@ -76,9 +78,13 @@ def compressed_by_the_library(folder, scheme: dict, fmt: str = "pack-quantized",
         if not hasattr(module, "weight_scale"):
             continue
         weight = module.weight.data
-        rows = (weight.reshape(weight.shape[0], -1, args.group_size) if args.group_size
-                else weight.reshape(1, 1, -1) if args.strategy == "tensor"
-                else weight[:, None, :])
+        if args.strategy == "block":  # (row blocks, column blocks, a block's values)
+            r, c = args.block_structure
+            rows = weight.reshape(weight.shape[0] // r, r, -1, c).transpose(1, 2).flatten(2)
+        else:
+            rows = (weight.reshape(weight.shape[0], -1, args.group_size) if args.group_size
+                    else weight.reshape(1, 1, -1) if args.strategy == "tensor"
+                    else weight[:, None, :])
         scale, zero_point = calculate_qparams(rows.amin(-1), rows.amax(-1), args)
         module.weight_scale.data = scale.reshape(module.weight_scale.shape).to(
             module.weight_scale.dtype)
@@ -417,6 +423,32 @@ def test_a_mixture_of_experts_serves_fp8_per_expert(tmp_path):
         full = load_checkpoint(tmp_path / "full")(ids).logits
         got = ours(ids).logits
     assert (got - full).abs().max() / full.abs().max() < 0.15  # float8's rounding, no more
+
+
+@pytest.mark.parametrize("preset", ["FP8_DYNAMIC", "FP8", "FP8_BLOCK"])
+def test_fp8_checkpoints_train_from_the_weights_transformers_decompresses(tmp_path, preset):
+    """Training, merging and exporting read an FP8 checkpoint back to full precision as
+    transformers decompresses it (`run_compressed=False`): each float8 weight times its
+    row's, tensor's or block's scale, the static input scales dropped; the logits are that
+    model's."""
+    weights = {"FP8_DYNAMIC": FP8_WEIGHTS["channel"], "FP8": FP8_WEIGHTS["tensor"],
+               "FP8_BLOCK": {**FP8_WEIGHTS["channel"], "strategy": "block",
+                             "block_structure": [32, 32]}}[preset]
+    activations = {"FP8_DYNAMIC": FP8_TOKENS, "FP8_BLOCK": {**FP8_TOKENS, "strategy": "group",
+                                                            "group_size": 32},
+                   "FP8": {**FP8_TOKENS, "strategy": "tensor", "dynamic": False}}[preset]
+    folder = compressed_by_the_library(tmp_path / "fp8", weights, fmt="float-quantized",
+                                       activations=activations)
+    reference = decompressed(folder)
+    ours = load_checkpoint(folder, dtype=torch.float32)
+    theirs = dict(linears(reference))
+    for name, linear in linears(ours):
+        torch.testing.assert_close(linear.weight, theirs[name].weight, rtol=0, atol=0,
+                                   msg=name)
+    ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, reference(ids).logits, rtol=1e-5,
+                                   atol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
