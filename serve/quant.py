@@ -170,7 +170,9 @@ class Fp8Linear(nn.Module):
         self.register_buffer("scale", scale)
         _keep_bias(self, bias)
         self.out_features, self.in_features = q.shape
-        self.widened: Tensor | None = None
+        # a buffer (so it counts in the bytes a step reads, and moves with the model) that
+        # no state dict holds
+        self.register_buffer("widened", None, persistent=False)
         self.register_load_state_dict_post_hook(Fp8Linear._forget_widened)
 
     @classmethod
