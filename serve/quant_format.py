@@ -53,6 +53,7 @@ from lathe.model.checkpoint import (
     weight_files,
 )
 from lathe.model.config import ModelConfig
+from lathe.model.fp8_weights import ACTIVATION_SCALES
 from lathe.serve.config import QuantMode
 
 GROUP_SIZES = (32, 64, 128)  # what lathe's int4 kernels take (a K tile never crosses one)
@@ -183,10 +184,12 @@ def read_quantized_weights(path: Path, config: ModelConfig, scheme: QuantScheme,
     """A compressed-tensors checkpoint's weights as a `Transformer` quantized by
     `lathe.serve.quant.quantize_linears(..., only=names)` names and holds them: its state
     dict, and `names`, the modules (a linear, or a mixture of experts' `Experts`) that
-    are quantized."""
+    are quantized. An FP8 KV cache's scales (`kv_cache_scheme`) are dropped: the cache
+    holds the activations' dtype, as vLLM's does unless told `--kv-cache-dtype fp8`."""
     raw: dict[str, Tensor] = {}
     for file in weight_files(path):
-        raw.update(load_safetensors(file, device))
+        raw.update({name: tensor for name, tensor in load_safetensors(file, device).items()
+                    if not name.endswith(ACTIVATION_SCALES)})  # an FP8 KV cache's scales
     prefixes = sorted({name.removesuffix(".weight_scale") for name in raw
                        if name.endswith(".weight_scale")})
     values, scales, minimums = {}, {}, {}

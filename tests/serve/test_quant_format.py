@@ -425,6 +425,31 @@ def test_a_mixture_of_experts_serves_fp8_per_expert(tmp_path):
     assert (got - full).abs().max() / full.abs().max() < 0.15  # float8's rounding, no more
 
 
+def test_an_fp8_kv_cache_scheme_is_served_in_the_activations_dtype(tmp_path):
+    """A checkpoint calibrated for an FP8 KV cache (`kv_cache_scheme`, each attention's
+    `k_scale` and `v_scale`) serves as the same checkpoint without it: the cache keeps the
+    activations' dtype, the scales are not weights."""
+    from safetensors.torch import load_file, save_file
+    folder = fp8_by_the_library(tmp_path / "fp8")
+    ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = load_serving_model(folder, device="cpu")(ids).logits
+    state = load_file(folder / "model.safetensors")
+    for layer in range(SHAPE["num_hidden_layers"]):
+        for kind in ("k_scale", "v_scale"):
+            state[f"model.layers.{layer}.self_attn.{kind}"] = torch.tensor(0.05)
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"] = {
+        "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+        "symmetric": True}
+    (folder / "config.json").write_text(json.dumps(config))
+    with torch.no_grad():
+        torch.testing.assert_close(load_serving_model(folder, device="cpu")(ids).logits,
+                                   expected, rtol=0, atol=0)
+        load_checkpoint(folder)  # and trains from the weights
+
+
 @pytest.mark.parametrize("preset", ["FP8_DYNAMIC", "FP8", "FP8_BLOCK"])
 def test_fp8_checkpoints_train_from_the_weights_transformers_decompresses(tmp_path, preset):
     """Training, merging and exporting read an FP8 checkpoint back to full precision as
