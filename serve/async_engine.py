@@ -125,9 +125,11 @@ class AsyncEngine:
 
     def __init__(self, commands: Connection, events: Connection,
                  core: multiprocessing.process.BaseProcess | threading.Thread,
-                 max_waiting: int, status: Callable[[str], None]) -> None:
+                 max_waiting: int, status: Callable[[str], None],
+                 request_prefix: str = "async") -> None:
         self._commands, self._events, self._core = commands, events, core
         self.max_waiting = max_waiting
+        self.request_prefix = request_prefix
         self._status = status
         self._loop = asyncio.get_running_loop()
         self._ready: asyncio.Future[ModelInfo] = self._loop.create_future()
@@ -151,12 +153,14 @@ class AsyncEngine:
     async def launch(cls, spec: EngineSpec | None = None, *,
                      load: Callable[[], LLMEngine] | None = None,
                      loras: dict[str, Path] | None = None, max_waiting: int = 256,
-                     status: Callable[[str], None] = lambda text: None) -> AsyncEngine:
+                     status: Callable[[str], None] = lambda text: None,
+                     request_prefix: str = "async") -> AsyncEngine:
         """Start an engine core and wait until it serves: on `spec` in a process of its own,
         or on a thread of this process with `load` (an engine built here: tests, embedding).
         `loras`: adapters to load at start (name -> folder); `status`: told what the start
-        waits for. Raises what the load raised (the core has then ended). The core's process
-        is spawned, so a script that calls this needs `if __name__ == "__main__":`."""
+        waits for; `request_prefix`: what its request ids start with (unique among the cores
+        of one front end). Raises what the load raised (the core has then ended). The core's
+        process is spawned, so a script that calls this needs `if __name__ == "__main__":`."""
         if (spec is None) == (load is None):
             raise TypeError("AsyncEngine.launch takes a spec or a load, one of them")
         loras = dict(loras or {})
@@ -178,7 +182,7 @@ class AsyncEngine:
                                     args=(load, loras, core_commands, core_events),
                                     name="lathe-engine", daemon=True)
             core.start()
-        engine = cls(commands, events, core, max_waiting, status)
+        engine = cls(commands, events, core, max_waiting, status, request_prefix)
         try:
             engine.info = await engine._ready
         except BaseException:
@@ -198,6 +202,11 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         """Requests submitted that have had no output yet (waiting or in their prefill)."""
         return len(self._unstarted)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted whose results are still open."""
+        return len(self._queues)
 
     @property
     def adapter_names(self) -> list[str]:
@@ -263,7 +272,7 @@ class AsyncEngine:
                             f"(max_waiting={self.max_waiting}); retry later")
         request_ids = []
         for prompt_ids, p in zip(prompts, params, strict=True):
-            request_id = f"async-{next(self._ids)}"
+            request_id = f"{self.request_prefix}-{next(self._ids)}"
             self._send(AddRequest(request_id, prompt_ids, p, adapter))
             self._queues[request_id] = DeltaQueue()
             self._unstarted.add(request_id)

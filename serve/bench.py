@@ -12,7 +12,8 @@
     both lathe servers with --dtype bfloat16, llama-server on the bf16 GGUF; `int8`: both
     with --quantize int8, llama-server on q8_0; llama.cpp builds it with
     `cmake -B build -DLLAMA_CURL=OFF && cmake --build build --target llama-server`); a
-    streaming client at concurrency 1, 4, 16 and 64, reporting output tok/s, time to first
+    streaming client at concurrency 1, 4, 16 and 64 (with `--data-parallel-size N`, also
+    `lathe serve` of N engine cores), reporting output tok/s, time to first
     token and inter-token latency (p50 / p99, as `vllm bench serve` defines them): all
     servers up at once, measured in turn in interleaved rounds, each round's ratio against
     the baseline measured beside it;
@@ -527,8 +528,13 @@ def server_commands(checkpoint: Path, folder: Path, args: argparse.Namespace,
     output) and the same threads."""
     commands = {}
     weights, gguf_type = SERVER_WEIGHTS[args.server_weights]
-    for name, flags in (("lathe serve", [*weights, "--compile-before-ready"]),
-                        ("lathe serve --enforce-eager", [*weights, "--enforce-eager"])):
+    variants = [("lathe serve", [*weights, "--compile-before-ready"]),
+                ("lathe serve --enforce-eager", [*weights, "--enforce-eager"])]
+    if args.data_parallel_size > 1:
+        variants.append((f"lathe serve --data-parallel-size {args.data_parallel_size}",
+                         [*weights, "--compile-before-ready", "--data-parallel-size",
+                          str(args.data_parallel_size)]))
+    for name, flags in variants:
         name = " ".join([name, *weights])
         port = free_port()
         commands[name] = ([sys.executable, "-m", "lathe.core", "serve", str(checkpoint),
@@ -908,6 +914,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server-tokens", type=int, default=32)
     parser.add_argument("--server-rounds", type=int, default=5,
                         help="(b): interleaved load rounds per concurrency (medians kept)")
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="(b): also a server of this many engine cores")
     parser.add_argument("--server-weights", choices=list(SERVER_WEIGHTS), default="f32",
                         help="(b): the servers' weights (bf16: lathe's --dtype bfloat16 "
                              "against llama-server's bf16 GGUF; int8: --quantize int8 against "

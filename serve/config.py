@@ -252,6 +252,11 @@ class ServerConfig:
         "HTTP server (default: torch's, or OMP_NUM_THREADS; on a CPU one fewer for a model "
         "under 32 MiB of weights, whose steps are mostly Python: the HTTP side keeps a "
         "core)", metavar="N"))
+    data_parallel_size: int = field(default=1, metadata=cli(
+        "engine cores, each a whole replica of the model in a process of its own (on a GPU "
+        "of its own where there is one for each; else sharing the CPU's threads), each "
+        "request sent to the one with the fewest in flight; --max-waiting is each core's",
+        metavar="N"))
     limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     engine: EngineConfig = field(default_factory=serving_engine)
 
@@ -269,8 +274,9 @@ class ServerConfig:
         for name in ("template_seconds", "grammar_seconds"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
-        if self.engine_threads is not None and self.engine_threads < 1:
-            raise ConfigError(f"engine_threads={self.engine_threads} must be >= 1")
+        for name in ("engine_threads", "data_parallel_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.tool_call_parser not in (None, "none", *PARSERS):
             raise ConfigError(f"tool_call_parser={self.tool_call_parser!r}: choose one of "
                               f"{', '.join((*PARSERS, 'none'))}")

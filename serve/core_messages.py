@@ -58,6 +58,8 @@ class EngineSpec:
     quantize: QuantMode | None = None
     dtype: WeightDtype = "auto"  # the weights' (auto: the checkpoint's)
     threads: int | None = None  # intra-op threads (None: `engine_threads` chooses)
+    replica: int = 0  # which of `replicas` data-parallel cores this one is
+    replicas: int = 1
 
 
 @dataclass

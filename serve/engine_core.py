@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from lathe.core.errors import LatheError
+from lathe.core.errors import ConfigError, LatheError
 from lathe.kernels.cpu_native import build_status
 from lathe.serve.core_messages import (
     CALLS,
@@ -69,11 +69,33 @@ STATUS_SECONDS = 0.5  # how often a loading core reports what it waits for
 # (~1.6 ms of them at ~20 GB/s, against ~0.3 ms of the front end's own work per token)
 SMALL_WEIGHTS = 32 * 2**20
 def load_engine(spec: EngineSpec) -> LLMEngine:
-    """The engine `spec` describes, on this process's intra-op threads (`engine_threads`)."""
+    """The engine `spec` describes, on this process's intra-op threads (`engine_threads`),
+    on its replica's device (`place_replica`)."""
+    place_replica(spec.replica, spec.replicas, spec.threads)
     engine = LLMEngine.from_checkpoint(spec.checkpoint, spec.config, quantize=spec.quantize,
                                        dtype=WEIGHT_DTYPES[spec.dtype])
     torch.set_num_threads(engine_threads(engine, spec.threads))
     return engine
+
+
+def place_replica(replica: int, replicas: int, threads: int | None) -> None:
+    """Put data-parallel core `replica` of `replicas` on its device before it loads: on a
+    machine with a GPU for each, GPU `replica` becomes this process's current device (which
+    every allocation, kernel and captured graph then takes); on a CPU the cores share its
+    threads, `replicas` ways (unless `threads` says). Fewer GPUs than replicas is a
+    ConfigError naming both numbers."""
+    if replicas == 1:
+        return
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        if threads is None:
+            torch.set_num_threads(max(1, torch.get_num_threads() // replicas))
+        return
+    if gpus < replicas:
+        raise ConfigError(f"data_parallel_size={replicas} puts each engine core on a GPU of "
+                          f"its own, and this process sees {gpus}; lower it to {gpus} or "
+                          "make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+    torch.cuda.set_device(replica)
 
 
 def serve_spec(spec: EngineSpec, loras: dict[str, Path], commands: Connection,

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of one `AsyncEngine`.
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of one `AsyncEngine` (or an
+`EnginePool` of them: `--data-parallel-size`).
 
 `run` serves it within `connections`' limits (header, body and idle deadlines, a
 connection cap past which only /health answers, a bounded drain at shutdown).
@@ -40,7 +41,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lathe.core.errors import LatheError
+from lathe.core.errors import ConfigError, LatheError
 from lathe.data.chat_template import read_chat_template
 from lathe.data.template_worker import TemplateWorker
 from lathe.serve import (
@@ -54,6 +55,7 @@ from lathe.serve.async_engine import AsyncEngine, EngineDead
 from lathe.serve.config import ServerConfig
 from lathe.serve.connections import LatheServer, raise_file_limit, uvicorn_config
 from lathe.serve.core_messages import EngineSpec, freeze_startup_heap
+from lathe.serve.engine_pool import EnginePool
 from lathe.serve.reasoning import template_reasoning_parser
 from lathe.serve.serving import APIError, Serving, authorize, error_response
 from lathe.serve.structured import Literals
@@ -140,13 +142,23 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
     spec = None if load is not None else EngineSpec(config.checkpoint, config.engine,
                                                     config.quantize, config.dtype,
                                                     config.engine_threads)
+    if load is not None and config.data_parallel_size > 1:
+        raise ConfigError(f"data_parallel_size={config.data_parallel_size} starts each engine "
+                          "core in a process of its own from the checkpoint; an engine built "
+                          "in this process (load) is one core")
 
     async def load_engine() -> None:
         engine = None
         try:
-            engine = await AsyncEngine.launch(spec, load=load, loras=config.loras,
-                                              max_waiting=config.max_waiting,
-                                              status=start_progress(ctx))
+            if config.data_parallel_size > 1:
+                engine = await EnginePool.launch(spec, config.data_parallel_size,
+                                                 loras=config.loras,
+                                                 max_waiting=config.max_waiting,
+                                                 status=start_progress(ctx))
+            else:
+                engine = await AsyncEngine.launch(spec, load=load, loras=config.loras,
+                                                  max_waiting=config.max_waiting,
+                                                  status=start_progress(ctx))
             ctx.literals = Literals.of(engine.tokenizer)
             try:
                 source, special_tokens = read_chat_template(config.checkpoint,

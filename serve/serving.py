@@ -14,8 +14,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from lathe.data.template_worker import TemplateWorker
-from lathe.serve.async_engine import AsyncEngine
 from lathe.serve.config import ServerConfig
+from lathe.serve.engine_pool import Engine
 from lathe.serve.metrics import ServerMetrics
 from lathe.serve.reasoning import ReasoningParser, reasoning_parser
 from lathe.serve.request_checks import RequestError
@@ -66,7 +66,7 @@ class Serving:
             if config.tool_call_parser not in (None, "none") else None
         self.named_reasoning: ReasoningParser | None = reasoning_parser(
             config.reasoning_parser) if config.reasoning_parser not in (None, "none") else None
-        self.engine: AsyncEngine | None = None
+        self.engine: Engine | None = None
         self.template: TemplateWorker | None = None
         # renders wait on the template workers, whose queue serves clients fairly: threads
         # of their own, enough that a burst of one client's renders does not hold every
@@ -84,7 +84,7 @@ class Serving:
         self.responses = ResponseStore(config.responses_store, RESPONSES_STORE_BYTES) \
             if config.responses_store else None
 
-    def ready(self, model: str | None = None) -> AsyncEngine:
+    def ready(self, model: str | None = None) -> Engine:
         """The engine, for a request naming `model` (the base or one of its adapters); a 503
         while it loads or after it died, a 404 for another model."""
         if self.engine is None:
@@ -99,7 +99,7 @@ class Serving:
                            code="model_not_found")
         return self.engine
 
-    async def compile_structured(self, engine: AsyncEngine,
+    async def compile_structured(self, engine: Engine,
                                  structured: tuple[str, StructuredOutput] | None,
                                  ) -> StructuredOutput | None:
         """Compile a request's structured output (and the field that asked for it) off the

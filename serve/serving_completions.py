@@ -14,7 +14,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lathe.serve.async_engine import AsyncEngine, EngineDead, QueueFull, ServerClosing
+from lathe.serve.async_engine import EngineDead, QueueFull, ServerClosing
+from lathe.serve.engine_pool import Engine
 from lathe.serve.metrics import RequestTimer, ServerMetrics
 from lathe.serve.outputs import CompletionOutput
 from lathe.serve.protocol import (
@@ -78,7 +79,7 @@ def structured_of(body: CompletionRequest | ChatCompletionRequest,
         raise APIError(400, str(error), param=error.param) from None
 
 
-def truncated(engine: AsyncEngine, prompt: list[int], keep: int | None) -> list[int]:
+def truncated(engine: Engine, prompt: list[int], keep: int | None) -> list[int]:
     """vLLM's `truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: as many as
     the context window holds)."""
     if keep is None:
@@ -90,7 +91,7 @@ def truncated(engine: AsyncEngine, prompt: list[int], keep: int | None) -> list[
     return prompt[-keep:]
 
 
-def bad_words_ids(engine: AsyncEngine, body: CompletionRequest | ChatCompletionRequest,
+def bad_words_ids(engine: Engine, body: CompletionRequest | ChatCompletionRequest,
                ) -> list[list[int]]:
     """vLLM's `bad_words` as token sequences: each word as it starts a text and, where
     that differs and is as long, after a space."""
@@ -124,7 +125,7 @@ def _prompt_list(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
-async def _prompt_ids(engine: AsyncEngine, prompts: list[str | list[int]],
+async def _prompt_ids(engine: Engine, prompts: list[str | list[int]],
                       add_special_tokens: bool) -> list[list[int]]:
     """Each prompt as token ids, text tokenized off the event loop (a megabyte takes most of
     a second)."""
@@ -162,7 +163,7 @@ def _api_error(error: BaseException) -> APIError:
                     kind="internal_server_error")
 
 
-async def respond(request: Request, engine: AsyncEngine, metrics: ServerMetrics,
+async def respond(request: Request, engine: Engine, metrics: ServerMetrics,
                    builder: ResponseBuilder, body: CompletionRequest | ChatCompletionRequest,
                    prompts: list[list[int]], params: list[SamplingParams], want_logprobs: bool,
                    echoes: list[Echo] | None = None, score_only: bool = False) -> Response:

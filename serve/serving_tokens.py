@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Request
 
 from lathe.data.chat_template import ChatTemplateError
 from lathe.data.messages import MessageError, normalize_tools
-from lathe.serve.async_engine import AsyncEngine
+from lathe.serve.engine_pool import Engine
 from lathe.serve.protocol import (
     DetokenizeRequest,
     ProtocolError,
@@ -25,7 +25,7 @@ from lathe.serve.serving_chat import chat_renderer
 router = APIRouter(dependencies=[Depends(authorize)])
 
 
-def ready_with_tokenizer(request: Request, model: str | None) -> AsyncEngine:
+def ready_with_tokenizer(request: Request, model: str | None) -> Engine:
     engine = serving(request).ready(model)
     if engine.tokenizer is None:
         raise APIError(400, "this checkpoint has no tokenizer.json: there is nothing to "
