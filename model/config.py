@@ -107,8 +107,10 @@ class ModelConfig:
     gated MLP), `query_pre_attn_scalar` (scores scaled by its -½ power, not head_dim's),
     `attn_softcap` and `final_softcap` (scores, logits -> cap·tanh(x / cap)), and
     `rope_local_theta` (Gemma 3: the sliding layers' RoPE base, unscaled).
-    `qk_norm_projection` (OLMoE): one RMSNorm over the whole q and k projections, not per
-    head; `clip_qkv` clamps q, k and v to ±clip_qkv.
+    `qk_norm_projection` (OLMoE, OLMo 2 and 3): one RMSNorm over the whole q and k
+    projections, not per head; `clip_qkv` clamps q, k and v to ±clip_qkv. `post_norms`
+    (OLMo 2 and 3): no norm before attention or the MLP; each one's output is normed before
+    its residual add (`post_attention_layernorm`, `post_feedforward_layernorm`).
     Mixture of experts (`n_experts` set): a layer's MLP is a router (a softmax over the
     experts, the top `n_experts_per_token` taken, their weights renormalized to sum 1 when
     `norm_topk_prob`) and `n_experts` gated MLPs of `moe_ffn_hidden_dim` (default
@@ -161,6 +163,7 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # the share of each head's channels RoPE rotates
     qk_norm_projection: bool = False
     clip_qkv: float | None = None
+    post_norms: bool = False
     n_experts: int | None = None
     n_experts_per_token: int = 2
     moe_ffn_hidden_dim: int | None = None
@@ -396,6 +399,10 @@ class ModelConfig:
         if factor != 1 and "partial_rotary_factor" not in takes:
             raise ConfigError(f"ModelConfig.partial_rotary_factor={factor!r}: family="
                               f"{self.family!r} rotates whole heads (drop it, or choose phi3)")
+        if self.post_norms and self.sandwich_norms:
+            raise ConfigError("ModelConfig.post_norms (OLMo 2's: norms after attention and the "
+                              "MLP only) and sandwich_norms (Gemma's: before and after) exclude "
+                              "each other; set one")
         if self.rope_local_theta is not None and self.layer_types is None:
             raise ConfigError("ModelConfig.rope_local_theta is the sliding layers' RoPE base: "
                               "it needs layer_types to say which layers slide")
@@ -522,6 +529,40 @@ class ModelConfig:
         RoPE is written in the top-level `rope_theta` / `rope_scaling` form, which
         transformers 4.x and 5.x, vLLM and llama.cpp's converter all read.
         """
+        scaling = self.rope_scaling
+        family = FAMILIES[self.family]
+        labels = {"id2label": {str(i): f"LABEL_{i}" for i in range(self.num_labels)},
+                  "label2id": {f"LABEL_{i}": i for i in range(self.num_labels)}
+                  } if self.num_labels else {}
+        return {
+            "architectures": [family.classifier if self.num_labels else family.architecture],
+            **labels,
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.dim,
+            "intermediate_size": self.ffn_hidden_dim,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": self.hidden_act,
+            "max_position_embeddings": scaling.original_max_seq_len  # what "dynamic" scales
+            if scaling is not None and scaling.rope_type == "dynamic" else self.max_seq_len,
+            "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.hf_rope_scaling(),
+            "tie_word_embeddings": self.tie_embeddings,
+            "initializer_range": self.init_std,
+            "attention_dropout": 0.0,
+            "use_cache": True,
+            # the tokenizer's, when the checkpoint has one (save_checkpoint fills them in);
+            # left out, a family's class would assume its own model's (SmolLM3: 128000...)
+            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+            **family.extra(self),
+        }
+
+    def hf_rope_scaling(self) -> dict[str, Any] | None:
+        """`rope_scaling` as config.json holds it (None: unscaled)."""
         rope_scaling = None
         scaling = self.rope_scaling
         if scaling is not None and scaling.rope_type == "llama3":
@@ -551,36 +592,7 @@ class ModelConfig:
                                 key: getattr(scaling, key) for key in
                                 ("attention_factor", "mscale", "mscale_all_dim")
                                 if getattr(scaling, key) is not None}}
-        family = FAMILIES[self.family]
-        labels = {"id2label": {str(i): f"LABEL_{i}" for i in range(self.num_labels)},
-                  "label2id": {f"LABEL_{i}": i for i in range(self.num_labels)}
-                  } if self.num_labels else {}
-        return {
-            "architectures": [family.classifier if self.num_labels else family.architecture],
-            **labels,
-            "model_type": self.family,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.dim,
-            "intermediate_size": self.ffn_hidden_dim,
-            "num_hidden_layers": self.n_layers,
-            "num_attention_heads": self.n_heads,
-            "num_key_value_heads": self.n_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": self.hidden_act,
-            "max_position_embeddings": scaling.original_max_seq_len  # what "dynamic" scales
-            if scaling is not None and scaling.rope_type == "dynamic" else self.max_seq_len,
-            "rms_norm_eps": self.norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": rope_scaling,
-            "tie_word_embeddings": self.tie_embeddings,
-            "initializer_range": self.init_std,
-            "attention_dropout": 0.0,
-            "use_cache": True,
-            # the tokenizer's, when the checkpoint has one (save_checkpoint fills them in);
-            # left out, a family's class would assume its own model's (SmolLM3: 128000...)
-            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
-            **family.extra(self),
-        }
+        return rope_scaling
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:

@@ -2,7 +2,7 @@
 how a family's HF `config.json` sets `ModelConfig`'s switches, which switch values the
 family's own transformers class builds (so an export loads back as that class), and the
 keys an export writes beside the common ones; where its config keeps RoPE apart from the usual
-keys (Gemma 3 per layer type, Phi-3's names for LongRoPE) and the fields only it reads
+keys (Gemma 3 and OLMo 3 per layer type, Phi-3's names for LongRoPE) and the fields only it reads
 (SmolLM3's NoPE layers); its sequence classifier's class (a reward model's). Parameter names
 are HF's, but for the projections
 a family stores fused (`Family.fused`: Phi-3's `qkv_proj` and `gate_up_proj`), which a load
@@ -21,6 +21,8 @@ splits into lathe's q/k/v and gate/up and an export joins again (`split_fused`,
 | phi3 (Phi-3, Phi-4-mini) | Phi3ForCausalLM | fused `qkv_proj`, `gate_up_proj`; partial RoPE |
 | mixtral | MixtralForCausalLM | experts in every layer (`block_sparse_moe`), top-k renormalized |
 | qwen3_moe | Qwen3MoeForCausalLM | Qwen3's attention; experts in the layers not `mlp_only_layers` |
+| olmo2 (OLMo 2) | Olmo2ForCausalLM | OLMoE's q/k norms; norms after attention and MLP only |
+| olmo3 (OLMo 3) | Olmo3ForCausalLM | OLMo 2's; three of each four layers sliding, their own RoPE |
 | olmoe | OlmoeForCausalLM | RMSNorm over the whole q and k projections, `clip_qkv`; experts |
 | qwen2_moe (Qwen1.5-MoE) | Qwen2MoeForCausalLM | Qwen2's attention; experts, a shared one |
 | glm4_moe (GLM-4.5) | Glm4MoeForCausalLM | partial RoPE, q/k norms optional; DeepSeek-V3's router |
@@ -134,22 +136,30 @@ def _phi3_rope(hf: dict[str, Any]) -> tuple[dict[str, Any], float]:
     return rope, theta
 
 
-def _gemma3_rope(hf: dict[str, Any]) -> tuple[dict[str, Any], float]:
-    """Gemma 3's RoPE per layer type: its full-attention layers' (base 1e6 by default)."""
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    return _rope_parameters({**hf, "rope_parameters": rope.get("full_attention", rope)},
-                            1_000_000.0)
+def _per_layer_type_rope(default_theta: float
+                         ) -> Callable[[dict[str, Any]], tuple[dict[str, Any], float]]:
+    """RoPE kept per layer type (Gemma 3, OLMo 3): the full-attention layers'."""
+    def rope(hf: dict[str, Any]) -> tuple[dict[str, Any], float]:
+        kept = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        return _rope_parameters({**hf, "rope_parameters": kept.get("full_attention", kept)},
+                                default_theta)
+    return rope
 
 
-def _gemma3_read(hf: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3's sliding layers' RoPE base (unscaled)."""
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    local = rope.get("sliding_attention") or {}
-    if local.get("rope_type", "default") != "default":
-        raise ConfigError(f"config.json: the sliding layers' rope type "
-                          f"{local['rope_type']!r} is not supported (only 'default')")
-    return {"rope_local_theta": float(local.get("rope_theta") or hf.get("rope_local_base_freq")
-                                      or 10000.0)}
+def _sliding_rope_read(default_theta: float | None
+                       ) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The sliding layers' RoPE base (unscaled), as `rope_local_theta`: their own entry's,
+    else Gemma 3's older key, else `default_theta` (None: the full layers' base)."""
+    def read(hf: dict[str, Any]) -> dict[str, Any]:
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        local = rope.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ConfigError(f"config.json: the sliding layers' rope type "
+                              f"{local['rope_type']!r} is not supported (only 'default')")
+        theta = local.get("rope_theta") or hf.get("rope_local_base_freq") or default_theta
+        return {"rope_local_theta": float(theta if theta is not None else
+                                          _per_layer_type_rope(500_000.0)(hf)[1])}
+    return read
 
 
 def _smollm3_read(hf: dict[str, Any]) -> dict[str, Any]:
@@ -209,6 +219,23 @@ def _gemma_window(pattern: int) -> Callable[[dict[str, Any]], Window]:
     return window
 
 
+def _olmo3_window(hf: dict[str, Any]) -> Window:
+    types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 4 else "full_attention"
+        for i in range(hf["num_hidden_layers"])]
+    return hf.get("sliding_window", 4096), list(types)
+
+
+def _olmo3_extra(c: Any) -> dict[str, Any]:
+    """OLMo 3's window, and its RoPE per layer type written out whole (its config class,
+    given the top-level `rope_theta` alone, would give the sliding layers its default base)."""
+    full = {"rope_type": "default", "rope_theta": c.rope_theta, **(c.hf_rope_scaling() or {})}
+    sliding = {"rope_type": "default", "rope_theta": c.rope_local_theta or c.rope_theta}
+    return {"attention_bias": c.qkv_bias, "sliding_window": c.sliding_window,
+            "layer_types": c.layer_types,
+            "rope_parameters": {"full_attention": full, "sliding_attention": sliding}}
+
+
 def _whole(value: float | None) -> float | int | None:
     return int(value) if value is not None and float(value).is_integer() else value
 
@@ -223,6 +250,7 @@ def _gemma_extra(config: Any) -> dict[str, Any]:
 
 
 GEMMA = {"norm_unit_offset": True, "sandwich_norms": True, "embed_scale": True}
+OLMO2 = {"qk_norm_projection": True, "post_norms": True}
 GEMMA_FIELDS = ("query_pre_attn_scalar", "attn_softcap", "final_softcap")
 
 
@@ -371,8 +399,8 @@ FAMILIES: dict[str, Family] = {
         lambda c: {**_gemma_extra(c), "rope_local_base_freq": c.rope_local_theta,
                    "use_bidirectional_attention": False},
         sliding="layers", takes=(*GEMMA_FIELDS, "rope_local_theta"),
-        classifier_class="Gemma3TextForSequenceClassification", rope=_gemma3_rope,
-        read=_gemma3_read),
+        classifier_class="Gemma3TextForSequenceClassification",
+        rope=_per_layer_type_rope(1_000_000.0), read=_sliding_rope_read(10000.0)),
     "mixtral": Family(
         "MixtralForCausalLM", lambda hf: {}, _mistral_window,
         lambda c: {"sliding_window": c.sliding_window, **MIXTRAL_EXPERTS.written(c)},
@@ -398,6 +426,13 @@ FAMILIES: dict[str, Family] = {
         lambda c: {"attention_bias": c.qkv_bias, "use_qk_norm": c.qk_norm,
                    "partial_rotary_factor": c.partial_rotary_factor, **GLM4_MOE_EXPERTS.written(c)},
         takes=("partial_rotary_factor",), experts=GLM4_MOE_EXPERTS, classifier_class=""),
+    "olmo2": Family(
+        "Olmo2ForCausalLM", lambda hf: {**OLMO2, **_attention_bias(hf)}, _no_window,
+        lambda c: {"attention_bias": c.qkv_bias}),
+    "olmo3": Family(
+        "Olmo3ForCausalLM", lambda hf: {**OLMO2, **_attention_bias(hf)}, _olmo3_window,
+        _olmo3_extra, sliding="layers", takes=("rope_local_theta",),
+        rope=_per_layer_type_rope(500_000.0), read=_sliding_rope_read(None)),
     "olmoe": Family(
         "OlmoeForCausalLM", lambda hf: {"qk_norm_projection": True, **_attention_bias(hf)},
         _no_window, lambda c: {"attention_bias": c.qkv_bias, **OLMOE_EXPERTS.written(c)},
@@ -480,7 +515,7 @@ def language_model_weights(state: dict[str, Any]) -> dict[str, Any]:
 
 
 SWITCHES = ("qkv_bias", "o_bias", "qk_norm", "norm_unit_offset", "sandwich_norms", "embed_scale",
-            "qk_norm_projection", "shared_expert_gate", "sigmoid_router")
+            "qk_norm_projection", "post_norms", "shared_expert_gate", "sigmoid_router")
 
 
 def family_switches(model_type: str, config: Any) -> dict[str, bool]:
@@ -612,7 +647,8 @@ def fresh_switches(family: str, n_layers: int, head_dim: int,
                    expert_width: int | None = None) -> dict[str, Any]:
     """What a new model of `family` sets beyond the Llama shape (`lathe init --family`,
     pretraining from scratch), as the family's transformers config class defaults: its
-    switches, Gemma's activation, caps, query scale and alternating sliding layers, and a
+    switches, Gemma's activation, caps, query scale and alternating sliding layers, OLMo 3's
+    sliding layers, and a
     mixture of experts' 8 experts, 2 per token, of the dense MLP's width (top-k weights
     renormalized but for OLMoE, as Qwen3-30B-A3B and OLMoE-1B-7B do; GLM-4.5's sigmoid router
     without a balance loss, as its class has none), and for a family with a shared expert
@@ -631,6 +667,11 @@ def fresh_switches(family: str, n_layers: int, head_dim: int,
             else {}
         return {**switches, "n_experts": 8, "n_experts_per_token": 2,
                 "norm_topk_prob": family != "olmoe", **sigmoid, **shared}
+    if family == "olmo3":  # OLMo 3's: three sliding layers of each four, one RoPE base
+        return {**switches, "sliding_window": 4096, "rope_theta": 500_000.0,
+                "rope_local_theta": 500_000.0,
+                "layer_types": ["sliding_attention" if (i + 1) % 4 else "full_attention"
+                                for i in range(n_layers)]}
     if family not in ("gemma2", "gemma3_text"):
         return switches
     every = 2 if family == "gemma2" else 6

@@ -471,23 +471,31 @@ class MoE(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP, each added to the residual; with `sandwich_norms`
     (Gemma) each output is normed again before its add, and the MLP's input norm is
-    `pre_feedforward_layernorm` (`post_attention_layernorm` is then the attention output's)."""
+    `pre_feedforward_layernorm` (`post_attention_layernorm` is then the attention output's);
+    with `post_norms` (OLMo 2) only the outputs are normed, by `post_attention_layernorm`
+    and `post_feedforward_layernorm`."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         def norm() -> RMSNorm:
             return RMSNorm(config.dim, config.norm_eps, config.norm_unit_offset)
-        self.input_layernorm = norm()
+        self.post_only = config.post_norms
+        if not self.post_only:
+            self.input_layernorm = norm()
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = norm()
         if config.sandwich_norms:
             self.pre_feedforward_layernorm = norm()
+        if config.sandwich_norms or config.post_norms:
             self.post_feedforward_layernorm = norm()
         self.sandwich = config.sandwich_norms
         self.mlp = MoE(config) if config.is_moe_layer(layer_idx) else MLP(config)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache | None,
                 starts: Tensor | None = None) -> Tensor:
+        if self.post_only:
+            x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, kv_cache, starts))
+            return x + self.post_feedforward_layernorm(self.mlp(x))
         attended = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, starts)
         if not self.sandwich:
             norm = self.post_attention_layernorm

@@ -6,8 +6,10 @@ weights, to compare runtimes on the same numbers), f16, bf16 or q8_0.
 
 Each family is written as the llama.cpp architecture its converter makes of it (`ARCHES`):
 llama, mistral and mixtral as `llama`; qwen2, qwen3, gemma2, gemma3, phi3, qwen2_moe
-(`qwen2moe`), qwen3_moe (`qwen3moe`), olmoe and glm4_moe (`glm4moe`) as themselves (Phi-3's
-projections stay fused: `attn_qkv`, and gate and up as one `ffn_up`). A mixture of experts'
+(`qwen2moe`), qwen3_moe (`qwen3moe`), olmoe, olmo2 and glm4_moe (`glm4moe`) as themselves,
+olmo3 as `olmo2` with its window (Phi-3's projections stay fused: `attn_qkv`, and gate and up
+as one `ffn_up`; OLMo's norms after attention and the MLP are `post_attention_norm` and
+`post_ffw_norm`). A mixture of experts'
 router is `ffn_gate_inp`, its experts stacked `ffn_gate_exps`, `ffn_up_exps` and
 `ffn_down_exps`, a shared expert `ffn_*_shexp` (Qwen2-MoE's gate `ffn_gate_inp_shexp`);
 GLM-4.5's sigmoid router's selection bias is `exp_probs_b`, its norm after attention
@@ -23,8 +25,8 @@ beside its own 1 + 0.1 ln(factor)); Phi-3's LongRoPE as `rope_factors_long` and
 `rope_factors_short` (llama.cpp takes the long ones when its context passes the original
 one, where transformers and lathe look at each forward's positions). What
 an architecture's llama.cpp graph fixes rather than reads (Gemma's query scale and window
-pattern, Gemma 3's local RoPE base, llama's and phi3's full attention) a checkpoint must
-match, or the export refuses it.
+pattern, Gemma 3's local RoPE base, OLMo 3's three sliding layers in four and their base,
+llama's and phi3's full attention) a checkpoint must match, or the export refuses it.
 """
 
 from __future__ import annotations
@@ -68,11 +70,14 @@ GLM4_MOE_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_nor
 SANDWICH_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
                   "pre_feedforward_layernorm": "ffn_norm",
                   "post_feedforward_layernorm": "post_ffw_norm"}
+# OLMo 2's: norms after attention and after the MLP, none before
+POST_NORM_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
+                   "post_feedforward_layernorm": "post_ffw_norm"}
 # lathe family -> llama.cpp architecture
 ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
           "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3", "mixtral": "llama",
           "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "qwen2_moe": "qwen2moe",
-          "glm4_moe": "glm4moe"}
+          "glm4_moe": "glm4moe", "olmo2": "olmo2", "olmo3": "olmo2"}
 # whether llama.cpp's graph for an architecture renormalizes the top-k expert weights (glm4moe
 # reads it from the file)
 EXPERT_WEIGHTS_NORM = {"llama": True, "qwen3moe": True, "olmoe": False, "qwen2moe": False}
@@ -107,8 +112,8 @@ def gguf_tensors(state: dict[str, Tensor], config: ModelConfig) -> dict[str, np.
     the `llama` architecture, Gemma's norms as 1 + w, Phi-3's projections fused."""
     out = {}
     permute = ARCHES[config.family] == "llama"
-    names = SANDWICH_NAMES if config.sandwich_norms else (
-        GLM4_MOE_NAMES if config.family == "glm4_moe" else LAYER_NAMES)
+    names = SANDWICH_NAMES if config.sandwich_norms else POST_NORM_NAMES if config.post_norms \
+        else GLM4_MOE_NAMES if config.family == "glm4_moe" else LAYER_NAMES
     for name, tensor in _split_gate_up(join_fused(state, config)).items():
         if name == "lm_head.weight" and config.tie_embeddings:
             continue
@@ -148,7 +153,7 @@ def unwritable(config: ModelConfig) -> str | None:
     the checkpoint does (what it fixes rather than reads from the file), or None."""
     arch, scaling = ARCHES.get(config.family), config.rope_scaling
     window = config.sliding_window is not None and config.sliding_window < config.max_seq_len
-    gemma_pattern = {"gemma2": 2, "gemma3": 6}.get(arch)
+    pattern = {"gemma2": 2, "gemma3": 6, "olmo2": 4}.get(arch)  # 1 full layer in each N
     reasons = [
         config.num_labels and "a sequence classifier (a reward model) has no LM head to write",
         arch is None and f"{config.family} has no llama.cpp architecture here",
@@ -164,15 +169,17 @@ def unwritable(config: ModelConfig) -> str | None:
         arch in ("llama", "phi3") and window
         and f"llama.cpp's {arch} attends in full, not in a window",
         config.no_rope_layers is not None and "SmolLM3's NoPE layers",
-        gemma_pattern and config.layer_types != [
-            "sliding_attention" if (i + 1) % gemma_pattern else "full_attention"
+        pattern and config.layer_types is not None and config.layer_types != [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
             for i in range(config.n_layers)]
-        and f"llama.cpp's {arch} slides {gemma_pattern - 1} of each {gemma_pattern} layers",
-        gemma_pattern and config.query_pre_attn_scalar != config.head_dim
+        and f"llama.cpp's {arch} slides {pattern - 1} of each {pattern} layers",
+        arch in ("gemma2", "gemma3") and config.query_pre_attn_scalar != config.head_dim
         and f"llama.cpp's {arch} scales queries by head_dim^-1/2, not by "
             f"query_pre_attn_scalar={config.query_pre_attn_scalar}",
         arch == "gemma3" and config.rope_local_theta != 10_000
         and "llama.cpp's gemma3 rotates its sliding layers with base 10000",
+        arch == "olmo2" and config.rope_local_theta not in (None, config.rope_theta)
+        and "llama.cpp's olmo2 rotates its sliding layers with the full ones' base",
         arch == "gemma2" and not config.tie_embeddings
         and "llama.cpp's gemma2 ties its head to the embeddings",
         config.n_experts and arch in EXPERT_WEIGHTS_NORM

@@ -185,7 +185,7 @@ def test_missing_or_malformed_recipe(tmp_path):
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3",
                                     "gemma2", "gemma3_text", "mixtral", "qwen3_moe", "olmoe",
-                                    "qwen2_moe", "glm4_moe"])
+                                    "qwen2_moe", "glm4_moe", "olmo2", "olmo3"])
 def test_a_preset_of_any_family_is_what_its_transformers_class_builds(family, tmp_path):
     """`lathe init --family F --preset P`: the preset's shape with the family's switches,
     exported as that family's class with lathe's logits and every weight it builds (a

@@ -73,6 +73,21 @@ FAMILIES = {
                                      "norm_topk_prob": True}),
     "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 3.0,
                               "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    # OLMo 2: norms after attention and the MLP only, q/k normed over whole projections;
+    # OLMo 3: its sliding layers (a window shorter than the prompts) rotate with their own,
+    # unscaled RoPE while its full ones are YaRN-scaled
+    "olmo2": ("Olmo2Config", {"num_key_value_heads": 2, "pad_token_id": 0, "bos_token_id": 1,
+                              "eos_token_id": 2}),
+    "olmo3": ("Olmo3Config", {"num_hidden_layers": 4, "sliding_window": 12, "pad_token_id": 0,
+                              "bos_token_id": 1, "eos_token_id": 2, "rope_parameters": {
+                                  "sliding_attention": {"rope_type": "default",
+                                                        "rope_theta": 10000.0},
+                                  "full_attention": {"rope_type": "yarn", "factor": 4.0,
+                                                     "original_max_position_embeddings": 64,
+                                                     "rope_theta": 50000.0}}}),
+    "olmo3-alternating": ("Olmo3Config", {"sliding_window": 12, "pad_token_id": 0,
+                                          "layer_types": ["sliding_attention",
+                                                          "full_attention"]}),
     # Qwen1.5-MoE: a shared expert with its sigmoid gate beside the routed ones
     "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2,
                                      "moe_intermediate_size": 32,
@@ -296,7 +311,8 @@ def test_a_multimodal_config_without_its_text_config_is_refused_by_name(tmp_path
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama-attention-bias", "mistral-window",
-                                  "gemma2", "gemma3", "phi3", "qwen3_moe", "olmoe", "glm4_moe"])
+                                  "gemma2", "gemma3", "phi3", "qwen3_moe", "olmoe", "glm4_moe",
+                                  "olmo2"])
 def test_bf16_autocast_stays_close(tmp_path, name):
     hf = saved(name, tmp_path / "hf")
     ids = torch.randint(0, 256, (1, 32))
@@ -321,7 +337,8 @@ def greedy(hf, prompt: list[int], steps: int) -> list[int]:
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "smollm3", "mistral-window",
                                   "qwen2-window", "gemma2", "gemma3", "phi3", "phi3-window",
-                                  "mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe"])
+                                  "mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe",
+                                  "olmo2", "olmo3"])
 def test_the_engine_generates_what_transformers_computes(tmp_path, name):
     hf = saved(name, tmp_path / "hf")
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 40, 70)]
@@ -336,10 +353,11 @@ def test_the_engine_generates_what_transformers_computes(tmp_path, name):
             greedy(hf, prompt, 32)
 
 
-@pytest.mark.parametrize("name", ["mistral-window", "glm4_moe"])
+@pytest.mark.parametrize("name", ["mistral-window", "glm4_moe", "olmo3"])
 def test_compiled_decode_steps_keep_the_family(tmp_path, name):
     """`lathe serve`'s default compiled decode steps compute transformers' tokens: past a
-    sliding window, and through a biased, grouped sigmoid router."""
+    sliding window, through a biased, grouped sigmoid router, and through OLMo 3's norms
+    after attention and the MLP, its sliding layers' own RoPE and its full ones' YaRN."""
     hf = saved(name, tmp_path / "hf")
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 40)]
     engine = LLMEngine.from_checkpoint(tmp_path / "hf", EngineConfig(num_blocks=64,
@@ -397,6 +415,17 @@ GGUF_FAMILIES = {
                                      "moe_intermediate_size": 32,
                                      "shared_expert_intermediate_size": 48}),
     "glm4_moe": FAMILIES["glm4_moe"],
+    "olmo2": ("Olmo2Config", {"num_key_value_heads": 2}),
+    "olmo3": ("Olmo3Config", {"num_hidden_layers": 4, "sliding_window": 12}),
+    # OLMo 3's long-context form: YaRN on the full layers only
+    "olmo3-yarn": ("Olmo3Config", {"num_hidden_layers": 4, "sliding_window": 12,
+                                   "max_position_embeddings": 64, "rope_parameters": {
+                                       "sliding_attention": {"rope_type": "default",
+                                                             "rope_theta": 50000.0},
+                                       "full_attention": {
+                                           "rope_type": "yarn", "factor": 4.0, "truncate": True,
+                                           "original_max_position_embeddings": 16,
+                                           "rope_theta": 50000.0}}}),
     "glm4_moe-ungrouped": ("Glm4MoeConfig", {**FAMILIES["glm4_moe"][1], "n_group": 1,
                                              "topk_group": 1, "use_qk_norm": False,
                                              "attention_bias": False}),
@@ -552,6 +581,8 @@ def test_gguf_export_refuses_yarn_without_truncation(tmp_path):
     ("qwen3_moe", "llama.cpp's qwen3moe has experts in every layer (no mlp_only_layers)"),
     ("olmoe", "clamps q, k and v before the q/k norms"),
     ("olmoe", "it takes no grouped KV heads"),
+    ("olmo3", "rotates its sliding layers with the full ones' base"),
+    ("olmo3-alternating", "llama.cpp's olmo2 slides 3 of each 4 layers"),
 ])
 def test_gguf_export_refuses_what_llama_cpp_would_compute_otherwise(tmp_path, name, reason):
     from lathe.model import CheckpointError
@@ -667,7 +698,7 @@ def test_dynamic_ntk_gives_transformers_logits_within_and_past_the_original_cont
 
 
 @pytest.mark.parametrize("name", ["llama-attention-bias", "qwen3", "gemma2", "gemma3", "phi3",
-                                  "qwen3_moe"])
+                                  "qwen3_moe", "olmo3"])
 def test_reward_models_load_and_export_as_their_familys_sequence_classifier(tmp_path, name):
     """A family's `…ForSequenceClassification` (one label: a reward model) loads with its
     scores at every position, and exports as the same class whose score — read at each
