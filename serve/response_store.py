@@ -51,6 +51,9 @@ class ResponseStore:
         if size > self.max_bytes:
             return False
         with self._lock:
+            replaced = self._entries.pop(response["id"], None)  # a background one's update
+            if replaced is not None:
+                self._bytes -= replaced.size
             self._entries[response["id"]] = StoredResponse(response, input_items, previous_id,
                                                            size)
             self._bytes += size

@@ -207,6 +207,7 @@ def build_app(config: ServerConfig, load: Callable[[], LLMEngine] | None = None)
         loader = asyncio.create_task(load_engine())
         yield
         loader.cancel()
+        await ctx.background.close()
         if ctx.template is not None:
             ctx.template.close()
         ctx.renders.shutdown(wait=False, cancel_futures=True)

@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from lathe.data.template_worker import TemplateWorker
+from lathe.serve.background_responses import BackgroundResponses
 from lathe.serve.config import ServerConfig
 from lathe.serve.engine_pool import Engine
 from lathe.serve.metrics import ServerMetrics
@@ -83,6 +84,7 @@ class Serving:
         self.sampling_defaults = sampling_defaults(config.generation_config, config.checkpoint)
         self.responses = ResponseStore(config.responses_store, RESPONSES_STORE_BYTES) \
             if config.responses_store else None
+        self.background = BackgroundResponses()
 
     def ready(self, model: str | None = None) -> Engine:
         """The engine, for a request naming `model` (the base or one of its adapters); a 503

@@ -163,6 +163,46 @@ def test_responses_answer_as_the_chat_route_does_whole_and_streamed(client):
         assert message in caught.value.body["message"]
 
 
+def test_a_background_response_is_polled_and_cancelled_as_openais_is(client, running):
+    """`background: true` answers at once, queued; the response polled until it ends is the
+    one the foreground gives; cancelling ends a running one and its engine request (and
+    returns an ended one as it is), deleting one ends it too; streaming, an unstored one, and
+    cancelling a foreground one are 400s."""
+    kwargs = dict(model="tiny", input="Hi there", instructions="Be brief.",
+                  max_output_tokens=6, temperature=0)
+    foreground = client.responses.create(**kwargs)
+    queued = client.responses.create(**kwargs, background=True)
+    assert (queued.status, queued.background, queued.output) == ("queued", True, [])
+    deadline = time.monotonic() + 60
+    while (done := client.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert (done.status, done.output_text) == (foreground.status, foreground.output_text)
+    assert done.usage.output_tokens == foreground.usage.output_tokens
+    assert client.responses.cancel(queued.id).status == done.status  # ended: as it is
+    long = client.responses.create(model="tiny", input="Hi", max_output_tokens=220,
+                                   temperature=0, background=True,
+                                   extra_body={"ignore_eos": True})
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled"
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    assert client.responses.cancel(long.id).status == "cancelled"
+    deleted = client.responses.create(model="tiny", input="Hi", max_output_tokens=220,
+                                      background=True, extra_body={"ignore_eos": True})
+    client.responses.delete(deleted.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(deleted.id)
+    while running.engine().num_running or running.engine().num_waiting:
+        assert time.monotonic() < deadline, "a cancelled response's request kept running"
+        time.sleep(0.02)
+    for extra, message in (({"stream": True}, "not streamed"), ({"store": False}, "store")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(**kwargs, background=True, **extra)
+        assert message in caught.value.body["message"]
+    with pytest.raises(openai.BadRequestError, match="not created in the background"):
+        client.responses.cancel(foreground.id)
+
+
 def test_stored_responses_continue_read_and_delete_as_openais_do(client):
     """`store` (OpenAI's default): previous_response_id continues a response — its input and
     output items before the new input, its instructions not carried over — exactly as the
