@@ -110,7 +110,10 @@ def _add_bias(y: Tensor, bias: Tensor | None) -> Tensor:
     return y if bias is None else y + bias.to(y.dtype)
 
 
-class Int8Linear(nn.Module):
+class RowScaledLinear(nn.Module):
+    """An 8-bit weight (int8 or float8) with one scale per output row, and its layer's
+    bias."""
+
     def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None = None) -> None:
         super().__init__()
         self.register_buffer("weight", q)
@@ -118,6 +121,8 @@ class Int8Linear(nn.Module):
         _keep_bias(self, bias)
         self.out_features, self.in_features = q.shape
 
+
+class Int8Linear(RowScaledLinear):
     @classmethod
     def quantize(cls, linear: nn.Linear) -> Int8Linear:
         q, scale = quantize_int8(linear.weight.detach())
@@ -158,18 +163,14 @@ class Int4Linear(nn.Module):
         return _add_bias(int4_matmul(x, self.weight, self.scale, self.minimum), self.bias)
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(RowScaledLinear):
     """W8A8 FP8 (compressed-tensors' FP8_DYNAMIC): a float8 weight with one float32 scale
     per output row, each input row rounded to float8 by its own scale as it is multiplied
     (`lathe.kernels.fp8_matmul`). Where FP8 tensor cores are missing (the CPU, older GPUs)
     the weight is also held widened to bfloat16, made on first use."""
 
     def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None = None) -> None:
-        super().__init__()
-        self.register_buffer("weight", q)
-        self.register_buffer("scale", scale)
-        _keep_bias(self, bias)
-        self.out_features, self.in_features = q.shape
+        super().__init__(q, scale, bias)
         # a buffer (so it counts in the bytes a step reads, and moves with the model) that
         # no state dict holds
         self.register_buffer("widened", None, persistent=False)

@@ -164,17 +164,26 @@ def test_biases_and_fused_projections_load_from_compressed_tensors(tmp_path, fam
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("scheme", [*SCHEMES, "FP8_DYNAMIC"])
 def test_a_compressed_checkpoint_serves_on_cuda_with_transformers_logits(tmp_path, scheme):
     """On a GPU the quantized linears run lathe's Triton kernels over the format's weights,
-    scales and minimums in bf16: transformers' bf16 logits, to bf16's rounding."""
-    folder = compressed_by_the_library(tmp_path / "ct", SCHEMES[scheme])
+    scales and minimums in bf16 (FP8: FP8 tensor cores where the GPU has them, its inputs
+    rounded as transformers fake-quantizes them): transformers' bf16 logits, to bf16's
+    rounding; the engine generates."""
+    fp8 = scheme == "FP8_DYNAMIC"
+    folder = fp8_by_the_library(tmp_path / "ct") if fp8 else \
+        compressed_by_the_library(tmp_path / "ct", SCHEMES[scheme])
     ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0)).cuda()
-    reference = decompressed(folder).to("cuda", torch.bfloat16)
+    reference = (served_by_transformers if fp8 else decompressed)(folder).to(
+        "cuda", torch.bfloat16)
     ours = load_serving_model(folder, dtype=torch.bfloat16, device="cuda")
     with torch.no_grad():
         expected, got = reference(ids).logits.float(), ours(ids).logits.float()
     assert (got - expected).abs().max() / expected.abs().max() < 5e-2
+    engine = LLMEngine.from_checkpoint(folder, EngineConfig(num_blocks=32))
+    (output,) = engine.generate([ids[0, :8].tolist()], SamplingParams(max_tokens=4,
+                                                                       temperature=0))
+    assert len(output.outputs[0].token_ids) == 4
 
 
 def test_the_older_int_quantized_format_reads_the_same(tmp_path):
@@ -245,17 +254,24 @@ def test_other_quantization_methods_and_training_on_a_quantized_checkpoint_are_r
         load_serving_model(folder, device="cpu")
 
 
-@pytest.mark.parametrize(("tensor", "change", "message"), [
-    ("weight_scale", lambda t: t[:, :3], r"up_proj\.weight_scale has shape \(256, 3\)"),
-    ("weight_shape", lambda t: torch.tensor([256, 1 << 40]),
+@pytest.mark.parametrize(("fp8", "tensor", "change", "message"), [
+    (False, "weight_scale", lambda t: t[:, :3], r"up_proj\.weight_scale has shape \(256, 3\)"),
+    (False, "weight_shape", lambda t: torch.tensor([256, 1 << 40]),
      r"up_proj\.weight_packed torch.int32 \(256, 16\) does not hold a weight of weight_shape"),
-    ("weight_zero_point", lambda t: t[:1], r"up_proj\.weight_zero_point has shape \(1, 4\)"),
+    (False, "weight_zero_point", lambda t: t[:1],
+     r"up_proj\.weight_zero_point has shape \(1, 4\)"),
+    (True, "weight", lambda t: t.to(torch.bfloat16),
+     r"up_proj\.weight must be a 2-D float8_e4m3fn"),
+    (True, "weight_scale", lambda t: t[:3], r"up_proj\.weight_scale has shape \(3, 1\)"),
 ])
-def test_a_corrupt_quantized_linear_is_a_checkpoint_error(tmp_path, tensor, change, message):
-    """A scale, shape or zero point that does not fit its packed weight is refused, naming
-    it, before anything the size it claims is allocated."""
+def test_a_corrupt_quantized_linear_is_a_checkpoint_error(tmp_path, fp8, tensor, change,
+                                                          message):
+    """A scale, shape or zero point that does not fit its packed weight (an FP8 weight not
+    float8, a scale not one a row) is refused, naming it, before anything the size it
+    claims is allocated."""
     from safetensors.torch import load_file, save_file
-    folder = compressed_by_the_library(tmp_path / "ct", SCHEMES["W4A16_ASYM-g32"])
+    folder = fp8_by_the_library(tmp_path / "ct") if fp8 else \
+        compressed_by_the_library(tmp_path / "ct", SCHEMES["W4A16_ASYM-g32"])
     state = load_file(folder / "model.safetensors")
     name = f"model.layers.0.mlp.up_proj.{tensor}"
     state[name] = change(state[name]).contiguous()
@@ -476,23 +492,6 @@ def test_fp8_checkpoints_train_from_the_weights_transformers_decompresses(tmp_pa
                                    atol=1e-5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_an_fp8_checkpoint_serves_on_cuda_with_transformers_logits(tmp_path):
-    """On a GPU (FP8 tensor cores where it has them) in bf16: transformers' bf16 logits,
-    its inputs fake-quantized the same way, to bf16's rounding; the engine generates."""
-    folder = fp8_by_the_library(tmp_path / "fp8")
-    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0)).cuda()
-    reference = served_by_transformers(folder).to("cuda", torch.bfloat16)
-    ours = load_serving_model(folder, dtype=torch.bfloat16, device="cuda")
-    with torch.no_grad():
-        expected, got = reference(ids).logits.float(), ours(ids).logits.float()
-    assert (got - expected).abs().max() / expected.abs().max() < 5e-2
-    engine = LLMEngine.from_checkpoint(folder, EngineConfig(num_blocks=32))
-    (output,) = engine.generate([ids[0, :8].tolist()], SamplingParams(max_tokens=4,
-                                                                       temperature=0))
-    assert len(output.outputs[0].token_ids) == 4
-
-
 @pytest.mark.parametrize(("change", "field"), [
     ({"input_activations": {**FP8_TOKENS, "strategy": "tensor", "dynamic": False}},
      "input_activations"),
@@ -509,19 +508,4 @@ def test_fp8_schemes_lathe_does_not_compute_are_refused_by_field(tmp_path, chang
     config["quantization_config"]["config_groups"]["group_0"].update(change)
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=rf"config_groups\.group_0\.{field}="):
-        load_serving_model(folder, device="cpu")
-
-
-@pytest.mark.parametrize(("tensor", "change", "message"), [
-    ("weight", lambda t: t.to(torch.bfloat16), r"up_proj\.weight must be a 2-D float8_e4m3fn"),
-    ("weight_scale", lambda t: t[:3], r"up_proj\.weight_scale has shape \(3, 1\)"),
-])
-def test_a_corrupt_fp8_linear_is_a_checkpoint_error(tmp_path, tensor, change, message):
-    from safetensors.torch import load_file, save_file
-    folder = fp8_by_the_library(tmp_path / "fp8")
-    state = load_file(folder / "model.safetensors")
-    name = f"model.layers.0.mlp.up_proj.{tensor}"
-    state[name] = change(state[name]).contiguous()
-    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=message):
         load_serving_model(folder, device="cpu")
