@@ -277,6 +277,11 @@ class ServerConfig:
         for name in ("engine_threads", "data_parallel_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        cpus = os.cpu_count() or 1
+        if self.data_parallel_size > cpus:
+            raise ConfigError(f"data_parallel_size={self.data_parallel_size}: each engine core "
+                              f"is a process with a whole model and a CPU thread at least, and "
+                              f"this machine has {cpus} CPUs; give at most {cpus}")
         if self.tool_call_parser not in (None, "none", *PARSERS):
             raise ConfigError(f"tool_call_parser={self.tool_call_parser!r}: choose one of "
                               f"{', '.join((*PARSERS, 'none'))}")

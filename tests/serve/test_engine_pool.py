@@ -116,6 +116,8 @@ def test_a_server_of_two_cores_answers_as_one_and_a_push_reaches_both(checkpoint
 def test_a_pool_is_built_from_the_checkpoint_only(checkpoint):
     with pytest.raises(ConfigError, match="data_parallel_size=0 must be >= 1"):
         ServerConfig(checkpoint=checkpoint, data_parallel_size=0)
+    with pytest.raises(ConfigError, match="a process with a whole model"):
+        ServerConfig(checkpoint=checkpoint, data_parallel_size=(os.cpu_count() or 1) + 1)
     config = ServerConfig(checkpoint=checkpoint, data_parallel_size=2)
     with pytest.raises(ConfigError, match="an engine built in this process"):
         build_app(config, load=lambda: LLMEngine.from_checkpoint(checkpoint, CONFIG))
