@@ -47,7 +47,7 @@ from lathe.model.checkpoint import (
 )
 from lathe.model.transformer import Experts, MoE, Transformer, gated, run_each_expert
 from lathe.serve.config import QuantMode
-from lathe.serve.half_weights import use_half_weights
+from lathe.serve.half_weights import activation_dtype, use_half_weights
 from lathe.serve.host_memory import hold_in_huge_pages
 from lathe.serve.quant_format import (
     GROUP_SIZES,
@@ -167,7 +167,7 @@ class Fp8Linear(RowScaledLinear):
     """W8A8 FP8 (compressed-tensors' FP8_DYNAMIC): a float8 weight with one float32 scale
     per output row, each input row rounded to float8 by its own scale as it is multiplied
     (`lathe.kernels.fp8_matmul`). Where FP8 tensor cores are missing (the CPU, older GPUs)
-    the weight is also held widened to bfloat16, made on first use."""
+    the weight is also held widened to bfloat16 (`widen`: at load, or on first use)."""
 
     def __init__(self, q: Tensor, scale: Tensor, bias: Tensor | None = None) -> None:
         super().__init__(q, scale, bias)
@@ -185,13 +185,18 @@ class Fp8Linear(RowScaledLinear):
     def _forget_widened(module: Fp8Linear, _: object) -> None:
         module.widened = None
 
+    def widen(self, dtype: torch.dtype) -> None:
+        """Hold the weight widened to bfloat16 if inputs of `dtype` will not meet it on FP8
+        tensor cores here."""
+        probe = torch.empty(0, self.in_features, dtype=dtype, device=self.weight.device)
+        if self.widened is None and not uses_tensor_cores(probe, self.weight):
+            self.widened = self.weight.to(torch.bfloat16)
+
     def forward(self, x: Tensor) -> Tensor:
-        widened = None
-        if not uses_tensor_cores(x, self.weight):
-            if self.widened is None:
-                self.widened = self.weight.to(torch.bfloat16)
-            widened = self.widened
-        return _add_bias(fp8_matmul(x, self.weight, self.scale, widened), self.bias)
+        if uses_tensor_cores(x, self.weight):
+            return _add_bias(fp8_matmul(x, self.weight, self.scale), self.bias)
+        self.widen(x.dtype)
+        return _add_bias(fp8_matmul(x, self.weight, self.scale, self.widened), self.bias)
 
 
 def int4_group_size(in_features: int, group_size: int) -> int:
@@ -352,10 +357,16 @@ def load_serving_model(path: str | Path, quantize: QuantMode | None = None,
 
 
 def _ready(model: Transformer) -> Transformer:
-    """The last steps of every load: on the CPU the weights move into huge pages (out of
-    the checkpoint's memory-mapped file, whose every page quantizing has read — the 88M model
-    at int8 was 819 MiB resident with the mapping kept, 478 MiB without — and 64-byte
-    aligned, which torch's int8/int4 GEMMs need); the linears become `DecodeLinear`s."""
+    """The last steps of every load: FP8 linears widen their weights where the device will
+    want them so (`Fp8Linear.widen`: before any graph is traced or captured, so that none is
+    made inside one); on the CPU the weights move into huge pages (out of the checkpoint's
+    memory-mapped file, whose every page quantizing has read — the 88M model at int8 was 819
+    MiB resident with the mapping kept, 478 MiB without — and 64-byte aligned, which torch's
+    int8/int4 GEMMs need); the linears become `DecodeLinear`s."""
+    dtype = activation_dtype(model)
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            module.widen(dtype)
     if model.lm_head.weight.device.type == "cpu":
         hold_in_huge_pages(model)
     use_decode_linears(model)
