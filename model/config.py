@@ -125,6 +125,12 @@ class ModelConfig:
     `routed_scaling_factor`. Training adds `router_aux_loss_coef` times the Switch Transformer
     load-balancing loss (as transformers computes it; a sigmoid router's family has none) and
     `router_z_loss_coef` times ST-MoE's router z-loss.
+    Gemma 4's: its full-attention layers have heads of their own width `global_head_dim`
+    and `global_n_kv_heads` KV heads, whose values are their keys' projection when
+    `global_k_is_v` (no `v_proj`), and turn by "proportional" RoPE (`rope_proportion`: the
+    first share of each half-head's frequencies, computed over the whole head width, the rest
+    not turning); `v_norm` normalizes each head of v (an RMSNorm without weight), and
+    `layer_scalar` multiplies each layer's output by a stored scalar (a buffer, not trained).
     `num_labels` > 0 makes the model a sequence classifier (a reward model: HF's
     `…ForSequenceClassification`): a `score` head of that many outputs in place of the LM
     head, read at each sequence's last token.
@@ -177,6 +183,12 @@ class ModelConfig:
     n_expert_groups: int = 1
     topk_expert_groups: int = 1
     routed_scaling_factor: float = 1.0
+    global_head_dim: int | None = None
+    global_n_kv_heads: int | None = None
+    global_k_is_v: bool = False
+    rope_proportion: float | None = None
+    v_norm: bool = False
+    layer_scalar: bool = False
     num_labels: int = 0
 
     def __post_init__(self) -> None:
@@ -213,6 +225,7 @@ class ModelConfig:
                 self.dim, self.multiple_of, self.ffn_dim_multiplier
             )
         self._validate_rest()
+        self._validate_global_layers()
         self._validate_experts()
         self._validate_sigmoid_router()
 
@@ -309,6 +322,63 @@ class ModelConfig:
                               f"than n_experts_per_token={self.n_experts_per_token} to choose from")
         if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale <= 0:
             raise ConfigError(f"ModelConfig.routed_scaling_factor={scale!r} must be a number > 0")
+
+    def _validate_global_layers(self) -> None:
+        takes = FAMILIES[self.family].takes
+        for name in ("global_head_dim", "global_n_kv_heads", "global_k_is_v", "rope_proportion"):
+            if getattr(self, name) not in (None, False) and name not in takes:
+                raise ConfigError(f"ModelConfig.{name}={getattr(self, name)!r}: family="
+                                  f"{self.family!r} has no such setting (Gemma 4's; drop it or "
+                                  "choose gemma4_text)")
+        for name in ("global_head_dim", "global_n_kv_heads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value <= 0):
+                raise ConfigError(f"ModelConfig.{name}={value!r} must be a positive integer "
+                                  "(or null: the other layers' value)")
+        if self.global_head_dim is not None and self.global_head_dim % 2:
+            raise ConfigError(f"ModelConfig.global_head_dim={self.global_head_dim} is odd; RoPE "
+                              "rotates pairs of channels")
+        if self.n_heads % self.global_shape[0]:
+            raise ConfigError(f"ModelConfig.global_n_kv_heads={self.global_n_kv_heads} does not "
+                              f"divide n_heads={self.n_heads}: each KV head serves a whole group")
+        apart = self.global_shape != (self.n_kv_heads, self.head_dim) or self.global_k_is_v \
+            or self.rope_proportion is not None
+        if apart and (self.layer_types is None or self.rope_local_theta is None):
+            raise ConfigError("ModelConfig: global_head_dim, global_n_kv_heads, global_k_is_v "
+                              "and rope_proportion set the full-attention layers apart: they need "
+                              "layer_types (which layers are full) and rope_local_theta (the "
+                              "sliding layers' own RoPE)")
+        proportion = self.rope_proportion
+        if proportion is not None and (not isinstance(proportion, (int, float))
+                                       or not 0 < proportion <= 1
+                                       or int(proportion * self.global_shape[1] // 2) == 0):
+            raise ConfigError(f"ModelConfig.rope_proportion={proportion!r} must be in (0, 1] and "
+                              "turn at least one pair of channels of a full-attention head")
+
+    @property
+    def global_shape(self) -> tuple[int, int]:
+        """(KV heads, head width) of the full-attention layers."""
+        return (self.global_n_kv_heads or self.n_kv_heads, self.global_head_dim or self.head_dim)
+
+    def is_global(self, layer: int) -> bool:
+        """Whether layer `layer` attends over the whole context (a full-attention layer)."""
+        return self.layer_types is None or self.layer_types[layer] == "full_attention"
+
+    def attention_shape(self, layer: int) -> tuple[int, int]:
+        """(KV heads, head width) of layer `layer`'s attention."""
+        if self.layer_types is not None and self.is_global(layer):
+            return self.global_shape
+        return self.n_kv_heads, self.head_dim
+
+    def k_is_v(self, layer: int) -> bool:
+        """Whether layer `layer`'s values are its keys' projection (no v_proj)."""
+        return self.global_k_is_v and self.layer_types is not None and self.is_global(layer)
+
+    def kv_channels(self) -> int:
+        """The K (or V) values one token leaves in a KV cache, all layers together."""
+        return sum(count * math.prod(self.attention_shape(layer))
+                   for count, layer in self._attention_kinds())
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is a mixture of experts."""
@@ -476,10 +546,11 @@ class ModelConfig:
         """
         norms = 4 if self.sandwich_norms else 2
         kv_dim = self.n_kv_heads * self.head_dim
+        head_norms = self.qk_norm * sum(
+            count * 2 * self.attention_shape(layer)[1] for count, layer in self._attention_kinds())
         per_layer = (norms * self.dim  # the RMSNorm weights
-                     + 2 * self.head_dim * self.qk_norm
                      + (self.q_dim + kv_dim) * self.qk_norm_projection)
-        body = self._linear_params() + self.n_layers * per_layer + self.dim
+        body = self._linear_params() + self.n_layers * per_layer + head_norms + self.dim
         if not include_embeddings:
             return body
         embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
@@ -490,31 +561,45 @@ class ModelConfig:
 
         6 x (every weight used in a matmul for a token: the layers' linears — of a mixture of
         experts, the router and the `n_experts_per_token` experts a token goes to — and the
-        LM head, even when tied; not the embedding lookup or the norms) plus
-        the attention term 12 x n_layers x q_dim x seq_len (PaLM, appendix B; the causal
-        half is not discounted, as in nanoGPT and torchtitan).
+        LM head, even when tied; not the embedding lookup or the norms) plus the attention
+        term 12 x (the layers' q widths summed) x seq_len (PaLM, appendix B; the causal half
+        is not discounted, as in nanoGPT and torchtitan).
         """
         seq_len = self.max_seq_len if seq_len is None else seq_len
         matmul_params = self._linear_params(active=True) + self.vocab_size * self.dim
-        return 6 * matmul_params + 12 * self.n_layers * self.q_dim * seq_len
+        q_dims = sum(count * self.n_heads * self.attention_shape(layer)[1]
+                     for count, layer in self._attention_kinds())
+        return 6 * matmul_params + 12 * q_dims * seq_len
 
     def _linear_params(self, active: bool = False) -> int:
         """The layers' matmul weights: all of them, or those one token uses (`active`).
         Counted by kind of layer, not layer by layer: a hostile config.json's million layers
         must be refused at once (`check_memory`)."""
-        kv_dim = self.n_kv_heads * self.head_dim
-        biases = (self.q_dim + 2 * kv_dim) * self.qkv_bias + self.dim * self.o_bias
-        attention = 2 * self.dim * self.q_dim + 2 * self.dim * kv_dim + biases
+        attention = 0
+        for count, layer in self._attention_kinds():
+            kv_heads, width = self.attention_shape(layer)
+            q_dim, kv_dims = self.n_heads * width, kv_heads * width * (1 + (not self.k_is_v(layer)))
+            attention += count * (2 * self.dim * q_dim + self.dim * kv_dims + self.dim * self.o_bias
+                                  + (q_dim + kv_dims) * self.qkv_bias)
         moe_layers = 0 if self.n_experts is None else (
             self.n_layers if self.moe_layers is None else sum(self.moe_layers))
         dense = (self.n_layers - moe_layers) * 3 * self.dim * self.ffn_hidden_dim
         if not moe_layers:
-            return self.n_layers * attention + dense
+            return attention + dense
         experts = self.n_experts_per_token if active else self.n_experts
         shared = (3 * self.dim * self.shared_expert_dim + self.dim * self.shared_expert_gate
                   if self.shared_expert_dim else 0)
         moe = self.dim * self.n_experts + experts * 3 * self.dim * self.moe_ffn_hidden_dim + shared
-        return self.n_layers * attention + dense + moe_layers * moe
+        return attention + dense + moe_layers * moe
+
+    def _attention_kinds(self) -> list[tuple[int, int]]:
+        """(how many layers, one of them) for each kind of attention layer (sliding, full):
+        counted by kind, not layer by layer, as `_linear_params` counts."""
+        if self.layer_types is None:
+            return [(self.n_layers, 0)]
+        kinds = {kind: (self.layer_types.count(kind), self.layer_types.index(kind))
+                 for kind in LAYER_TYPES if kind in self.layer_types}
+        return list(kinds.values())
 
     def require_language_model(self, what: str) -> None:
         """Refuse a sequence classifier (a reward model) where `what` needs next-token logits."""
@@ -527,14 +612,15 @@ class ModelConfig:
         """The `config.json` body of this family's HF class (`LlamaForCausalLM`, ...).
 
         RoPE is written in the top-level `rope_theta` / `rope_scaling` form, which
-        transformers 4.x and 5.x, vLLM and llama.cpp's converter all read.
+        transformers 4.x and 5.x, vLLM and llama.cpp's converter all read, and per layer type
+        (`rope_parameters`) for the families that keep it so.
         """
         scaling = self.rope_scaling
         family = FAMILIES[self.family]
         labels = {"id2label": {str(i): f"LABEL_{i}" for i in range(self.num_labels)},
                   "label2id": {f"LABEL_{i}": i for i in range(self.num_labels)}
                   } if self.num_labels else {}
-        return {
+        body = {
             "architectures": [family.classifier if self.num_labels else family.architecture],
             **labels,
             "model_type": self.family,
@@ -560,6 +646,9 @@ class ModelConfig:
             "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
             **family.extra(self),
         }
+        if body["rope_scaling"] is None and "rope_parameters" in body:
+            del body["rope_scaling"]  # Gemma 4's class would read it as rope_parameters: None
+        return body
 
     def hf_rope_scaling(self) -> dict[str, Any] | None:
         """`rope_scaling` as config.json holds it (None: unscaled)."""
@@ -614,9 +703,11 @@ class ModelConfig:
         if hf.get(act_key, "silu") not in ACTIVATIONS:
             raise ConfigError(f"config.json: {act_key}={hf[act_key]!r} is not supported (only "
                               f"{', '.join(repr(a) for a in ACTIVATIONS)})")
-        if hf.get("use_bidirectional_attention"):
-            raise ConfigError("config.json: use_bidirectional_attention=True is not supported: "
-                              "lathe's models are causal decoders")
+        bidirectional = hf.get("use_bidirectional_attention")
+        if bidirectional and not (bidirectional == "vision" and model_type == "gemma4_text"):
+            # Gemma 4's "vision": among an image's tokens only, which a text model has none of
+            raise ConfigError(f"config.json: use_bidirectional_attention={bidirectional!r} is "
+                              "not supported: lathe's models are causal decoders")
         keys = ("vision_config",) if family.experts else (
             "num_experts", "num_local_experts", "vision_config")
         for key in keys:
@@ -665,7 +756,7 @@ class ModelConfig:
                 beta_slow=rope.get("beta_slow") or 1.0, truncate=rope.get("truncate", True),
                 attention_factor=rope.get("attention_factor"), mscale=rope.get("mscale"),
                 mscale_all_dim=rope.get("mscale_all_dim"))
-        return cls(
+        fields = dict(
             vocab_size=hf["vocab_size"],
             dim=hf["hidden_size"],
             n_layers=hf["num_hidden_layers"],
@@ -690,10 +781,10 @@ class ModelConfig:
                                         or hf.get("partial_rotary_factor") or 1.0),
             clip_qkv=hf.get("clip_qkv"),
             num_labels=_num_labels(hf),
-            **family.read(hf),
-            **(family.experts.read(hf) if family.experts else {}),
-            **family.switches(hf),
         )
+        return cls(**{**fields, **family.read(hf),
+                      **(family.experts.read(hf) if family.experts else {}),
+                      **family.switches(hf)})
 
 
 def _num_labels(hf: dict[str, Any]) -> int:

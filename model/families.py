@@ -236,6 +236,85 @@ def _olmo3_extra(c: Any) -> dict[str, Any]:
             "rope_parameters": {"full_attention": full, "sliding_attention": sliding}}
 
 
+def _gemma4_window(hf: dict[str, Any]) -> Window:
+    """Gemma 3's five sliding layers of each six, the last layer always full (its config class
+    makes it so)."""
+    window, types = _gemma_window(6)(hf)
+    return window, [*types[:-1], "full_attention"]
+
+
+def _gemma4_rope(hf: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """The full layers' RoPE base and scaling; their "proportional" share is `_gemma4_read`'s."""
+    rope, theta = _per_layer_type_rope(1_000_000.0)(hf)
+    if rope["rope_type"] not in ("default", "proportional"):
+        raise ConfigError(f"config.json: the full-attention layers' rope type "
+                          f"{rope['rope_type']!r} is not supported (only 'proportional', "
+                          "'default')")
+    factor = rope.get("factor", 1.0) if rope["rope_type"] == "proportional" else 1.0
+    return ({"rope_type": "linear", "factor": factor} if factor != 1.0
+            else {"rope_type": "default"}), theta
+
+
+def _gemma4_read(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 4's full-attention layers (their head width and KV heads: config.json's
+    `global_head_dim` and `num_global_key_value_heads`, or a newer transformers'
+    `per_layer_config`; keys as values; proportional RoPE), the sliding layers' RoPE base, and
+    the parts of Gemma 4 lathe does not build, refused by name."""
+    refused = {"hidden_size_per_layer_input": (256, "per-layer embeddings (Gemma 4 E2B, E4B)"),
+               "num_kv_shared_layers": (0, "layers reusing another's KV cache (E2B, E4B)"),
+               "enable_moe_block": (False, "the experts beside each MLP (26B-A4B)")}
+    for key, (default, what) in refused.items():
+        if hf.get(key, default):
+            raise ConfigError(f"config.json: {key}={hf.get(key, default)!r} is not supported: "
+                              f"lathe does not build Gemma 4's {what}; it loads the dense "
+                              "Gemma 4 (31B) shape")
+    k_is_v = bool(hf.get("attention_k_eq_v", False))
+    layer_types = _gemma4_window(hf)[1]
+    full = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
+    if "per_layer_config" in hf:
+        given = {int(k): dict(v or {}) for k, v in (hf["per_layer_config"] or {}).items()}
+        shapes = {i: given.get(i, {}) for i in full}
+        odd = sorted(set(given) - set(full)) or sorted(
+            i for i in full if shapes[i] != shapes[full[0]]
+            or set(shapes[i]) - {"head_dim", "num_key_value_heads"})
+        if odd:
+            raise ConfigError(f"config.json: per_layer_config[{odd[0]}]={given.get(odd[0])!r} "
+                              "is not supported: lathe takes one head_dim and num_key_value_heads"
+                              " for all full-attention layers, and none for the sliding ones")
+        override = shapes[full[0]]
+        head_dim, kv_heads = override.get("head_dim"), override.get("num_key_value_heads")
+    else:
+        head_dim = hf.get("global_head_dim", 512)
+        kv_heads = hf.get("num_global_key_value_heads") if k_is_v else None
+    if kv_heads is not None and not k_is_v:
+        raise ConfigError(f"config.json: full-attention layers with num_key_value_heads="
+                          f"{kv_heads!r} but attention_k_eq_v=false are not supported")
+    rope = (hf.get("rope_parameters") or {}).get("full_attention") or {}
+    proportional = rope.get("rope_type") == "proportional"
+    return {"global_head_dim": head_dim, "global_n_kv_heads": kv_heads, "global_k_is_v": k_is_v,
+            "rope_proportion": float(rope.get("partial_rotary_factor", 1.0))
+            if proportional else None, "query_pre_attn_scalar": 1.0,
+            **_sliding_rope_read(10000.0)(hf)}
+
+
+def _gemma4_extra(c: Any) -> dict[str, Any]:
+    proportional = {"rope_type": "proportional", "partial_rotary_factor": c.rope_proportion} \
+        if c.rope_proportion is not None else {"rope_type": "default"}
+    scaling = c.hf_rope_scaling()
+    full = {**proportional, "rope_theta": c.rope_theta,
+            **({"factor": scaling["factor"]} if scaling else {})}
+    return {"attention_bias": c.qkv_bias, "hidden_activation": c.hidden_act,
+            "final_logit_softcapping": c.final_softcap, "sliding_window": c.sliding_window,
+            "layer_types": c.layer_types, "rope_scaling": None,
+            "rope_parameters": {"full_attention": full, "sliding_attention": {
+                "rope_type": "default", "rope_theta": c.rope_local_theta}},
+            "global_head_dim": c.global_shape[1], "num_global_key_value_heads":
+            c.global_n_kv_heads, "attention_k_eq_v": c.global_k_is_v,
+            "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
+            "enable_moe_block": False, "use_double_wide_mlp": False,
+            "use_bidirectional_attention": None}
+
+
 def _whole(value: float | None) -> float | int | None:
     return int(value) if value is not None and float(value).is_integer() else value
 
@@ -250,6 +329,12 @@ def _gemma_extra(config: Any) -> dict[str, Any]:
 
 
 GEMMA = {"norm_unit_offset": True, "sandwich_norms": True, "embed_scale": True}
+# Gemma 4's norms scale by their weight alone, and its attention does not scale scores (q and
+# k are normed); v is normed too, and each layer's output scaled by its stored scalar
+GEMMA4 = {"sandwich_norms": True, "embed_scale": True, "qk_norm": True, "v_norm": True,
+          "layer_scalar": True, "query_pre_attn_scalar": 1.0}
+GEMMA4_FIELDS = ("query_pre_attn_scalar", "final_softcap", "rope_local_theta", "global_head_dim",
+                 "global_n_kv_heads", "global_k_is_v", "rope_proportion")
 OLMO2 = {"qk_norm_projection": True, "post_norms": True}
 GEMMA_FIELDS = ("query_pre_attn_scalar", "attn_softcap", "final_softcap")
 
@@ -401,6 +486,10 @@ FAMILIES: dict[str, Family] = {
         sliding="layers", takes=(*GEMMA_FIELDS, "rope_local_theta"),
         classifier_class="Gemma3TextForSequenceClassification",
         rope=_per_layer_type_rope(1_000_000.0), read=_sliding_rope_read(10000.0)),
+    "gemma4_text": Family(
+        "Gemma4ForCausalLM", lambda hf: {**GEMMA4, **_attention_bias(hf)}, _gemma4_window,
+        _gemma4_extra, sliding="layers", takes=GEMMA4_FIELDS, classifier_class="",
+        rope=_gemma4_rope, read=_gemma4_read),
     "mixtral": Family(
         "MixtralForCausalLM", lambda hf: {}, _mistral_window,
         lambda c: {"sliding_window": c.sliding_window, **MIXTRAL_EXPERTS.written(c)},
@@ -456,8 +545,9 @@ class Wrapper:
 # their text_config is read as that family's config.json, and a load keeps the language
 # model's weights alone (`language_model_weights`); an export is the text model, as the
 # family's. Gemma 3 from 4B up (Gemma3TextConfig's defaults; its RoPE bases and window
-# default in `_gemma3_rope`, `_gemma3_read` and `_gemma_window`); Mistral Small 3.1 and 3.2
-# (Mistral3Config's text_config)
+# default in `_gemma3_rope`, `_gemma3_read` and `_gemma_window`); Gemma 4 (Gemma4Config's,
+# its image and audio towers left out); Mistral Small 3.1 and 3.2 (Mistral3Config's
+# text_config)
 WRAPPERS = {
     "gemma3": Wrapper("gemma3_text", {
         "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
@@ -465,6 +555,12 @@ WRAPPERS = {
         "head_dim": 256, "query_pre_attn_scalar": 256,
         "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072,
         "rms_norm_eps": 1e-6, "tie_word_embeddings": True}),
+    "gemma4": Wrapper("gemma4_text", {
+        "vocab_size": 262_144, "hidden_size": 2304, "intermediate_size": 9216,
+        "num_hidden_layers": 30, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "sliding_window": 512,
+        "hidden_size_per_layer_input": 256, "tie_word_embeddings": True}),
     "mistral3": Wrapper("mistral", {
         "vocab_size": 131_072, "hidden_size": 5120, "intermediate_size": 32_768,
         "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -474,7 +570,8 @@ WRAPPERS = {
 }
 WRAPPER_PREFIXES = ("language_model.model.", "model.language_model.")  # 4.x's, 5.x's
 WRAPPER_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                 "model.multi_modal_projector.")
+                 "model.multi_modal_projector.", "model.embed_vision.", "model.audio_tower.",
+                 "model.embed_audio.")  # Gemma 4's embedders of image and audio features
 
 
 def language_model_config(hf: dict[str, Any]) -> dict[str, Any]:
@@ -515,7 +612,8 @@ def language_model_weights(state: dict[str, Any]) -> dict[str, Any]:
 
 
 SWITCHES = ("qkv_bias", "o_bias", "qk_norm", "norm_unit_offset", "sandwich_norms", "embed_scale",
-            "qk_norm_projection", "post_norms", "shared_expert_gate", "sigmoid_router")
+            "qk_norm_projection", "post_norms", "shared_expert_gate", "sigmoid_router", "v_norm",
+            "layer_scalar")
 
 
 def family_switches(model_type: str, config: Any) -> dict[str, bool]:

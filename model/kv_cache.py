@@ -37,24 +37,28 @@ class KVCache(Protocol):
 
 
 class ContiguousKVCache:
-    """One preallocated (B, n_kv_heads, max_len, head_dim) buffer per layer and for K and V.
+    """One preallocated (B, n_kv_heads, max_len, head_dim) buffer per layer and for K and V
+    (each layer's own KV heads and head width: Gemma 4's full layers have theirs).
 
     All rows of the batch share one length: slot i holds the token at position i.
     """
 
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int,
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float32):
-        shape = (config.n_layers, batch_size, config.n_kv_heads, max_len, config.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        shapes = [(batch_size, kv_heads, max_len, width) for kv_heads, width in
+                  map(config.attention_shape, range(config.n_layers))]
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for shape in shapes]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for shape in shapes]
+        self.batch_size, self.dtype = batch_size, dtype
         self.max_len = max_len
         self.length = 0
         self._start = 0
 
     def prepare(self, input_ids: Tensor, positions: Tensor | None) -> Tensor:
         batch, new = input_ids.shape
-        if batch != self.k.shape[1]:
-            raise ValueError(f"batch of {batch} rows does not match the cache's {self.k.shape[1]}")
+        if batch != self.batch_size:
+            raise ValueError(f"batch of {batch} rows does not match the cache's "
+                             f"{self.batch_size}")
         start, end = self.length, self.length + new
         if end > self.max_len:
             raise ValueError(
@@ -71,8 +75,8 @@ class ContiguousKVCache:
         """Attention runs in the cache's dtype (K/V are stored in it, q is converted), so a
         cache of one dtype serves activations of another, e.g. under bf16 autocast."""
         start, end = self._start, self.length
-        self.k[layer_idx, :, :, start:end] = k
-        self.v[layer_idx, :, :, start:end] = v
-        out = causal_attention(q.to(self.k.dtype), self.k[layer_idx, :, :, :end],
-                               self.v[layer_idx, :, :, :end], variant)
+        keys, values = self.k[layer_idx], self.v[layer_idx]
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
+        out = causal_attention(q.to(self.dtype), keys[:, :, :end], values[:, :, :end], variant)
         return out.to(q.dtype)

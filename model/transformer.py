@@ -166,6 +166,9 @@ def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None,
     inv_freq = 1.0 / config.rope_theta ** (
         torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d
     )
+    if config.rope_proportion is not None:  # Gemma 4's: the first share turns, the rest not
+        turning = int(config.rope_proportion * d // 2)
+        inv_freq = torch.cat((inv_freq[:turning], inv_freq.new_zeros(d // 2 - turning)))
     s = config.rope_scaling
     if s is None or s.rope_type == "dynamic":  # dynamic NTK stretches per forward
         return inv_freq
@@ -265,27 +268,30 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.n_heads, self.n_kv_heads, self.head_dim = (
-            config.n_heads, config.n_kv_heads, config.head_dim
-        )
-        kv_dim = config.n_kv_heads * config.head_dim
-        self.q_proj = nn.Linear(config.dim, config.q_dim, bias=config.qkv_bias)
+        self.n_heads = config.n_heads
+        self.n_kv_heads, self.head_dim = config.attention_shape(layer_idx)
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(config.dim, q_dim, bias=config.qkv_bias)
         self.k_proj = nn.Linear(config.dim, kv_dim, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(config.dim, kv_dim, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.q_dim, config.dim, bias=config.o_bias)
+        # Gemma 4's full layers: the values are the keys' projection (before k's norm, RoPE)
+        self.v_proj = None if config.k_is_v(layer_idx) else nn.Linear(
+            config.dim, kv_dim, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, config.dim, bias=config.o_bias)
         # Qwen3, Gemma 3: each head of q and k normalized on its own, before RoPE; OLMoE:
         # each whole projection, before it is split into heads
         self.per_head_norm = config.qk_norm
-        widths = ((config.head_dim, config.head_dim) if config.qk_norm
-                  else (config.q_dim, kv_dim) if config.qk_norm_projection else None)
+        # Gemma 4: each head of v normalized too, by a norm without weight
+        self.norm_eps = config.norm_eps if config.v_norm else None
+        widths = ((self.head_dim, self.head_dim) if config.qk_norm
+                  else (q_dim, kv_dim) if config.qk_norm_projection else None)
         self.q_norm = None if widths is None else RMSNorm(widths[0], config.norm_eps,
                                                           config.norm_unit_offset)
         self.k_norm = None if widths is None else RMSNorm(widths[1], config.norm_eps,
                                                           config.norm_unit_offset)
         self.clip_qkv = config.clip_qkv
         self.rotates = config.no_rope_layers is None or bool(config.no_rope_layers[layer_idx])
-        self.rotary_dim = config.rotary_dim
         window = config.window(layer_idx)
+        self.rotary_dim = int(self.head_dim * config.partial_rotary_factor)
         # Gemma 3's sliding layers rotate with their own base
         self.local_rope = window is not None and config.rope_local_theta is not None
         scalar = config.query_pre_attn_scalar
@@ -297,7 +303,8 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache | None,
                 starts: Tensor | None = None) -> Tensor:
         batch, seq, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k = self.q_proj(x), self.k_proj(x)
+        v = k if self.v_proj is None else self.v_proj(x)
         if self.q_norm is not None and not self.per_head_norm:
             q, k = self.q_norm(q).to(q.dtype), self.k_norm(k).to(k.dtype)
         if self.clip_qkv is not None:
@@ -307,7 +314,10 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.per_head_norm:  # under autocast the fp32 weight
             q, k = self.q_norm(q).to(q.dtype), self.k_norm(k).to(k.dtype)  # would promote them
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = v.view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq, self.n_kv_heads, self.head_dim)
+        if self.norm_eps is not None:
+            v = F.rms_norm(v.float(), (self.head_dim,), eps=self.norm_eps).to(v.dtype)
+        v = v.transpose(1, 2)
         if self.rotates and self.rotary_dim == self.head_dim:
             q, k = rope(q, k, cos, sin)
         elif self.rotates:  # Phi-3's partial rotary: the first rotary_dim channels turn
@@ -490,6 +500,9 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = norm()
         self.sandwich = config.sandwich_norms
         self.mlp = MoE(config) if config.is_moe_layer(layer_idx) else MLP(config)
+        self.scaled = config.layer_scalar
+        if self.scaled:  # Gemma 4: the layer's output times a stored scalar
+            self.register_buffer("layer_scalar", torch.ones(1))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache | None,
                 starts: Tensor | None = None) -> Tensor:
@@ -504,7 +517,8 @@ class DecoderLayer(nn.Module):
         norm = self.pre_feedforward_layernorm
         normed, x = add_rms_norm(self.post_attention_layernorm(attended), x, norm.scale(),
                                  norm.eps)
-        return x + self.post_feedforward_layernorm(self.mlp(normed))
+        x = x + self.post_feedforward_layernorm(self.mlp(normed))
+        return x * self.layer_scalar if self.scaled else x
 
 
 class Decoder(nn.Module):
@@ -520,10 +534,14 @@ class Decoder(nn.Module):
             config.vocab_size, config.dim) if meta else None)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_unit_offset)
-        self.rotary_emb = RotaryEmbedding(config)
-        # Gemma 3: the sliding layers' RoPE, its own base and no scaling
+        # Gemma 4's full layers: heads of their own width, turned by a table as wide
+        full_width = config.global_shape[1]
+        self.rotary_emb = RotaryEmbedding(config if full_width == config.head_dim else
+                                          dataclasses.replace(config, head_dim=full_width))
+        # Gemma 3 and 4: the sliding layers' RoPE, its own base, no scaling, turning whole heads
         self.rotary_emb_local = None if config.rope_local_theta is None else RotaryEmbedding(
-            dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scaling=None))
+            dataclasses.replace(config, rope_theta=config.rope_local_theta, rope_scaling=None,
+                                rope_proportion=None))
 
 
 class Transformer(nn.Module):
@@ -568,6 +586,8 @@ class Transformer(nn.Module):
                 nn.init.normal_(module.down_proj, mean=0.0, std=residual_std)
             elif isinstance(module, MoE) and module.sigmoid:
                 nn.init.zeros_(module.gate.e_score_correction_bias)
+            elif isinstance(module, DecoderLayer) and module.scaled:
+                nn.init.ones_(module.layer_scalar)
         self.reset_rotary()
 
     def reset_rotary(self, device: torch.device | str | None = None) -> None:

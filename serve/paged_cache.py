@@ -2,8 +2,9 @@
 
 `KVSlabs` holds one K and one V slab per layer, each its own tensor (a compiled step that
 writes a slice of one stacked tensor would copy all of it), shaped ((num_blocks + 1) *
-block_size, n_kv_heads, head_dim): block b's token slot i lives at row b * block_size + i, and the
-extra block, which the `BlockManager` never hands out, is scratch for the padding rows of
+block_size, n_kv_heads, head_dim) in the layer's own KV heads and width (Gemma 4's full
+layers have theirs): block b's token slot i lives at row b * block_size + i, and the extra
+block, which the `BlockManager` never hands out, is scratch for the padding rows of
 a compiled decode step (`lathe.serve.decode_graph`). Which blocks a sequence owns is the
 `BlockManager`'s business; this module only reads and writes rows.
 
@@ -40,11 +41,9 @@ class KVSlabs:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device | str, dtype: torch.dtype) -> None:
         rows = (num_blocks + 1) * block_size
-        shape = (rows, config.n_kv_heads, config.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype)
-                  for _ in range(config.n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype)
-                  for _ in range(config.n_layers)]
+        shapes = [(rows, *config.attention_shape(layer)) for layer in range(config.n_layers)]
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for shape in shapes]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for shape in shapes]
         self.block_size = block_size
         self.scratch_slot = num_blocks * block_size  # first row of the extra block
 
@@ -56,7 +55,7 @@ class KVSlabs:
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.n_layers * block_size * config.n_kv_heads * config.head_dim * itemsize
+        return 2 * block_size * config.kv_channels() * itemsize
 
     def slots(self, blocks: Sequence[int], start: int, end: int) -> list[int]:
         """Slab rows of token positions [start, end) of a sequence owning `blocks`."""

@@ -22,6 +22,9 @@ transformers = pytest.importorskip("transformers")
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
              rms_norm_eps=1e-6, tie_word_embeddings=False)
+GEMMA4 = {"head_dim": 16, "global_head_dim": 32, "sliding_window": 12,
+          "hidden_size_per_layer_input": 0, "pad_token_id": 0, "bos_token_id": 2,
+          "eos_token_id": 1}
 FAMILIES = {
     "llama-attention-bias": ("LlamaConfig", {"attention_bias": True}),
     "mistral": ("MistralConfig", {"sliding_window": None}),
@@ -59,6 +62,20 @@ FAMILIES = {
                                                               "rope_theta": 10000.0},
                                         "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                            "rope_theta": 1000000.0}}}),
+    # Gemma 4 (31B's shape): full layers with heads of their own width and KV heads, whose
+    # values are their keys' projection, turned by proportional RoPE (a quarter of each
+    # half-head); v normed; each layer's output scaled by its own stored scalar; logits capped
+    "gemma4": ("Gemma4TextConfig", {**GEMMA4, "num_hidden_layers": 4, "global_head_dim": 32,
+                                    "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+                                    "final_logit_softcapping": 20.0}),
+    # and with a v_proj in every layer and plain RoPE on the full ones
+    "gemma4-plain": ("Gemma4TextConfig", {**GEMMA4, "layer_types": ["sliding_attention",
+                                                                   "full_attention"],
+                                          "rope_parameters": {
+                                              "sliding_attention": {"rope_type": "default",
+                                                                    "rope_theta": 10000.0},
+                                              "full_attention": {"rope_type": "default",
+                                                                 "rope_theta": 50000.0}}}),
     # Phi-3: q/k/v and gate/up stored fused; Phi-4-mini's partial rotary; Phi-3-mini's window
     "phi3": ("Phi3Config", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                 "partial_rotary_factor": 0.5},
@@ -122,11 +139,13 @@ def hf_model(name: str):
             attention.q_proj.weight.mul_(8)
             attention.k_proj.weight.mul_(8)
             for proj in (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj):
-                if proj.bias is not None:
+                if proj is not None and proj.bias is not None:
                     proj.bias.normal_(0, 0.5)
             for norm in (getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)):
                 if norm is not None:
                     norm.weight.normal_(1, 0.3)
+            if hasattr(layer, "layer_scalar"):  # Gemma 4's, trained away from 1
+                layer.layer_scalar.uniform_(0.5, 1.5)
             router = getattr(layer.mlp, "gate", None)
             if router is not None:  # decisive routing: no near-tie between two experts
                 router.weight.normal_(0, 1)
@@ -268,6 +287,84 @@ def test_a_multimodal_checkpoint_loads_and_exports_as_its_language_model(tmp_pat
     assert error < (1e-3 if kind == "gemma3" else 1e-5)
 
 
+def test_gemma4_instruct_checkpoint_loads_as_its_language_model(tmp_path):
+    """Gemma 4 ships as Gemma4ForConditionalGeneration (31B-it's shape: wider full layers
+    whose keys are their values): lathe loads its language model with transformers' logits,
+    leaving the image tower and its embedder out, exports it as Gemma4ForCausalLM, and its
+    engine's greedy tokens are transformers'."""
+    text = transformers.Gemma4TextConfig(**{
+        **GEMMA4, "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+        "final_logit_softcapping": 30.0, "layer_types": ["sliding_attention", "full_attention"]})
+    vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    hf = transformers.Gemma4ForConditionalGeneration(transformers.Gemma4Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=None)).eval()
+    with torch.no_grad():
+        hf.model.language_model.embed_tokens.weight.mul_(30)
+        for layer in hf.model.language_model.layers:
+            layer.self_attn.q_norm.weight.normal_(1, 0.3)
+            layer.layer_scalar.uniform_(0.5, 1.5)
+    hf.save_pretrained(tmp_path / "hf")
+    ids = torch.randint(0, 296, (2, SEQ))
+    with torch.no_grad():
+        expected = hf(input_ids=ids).logits
+        ours = load_checkpoint(tmp_path / "hf")
+        assert (ours.config.global_head_dim, ours.config.global_k_is_v) == (32, True)
+        assert (ours(ids).logits - expected).abs().max() <= 1e-4
+    save_checkpoint(ours, tmp_path / "lathe")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lathe",
+                                                              dtype=torch.float32).eval()
+    assert type(again).__name__ == "Gemma4ForCausalLM"
+    with torch.no_grad():
+        assert (again(ids).logits - expected).abs().max() <= 1e-4
+    prompt = ids[0, :20].tolist()
+    engine = LLMEngine.from_checkpoint(tmp_path / "hf", EngineConfig(num_blocks=64))
+    (output,) = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0,
+                                                         ignore_eos=True))
+    assert output.outputs[0].token_ids == greedy(again, prompt, 16)
+
+
+@pytest.mark.parametrize(("key", "value", "what"), [
+    ("hidden_size_per_layer_input", 256, "per-layer embeddings"),
+    ("num_kv_shared_layers", 1, "reusing another's KV cache"),
+    ("enable_moe_block", True, "the experts beside each MLP"),
+    ("use_bidirectional_attention", "all", "causal decoders"),
+])
+def test_the_gemma4_parts_lathe_does_not_build_are_refused_by_name(key, value, what):
+    from lathe.core.errors import ConfigError
+    from lathe.model.config import ModelConfig
+    text = transformers.Gemma4TextConfig(**{**SHAPE, **GEMMA4, "num_hidden_layers": 2}).to_dict()
+    with pytest.raises(ConfigError, match=f"{key}={value!r}.*{what}"):
+        ModelConfig.from_hf_config({**text, key: value})
+
+
+def test_gemma4_full_layers_read_alike_from_the_hub_form_and_per_layer_config():
+    """The hub's Gemma 4 configs name the full layers' shape `global_head_dim` and
+    `num_global_key_value_heads`; transformers 5.24 writes `per_layer_config` instead. Both
+    read as one ModelConfig; a per-layer shape lathe cannot hold is refused by layer."""
+    from lathe.core.errors import ConfigError
+    from lathe.model.config import ModelConfig
+    config = transformers.Gemma4TextConfig(**{**SHAPE, **GEMMA4, "num_hidden_layers": 2,
+                                              "layer_types": ["sliding_attention",
+                                                              "full_attention"],
+                                              "num_global_key_value_heads": 1,
+                                              "attention_k_eq_v": True}).to_dict()
+    assert config["per_layer_config"] == {"1": {"head_dim": 32, "num_key_value_heads": 1}}
+    hub = {key: value for key, value in config.items() if key != "per_layer_config"}
+    hub.update(global_head_dim=32, num_global_key_value_heads=1)
+    assert ModelConfig.from_hf_config(config) == ModelConfig.from_hf_config(hub)
+    assert ModelConfig.from_hf_config(hub).attention_shape(1) == (1, 32)
+    hub.pop("global_head_dim")  # transformers' default: 512
+    assert ModelConfig.from_hf_config(hub).attention_shape(1) == (1, 512)
+    with pytest.raises(ConfigError, match=r"per_layer_config\[0\]"):
+        ModelConfig.from_hf_config({**config, "per_layer_config": {
+            "0": {"head_dim": 8}, "1": {"head_dim": 32}}})
+
+
 def test_a_peft_adapter_of_a_multimodal_gemma3_serves_over_its_language_model(tmp_path):
     """peft names a wrapper's projections by its module path (language_model..., and the
     vision tower's q_proj too when a target matches them): the served adapter is the
@@ -312,15 +409,20 @@ def test_a_multimodal_config_without_its_text_config_is_refused_by_name(tmp_path
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama-attention-bias", "mistral-window",
                                   "gemma2", "gemma3", "phi3", "qwen3_moe", "olmoe", "glm4_moe",
-                                  "olmo2"])
+                                  "olmo2", "gemma4"])
 def test_bf16_autocast_stays_close(tmp_path, name):
+    """Within 3% of the fp32 logits, or where transformers' own bf16 strays further (Gemma 4
+    scales no scores, so its sharpened random model's bf16 logits move ~10%), within 1.5x of
+    its stray."""
     hf = saved(name, tmp_path / "hf")
     ids = torch.randint(0, 256, (1, 32))
     with torch.no_grad():
         expected = hf(ids).logits
         with torch.autocast("cpu", dtype=torch.bfloat16):
             ours = load_checkpoint(tmp_path / "hf")(ids).logits.float()
-    assert (ours - expected).abs().max() <= 3e-2 * expected.abs().max()
+            theirs = hf(ids).logits.float()
+    allowed = max(3e-2 * expected.abs().max(), 1.5 * (theirs - expected).abs().max())
+    assert (ours - expected).abs().max() <= allowed
 
 
 def greedy(hf, prompt: list[int], steps: int) -> list[int]:
@@ -338,7 +440,7 @@ def greedy(hf, prompt: list[int], steps: int) -> list[int]:
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "smollm3", "mistral-window",
                                   "qwen2-window", "gemma2", "gemma3", "phi3", "phi3-window",
                                   "mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe",
-                                  "olmo2", "olmo3"])
+                                  "olmo2", "olmo3", "gemma4"])
 def test_the_engine_generates_what_transformers_computes(tmp_path, name):
     hf = saved(name, tmp_path / "hf")
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 40, 70)]
@@ -353,11 +455,12 @@ def test_the_engine_generates_what_transformers_computes(tmp_path, name):
             greedy(hf, prompt, 32)
 
 
-@pytest.mark.parametrize("name", ["mistral-window", "glm4_moe", "olmo3"])
+@pytest.mark.parametrize("name", ["mistral-window", "glm4_moe", "olmo3", "gemma4"])
 def test_compiled_decode_steps_keep_the_family(tmp_path, name):
     """`lathe serve`'s default compiled decode steps compute transformers' tokens: past a
-    sliding window, through a biased, grouped sigmoid router, and through OLMo 3's norms
-    after attention and the MLP, its sliding layers' own RoPE and its full ones' YaRN."""
+    sliding window, through a biased, grouped sigmoid router, through OLMo 3's norms
+    after attention and the MLP, its sliding layers' own RoPE and its full ones' YaRN, and
+    through Gemma 4's layers of two head widths (KV slabs of two shapes)."""
     hf = saved(name, tmp_path / "hf")
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 40)]
     engine = LLMEngine.from_checkpoint(tmp_path / "hf", EngineConfig(num_blocks=64,
