@@ -1,6 +1,7 @@
 """Reasoning output: the thinking a model writes between `<think>` and `</think>` (Qwen3,
-DeepSeek-R1, SmolLM3, GLM-4.5), or between `[THINK]` and `[/THINK]` (Magistral: the
-`mistral` parser), split from its answer, as vLLM's `--reasoning-parser` does —
+DeepSeek-R1, SmolLM3, GLM-4.5), between `[THINK]` and `[/THINK]` (Magistral: the
+`mistral` parser), or in Gemma 4's thought channel (`<|channel>thought\n` to `<channel|>`,
+the `gemma4` parser), split from its answer, as vLLM's `--reasoning-parser` does —
 `reasoning_content` beside `content` in a chat response, and as deltas of their own when
 streamed.
 
@@ -25,9 +26,10 @@ from dataclasses import dataclass
 
 from lathe.serve.structured import Literals, text_until
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1", "mistral")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "mistral", "gemma4")
 START, END = "<think>", "</think>"
 MISTRAL_START, MISTRAL_END = "[THINK]", "[/THINK]"  # Magistral's, special tokens
+GEMMA4_START, GEMMA4_END = "<|channel>thought\n", "<channel|>"  # special tokens but "thought"
 
 
 @dataclass(frozen=True)
@@ -80,13 +82,18 @@ def reasoning_parser(name: str) -> ReasoningParser:
                          f"{', '.join(REASONING_PARSERS)}")
     if name == "mistral":
         return ReasoningParser(name, start=MISTRAL_START, end=MISTRAL_END)
+    if name == "gemma4":
+        return ReasoningParser(name, start=GEMMA4_START, end=GEMMA4_END)
     return ReasoningParser(name, always_starts_inside=name == "deepseek_r1")
 
 
 def template_reasoning_parser(template: str) -> ReasoningParser | None:
-    """The parser a chat template implies when none is named: `mistral` for one that
-    renders `[THINK]` (Magistral), `qwen3` for one that renders `<think>` or `</think>`
-    (its model thinks in such blocks), else None."""
+    """The parser a chat template implies when none is named: `gemma4` for one that renders
+    a `<channel|>` (Gemma 4), `mistral` for one that renders `[THINK]` (Magistral), `qwen3`
+    for one that renders `<think>` or `</think>` (its model thinks in such blocks), else
+    None."""
+    if GEMMA4_END in template:
+        return reasoning_parser("gemma4")
     if MISTRAL_START in template or MISTRAL_END in template:
         return reasoning_parser("mistral")
     return reasoning_parser("qwen3") if START in template or END in template else None

@@ -15,7 +15,12 @@ see now and the calls it gets at the end.
 - qwen3_coder (Qwen3-Coder, Qwen3.5): `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE
   \n</parameter>\n</function>\n</tool_call>`;
 - glm45 (GLM-4.5, GLM-4.6): `<tool_call>NAME\n<arg_key>KEY</arg_key>\n<arg_value>VALUE
-  </arg_value>\n</tool_call>`; glm47 (GLM-4.7) the same without the newlines.
+  </arg_value>\n</tool_call>`; glm47 (GLM-4.7) the same without the newlines;
+- gemma4 (Gemma 4): `<|tool_call>call:NAME{key:VALUE,...}<tool_call|>` per call, a value
+  in its template's own notation (`format_argument`): a string between `<|"|>` quotes
+  (unescaped), objects `{key:value}` with bare keys, lists, and numbers, true, false and
+  null as JSON writes them (null as None in its first templates); the turn ends at
+  `<|tool_response>`, which may follow.
 
 In the last three a value is text: a parameter the tool's schema types as a string is its
 text as written, any other is read as JSON (Qwen's templates write Python's `True`,
@@ -48,7 +53,7 @@ from typing import Any
 
 from lathe.serve.structured import Literals, StructuredOutput, text_until
 
-PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder", "glm45", "glm47")
+PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder", "glm45", "glm47", "gemma4")
 _SPACE = re.compile(r"\s*")
 
 
@@ -492,13 +497,180 @@ class Glm47Parser(XmlToolCallParser):
                    "</arg_value>", "</tool_call>", "")
 
 
+GEMMA_QUOTE = '<|"|>'
+GEMMA_MAX_DEPTH = 64  # nested arguments deeper than this are not a call (hostile output)
+_GEMMA_SCALAR = re.compile(r"[^,:{}\[\]<]+")
+_GEMMA_KEY = re.compile(r"[^,:{}\[\]<]+(?=:)")
+
+
+def gemma_value(text: str, at: int, depth: int = 0) -> tuple[Any, int]:
+    """The Gemma 4 argument value at `text[at:]` and where it ends; ValueError when none is
+    there."""
+    if depth > GEMMA_MAX_DEPTH:
+        raise ValueError("arguments nested too deep")
+    if text.startswith(GEMMA_QUOTE, at):
+        end = text.find(GEMMA_QUOTE, at + len(GEMMA_QUOTE))
+        if end < 0:
+            raise ValueError("unclosed string")
+        return text[at + len(GEMMA_QUOTE):end], end + len(GEMMA_QUOTE)
+    if text.startswith(("{", "["), at):
+        mapping, close = text[at] == "{", "}" if text[at] == "{" else "]"
+        items: Any = {} if mapping else []
+        at += 1
+        while not text.startswith(close, at):
+            if items:
+                if not text.startswith(",", at):
+                    raise ValueError("expected a comma")
+                at += 1
+            if mapping:
+                key, at = gemma_key(text, at)
+                items[key], at = gemma_value(text, at + 1, depth + 1)
+            else:
+                value, at = gemma_value(text, at, depth + 1)
+                items.append(value)
+        return items, at + 1
+    word = _GEMMA_SCALAR.match(text, at)
+    if word is None:
+        raise ValueError("expected a value")
+    try:  # the first Gemma 4 templates wrote None as Python does
+        value = json.loads({"None": "null"}.get(word.group().strip(), word.group()))
+    except json.JSONDecodeError:
+        raise ValueError(f"not a value: {word.group()!r}") from None
+    if isinstance(value, str):
+        raise ValueError("a string must be quoted")
+    return value, word.end()
+
+
+def gemma_key(text: str, at: int) -> tuple[str, int]:
+    """A key of a Gemma 4 object (bare, or quoted as some of its templates write nested
+    ones) and where its `:` is."""
+    if text.startswith(GEMMA_QUOTE, at):
+        key, at = gemma_value(text, at)
+    else:
+        found = _GEMMA_KEY.match(text, at)
+        if found is None:
+            raise ValueError("expected a key")
+        key, at = found.group(), found.end()
+    if not text.startswith(":", at):
+        raise ValueError("expected a colon")
+    return key, at
+
+
+class Gemma4Parser(ToolCallParser):
+    name = "gemma4"
+    markers = ("<|tool_call>",)
+    closing = "<tool_call|>"
+    turn_end = "<|tool_response>"
+
+    def parse_calls(self, text: str, truncated: bool) -> list[ToolCall]:
+        calls, at = [], 0
+        while text[at:].strip():
+            at = len(text) - len(text[at:].lstrip())
+            if text.startswith(self.turn_end, at) and not text[at + len(self.turn_end):].strip():
+                break
+            head = re.compile(r"<\|tool_call>call:([\w.-]+)\{").match(text, at)
+            if head is None:
+                return calls if truncated and self._cut(text[at:]) else []
+            try:
+                arguments, end = gemma_value(text, head.end() - 1)
+            except (ValueError, RecursionError):
+                return calls if truncated else []
+            if not text.startswith(self.closing, end):
+                return calls if truncated and self.closing.startswith(text[end:]) else []
+            calls.append(ToolCall(head.group(1), json.dumps(arguments, ensure_ascii=False),
+                                  self.new_id()))
+            at = end + len(self.closing)
+        return calls
+
+    def _cut(self, rest: str) -> bool:
+        """Whether `rest` is a call's head cut short."""
+        return rest.startswith(self.markers[0]) or self.markers[0].startswith(rest)
+
+    def grammar(self, tools: list[dict[str, Any]], max_calls: int,
+                literals: Literals) -> StructuredOutput:
+        text, text_lexeme = text_until(GEMMA_QUOTE, literals, "TEXT")
+        quote = literals(GEMMA_QUOTE)
+        rules, calls = [], []
+        for i, tool in enumerate(tools):
+            function = tool["function"]
+            schema = arguments_schema(function)
+            required = set(schema.get("required", []))
+            # the template writes the keys sorted (`dictsort`)
+            parts = sorted((key, sub, key in required)
+                           for key, sub in (schema.get("properties") or {}).items())
+            for j, (key, sub, _) in enumerate(parts):
+                rules.append(f"arg_{i}_{j}: {literals(key + ':')} "
+                             f"{self._value(sub, quote, text, literals)}")
+            args = self._arguments([(f"arg_{i}_{j}", needed)
+                                    for j, (_, _, needed) in enumerate(parts)], literals(","))
+            head = literals(f"<|tool_call>call:{function['name']}{{")
+            rules.append(f"call_{i}: {head} {args} {literals('}' + self.closing)}")
+            calls.append(f"call_{i}")
+        return StructuredOutput(grammar="\n".join([
+            f"start: call{{1,{max_calls}}}", f"call: {' | '.join(calls)}", *rules,
+            f"value: {quote} {text} | NUMBER | {literals('true')} | {literals('false')} "
+            f"| {literals('null')} | {literals('None')} "
+            f"| {literals('{')} (pair ({literals(',')} pair)*)? {literals('}')} "
+            f"| {literals('[')} (value ({literals(',')} value)*)? {literals(']')}",
+            f"pair: KEY {literals(':')} value", "KEY: /[A-Za-z_][A-Za-z0-9_]*/",
+            r"NUMBER: /-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/", text_lexeme, ""]))
+
+    @staticmethod
+    def _arguments(args: list[tuple[str, bool]], comma: str) -> str:
+        """The arguments in order, each optional one left out or not, commas between those
+        written: as a Lark sequence (`""` for none)."""
+        def after(k: int) -> str:  # args[k:], something written before them
+            if k == len(args):
+                return ""
+            name, needed = args[k]
+            return f"{comma} {name} {after(k + 1)}" if needed else \
+                f"({comma} {name})? {after(k + 1)}"
+
+        def first(k: int) -> str:  # args[k:], nothing written before them
+            if k == len(args):
+                return ""
+            name, needed = args[k]
+            if needed:
+                return f"{name} {after(k + 1)}"
+            rest = first(k + 1)
+            return f"({name} {after(k + 1)} | {rest})" if rest else f"{name}?"
+        return first(0)
+
+    @staticmethod
+    def _value(schema: Any, quote: str, text: str, literals: Literals) -> str:
+        """A parameter's value as its schema types it, in Gemma's notation: where that is
+        JSON's (numbers, true, false, null, and lists of them) valid against the schema,
+        else a string or any value."""
+        kinds = _types(schema)
+        values = schema.get("enum") if isinstance(schema, dict) else None
+        if kinds == {"string"} and isinstance(values, list):
+            return f"{quote} ({' | '.join(json.dumps(v) for v in values)}) {quote}"
+        if kinds == {"string"}:
+            return f"{quote} {text}"
+        if _json_spelled(schema):
+            return "%json " + json.dumps({**schema, "x-guidance": {
+                "whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}})
+        return "value"
+
+
+def _json_spelled(schema: Any) -> bool:
+    """Whether every value `schema` admits is written alike in JSON and in Gemma 4's
+    notation: numbers, booleans, null, and lists of them."""
+    kinds = _types(schema)
+    if not kinds or not kinds <= {"integer", "number", "boolean", "null", "array"}:
+        return False
+    return "array" not in kinds or _json_spelled(schema.get("items"))
+
+
 def template_tool_call_parser(template: str) -> ToolCallParser | None:
     """The parser whose format a chat template writes calls in, when none is named (as
-    llama.cpp's server reads it off the template): GLM's `<arg_key>` (glm47 where a value
-    follows its key at once), Qwen3-Coder's `<function=`, Mistral's `[TOOL_CALLS]`,
-    Hermes' `<tool_call>` JSON, Llama 3.1's `"parameters"` JSON; None for a template that
-    writes none of them."""
-    if "<arg_key>" in template:
+    llama.cpp's server reads it off the template): Gemma 4's `<|tool_call>`, GLM's
+    `<arg_key>` (glm47 where a value follows its key at once), Qwen3-Coder's `<function=`,
+    Mistral's `[TOOL_CALLS]`, Hermes' `<tool_call>` JSON, Llama 3.1's `"parameters"` JSON;
+    None for a template that writes none of them."""
+    if "<|tool_call>" in template:
+        name = "gemma4"
+    elif "<arg_key>" in template:
         name = "glm47" if "</arg_key><arg_value>" in template else "glm45"
     elif "<function=" in template:
         name = "qwen3_coder"
@@ -517,7 +689,7 @@ def template_tool_call_parser(template: str) -> ToolCallParser | None:
 def tool_call_parser(name: str) -> ToolCallParser:
     parsers = {parser.name: parser for parser in (
         HermesParser, Llama3JsonParser, MistralParser, Qwen3CoderParser, Glm45Parser,
-        Glm47Parser)}
+        Glm47Parser, Gemma4Parser)}
     if name not in parsers:
         raise ValueError(f"--tool-call-parser {name!r}: choose one of {', '.join(PARSERS)}")
     return parsers[name]()

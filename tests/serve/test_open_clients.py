@@ -12,6 +12,7 @@ import contextlib
 import json
 import random
 import re
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -292,6 +293,15 @@ def test_reasoning_streams_add_up_to_the_whole_split(chunk):
     assert template_reasoning_parser("{{ '<think>' }}").name == "qwen3"
     assert template_reasoning_parser("[INST]{{ m }}[/INST]") is None
     assert not magistral.starts_inside("[THINK]draft[/THINK]answer[INST]hi[/INST]")
+    # Gemma 4 thinks in its thought channel; a prompt with thinking off closes an empty one
+    gemma = reasoning_parser("gemma4")
+    assert gemma.split("<|channel>thought\nplan<channel|>answer", False) == ("plan", "answer")
+    assert not gemma.starts_inside("<|turn>model\n<|channel>thought\n<channel|>")
+    assert gemma.starts_inside("<|turn>model\n<|channel>thought\n")
+    from trl import __file__ as trl_init
+    for name in ("gemma4", "gemma4_v5"):
+        source = (Path(trl_init).parent / "chat_templates" / f"{name}.jinja").read_text()
+        assert template_reasoning_parser(source).name == "gemma4"
 
 
 def test_reasoning_is_split_and_a_call_after_it_is_read(qwen_checkpoint):

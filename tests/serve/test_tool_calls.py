@@ -204,6 +204,8 @@ CALLS = {  # format: (its parser, what the model writes, the text before the cal
     "glm45": ("glm45", "\n<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>2</arg_value>\n"
               "<arg_key>b</arg_key>\n<arg_value>3</arg_value>\n</tool_call>\n<tool_call>shout\n"
               "<arg_key>word</arg_key>\n<arg_value>hi</arg_value>\n</tool_call>", ""),
+    "gemma4": ("gemma4", 'Adding.<|tool_call>call:add{a:2,b:3}<tool_call|><|tool_call>call:'
+               'shout{word:<|"|>hi<|"|>}<tool_call|><|tool_response>', "Adding."),
     "glm47": ("glm47", "<tool_call>add<arg_key>a</arg_key><arg_value>2</arg_value><arg_key>b"
               "</arg_key><arg_value>3</arg_value></tool_call><tool_call>shout<arg_key>word"
               "</arg_key><arg_value>hi</arg_value></tool_call>", ""),
@@ -244,6 +246,12 @@ def test_each_parser_reads_its_family_whole_and_streamed(form):
     ("qwen3_coder", "<tool_call>\n<function=add>\n</function>\n</tool_call> and then text"),
     ("glm45", "<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>2\n</tool_call>"),
     ("glm45", "<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>2</arg_value>\n"),
+    ("gemma4", "<|tool_call>call:add{a:2,b:3}"),  # never closed
+    ("gemma4", '<|tool_call>call:add{a:two}<tool_call|>'),  # a string must be quoted
+    ("gemma4", '<|tool_call>call:shout{word:<|"|>hi}<tool_call|>'),
+    ("gemma4", "<|tool_call>call:add{a:2}<tool_call|> and then text"),
+    ("gemma4", "<|tool_call>call:two words{}<tool_call|>"),
+    ("gemma4", "<|tool_call>call:add{" + "[" * 5000 + "]" * 5000 + "}<tool_call|>"),
 ])
 def test_what_is_not_a_call_comes_back_as_text(family, text):
     parser = tool_call_parser(family).for_tools(TOOLS)
@@ -265,7 +273,9 @@ TYPED_CALLS = [("read_file", {"path": "src/a.py\n</parameter> is text", "lines":
                               "note": None}),
                ("add", {"a": 2, "b": 3})]
 MARKERS = ["<|im_end|>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
-           "</arg_value>", "[TOOL_CALLS]", "[ARGS]", "</s>", "<s>", "<think>", "</think>"]
+           "</arg_value>", "[TOOL_CALLS]", "[ARGS]", "</s>", "<s>", "<think>", "</think>",
+           "<|tool_call>", "<tool_call|>", '<|"|>', "<|turn>", "<turn|>", "<|tool_response>",
+           "<tool_response|>", "<|tool>", "<tool|>", "<|channel>", "<channel|>", "<|think|>"]
 
 
 def trl_template(name: str) -> str:
@@ -277,7 +287,8 @@ def trl_template(name: str) -> str:
 TEMPLATES = {"qwen3_coder": [("qwen3_5_nothink", "<|im_end|>"), ("qwen3_6", "<|im_end|>"),
                              ("nemotron_3_nano", "<|im_end|>")],
              "glm45": [("glm4moe", None), ("GLM4", None)],
-             "mistral": [("MISTRAL_ARGS", "</s>")]}
+             "mistral": [("MISTRAL_ARGS", "</s>")],
+             "gemma4": [("gemma4", "<|tool_response>"), ("gemma4_v5", "<|tool_response>")]}
 
 
 @pytest.fixture(scope="module", params=["byte-level", "sentencepiece"])
@@ -359,13 +370,14 @@ def test_calls_rendered_by_the_real_templates_read_back_and_fit_the_grammar(
 
 
 @pytest.mark.parametrize("inside", [False, True])
-@pytest.mark.parametrize("name", ["qwen3", "mistral"])
+@pytest.mark.parametrize("name", ["qwen3", "mistral", "gemma4"])
 def test_a_reasoning_model_reasons_before_its_constrained_answer(name, inside,
                                                                  marker_tokenizer):
     """With a reasoning parser a constraint holds for the answer: before it, the rest of
     the reasoning through its end where the reply starts inside it (DeepSeek-R1's
     prompts), else an optional think block (Qwen3's). </think> is a token here, so the
-    reasoning may hold other tokens; Magistral's [/THINK] is text here, so it holds text."""
+    reasoning may hold other tokens (Gemma 4's <channel|> too); Magistral's [/THINK] is text
+    here, so it holds text."""
     literals = Literals.of(marker_tokenizer.backend_tokenizer)
     parser = reasoning_parser(name)
     prefix = parser.constraint_prefix(inside, literals, [marker_tokenizer.eos_token_id])
@@ -378,7 +390,7 @@ def test_a_reasoning_model_reasons_before_its_constrained_answer(name, inside,
         assert admits(schema, opened + reasoning + answer, marker_tokenizer)
     assert admits(schema, answer, marker_tokenizer) is not inside
     assert admits(schema, f"{opened}a </tool_call> b{end}{answer}", marker_tokenizer) \
-        is (name == "qwen3")
+        is (name != "mistral")
     assert not admits(schema, f"{opened}x{end}\n\nnot json", marker_tokenizer)
     assert not admits(schema, f"{opened}x{end}{end}{answer}", marker_tokenizer)
     assert not admits(schema, f"{opened}x</s>y{end}{answer}", marker_tokenizer)
@@ -400,7 +412,8 @@ def test_a_reasoning_model_reasons_before_its_constrained_answer(name, inside,
     ("nemotron_3_nano", "qwen3_coder"), ("glm4moe", "glm45"), ("llama3_1", "llama3_json"),
     ("llama3_2", "llama3_json"), ("gemma3", None), ("phi3", None), ("llama3", None),
     ("deepseekv3", None), ("MISTRAL_ARGS", "mistral"), ("MISTRAL_NEMO", "mistral"),
-    ("GLM47", "glm47"), ("lathe", "hermes")])
+    ("GLM47", "glm47"), ("lathe", "hermes"), ("gemma4", "gemma4"), ("gemma4_v2", "gemma4"),
+    ("gemma4_v5", "gemma4")])
 def test_a_template_implies_the_format_it_writes_calls_in(template, parser):
     """Without --tool-call-parser the server reads calls in the format its chat template
     writes them (TRL's copies of the families' templates; GLM-4.7's keeps a value next to
