@@ -349,6 +349,10 @@ class ModelConfig:
                               "and rope_proportion set the full-attention layers apart: they need "
                               "layer_types (which layers are full) and rope_local_theta (the "
                               "sliding layers' own RoPE)")
+        if self.family == "gemma4_text" and self.layer_types is not None \
+                and self.layer_types[-1] != "full_attention":
+            raise ConfigError(f"ModelConfig.layer_types ends {self.layer_types[-1]!r}: "
+                              "gemma4_text's class makes its last layer full_attention; make it so")
         proportion = self.rope_proportion
         if proportion is not None and (not isinstance(proportion, (int, float))
                                        or not 0 < proportion <= 1

@@ -745,8 +745,8 @@ def fresh_switches(family: str, n_layers: int, head_dim: int,
                    expert_width: int | None = None) -> dict[str, Any]:
     """What a new model of `family` sets beyond the Llama shape (`lathe init --family`,
     pretraining from scratch), as the family's transformers config class defaults: its
-    switches, Gemma's activation, caps, query scale and alternating sliding layers, OLMo 3's
-    sliding layers, and a
+    switches, Gemma's activation, caps, query scale and alternating sliding layers (Gemma 4's
+    wider full layers and their proportional RoPE), OLMo 3's sliding layers, and a
     mixture of experts' 8 experts, 2 per token, of the dense MLP's width (top-k weights
     renormalized but for OLMoE, as Qwen3-30B-A3B and OLMoE-1B-7B do; GLM-4.5's sigmoid router
     without a balance loss, as its class has none), and for a family with a shared expert
@@ -770,6 +770,11 @@ def fresh_switches(family: str, n_layers: int, head_dim: int,
                 "rope_local_theta": 500_000.0,
                 "layer_types": ["sliding_attention" if (i + 1) % 4 else "full_attention"
                                 for i in range(n_layers)]}
+    if family == "gemma4_text":  # its config class's: heads twice as wide in the full layers
+        return {**switches, "hidden_act": "gelu_pytorch_tanh", "sliding_window": 512,
+                "layer_types": _gemma4_window({"num_hidden_layers": n_layers})[1],
+                "rope_theta": 1_000_000.0, "rope_local_theta": 10_000.0,
+                "rope_proportion": 0.25, "global_head_dim": 2 * head_dim}
     if family not in ("gemma2", "gemma3_text"):
         return switches
     every = 2 if family == "gemma2" else 6

@@ -185,7 +185,7 @@ def test_missing_or_malformed_recipe(tmp_path):
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "smollm3", "phi3",
                                     "gemma2", "gemma3_text", "mixtral", "qwen3_moe", "olmoe",
-                                    "qwen2_moe", "glm4_moe", "olmo2", "olmo3"])
+                                    "qwen2_moe", "glm4_moe", "olmo2", "olmo3", "gemma4_text"])
 def test_a_preset_of_any_family_is_what_its_transformers_class_builds(family, tmp_path):
     """`lathe init --family F --preset P`: the preset's shape with the family's switches,
     exported as that family's class with lathe's logits and every weight it builds (a
@@ -216,3 +216,23 @@ def test_lathe_init_writes_a_preset_as_a_family(tmp_path, capsys):
     assert (written["model_type"], written["architectures"]) == ("gemma2", ["Gemma2ForCausalLM"])
     assert written["layer_types"] == ["sliding_attention", "full_attention"]
     assert "tiny gemma2 checkpoint" in capsys.readouterr().out
+
+
+def test_gemma4_settings_are_refused_where_they_cannot_be_written():
+    """The full layers' own shape is Gemma 4's alone, needs layer types to say which layers
+    are full, and Gemma 4's class makes its last layer full: a config saying otherwise would
+    export as another model."""
+    with pytest.raises(ConfigError, match="global_head_dim=64: family='llama'.*Gemma 4's"):
+        ModelConfig.from_preset("tiny", global_head_dim=64)
+    with pytest.raises(ConfigError, match="layer_types ends 'sliding_attention'"):
+        ModelConfig.from_preset("tiny", family="gemma4_text", n_layers=2,
+                                layer_types=["full_attention", "sliding_attention"])
+    with pytest.raises(ConfigError, match="need layer_types"):
+        ModelConfig.from_preset("tiny", family="gemma4_text", layer_types=None,
+                                rope_local_theta=None)
+    with pytest.raises(ConfigError, match="global_n_kv_heads=3 does not divide n_heads=4"):
+        ModelConfig.from_preset("tiny", family="gemma4_text", global_n_kv_heads=3)
+    config = ModelConfig.from_preset("tiny", family="gemma4_text", n_layers=6)
+    assert config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    assert [config.attention_shape(i) for i in (0, 5)] == [(2, 32), (2, 64)]
+    assert config.kv_channels() == 5 * 2 * 32 + 2 * 64

@@ -129,8 +129,13 @@ def test_backward_reaches_every_parameter_and_tied_head_shares_the_embedding():
         assert p.grad.abs().sum() > 0, name
 
 
-def test_flops_per_token_equals_counted_matmul_flops_of_a_training_step():
-    model = tiny_model().train()
+GEMMA4 = {"family": "gemma4_text", "n_layers": 3, "global_k_is_v": True,
+          "global_n_kv_heads": 1}  # full layers wider, with one KV head and no v_proj
+
+
+@pytest.mark.parametrize("overrides", [{}, GEMMA4])
+def test_flops_per_token_equals_counted_matmul_flops_of_a_training_step(overrides):
+    model = tiny_model(**overrides).train()
     batch, seq = 2, 64
     ids = torch.randint(0, 256, (batch, seq))
     # The math backend runs attention as counted bmm ops (CPU's fused kernel is not counted).
@@ -140,7 +145,7 @@ def test_flops_per_token_equals_counted_matmul_flops_of_a_training_step():
 
 
 def test_num_params_matches_module_parameters():
-    for overrides in ({}, {"tie_embeddings": False}, {"n_kv_heads": 1}):
+    for overrides in ({}, {"tie_embeddings": False}, {"n_kv_heads": 1}, GEMMA4):
         model = tiny_model(**overrides)
         actual = sum(p.numel() for p in model.parameters())  # a tied matrix is yielded once
         embeddings = model.model.embed_tokens.weight.numel() + (
