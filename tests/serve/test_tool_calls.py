@@ -598,3 +598,64 @@ def test_a_reasoning_replys_stream_adds_up_to_the_whole_reply(inside):
         assert (end.finish_reason, stream.reasoning) == (whole.finish_reason, whole.reasoning)
 
     check()
+
+
+GEMMA4_MARKERS = ["<turn|>", "<|turn>", "<|tool_call>", "<tool_call|>", '<|"|>',
+                  "<|tool_response>", "<tool_response|>", "<|tool>", "<tool|>", "<|channel>",
+                  "<channel|>", "<|think|>"]
+
+
+@pytest.fixture(scope="module")
+def gemma4_checkpoint(tmp_path_factory):
+    """A Gemma 4 instruct checkpoint's shape: its SentencePiece-shaped tokenizer with its
+    turn, channel and tool markers special tokens, the chat template it shipped with, and
+    its end tokens (<turn|>, and <|tool_response>, where a turn of calls ends) in
+    generation_config.json."""
+    from tokenizers import Tokenizer
+
+    from lathe.model import Transformer
+    from lathe.model.config import ModelConfig
+    folder = tmp_path_factory.mktemp("gemma4")
+    build_sentencepiece_tokenizer(folder / "tok", end_of_turn="<turn|>", prepend=False)
+    tokenizer = Tokenizer.from_file(str(folder / "tok" / "tokenizer.json"))
+    tokenizer.add_special_tokens(GEMMA4_MARKERS)
+    tokenizer.save(str(folder / "tok" / "tokenizer.json"))
+    (folder / "tok" / "chat_template.jinja").write_text(trl_template("gemma4_v5"))
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig.from_preset(
+        "tiny", family="gemma4_text", vocab_size=tokenizer.get_vocab_size(), n_layers=2,
+        max_seq_len=2048))
+    out = save_checkpoint(model, folder / "ckpt", tokenizer=folder / "tok")
+    ends = [tokenizer.token_to_id(t) for t in ("<turn|>", "<|tool_response>")]
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}))
+    return out
+
+
+def test_a_gemma4_checkpoint_calls_tools_through_the_server(gemma4_checkpoint):
+    """Served with nothing named, Gemma 4's template implies its tool-call and reasoning
+    formats: a required call is forced in its notation and comes back as OpenAI's calls,
+    valid against the tool's schema, alike streamed; the next turn renders the calls and
+    their results through the template."""
+    with served(gemma4_checkpoint) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        asked = dict(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                     max_tokens=300, temperature=1.0, seed=3)
+        reply = client.chat.completions.create(**asked)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        calls = choice.message.tool_calls
+        for call in calls:
+            jsonschema.validate(json.loads(call.function.arguments), schema_of(call.function.name))
+        streamed = {}
+        for chunk in client.chat.completions.create(**asked, stream=True):
+            for delta in chunk.choices[0].delta.tool_calls or []:
+                streamed.setdefault(delta.index, []).append(delta.function)
+        assert [(parts[0].name, "".join(p.arguments or "" for p in parts))
+                for _, parts in sorted(streamed.items())] == \
+            [(c.function.name, c.function.arguments) for c in calls]
+        follow = [*MESSAGES, choice.message.model_dump(exclude_none=True),
+                  *({"role": "tool", "tool_call_id": c.id, "content": "5"} for c in calls)]
+        after = client.chat.completions.create(model="tiny", messages=follow, tools=TOOLS,
+                                               max_tokens=4)
+        assert after.choices[0].finish_reason in ("stop", "length", "tool_calls")
