@@ -394,6 +394,28 @@ def test_a_peft_adapter_of_a_multimodal_gemma3_serves_over_its_language_model(tm
     assert output.outputs[0].token_ids == greedy(merged, prompt, 12)
 
 
+def test_a_peft_adapter_of_gemma4_serves_across_its_two_head_widths(tmp_path):
+    """A LoRA adapter on Gemma 4's q, k, v and o: its full layers' adapters are wider and
+    have no v_proj to adapt; the served adapter gives the merged model's greedy tokens."""
+    peft = pytest.importorskip("peft")
+    adapted = peft.get_peft_model(saved("gemma4", tmp_path / "hf"), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    adapted.save_pretrained(tmp_path / "adapter")
+    merged = adapted.merge_and_unload().eval()
+    engine = LLMEngine.from_checkpoint(tmp_path / "hf", EngineConfig(
+        num_blocks=64, max_loras=1, max_lora_rank=8))
+    engine.add_adapter("a", tmp_path / "adapter")
+    prompt = torch.randint(0, 256, (20,)).tolist()
+    (output,) = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0,
+                                                         ignore_eos=True), adapter="a")
+    assert output.outputs[0].token_ids == greedy(merged, prompt, 12)
+
+
 def test_a_multimodal_config_without_its_text_config_is_refused_by_name(tmp_path):
     from lathe.core.errors import CheckpointError
     from lathe.model.checkpoint import read_model_config
