@@ -194,22 +194,32 @@ BALANCED_MOE = {"model": {"preset": "tiny", "overrides": {
     "router_bias_update_speed": 0.01}
 
 
-@pytest.mark.parametrize(("recipe", "balanced"), [
-    ("cpu-fsdp2", False), ("cpu-zero3", False), ("cpu-zero3", True)],
-    ids=["cpu-fsdp2-qwen3_moe", "cpu-zero3-qwen3_moe", "cpu-zero3-glm4_moe-balanced"])
-def test_moe_on_two_sharded_processes_matches_one(recipe, balanced, corpus, tmp_path):
-    """A mixture of experts, its stacked experts sharded like any parameter: the same losses
-    as one process, and the gathered export loads in transformers with lathe's logits. The
+MOE = {"model": {"preset": "tiny", "overrides": MOE_MODEL}}
+# Gemma 4's full layers, wider and with one KV head of keys as values, and its stored
+# per-layer output scalars (buffers) beside its sliding layers
+GEMMA4 = {"model": {"preset": "tiny", "overrides": {
+    "family": "gemma4_text", "dim": 64, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2,
+    "max_seq_len": 64, "global_n_kv_heads": 1, "global_k_is_v": True}}}
+
+
+@pytest.mark.parametrize(("recipe", "model"), [
+    ("cpu-fsdp2", MOE), ("cpu-zero3", MOE), ("cpu-zero3", BALANCED_MOE),
+    ("cpu-fsdp2", GEMMA4)],
+    ids=["cpu-fsdp2-qwen3_moe", "cpu-zero3-qwen3_moe", "cpu-zero3-glm4_moe-balanced",
+         "cpu-fsdp2-gemma4"])
+def test_moe_on_two_sharded_processes_matches_one(recipe, model, corpus, tmp_path):
+    """A mixture of experts, its stacked experts sharded like any parameter, and Gemma 4,
+    its layers of two widths: the same losses as one process, and the gathered export loads
+    in transformers with lathe's logits. The
     balance loss is off here: transformers computes it per forward, over the tokens of one
     micro-batch on one rank, so it is not a sum that splits over ranks exactly. The
     aux-loss-free balance is a sum: its selection biases, updated from both ranks' loads,
     end where one process's do (under ZeRO-3 alone: the loads are all-reduced the same
     way under every backend, and the biases are buffers, which no backend shards)."""
     from transformers import AutoModelForCausalLM
+    balanced = model is BALANCED_MOE
 
     def moe(out: Path, micro_batch_size: int) -> dict:
-        model = BALANCED_MOE if balanced else {
-            "model": {"preset": "tiny", "overrides": MOE_MODEL}}
         return {**settings(corpus, out, micro_batch_size, steps=8), **model}
 
     one = tmp_path / "one"
