@@ -18,6 +18,7 @@ splits into lathe's q/k/v and gate/up and an export joins again (`split_fused`,
 | smollm3 | SmolLM3ForCausalLM | `attention_bias`; no RoPE in the layers `no_rope_layers` marks 0 |
 | gemma2 | Gemma2ForCausalLM | Gemma's norms and embedding scale (below), `attention_bias` |
 | gemma3_text | Gemma3ForCausalLM | Gemma 2's, and an RMSNorm of each head of q and k |
+| gemma4_text | Gemma4ForCausalLM | Gemma 3's, plain norms, v normed; full layers apart (below) |
 | phi3 (Phi-3, Phi-4-mini) | Phi3ForCausalLM | fused `qkv_proj`, `gate_up_proj`; partial RoPE |
 | mixtral | MixtralForCausalLM | experts in every layer (`block_sparse_moe`), top-k renormalized |
 | qwen3_moe | Qwen3MoeForCausalLM | Qwen3's attention; experts in the layers not `mlp_only_layers` |
@@ -28,15 +29,22 @@ splits into lathe's q/k/v and gate/up and an export joins again (`split_fused`,
 | glm4_moe (GLM-4.5) | Glm4MoeForCausalLM | partial RoPE, q/k norms optional; DeepSeek-V3's router |
 
 A multimodal checkpoint whose language model is one of these (`WRAPPERS`: Gemma 3 from 4B
-up, `gemma3`; Mistral Small 3.1 and 3.2, `mistral3`) loads as that language model: its
-`text_config` read as the family's config.json, what it leaves out filled with the
-wrapper's transformers defaults for it (a nested config is written as its difference from
-them), its weights renamed from the wrapper's and the vision tower's left out
-(`language_model_weights`); it exports as the text model.
+up, `gemma3`; Gemma 4, `gemma4`; Mistral Small 3.1 and 3.2, `mistral3`) loads as that
+language model: its `text_config` read as the family's config.json, what it leaves out
+filled with the wrapper's transformers defaults for it (a nested config is written as its
+difference from them), its weights renamed from the wrapper's and the vision (and audio)
+towers' left out (`language_model_weights`); it exports as the text model.
 
 Gemma's: (1 + w) norms, a norm after attention and after the MLP as well, embeddings
 times √dim; from config.json, soft-capped scores and logits, `query_pre_attn_scalar`, and
 (Gemma 3, whose text model is `gemma3_text`) the sliding layers' own RoPE base.
+
+Gemma 4's full-attention layers have heads of their own width (`global_head_dim`), their
+own KV heads (`num_global_key_value_heads`) whose values are their keys' projection
+(`attention_k_eq_v`), and "proportional" RoPE; its scores are unscaled (q and k normed), each
+head of v normed without weight, each layer's output times its stored `layer_scalar`. Its
+per-layer embeddings, KV-sharing layers (E2B, E4B) and experts beside the MLP (26B-A4B) are
+refused by name.
 
 Sliding windows: Mistral's `sliding_window` covers every layer; Qwen2/3's and SmolLM3's
 (`use_sliding_window`) cover the layers `layer_types` marks, by default those from
