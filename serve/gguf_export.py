@@ -5,7 +5,7 @@ template, and every tensor under llama.cpp's name in f32 (the exact
 weights, to compare runtimes on the same numbers), f16, bf16 or q8_0.
 
 Each family is written as the llama.cpp architecture its converter makes of it (`ARCHES`):
-llama, mistral and mixtral as `llama`; qwen2, qwen3, gemma2, gemma3, phi3, qwen2_moe
+llama, mistral and mixtral as `llama`; qwen2, qwen3, gemma2, gemma3, gemma4, phi3, qwen2_moe
 (`qwen2moe`), qwen3_moe (`qwen3moe`), olmoe, olmo2 and glm4_moe (`glm4moe`) as themselves,
 olmo3 as `olmo2` with its window (Phi-3's projections stay fused: `attn_qkv`, and gate and up
 as one `ffn_up`; OLMo's norms after attention and the MLP are `post_attention_norm` and
@@ -18,7 +18,10 @@ layers) goes in as keys. Layout facts
 that matter: llama.cpp's `llama` RoPE rotates adjacent pairs (2i, 2i + 1) while HF
 checkpoints rotate halves (i, i + d/2), so for it q_proj and k_proj rows are permuted per
 head (`permute_rope_rows`), as llama.cpp's own converter does; the other architectures
-rotate halves (NEOX) and take the rows as they are. Gemma's norms are stored as 1 + w.
+rotate halves (NEOX) and take the rows as they are. Gemma's norms are stored as 1 + w (not
+Gemma 4's); Gemma 4's layer scalars are `layer_output_scale`, its two layer kinds' widths,
+KV heads and RoPE go in as the main and `_swa` keys, and its full layers' proportional RoPE
+as `rope_freqs` (1e30 for a frequency that does not turn).
 Llama-3 frequency scaling travels as `rope_freqs.weight`, the per-frequency divisors; YaRN as
 llama.cpp's keys (type, factor, original context, betas, and the attention factor it applies
 beside its own 1 + 0.1 ln(factor)); Phi-3's LongRoPE as `rope_factors_long` and
@@ -70,6 +73,8 @@ GLM4_MOE_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_nor
 SANDWICH_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
                   "pre_feedforward_layernorm": "ffn_norm",
                   "post_feedforward_layernorm": "post_ffw_norm"}
+# Gemma 4's: Gemma's four norms, and the scalar each layer's output is multiplied by
+GEMMA4_NAMES = {**SANDWICH_NAMES, "layer_scalar": "layer_output_scale"}
 # OLMo 2's: norms after attention and after the MLP, none before
 POST_NORM_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
                    "post_feedforward_layernorm": "post_ffw_norm"}
@@ -77,7 +82,7 @@ POST_NORM_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_no
 ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
           "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3", "mixtral": "llama",
           "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "qwen2_moe": "qwen2moe",
-          "glm4_moe": "glm4moe", "olmo2": "olmo2", "olmo3": "olmo2"}
+          "glm4_moe": "glm4moe", "olmo2": "olmo2", "olmo3": "olmo2", "gemma4_text": "gemma4"}
 # whether llama.cpp's graph for an architecture renormalizes the top-k expert weights (glm4moe
 # reads it from the file)
 EXPERT_WEIGHTS_NORM = {"llama": True, "qwen3moe": True, "olmoe": False, "qwen2moe": False}
@@ -112,7 +117,8 @@ def gguf_tensors(state: dict[str, Tensor], config: ModelConfig) -> dict[str, np.
     the `llama` architecture, Gemma's norms as 1 + w, Phi-3's projections fused."""
     out = {}
     permute = ARCHES[config.family] == "llama"
-    names = SANDWICH_NAMES if config.sandwich_norms else POST_NORM_NAMES if config.post_norms \
+    names = GEMMA4_NAMES if config.layer_scalar else SANDWICH_NAMES if config.sandwich_norms \
+        else POST_NORM_NAMES if config.post_norms \
         else GLM4_MOE_NAMES if config.family == "glm4_moe" else LAYER_NAMES
     for name, tensor in _split_gate_up(join_fused(state, config)).items():
         if name == "lm_head.weight" and config.tie_embeddings:
@@ -126,13 +132,38 @@ def gguf_tensors(state: dict[str, Tensor], config: ModelConfig) -> dict[str, np.
             tensor = tensor + 1
         out[gguf_tensor_name(name, names)] = tensor.numpy()
     scaling = config.rope_scaling
-    if scaling is not None and scaling.rope_type == "longrope":
+    if config.family == "gemma4_text":  # llama.cpp's gemma4 reads its full layers' turning
+        # frequencies from it (1) and the ones that do not turn (proportional RoPE) as 1e30
+        turning = (rope_inv_freq(dataclasses.replace(config, head_dim=config.global_shape[1]))
+                   > 0).numpy()
+        out["rope_freqs.weight"] = np.where(turning, 1.0, 1e30).astype(np.float32)
+    elif scaling is not None and scaling.rope_type == "longrope":
         out["rope_factors_long.weight"] = np.asarray(scaling.long_factor, dtype=np.float32)
         out["rope_factors_short.weight"] = np.asarray(scaling.short_factor, dtype=np.float32)
     elif scaling is not None and scaling.rope_type != "yarn":
         plain = dataclasses.replace(config, rope_scaling=None)
         out["rope_freqs.weight"] = (rope_inv_freq(plain) / rope_inv_freq(config)).numpy()
     return out
+
+
+def _write_gemma4_layers(writer: gguf.GGUFWriter, config: ModelConfig) -> None:
+    """Gemma 4's two kinds of layer as llama.cpp's converter writes them: which slide, the
+    full ones' head width and KV heads as the main keys and the sliding ones' as `_swa`,
+    each kind's RoPE base and turned width (the full ones' share that does not turn is in
+    `rope_freqs`), and no per-layer embeddings or shared KV."""
+    kv_heads, width = config.global_shape
+    writer.add_sliding_window_pattern([config.window(i) is not None
+                                       for i in range(config.n_layers)])
+    writer.add_key_length(width)
+    writer.add_value_length(width)
+    writer.add_key_length_swa(config.head_dim)
+    writer.add_value_length_swa(config.head_dim)
+    writer.add_head_count_kv([config.attention_shape(i)[0] for i in range(config.n_layers)])
+    writer.add_rope_dimension_count(width)
+    writer.add_rope_dimension_count_swa(config.rotary_dim)
+    writer.add_rope_freq_base_swa(config.rope_local_theta)
+    writer.add_shared_kv_layers(0)
+    writer.add_embedding_length_per_layer_input(0)
 
 
 def _split_gate_up(state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -165,6 +196,8 @@ def unwritable(config: ModelConfig) -> str | None:
         and "llama.cpp's YaRN rounds its ramp's ends (truncate=true), not this one's",
         scaling is not None and scaling.rope_type == "linear" and arch == "llama"
         and "linear RoPE scaling of a llama model is not written to GGUF yet",
+        scaling is not None and arch == "gemma4"
+        and "RoPE scaling of Gemma 4's full layers is not written to GGUF yet",
         arch == "llama" and config.qkv_bias and "llama.cpp's llama has no attention biases",
         arch in ("llama", "phi3") and window
         and f"llama.cpp's {arch} attends in full, not in a window",
@@ -235,10 +268,13 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f16") -> 
     writer.add_block_count(config.n_layers)
     writer.add_feed_forward_length(config.ffn_hidden_dim)
     writer.add_head_count(config.n_heads)
-    writer.add_head_count_kv(config.n_kv_heads)
-    writer.add_rope_dimension_count(config.rotary_dim)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
+    if config.family == "gemma4_text":
+        _write_gemma4_layers(writer, config)
+    else:
+        writer.add_head_count_kv(config.n_kv_heads)
+        writer.add_rope_dimension_count(config.rotary_dim)
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
     writer.add_rope_freq_base(config.rope_theta)
     scaling = config.rope_scaling
     if scaling is not None and scaling.rope_type == "linear":

@@ -14,6 +14,9 @@ Two shapes of `tokenizer.json` are written, as llama.cpp's own converter writes 
   first merge that makes it) and token types (byte pieces BYTE), with `add_space_prefix`
   when the tokenizer prepends "▁".
 
+Gemma 4's tool-call, reasoning and string-quote markers are special tokens that its files
+type user-defined, as its converter does, so that llama.cpp shows them in text.
+
 End ids: llama.cpp stops on `eos`, `eot` and `eom` (and on a few pieces it knows by name),
 so a `generation_config.json` list of up to three ends goes there, the tokenizer's
 `eos_token` as `eos`.
@@ -44,6 +47,10 @@ PRE_TOKENIZERS = {LLAMA3_REGEX: "llama-bpe", QWEN2_REGEX: "qwen2", TEKKEN_REGEX:
                   GPT2: "gpt-2", SMOLLM: "smollm"}
 # families whose llama.cpp name for the Llama-3 regex is their own (it also drops the BOS)
 FAMILY_PRE = {"glm4_moe": {"llama-bpe": "glm4"}}
+# special tokens a family's llama.cpp files show in text (user-defined, not control), as its
+# converter writes them, so that llama-server's chat parser reads the calls and reasoning
+VISIBLE = {"gemma4_text": {"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>",
+                           "<|tool_response>", "<tool_response|>", '<|"|>'}}
 BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 END_KINDS = ("eos", "eot", "eom")  # the end ids a GGUF file can name
 
@@ -100,6 +107,10 @@ def gguf_vocabulary(checkpoint: Path, vocab_size: int, family: str) -> GGUFVocab
         vocabulary.merges = merges
         pre = _pre_tokenizer_name(data, checkpoint)
         vocabulary.pre = FAMILY_PRE.get(family, {}).get(pre, pre)
+    shown = VISIBLE.get(family, set())
+    vocabulary.token_types = [int(gguf.TokenType.USER_DEFINED) if piece in shown else kind
+                              for piece, kind in zip(pieces, vocabulary.token_types,
+                                                     strict=True)]
     vocabulary.special_ids = _special_ids(checkpoint, pieces, tokenizer_config, spm)
     vocabulary.add_bos = tokenizer_config.get("add_bos_token") is True
     return vocabulary

@@ -222,10 +222,10 @@ def test_pre_tokenizer_names_follow_the_digit_grouping(tmp_path):
         gguf_vocabulary(tmp_path / "2", 300, "llama")
 
 
-def exported_with(tokenizer_folder, tmp_path, generation: dict):
-    """A tiny model with `tokenizer_folder`'s tokenizer and `generation` as its
-    generation_config.json, exported to GGUF (f32)."""
-    folder = save_checkpoint(tiny_model(vocab_size=512), tmp_path / "ck",
+def exported_with(tokenizer_folder, tmp_path, generation: dict, **model):
+    """A tiny model (`model`: its config's overrides) with `tokenizer_folder`'s tokenizer
+    and `generation` as its generation_config.json, exported to GGUF (f32)."""
+    folder = save_checkpoint(tiny_model(vocab_size=512, **model), tmp_path / "ck",
                              tokenizer=tokenizer_folder)
     (folder / "generation_config.json").write_text(json.dumps(generation))
     return folder, export_gguf(folder, tmp_path / "m.gguf", dtype="f32")
@@ -254,6 +254,29 @@ def test_a_sentencepiece_vocabulary_is_written_as_llamas_with_scores_bytes_and_e
     assert (fields["tokenizer.ggml.bos_token_id"], fields["tokenizer.ggml.eos_token_id"],
             fields["tokenizer.ggml.eot_token_id"], fields["tokenizer.ggml.unknown_token_id"]
             ) == (1, 2, turn_end, 0)
+
+
+def test_gemma4s_markers_read_as_tokens_and_show_in_llama_cpps_text(tmp_path):
+    """Gemma 4's turn, tool-call, quote and channel markers are special tokens: llama.cpp
+    parses a rendered call's markers into HF's ids, and shows the ones its chat parser reads
+    (calls, quotes, the thought channel) in the text of generated ids, as HF does with
+    special tokens kept; the turn's end stays hidden, and ends generation."""
+    from tokenizers import Tokenizer
+    tok = build_sentencepiece_tokenizer(tmp_path / "tok", end_of_turn="<turn|>", prepend=False)
+    hf = Tokenizer.from_file(str(tok / "tokenizer.json"))
+    hf.add_special_tokens(["<|turn>", "<|tool_call>", "<tool_call|>", '<|"|>', "<|channel>",
+                           "<channel|>", "<|tool_response>"])
+    hf.save(str(tok / "tokenizer.json"))
+    end = hf.token_to_id("<turn|>")
+    _, out = exported_with(tok, tmp_path, {"eos_token_id": [end]}, family="gemma4_text",
+                           n_layers=2)
+    reference = llama_cpp_runtime.LlamaCpp(out)
+    reply = '<|channel>thought\nadd<channel|><|tool_call>call:add{a:2,s:<|"|>hi<|"|>}<tool_call|>'
+    assert reference.tokenize(reply, special=True) == hf.encode(reply).ids  # after a BOS
+    ids = hf.encode(reply, add_special_tokens=False).ids
+    assert reference.detokenize(ids) == hf.decode(ids, skip_special_tokens=False) == reply
+    turn = hf.encode("<|turn>model\nok<turn|>", add_special_tokens=False).ids
+    assert reference.detokenize(turn) == "model\nok" and reference.is_end(end)
 
 
 def test_a_qwen_vocabulary_names_qwens_pre_tokenizer_and_every_end_id(tmp_path):
