@@ -66,11 +66,12 @@ parallel_probe_cpu = opaque_op("parallel_probe_cpu", "(Tensor items) -> Tensor",
 
 # the vector ISA torch's own CPU kernels were dispatched to on this machine, as compiler
 # flags and the macros that pick ATen's `Vectorized` for it (as inductor's C++ kernels are
-# built); -ffast-math lets the loops vectorize and `expf` become libmvec's vector exp
+# built; AVX2's with F16C, which ATen's half-precision loads use, as AVX-512 implies it);
+# -ffast-math lets the loops vectorize and `expf` become libmvec's vector exp
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma",
                "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
-    "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
 }
 
 BUILD_WAIT_SECONDS = 600.0  # how long a start waits for another process's build
