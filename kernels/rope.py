@@ -23,16 +23,18 @@ def rotate_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
 
 
-def rope_reference(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    return rotate_reference(q, cos, sin), rotate_reference(k, cos, sin)
+def rope_reference(q: Tensor, k: Tensor | None, cos: Tensor,
+                   sin: Tensor) -> tuple[Tensor, Tensor | None]:
+    return rotate_reference(q, cos, sin), None if k is None else rotate_reference(k, cos, sin)
 
 
-def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+def rope(q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor | None]:
     """Rotate (B, H, T, D) q and (B, H_kv, T, D) k by (B, T, D) cos/sin (Triton on CUDA,
-    native float32 inference on CPU, the reference elsewhere)."""
+    native float32 inference on CPU, the reference elsewhere). `k` None rotates q alone (a
+    layer attending over another's keys) and returns None for it."""
     if use_triton("rope", q):
         from lathe.kernels.rope_triton import rope_triton
         return rope_triton(q, k, cos, sin)
-    if use_native_cpu("rope", q, k, cos, sin):
-        return rope_cpu(q, cos, sin), rope_cpu(k, cos, sin)
+    if use_native_cpu("rope", q, *(() if k is None else (k,)), cos, sin):
+        return rope_cpu(q, cos, sin), None if k is None else rope_cpu(k, cos, sin)
     return rope_reference(q, k, cos, sin)

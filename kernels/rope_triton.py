@@ -44,16 +44,19 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, sign: int) -> Tensor:
 
 class _RoPE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(ctx, q: Tensor, k: Tensor | None, cos: Tensor,
+                sin: Tensor) -> tuple[Tensor, Tensor | None]:
         cos, sin = cos.contiguous(), sin.contiguous()
         ctx.save_for_backward(cos, sin)
-        return _rotate(q, cos, sin, 1), _rotate(k, cos, sin, 1)
+        return _rotate(q, cos, sin, 1), None if k is None else _rotate(k, cos, sin, 1)
 
     @staticmethod
-    def backward(ctx, dq: Tensor, dk: Tensor) -> tuple[Tensor, Tensor, None, None]:
+    def backward(ctx, dq: Tensor, dk: Tensor | None) -> tuple[Tensor, Tensor | None, None, None]:
         cos, sin = ctx.saved_tensors
-        return _rotate(dq, cos, sin, -1), _rotate(dk, cos, sin, -1), None, None
+        return (_rotate(dq, cos, sin, -1), None if dk is None else _rotate(dk, cos, sin, -1),
+                None, None)
 
 
-def rope_triton(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+def rope_triton(q: Tensor, k: Tensor | None, cos: Tensor,
+                sin: Tensor) -> tuple[Tensor, Tensor | None]:
     return _RoPE.apply(q, k, cos.expand(q.shape[0], -1, -1), sin.expand(q.shape[0], -1, -1))

@@ -39,6 +39,7 @@ from lathe.core.checkpoint_files import (
 from lathe.core.errors import CheckpointError, ConfigError
 from lathe.model.config import ModelConfig
 from lathe.model.families import (
+    drop_shared_kv,
     join_fused,
     language_model_config,
     language_model_weights,
@@ -261,8 +262,8 @@ def lathe_layout(state: dict[str, torch.Tensor], config: ModelConfig,
     experts stacked. Every step moves whole rows, so it also maps tensors that hold a
     per-row quantity of each weight (`per_row`: quantization scales, whose columns are
     groups of the weight's) — only their rows are checked."""
-    return stack_experts(split_fused(language_model_weights(state), config), config,
-                         per_row=per_row)
+    state = drop_shared_kv(language_model_weights(state), config)
+    return stack_experts(split_fused(state, config), config, per_row=per_row)
 
 
 def _build(config: ModelConfig, state: dict[str, torch.Tensor], path: Path,

@@ -131,6 +131,11 @@ class ModelConfig:
     first share of each half-head's frequencies, computed over the whole head width, the rest
     not turning); `v_norm` normalizes each head of v (an RMSNorm without weight), and
     `layer_scalar` multiplies each layer's output by a stored scalar (a buffer, not trained).
+    Gemma 4 E2B and E4B: `per_layer_dim` > 0 gives each layer an input of its own (per-layer
+    embeddings: a token's row of a (vocab, n_layers · per_layer_dim) table plus a projection
+    of its embedding, gating a residual branch after the MLP); the last `kv_shared_layers`
+    layers compute no keys or values but attend over those of the last earlier layer of their
+    kind (`kv_source`), whose MLPs are twice as wide when `double_wide_shared_mlp`.
     `num_labels` > 0 makes the model a sequence classifier (a reward model: HF's
     `…ForSequenceClassification`): a `score` head of that many outputs in place of the LM
     head, read at each sequence's last token.
@@ -189,6 +194,9 @@ class ModelConfig:
     rope_proportion: float | None = None
     v_norm: bool = False
     layer_scalar: bool = False
+    per_layer_dim: int = 0
+    kv_shared_layers: int = 0
+    double_wide_shared_mlp: bool = False
     num_labels: int = 0
 
     def __post_init__(self) -> None:
@@ -226,6 +234,7 @@ class ModelConfig:
             )
         self._validate_rest()
         self._validate_global_layers()
+        self._validate_shared_layers()
         self._validate_experts()
         self._validate_sigmoid_router()
 
@@ -360,6 +369,47 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig.rope_proportion={proportion!r} must be in (0, 1] and "
                               "turn at least one pair of channels of a full-attention head")
 
+    def _validate_shared_layers(self) -> None:
+        takes = FAMILIES[self.family].takes
+        for name in ("per_layer_dim", "kv_shared_layers", "double_wide_shared_mlp"):
+            value = getattr(self, name)
+            if value and name not in takes:
+                raise ConfigError(f"ModelConfig.{name}={value!r}: family={self.family!r} has no "
+                                  "such setting (Gemma 4's; drop it or choose gemma4_text)")
+            if name != "double_wide_shared_mlp" and (
+                    not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ConfigError(f"ModelConfig.{name}={value!r} must be an integer >= 0 "
+                                  "(0: none)")
+        shared = self.kv_shared_layers
+        if shared >= self.n_layers:
+            raise ConfigError(f"ModelConfig.kv_shared_layers={shared}: at least one of the "
+                              f"{self.n_layers} layers must compute the keys and values the "
+                              "shared ones attend over")
+        types, first = self.layer_types, self.n_layers - shared
+        if types is not None and not set(types[first:]) <= set(types[:first]):
+            raise ConfigError(f"ModelConfig.kv_shared_layers={shared}: the shared layers' kinds "
+                              f"{sorted(set(types[first:]))} must each have an earlier layer of that kind to "
+                              "share keys and values with; share fewer layers")
+        if self.double_wide_shared_mlp and not shared:
+            raise ConfigError("ModelConfig.double_wide_shared_mlp widens the KV-sharing layers' "
+                              "MLPs: it needs kv_shared_layers > 0")
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose keys and values layer `layer` attends over: itself, or for a
+        KV-sharing layer the last layer before the shared ones of its kind (sliding, full)."""
+        first = self.n_layers - self.kv_shared_layers
+        if layer < first:
+            return layer
+        if self.layer_types is None:
+            return first - 1
+        kind = self.layer_types[layer]
+        return max(i for i in range(first) if self.layer_types[i] == kind)
+
+    def ffn_width(self, layer: int) -> int:
+        """Layer `layer`'s dense MLP width (a KV-sharing layer's doubled when so set)."""
+        doubled = self.double_wide_shared_mlp and layer >= self.n_layers - self.kv_shared_layers
+        return self.ffn_hidden_dim * (2 if doubled else 1)
+
     @property
     def global_shape(self) -> tuple[int, int]:
         """(KV heads, head width) of the full-attention layers."""
@@ -380,9 +430,10 @@ class ModelConfig:
         return self.global_k_is_v and self.layer_types is not None and self.is_global(layer)
 
     def kv_channels(self) -> int:
-        """The K (or V) values one token leaves in a KV cache, all layers together."""
+        """The K (or V) values one token leaves in a KV cache, all layers together (a
+        KV-sharing layer leaves none of its own)."""
         return sum(count * math.prod(self.attention_shape(layer))
-                   for count, layer in self._attention_kinds())
+                   for count, layer in self._attention_kinds() if self.kv_source(layer) == layer)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is a mixture of experts."""
@@ -550,15 +601,19 @@ class ModelConfig:
         """
         norms = 4 if self.sandwich_norms else 2
         kv_dim = self.n_kv_heads * self.head_dim
-        head_norms = self.qk_norm * sum(
-            count * 2 * self.attention_shape(layer)[1] for count, layer in self._attention_kinds())
+        head_norms = self.qk_norm * sum(  # q's norm, and k's where the layer computes k
+            count * (1 + (self.kv_source(layer) == layer)) * self.attention_shape(layer)[1]
+            for count, layer in self._attention_kinds())
         per_layer = (norms * self.dim  # the RMSNorm weights
-                     + (self.q_dim + kv_dim) * self.qk_norm_projection)
-        body = self._linear_params() + self.n_layers * per_layer + head_norms + self.dim
+                     + (self.q_dim + kv_dim) * self.qk_norm_projection
+                     + (self.dim if self.per_layer_dim else 0))  # the per-layer input's norm
+        body = self._linear_params() + self.n_layers * per_layer + head_norms + self.dim \
+            + self.per_layer_dim  # the per-layer inputs' projection norm
+        per_layer_table = self.vocab_size * self.n_layers * self.per_layer_dim
         if not include_embeddings:
             return body
         embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
-        return body + embeddings
+        return body + embeddings + per_layer_table
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token (forward + backward), for MFU.
@@ -583,11 +638,16 @@ class ModelConfig:
         for count, layer in self._attention_kinds():
             kv_heads, width = self.attention_shape(layer)
             q_dim, kv_dims = self.n_heads * width, kv_heads * width * (1 + (not self.k_is_v(layer)))
+            if self.kv_source(layer) != layer:  # a KV-sharing layer projects no k or v
+                kv_dims = 0
             attention += count * (2 * self.dim * q_dim + self.dim * kv_dims + self.dim * self.o_bias
                                   + (q_dim + kv_dims) * self.qkv_bias)
+        # per-layer inputs: the model's projection to them, each layer's gate and projection
+        attention += 3 * self.n_layers * self.dim * self.per_layer_dim
         moe_layers = 0 if self.n_experts is None else (
             self.n_layers if self.moe_layers is None else sum(self.moe_layers))
-        dense = (self.n_layers - moe_layers) * 3 * self.dim * self.ffn_hidden_dim
+        doubled = self.kv_shared_layers if self.double_wide_shared_mlp else 0
+        dense = (self.n_layers - moe_layers + doubled) * 3 * self.dim * self.ffn_hidden_dim
         if not moe_layers:
             return attention + dense
         experts = self.n_experts_per_token if active else self.n_experts
@@ -597,13 +657,19 @@ class ModelConfig:
         return attention + dense + moe_layers * moe
 
     def _attention_kinds(self) -> list[tuple[int, int]]:
-        """(how many layers, one of them) for each kind of attention layer (sliding, full):
-        counted by kind, not layer by layer, as `_linear_params` counts."""
-        if self.layer_types is None:
-            return [(self.n_layers, 0)]
-        kinds = {kind: (self.layer_types.count(kind), self.layer_types.index(kind))
-                 for kind in LAYER_TYPES if kind in self.layer_types}
-        return list(kinds.values())
+        """(how many layers, one of them) for each kind of attention layer (sliding, full;
+        computing its keys and values or sharing another's): counted by kind, not layer by
+        layer, as `_linear_params` counts."""
+        first_shared = self.n_layers - self.kv_shared_layers
+        kinds = []
+        for start, end in ((0, first_shared), (first_shared, self.n_layers)):
+            if self.layer_types is None:
+                kinds += [(end - start, start)] if end > start else []
+                continue
+            span = self.layer_types[start:end]
+            kinds += [(span.count(kind), start + span.index(kind))
+                      for kind in LAYER_TYPES if kind in span]
+        return kinds
 
     def require_language_model(self, what: str) -> None:
         """Refuse a sequence classifier (a reward model) where `what` needs next-token logits."""

@@ -42,9 +42,11 @@ times √dim; from config.json, soft-capped scores and logits, `query_pre_attn_s
 Gemma 4's full-attention layers have heads of their own width (`global_head_dim`), their
 own KV heads (`num_global_key_value_heads`) whose values are their keys' projection
 (`attention_k_eq_v`), and "proportional" RoPE; its scores are unscaled (q and k normed), each
-head of v normed without weight, each layer's output times its stored `layer_scalar`. Its
-per-layer embeddings, KV-sharing layers (E2B, E4B) and experts beside the MLP (26B-A4B) are
-refused by name.
+head of v normed without weight, each layer's output times its stored `layer_scalar`. E2B and
+E4B add per-layer embeddings (`hidden_size_per_layer_input`) and last layers that share an
+earlier layer's keys and values (`num_kv_shared_layers`, their MLPs doubled with
+`use_double_wide_mlp`): a checkpoint's k/v weights of those layers, which transformers ignores,
+are left out (`drop_shared_kv`). The experts beside the MLP (26B-A4B) are refused by name.
 
 Sliding windows: Mistral's `sliding_window` covers every layer; Qwen2/3's and SmolLM3's
 (`use_sliding_window`) cover the layers `layer_types` marks, by default those from
@@ -267,15 +269,18 @@ def _gemma4_read(hf: dict[str, Any]) -> dict[str, Any]:
     """Gemma 4's full-attention layers (their head width and KV heads: config.json's
     `global_head_dim` and `num_global_key_value_heads`, or a newer transformers'
     `per_layer_config`; keys as values; proportional RoPE), the sliding layers' RoPE base, and
-    the parts of Gemma 4 lathe does not build, refused by name."""
-    refused = {"hidden_size_per_layer_input": (256, "per-layer embeddings (Gemma 4 E2B, E4B)"),
-               "num_kv_shared_layers": (0, "layers reusing another's KV cache (E2B, E4B)"),
-               "enable_moe_block": (False, "the experts beside each MLP (26B-A4B)")}
-    for key, (default, what) in refused.items():
-        if hf.get(key, default):
-            raise ConfigError(f"config.json: {key}={hf.get(key, default)!r} is not supported: "
-                              f"lathe does not build Gemma 4's {what}; it loads the dense "
-                              "Gemma 4 (31B) shape")
+    E2B's and E4B's per-layer inputs and KV-sharing layers, and the part of Gemma 4 lathe does
+    not build (26B-A4B's experts), refused by name."""
+    if hf.get("enable_moe_block", False):
+        raise ConfigError(f"config.json: enable_moe_block={hf['enable_moe_block']!r} is not "
+                          "supported: lathe does not build Gemma 4's experts beside each MLP "
+                          "(26B-A4B); it loads the dense shapes (31B, E4B, E2B)")
+    per_layer_dim = hf.get("hidden_size_per_layer_input", 256) or 0  # the class's default
+    per_layer_vocab = hf.get("vocab_size_per_layer_input", 262_144)
+    if per_layer_dim and per_layer_vocab != hf.get("vocab_size"):
+        raise ConfigError(f"config.json: vocab_size_per_layer_input={per_layer_vocab!r} is not "
+                          f"supported: lathe's per-layer table has a row for each of the "
+                          f"vocab_size={hf.get('vocab_size')!r} tokens (as Gemma 4's own)")
     k_is_v = bool(hf.get("attention_k_eq_v", False))
     layer_types = _gemma4_window(hf)[1]
     full = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
@@ -302,6 +307,8 @@ def _gemma4_read(hf: dict[str, Any]) -> dict[str, Any]:
     return {"global_head_dim": head_dim, "global_n_kv_heads": kv_heads, "global_k_is_v": k_is_v,
             "rope_proportion": float(rope.get("partial_rotary_factor", 1.0))
             if proportional else None, "query_pre_attn_scalar": 1.0,
+            "per_layer_dim": per_layer_dim, "kv_shared_layers": hf.get("num_kv_shared_layers", 0),
+            "double_wide_shared_mlp": bool(hf.get("use_double_wide_mlp", False)),
             **_sliding_rope_read(10000.0)(hf)}
 
 
@@ -318,8 +325,9 @@ def _gemma4_extra(c: Any) -> dict[str, Any]:
                 "rope_type": "default", "rope_theta": c.rope_local_theta}},
             "global_head_dim": c.global_shape[1], "num_global_key_value_heads":
             c.global_n_kv_heads, "attention_k_eq_v": c.global_k_is_v,
-            "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0,
-            "enable_moe_block": False, "use_double_wide_mlp": False,
+            "hidden_size_per_layer_input": c.per_layer_dim,
+            "vocab_size_per_layer_input": c.vocab_size, "num_kv_shared_layers": c.kv_shared_layers,
+            "enable_moe_block": False, "use_double_wide_mlp": c.double_wide_shared_mlp,
             "use_bidirectional_attention": None}
 
 
@@ -342,7 +350,8 @@ GEMMA = {"norm_unit_offset": True, "sandwich_norms": True, "embed_scale": True}
 GEMMA4 = {"sandwich_norms": True, "embed_scale": True, "qk_norm": True, "v_norm": True,
           "layer_scalar": True, "query_pre_attn_scalar": 1.0}
 GEMMA4_FIELDS = ("query_pre_attn_scalar", "final_softcap", "rope_local_theta", "global_head_dim",
-                 "global_n_kv_heads", "global_k_is_v", "rope_proportion")
+                 "global_n_kv_heads", "global_k_is_v", "rope_proportion", "per_layer_dim",
+                 "kv_shared_layers", "double_wide_shared_mlp")
 OLMO2 = {"qk_norm_projection": True, "post_norms": True}
 GEMMA_FIELDS = ("query_pre_attn_scalar", "attn_softcap", "final_softcap")
 
@@ -635,6 +644,19 @@ def _parts(config: Any, fused: str) -> list[int]:
     """The output widths of the projections `fused` stacks."""
     kv = config.n_kv_heads * config.head_dim
     return [config.q_dim, kv, kv] if fused.endswith("qkv_proj") else [config.ffn_hidden_dim] * 2
+
+
+SHARED_KV_PARTS = ("k_proj.", "v_proj.", "k_norm.", "v_norm.")
+
+
+def drop_shared_kv(state: dict[str, Any], config: Any) -> dict[str, Any]:
+    """`state` without the key and value weights of the layers that share another's (Gemma 4
+    E2B, E4B): a checkpoint may hold them, and transformers ignores them as lathe does."""
+    if not config.kv_shared_layers:
+        return state
+    dropped = tuple(f"model.layers.{i}.self_attn.{part}" for part in SHARED_KV_PARTS
+                    for i in range(config.n_layers - config.kv_shared_layers, config.n_layers))
+    return {name: tensor for name, tensor in state.items() if not name.startswith(dropped)}
 
 
 def split_fused(state: dict[str, Any], config: Any) -> dict[str, Any]:

@@ -12,6 +12,7 @@ one row.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -27,28 +28,32 @@ class KVCache(Protocol):
         positions (for RoPE)."""
         ...
 
-    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor,
+    def attend(self, layer_idx: int, q: Tensor, k: Tensor | None, v: Tensor | None,
                variant: AttentionVariant = PLAIN) -> Tensor:
         """Store this layer's new (B, n_kv_heads, T, head_dim) keys and values and return
         the causal attention of the (B, n_heads, T, head_dim) queries over every cached
         and new key of their own sequence they may see (the layer's `variant`: a sliding
-        window, ...), shaped like `q`."""
+        window, ...), shaped like `q`. `k` and `v` None: attend over what layer
+        `layer_idx` stored in this forward, storing nothing (a layer sharing its keys and
+        values, as Gemma 4's last layers do)."""
         ...
 
 
 class ContiguousKVCache:
     """One preallocated (B, n_kv_heads, max_len, head_dim) buffer per layer and for K and V
-    (each layer's own KV heads and head width: Gemma 4's full layers have theirs).
+    (each layer's own KV heads and head width: Gemma 4's full layers have theirs; a layer
+    sharing another's keys and values has that layer's buffers).
 
     All rows of the batch share one length: slot i holds the token at position i.
     """
 
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int,
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float32):
-        shapes = [(batch_size, kv_heads, max_len, width) for kv_heads, width in
-                  map(config.attention_shape, range(config.n_layers))]
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for shape in shapes]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for shape in shapes]
+        def buffer(layer: int) -> Tensor:
+            kv_heads, width = config.attention_shape(layer)
+            return torch.zeros(batch_size, kv_heads, max_len, width, device=device, dtype=dtype)
+
+        self.k, self.v = per_layer_buffers(config, buffer)
         self.batch_size, self.dtype = batch_size, dtype
         self.max_len = max_len
         self.length = 0
@@ -76,7 +81,21 @@ class ContiguousKVCache:
         cache of one dtype serves activations of another, e.g. under bf16 autocast."""
         start, end = self._start, self.length
         keys, values = self.k[layer_idx], self.v[layer_idx]
-        keys[:, :, start:end] = k
-        values[:, :, start:end] = v
+        if k is not None:
+            keys[:, :, start:end] = k
+            values[:, :, start:end] = v
         out = causal_attention(q.to(self.dtype), keys[:, :, :end], values[:, :, :end], variant)
         return out.to(q.dtype)
+
+
+def per_layer_buffers(config: ModelConfig, make: Callable[[int], Tensor]
+                      ) -> tuple[list[Tensor], list[Tensor]]:
+    """Each layer's K and V buffers, `make(layer)` each: a layer that shares another's keys
+    and values (`ModelConfig.kv_source`) is given that layer's buffers, not its own."""
+    keys: list[Tensor] = []
+    values: list[Tensor] = []
+    for layer in range(config.n_layers):
+        source = config.kv_source(layer)
+        keys.append(make(layer) if source == layer else keys[source])
+        values.append(make(layer) if source == layer else values[source])
+    return keys, values

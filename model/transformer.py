@@ -271,10 +271,17 @@ class Attention(nn.Module):
         self.n_heads = config.n_heads
         self.n_kv_heads, self.head_dim = config.attention_shape(layer_idx)
         q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        # Gemma 4 E2B/E4B: a KV-sharing layer attends over an earlier layer's keys and values
+        self.kv_source = config.kv_source(layer_idx)
+        self.shares_kv = self.kv_source != layer_idx
+        # while a dict (the forward without a KV cache sets it), a layer others share with
+        # stores its keys and values in it; an attribute, as `MoE.sink` is, for the same reasons
+        self.kv_sink: dict[int, tuple[Tensor, Tensor]] | None = None
         self.q_proj = nn.Linear(config.dim, q_dim, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(config.dim, kv_dim, bias=config.qkv_bias)
+        self.k_proj = None if self.shares_kv else nn.Linear(config.dim, kv_dim,
+                                                            bias=config.qkv_bias)
         # Gemma 4's full layers: the values are the keys' projection (before k's norm, RoPE)
-        self.v_proj = None if config.k_is_v(layer_idx) else nn.Linear(
+        self.v_proj = None if config.k_is_v(layer_idx) or self.shares_kv else nn.Linear(
             config.dim, kv_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_dim, config.dim, bias=config.o_bias)
         # Qwen3, Gemma 3: each head of q and k normalized on its own, before RoPE; OLMoE:
@@ -286,8 +293,8 @@ class Attention(nn.Module):
                   else (q_dim, kv_dim) if config.qk_norm_projection else None)
         self.q_norm = None if widths is None else RMSNorm(widths[0], config.norm_eps,
                                                           config.norm_unit_offset)
-        self.k_norm = None if widths is None else RMSNorm(widths[1], config.norm_eps,
-                                                          config.norm_unit_offset)
+        self.k_norm = None if widths is None or self.shares_kv else RMSNorm(
+            widths[1], config.norm_eps, config.norm_unit_offset)
         self.clip_qkv = config.clip_qkv
         self.rotates = config.no_rope_layers is None or bool(config.no_rope_layers[layer_idx])
         window = config.window(layer_idx)
@@ -301,7 +308,11 @@ class Attention(nn.Module):
             scale=None if scalar is None else scalar ** -0.5, softcap=config.attn_softcap)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache | None,
-                starts: Tensor | None = None) -> Tensor:
+                starts: Tensor | None = None,
+                shared_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """`shared_kv`: a KV-sharing layer's source keys and values, without a KV cache."""
+        if self.shares_kv:
+            return self._attend_shared(x, cos, sin, kv_cache, starts, shared_kv)
         batch, seq, _ = x.shape
         q, k = self.q_proj(x), self.k_proj(x)
         v = k if self.v_proj is None else self.v_proj(x)
@@ -318,17 +329,43 @@ class Attention(nn.Module):
         if self.norm_eps is not None:
             v = F.rms_norm(v.float(), (self.head_dim,), eps=self.norm_eps).to(v.dtype)
         v = v.transpose(1, 2)
-        if self.rotates and self.rotary_dim == self.head_dim:
-            q, k = rope(q, k, cos, sin)
-        elif self.rotates:  # Phi-3's partial rotary: the first rotary_dim channels turn
-            turned_q, turned_k = rope(q[..., :self.rotary_dim], k[..., :self.rotary_dim],
-                                      cos, sin)
-            q = torch.cat((turned_q, q[..., self.rotary_dim:]), dim=-1)
-            k = torch.cat((turned_k, k[..., self.rotary_dim:]), dim=-1)
+        q, k = self._rotate(q, k, cos, sin)
         if kv_cache is not None:
             out = kv_cache.attend(self.layer_idx, q, k, v, self.variant)
         else:
+            if self.kv_sink is not None:
+                self.kv_sink[self.layer_idx] = k, v
             out = causal_attention(q, k, v, self.variant, starts)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+    def _rotate(self, q: Tensor, k: Tensor | None, cos: Tensor,
+                sin: Tensor) -> tuple[Tensor, Tensor | None]:
+        """q and k (None: q alone) turned by RoPE, where this layer turns them."""
+        if not self.rotates:
+            return q, k
+        if self.rotary_dim == self.head_dim:
+            return rope(q, k, cos, sin)
+        turned_q, turned_k = rope(q[..., :self.rotary_dim],  # Phi-3's: the first channels
+                                  None if k is None else k[..., :self.rotary_dim], cos, sin)
+        return (torch.cat((turned_q, q[..., self.rotary_dim:]), dim=-1),
+                None if k is None else torch.cat((turned_k, k[..., self.rotary_dim:]), dim=-1))
+
+    def _attend_shared(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache | None,
+                       starts: Tensor | None, shared_kv: tuple[Tensor, Tensor] | None) -> Tensor:
+        """A KV-sharing layer: its queries over its source layer's keys and values (in the
+        cache, which it leaves as it is, or handed over)."""
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, self.n_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q).to(q.dtype)
+        q = self._rotate(q.transpose(1, 2), None, cos, sin)[0]
+        if kv_cache is not None:
+            out = kv_cache.attend(self.kv_source, q, None, None, self.variant)
+        elif shared_kv is None:
+            raise ValueError(f"layer {self.layer_idx} shares layer {self.kv_source}'s keys and "
+                             "values: pass them (shared_kv) or a KV cache")
+        else:
+            out = causal_attention(q, *shared_kv, self.variant, starts)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -499,17 +536,29 @@ class DecoderLayer(nn.Module):
         if config.sandwich_norms or config.post_norms:
             self.post_feedforward_layernorm = norm()
         self.sandwich = config.sandwich_norms
-        self.mlp = MoE(config) if config.is_moe_layer(layer_idx) else MLP(config)
+        self.mlp = MoE(config) if config.is_moe_layer(layer_idx) else MLP(
+            config, config.ffn_width(layer_idx))
+        self.per_layer_input = bool(config.per_layer_dim)
+        if self.per_layer_input:  # Gemma 4 E2B/E4B: a branch gated by the layer's own input
+            self.per_layer_input_gate = nn.Linear(config.dim, config.per_layer_dim, bias=False)
+            self.per_layer_projection = nn.Linear(config.per_layer_dim, config.dim, bias=False)
+            self.post_per_layer_input_norm = norm()
+            self.gelu = config.hidden_act == "gelu_pytorch_tanh"
         self.scaled = config.layer_scalar
         if self.scaled:  # Gemma 4: the layer's output times a stored scalar
             self.register_buffer("layer_scalar", torch.ones(1))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: KVCache | None,
-                starts: Tensor | None = None) -> Tensor:
+                starts: Tensor | None = None, per_layer_input: Tensor | None = None,
+                shared_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """`per_layer_input` (B, T, per_layer_dim): this layer's own input (Gemma 4's
+        per-layer embeddings); `shared_kv`: a KV-sharing layer's keys and values, without a
+        cache."""
         if self.post_only:
             x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, kv_cache, starts))
             return x + self.post_feedforward_layernorm(self.mlp(x))
-        attended = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, starts)
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, starts,
+                                  shared_kv)
         if not self.sandwich:
             norm = self.post_attention_layernorm
             normed, x = add_rms_norm(attended, x, norm.scale(), norm.eps)  # one pass: add + norm
@@ -518,6 +567,9 @@ class DecoderLayer(nn.Module):
         normed, x = add_rms_norm(self.post_attention_layernorm(attended), x, norm.scale(),
                                  norm.eps)
         x = x + self.post_feedforward_layernorm(self.mlp(normed))
+        if self.per_layer_input:
+            gate = gated(self.per_layer_input_gate(x), per_layer_input, self.gelu)
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gate))
         return x * self.layer_scalar if self.scaled else x
 
 
@@ -534,6 +586,13 @@ class Decoder(nn.Module):
             config.vocab_size, config.dim) if meta else None)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps, config.norm_unit_offset)
+        if config.per_layer_dim:  # Gemma 4 E2B/E4B: every layer's input, side by side
+            width = config.n_layers * config.per_layer_dim
+            self.embed_tokens_per_layer = nn.Embedding(config.vocab_size, width, _weight=(
+                torch.empty(config.vocab_size, width) if meta else None))
+            self.per_layer_model_projection = nn.Linear(config.dim, width, bias=False)
+            self.per_layer_projection_norm = RMSNorm(config.per_layer_dim, config.norm_eps,
+                                                     config.norm_unit_offset)
         # Gemma 4's full layers: heads of their own width, turned by a table as wide
         full_width = config.global_shape[1]
         self.rotary_emb = RotaryEmbedding(config if full_width == config.head_dim else
@@ -648,18 +707,30 @@ class Transformer(nn.Module):
         rotations = self.model.rotary_emb(positions, x.dtype)
         local = self.model.rotary_emb_local
         local_rotations = rotations if local is None else local(positions, x.dtype)
+        per_layer = self._per_layer_inputs(input_ids, x) if self.config.per_layer_dim else None
         routing: list[Routing] = []  # the MoE layers' routing, for the loss (with labels)
         experts = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)] \
             if labels is not None and self.config.n_experts else []
+        # without a cache, the layers others share keys and values with hand them over here
+        shared: dict[int, tuple[Tensor, Tensor]] = {}
+        sources = [self.model.layers[i].self_attn for i in
+                   {layer.self_attn.kv_source for layer in self.model.layers
+                    if layer.self_attn.shares_kv}] if kv_cache is None else []
         for moe in experts:
             moe.sink = routing
+        for attention in sources:
+            attention.kv_sink = shared
         try:
-            for layer in self.model.layers:
-                x = layer(x, *(local_rotations if layer.self_attn.local_rope else rotations),
-                          kv_cache, starts)
+            for i, layer in enumerate(self.model.layers):
+                attention = layer.self_attn
+                x = layer(x, *(local_rotations if attention.local_rope else rotations),
+                          kv_cache, starts, None if per_layer is None else per_layer[:, :, i],
+                          shared.get(attention.kv_source) if attention.shares_kv else None)
         finally:
             for moe in experts:
                 moe.sink = None
+            for attention in sources:
+                attention.kv_sink = None
         router = (router_stats(routing, self.config.n_experts_per_token,
                                balance_loss=not self.config.sigmoid_router)
                   if routing else None)
@@ -695,6 +766,18 @@ class Transformer(nn.Module):
             z = (torch.logsumexp(scored, -1).square() * valid).sum() / valid.sum().clamp(min=1)
             loss = loss + z_loss * z
         return CausalLMOutput(logits, self._with_router_losses(loss, router), router, z=z)
+
+    def _per_layer_inputs(self, input_ids: Tensor, embedded: Tensor) -> Tensor:
+        """Gemma 4's per-layer inputs (B, T, n_layers, per_layer_dim): the tokens' rows of
+        the per-layer table (times √per_layer_dim) and the normed projection of their
+        (scaled) embeddings, averaged by 1/√2 — transformers' arithmetic."""
+        decoder, width = self.model, self.config.per_layer_dim
+        shape = (*input_ids.shape, self.config.n_layers, width)
+        rows = decoder.embed_tokens_per_layer(input_ids)
+        rows = (rows * torch.tensor(width ** 0.5, dtype=rows.dtype)).view(shape)
+        projected = decoder.per_layer_model_projection(embedded) * self.config.dim ** -0.5
+        projected = decoder.per_layer_projection_norm(projected.view(shape))
+        return (projected + rows) * 2 ** -0.5
 
     def head_weight(self) -> Tensor:
         """The LM head's weight as the chunked paths read it: with LoRA adapters on the

@@ -131,11 +131,12 @@ class StaticDecodeBatch:
     # `variant` has no default: this view is made inside the compiled step, and dynamo
     # (torch 2.11, the CUDA path) cannot wrap a default of a method of an object made there
     # ("SourcelessBuilder ... AttentionVariant"), so every CUDA-graph step failed to trace
-    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor,
+    def attend(self, layer_idx: int, q: Tensor, k: Tensor | None, v: Tensor | None,
                variant: AttentionVariant) -> Tensor:
         k_slab, v_slab = self.slabs.k[layer_idx], self.slabs.v[layer_idx]
-        k_slab.index_copy_(0, self.slots, k[0].transpose(0, 1).to(k_slab.dtype))
-        v_slab.index_copy_(0, self.slots, v[0].transpose(0, 1).to(v_slab.dtype))
+        if k is not None:  # None: a layer sharing layer_idx's, which stored them
+            k_slab.index_copy_(0, self.slots, k[0].transpose(0, 1).to(k_slab.dtype))
+            v_slab.index_copy_(0, self.slots, v[0].transpose(0, 1).to(v_slab.dtype))
         queries = q[0].transpose(0, 1).to(k_slab.dtype)  # (B, H, D)
         out = paged_decode(queries, k_slab, v_slab, self.tables, self.lens,
                            self.slabs.block_size, variant)

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from lathe.kernels import PLAIN, AttentionVariant, causal_attention, paged_decode
 from lathe.model.config import ModelConfig
+from lathe.model.kv_cache import per_layer_buffers
 from lathe.serve.config import DEFAULT_KV_MB, EngineConfig
 from lathe.serve.request_checks import RequestError
 
@@ -41,16 +42,16 @@ class KVSlabs:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device | str, dtype: torch.dtype) -> None:
         rows = (num_blocks + 1) * block_size
-        shapes = [(rows, *config.attention_shape(layer)) for layer in range(config.n_layers)]
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for shape in shapes]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for shape in shapes]
+        self.k, self.v = per_layer_buffers(config, lambda layer: torch.zeros(
+            rows, *config.attention_shape(layer), device=device, dtype=dtype))
         self.block_size = block_size
         self.scratch_slot = num_blocks * block_size  # first row of the extra block
 
     @property
     def nbytes(self) -> int:
-        """The bytes the slabs hold."""
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+        """The bytes the slabs hold (a slab layers share, once)."""
+        slabs = {id(t): t for t in (*self.k, *self.v)}.values()
+        return sum(t.numel() * t.element_size() for t in slabs)
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -95,13 +96,14 @@ class PagedBatch:
                              f"row, got input_ids of shape {tuple(input_ids.shape)}")
         return self.positions[None]
 
-    def attend(self, layer_idx: int, q: Tensor, k: Tensor, v: Tensor,
+    def attend(self, layer_idx: int, q: Tensor, k: Tensor | None, v: Tensor | None,
                variant: AttentionVariant = PLAIN) -> Tensor:
         """Attention runs in the slabs' dtype (new K/V are stored in it, q is converted), so
         the cache serves activations of another dtype, e.g. under bf16 autocast."""
         k_slab, v_slab = self.slabs.k[layer_idx], self.slabs.v[layer_idx]
-        k_slab[self.slot_mapping] = k[0].transpose(0, 1).to(k_slab.dtype)
-        v_slab[self.slot_mapping] = v[0].transpose(0, 1).to(v_slab.dtype)
+        if k is not None:  # None: a layer sharing layer_idx's, which stored them
+            k_slab[self.slot_mapping] = k[0].transpose(0, 1).to(k_slab.dtype)
+            v_slab[self.slot_mapping] = v[0].transpose(0, 1).to(v_slab.dtype)
         result_dtype, q = q.dtype, q.to(k_slab.dtype)
         out = torch.empty_like(q)
         if self.num_paged:

@@ -76,6 +76,15 @@ FAMILIES = {
                                                                     "rope_theta": 10000.0},
                                               "full_attention": {"rope_type": "default",
                                                                  "rope_theta": 50000.0}}}),
+    # Gemma 4 E2B/E4B: each layer's own input (per-layer embeddings) gating a branch after its
+    # MLP; the last two layers attend over the keys and values of the last earlier layer of
+    # their kind (sliding, full), with MLPs twice as wide
+    "gemma4-e2b": ("Gemma4TextConfig", {**GEMMA4, "num_hidden_layers": 6,
+                                        "layer_types": ["sliding_attention", "full_attention"] * 3,
+                                        "hidden_size_per_layer_input": 8,
+                                        "vocab_size_per_layer_input": 256,
+                                        "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
+                                        "final_logit_softcapping": 20.0}),
     # Phi-3: q/k/v and gate/up stored fused; Phi-4-mini's partial rotary; Phi-3-mini's window
     "phi3": ("Phi3Config", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                 "partial_rotary_factor": 0.5},
@@ -137,8 +146,10 @@ def hf_model(name: str):
                 attention.qkv_proj.weight[:-kv].mul_(8)
                 continue
             attention.q_proj.weight.mul_(8)
-            attention.k_proj.weight.mul_(8)
-            for proj in (attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj):
+            if hasattr(attention, "k_proj"):  # not a Gemma 4 layer sharing another's keys
+                attention.k_proj.weight.mul_(8)
+            for proj in (attention.q_proj, getattr(attention, "k_proj", None),
+                         getattr(attention, "v_proj", None), attention.o_proj):
                 if proj is not None and proj.bias is not None:
                     proj.bias.normal_(0, 0.5)
             for norm in (getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)):
@@ -328,18 +339,44 @@ def test_gemma4_instruct_checkpoint_loads_as_its_language_model(tmp_path):
     assert output.outputs[0].token_ids == greedy(again, prompt, 16)
 
 
-@pytest.mark.parametrize(("key", "value", "what"), [
-    ("hidden_size_per_layer_input", 256, "per-layer embeddings"),
-    ("num_kv_shared_layers", 1, "reusing another's KV cache"),
-    ("enable_moe_block", True, "the experts beside each MLP"),
-    ("use_bidirectional_attention", "all", "causal decoders"),
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"enable_moe_block": True}, "enable_moe_block=True.*experts beside each MLP"),
+    ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention='all'.*causal"),
+    # a per-layer table of another vocabulary than the model's
+    ({"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 512},
+     "vocab_size_per_layer_input=512.*vocab_size=256"),
+    # every layer sharing: none left to compute the keys and values
+    ({"num_kv_shared_layers": 2}, "kv_shared_layers=2: at least one"),
+    # the shared layer is full, and no earlier layer is
+    ({"num_kv_shared_layers": 1, "layer_types": ["sliding_attention", "full_attention"]},
+     "must each have an earlier layer of that kind"),
 ])
-def test_the_gemma4_parts_lathe_does_not_build_are_refused_by_name(key, value, what):
+def test_the_gemma4_shapes_lathe_does_not_build_are_refused_by_name(changes, message):
     from lathe.core.errors import ConfigError
     from lathe.model.config import ModelConfig
     text = transformers.Gemma4TextConfig(**{**SHAPE, **GEMMA4, "num_hidden_layers": 2}).to_dict()
-    with pytest.raises(ConfigError, match=f"{key}={value!r}.*{what}"):
-        ModelConfig.from_hf_config({**text, key: value})
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf_config({**text, **changes})
+
+
+def test_a_gemma4_checkpoint_holding_its_shared_layers_keys_loads_without_them(tmp_path):
+    """A Gemma 4 E2B/E4B checkpoint may hold k/v weights for its KV-sharing layers, which
+    transformers ignores: lathe loads it alike, and exports without them."""
+    from safetensors.torch import load_file, save_file
+    hf = saved("gemma4-e2b", tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    state = load_file(weights)
+    for layer in (4, 5):
+        for part, shape in (("k_proj", (32, 64)), ("v_proj", (32, 64)), ("k_norm", (16,))):
+            state[f"model.layers.{layer}.self_attn.{part}.weight"] = torch.randn(shape)
+    save_file(state, weights, metadata={"format": "pt"})
+    ids = torch.randint(0, 256, (1, 40))
+    with torch.no_grad():
+        ours = load_checkpoint(tmp_path / "hf")
+        assert (ours(ids).logits - hf(ids).logits).abs().max() <= 1e-4
+    save_checkpoint(ours, tmp_path / "lathe")
+    written = load_file(tmp_path / "lathe" / "model.safetensors")
+    assert not [name for name in written if name.startswith("model.layers.4.self_attn.k")]
 
 
 def test_gemma4_full_layers_read_alike_from_the_hub_form_and_per_layer_config():
@@ -431,7 +468,7 @@ def test_a_multimodal_config_without_its_text_config_is_refused_by_name(tmp_path
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama-attention-bias", "mistral-window",
                                   "gemma2", "gemma3", "phi3", "qwen3_moe", "olmoe", "glm4_moe",
-                                  "olmo2", "gemma4"])
+                                  "olmo2", "gemma4", "gemma4-e2b"])
 def test_bf16_autocast_stays_close(tmp_path, name):
     """Within 3% of the fp32 logits, or where transformers' own bf16 strays further (Gemma 4
     scales no scores, so its sharpened random model's bf16 logits move ~10%), within 1.5x of
@@ -462,7 +499,7 @@ def greedy(hf, prompt: list[int], steps: int) -> list[int]:
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "smollm3", "mistral-window",
                                   "qwen2-window", "gemma2", "gemma3", "phi3", "phi3-window",
                                   "mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe",
-                                  "olmo2", "olmo3", "gemma4"])
+                                  "olmo2", "olmo3", "gemma4", "gemma4-e2b"])
 def test_the_engine_generates_what_transformers_computes(tmp_path, name):
     hf = saved(name, tmp_path / "hf")
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 40, 70)]
@@ -477,12 +514,14 @@ def test_the_engine_generates_what_transformers_computes(tmp_path, name):
             greedy(hf, prompt, 32)
 
 
-@pytest.mark.parametrize("name", ["mistral-window", "glm4_moe", "olmo3", "gemma4"])
+@pytest.mark.parametrize("name", ["mistral-window", "glm4_moe", "olmo3", "gemma4",
+                                  "gemma4-e2b"])
 def test_compiled_decode_steps_keep_the_family(tmp_path, name):
     """`lathe serve`'s default compiled decode steps compute transformers' tokens: past a
     sliding window, through a biased, grouped sigmoid router, through OLMo 3's norms
-    after attention and the MLP, its sliding layers' own RoPE and its full ones' YaRN, and
-    through Gemma 4's layers of two head widths (KV slabs of two shapes)."""
+    after attention and the MLP, its sliding layers' own RoPE and its full ones' YaRN,
+    through Gemma 4's layers of two head widths (KV slabs of two shapes), and through E2B's
+    layers attending over earlier layers' slabs."""
     hf = saved(name, tmp_path / "hf")
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 40)]
     engine = LLMEngine.from_checkpoint(tmp_path / "hf", EngineConfig(num_blocks=64,

@@ -131,9 +131,14 @@ def test_backward_reaches_every_parameter_and_tied_head_shares_the_embedding():
 
 GEMMA4 = {"family": "gemma4_text", "n_layers": 3, "global_k_is_v": True,
           "global_n_kv_heads": 1}  # full layers wider, with one KV head and no v_proj
+# E2B's: per-layer inputs, the last two layers (one sliding, one full) attending over the keys
+# and values of layers 2 and 3, with MLPs twice as wide
+GEMMA4_E2B = {**GEMMA4, "n_layers": 6, "sliding_window": 8,
+              "layer_types": ["sliding_attention", "full_attention"] * 3, "per_layer_dim": 16,
+              "kv_shared_layers": 2, "double_wide_shared_mlp": True}
 
 
-@pytest.mark.parametrize("overrides", [{}, GEMMA4])
+@pytest.mark.parametrize("overrides", [{}, GEMMA4, GEMMA4_E2B])
 def test_flops_per_token_equals_counted_matmul_flops_of_a_training_step(overrides):
     model = tiny_model(**overrides).train()
     batch, seq = 2, 64
@@ -145,13 +150,44 @@ def test_flops_per_token_equals_counted_matmul_flops_of_a_training_step(override
 
 
 def test_num_params_matches_module_parameters():
-    for overrides in ({}, {"tie_embeddings": False}, {"n_kv_heads": 1}, GEMMA4):
+    for overrides in ({}, {"tie_embeddings": False}, {"n_kv_heads": 1}, GEMMA4, GEMMA4_E2B):
         model = tiny_model(**overrides)
         actual = sum(p.numel() for p in model.parameters())  # a tied matrix is yielded once
         embeddings = model.model.embed_tokens.weight.numel() + (
             0 if model.config.tie_embeddings else model.lm_head.weight.numel())
+        if model.config.per_layer_dim:
+            embeddings += model.model.embed_tokens_per_layer.weight.numel()
         assert model.config.num_params() == actual
         assert model.config.num_params(include_embeddings=False) == actual - embeddings
+
+
+def test_kv_sharing_layers_attend_over_their_sources_keys_with_a_cache_and_without():
+    """Gemma 4 E2B's last layers compute no keys or values: a cache holds none for them
+    (their buffers are their sources'), decoding token by token through it gives the full
+    forward's logits, and activation checkpointing (each layer recomputed in the backward,
+    the shared keys handed across layers) gives the same gradients."""
+    from lathe.pretrain.runtime.converters import enable_activation_checkpointing
+    model = tiny_model(**GEMMA4_E2B)
+    shared = model.model.layers[4].self_attn
+    assert (shared.kv_source, shared.k_proj, shared.v_proj) == (2, None, None)
+    assert model.model.layers[5].mlp.up_proj.out_features == 2 * model.config.ffn_hidden_dim
+    cache = ContiguousKVCache(model.config, 2, 40)
+    assert cache.k[4] is cache.k[2] and cache.v[5] is cache.v[3]
+    ids = torch.randint(0, 256, (2, 30))
+    with torch.no_grad():
+        full = model(ids).logits
+        stepped = [model(ids[:, :20], kv_cache=cache).logits]
+        stepped += [model(ids[:, i:i + 1], kv_cache=cache).logits for i in range(20, 30)]
+    assert (torch.cat(stepped, dim=1) - full).abs().max() < 1e-5
+    model.train()
+    model(ids, labels=ids).loss.backward()
+    plain = {name: p.grad.clone() for name, p in model.named_parameters()}
+    assert plain["model.layers.2.self_attn.k_proj.weight"].abs().sum() > 0
+    model.zero_grad()
+    enable_activation_checkpointing(model)
+    model(ids, labels=ids).loss.backward()
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, plain[name], atol=1e-6), name
 
 
 def test_init_scales_residual_projections_down_with_depth():
