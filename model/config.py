@@ -387,9 +387,10 @@ class ModelConfig:
                               "shared ones attend over")
         types, first = self.layer_types, self.n_layers - shared
         if types is not None and not set(types[first:]) <= set(types[:first]):
-            raise ConfigError(f"ModelConfig.kv_shared_layers={shared}: the shared layers' kinds "
-                              f"{sorted(set(types[first:]))} must each have an earlier layer of that kind to "
-                              "share keys and values with; share fewer layers")
+            raise ConfigError(f"ModelConfig.kv_shared_layers={shared}: the shared layers' "
+                              f"kinds {sorted(set(types[first:]))} must each have an earlier "
+                              "layer of that kind to share keys and values with; share fewer "
+                              "layers")
         if self.double_wide_shared_mlp and not shared:
             raise ConfigError("ModelConfig.double_wide_shared_mlp widens the KV-sharing layers' "
                               "MLPs: it needs kv_shared_layers > 0")
