@@ -73,8 +73,11 @@ GLM4_MOE_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_nor
 SANDWICH_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
                   "pre_feedforward_layernorm": "ffn_norm",
                   "post_feedforward_layernorm": "post_ffw_norm"}
-# Gemma 4's: Gemma's four norms, and the scalar each layer's output is multiplied by
-GEMMA4_NAMES = {**SANDWICH_NAMES, "layer_scalar": "layer_output_scale"}
+# Gemma 4's: Gemma's four norms, the scalar each layer's output is multiplied by, and (E2B,
+# E4B) the branch each layer's own input gates
+GEMMA4_NAMES = {**SANDWICH_NAMES, "layer_scalar": "layer_output_scale",
+                "per_layer_input_gate": "inp_gate", "per_layer_projection": "proj",
+                "post_per_layer_input_norm": "post_norm"}
 # OLMo 2's: norms after attention and after the MLP, none before
 POST_NORM_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
                    "post_feedforward_layernorm": "post_ffw_norm"}
@@ -99,7 +102,11 @@ def permute_rope_rows(weight: Tensor, n_heads: int) -> Tensor:
 def gguf_tensor_name(name: str, names: dict[str, str] = LAYER_NAMES) -> str:
     """llama.cpp's name for an HF parameter name, by the architecture's layer `names`."""
     fixed = {"model.embed_tokens.weight": "token_embd.weight",
-             "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+             "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
+             # Gemma 4 E2B/E4B: the per-layer inputs' table, projection and norm
+             "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+             "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+             "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight"}
     if name in fixed:
         return fixed[name]
     _, _, index, rest = name.split(".", 3)
@@ -150,7 +157,8 @@ def _write_gemma4_layers(writer: gguf.GGUFWriter, config: ModelConfig) -> None:
     """Gemma 4's two kinds of layer as llama.cpp's converter writes them: which slide, the
     full ones' head width and KV heads as the main keys and the sliding ones' as `_swa`,
     each kind's RoPE base and turned width (the full ones' share that does not turn is in
-    `rope_freqs`), and no per-layer embeddings or shared KV."""
+    `rope_freqs`), the per-layer inputs' width and the KV-sharing layers' count (E2B, E4B),
+    and each layer's MLP width where those layers' are doubled."""
     kv_heads, width = config.global_shape
     writer.add_sliding_window_pattern([config.window(i) is not None
                                        for i in range(config.n_layers)])
@@ -162,8 +170,8 @@ def _write_gemma4_layers(writer: gguf.GGUFWriter, config: ModelConfig) -> None:
     writer.add_rope_dimension_count(width)
     writer.add_rope_dimension_count_swa(config.rotary_dim)
     writer.add_rope_freq_base_swa(config.rope_local_theta)
-    writer.add_shared_kv_layers(0)
-    writer.add_embedding_length_per_layer_input(0)
+    writer.add_shared_kv_layers(config.kv_shared_layers)
+    writer.add_embedding_length_per_layer_input(config.per_layer_dim)
 
 
 def _split_gate_up(state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -266,7 +274,9 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f16") -> 
     writer.add_context_length(config.max_seq_len)
     writer.add_embedding_length(config.dim)
     writer.add_block_count(config.n_layers)
-    writer.add_feed_forward_length(config.ffn_hidden_dim)
+    widths = [config.ffn_width(i) for i in range(config.n_layers)]
+    writer.add_feed_forward_length(widths if config.double_wide_shared_mlp
+                                   else config.ffn_hidden_dim)
     writer.add_head_count(config.n_heads)
     if config.family == "gemma4_text":
         _write_gemma4_layers(writer, config)
