@@ -196,10 +196,15 @@ BALANCED_MOE = {"model": {"preset": "tiny", "overrides": {
 
 MOE = {"model": {"preset": "tiny", "overrides": MOE_MODEL}}
 # Gemma 4's full layers, wider and with one KV head of keys as values, and its stored
-# per-layer output scalars (buffers) beside its sliding layers
+# per-layer output scalars (buffers) beside its sliding layers; E2B's per-layer inputs and
+# last two layers attending over the first two's keys and values, every layer recomputed in
+# the backward (activation checkpointing: the shared keys cross sharded, recomputed layers)
 GEMMA4 = {"model": {"preset": "tiny", "overrides": {
-    "family": "gemma4_text", "dim": 64, "n_layers": 3, "n_heads": 4, "n_kv_heads": 2,
-    "max_seq_len": 64, "global_n_kv_heads": 1, "global_k_is_v": True}}}
+    "family": "gemma4_text", "dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
+    "max_seq_len": 64, "global_n_kv_heads": 1, "global_k_is_v": True,
+    "layer_types": ["sliding_attention", "full_attention"] * 2, "per_layer_dim": 16,
+    "kv_shared_layers": 2, "double_wide_shared_mlp": True}},
+    "precision": {"activation_checkpointing": True}}
 
 
 @pytest.mark.parametrize(("recipe", "model"), [
