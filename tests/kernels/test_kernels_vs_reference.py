@@ -188,3 +188,21 @@ def test_rope_matches_reference(batch, heads, kv_heads, seq, dim, dtype):
         torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
     for a, b in zip(grads(ours, [q, k]), grads(ref, [q, k]), strict=True):
         torch.testing.assert_close(a, b, atol=grad_tol, rtol=grad_tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_turns_queries_alone_for_a_layer_sharing_anothers_keys(dtype):
+    """Gemma 4's KV-sharing layers turn their queries only: k None, forward and backward."""
+    from lathe.kernels.rope import rope_reference
+    from lathe.kernels.rope_triton import rope_triton
+    atol, rtol, grad_tol = TOLERANCE[dtype]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 5, 32, generator=g).to(DEVICE, dtype).requires_grad_()
+    angles = torch.randn(2, 5, 16, generator=g) * 3
+    cos = torch.cat([angles.cos()] * 2, -1).to(DEVICE, dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(DEVICE, dtype)
+    (ours, none), (ref, _) = rope_triton(q, None, cos, sin), rope_reference(q, None, cos, sin)
+    assert none is None
+    torch.testing.assert_close(ours, ref, atol=atol, rtol=rtol)
+    torch.testing.assert_close(grads(ours, [q])[0], grads(ref, [q])[0], atol=grad_tol,
+                               rtol=grad_tol)

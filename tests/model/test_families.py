@@ -14,6 +14,7 @@ import torch
 from lathe.model import load_checkpoint, save_checkpoint
 from lathe.serve.config import EngineConfig
 from lathe.serve.engine import LLMEngine
+from lathe.serve.paged_cache import KVSlabs
 from lathe.serve.sampling_params import SamplingParams
 from tests import llama_cpp_runtime
 
@@ -509,6 +510,9 @@ def test_the_engine_generates_what_transformers_computes(tmp_path, name):
     outputs = engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0,
                                                       ignore_eos=True, n=2))
     assert engine.block_manager.prefix_hits > 0
+    slabs = engine.runner.slabs  # the KV-sharing layers' slabs are their sources', not more
+    assert slabs.nbytes == 65 * KVSlabs.bytes_per_block(engine.runner.model.config,
+                                                        slabs.block_size, slabs.k[0].dtype)
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output.outputs[0].token_ids == output.outputs[1].token_ids == \
             greedy(hf, prompt, 32)
