@@ -713,9 +713,11 @@ class Transformer(nn.Module):
             if labels is not None and self.config.n_experts else []
         # without a cache, the layers others share keys and values with hand them over here
         shared: dict[int, tuple[Tensor, Tensor]] = {}
-        sources = [self.model.layers[i].self_attn for i in
-                   {layer.self_attn.kv_source for layer in self.model.layers
-                    if layer.self_attn.shares_kv}] if kv_cache is None else []
+        config = self.config
+        sources = [self.model.layers[i].self_attn for i in {
+            config.kv_source(layer)
+            for layer in range(config.n_layers - config.kv_shared_layers, config.n_layers)}
+        ] if kv_cache is None else []
         for moe in experts:
             moe.sink = routing
         for attention in sources:
