@@ -135,7 +135,9 @@ class ModelConfig:
     embeddings: a token's row of a (vocab, n_layers · per_layer_dim) table plus a projection
     of its embedding, gating a residual branch after the MLP); the last `kv_shared_layers`
     layers compute no keys or values but attend over those of the last earlier layer of their
-    kind (`kv_source`), whose MLPs are twice as wide when `double_wide_shared_mlp`.
+    kind (`kv_source`), whose MLPs are twice as wide when `double_wide_shared_mlp`. Gemma 4
+    26B-A4B: experts beside every layer's MLP (`experts_beside_mlp`, the family's with
+    `n_experts` set), that MLP lathe's shared expert.
     `num_labels` > 0 makes the model a sequence classifier (a reward model: HF's
     `…ForSequenceClassification`): a `score` head of that many outputs in place of the LM
     head, read at each sequence's last token.
@@ -246,7 +248,7 @@ class ModelConfig:
                               f"a family that clips (olmoe), or null; family={self.family!r}")
         experts = FAMILIES[self.family].experts
         if self.n_experts is None:
-            if experts is not None:
+            if experts is not None and "optional" not in experts.options:
                 raise ConfigError(f"ModelConfig: family={self.family!r} is a mixture of experts;"
                                   " set n_experts (and n_experts_per_token)")
             if self.moe_layers is not None or self.moe_ffn_hidden_dim is not None \
@@ -295,6 +297,8 @@ class ModelConfig:
             raise ConfigError(f"ModelConfig.shared_expert_dim={shared}: family={self.family!r}'s "
                               "shared MLP is n_shared_experts experts wide, a multiple of "
                               f"moe_ffn_hidden_dim={self.moe_ffn_hidden_dim}")
+        if self.experts_beside_mlp:
+            self._validate_beside_mlp()
         if not self.norm_topk_prob and "norm_topk_prob" not in experts.options:
             raise ConfigError(f"ModelConfig.norm_topk_prob=false: family={self.family!r} "
                               "always renormalizes its top-k weights")
@@ -302,6 +306,27 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ConfigError(f"ModelConfig.{name}={value!r} must be a number >= 0")
+
+    def _validate_beside_mlp(self) -> None:
+        if self.shared_expert_dim is None:
+            self.shared_expert_dim = self.ffn_hidden_dim
+        if self.shared_expert_dim != self.ffn_hidden_dim:
+            raise ConfigError(f"ModelConfig.shared_expert_dim={self.shared_expert_dim!r}: "
+                              f"family={self.family!r}'s MLP beside the experts is its "
+                              f"ffn_hidden_dim={self.ffn_hidden_dim} wide; drop it")
+        if self.double_wide_shared_mlp:
+            raise ConfigError("ModelConfig.double_wide_shared_mlp: Gemma 4's MLPs beside "
+                              "experts are not doubled (no Gemma 4 shape has both); drop it")
+
+    @property
+    def experts_beside_mlp(self) -> bool:
+        """Gemma 4 26B-A4B's layers: experts beside the MLP (the shared expert), each part
+        normed after on its own and their sum normed again; the experts read the layer's
+        residual through their own input norm, and the router its weightless RMSNorm times
+        a learned scale and dim^-½, each chosen expert's weight times its learned scale."""
+        experts = FAMILIES[self.family].experts
+        return self.n_experts is not None and experts is not None \
+            and "beside_mlp" in experts.options
 
     def _validate_sigmoid_router(self) -> None:
         groups, chosen = self.n_expert_groups, self.topk_expert_groups
@@ -607,7 +632,9 @@ class ModelConfig:
             for count, layer in self._attention_kinds())
         per_layer = (norms * self.dim  # the RMSNorm weights
                      + (self.q_dim + kv_dim) * self.qk_norm_projection
-                     + (self.dim if self.per_layer_dim else 0))  # the per-layer input's norm
+                     + (self.dim if self.per_layer_dim else 0)  # the per-layer input's norm
+                     # beside the MLP: the experts' three norms, the router's two scales
+                     + (4 * self.dim + self.n_experts if self.experts_beside_mlp else 0))
         body = self._linear_params() + self.n_layers * per_layer + head_norms + self.dim \
             + self.per_layer_dim  # the per-layer inputs' projection norm
         per_layer_table = self.vocab_size * self.n_layers * self.per_layer_dim

@@ -46,7 +46,10 @@ head of v normed without weight, each layer's output times its stored `layer_sca
 E4B add per-layer embeddings (`hidden_size_per_layer_input`) and last layers that share an
 earlier layer's keys and values (`num_kv_shared_layers`, their MLPs doubled with
 `use_double_wide_mlp`): a checkpoint's k/v weights of those layers, which transformers ignores,
-are left out (`drop_shared_kv`). The experts beside the MLP (26B-A4B) are refused by name.
+are left out (`drop_shared_kv`). 26B-A4B (`enable_moe_block`) adds experts beside each
+layer's MLP: lathe's shared expert is that MLP, and the router's input scale and per-expert
+scale, the experts and their norms are renamed at the layer's level (`GEMMA4_RENAMES`), where
+its class keeps them, stacked.
 
 Sliding windows: Mistral's `sliding_window` covers every layer; Qwen2/3's and SmolLM3's
 (`use_sliding_window`) cover the layers `layer_types` marks, by default those from
@@ -89,9 +92,14 @@ class ExpertLayout:
     written: Callable[[Any], dict[str, Any]]  # ModelConfig -> config.json keys
     # what its class varies: "moe_layers" (only "dense_first": the first k layers dense),
     # "norm_topk_prob", "shared_expert" (a width, or "shared_multiple": n × the experts');
-    # "mtp_layers": checkpoints may hold layers past num_hidden_layers, ignored
+    # "mtp_layers": checkpoints may hold layers past num_hidden_layers, ignored; "optional":
+    # the family is dense unless its config.json asks for experts; "beside_mlp": Gemma 4's
+    # (`ModelConfig.experts_beside_mlp`); "stacked": its class saves the experts stacked
     options: tuple[str, ...] = ()
     shared: str = "shared_expert"  # the shared MLP's name in checkpoints
+    # (checkpoint name, lathe name) of a MoE layer's parameters, after `model.layers.N.`,
+    # where a family's class keeps them outside its MLP block (Gemma 4)
+    renames: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -269,12 +277,8 @@ def _gemma4_read(hf: dict[str, Any]) -> dict[str, Any]:
     """Gemma 4's full-attention layers (their head width and KV heads: config.json's
     `global_head_dim` and `num_global_key_value_heads`, or a newer transformers'
     `per_layer_config`; keys as values; proportional RoPE), the sliding layers' RoPE base, and
-    E2B's and E4B's per-layer inputs and KV-sharing layers, and the part of Gemma 4 lathe does
-    not build (26B-A4B's experts), refused by name."""
-    if hf.get("enable_moe_block", False):
-        raise ConfigError(f"config.json: enable_moe_block={hf['enable_moe_block']!r} is not "
-                          "supported: lathe does not build Gemma 4's experts beside each MLP "
-                          "(26B-A4B); it loads the dense shapes (31B, E4B, E2B)")
+    E2B's and E4B's per-layer inputs and KV-sharing layers (26B-A4B's experts are
+    `GEMMA4_EXPERTS`')."""
     per_layer_dim = hf.get("hidden_size_per_layer_input", 256) or 0  # the class's default
     per_layer_vocab = hf.get("vocab_size_per_layer_input", 262_144)
     if per_layer_dim and per_layer_vocab != hf.get("vocab_size"):
@@ -327,7 +331,7 @@ def _gemma4_extra(c: Any) -> dict[str, Any]:
             c.global_n_kv_heads, "attention_k_eq_v": c.global_k_is_v,
             "hidden_size_per_layer_input": c.per_layer_dim,
             "vocab_size_per_layer_input": c.vocab_size, "num_kv_shared_layers": c.kv_shared_layers,
-            "enable_moe_block": False, "use_double_wide_mlp": c.double_wide_shared_mlp,
+            **GEMMA4_EXPERTS.written(c), "use_double_wide_mlp": c.double_wide_shared_mlp,
             "use_bidirectional_attention": None}
 
 
@@ -408,6 +412,45 @@ QWEN3_MOE_EXPERTS = ExpertLayout(
                                   "norm_topk_prob": False, "router_aux_loss_coef": 0.001,
                                   "moe_intermediate_size": 768}),
     _qwen3_moe_written, options=("moe_layers", "norm_topk_prob"))
+
+
+def _gemma4_experts_read(hf: dict[str, Any]) -> dict[str, Any]:
+    """26B-A4B's experts (`enable_moe_block`), its dense MLP lathe's shared expert; none for
+    the dense shapes. Its class renormalizes the top-k weights and computes no balance loss."""
+    if not hf.get("enable_moe_block", False):
+        return {}
+    for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+        if not isinstance(hf.get(key), int) or isinstance(hf[key], bool) or hf[key] <= 0:
+            raise ConfigError(f"config.json: enable_moe_block=true needs {key} (a positive "
+                              f"integer), not {hf.get(key)!r}")
+    return {"n_experts": hf["num_experts"], "n_experts_per_token": hf["top_k_experts"],
+            "moe_ffn_hidden_dim": hf["moe_intermediate_size"],
+            "shared_expert_dim": hf["intermediate_size"], "router_aux_loss_coef": 0.0}
+
+
+def _gemma4_experts_written(config: Any) -> dict[str, Any]:
+    moe = config.n_experts is not None
+    return {"enable_moe_block": moe, "num_experts": config.n_experts,
+            "top_k_experts": config.n_experts_per_token if moe else None,
+            "moe_intermediate_size": config.moe_ffn_hidden_dim}
+
+
+# Gemma 4 26B-A4B's MoE parameters: its class's names at the layer's level -> lathe's MoE
+# block's (the MLP beside the experts is lathe's shared expert, each part with its own norm)
+GEMMA4_RENAMES = (
+    ("router.proj.weight", "mlp.gate.weight"), ("router.scale", "mlp.gate.scale"),
+    ("router.per_expert_scale", "mlp.gate.per_expert_scale"),
+    ("experts.gate_up_proj", "mlp.experts.gate_up_proj"),
+    ("experts.down_proj", "mlp.experts.down_proj"),
+    *((f"mlp.{part}.weight", f"mlp.shared_expert.{part}.weight") for part in STACKED),
+    ("post_feedforward_layernorm_1.weight", "mlp.shared_expert_norm.weight"),
+    ("pre_feedforward_layernorm_2.weight", "mlp.experts_input_norm.weight"),
+    ("post_feedforward_layernorm_2.weight", "mlp.experts_norm.weight"))
+GEMMA4_EXPERTS = ExpertLayout(
+    "mlp", STACKED, _gemma4_experts_read, _gemma4_experts_written,
+    options=("optional", "beside_mlp", "stacked", "shared_expert"), renames=GEMMA4_RENAMES)
+
+
 def _qwen2_moe_read(hf: dict[str, Any]) -> dict[str, Any]:
     shared = hf.get("shared_expert_intermediate_size", 5632)
     return {**_experts_read(hf, {"num_experts": 60, "num_experts_per_tok": 4,
@@ -505,8 +548,8 @@ FAMILIES: dict[str, Family] = {
         rope=_per_layer_type_rope(1_000_000.0), read=_sliding_rope_read(10000.0)),
     "gemma4_text": Family(
         "Gemma4ForCausalLM", lambda hf: {**GEMMA4, **_attention_bias(hf)}, _gemma4_window,
-        _gemma4_extra, sliding="layers", takes=GEMMA4_FIELDS, classifier_class="",
-        rope=_gemma4_rope, read=_gemma4_read),
+        _gemma4_extra, sliding="layers", takes=GEMMA4_FIELDS, experts=GEMMA4_EXPERTS,
+        classifier_class="", rope=_gemma4_rope, read=_gemma4_read),
     "mixtral": Family(
         "MixtralForCausalLM", lambda hf: {}, _mistral_window,
         lambda c: {"sliding_window": c.sliding_window, **MIXTRAL_EXPERTS.written(c)},
@@ -696,18 +739,53 @@ def _expert_names(layout: ExpertLayout, name: str) -> tuple[str, int, int] | Non
     return prefix, int(expert), layout.projections.index(projection)
 
 
+def _renamed(name: str, names: dict[str, str]) -> str:
+    """`model.layers.N.<part>` as `model.layers.N.<names[part]>`; other names as they are."""
+    head, _, part = name.partition(".layers.")
+    index, _, rest = part.partition(".")
+    return f"{head}.layers.{index}.{names[rest]}" if rest in names else name
+
+
+def adapter_renamed(weights: dict[str, Any], config: Any,
+                    to_checkpoint: bool = False) -> dict[str, Any]:
+    """LoRA weights (`…layers.N.<module>.lora_A.weight`, …) of a family whose class keeps MoE
+    parts outside its MLP block (Gemma 4) under lathe's module names, or (`to_checkpoint`)
+    its class's, so that peft loads lathe's adapter on that class and lathe a class's; other
+    families' as they are."""
+    layout = FAMILIES[config.family].experts
+    if layout is None or config.n_experts is None or not layout.renames:
+        return weights
+    # what adapters attach to: the renamed linears, and the stacked experts' module
+    modules = {name.rpartition(".")[0]: ours.rpartition(".")[0] for name, ours in layout.renames
+               if name.endswith(".weight") or ours.startswith(f"{layout.block}.experts.")}
+    if to_checkpoint:
+        modules = {ours: name for name, ours in modules.items()}
+    longest_first = sorted(modules, key=len, reverse=True)
+    out = {}
+    for name, tensor in weights.items():
+        head, found, part = name.partition(".layers.")
+        index, _, rest = part.partition(".")
+        module = next((m for m in longest_first if rest.startswith(f"{m}.")), None)
+        if found and module is not None:
+            name = f"{head}.layers.{index}.{modules[module]}{rest[len(module):]}"
+        out[name] = tensor
+    return out
+
+
 def stack_experts(state: dict[str, Any], config: Any, per_row: bool = False) -> dict[str, Any]:
     """A checkpoint's state dict with per-expert tensors stacked into lathe's layout (and
-    Mixtral's `block_sparse_moe` router named `mlp.gate`); one already stacked passes. A
-    missing or mis-shaped expert tensor is a CheckpointError naming it (`per_row`: tensors
-    of one value per row or per group of a row, whose rows alone are checked)."""
+    Mixtral's `block_sparse_moe` router named `mlp.gate`, Gemma 4's parameters renamed into
+    the MoE block); one already stacked passes. A missing or mis-shaped expert tensor is a
+    CheckpointError naming it (`per_row`: tensors of one value per row or per group of a row,
+    whose rows alone are checked)."""
     layout = FAMILIES[config.family].experts
-    if layout is None:
+    if layout is None or config.n_experts is None:
         return state
-    out, pieces = {}, {}
+    out, pieces, renames = {}, {}, dict(layout.renames)
     for name, tensor in state.items():
         if "mtp_layers" in layout.options and _layer_index(name) >= config.n_layers:
             continue
+        name = _renamed(name, renames)
         found = _expert_names(layout, name)
         if found is None:
             name = name.replace(f".{layout.block}.gate.", ".mlp.gate.")
@@ -740,10 +818,14 @@ def stack_experts(state: dict[str, Any], config: Any, per_row: bool = False) -> 
 
 
 def unstack_experts(state: dict[str, Any], config: Any) -> dict[str, Any]:
-    """lathe's state dict in its family's per-expert layout, as its class saves it."""
+    """lathe's state dict in its family's per-expert layout (or, for a class that keeps them
+    stacked, under its names), as its class saves it."""
     layout = FAMILIES[config.family].experts
-    if layout is None:
+    if layout is None or config.n_experts is None:
         return state
+    if "stacked" in layout.options:
+        saved = {lathe: name for name, lathe in layout.renames}
+        return {_renamed(name, saved): tensor for name, tensor in state.items()}
     out = {}
     for name, tensor in state.items():
         if name.endswith(".mlp.experts.gate_up_proj"):
@@ -788,7 +870,7 @@ def fresh_switches(family: str, n_layers: int, head_dim: int,
     switches = {name: value for name, value in
                 FAMILIES[family].switches({"attention_bias": False}).items() if value}
     experts = FAMILIES[family].experts
-    if experts is not None:
+    if experts is not None and "optional" not in experts.options:
         sigmoid = {"router_aux_loss_coef": 0.0} if switches.get("sigmoid_router") else {}
         # transformers' class always builds the shared expert of a family that has one
         shared = {"shared_expert_dim": expert_width} if "shared_expert" in experts.options \

@@ -451,7 +451,11 @@ class MoE(nn.Module):
     attribute, not an argument: FSDP2 rebuilds a sharded layer's argument containers, and an
     activation-checkpointing recompute must not append twice. A shared expert takes every
     token, its output scaled by sigmoid(shared_expert_gate) when the family gates it
-    (Qwen2-MoE)."""
+    (Qwen2-MoE). Beside the MLP (`experts_beside_mlp`, Gemma 4 26B-A4B): the shared expert is
+    the layer's MLP on its normed input, the router and the experts read the layer's
+    `residual` (the experts through `experts_input_norm`), each part is normed on its own
+    before the sum, and the router scores its weightless RMSNorm times its `scale` and
+    dim^-½, each chosen expert's weight times its `per_expert_scale`."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -471,17 +475,30 @@ class MoE(nn.Module):
         self.shared_gated = self.shared and config.shared_expert_gate
         if self.shared_gated:
             self.shared_expert_gate = nn.Linear(config.dim, 1, bias=False)
+        self.beside = config.experts_beside_mlp
+        if self.beside:
+            self.gate.scale = nn.Parameter(torch.ones(config.dim))
+            self.gate.per_expert_scale = nn.Parameter(torch.ones(config.n_experts))
+            self.eps = config.norm_eps
+            for name in ("shared_expert_norm", "experts_input_norm", "experts_norm"):
+                setattr(self, name, RMSNorm(config.dim, config.norm_eps,
+                                            config.norm_unit_offset))
         self.sink: list[Routing] | None = None
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """(T, dim) -> router logits (T, E), the chosen experts (T, k) and their weights."""
         if self.sigmoid:
             return self._route_sigmoid(x)
+        if self.beside:
+            normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+            x = normed * self.gate.scale.to(x.dtype) * x.shape[-1] ** -0.5
         logits = self.gate(x)
         probs = torch.softmax(logits.float(), dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.beside:
+            weights = weights * self.gate.per_expert_scale[experts]
         return logits, experts, weights
 
     def _route_sigmoid(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -501,11 +518,16 @@ class MoE(nn.Module):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return logits, experts, weights * self.scaling
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        logits, experts, weights = self.route(flat)
+        routed = flat if residual is None else residual.reshape(flat.shape)
+        logits, experts, weights = self.route(routed)
         if self.sink is not None:
             self.sink.append((logits, experts))
+        if self.beside:
+            out = self.experts_norm(self.experts(self.experts_input_norm(routed), experts,
+                                                 weights))
+            return (out + self.shared_expert_norm(self.shared_expert(flat))).view_as(x)
         out = self.experts(flat, experts, weights)
         if self.shared:
             shared = self.shared_expert(flat)
@@ -538,6 +560,7 @@ class DecoderLayer(nn.Module):
         self.sandwich = config.sandwich_norms
         self.mlp = MoE(config) if config.is_moe_layer(layer_idx) else MLP(
             config, config.ffn_width(layer_idx))
+        self.experts_beside_mlp = isinstance(self.mlp, MoE) and self.mlp.beside
         self.per_layer_input = bool(config.per_layer_dim)
         if self.per_layer_input:  # Gemma 4 E2B/E4B: a branch gated by the layer's own input
             self.per_layer_input_gate = nn.Linear(config.dim, config.per_layer_dim, bias=False)
@@ -566,7 +589,8 @@ class DecoderLayer(nn.Module):
         norm = self.pre_feedforward_layernorm
         normed, x = add_rms_norm(self.post_attention_layernorm(attended), x, norm.scale(),
                                  norm.eps)
-        x = x + self.post_feedforward_layernorm(self.mlp(normed))
+        mlp = self.mlp(normed, x) if self.experts_beside_mlp else self.mlp(normed)
+        x = x + self.post_feedforward_layernorm(mlp)
         if self.per_layer_input:
             gate = gated(self.per_layer_input_gate(x), per_layer_input, self.gelu)
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(gate))
@@ -645,6 +669,9 @@ class Transformer(nn.Module):
                 nn.init.normal_(module.down_proj, mean=0.0, std=residual_std)
             elif isinstance(module, MoE) and module.sigmoid:
                 nn.init.zeros_(module.gate.e_score_correction_bias)
+            elif isinstance(module, MoE) and module.beside:
+                nn.init.ones_(module.gate.scale)
+                nn.init.ones_(module.gate.per_expert_scale)
             elif isinstance(module, DecoderLayer) and module.scaled:
                 nn.init.ones_(module.layer_scalar)
         self.reset_rotary()

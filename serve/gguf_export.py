@@ -78,6 +78,19 @@ SANDWICH_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_nor
 GEMMA4_NAMES = {**SANDWICH_NAMES, "layer_scalar": "layer_output_scale",
                 "per_layer_input_gate": "inp_gate", "per_layer_projection": "proj",
                 "post_per_layer_input_norm": "post_norm"}
+# 26B-A4B's: the MLP beside the experts (lathe's shared expert) is the layer's ffn, its norm
+# after `post_ffw_norm_1`, the experts' before and after `pre_ffw_norm_2`, `post_ffw_norm_2`
+GEMMA4_MOE_NAMES = {**GEMMA4_NAMES, "mlp.shared_expert.gate_proj": "ffn_gate",
+                    "mlp.shared_expert.up_proj": "ffn_up",
+                    "mlp.shared_expert.down_proj": "ffn_down",
+                    "mlp.shared_expert_norm": "post_ffw_norm_1",
+                    "mlp.experts_input_norm": "pre_ffw_norm_2",
+                    "mlp.experts_norm": "post_ffw_norm_2"}
+# a router's parameters beyond its weight: GLM-4.5's selection bias, Gemma 4's input scale
+# and per-expert weight scale
+ROUTER_NAMES = {"mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+                "mlp.gate.scale": "ffn_gate_inp.scale",
+                "mlp.gate.per_expert_scale": "ffn_down_exps.scale"}
 # OLMo 2's: norms after attention and after the MLP, none before
 POST_NORM_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
                    "post_feedforward_layernorm": "post_ffw_norm"}
@@ -110,8 +123,8 @@ def gguf_tensor_name(name: str, names: dict[str, str] = LAYER_NAMES) -> str:
     if name in fixed:
         return fixed[name]
     _, _, index, rest = name.split(".", 3)
-    if rest == "mlp.gate.e_score_correction_bias":
-        return f"blk.{index}.exp_probs_b.bias"
+    if rest in ROUTER_NAMES:
+        return f"blk.{index}.{ROUTER_NAMES[rest]}"
     module, _, kind = rest.rpartition(".") if rest.endswith((".weight", ".bias")) \
         else (rest, "", "weight")  # stacked experts are parameters of their own
     if module not in names or kind not in ("weight", "bias"):
@@ -124,7 +137,8 @@ def gguf_tensors(state: dict[str, Tensor], config: ModelConfig) -> dict[str, np.
     the `llama` architecture, Gemma's norms as 1 + w, Phi-3's projections fused."""
     out = {}
     permute = ARCHES[config.family] == "llama"
-    names = GEMMA4_NAMES if config.layer_scalar else SANDWICH_NAMES if config.sandwich_norms \
+    names = GEMMA4_MOE_NAMES if config.experts_beside_mlp else GEMMA4_NAMES \
+        if config.layer_scalar else SANDWICH_NAMES if config.sandwich_norms \
         else POST_NORM_NAMES if config.post_norms \
         else GLM4_MOE_NAMES if config.family == "glm4_moe" else LAYER_NAMES
     for name, tensor in _split_gate_up(join_fused(state, config)).items():
@@ -314,7 +328,7 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f16") -> 
         writer.add_expert_used_count(config.n_experts_per_token)
         writer.add_expert_feed_forward_length(config.moe_ffn_hidden_dim)
         writer.add_expert_weights_norm(config.norm_topk_prob)
-        if config.shared_expert_dim:
+        if config.shared_expert_dim and not config.experts_beside_mlp:
             writer.add_expert_shared_feed_forward_length(config.shared_expert_dim)
     if config.sigmoid_router:  # GLM-4.5's keys, as its config.json has them
         hf = config.to_hf_config()
