@@ -86,6 +86,14 @@ FAMILIES = {
                                         "vocab_size_per_layer_input": 256,
                                         "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
                                         "final_logit_softcapping": 20.0}),
+    # Gemma 4 26B-A4B: experts beside each layer's MLP, routed from the layer's residual
+    # through the router's own scaled norm, each chosen expert's weight scaled by its own
+    # factor, the MLP's and the experts' outputs normed apart before their sum is
+    "gemma4-moe": ("Gemma4TextConfig", {**GEMMA4, "layer_types": ["sliding_attention",
+                                                                 "full_attention"],
+                                        "enable_moe_block": True, "num_experts": 4,
+                                        "top_k_experts": 2, "moe_intermediate_size": 32,
+                                        "final_logit_softcapping": 20.0}),
     # Phi-3: q/k/v and gate/up stored fused; Phi-4-mini's partial rotary; Phi-3-mini's window
     "phi3": ("Phi3Config", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                 "partial_rotary_factor": 0.5},
@@ -164,6 +172,13 @@ def hf_model(name: str):
                 bias = getattr(router, "e_score_correction_bias", None)
                 if bias is not None:  # a selection bias that changes the choice
                     bias.normal_(0, 0.3)
+            if hasattr(layer, "router"):  # Gemma 4's, beside the MLP: its scales and norms
+                layer.router.proj.weight.normal_(0, 1)
+                layer.router.scale.normal_(1, 0.3)
+                layer.router.per_expert_scale.uniform_(0.5, 1.5)
+                for norm in (layer.post_feedforward_layernorm_1,
+                             layer.pre_feedforward_layernorm_2, layer.post_feedforward_layernorm_2):
+                    norm.weight.normal_(1, 0.3)
     return model
 
 
@@ -341,7 +356,7 @@ def test_gemma4_instruct_checkpoint_loads_as_its_language_model(tmp_path):
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"enable_moe_block": True}, "enable_moe_block=True.*experts beside each MLP"),
+    ({"enable_moe_block": True, "num_experts": None}, "enable_moe_block=true needs num_experts"),
     ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention='all'.*causal"),
     # a per-layer table of another vocabulary than the model's
     ({"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 512},
@@ -469,7 +484,7 @@ def test_a_multimodal_config_without_its_text_config_is_refused_by_name(tmp_path
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "llama-attention-bias", "mistral-window",
                                   "gemma2", "gemma3", "phi3", "qwen3_moe", "olmoe", "glm4_moe",
-                                  "olmo2", "gemma4", "gemma4-e2b"])
+                                  "olmo2", "gemma4", "gemma4-e2b", "gemma4-moe"])
 def test_bf16_autocast_stays_close(tmp_path, name):
     """Within 3% of the fp32 logits, or where transformers' own bf16 strays further (Gemma 4
     scales no scores, so its sharpened random model's bf16 logits move ~10%), within 1.5x of
@@ -500,7 +515,7 @@ def greedy(hf, prompt: list[int], steps: int) -> list[int]:
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "smollm3", "mistral-window",
                                   "qwen2-window", "gemma2", "gemma3", "phi3", "phi3-window",
                                   "mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "glm4_moe",
-                                  "olmo2", "olmo3", "gemma4", "gemma4-e2b"])
+                                  "olmo2", "olmo3", "gemma4", "gemma4-e2b", "gemma4-moe"])
 def test_the_engine_generates_what_transformers_computes(tmp_path, name):
     hf = saved(name, tmp_path / "hf")
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 40, 70)]
@@ -598,6 +613,7 @@ GGUF_FAMILIES = {
                                     "num_global_key_value_heads": 1, "attention_k_eq_v": True}),
     "gemma4-e2b": ("Gemma4TextConfig", {**FAMILIES["gemma4-e2b"][1],
                                         "vocab_size_per_layer_input": 512}),
+    "gemma4-moe": FAMILIES["gemma4-moe"],
     "glm4_moe-ungrouped": ("Glm4MoeConfig", {**FAMILIES["glm4_moe"][1], "n_group": 1,
                                              "topk_group": 1, "use_qk_norm": False,
                                              "attention_bias": False}),
