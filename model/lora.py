@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from lathe.core.atomic import atomic_directory
 from lathe.core.errors import ConfigError
 from lathe.core.reporting import quiet_loggers
-from lathe.model.families import FAMILIES, FUSED
+from lathe.model.families import FAMILIES, FUSED, adapter_renamed
 from lathe.model.transformer import Transformer
 
 
@@ -195,6 +195,8 @@ def save_adapter(model: nn.Module, section: LoraSection, path: str | Path,
         state, config.r, config.target_modules = fuse_adapter(state, section.r, fused,
                                                               output_widths(model))
         config.lora_alpha = section.alpha * config.r / section.r
+    if isinstance(model, Transformer):
+        state = adapter_renamed(state, model.config, to_checkpoint=True)
     state = {PEFT_PREFIX + name: tensor for name, tensor in state.items()}
     config.base_model_name_or_path = str(Path(base_model).resolve())
     with atomic_directory(path) as tmp:
@@ -217,9 +219,10 @@ def load_adapter(model: Transformer, path: str | Path) -> Transformer:
     section = LoraSection(enabled=True, r=raw["r"], alpha=raw["lora_alpha"],
                           dropout=raw.get("lora_dropout", 0.0), target_modules=sorted(targets))
     apply_lora(model, section)
-    pairs = split_fused_pairs(adapter_pairs(
+    pairs = split_fused_pairs(adapter_pairs(adapter_renamed(
         {name.removeprefix(PEFT_PREFIX): tensor
-         for name, tensor in load_file(path / ADAPTER_WEIGHTS).items()}), output_widths(model))
+         for name, tensor in load_file(path / ADAPTER_WEIGHTS).items()}, model.config)),
+        output_widths(model))
     state = {f"{module}.lora_{half}.weight": tensor for module, (a, b) in pairs.items()
              for half, tensor in (("A", a), ("B", b))}
     result = _peft().utils.set_peft_model_state_dict(model, state)

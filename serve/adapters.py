@@ -48,7 +48,8 @@ from torch import Tensor, nn
 from lathe.core.checkpoint_files import checkpoint_file, read_json_object
 from lathe.core.errors import CheckpointError
 from lathe.kernels.lora_bgmv import fused_lora_bgmv, lora_bgmv
-from lathe.model.families import language_model_weights
+from lathe.model.config import ModelConfig
+from lathe.model.families import adapter_renamed, language_model_weights
 from lathe.model.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -188,10 +189,12 @@ def check_base(config_file: Path, base: object, served: dict) -> None:
 
 
 def read_adapter(name: str, path: str | Path, layers: dict[str, MultiLoraLinear],
-                 max_rank: int, served: dict | None = None) -> LoraAdapter:
+                 max_rank: int, served: dict | None = None,
+                 base: ModelConfig | None = None) -> LoraAdapter:
     """A peft adapter folder checked against the base's projections `layers` (module name
-    -> layer) and, when given, the served model's HF config; `CheckpointError` naming the
-    file, the weight and the fix when it does not fit."""
+    -> layer) and, when given, the served model's HF config and its lathe config `base` (whose
+    family's class may name modules otherwise); `CheckpointError` naming the file, the
+    weight and the fix when it does not fit."""
     path = Path(path)
     config_file, weights_file = (checkpoint_file(path, ADAPTER_CONFIG),
                                  checkpoint_file(path, ADAPTER_WEIGHTS))
@@ -229,9 +232,10 @@ def read_adapter(name: str, path: str | Path, layers: dict[str, MultiLoraLinear]
         raise CheckpointError(f"{weights_file}: no LoRA weights")
     try:  # a family's fused projections (Phi-3's qkv_proj) as the projections they stack,
         # and a multimodal base's language model's names as the text model's
+        named = language_model_weights(
+            {key.removeprefix(PEFT_PREFIX): t for key, t in tensors.items()})
         pairs = split_fused_pairs(
-            adapter_pairs(language_model_weights(
-                {key.removeprefix(PEFT_PREFIX): t for key, t in tensors.items()})),
+            adapter_pairs(named if base is None else adapter_renamed(named, base)),
             {module: layer.out_features for module, layer in layers.items()})
     except ValueError as error:
         raise CheckpointError(f"{weights_file}: {error}") from None
@@ -295,6 +299,7 @@ class AdapterSlots:
         """`max_rows`: the most rows a compiled decode step has (its largest bucket);
         `max_loaded`: the most adapters held in host memory (None: no limit), past which
         adding one unloads the least recently used idle one."""
+        self.config = model.config
         self.served = model.config.to_hf_config()
         if max_loras < 1 or max_rank < 1 or (max_loaded is not None and max_loaded < 1):
             raise AdapterError(f"max_loras={max_loras}, max_lora_rank={max_rank} and "
@@ -327,7 +332,8 @@ class AdapterSlots:
 
     def add(self, name: str, path: str | Path) -> LoraAdapter:
         """Read and check an adapter folder and hold it, ready for requests to name."""
-        adapter = read_adapter(name, path, self.layers, self.max_rank, self.served)
+        adapter = read_adapter(name, path, self.layers, self.max_rank, self.served,
+                               self.config)
         with self._lock:
             if name in self.loaded and not self.loaded[name].retiring:
                 raise AdapterError(f"an adapter named {name!r} is already loaded; unload it "

@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from lathe.model import load_checkpoint, save_checkpoint
 from lathe.serve.config import EngineConfig
@@ -393,6 +394,54 @@ def test_a_gemma4_checkpoint_holding_its_shared_layers_keys_loads_without_them(t
     save_checkpoint(ours, tmp_path / "lathe")
     written = load_file(tmp_path / "lathe" / "model.safetensors")
     assert not [name for name in written if name.startswith("model.layers.4.self_attn.k")]
+
+
+def test_a_gemma4_moe_adapter_loads_in_peft_on_its_class_and_back(tmp_path):
+    """26B-A4B keeps its experts beside the MLP at the layer's level (`layers.N.experts`),
+    lathe inside its MoE block: an adapter on attention and the stacked experts is written
+    under the class's names, so peft on `Gemma4ForCausalLM` computes lathe's adapted logits,
+    and lathe reads it back; the engine's slots refuse it as the experts' adapter it is, and
+    serve one that peft put on the class's MLP beside the experts (lathe's shared expert) as
+    peft computes it."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from lathe.core.errors import CheckpointError
+    from lathe.model.lora import LoraSection, apply_lora, load_adapter, save_adapter
+    saved("gemma4-moe", tmp_path / "hf")
+    section = LoraSection(enabled=True, r=4, target_modules=["q_proj", "gate_proj", "down_proj"])
+    model = apply_lora(load_checkpoint(tmp_path / "hf"), section)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.1)
+    save_adapter(model, section, tmp_path / "adapter", tmp_path / "hf")
+    written = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert any(".layers.0.experts.lora_A" in name for name in written)
+    assert not any(".mlp.experts." in name for name in written)
+    ids = torch.randint(0, 256, (2, SEQ))
+    theirs = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", dtype=torch.float32), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        ours = model(ids).logits
+        assert (ours - load_checkpoint(tmp_path / "hf")(ids).logits).abs().max() > 1e-2
+        assert (theirs(ids).logits - ours).abs().max() <= 1e-4
+        reloaded = load_adapter(load_checkpoint(tmp_path / "hf"), tmp_path / "adapter")
+        assert (reloaded(ids).logits - ours).abs().max() <= 1e-5
+    engine = LLMEngine.from_checkpoint(tmp_path / "hf", EngineConfig(num_blocks=32, max_loras=1))
+    with pytest.raises(CheckpointError, match="adapts a mixture of experts' stacked experts"):
+        engine.add_adapter("experts", tmp_path / "adapter")
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf",
+                                                             dtype=torch.float32)
+    dense = get_peft_model(base, LoraConfig(r=4, target_modules=["gate_proj", "o_proj"],
+                                            init_lora_weights=False)).eval()
+    dense.save_pretrained(tmp_path / "dense")
+    engine.add_adapter("dense", tmp_path / "dense")
+    prompt = ids[0, :20].tolist()
+    adapted = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0,
+                                                       ignore_eos=True), adapter="dense")
+    assert adapted[0].outputs[0].token_ids == greedy(dense, prompt, 6)
 
 
 def test_gemma4_full_layers_read_alike_from_the_hub_form_and_per_layer_config():
