@@ -164,7 +164,9 @@ def test_grpo_dynamic_sampling_keeps_two_ranks_in_step(base, tmp_path):
     assert max(rounds.values()) > 1
 
 
-@pytest.mark.parametrize("recipe", ["cpu-ddp", "cpu-zero3"])
+# under ZeRO-3 alone: DDP's ranks hold whole teachers and reward models, each rank's half of
+# the step computed as one process computes it, which the sharded run shows and more
+@pytest.mark.parametrize("recipe", ["cpu-zero3"])
 def test_on_policy_distillation_on_two_ranks_is_the_one_process_run(recipe, base, tmp_path):
     """Each rank samples its half of the step's prompts, seeded by their index in the step,
     and scores them against the teacher (sharded under ZeRO-3): the losses, and the held-out
@@ -189,7 +191,7 @@ def test_on_policy_distillation_on_two_ranks_is_the_one_process_run(recipe, base
         assert step_metrics(two, key) == pytest.approx(step_metrics(one, key), rel=1e-5)
 
 
-@pytest.mark.parametrize("recipe", ["cpu-ddp", "cpu-zero3"])
+@pytest.mark.parametrize("recipe", ["cpu-zero3"])
 def test_a_reward_model_trains_on_two_ranks_as_on_one(recipe, base, tmp_path):
     """lathe rm on 2 ranks × 2 pairs a micro-batch is the one-process step on the same 4
     pairs (the score head sharded under ZeRO-3), and its export gathers whole."""
