@@ -113,10 +113,15 @@ def apply_lora(model: Transformer, section: LoraSection) -> Transformer:
     targeted base linears in 4-bit NF4)."""
     if section.qlora:
         quantize_base_4bit(model, section.target_modules)
-    _peft().inject_adapter_in_model(section.peft_config(has_experts(model)), model)
-    if "lm_head" in section.target_modules and (section.dropout or section.qlora):
-        # the chunked head reads base + B·A (`Transformer.head_weight`): exact without
-        # dropout on the head's input, and only over a full-precision base
+    return _inject(model, section.peft_config(has_experts(model)),
+                   bool(section.dropout or section.qlora))
+
+
+def _inject(model: Transformer, config: Any, inexact_head: bool) -> Transformer:
+    """Inject `config`'s adapters; `inexact_head`: dropout or a quantized base, under which
+    the chunked head's base + B·A (`Transformer.head_weight`) is not the adapted head."""
+    _peft().inject_adapter_in_model(config, model)
+    if "lm_head" in config.target_modules and inexact_head:
         model.chunked_head = False
     return model
 
@@ -212,13 +217,20 @@ def load_adapter(model: Transformer, path: str | Path) -> Transformer:
         raise ConfigError(f"{path} is not a LoRA adapter folder (needs {ADAPTER_CONFIG} and "
                           f"{ADAPTER_WEIGHTS}, as written by a lathe LoRA run)")
     raw = json.loads((path / ADAPTER_CONFIG).read_text())
-    targets = {part.rpartition(".")[2] for target in raw["target_modules"]
+    modules = {part.rpartition(".")[2] for target in raw["target_modules"]
                for part in FUSED.get(_fused_name(target), [target])}
-    targets |= {part for parameter in raw.get("target_parameters") or ()
-                for part in EXPERT_PARAMETERS.get(parameter, ())}
+    parameters = [p for p in raw.get("target_parameters") or () if p in EXPERT_PARAMETERS]
     section = LoraSection(enabled=True, r=raw["r"], alpha=raw["lora_alpha"],
-                          dropout=raw.get("lora_dropout", 0.0), target_modules=sorted(targets))
-    apply_lora(model, section)
+                          dropout=raw.get("lora_dropout", 0.0), target_modules=sorted(
+                              modules | {part for p in parameters
+                                         for part in EXPERT_PARAMETERS[p]}))
+    # the adapter's own targets, as peft reads them on its class: its modules are linears
+    # by name (on Gemma 4's or Qwen2-MoE's class, gate_proj is the MLP beside the experts,
+    # lathe's shared expert), its parameters the stacked experts
+    _inject(model, _peft().LoraConfig(
+        r=section.r, lora_alpha=section.alpha, lora_dropout=section.dropout,
+        target_modules=sorted(modules), target_parameters=parameters or None, bias="none",
+        task_type="CAUSAL_LM"), section.dropout > 0)
     pairs = split_fused_pairs(adapter_pairs(adapter_renamed(
         {name.removeprefix(PEFT_PREFIX): tensor
          for name, tensor in load_file(path / ADAPTER_WEIGHTS).items()}, model.config)),

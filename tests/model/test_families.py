@@ -402,7 +402,7 @@ def test_a_gemma4_moe_adapter_loads_in_peft_on_its_class_and_back(tmp_path):
     under the class's names, so peft on `Gemma4ForCausalLM` computes lathe's adapted logits,
     and lathe reads it back; the engine's slots refuse it as the experts' adapter it is, and
     serve one that peft put on the class's MLP beside the experts (lathe's shared expert) as
-    peft computes it."""
+    peft computes it, and lathe loads that one as peft does."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     from lathe.core.errors import CheckpointError
@@ -442,6 +442,9 @@ def test_a_gemma4_moe_adapter_loads_in_peft_on_its_class_and_back(tmp_path):
     adapted = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0,
                                                        ignore_eos=True), adapter="dense")
     assert adapted[0].outputs[0].token_ids == greedy(dense, prompt, 6)
+    with torch.no_grad():  # and lathe's own load of it (a merge, a resumed run) is peft's
+        loaded = load_adapter(load_checkpoint(tmp_path / "hf"), tmp_path / "dense")
+        assert (loaded(ids).logits - dense(ids).logits).abs().max() <= 1e-4
 
 
 def test_gemma4_full_layers_read_alike_from_the_hub_form_and_per_layer_config():
