@@ -739,11 +739,20 @@ def _expert_names(layout: ExpertLayout, name: str) -> tuple[str, int, int] | Non
     return prefix, int(expert), layout.projections.index(projection)
 
 
+def _layer_parts(name: str) -> tuple[str, str, str] | None:
+    """`<head>.layers.<N>.<rest>` as (head, N, rest); None for a name outside the layers."""
+    head, found, part = name.partition(".layers.")
+    index, _, rest = part.partition(".")
+    return (head, index, rest) if found else None
+
+
 def _renamed(name: str, names: dict[str, str]) -> str:
     """`model.layers.N.<part>` as `model.layers.N.<names[part]>`; other names as they are."""
-    head, _, part = name.partition(".layers.")
-    index, _, rest = part.partition(".")
-    return f"{head}.layers.{index}.{names[rest]}" if rest in names else name
+    parts = _layer_parts(name)
+    if parts is None or parts[2] not in names:
+        return name
+    head, index, rest = parts
+    return f"{head}.layers.{index}.{names[rest]}"
 
 
 def adapter_renamed(weights: dict[str, Any], config: Any,
@@ -763,10 +772,11 @@ def adapter_renamed(weights: dict[str, Any], config: Any,
     longest_first = sorted(modules, key=len, reverse=True)
     out = {}
     for name, tensor in weights.items():
-        head, found, part = name.partition(".layers.")
-        index, _, rest = part.partition(".")
-        module = next((m for m in longest_first if rest.startswith(f"{m}.")), None)
-        if found and module is not None:
+        parts = _layer_parts(name)
+        module = None if parts is None else next(
+            (m for m in longest_first if parts[2].startswith(f"{m}.")), None)
+        if module is not None:
+            head, index, rest = parts
             name = f"{head}.layers.{index}.{modules[module]}{rest[len(module):]}"
         out[name] = tensor
     return out

@@ -97,10 +97,14 @@ class LoraSection:
         parameters."""
         mlp = {part for parts in EXPERT_PARAMETERS.values() for part in parts}
         modules = [t for t in self.target_modules if not (experts and t in mlp)]
+        return self.lora_config(modules, self.expert_parameters() if experts else None)
+
+    def lora_config(self, modules: list[str], parameters: list[str] | None) -> Any:
+        """The `peft.LoraConfig` of this section's rank, scale and dropout on `modules`
+        (linears, by name) and `parameters` (stacked experts; None: none)."""
         return _peft().LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
-                                  target_modules=modules, bias="none",
-                                  target_parameters=self.expert_parameters() if experts
-                                  else None, task_type="CAUSAL_LM")
+                                  target_modules=modules, target_parameters=parameters,
+                                  bias="none", task_type="CAUSAL_LM")
 
     def expert_parameters(self) -> list[str]:
         """The stacked expert parameters the MLP targets reach (peft `target_parameters`)."""
@@ -227,10 +231,8 @@ def load_adapter(model: Transformer, path: str | Path) -> Transformer:
     # the adapter's own targets, as peft reads them on its class: its modules are linears
     # by name (on Gemma 4's or Qwen2-MoE's class, gate_proj is the MLP beside the experts,
     # lathe's shared expert), its parameters the stacked experts
-    _inject(model, _peft().LoraConfig(
-        r=section.r, lora_alpha=section.alpha, lora_dropout=section.dropout,
-        target_modules=sorted(modules), target_parameters=parameters or None, bias="none",
-        task_type="CAUSAL_LM"), section.dropout > 0)
+    _inject(model, section.lora_config(sorted(modules), parameters or None),
+            section.dropout > 0)
     pairs = split_fused_pairs(adapter_pairs(adapter_renamed(
         {name.removeprefix(PEFT_PREFIX): tensor
          for name, tensor in load_file(path / ADAPTER_WEIGHTS).items()}, model.config)),

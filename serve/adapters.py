@@ -189,12 +189,11 @@ def check_base(config_file: Path, base: object, served: dict) -> None:
 
 
 def read_adapter(name: str, path: str | Path, layers: dict[str, MultiLoraLinear],
-                 max_rank: int, served: dict | None = None,
-                 base: ModelConfig | None = None) -> LoraAdapter:
+                 max_rank: int, base: ModelConfig | None = None) -> LoraAdapter:
     """A peft adapter folder checked against the base's projections `layers` (module name
-    -> layer) and, when given, the served model's HF config and its lathe config `base` (whose
-    family's class may name modules otherwise); `CheckpointError` naming the file, the
-    weight and the fix when it does not fit."""
+    -> layer) and, when given, the served model's config `base` (its HF config, and its
+    family's class's module names); `CheckpointError` naming the file, the weight and the
+    fix when it does not fit."""
     path = Path(path)
     config_file, weights_file = (checkpoint_file(path, ADAPTER_CONFIG),
                                  checkpoint_file(path, ADAPTER_WEIGHTS))
@@ -203,8 +202,8 @@ def read_adapter(name: str, path: str | Path, layers: dict[str, MultiLoraLinear]
                               f"and {ADAPTER_WEIGHTS} (peft's save_pretrained, or a lathe "
                               "LoRA run's final-adapter)")
     config = read_json_object(config_file)
-    if served is not None:
-        check_base(config_file, config.get("base_model_name_or_path"), served)
+    if base is not None:
+        check_base(config_file, config.get("base_model_name_or_path"), base.to_hf_config())
     for key, wanted in (("use_dora", False), ("bias", "none"), ("modules_to_save", None)):
         if config.get(key, wanted) not in (wanted, [], {}):
             raise CheckpointError(f"{config_file}: {key}={config[key]!r} is not served; only "
@@ -300,7 +299,6 @@ class AdapterSlots:
         `max_loaded`: the most adapters held in host memory (None: no limit), past which
         adding one unloads the least recently used idle one."""
         self.config = model.config
-        self.served = model.config.to_hf_config()
         if max_loras < 1 or max_rank < 1 or (max_loaded is not None and max_loaded < 1):
             raise AdapterError(f"max_loras={max_loras}, max_lora_rank={max_rank} and "
                                f"max_loaded_loras={max_loaded} must be >= 1")
@@ -332,8 +330,7 @@ class AdapterSlots:
 
     def add(self, name: str, path: str | Path) -> LoraAdapter:
         """Read and check an adapter folder and hold it, ready for requests to name."""
-        adapter = read_adapter(name, path, self.layers, self.max_rank, self.served,
-                               self.config)
+        adapter = read_adapter(name, path, self.layers, self.max_rank, self.config)
         with self._lock:
             if name in self.loaded and not self.loaded[name].retiring:
                 raise AdapterError(f"an adapter named {name!r} is already loaded; unload it "
