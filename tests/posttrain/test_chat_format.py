@@ -82,7 +82,7 @@ def test_dpo_and_grpo_render_through_the_given_template(long_base, tmp_path, sta
         settings |= LONG | {"data.limit": 16}  # reference log-probs are taken for each pair
     if stage == "grpo":
         settings |= {"prompts_per_step": 2, "num_generations": 2, "max_completion_tokens": 4,
-                     "grad_accum_steps": 2}
+                     "grad_accum_steps": 2, "limit": 16}
     assert main([stage, *quick(out, long_base, max_steps=1, **settings)]) == 0
     assert exported_template(out) == plain(CHATML)
 

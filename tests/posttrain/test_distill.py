@@ -141,7 +141,7 @@ def test_on_policy_refuses_a_cross_entropy_on_its_own_samples():
 
 def test_on_policy_distillation_resumes_exactly_after_kill_9(base, teacher, tmp_path):
     settings = {**ON_POLICY, "eval.every": 100, "checkpoint.every": 2, "logging.log_every": 1,
-                "teacher": teacher}
+                "teacher": teacher, "data.limit": 256}
     whole, killed = killed_and_resumed("lathe.posttrain.distill", base, tmp_path, 5, **settings)
 
     def losses(out):

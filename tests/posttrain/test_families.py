@@ -78,7 +78,8 @@ def test_sft_and_dpo_with_lora_on_a_foreign_checkpoint(family_base, tmp_path):
     ids = torch.randint(0, 300, (1, 40))
     sft = tmp_path / "sft"
     assert main(["sft", *quick(sft, family_base, max_steps=2, **{"lora.enabled": "true",
-                                                               "optim.lr": 3e-3})]) == 0
+                                                               "optim.lr": 3e-3,
+                                                               "data.limit": 64})]) == 0
     logits_agree(sft / "final", ids, family)
     base = transformers.AutoModelForCausalLM.from_pretrained(family_base, dtype=torch.float32)
     adapted = PeftModel.from_pretrained(base, sft / "final-adapter").eval()
@@ -97,7 +98,7 @@ def test_sft_and_dpo_with_lora_on_a_foreign_checkpoint(family_base, tmp_path):
         # GRPO's rollout engine takes the merged weights each step instead of a slot
         grpo = tmp_path / "grpo"
         assert main(["grpo", *quick(grpo, family_base, max_steps=2, prompts_per_step=2,
-                                    num_generations=2, **{"lora.enabled": "true"})]) == 0
+                                    num_generations=2, limit=16, **{"lora.enabled": "true"})]) == 0
         logits_agree(grpo / "final", ids, family)
         return
     engine.add_adapter("sft", sft / "final-adapter")

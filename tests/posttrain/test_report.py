@@ -19,7 +19,8 @@ PNG = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def run(base, tmp_path_factory):
     root = tmp_path_factory.mktemp("run")
-    assert main(["sft", *quick(root / "sft", base, max_steps=4, **{"eval.every": 2})]) == 0
+    assert main(["sft", *quick(root / "sft", base, max_steps=4, **{"eval.every": 2,
+                                                                      "data.limit": 64})]) == 0
     with (root / "sft" / "metrics.jsonl").open("a") as f:
         f.write('{"step": 5, "loss": 1.')  # a run killed mid-write leaves half a line
     return root

@@ -85,7 +85,8 @@ def test_sft_on_two_ranks_with_accumulation_is_the_one_process_step(recipe, base
 
 GRPO = {"max_steps": 3, "prompts_per_step": 4, "num_generations": 4,
         "max_completion_tokens": 6, "beta": 0.04, "optim.lr": 5e-3, "eval.every": 100,
-        "task_eval.examples": 4, "rewards": '[{name: "tests.posttrain.test_stages:digit_share"}]'}
+        "task_eval.examples": 4, "limit": 256,
+        "rewards": '[{name: "tests.posttrain.test_stages:digit_share"}]'}
 
 
 @pytest.mark.parametrize("recipe", ["cpu-ddp", *SHARDED])
@@ -140,7 +141,8 @@ def test_dpo_under_zero3_bf16_starts_at_log_2(base, tmp_path):
     out = tmp_path / "dpo"
     processes.run(launch("cpu-zero3", "-m", "lathe.posttrain.dpo", *quick(
         out, base, max_steps=1, micro_batch_size=4, **{"precision.mixed_precision": "bf16",
-                                                       "task_eval.examples": 4})),
+                                                       "task_eval.examples": 4,
+                                                       "data.limit": 64})),
         timeout=300, cwd=ROOT)
     first = json.loads((out / "summary.json").read_text())["parallel"]
     assert first["mixed_precision"] == "bf16" and first["zero_stage"] == 3
@@ -177,7 +179,8 @@ def test_on_policy_distillation_on_two_ranks_is_the_one_process_run(recipe, base
                               tmp_path / "teacher", tokenizer=base)
     settings = {"mode": "on_policy", "loss": "reverse_kl", "teacher": teacher, "max_steps": 3,
                 "micro_batch_size": 4, "max_completion_tokens": 6, "optim.lr": 3e-3,
-                "eval.every": 3, "task_eval.examples": 4, "logging.log_every": 1}
+                "eval.every": 3, "task_eval.examples": 4, "logging.log_every": 1,
+                "data.limit": 256}
     one, two = tmp_path / "one", tmp_path / recipe
     reset_accelerate()
     distill(load_config(DistillConfig, None, quick(one, base, **settings,

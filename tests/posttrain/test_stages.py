@@ -137,7 +137,7 @@ def test_the_held_out_task_is_off_on_your_own_data_and_when_examples_is_0(base, 
     assert "arithmetic accuracy off" in printed and "accuracy off -> off" in printed
     assert all(math.isnan(a) for a in summary(tmp_path / "own")["accuracy"])
     assert main(["sft", *quick(tmp_path / "zero", base, max_steps=2, **{
-        "task_eval.examples": 0})]) == 0
+        "task_eval.examples": 0, "data.limit": 64})]) == 0
     assert "accuracy off -> off" in capsys.readouterr().out
     assert main(["sft", *quick(tmp_path / "bad", base, **{"task_eval.examples": 0,
                                                            "task_eval.stop_at": 0.5})]) == 2
@@ -277,7 +277,7 @@ def test_grpo_resumes_exactly_after_kill_9(base, tmp_path):
     the uninterrupted run's losses and rewards."""
     settings = {"optim.lr": 3e-3, "eval.every": 100, "checkpoint.every": 2,
                 "logging.log_every": 1, "prompts_per_step": 4, "num_generations": 4,
-                "max_completion_tokens": 6, **GRPO_RECIPE,
+                "max_completion_tokens": 6, "limit": 256, **GRPO_RECIPE,
                 "rewards": '[{name: "tests.posttrain.test_stages:starts_with_a_digit"}]'}
     whole, killed = killed_and_resumed("lathe.posttrain.grpo", base, tmp_path, 6, **settings)
     expected, got = step_records(whole), step_records(killed)
@@ -316,7 +316,8 @@ def test_sft_and_dpo_run_on_two_cpu_processes(base, tmp_path, stage):
 def test_export_merge_lora_writes_the_merged_checkpoint(base, tmp_path):
     out = tmp_path / "sft"
     assert main(["sft", *quick(out, base, max_steps=3, **{"eval.every": 3,
-                                                          "lora.enabled": "true"})]) == 0
+                                                          "lora.enabled": "true",
+                                                          "data.limit": 64})]) == 0
     assert main(["export", str(base), "--merge-lora", str(out / "final-adapter"),
                  "--out", str(tmp_path / "merged")]) == 0
     ids = torch.randint(0, 400, (1, 16))
@@ -335,7 +336,7 @@ def step_losses(out: Path) -> dict[int, float]:
 
 def test_sft_resumes_exactly_from_saved_state(base, tmp_path):
     settings = {"optim.lr": 2e-3, "eval.every": 100, "checkpoint.every": 3,
-                "logging.log_every": 1, "checkpoint.keep_last": 3}
+                "logging.log_every": 1, "checkpoint.keep_last": 3, "data.limit": 256}
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     assert main(["sft", *quick(whole, base, max_steps=6, **settings)]) == 0
     (resumed / "state").mkdir(parents=True)
