@@ -33,4 +33,21 @@ if [ ! -f "$LLAMA_CPP/libllama.v0.5.0.so" ] && [ "$(uname -sm)" = "Linux x86_64"
     fi
     rm -rf "$download"
 fi
+# Without a GPU, build now what the first CPU run would otherwise build and wait for: lathe's
+# native CPU kernels (the serve engine's attention, linears and greedy picks) and DeepSpeed's
+# shared-memory collective (its CPU ZeRO runs). Each builds once per environment; a failed
+# build warns and the PyTorch paths stay.
+.venv/bin/python - <<'PY'
+import torch
+if not torch.cuda.is_available():
+    from lathe.kernels.cpu_native import load_cpu_kernels
+    load_cpu_kernels()
+    try:
+        from deepspeed.accelerator import get_accelerator
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        if builder is not None:
+            builder.load(verbose=False)
+    except Exception as error:  # a CPU ZeRO run then builds it, or runs without it
+        print(f"DeepSpeed's shared-memory collective did not build: {error}")
+PY
 .venv/bin/python -c "import torch, lathe.model; print(f'lathe ready: torch {torch.__version__}')"
