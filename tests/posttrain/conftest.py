@@ -3,6 +3,7 @@ overrides that make every post-training stage a seconds-long CPU run."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -39,14 +40,17 @@ def quick(out_dir: Path, model: Path, **extra) -> list[str]:
 
 def killed_and_resumed(module: str, base: Path, root: Path, steps: int, **settings) -> tuple[
         Path, Path]:
-    """`python -m module` run whole, and again SIGKILLed in step 4 (`LATHE_FAILPOINT`) then
-    resumed with `--resume auto`: the two runs' output folders."""
+    """`module`'s stage run whole (in this process, as `lathe` runs it), and again as `python
+    -m module` SIGKILLed in step 4 (`LATHE_FAILPOINT`) then resumed with `--resume auto`:
+    the two runs' output folders."""
     from tests import processes
+    from tests.builders import reset_accelerate
     cwd = Path(__file__).resolve().parents[2]
     whole, killed = root / "whole", root / "killed"
     command = [sys.executable, "-m", module]
-    processes.run([*command, *quick(whole, base, max_steps=steps, **settings)], timeout=300,
-                  cwd=cwd)
+    reset_accelerate()
+    assert importlib.import_module(module).main(quick(whole, base, max_steps=steps,
+                                                      **settings)) == 0
     result = processes.run([*command, *quick(killed, base, max_steps=steps, **settings)],
                            timeout=300, cwd=cwd, check=False,
                            env=dict(os.environ, LATHE_FAILPOINT="step@4"))

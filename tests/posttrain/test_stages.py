@@ -87,7 +87,7 @@ def test_sft_cools_down_after_stop_at_and_resumes_inside_the_cooldown(base, tmp_
                 "schedule.kind": "constant", "schedule.min_lr_ratio": 0.1}
     command = [sys.executable, "-m", "lathe.posttrain.sft"]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    processes.run([*command, *quick(whole, base, **settings)], timeout=300, cwd=ROOT)
+    assert main(["sft", *quick(whole, base, **settings)]) == 0
     result = summary(whole)
     reached = 5 * result["accuracy"].index(1.0)
     assert 0 < reached and result["steps"] == reached + 6 < 400
