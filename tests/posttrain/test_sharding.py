@@ -1,16 +1,18 @@
 """Post-training on 2 CPU processes, shown rather than assumed: under FSDP2 and ZeRO-3 each
 rank holds half of a policy weight and half of the reference's; an SFT step with
-accumulation on 2 ranks is the one-process step on the same 8 chats; GRPO with a sharded
-reference and its rollout engine synced from the shards reproduces the one-process run, and
-so does on-policy distillation from a sharded teacher, and a reward model's training; GRPO's
-dynamic sampling keeps both ranks drawing the same rounds; asynchronous GRPO's two ranks
-share one rollout server the main process starts, pushes to and stops."""
+accumulation on 2 ranks is the one-process step on the same 8 rows (of chats, or packed);
+GRPO with a sharded reference and its rollout engine synced from the shards reproduces the
+one-process run, and so does on-policy distillation from a sharded teacher, and a reward
+model's training; GRPO's dynamic sampling keeps both ranks drawing the same rounds;
+asynchronous GRPO's two ranks share one rollout server the main process starts, pushes to
+and stops."""
 
 from __future__ import annotations
 
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -56,27 +58,38 @@ def test_each_rank_holds_half_of_the_policy_and_of_the_reference(recipe, tmp_pat
 
 SFT = {"max_steps": 3, "micro_batch_size": 8, "optim.lr": 2e-3, "eval.every": 100,
        "data.limit": 64}
+PACKED = {"data.packing": "true", "data.max_len": 128}  # ~6 chats a row, 11 rows
 
 
 @pytest.fixture(scope="module")
-def sft_one_process(base, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("sft") / "one"
-    reset_accelerate()
-    sft(load_config(SFTConfig, None, quick(out, base, **SFT)))
-    return out
+def sft_one_process(base, tmp_path_factory) -> Callable[[bool], Path]:
+    """The one-process run on rows of chats, or on packed rows: run once each, on demand."""
+    runs: dict[bool, Path] = {}
+
+    def run(packed: bool) -> Path:
+        if packed not in runs:
+            runs[packed] = tmp_path_factory.mktemp("sft") / "one"
+            reset_accelerate()
+            sft(load_config(SFTConfig, None, quick(runs[packed], base, **SFT,
+                                                   **(PACKED if packed else {}))))
+        return runs[packed]
+    return run
 
 
-@pytest.mark.parametrize("recipe", ["cpu-ddp", *SHARDED])
-def test_sft_on_two_ranks_with_accumulation_is_the_one_process_step(recipe, base, tmp_path,
-                                                                    sft_one_process):
-    """2 ranks × 2 micro-batches of 2 chats = one process's 8: the same loss and gradient
-    norm each step, though the chats' assistant-token counts differ per micro-batch."""
+# rows of chats under the sharded backends, packed rows (each rank collating its own) under DDP
+@pytest.mark.parametrize(("recipe", "packed"), [
+    ("cpu-ddp", True), ("cpu-fsdp2", False), ("cpu-zero3", False)])
+def test_sft_on_two_ranks_with_accumulation_is_the_one_process_step(recipe, packed, base,
+                                                                    tmp_path, sft_one_process):
+    """2 ranks × 2 micro-batches of 2 rows = one process's 8: the same loss and gradient
+    norm each step, though the rows' assistant-token counts differ per micro-batch."""
     out = tmp_path / recipe
-    settings = {**SFT, "micro_batch_size": 2, "grad_accum_steps": 2}
+    settings = {**SFT, **(PACKED if packed else {}), "micro_batch_size": 2,
+                "grad_accum_steps": 2}
     processes.run(launch(recipe, "-m", "lathe.posttrain.sft", *quick(out, base, **settings)),
                   timeout=300, cwd=ROOT)
     for key in ("loss", "grad_norm"):
-        one, two = step_metrics(sft_one_process, key), step_metrics(out, key)
+        one, two = step_metrics(sft_one_process(packed), key), step_metrics(out, key)
         assert sorted(two) == [1, 2, 3]
         # fp32 reduction order differs across ranks: ~1e-6 relative
         assert max(abs(one[s] - two[s]) / max(1.0, abs(one[s])) for s in one) < 1e-5, (
