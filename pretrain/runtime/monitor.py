@@ -49,15 +49,19 @@ def peak_flops(device: torch.device, fp8: bool = False) -> tuple[float, str]:
             if key in name:
                 return flops * (2 if fp8 else 1), f"table: {key} {'fp8' if fp8 else 'bf16'}"
         return float("nan"), f"unknown GPU {name!r}: add it to GPU_PEAK_BF16"
-    return measure_cpu_peak(torch.get_num_threads()), "measured: fp32 matmul"
+    return measure_cpu_peak(), "measured: fp32 matmul"
+
+
+def measure_cpu_peak() -> float:
+    """Best fp32 matmul FLOP/s with this process's threads, measured once a process for each
+    thread count: every stage started in one process reports MFU against the same peak."""
+    return _matmul_peak(torch.get_num_threads())
 
 
 @functools.cache
-def measure_cpu_peak(threads: int, size: int = 1024, repeats: int = 5) -> float:
-    """Best fp32 matmul FLOP/s over a few repeats on `threads` threads (this process's
-    count), measured once a process for each count: every stage started in one process
-    reports MFU against the same peak. Its own generator: whether it ran leaves the run's
-    random stream as it was."""
+def _matmul_peak(threads: int, size: int = 1024, repeats: int = 5) -> float:
+    """`threads`: the count torch runs on now, the cache's key. Its own generator: whether it
+    ran leaves the run's random stream as it was."""
     generator = torch.Generator().manual_seed(0)
     a, b = (torch.randn(size, size, generator=generator) for _ in range(2))
     a @ b

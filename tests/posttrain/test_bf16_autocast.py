@@ -39,13 +39,13 @@ def kernels(request, monkeypatch):
     monkeypatch.setenv("LATHE_KERNELS", request.param)
 
 
-def bf16(out: Path, model: Path, **extra) -> list[str]:
-    """Two steps of two rows under bf16; a chat stage reads 16 of the task's rows, GRPO 16
-    of its prompts (rendering and tokenizing all 13,564 took most of a run)."""
-    rows = {"limit": 16} if "num_generations" in extra else {"data.limit": 16}
-    return quick(out, model, max_steps=2, micro_batch_size=2, **{
+def bf16(stage: str, out: Path, model: Path, **extra) -> list[str]:
+    """`stage`'s command line for two steps of two rows under bf16, reading 16 of the task's
+    rows (GRPO: of its prompts; rendering and tokenizing all 13,564 took most of a run)."""
+    rows = {"limit": 16} if stage == "grpo" else {"data.limit": 16}
+    return [stage, *quick(out, model, max_steps=2, micro_batch_size=2, **{
         **rows, "precision.mixed_precision": "bf16", "task_eval.examples": 2,
-        "task_eval.max_tokens": 2, "eval.batches": 1, "eval.every": 2, **extra})
+        "task_eval.max_tokens": 2, "eval.batches": 1, "eval.every": 2, **extra})]
 
 
 def exported_dtypes(folder: Path) -> set[str]:
@@ -63,9 +63,9 @@ def test_sft_in_bf16(small_base, tmp_path, fp8, packing):
     """With FP8 too: the task evaluation's engine runs the converted policy; and packed
     (forced: the Triton attention kernel's document path)."""
     out = tmp_path / "sft"
-    assert main(["sft", *bf16(out, small_base, **{
+    assert main(bf16("sft", out, small_base, **{
         "data.max_len": 64 if packing else 32, "data.packing": str(packing).lower(),
-        "precision.fp8": str(fp8).lower()})]) == 0
+        "precision.fp8": str(fp8).lower()})) == 0
     assert math.isfinite(first_loss(out))
     assert exported_dtypes(out / "final") == {"BF16"}
 
@@ -74,8 +74,8 @@ def test_dpo_in_bf16_starts_at_log_2(small_base, tmp_path):
     """The reference log-probs are computed in the policy's autocast, so at step 1 policy
     and reference agree exactly and the sigmoid loss is log 2."""
     out = tmp_path / "dpo"
-    assert main(["dpo", *bf16(out, small_base, **{"data.train": "task:arithmetic",
-                                                  "data.max_len": 32, "data.limit": 8})]) == 0
+    assert main(bf16("dpo", out, small_base, **{"data.train": "task:arithmetic",
+                                                  "data.max_len": 32, "data.limit": 8})) == 0
     assert first_loss(out) == pytest.approx(math.log(2), abs=1e-6)
     assert exported_dtypes(out / "final") == {"BF16"}
 
@@ -95,9 +95,9 @@ def test_grpo_in_bf16_with_a_reference(small_base, tmp_path, lora, monkeypatch):
     the checkpoint's weights."""
     reads = count_weight_reads(monkeypatch)
     out = tmp_path / "grpo"
-    assert main(["grpo", *bf16(out, small_base, prompts_per_step=2, num_generations=2,
+    assert main(bf16("grpo", out, small_base, prompts_per_step=2, num_generations=2,
                                max_completion_tokens=3, beta=0.04,
-                               **{"lora.enabled": str(lora).lower()})]) == 0
+                               **{"lora.enabled": str(lora).lower()})) == 0
     assert math.isfinite(first_loss(out))
     assert [file.parent for file in reads].count(small_base) == 1
 
@@ -106,8 +106,8 @@ def test_logit_distillation_in_bf16(small_base, tmp_path, monkeypatch):
     """Packed: the teacher reads the rows' documents as the student does."""
     reads = count_weight_reads(monkeypatch)
     out = tmp_path / "distill"
-    assert main(["distill", *bf16(out, small_base, teacher=small_base, **{
-        "data.max_len": 64, "data.packing": "true"})]) == 0
+    assert main(bf16("distill", out, small_base, teacher=small_base, **{
+        "data.max_len": 64, "data.packing": "true"})) == 0
     assert math.isfinite(first_loss(out))
     # the student once; the teacher once, for training and for its score
     assert [file.parent for file in reads].count(small_base) == 2
@@ -118,8 +118,8 @@ def test_on_policy_distillation_in_bf16(small_base, tmp_path):
     teacher under autocast: a finite loss and held-out KL, the export in bf16 as every
     stage's."""
     out = tmp_path / "on_policy"
-    assert main(["distill", *bf16(out, small_base, teacher=small_base, mode="on_policy",
-                                  loss="reverse_kl", max_completion_tokens=4)]) == 0
+    assert main(bf16("distill", out, small_base, teacher=small_base, mode="on_policy",
+                                  loss="reverse_kl", max_completion_tokens=4)) == 0
     assert math.isfinite(first_loss(out))
     kl = json.loads((out / "summary.json").read_text())["reverse_kl"]
     assert kl[0] == pytest.approx(0.0, abs=1e-2)  # a teacher equal to the student
@@ -131,7 +131,7 @@ def test_reward_model_in_bf16(small_base, tmp_path):
     """The score head under autocast: the first Bradley–Terry loss is log 2 (a fresh head
     scores both replies ~0) and the export is a sequence classifier."""
     out = tmp_path / "rm"
-    assert main(["rm", *bf16(out, small_base, **{"data.max_len": 64})]) == 0
+    assert main(bf16("rm", out, small_base, **{"data.max_len": 64})) == 0
     assert first_loss(out) == pytest.approx(math.log(2), abs=0.05)
     assert load_checkpoint(out / "final").config.num_labels == 1
     assert exported_dtypes(out / "final") == {"BF16"}
