@@ -1,8 +1,8 @@
 """A checkpoint as one GGUF file for llama.cpp (and Ollama, LM Studio), written with the
 `gguf` package: the architecture's hyper-parameters, the vocabulary as llama.cpp tokenizes
-it (`lathe.serve.gguf_vocab`: byte-level BPE or SentencePiece, end-of-turn ids), the chat
-template, and every tensor under llama.cpp's name in f32 (the exact
-weights, to compare runtimes on the same numbers), f16, bf16 or q8_0.
+it (`lathe.serve.gguf_vocab`: byte-level BPE, SentencePiece or Gemma 4's ranked BPE,
+end-of-turn ids), the chat template, and every tensor under llama.cpp's name in f32 (the
+exact weights, to compare runtimes on the same numbers), f16, bf16 or q8_0.
 
 Each family is written as the llama.cpp architecture its converter makes of it (`ARCHES`):
 llama, mistral and mixtral as `llama`; qwen2, qwen3, gemma2, gemma3, gemma4, phi3, qwen2_moe

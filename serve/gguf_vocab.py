@@ -9,10 +9,15 @@ Two shapes of `tokenizer.json` are written, as llama.cpp's own converter writes 
   file and matched against the known ones (`PRE_TOKENIZERS`); one llama.cpp does not know
   would split text differently there, so it is refused.
 - SentencePiece BPE (pieces with "▁" for spaces and `<0xNN>` byte fallback: Llama 2,
-  Mistral, Gemma, Phi-3) as the `llama` model: pieces, a score each (llama.cpp merges the
+  Mistral, Gemma 1-3, Phi-3) as the `llama` model: pieces, a score each (llama.cpp merges the
   adjacent pair whose joined piece scores highest, so a piece scores minus the rank of the
   first merge that makes it) and token types (byte pieces BYTE), with `add_space_prefix`
   when the tokenizer prepends "▁".
+
+Gemma 4's tokenizer is SentencePiece-shaped but a BPE by merge rank with more merges than
+pieces (several merges make the same piece), which no score per piece reproduces: it is
+written as llama.cpp's `gemma4` model (its converter's), the merges themselves over the
+"▁"-spaced pieces, and llama.cpp merges by their rank as HF does.
 
 Gemma 4's tool-call, reasoning and string-quote markers are special tokens that its files
 type user-defined, as its converter does, so that llama.cpp shows them in text.
@@ -47,6 +52,8 @@ PRE_TOKENIZERS = {LLAMA3_REGEX: "llama-bpe", QWEN2_REGEX: "qwen2", TEKKEN_REGEX:
                   GPT2: "gpt-2", SMOLLM: "smollm"}
 # families whose llama.cpp name for the Llama-3 regex is their own (it also drops the BOS)
 FAMILY_PRE = {"glm4_moe": {"llama-bpe": "glm4"}}
+# families whose "▁"-spaced BPE llama.cpp reads by merge rank, as its tokenizer model named
+RANKED_SPM = {"gemma4_text": "gemma4"}
 # special tokens a family's llama.cpp files show in text (user-defined, not control), as its
 # converter writes them, so that llama-server's chat parser reads the calls and reasoning
 VISIBLE = {"gemma4_text": {"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>",
@@ -57,11 +64,11 @@ END_KINDS = ("eos", "eot", "eom")  # the end ids a GGUF file can name
 
 @dataclass
 class GGUFVocabulary:
-    model: str  # "gpt2" or "llama"
+    model: str  # "gpt2", "llama" or a RANKED_SPM model
     tokens: list[str]
     token_types: list[int]
     pre: str | None = None  # gpt2 only
-    merges: list[str] = field(default_factory=list)  # gpt2 only
+    merges: list[str] = field(default_factory=list)  # gpt2 and RANKED_SPM
     scores: list[float] = field(default_factory=list)  # llama only
     add_space_prefix: bool = False  # llama only
     special_ids: dict[str, int] = field(default_factory=dict)  # bos, eos, eot, eom, unk, pad
@@ -95,11 +102,15 @@ def gguf_vocabulary(checkpoint: Path, vocab_size: int, family: str) -> GGUFVocab
     pieces, types = _pieces(data, vocab_size)
     spm = bool(model.get("byte_fallback"))
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    vocabulary = GGUFVocabulary(model="llama" if spm else "gpt2", tokens=pieces,
+    ranked = RANKED_SPM.get(family) if spm else None
+    vocabulary = GGUFVocabulary(model=ranked or ("llama" if spm else "gpt2"), tokens=pieces,
                                 token_types=types)
-    if spm:
+    if ranked:
+        vocabulary.merges = _ranked_merges(data, merges, checkpoint, ranked)
+    elif spm:
         vocabulary.scores = _scores(pieces, merges)
         vocabulary.add_space_prefix = _prepends_space(data)
+    if spm:
         vocabulary.token_types = [int(gguf.TokenType.BYTE) if BYTE_PIECE.fullmatch(piece)
                                   and kind == gguf.TokenType.NORMAL else kind
                                   for piece, kind in zip(pieces, types, strict=True)]
@@ -141,6 +152,24 @@ def _scores(pieces: list[str], merges: list[str]) -> list[float]:
         rank.setdefault(left + right, r)
     floor = -float(len(merges) + 1)
     return [-float(rank[piece]) if piece in rank else floor for piece in pieces]
+
+
+def _ranked_merges(data: dict[str, Any], merges: list[str], checkpoint: Path,
+                   model: str) -> list[str]:
+    """`merges` as a GGUF file spells them ("left right"), for llama.cpp's `model`, which
+    neither prepends "▁" to the text nor reads merges of pieces with a space in them."""
+    if _prepends_space(data):
+        raise CheckpointError(
+            f"{checkpoint / 'tokenizer.json'}: this tokenizer puts '▁' before the text, "
+            f"which llama.cpp's {model!r} tokenizer model (the family's) does not, so "
+            "llama.cpp would tokenize every text differently; its tokenizer cannot be exported")
+    for merge in merges:
+        if merge.count(" ") != 1:
+            raise CheckpointError(
+                f"{checkpoint / 'tokenizer.json'}: merge {merge!r} joins a piece with a space "
+                "in it, which a GGUF file's merges cannot spell (llama.cpp splits them at the "
+                "space); its tokenizer cannot be exported")
+    return merges
 
 
 def _prepends_space(data: dict[str, Any]) -> bool:

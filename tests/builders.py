@@ -100,6 +100,67 @@ def build_sentencepiece_tokenizer(folder: Path, end_of_turn: str = "<end_of_turn
     return folder
 
 
+def syllable_text(lines: int, seed: int = 0) -> list[str]:
+    """Seeded lines of made-up words (Latin, accented, Cyrillic, CJK and emoji syllables):
+    enough distinct text for a BPE of a thousand pieces."""
+    import random
+    rng = random.Random(seed)
+    syllables = ["ka", "to", "ri", "an", "en", "the", "ing", "ion", "qu", "st", "pr", "ou",
+                 "é", "ж", "東", "🙂"]
+    return [" ".join("".join(rng.choice(syllables) for _ in range(rng.randint(1, 4)))
+                     for _ in range(20)) for _ in range(lines)]
+
+
+def build_gemma4_tokenizer(folder: Path, specials: tuple[str, ...] = ("<|turn>", "<turn|>")
+                           ) -> Path:
+    """The shape of Gemma 4's tokenizer.json: a BPE over "▁"-spaced text with `<0xNN>` byte
+    fallback (ids 5-260, after <pad> <eos> <bos> <unk> <mask>), no "▁" prepended, no split
+    at spaces (merges join words), the pre-tokenizer transformers' GemmaTokenizer writes, a
+    BOS added — and more merges than pieces: as in Gemma 4's (514,906 merges for 262,144
+    pieces), several merges make the same piece, each at its own rank. `specials` follow
+    the pieces."""
+    import random
+
+    from tokenizers import Regex, normalizers, processors
+
+    draft = Tokenizer(models.BPE(unk_token="<unk>"))
+    draft.normalizer = normalizers.Replace(" ", "▁")
+    draft.pre_tokenizer = pre_tokenizers.Split(Regex("\n+"), behavior="isolated")
+    draft.train_from_iterator(_CORPUS * 10 + syllable_text(400), trainers.BpeTrainer(
+        vocab_size=1500, show_progress=False, max_token_length=12))
+    trained = json.loads(draft.to_str())["model"]
+    heads = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
+    vocab = {token: i for i, token in enumerate(
+        heads + [f"<0x{b:02X}>" for b in range(256)]
+        + [t for t, _ in sorted(trained["vocab"].items(), key=lambda kv: kv[1])
+           if t not in heads])}
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
+    known, rng = set(merges), random.Random(0)
+    for left, right in list(merges):
+        joined = left + right
+        for cut in range(1, len(joined)):
+            other = (joined[:cut], joined[cut:])
+            if other not in known and other[0] in vocab and other[1] in vocab:
+                known.add(other)
+                merges.insert(rng.randrange(len(merges) + 1), other)
+    tokenizer = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True,
+                                     fuse_unk=True))
+    tokenizer.normalizer = normalizers.Replace(" ", "▁")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                           decoders.Fuse()])
+    tokenizer.add_special_tokens(heads + list(specials))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", 2)])
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "GemmaTokenizer", "add_bos_token": True, "bos_token": "<bos>",
+        "eos_token": "<eos>", "unk_token": "<unk>", "pad_token": "<pad>",
+        "mask_token": "<mask>"}))
+    return folder
+
+
 def build_byte_level_tokenizer(folder: Path, pre_tokenizer, specials: list[str],
                                added: list[str], config: dict, bos: str | None = None) -> Path:
     """A byte-level BPE (GPT-2's byte alphabet, its decoder) trained on the test corpus

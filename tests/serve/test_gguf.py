@@ -22,9 +22,11 @@ from tests.builders import (
     CODE,
     MULTILINGUAL,
     build_byte_level_tokenizer,
+    build_gemma4_tokenizer,
     build_qwen_tokenizer,
     build_sentencepiece_tokenizer,
     split_then_bytes,
+    syllable_text,
     tiny_model,
 )
 
@@ -225,7 +227,7 @@ def test_pre_tokenizer_names_follow_the_digit_grouping(tmp_path):
 def exported_with(tokenizer_folder, tmp_path, generation: dict, **model):
     """A tiny model (`model`: its config's overrides) with `tokenizer_folder`'s tokenizer
     and `generation` as its generation_config.json, exported to GGUF (f32)."""
-    folder = save_checkpoint(tiny_model(vocab_size=512, **model), tmp_path / "ck",
+    folder = save_checkpoint(tiny_model(**{"vocab_size": 512, **model}), tmp_path / "ck",
                              tokenizer=tokenizer_folder)
     (folder / "generation_config.json").write_text(json.dumps(generation))
     return folder, export_gguf(folder, tmp_path / "m.gguf", dtype="f32")
@@ -256,20 +258,56 @@ def test_a_sentencepiece_vocabulary_is_written_as_llamas_with_scores_bytes_and_e
             ) == (1, 2, turn_end, 0)
 
 
+def test_gemma4s_vocabulary_is_llama_cpps_gemma4_model_and_tokenizes_as_hf(tmp_path):
+    """Gemma 4's tokenizer has more merges than pieces, so llama.cpp must merge by their
+    rank (its `gemma4` model, the merges written) to split text as HF does; written as the
+    `llama` model, with a score per piece, the same tokenizer splits some texts otherwise
+    (the control: what the export wrote for Gemma 4 before)."""
+    from tokenizers import Tokenizer
+    tok = build_gemma4_tokenizer(tmp_path / "tok")
+    hf = Tokenizer.from_file(str(tok / "tokenizer.json"))
+    size = hf.get_vocab_size()
+    _, out = exported_with(tok, tmp_path, {"eos_token_id": [1, hf.token_to_id("<turn|>")]},
+                           family="gemma4_text", n_layers=2, vocab_size=size)
+    fields, _ = read_gguf(out)
+    merges = json.loads((tok / "tokenizer.json").read_text())["model"]["merges"]
+    assert len(merges) > size - 261  # several merges make one piece
+    assert fields["tokenizer.ggml.model"] == "gemma4" and "tokenizer.ggml.scores" not in fields
+    assert fields["tokenizer.ggml.merges"] == [" ".join(m) for m in merges]
+    texts = syllable_text(60, seed=1) + [MULTILINGUAL, CODE, "a\n\n\nb  c   d\n", "  lead",
+                                         "trail  ", "unseen: ∑ ж ß → ok"]
+    reference = llama_cpp_runtime.LlamaCpp(out)
+    for text in texts:
+        ids = hf.encode(text).ids
+        assert reference.tokenize(text) == ids, text
+        assert reference.detokenize(ids[1:]) == hf.decode(ids[1:]) == text
+    _, scored = exported_with(tok, tmp_path / "scored", {"eos_token_id": 1}, vocab_size=size)
+    as_scores = llama_cpp_runtime.LlamaCpp(scored)
+    assert sum(as_scores.tokenize(t) != hf.encode(t).ids for t in texts) >= 10
+
+
+def test_a_gemma4_tokenizer_that_prepends_a_space_is_refused(tmp_path):
+    """llama.cpp's `gemma4` model puts no "▁" before the text, so a tokenizer that does would
+    have every text split otherwise there: refused, naming why."""
+    from lathe.model import CheckpointError
+    tok = build_sentencepiece_tokenizer(tmp_path / "tok")  # prepends
+    with pytest.raises(CheckpointError, match="puts '▁' before the text"):
+        exported_with(tok, tmp_path, {"eos_token_id": 2}, family="gemma4_text", n_layers=2)
+
+
 def test_gemma4s_markers_read_as_tokens_and_show_in_llama_cpps_text(tmp_path):
     """Gemma 4's turn, tool-call, quote and channel markers are special tokens: llama.cpp
     parses a rendered call's markers into HF's ids, and shows the ones its chat parser reads
     (calls, quotes, the thought channel) in the text of generated ids, as HF does with
     special tokens kept; the turn's end stays hidden, and ends generation."""
     from tokenizers import Tokenizer
-    tok = build_sentencepiece_tokenizer(tmp_path / "tok", end_of_turn="<turn|>", prepend=False)
+    tok = build_gemma4_tokenizer(tmp_path / "tok", specials=(
+        "<|turn>", "<turn|>", "<|tool_call>", "<tool_call|>", '<|"|>', "<|channel>",
+        "<channel|>", "<|tool_response>"))
     hf = Tokenizer.from_file(str(tok / "tokenizer.json"))
-    hf.add_special_tokens(["<|turn>", "<|tool_call>", "<tool_call|>", '<|"|>', "<|channel>",
-                           "<channel|>", "<|tool_response>"])
-    hf.save(str(tok / "tokenizer.json"))
     end = hf.token_to_id("<turn|>")
     _, out = exported_with(tok, tmp_path, {"eos_token_id": [end]}, family="gemma4_text",
-                           n_layers=2)
+                           n_layers=2, vocab_size=hf.get_vocab_size())
     reference = llama_cpp_runtime.LlamaCpp(out)
     reply = '<|channel>thought\nadd<channel|><|tool_call>call:add{a:2,s:<|"|>hi<|"|>}<tool_call|>'
     assert reference.tokenize(reply, special=True) == hf.encode(reply).ids  # after a BOS
