@@ -4,8 +4,10 @@ The model never knows how keys and values are stored. Once per forward it asks t
 cache to `prepare` room for the new tokens (getting back their positions), then each
 attention layer hands the cache its queries and new K/V through `attend` and gets back
 the attention output: the cache stores the new K/V and attends over everything each
-query may see. `ContiguousKVCache` stores one dense buffer per layer (generation in
-`lathe.model.generate`, tests); the serving engine's paged cache implements the same two
+query may see. Past the last layer that stores keys and values (Gemma 4's KV-sharing
+layers) the model may `narrow` the cache to the rows whose logits it keeps.
+`ContiguousKVCache` stores one dense buffer per layer (generation in
+`lathe.model.generate`, tests); the serving engine's paged cache implements the same
 methods over block tables, for a batch of sequences of different lengths flattened into
 one row.
 """
@@ -36,6 +38,12 @@ class KVCache(Protocol):
         window, ...), shaped like `q`. `k` and `v` None: attend over what layer
         `layer_idx` stored in this forward, storing nothing (a layer sharing its keys and
         values, as Gemma 4's last layers do)."""
+        ...
+
+    def narrow(self, rows: Tensor) -> KVCache | None:
+        """This forward's cache for the queries of the new tokens at `rows` (indices along
+        T) alone — the layers after the last that stores keys and values need no other
+        rows, only those whose logits are kept — or None where it cannot attend them so."""
         ...
 
 
@@ -86,6 +94,13 @@ class ContiguousKVCache:
             values[:, :, start:end] = v
         out = causal_attention(q.to(self.dtype), keys[:, :, :end], values[:, :, :end], variant)
         return out.to(q.dtype)
+
+
+    def narrow(self, rows: Tensor) -> ContiguousKVCache | None:
+        """Itself for the last rows of the new tokens, whose queries attend as they would
+        among all (`attend` aligns queries to the end); None for any other rows."""
+        new = self.length - self._start
+        return self if rows.tolist() == list(range(new - len(rows), new)) else None
 
 
 def per_layer_buffers(config: ModelConfig, make: Callable[[int], Tensor]

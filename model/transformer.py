@@ -597,6 +597,18 @@ class DecoderLayer(nn.Module):
         return x * self.layer_scalar if self.scaled else x
 
 
+def _narrowed(kv_cache: KVCache | None, keep: Tensor | None
+              ) -> tuple[KVCache, Tensor, Tensor] | None:
+    """`kv_cache` for the `keep` rows alone (`KVCache.narrow`), those rows ascending, and
+    where each kept row is among them; None where there is nothing to narrow or the cache
+    cannot."""
+    if kv_cache is None or keep is None:
+        return None
+    order = keep.argsort()
+    narrowed = kv_cache.narrow(keep[order])
+    return None if narrowed is None else (narrowed, keep[order], order.argsort())
+
+
 class Decoder(nn.Module):
     """Everything but the LM head (HF's `LlamaModel`, hence the `model.` name prefix)."""
 
@@ -695,16 +707,17 @@ class Transformer(nn.Module):
         against labels[t + 1], and label -100 is ignored. `positions` (B, T) defaults to
         0..T-1, or to what the cache assigns when `kv_cache` is given. `logits_to_keep`
         (indices along T) computes the LM head only there — serving needs one row per
-        sequence, not one per prompt token. With labels and `return_logits=False` the
-        loss goes through `lathe.kernels.linear_cross_entropy`, which never holds the full
-        (B·T × vocab) logits; `logits` is then None. `z_loss` adds PaLM's z-loss to the
-        loss (z_loss · mean logsumexp², the mean itself in `z` when computed). With a
-        `head_op` the LM head's output goes to it (chunked likewise) and its result is
-        `head`; with labels too, that result is the loss (a mixture of experts' router
-        losses added). With `head=False` the LM head is left out: `hidden` holds the final
-        norm's output, whose rows the caller passes to
-        `compute_logits` — a compiled serving step computes the head only on the rows it
-        samples, as vLLM's does.
+        sequence, not one per prompt token; with a `kv_cache`, the layers that share an
+        earlier layer's keys and values (Gemma 4 E2B's, E4B's) run on those rows alone, as
+        they store nothing the next tokens read (`KVCache.narrow`). With labels and
+        `return_logits=False` the loss goes through `lathe.kernels.linear_cross_entropy`,
+        which never holds the full (B·T × vocab) logits; `logits` is then None. `z_loss`
+        adds PaLM's z-loss to the loss (z_loss · mean logsumexp², the mean itself in `z`
+        when computed). With a `head_op` the LM head's output goes to it (chunked likewise)
+        and its result is `head`; with labels too, that result is the loss (a mixture of
+        experts' router losses added). With `head=False` the LM head is left out: `hidden`
+        holds the final norm's output, whose rows the caller passes to `compute_logits` — a
+        compiled serving step computes the head only on the rows it samples, as vLLM's does.
 
         `documents` (B, T): packed rows, several documents per row, each a contiguous run
         of one id. Attention stays inside each document and positions restart at each
@@ -749,9 +762,17 @@ class Transformer(nn.Module):
             moe.sink = routing
         for attention in sources:
             attention.kv_sink = shared
+        first_shared = config.n_layers - config.kv_shared_layers
         try:
             for i, layer in enumerate(self.model.layers):
                 attention = layer.self_attn
+                kept = _narrowed(kv_cache, logits_to_keep) if i == first_shared else None
+                if kept is not None:  # the layers left store nothing: the kept rows alone
+                    kv_cache, rows, logits_to_keep = kept
+                    x = x[:, rows]
+                    rotations, local_rotations = ((cos[:, rows], sin[:, rows])
+                                                  for cos, sin in (rotations, local_rotations))
+                    per_layer = None if per_layer is None else per_layer[:, rows]
                 x = layer(x, *(local_rotations if attention.local_rope else rotations),
                           kv_cache, starts, None if per_layer is None else per_layer[:, :, i],
                           shared.get(attention.kv_source) if attention.shares_kv else None)

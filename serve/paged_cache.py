@@ -18,6 +18,8 @@ paged kernel on CUDA, the native one on CPU, one padded gather + SDPA elsewhere)
 token over its own context up to its position, so decodes and, on CPU, the tokens of
 short prefill chunks; each other prefill chunk through `lathe.kernels.causal_attention`
 over its gathered context — so a mixed step computes exactly what separate steps would.
+`narrow` gives the step for the rows whose logits are sampled: the layers that share an
+earlier layer's keys and values (Gemma 4 E2B's last 20 of 35) need run no others.
 
 `blocks_in_budget` sizes the slabs: how many blocks an engine's KV budget holds.
 """
@@ -95,6 +97,31 @@ class PagedBatch:
             raise ValueError(f"a paged batch takes its {len(self.slot_mapping)} tokens as one "
                              f"row, got input_ids of shape {tuple(input_ids.shape)}")
         return self.positions[None]
+
+    def narrow(self, rows: Tensor) -> PagedBatch | None:
+        """The step for the queries at ascending `rows` alone: paged tokens, then of each
+        prefill chunk a run of its last tokens (its sampled one; a verification's drafts;
+        all of it for prompt log-probs), which attend over the chunk's context as its
+        last queries. None for other rows of a chunk, which the full step serves."""
+        kept = rows.tolist()
+        paged = [r for r in kept if r < self.num_paged]
+        spans, at = [], len(paged)
+        if kept[:at] != paged:
+            return None
+        for span in self.prefills:
+            end = span.start + span.length
+            length = sum(span.start <= r < end for r in kept)
+            if kept[at:at + length] != list(range(end - length, end)):
+                return None
+            if length:
+                spans.append(SequenceSpan(at, length, span.context))
+            at += length
+        if at != len(kept):
+            return None
+        index = rows[:len(paged)]
+        return PagedBatch(self.slabs, self.positions[rows], self.slot_mapping[rows], len(paged),
+                          None if not paged else self.paged_tables[index],
+                          None if not paged else self.paged_lens[index], spans)
 
     def attend(self, layer_idx: int, q: Tensor, k: Tensor | None, v: Tensor | None,
                variant: AttentionVariant = PLAIN) -> Tensor:

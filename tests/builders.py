@@ -26,6 +26,15 @@ def tiny_model(**overrides) -> Transformer:
     return Transformer(config).eval()
 
 
+GEMMA4 = {"family": "gemma4_text", "n_layers": 3, "global_k_is_v": True,
+          "global_n_kv_heads": 1}  # full layers wider, with one KV head and no v_proj
+# E2B's: per-layer inputs, the last two layers (one sliding, one full) attending over the keys
+# and values of layers 2 and 3, with MLPs twice as wide
+GEMMA4_E2B = {**GEMMA4, "n_layers": 6, "sliding_window": 8,
+              "layer_types": ["sliding_attention", "full_attention"] * 3, "per_layer_dim": 16,
+              "kv_shared_layers": 2, "double_wide_shared_mlp": True}
+
+
 def serve_model(vocab_size: int = 512, **overrides) -> Transformer:
     """Two tiny layers at the preset's 256 positions, with a larger init so that greedy
     argmaxes are not near-ties."""

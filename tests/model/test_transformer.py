@@ -10,7 +10,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from lathe.model import ContiguousKVCache, generate
-from tests.builders import tiny_model
+from tests.builders import GEMMA4, GEMMA4_E2B, tiny_model
 
 
 def reference_logits(model, ids):
@@ -129,15 +129,6 @@ def test_backward_reaches_every_parameter_and_tied_head_shares_the_embedding():
         assert p.grad.abs().sum() > 0, name
 
 
-GEMMA4 = {"family": "gemma4_text", "n_layers": 3, "global_k_is_v": True,
-          "global_n_kv_heads": 1}  # full layers wider, with one KV head and no v_proj
-# E2B's: per-layer inputs, the last two layers (one sliding, one full) attending over the keys
-# and values of layers 2 and 3, with MLPs twice as wide
-GEMMA4_E2B = {**GEMMA4, "n_layers": 6, "sliding_window": 8,
-              "layer_types": ["sliding_attention", "full_attention"] * 3, "per_layer_dim": 16,
-              "kv_shared_layers": 2, "double_wide_shared_mlp": True}
-
-
 @pytest.mark.parametrize("overrides", [{}, GEMMA4, GEMMA4_E2B])
 def test_flops_per_token_equals_counted_matmul_flops_of_a_training_step(overrides):
     model = tiny_model(**overrides).train()
@@ -179,6 +170,16 @@ def test_kv_sharing_layers_attend_over_their_sources_keys_with_a_cache_and_witho
         stepped = [model(ids[:, :20], kv_cache=cache).logits]
         stepped += [model(ids[:, i:i + 1], kv_cache=cache).logits for i in range(20, 30)]
     assert (torch.cat(stepped, dim=1) - full).abs().max() < 1e-5
+    seen = []  # the rows each KV-sharing layer runs on
+    for layer in model.model.layers[4:]:
+        layer.register_forward_pre_hook(lambda _, args: seen.append(args[0].shape[1]))
+    with torch.no_grad():  # a prompt's last logits alone: the sharing layers run that row
+        last = model(ids[:, :20], kv_cache=ContiguousKVCache(model.config, 2, 40),
+                     logits_to_keep=torch.tensor([19])).logits
+        assert (last[:, 0] - full[:, 19]).abs().max() < 1e-5 and seen == [1, 1]
+        model(ids[:, :20], kv_cache=ContiguousKVCache(model.config, 2, 40),
+              logits_to_keep=torch.tensor([3, 19]))  # not the prompt's last rows: all rows
+    assert seen == [1, 1, 20, 20]
     model.train()
     model(ids, labels=ids).loss.backward()
     plain = {name: p.grad.clone() for name, p in model.named_parameters()}

@@ -15,7 +15,7 @@ from lathe.serve.config import EngineConfig
 from lathe.serve.engine import LLMEngine
 from lathe.serve.request_checks import RequestError
 from lathe.serve.sampling_params import SamplingError, SamplingParams
-from tests.builders import serve_model
+from tests.builders import GEMMA4_E2B, serve_model
 
 
 @torch.inference_mode()
@@ -300,6 +300,38 @@ def test_prefills_attend_alike_by_span_or_token_by_token(paged_up_to, monkeypatc
     results = engine.generate(batch, SamplingParams(max_tokens=6, temperature=0))
     for prompt, result in zip(batch, results, strict=True):
         assert result.outputs[0].token_ids == naive_greedy(model, prompt, 6)
+
+
+@pytest.mark.parametrize("paged_up_to", [0, 512])
+def test_kv_sharing_layers_run_only_the_rows_a_step_samples(paged_up_to, monkeypatch):
+    """Gemma 4 E2B's last layers store no keys or values, so a step runs them on the rows
+    it samples alone — a chunk's last token, every row of a prompt whose log-probs are
+    asked — with prefill chunks attending by span or token by token: the same greedy
+    tokens and prompt log-probs as full recompute, and far fewer rows through them."""
+    from lathe.serve import model_runner
+    model = serve_model(256, **GEMMA4_E2B)
+    batch = prompts([3, 17, 40, 70, 1], seed=7)
+    expected = [naive_greedy(model, prompt, 6) for prompt in batch]
+    (prompt,) = prompts([30], seed=8)
+    with torch.inference_mode():
+        reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+    rows = {3: 0, 5: 0}  # the rows through layer 3 (a source) and layer 5 (sharing its KV)
+    for i in rows:
+        model.model.layers[i].register_forward_pre_hook(
+            lambda _, args, i=i: rows.__setitem__(i, rows[i] + args[0].shape[1]))
+    engine = engine_for(model, max_num_batched_tokens=24)
+    per_token = 2 * engine.slabs.k[0][0].nbytes
+    monkeypatch.setattr(model_runner, "PAGED_PREFILL_BYTES", paged_up_to * per_token)
+    kept, run = [], engine.runner.run
+    monkeypatch.setattr(engine.runner, "run", lambda ids, view, keep, *rest: (
+        kept.append(len(keep)), run(ids, view, keep, *rest))[1])
+    results = engine.generate(batch, SamplingParams(max_tokens=6, temperature=0))
+    assert [result.outputs[0].token_ids for result in results] == expected
+    assert rows[3] == 131 + 5 * 5 and rows[5] == sum(kept) < rows[3] / 3  # prompts + decodes
+    scored = engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0,
+                                                      prompt_logprobs=1))[0]
+    for t, entry in enumerate(scored.prompt_logprobs[1:], start=1):  # fp32 noise: ~1e-5
+        assert entry.logprob == pytest.approx(float(reference[t - 1, prompt[t]]), abs=5e-5)
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="the native kernels need a C++ compiler")
