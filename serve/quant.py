@@ -24,7 +24,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
@@ -376,16 +375,18 @@ def _ready(model: Transformer) -> Transformer:
 @torch.inference_mode()
 def perplexity(model: Transformer, token_ids: list[int], window: int | None = None) -> float:
     """exp(mean next-token loss) over `token_ids`, in non-overlapping windows of the
-    model's context length."""
-    window = window or model.config.max_seq_len
+    model's context length, each scored with its next token (so a window's forward holds
+    one more token than it scores). The loss is the chunked one: a long text on a large
+    vocabulary never holds its (tokens × vocab) logits."""
+    window = window or model.config.max_seq_len - 1
     device = model.model.embed_tokens.weight.device
     total, count = 0.0, 0
     for start in range(0, len(token_ids) - 1, window):
         chunk = torch.tensor([token_ids[start:start + window + 1]], device=device)
         if chunk.shape[1] < 2:
             break
-        logits = model(chunk[:, :-1]).logits[0].float()
-        total += float(F.cross_entropy(logits, chunk[0, 1:], reduction="sum"))
+        loss = model(chunk, labels=chunk, return_logits=False).loss
+        total += float(loss) * (chunk.shape[1] - 1)
         count += chunk.shape[1] - 1
     return float(torch.exp(torch.tensor(total / count)))
 

@@ -97,6 +97,20 @@ def test_quantized_checkpoint_round_trip_serves_the_same_logits(checkpoint, tmp_
         load_serving_model(tmp_path / "int4", quantize="int8")
 
 
+def test_perplexity_scores_each_windows_next_token_without_holding_its_logits():
+    """Perplexity is exp of the mean next-token cross-entropy over the text, in windows of
+    the context that each score their next token too (none is left out between windows):
+    the full logits' value, computed through the chunked loss (which never holds them)."""
+    import torch.nn.functional as F
+    model = tiny_model(max_seq_len=16)
+    ids = torch.randint(0, 256, (45,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.inference_mode():
+        logits = torch.cat([model(torch.tensor([ids[s:s + 15]])).logits[0]
+                            for s in range(0, 44, 15)])
+    reference = torch.exp(F.cross_entropy(logits[:44], torch.tensor(ids[1:]))).item()
+    assert perplexity(model, ids) == pytest.approx(reference, rel=1e-5)
+
+
 @pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads /proc (Linux)")
 @pytest.mark.parametrize("quantize", [None, "int8"])
 def test_a_served_model_holds_no_view_of_the_checkpoint_file(tmp_path, quantize):
