@@ -650,9 +650,10 @@ class Transformer(nn.Module):
         else:
             self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
         # Compute the head chunk by chunk with the loss (or a head op) when no logits are
-        # asked for. Whoever shards the head's weight (the runtime, under ZeRO-3) or wraps
-        # it in what `head_weight` cannot express (LoRA with dropout, QLoRA) turns this
-        # off: the chunked paths read the whole weight.
+        # asked for. The chunked paths read the whole weight (FSDP2 unshards the root's
+        # weights for its forward; DeepSpeed's ZeRO-3 engine gathers a partitioned weight
+        # its forward reads outside the weight's module); whoever wraps the head in what
+        # `head_weight` cannot express (LoRA with dropout, QLoRA) turns this off.
         self.chunked_head = True
         self.tie_weights()
         if self.model.embed_tokens.weight.device.type != "meta":

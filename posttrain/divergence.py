@@ -57,12 +57,9 @@ def teacher_rows(runtime: Runtime, teacher: nn.Module, ids: Tensor,
                  documents: Tensor | None = None) -> TeacherRows:
     """The teacher's logits for a slice (or the indices) of the batch's scored positions
     (position t of row b is b·(T − 1) + t). Its forward runs now; the logits of each slice
-    are made when asked for, from the final hidden states — unless the teacher is sharded,
-    whose head only its forward can apply: then they are made whole, once."""
+    are made when asked for, from the final hidden states, through its head module (whose
+    call gathers a ZeRO-3-partitioned weight for itself)."""
     with torch.no_grad(), runtime.autocast():
-        if not runtime.head_whole_in_forward:
-            logits = teacher(ids, documents=documents).logits[:, :-1].flatten(0, 1)
-            return lambda rows: logits[rows]
         hidden = teacher(ids, documents=documents, head=False).hidden[:, :-1].flatten(0, 1)
     head = runtime.accelerator.unwrap_model(teacher)
 

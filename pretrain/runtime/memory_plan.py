@@ -268,8 +268,6 @@ def plan_memory(config: ModelConfig, shape: StepShape, parallelism: Parallelism,
     with FakeTensorMode(allow_non_fake_inputs=True), kernels_off(*OFF_IN_TRACE):
         model.to_empty(device="cpu")
         model.tie_weights()
-        if parallelism.strategy == "zero3":
-            model.chunked_head = False  # as `Runtime.head_whole_in_forward` decides
         states = _model_states(model, parallelism)
         fake_log = logging.getLogger("torch._subclasses.fake_tensor")
         level = fake_log.level

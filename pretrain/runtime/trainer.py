@@ -173,8 +173,6 @@ class Runtime:
                 "or optim.name=adamw")
         if kind is DistributedType.DEEPSPEED:
             self._configure_deepspeed(model.config.dim)
-        if not self.head_whole_in_forward:
-            model.chunked_head = False  # each rank holds a slice of the head, not the matrix
         prepared = self.accelerator.prepare(model, *optimizers)
         self.model, self.optimizers = prepared[0], list(prepared[1:])
         peak, self.peak_source = peak_flops(self.device, fp8=self.config.precision.fp8)
@@ -234,15 +232,6 @@ class Runtime:
             return self.setup.get("zero_stage") == 3
         return kind is DistributedType.FSDP
 
-    @property
-    def head_whole_in_forward(self) -> bool:
-        """Whether the model's forward sees its LM head's whole weight, which the chunked
-        head reads: everywhere but ZeRO-3, whose partitioned weights are gathered only
-        inside their own module's forward (FSDP2 unshards the root's, the head's among
-        them, for the root's whole forward)."""
-        kind = self.accelerator.distributed_type
-        return not (kind is DistributedType.DEEPSPEED and self.setup.get("zero_stage") == 3)
-
     def prepare_frozen(self, model: nn.Module) -> nn.Module:
         """A frozen model (a DPO/GRPO reference, a distillation teacher) placed, sharded and
         cast as the policy was, so it costs 1/N of its weights per rank and computes in the
@@ -251,8 +240,6 @@ class Runtime:
         other stages only cast it, as TRL does); otherwise it is moved to the device.
         Call its forward under `autocast()`; on sharded launches on every rank."""
         model.requires_grad_(False).eval()
-        if not self.head_whole_in_forward:
-            model.chunked_head = False
         kind = self.accelerator.distributed_type
         if kind is DistributedType.FSDP:
             return fsdp2_prepare_model(self.accelerator, model.to(self.device)).eval()

@@ -1,7 +1,8 @@
 """Run by `test_sharding` under `accelerate launch` (2 CPU processes): prepare a policy
 and a frozen reference the way the post-training stages do, and write, per rank, what
-fraction of a weight each holds locally and how far the (sharded) reference's logits are
-from the unsharded model's."""
+fraction of a weight each holds locally, how far the (sharded) reference's logits are from
+the unsharded model's (from its forward, and made from its hidden states after it), and
+whether the policy's loss went through the chunked head (no logits made) to its value."""
 
 from __future__ import annotations
 
@@ -38,14 +39,22 @@ def main(out: Path) -> None:
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = reference(ids).logits
+        loss = policy(ids, labels=ids).loss
     runtime.prepare(policy, total_steps=1)
     frozen = runtime.prepare_frozen(reference)
+    ids = ids.to(runtime.device)
     with torch.no_grad(), runtime.autocast():
-        got = frozen(ids.to(runtime.device)).logits.float().cpu()
+        got = frozen(ids).logits.float().cpu()
+        chunked = runtime.model(ids, labels=ids, return_logits=False)
+        hidden = frozen(ids, head=False).hidden  # a teacher's rows, made after its forward
+        rows = runtime.accelerator.unwrap_model(frozen).compute_logits(hidden[:, 5:]).cpu()
     report = {"setup": runtime.setup, "policy": local_fraction(runtime.model),
               "reference": local_fraction(frozen),
               "reference_trainable": sum(p.requires_grad for p in frozen.parameters()),
-              "reference_logits_error": (got - expected).abs().max().item()}
+              "reference_logits_error": (got - expected).abs().max().item(),
+              "rows_logits_error": (rows - expected[:, 5:]).abs().max().item(),
+              "chunked_loss_error": abs(chunked.loss.item() - loss.item()),
+              "logits_made": chunked.logits is not None}
     (out / f"rank{runtime.rank}.json").write_text(json.dumps(report))
     runtime.accelerator.end_training()
 

@@ -54,6 +54,8 @@ def test_each_rank_holds_half_of_the_policy_and_of_the_reference(recipe, tmp_pat
         assert report["policy"] == 0.5 and report["reference"] == 0.5, report
         assert report["reference_trainable"] == 0
         assert report["reference_logits_error"] < 1e-5, report
+        assert report["rows_logits_error"] < 1e-5, report
+        assert report["chunked_loss_error"] < 1e-5 and not report["logits_made"], report
 
 
 SFT = {"max_steps": 3, "micro_batch_size": 8, "optim.lr": 2e-3, "eval.every": 100,

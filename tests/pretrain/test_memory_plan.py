@@ -99,16 +99,14 @@ def test_lora_checkpointing_and_offload_lower_what_they_should():
     assert any("host memory" in note for note in offloaded.notes)
 
 
-def test_the_head_never_holds_the_whole_logits_but_under_zero3():
+def test_the_head_never_holds_the_whole_logits_under_any_launch():
     """The chunked head's transient stays at a couple of 2^25-element chunks whatever the
-    batch; ZeRO-3, whose runtime turns the chunked head off, plans the whole logits."""
+    batch, with the head's weight whole, or partitioned by ZeRO-3 or FSDP2."""
     wide = ModelConfig.from_preset("tiny", vocab_size=65536, dim=64, n_layers=1, n_heads=2,
                                    n_kv_heads=1, max_seq_len=4096)
     whole = 4 * 4096 * 65536  # one fp32 copy of a 4,096-token micro-batch's logits
-    chunked = plan_memory(wide, StepShape(1, 4096), Parallelism())
-    assert chunked.logits < whole / 2
-    sharded = plan_memory(wide, StepShape(1, 4096), Parallelism("zero3", 2))
-    assert sharded.logits >= whole
+    for parallelism in (Parallelism(), Parallelism("zero3", 2), Parallelism("fsdp2", 2)):
+        assert plan_memory(wide, StepShape(1, 4096), parallelism).logits < whole / 2
 
 
 def test_the_largest_micro_batch_is_the_plans_boundary():
