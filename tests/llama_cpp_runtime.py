@@ -171,7 +171,9 @@ class LlamaCpp:
         finally:
             self.lib.llama_batch_free(batch)
 
-    def __del__(self):
+    def __del__(self, finalizing=sys.is_finalizing):  # bound now: at exit `sys` is gone
+        if finalizing():  # ggml's own teardown may have run: freeing then segfaults
+            return
         if getattr(self, "context", None):
             self.lib.llama_free(self.context)
         if getattr(self, "model", None):
