@@ -95,7 +95,6 @@ class ContiguousKVCache:
         out = causal_attention(q.to(self.dtype), keys[:, :, :end], values[:, :, :end], variant)
         return out.to(q.dtype)
 
-
     def narrow(self, rows: Tensor) -> ContiguousKVCache | None:
         """Itself for the last rows of the new tokens, whose queries attend as they would
         among all (`attend` aligns queries to the end); None for any other rows."""

@@ -19,6 +19,13 @@ import torch
 FOLDER = Path(sys.prefix) / "llama.cpp"
 BUILD = "v0.5.0"  # the llama.cpp release node-llama-cpp 3.22.1 ships; the structs are its
 GGML_F32 = 0
+# ggml's CPU builds, best first, but for Sapphire Rapids': its AMX kernels (the q8_0 and bf16
+# matmuls) killed pytest workers with SIGILL in llama_decode, after other tests had run in
+# the same process (3 CI runs of 4 on an AMX Xeon), and what the tests check of a GGUF file
+# does not depend on the instruction set. AMD's builds come after Intel's (-march=znver4
+# may emit AMD-only instructions on an Intel CPU whose features otherwise qualify)
+CPU_VARIANTS = ("icelake", "cooperlake", "cascadelake", "skylakex", "cannonlake", "alderlake",
+                "haswell", "zen4", "piledriver", "ivybridge", "sandybridge", "sse42", "x64")
 
 
 class ModelParams(ctypes.Structure):
@@ -67,8 +74,11 @@ def library() -> ctypes.CDLL:
     if not path.exists():
         pytest.skip(f"llama.cpp is not installed at {FOLDER} (recipes/setup.sh puts it there)")
     ggml = ctypes.CDLL(str(FOLDER / f"libggml.{BUILD}.so"), mode=ctypes.RTLD_GLOBAL)
-    ggml.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
-    ggml.ggml_backend_load_all_from_path(str(FOLDER).encode())
+    ggml.ggml_backend_load.restype, ggml.ggml_backend_load.argtypes = \
+        ctypes.c_void_p, [ctypes.c_char_p]
+    for variant in CPU_VARIANTS:  # ggml refuses (NULL) one this CPU cannot run
+        if ggml.ggml_backend_load(str(FOLDER / f"libggml-cpu-{variant}.so").encode()):
+            break
     lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
     pointer, i32, text = ctypes.c_void_p, ctypes.c_int32, ctypes.c_char_p
     ids = ctypes.POINTER(ctypes.c_int32)

