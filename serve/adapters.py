@@ -35,7 +35,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -452,23 +452,32 @@ class AdapterSlots:
             del self.loaded[name]
 
     @contextmanager
-    def rows(self, slots: list[int], device: torch.device) -> Iterator[None]:
+    def rows(self, slots: list[int], device: torch.device
+             ) -> Iterator[Callable[[list[int]], None]]:
         """Within it, token row i of a forward belongs to adapter slot `slots[i]` (-1: the
-        base alone)."""
-        if len(slots) <= len(self.row_slots):  # what a compiled decode step reads
+        base alone). It yields what to call when the forward goes on with some of its rows
+        alone (`PagedBatch.narrow`: a Gemma 4 E2B's KV-sharing layers), each keeping its
+        slot."""
+        self._route(slots, device)
+        try:
+            yield lambda kept: self._route([slots[row] for row in kept], device)
+        finally:
+            self.context.rows = self.context.gathered = None
+
+    def _route(self, slots: list[int], device: torch.device) -> None:
+        """What the projections read for rows on `slots`: the context, and the slot of each
+        row where the rows are few (a compiled decode step's, or the fused kernel's)."""
+        if len(slots) <= len(self.row_slots):
             padded = slots + [-1] * (len(self.row_slots) - len(slots))
             self.row_slots.copy_(torch.tensor(padded), non_blocking=True)
         present = sorted(set(slots))
-        if len(present) == 1:
-            self.context.rows = [(present[0], None)] if present[0] >= 0 else None
-        else:
-            index = torch.tensor(slots, device=device)
-            self.context.rows = [(slot, (index == slot).nonzero()[:, 0])
-                                 for slot in present if slot >= 0] or None
-            adapted = (index >= 0).nonzero()[:, 0]
-            if self.context.rows and len(self.context.rows) > 1:
-                self.context.gathered = (adapted, index[adapted])
-        try:
-            yield
-        finally:
-            self.context.rows = self.context.gathered = None
+        self.context.gathered = None
+        if len(present) <= 1:
+            self.context.rows = [(present[0], None)] if present and present[0] >= 0 else None
+            return
+        index = torch.tensor(slots, device=device)
+        self.context.rows = [(slot, (index == slot).nonzero()[:, 0])
+                             for slot in present if slot >= 0] or None
+        adapted = (index >= 0).nonzero()[:, 0]
+        if self.context.rows and len(self.context.rows) > 1:
+            self.context.gathered = (adapted, index[adapted])

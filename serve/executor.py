@@ -17,6 +17,7 @@ from lathe.serve.adapters import AdapterSlots
 from lathe.serve.logprobs import requested_logprobs, token_logprobs
 from lathe.serve.model_runner import ModelRunner, select_rows
 from lathe.serve.outputs import Pick, TokenLogprob
+from lathe.serve.paged_cache import PagedBatch
 from lathe.serve.sampler import Sampler
 from lathe.serve.scheduler import ScheduledBatch
 from lathe.serve.sequence import Sequence
@@ -87,7 +88,9 @@ class StepExecutor:
                 sample_rows.append(len(keep))
                 keep.append(row + count - 1)
                 sampled.append(seq)
-        with self._adapter_rows(slots):
+        with self._adapter_rows(slots) as follow:
+            if isinstance(view, PagedBatch):  # its rows' adapters follow them when it narrows
+                view.follow = follow
             logits = self.runner.run(ids, view, keep)
         for seq, at, first, last in scored:
             seq.prompt_logprobs += token_logprobs(logits[at:at + last - first],
@@ -104,7 +107,8 @@ class StepExecutor:
 
     def _adapter_rows(self, slots: list[int] | None) -> contextlib.AbstractContextManager:
         """Within it, the target's token rows run on their LoRA adapters (`slots[i]`, -1
-        for the base); a no-op without adapters."""
+        for the base), and it gives what narrows them with a step (`AdapterSlots.rows`); a
+        no-op without adapters, which gives None."""
         if slots is None or self.adapters is None:
             return contextlib.nullcontext()
         return self.adapters.rows(slots, self.device)

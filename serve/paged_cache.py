@@ -27,7 +27,7 @@ earlier layer's keys and values (Gemma 4 E2B's last 20 of 35) need run no others
 from __future__ import annotations
 
 import gc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +91,9 @@ class PagedBatch:
         self.num_paged = num_paged
         self.paged_tables, self.paged_lens = paged_tables, paged_lens
         self.prefills = prefills
+        # told the rows a narrowed step keeps, so per-row state outside the cache follows
+        # them (the LoRA slot of each row: `AdapterSlots.rows`)
+        self.follow: Callable[[list[int]], None] | None = None
 
     def prepare(self, input_ids: Tensor, positions: Tensor | None) -> Tensor:
         if input_ids.shape != (1, len(self.slot_mapping)):
@@ -104,6 +107,8 @@ class PagedBatch:
         all of it for prompt log-probs), which attend over the chunk's context as its
         last queries. None for other rows of a chunk, which the full step serves."""
         kept = rows.tolist()
+        if kept == list(range(len(self.slot_mapping))):  # every row (a decode step)
+            return self
         paged = [r for r in kept if r < self.num_paged]
         spans, at = [], len(paged)
         if kept[:at] != paged:
@@ -118,6 +123,8 @@ class PagedBatch:
             at += length
         if at != len(kept):
             return None
+        if self.follow is not None:
+            self.follow(kept)
         index = rows[:len(paged)]
         return PagedBatch(self.slabs, self.positions[rows], self.slot_mapping[rows], len(paged),
                           None if not paged else self.paged_tables[index],

@@ -74,6 +74,23 @@ def generate(engine: LLMEngine, requests: list[tuple[str, str | None]], tokens: 
     return [out[i] for i in ids]
 
 
+def equal_to_merged(checkpoint: Path, folders: dict[str, Path], merged: dict[str, Path],
+                    engine: LLMEngine, tokens: int = 24) -> list[list[int]]:
+    """Every prompt on the base and on each adapter, mixed in `engine`'s batches: the tokens
+    and log-probs of the base, or of the adapter's merged checkpoint, served alone."""
+    requests = [(p, a) for p in PROMPTS for a in (None, *folders)]
+    mixed = generate(engine, requests, tokens)
+    alone = {None: LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=256)),
+             **{name: LLMEngine.from_checkpoint(path, EngineConfig(num_blocks=256))
+                for name, path in merged.items()}}
+    for (prompt, adapter), (got, logprobs) in zip(requests, mixed, strict=True):
+        (expected, expected_logprobs), = generate(alone[adapter], [(prompt, None)], tokens)
+        assert got == expected, (prompt, adapter)
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected_logprobs),
+                                   atol=1e-4, rtol=0)
+    return [t for t, _ in mixed]
+
+
 @pytest.mark.parametrize(("decode_steps", "way", "compiled"), [
     (1, "native", False), (4, "native", False), (1, "gathered", False),
     (1, "segments", False), (1, "native", True), (4, "native", True)])
@@ -93,24 +110,37 @@ def test_mixed_adapters_in_one_batch_equal_their_merged_checkpoints(checkpoint, 
                     max_num_seqs=4 if compiled else 16)
     if compiled:
         engine.warm_up()
-    requests = [(p, a) for p in PROMPTS for a in (None, "small", "large")]
     with (kernels_off("lora_bgmv") if way != "native" else contextlib.nullcontext()), \
             profile(activities=[ProfilerActivity.CPU]) as prof:
-        mixed = generate(engine, requests)
+        mixed = equal_to_merged(checkpoint, folders, merged, engine)
     native = any(e.key == "lathe::lora_bgmv_cpu" for e in prof.key_averages())
     assert native == (way == "native" and cpu_kernels_loaded())
-    alone = {None: LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=256)),
-             **{name: LLMEngine.from_checkpoint(path, EngineConfig(num_blocks=256))
-                for name, path in merged.items()}}
-    for (prompt, adapter), (tokens, logprobs) in zip(requests, mixed, strict=True):
-        (expected_tokens, expected_logprobs), = generate(alone[adapter], [(prompt, None)])
-        assert tokens == expected_tokens, (prompt, adapter)
-        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected_logprobs),
-                                   atol=1e-4, rtol=0)
-    assert len({tuple(t) for t, _ in mixed[:3]}) == 3  # the adapters do change the output
+    assert len({tuple(t) for t in mixed[:3]}) == 3  # the adapters do change the output
     assert engine.block_manager.usage == 0
     if compiled:
         assert engine.runner.graphs.steps > 0 and engine.runner.graphs.late == 0
+
+
+@pytest.mark.parametrize("way", ["native", "segments"])
+def test_adapters_follow_the_rows_a_kv_sharing_step_keeps(way, tmp_path, monkeypatch):
+    """Gemma 4 E2B's KV-sharing layers run on the rows a step samples alone: each of those
+    rows keeps its own adapter there (a prefill of several prompts on different adapters),
+    by one native call or by segments (reading the whole step's slots, rows took other
+    rows' adapters)."""
+    from tests.builders import GEMMA4_E2B, build_tokenizer, serve_model
+    monkeypatch.setattr("lathe.serve.adapters.GATHER_ELEMENTS", 0)
+    checkpoint = save_checkpoint(serve_model(512, **GEMMA4_E2B), tmp_path / "ck",
+                                 tokenizer=build_tokenizer(tmp_path / "tok"))
+    folders = {"small": trained_adapter(checkpoint, tmp_path / "small", 4,
+                                        ["q_proj", "o_proj"], 1),
+               "large": trained_adapter(checkpoint, tmp_path / "large", 8,
+                                        ["q_proj", "gate_proj", "down_proj"], 2)}
+    merged = {name: save_checkpoint(merge_lora(load_adapter(load_checkpoint(checkpoint),
+                                                            folder)),
+                                    tmp_path / f"merged-{name}", tokenizer=checkpoint)
+              for name, folder in folders.items()}
+    with kernels_off("lora_bgmv") if way == "segments" else contextlib.nullcontext():
+        equal_to_merged(checkpoint, folders, merged, served(checkpoint, folders), tokens=8)
 
 
 def test_no_prefix_cache_block_is_shared_across_adapters(checkpoint, adapters):
