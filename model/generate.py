@@ -31,7 +31,7 @@ def generate(model: Transformer, prompt_ids: Tensor, max_new_tokens: int, *,
     weight = model.model.embed_tokens.weight
     cache = ContiguousKVCache(model.config, batch, prompt_len + max_new_tokens,
                               device=weight.device, dtype=kv_dtype or weight.dtype)
-    last = torch.tensor([prompt_len - 1], device=prompt_ids.device)  # the prompt's head: 1 row
+    last = torch.tensor([prompt_len - 1], device=prompt_ids.device)  # the head on 1 row
     logits = model(prompt_ids, kv_cache=cache, logits_to_keep=last).logits[:, -1]
     done = torch.zeros(batch, dtype=torch.bool, device=prompt_ids.device)
     new_tokens = []

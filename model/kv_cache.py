@@ -41,9 +41,10 @@ class KVCache(Protocol):
         ...
 
     def narrow(self, rows: Tensor) -> KVCache | None:
-        """This forward's cache for the queries of the new tokens at `rows` (indices along
-        T) alone — the layers after the last that stores keys and values need no other
-        rows, only those whose logits are kept — or None where it cannot attend them so."""
+        """This forward's cache for the queries of the new tokens at ascending `rows`
+        (indices along T) alone — the layers after the last that stores keys and values
+        need no other rows, only those whose logits are kept — or None where that is every
+        row or it cannot attend them so."""
         ...
 
 
@@ -96,9 +97,11 @@ class ContiguousKVCache:
         return out.to(q.dtype)
 
     def narrow(self, rows: Tensor) -> ContiguousKVCache | None:
-        """Itself for the last rows of the new tokens, whose queries attend as they would
-        among all (`attend` aligns queries to the end); None for any other rows."""
+        """Itself for some last rows of the new tokens, whose queries attend as they would
+        among all (`attend` aligns queries to the end); None for all rows or any others."""
         new = self.length - self._start
+        if len(rows) >= new:
+            return None
         return self if rows.tolist() == list(range(new - len(rows), new)) else None
 
 

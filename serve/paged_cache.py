@@ -105,10 +105,11 @@ class PagedBatch:
         """The step for the queries at ascending `rows` alone: paged tokens, then of each
         prefill chunk a run of its last tokens (its sampled one; a verification's drafts;
         all of it for prompt log-probs), which attend over the chunk's context as its
-        last queries. None for other rows of a chunk, which the full step serves."""
+        last queries. None for every row (a decode step: nothing to narrow, no host sync)
+        and for other rows of a chunk, which the full step serves."""
+        if len(rows) >= len(self.slot_mapping):
+            return None
         kept = rows.tolist()
-        if kept == list(range(len(self.slot_mapping))):  # every row (a decode step)
-            return self
         paged = [r for r in kept if r < self.num_paged]
         spans, at = [], len(paged)
         if kept[:at] != paged:
