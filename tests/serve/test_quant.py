@@ -97,7 +97,7 @@ def test_quantized_checkpoint_round_trip_serves_the_same_logits(checkpoint, tmp_
         load_serving_model(tmp_path / "int4", quantize="int8")
 
 
-def test_perplexity_scores_each_windows_next_token_without_holding_its_logits():
+def test_perplexity_scores_each_windows_next_token_through_the_chunked_loss():
     """Perplexity is exp of the mean next-token cross-entropy over the text, in windows of
     the context that each score their next token too (none is left out between windows):
     the full logits' value, computed through the chunked loss (which never holds them)."""
