@@ -39,6 +39,7 @@ from lathe.core.checkpoint_files import (
 from lathe.core.errors import CheckpointError, ConfigError
 from lathe.model.config import ModelConfig
 from lathe.model.families import (
+    IGNORED_PREFIXES,
     drop_shared_kv,
     join_fused,
     language_model_config,
@@ -263,6 +264,8 @@ def lathe_layout(state: dict[str, torch.Tensor], config: ModelConfig,
     per-row quantity of each weight (`per_row`: quantization scales, whose columns are
     groups of the weight's) — only their rows are checked."""
     state = drop_shared_kv(language_model_weights(state), config)
+    state = {name: tensor for name, tensor in state.items()
+             if not name.startswith(IGNORED_PREFIXES)}
     return stack_experts(split_fused(state, config), config, per_row=per_row)
 
 

@@ -22,7 +22,11 @@ from lathe.model.families import (
 )
 
 ROPE_TYPES = ("llama3", "linear", "yarn", "longrope", "dynamic")
-LAYER_TYPES = ("sliding_attention", "full_attention")
+LAYER_TYPES = ("sliding_attention", "full_attention", "linear_attention")
+ATTENTION_TYPES = LAYER_TYPES[:2]  # the layers that attend (and keep keys and values)
+# a Gated DeltaNet layer's shape (`layer_types`' "linear_attention", Qwen3.5's)
+LINEAR_FIELDS = ("linear_key_heads", "linear_value_heads", "linear_key_head_dim",
+                 "linear_value_head_dim", "linear_conv_kernel")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # HF's names for the gated MLP's activation
 
 
@@ -138,6 +142,12 @@ class ModelConfig:
     kind (`kv_source`), whose MLPs are twice as wide when `double_wide_shared_mlp`. Gemma 4
     26B-A4B: experts beside every layer's MLP (`experts_beside_mlp`, the family's with
     `n_experts` set), that MLP lathe's shared expert.
+    Qwen3.5's: `layer_types` "linear_attention" marks Gated DeltaNet layers (linear attention
+    with a recurrent state, `lathe.model.gated_delta_net`) of `linear_key_heads` query/key
+    heads of `linear_key_head_dim` and `linear_value_heads` value heads of
+    `linear_value_head_dim`, after a causal convolution `linear_conv_kernel` wide; its
+    attention layers gate their output by a sigmoid of a second half of q_proj
+    (`attn_output_gate`).
     `num_labels` > 0 makes the model a sequence classifier (a reward model: HF's
     `…ForSequenceClassification`): a `score` head of that many outputs in place of the LM
     head, read at each sequence's last token.
@@ -199,6 +209,12 @@ class ModelConfig:
     per_layer_dim: int = 0
     kv_shared_layers: int = 0
     double_wide_shared_mlp: bool = False
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 4
+    attn_output_gate: bool = False
     num_labels: int = 0
 
     def __post_init__(self) -> None:
@@ -237,6 +253,7 @@ class ModelConfig:
         self._validate_rest()
         self._validate_global_layers()
         self._validate_shared_layers()
+        self._validate_linear_layers()
         self._validate_experts()
         self._validate_sigmoid_router()
 
@@ -420,6 +437,42 @@ class ModelConfig:
             raise ConfigError("ModelConfig.double_wide_shared_mlp widens the KV-sharing layers' "
                               "MLPs: it needs kv_shared_layers > 0")
 
+    def _validate_linear_layers(self) -> None:
+        takes = FAMILIES[self.family].takes
+        if self.linear_layer_count and "linear_key_heads" not in takes:
+            raise ConfigError(f"ModelConfig.layer_types: family={self.family!r} has no "
+                              "'linear_attention' layers (Qwen3.5's; choose qwen3_5_text)")
+        if not self.linear_layer_count:
+            return
+        for name in LINEAR_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"ModelConfig.{name}={value!r} must be a positive integer: "
+                                  "layer_types has 'linear_attention' layers")
+        if self.linear_value_heads % self.linear_key_heads:
+            raise ConfigError(f"ModelConfig.linear_value_heads={self.linear_value_heads} is not a "
+                              f"multiple of linear_key_heads={self.linear_key_heads}: each "
+                              "query/key head serves a whole group of value heads")
+
+    @property
+    def linear_layer_count(self) -> int:
+        """How many layers are Gated DeltaNet layers (`layer_types`' "linear_attention")."""
+        return 0 if self.layer_types is None else self.layer_types.count("linear_attention")
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether layer `layer` is a Gated DeltaNet layer, not attention."""
+        return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
+
+    def require_attention_only(self, what: str) -> None:
+        """Refuse a model with linear-attention layers where `what` keeps keys and values
+        alone (a paged KV cache has no room for their recurrent state)."""
+        if self.linear_layer_count:
+            raise ConfigError(
+                f"{what} keeps keys and values in a paged cache; this model's "
+                f"{self.linear_layer_count} linear-attention layers (Gated DeltaNet, "
+                "layer_types 'linear_attention') carry a recurrent state it does not hold. "
+                "Generate with `lathe generate`, or serve its GGUF with llama.cpp")
+
     def kv_source(self, layer: int) -> int:
         """The layer whose keys and values layer `layer` attends over: itself, or for a
         KV-sharing layer the last layer before the shared ones of its kind (sliding, full)."""
@@ -511,7 +564,7 @@ class ModelConfig:
                 "smollm3 the layers layer_types marks)")
         if types is None:
             return
-        if window is None:
+        if window is None and "sliding_attention" in types:
             raise ConfigError(f"ModelConfig.layer_types={types!r} needs sliding_window: the "
                               "window its sliding layers attend over")
         if len(types) != self.n_layers or set(types) - set(LAYER_TYPES):
@@ -616,7 +669,8 @@ class ModelConfig:
                 or llama_ffn_hidden_dim(fields["dim"], fields.get("multiple_of", cls.multiple_of),
                                         fields.get("ffn_dim_multiplier"))
             fields = {**PRESETS[name], **fresh_switches(family, fields["n_layers"], head_dim,
-                                                        expert_width), **overrides}
+                                                        expert_width, fields["n_heads"]),
+                      **overrides}
         return from_dict(cls, fields)
 
     def num_params(self, include_embeddings: bool = True) -> int:
@@ -635,13 +689,21 @@ class ModelConfig:
                      + (self.dim if self.per_layer_dim else 0)  # the per-layer input's norm
                      # beside the MLP: the experts' three norms, the router's two scales
                      + (4 * self.dim + self.n_experts if self.experts_beside_mlp else 0))
-        body = self._linear_params() + self.n_layers * per_layer + head_norms + self.dim \
-            + self.per_layer_dim  # the per-layer inputs' projection norm
+        body = (self._linear_params() + self.n_layers * per_layer + head_norms + self.dim
+                + self.per_layer_dim  # the per-layer inputs' projection norm
+                + self.linear_layer_count * self._delta_net_extras())
         per_layer_table = self.vocab_size * self.n_layers * self.per_layer_dim
         if not include_embeddings:
             return body
         embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return body + embeddings + per_layer_table
+
+    def _delta_net_extras(self) -> int:
+        """A Gated DeltaNet layer's parameters outside its linears: the convolution's
+        weights, each value head's decay and step bias, and the output norm's weight."""
+        conv = (2 * self.linear_key_heads * self.linear_key_head_dim
+                + self.linear_value_heads * self.linear_value_head_dim) * self.linear_conv_kernel
+        return conv + 2 * self.linear_value_heads + self.linear_value_head_dim
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token (forward + backward), for MFU.
@@ -650,13 +712,16 @@ class ModelConfig:
         experts, the router and the `n_experts_per_token` experts a token goes to — and the
         LM head, even when tied; not the embedding lookup or the norms) plus the attention
         term 12 x (the layers' q widths summed) x seq_len (PaLM, appendix B; the causal half
-        is not discounted, as in nanoGPT and torchtitan).
+        is not discounted, as in nanoGPT and torchtitan); a Gated DeltaNet layer's recurrence
+        reads and writes a (key width x value width) state per value head: 6 x 4 x that.
         """
         seq_len = self.max_seq_len if seq_len is None else seq_len
         matmul_params = self._linear_params(active=True) + self.vocab_size * self.dim
         q_dims = sum(count * self.n_heads * self.attention_shape(layer)[1]
                      for count, layer in self._attention_kinds())
-        return 6 * matmul_params + 12 * q_dims * seq_len
+        state = self.linear_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
+        return 6 * matmul_params + 12 * q_dims * seq_len \
+            + 24 * state * self.linear_layer_count
 
     def _linear_params(self, active: bool = False) -> int:
         """The layers' matmul weights: all of them, or those one token uses (`active`).
@@ -668,8 +733,14 @@ class ModelConfig:
             q_dim, kv_dims = self.n_heads * width, kv_heads * width * (1 + (not self.k_is_v(layer)))
             if self.kv_source(layer) != layer:  # a KV-sharing layer projects no k or v
                 kv_dims = 0
-            attention += count * (2 * self.dim * q_dim + self.dim * kv_dims + self.dim * self.o_bias
-                                  + (q_dim + kv_dims) * self.qkv_bias)
+            gate = q_dim * self.attn_output_gate  # q_proj's second half, the output gate
+            attention += count * ((2 * q_dim + gate) * self.dim + self.dim * kv_dims
+                                  + self.dim * self.o_bias + (q_dim + kv_dims) * self.qkv_bias)
+        keys = self.linear_key_heads * self.linear_key_head_dim
+        values = self.linear_value_heads * self.linear_value_head_dim
+        # in_proj_qkv, in_proj_z, in_proj_a and in_proj_b, out_proj
+        attention += self.linear_layer_count * self.dim * (
+            2 * keys + 3 * values + 2 * self.linear_value_heads)
         # per-layer inputs: the model's projection to them, each layer's gate and projection
         attention += 3 * self.n_layers * self.dim * self.per_layer_dim
         moe_layers = 0 if self.n_experts is None else (
@@ -689,14 +760,14 @@ class ModelConfig:
         computing its keys and values or sharing another's): counted by kind, not layer by
         layer, as `_linear_params` counts."""
         first_shared = self.n_layers - self.kv_shared_layers
-        kinds = []
+        kinds: list[tuple[int, int]] = []
         for start, end in ((0, first_shared), (first_shared, self.n_layers)):
             if self.layer_types is None:
                 kinds += [(end - start, start)] if end > start else []
                 continue
             span = self.layer_types[start:end]
             kinds += [(span.count(kind), start + span.index(kind))
-                      for kind in LAYER_TYPES if kind in span]
+                      for kind in ATTENTION_TYPES if kind in span]
         return kinds
 
     def require_language_model(self, what: str) -> None:

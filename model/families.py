@@ -20,6 +20,7 @@ splits into lathe's q/k/v and gate/up and an export joins again (`split_fused`,
 | gemma3_text | Gemma3ForCausalLM | Gemma 2's, and an RMSNorm of each head of q and k |
 | gemma4_text | Gemma4ForCausalLM | Gemma 3's, plain norms, v normed; full layers apart (below) |
 | phi3 (Phi-3, Phi-4-mini) | Phi3ForCausalLM | fused `qkv_proj`, `gate_up_proj`; partial RoPE |
+| qwen3_5_text (Qwen3.5) | Qwen3_5ForCausalLM | Qwen3's q/k norms, (1 + w) norms, gated attention output, partial RoPE; three Gated DeltaNet layers in each four (below) |
 | mixtral | MixtralForCausalLM | experts in every layer (`block_sparse_moe`), top-k renormalized |
 | qwen3_moe | Qwen3MoeForCausalLM | Qwen3's attention; experts in the layers not `mlp_only_layers` |
 | olmo2 (OLMo 2) | Olmo2ForCausalLM | OLMoE's q/k norms; norms after attention and MLP only |
@@ -29,7 +30,8 @@ splits into lathe's q/k/v and gate/up and an export joins again (`split_fused`,
 | glm4_moe (GLM-4.5) | Glm4MoeForCausalLM | partial RoPE, q/k norms optional; DeepSeek-V3's router |
 
 A multimodal checkpoint whose language model is one of these (`WRAPPERS`: Gemma 3 from 4B
-up, `gemma3`; Gemma 4, `gemma4`; Mistral Small 3.1 and 3.2, `mistral3`) loads as that
+up, `gemma3`; Gemma 4, `gemma4`; Mistral Small 3.1 and 3.2, `mistral3`; Qwen3.5, `qwen3_5`,
+its multi-token-prediction weights `mtp.` ignored as its class does) loads as that
 language model: its `text_config` read as the family's config.json, what it leaves out
 filled with the wrapper's transformers defaults for it (a nested config is written as its
 difference from them), its weights renamed from the wrapper's and the vision (and audio)
@@ -50,6 +52,13 @@ are left out (`drop_shared_kv`). 26B-A4B (`enable_moe_block`) adds experts besid
 layer's MLP: lathe's shared expert is that MLP, and the router's input scale and per-expert
 scale, the experts and their norms are renamed at the layer's level (`GEMMA4_RENAMES`), where
 its class keeps them, stacked.
+
+Qwen3.5's linear-attention layers (`layer_types` "linear_attention", `linear_attn.*`) are
+Gated DeltaNet token mixers (`lathe.model.gated_delta_net`) whose shape is its config.json's
+`linear_num_key_heads`, `linear_num_value_heads`, their head widths and
+`linear_conv_kernel_dim`; its full-attention layers' q_proj is twice as wide, each head
+followed by the gate of its output. Its text-only positions make its interleaved
+multimodal RoPE the plain partial one.
 
 Sliding windows: Mistral's `sliding_window` covers every layer; Qwen2/3's and SmolLM3's
 (`use_sliding_window`) cover the layers `layer_types` marks, by default those from
@@ -335,6 +344,43 @@ def _gemma4_extra(c: Any) -> dict[str, Any]:
             "use_bidirectional_attention": None}
 
 
+def _qwen3_5_layers(hf: dict[str, Any]) -> Window:
+    """Qwen3.5's Gated DeltaNet and full-attention layers (three linear of each four by
+    its class's default, `full_attention_interval`); it has no sliding window."""
+    if hf.get("sliding_window") and hf.get("use_sliding_window"):
+        raise ConfigError(f"config.json: sliding_window={hf['sliding_window']!r} is not "
+                          f"supported for {hf.get('model_type')}: its attention layers are full")
+    every = hf.get("full_attention_interval", 4)
+    types = hf.get("layer_types") or [
+        "linear_attention" if (i + 1) % every else "full_attention"
+        for i in range(hf["num_hidden_layers"])]
+    return None, list(types)
+
+
+# Qwen3_5TextConfig's defaults for its Gated DeltaNet layers: config.json key -> ModelConfig
+QWEN3_5_LINEAR = {"linear_num_key_heads": ("linear_key_heads", 16),
+                  "linear_num_value_heads": ("linear_value_heads", 32),
+                  "linear_key_head_dim": ("linear_key_head_dim", 128),
+                  "linear_value_head_dim": ("linear_value_head_dim", 128),
+                  "linear_conv_kernel_dim": ("linear_conv_kernel", 4)}
+
+
+def _qwen3_5_read(hf: dict[str, Any]) -> dict[str, Any]:
+    if hf.get("attn_output_gate") is False:  # Qwen3-Next's key; Qwen3.5's class always gates
+        raise ConfigError("config.json: attn_output_gate=false is not supported: Qwen3.5's "
+                          "attention gates its output")
+    return {ours: hf.get(key) or default for key, (ours, default) in QWEN3_5_LINEAR.items()}
+
+
+def _qwen3_5_extra(c: Any) -> dict[str, Any]:
+    """Qwen3.5's layer kinds, Gated DeltaNet shape and RoPE (its partial rotation among the
+    RoPE parameters, where its class reads it)."""
+    return {"attention_bias": c.qkv_bias, "layer_types": c.layer_types, "rope_scaling": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta,
+                                "partial_rotary_factor": c.partial_rotary_factor},
+            **{key: getattr(c, ours) for key, (ours, _) in QWEN3_5_LINEAR.items()}}
+
+
 def _whole(value: float | None) -> float | int | None:
     return int(value) if value is not None and float(value).is_integer() else value
 
@@ -550,6 +596,14 @@ FAMILIES: dict[str, Family] = {
         "Gemma4ForCausalLM", lambda hf: {**GEMMA4, **_attention_bias(hf)}, _gemma4_window,
         _gemma4_extra, sliding="layers", takes=GEMMA4_FIELDS, experts=GEMMA4_EXPERTS,
         classifier_class="", rope=_gemma4_rope, read=_gemma4_read),
+    "qwen3_5_text": Family(
+        "Qwen3_5ForCausalLM",
+        lambda hf: {"qk_norm": True, "norm_unit_offset": True, "attn_output_gate": True,
+                    **_attention_bias(hf)},
+        _qwen3_5_layers, _qwen3_5_extra,
+        takes=("partial_rotary_factor", "linear_key_heads", "linear_value_heads",
+               "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel"),
+        classifier_class="Qwen3_5TextForSequenceClassification", read=_qwen3_5_read),
     "mixtral": Family(
         "MixtralForCausalLM", lambda hf: {}, _mistral_window,
         lambda c: {"sliding_window": c.sliding_window, **MIXTRAL_EXPERTS.written(c)},
@@ -627,11 +681,21 @@ WRAPPERS = {
         "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 131_072,
         "rms_norm_eps": 1e-5, "sliding_window": None, "tie_word_embeddings": False},
         rope_theta=1e9),
+    "qwen3_5": Wrapper("qwen3_5_text", {
+        "vocab_size": 248_320, "hidden_size": 4096, "intermediate_size": 12_288,
+        "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4,
+        "head_dim": 256, "hidden_act": "silu", "max_position_embeddings": 32_768,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0,
+                            "partial_rotary_factor": 0.25}}),
 }
 WRAPPER_PREFIXES = ("language_model.model.", "model.language_model.")  # 4.x's, 5.x's
 WRAPPER_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
                  "model.multi_modal_projector.", "model.embed_vision.", "model.audio_tower.",
-                 "model.embed_audio.")  # Gemma 4's embedders of image and audio features
+                 "model.embed_audio.",  # Gemma 4's embedders of image and audio features
+                 "model.visual.")  # Qwen3.5's vision tower
+# multi-token-prediction heads beside the model (Qwen3.5's `mtp.`), which its class ignores
+IGNORED_PREFIXES = ("mtp.",)
 
 
 def language_model_config(hf: dict[str, Any]) -> dict[str, Any]:
@@ -673,7 +737,7 @@ def language_model_weights(state: dict[str, Any]) -> dict[str, Any]:
 
 SWITCHES = ("qkv_bias", "o_bias", "qk_norm", "norm_unit_offset", "sandwich_norms", "embed_scale",
             "qk_norm_projection", "post_norms", "shared_expert_gate", "sigmoid_router", "v_norm",
-            "layer_scalar")
+            "layer_scalar", "attn_output_gate")
 
 
 def family_switches(model_type: str, config: Any) -> dict[str, bool]:
@@ -864,7 +928,7 @@ def _layer_index(name: str) -> int:
 
 
 def fresh_switches(family: str, n_layers: int, head_dim: int,
-                   expert_width: int | None = None) -> dict[str, Any]:
+                   expert_width: int | None = None, n_heads: int = 1) -> dict[str, Any]:
     """What a new model of `family` sets beyond the Llama shape (`lathe init --family`,
     pretraining from scratch), as the family's transformers config class defaults: its
     switches, Gemma's activation, caps, query scale and alternating sliding layers (Gemma 4's
@@ -873,7 +937,9 @@ def fresh_switches(family: str, n_layers: int, head_dim: int,
     renormalized but for OLMoE, as Qwen3-30B-A3B and OLMoE-1B-7B do; GLM-4.5's sigmoid router
     without a balance loss, as its class has none), and for a family with a shared expert
     (Qwen2-MoE, GLM-4.5) one of the experts' `expert_width`, which transformers' classes
-    always build."""
+    always build. Qwen3.5's: three Gated DeltaNet layers in each four, as many key heads as
+    the `n_heads` query heads and twice as many value heads, each half a head wide (its
+    9B's proportions), and a quarter of each attention head turned by RoPE."""
     if family not in FAMILIES:
         raise ConfigError(f"family={family!r} is not one lathe takes; choose one of "
                           f"{', '.join(FAMILIES)}")
@@ -887,6 +953,12 @@ def fresh_switches(family: str, n_layers: int, head_dim: int,
             else {}
         return {**switches, "n_experts": 8, "n_experts_per_token": 2,
                 "norm_topk_prob": family != "olmoe", **sigmoid, **shared}
+    if family == "qwen3_5_text":
+        width = max(head_dim // 2, 2)
+        return {**switches, "partial_rotary_factor": 0.25,
+                "layer_types": _qwen3_5_layers({"num_hidden_layers": n_layers})[1],
+                "linear_key_heads": n_heads, "linear_value_heads": 2 * n_heads,
+                "linear_key_head_dim": width, "linear_value_head_dim": width}
     if family == "olmo3":  # OLMo 3's: three sliding layers of each four, one RoPE base
         return {**switches, "sliding_window": 4096, "rope_theta": 500_000.0,
                 "rope_local_theta": 500_000.0,

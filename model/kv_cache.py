@@ -5,7 +5,9 @@ cache to `prepare` room for the new tokens (getting back their positions), then 
 attention layer hands the cache its queries and new K/V through `attend` and gets back
 the attention output: the cache stores the new K/V and attends over everything each
 query may see. Past the last layer that stores keys and values (Gemma 4's KV-sharing
-layers) the model may `narrow` the cache to the rows whose logits it keeps.
+layers) the model may `narrow` the cache to the rows whose logits it keeps. A linear-attention
+layer (Qwen3.5's Gated DeltaNet) keeps no keys or values but a recurrent state per sequence,
+which it reads (`recurrent_state`) and replaces (`store_recurrent_state`) each forward.
 `ContiguousKVCache` stores one dense buffer per layer (generation in
 `lathe.model.generate`, tests); the serving engine's paged cache implements the same
 methods over block tables, for a batch of sequences of different lengths flattened into
@@ -47,22 +49,34 @@ class KVCache(Protocol):
         row or it cannot attend them so."""
         ...
 
+    def recurrent_state(self, layer_idx: int) -> tuple[Tensor, Tensor] | None:
+        """A linear-attention layer's (convolution inputs, recurrence state) for each row
+        from the forwards before this one; None before the first."""
+        ...
+
+    def store_recurrent_state(self, layer_idx: int, conv: Tensor, state: Tensor) -> None:
+        """Keep a linear-attention layer's states after this forward's tokens."""
+        ...
+
 
 class ContiguousKVCache:
     """One preallocated (B, n_kv_heads, max_len, head_dim) buffer per layer and for K and V
     (each layer's own KV heads and head width: Gemma 4's full layers have theirs; a layer
     sharing another's keys and values has that layer's buffers).
 
-    All rows of the batch share one length: slot i holds the token at position i.
+    All rows of the batch share one length: slot i holds the token at position i. A
+    linear-attention layer has no buffers, only its recurrent state.
     """
 
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int,
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float32):
         def buffer(layer: int) -> Tensor:
             kv_heads, width = config.attention_shape(layer)
-            return torch.zeros(batch_size, kv_heads, max_len, width, device=device, dtype=dtype)
+            length = 0 if config.is_linear(layer) else max_len
+            return torch.zeros(batch_size, kv_heads, length, width, device=device, dtype=dtype)
 
         self.k, self.v = per_layer_buffers(config, buffer)
+        self.states: dict[int, tuple[Tensor, Tensor]] = {}
         self.batch_size, self.dtype = batch_size, dtype
         self.max_len = max_len
         self.length = 0
@@ -95,6 +109,12 @@ class ContiguousKVCache:
             values[:, :, start:end] = v
         out = causal_attention(q.to(self.dtype), keys[:, :, :end], values[:, :, :end], variant)
         return out.to(q.dtype)
+
+    def recurrent_state(self, layer_idx: int) -> tuple[Tensor, Tensor] | None:
+        return self.states.get(layer_idx)
+
+    def store_recurrent_state(self, layer_idx: int, conv: Tensor, state: Tensor) -> None:
+        self.states[layer_idx] = conv, state
 
     def narrow(self, rows: Tensor) -> ContiguousKVCache | None:
         """Itself for some last rows of the new tokens, whose queries attend as they would

@@ -60,6 +60,8 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # how PeftModel names a wrapped model's parameters
 ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Qwen3.5's Gated DeltaNet layers' linears (transformers' names), which targets may add
+DELTA_NET_LINEARS = ["in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"]
 # a stacked expert parameter -> the MLP targets that reach it
 EXPERT_PARAMETERS = {"experts.gate_up_proj": ("gate_proj", "up_proj"),
                      "experts.down_proj": ("down_proj",)}
@@ -81,10 +83,12 @@ class LoraSection:
             raise ConfigError(f"lora.r={self.r} must be >= 1")
         if not 0 <= self.dropout < 1:
             raise ConfigError(f"lora.dropout={self.dropout} must be in [0, 1)")
-        unknown = sorted(set(self.target_modules) - set(ALL_LINEARS) - {"lm_head"})
+        unknown = sorted(set(self.target_modules) - set(ALL_LINEARS) - set(DELTA_NET_LINEARS)
+                         - {"lm_head"})
         if unknown or not self.target_modules:
             raise ConfigError(f"lora.target_modules={self.target_modules}: choose from "
-                              f"{', '.join(ALL_LINEARS)} (and lm_head)")
+                              f"{', '.join(ALL_LINEARS)} (and lm_head; a Qwen3.5 model's "
+                              f"linear-attention layers: {', '.join(DELTA_NET_LINEARS)})")
 
     @property
     def scale(self) -> float:

@@ -15,7 +15,8 @@ reference elsewhere; so does RoPE. The open-model families' departures from Llam
 switches of `ModelConfig`, and so is a mixture of experts: an `MoE` MLP (a softmax or
 sigmoid router and stacked experts run as grouped GEMMs) in the layers the config names,
 whose routing statistics come back beside the logits (`RouterStats`) and whose balance loss
-the training loss includes.
+the training loss includes; so is a layer whose token mixer is not attention but a Gated
+DeltaNet (`lathe.model.gated_delta_net`, Qwen3.5's linear attention).
 
 Initialization (`Transformer.init_weights`): embeddings and every linear weight
 ~ N(0, init_std), except the two projections that write into the residual stream
@@ -49,6 +50,7 @@ from lathe.kernels import (
 )
 from lathe.kernels.grouped_matmul import grouped_matmul
 from lathe.model.config import ModelConfig, RopeScaling
+from lathe.model.gated_delta_net import GatedDeltaNet, GatedRMSNorm
 from lathe.model.kv_cache import KVCache
 
 IGNORE_INDEX = -100
@@ -277,7 +279,9 @@ class Attention(nn.Module):
         # while a dict (the forward without a KV cache sets it), a layer others share with
         # stores its keys and values in it; an attribute, as `MoE.sink` is, for the same reasons
         self.kv_sink: dict[int, tuple[Tensor, Tensor]] | None = None
-        self.q_proj = nn.Linear(config.dim, q_dim, bias=config.qkv_bias)
+        # Qwen3.5: q_proj's heads are each followed by as wide a gate on the output
+        self.output_gate = config.attn_output_gate
+        self.q_proj = nn.Linear(config.dim, q_dim * (1 + self.output_gate), bias=config.qkv_bias)
         self.k_proj = None if self.shares_kv else nn.Linear(config.dim, kv_dim,
                                                             bias=config.qkv_bias)
         # Gemma 4's full layers: the values are the keys' projection (before k's norm, RoPE)
@@ -315,6 +319,10 @@ class Attention(nn.Module):
             return self._attend_shared(x, cos, sin, kv_cache, starts, shared_kv)
         batch, seq, _ = x.shape
         q, k = self.q_proj(x), self.k_proj(x)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(batch, seq, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(batch, seq, -1), gate.reshape(batch, seq, -1)
         v = k if self.v_proj is None else self.v_proj(x)
         if self.q_norm is not None and not self.per_head_norm:
             q, k = self.q_norm(q).to(q.dtype), self.k_norm(k).to(k.dtype)
@@ -336,7 +344,8 @@ class Attention(nn.Module):
             if self.kv_sink is not None:
                 self.kv_sink[self.layer_idx] = k, v
             out = causal_attention(q, k, v, self.variant, starts)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        out = out.transpose(1, 2).reshape(batch, seq, -1)
+        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 
     def _rotate(self, q: Tensor, k: Tensor | None, cos: Tensor,
                 sin: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -551,7 +560,11 @@ class DecoderLayer(nn.Module):
         self.post_only = config.post_norms
         if not self.post_only:
             self.input_layernorm = norm()
-        self.self_attn = Attention(config, layer_idx)
+        self.linear = config.is_linear(layer_idx)  # Qwen3.5: a Gated DeltaNet, no attention
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(config, layer_idx)
+        else:
+            self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = norm()
         if config.sandwich_norms:
             self.pre_feedforward_layernorm = norm()
@@ -580,8 +593,8 @@ class DecoderLayer(nn.Module):
         if self.post_only:
             x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, kv_cache, starts))
             return x + self.post_feedforward_layernorm(self.mlp(x))
-        attended = self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, starts,
-                                  shared_kv)
+        attended = self.linear_attn(self.input_layernorm(x), kv_cache, starts) if self.linear \
+            else self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, starts, shared_kv)
         if not self.sandwich:
             norm = self.post_attention_layernorm
             normed, x = add_rms_norm(attended, x, norm.scale(), norm.eps)  # one pass: add + norm
@@ -671,12 +684,18 @@ class Transformer(nn.Module):
         residual_std = std / math.sqrt(2 * self.config.n_layers)
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                out_proj = name.endswith(("o_proj", "down_proj"))
+                out_proj = name.endswith(("o_proj", "down_proj", "linear_attn.out_proj"))
                 nn.init.normal_(module.weight, mean=0.0, std=residual_std if out_proj else std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm):
                 (nn.init.zeros_ if module.unit_offset else nn.init.ones_)(module.weight)
+            elif isinstance(module, GatedRMSNorm):
+                nn.init.ones_(module.weight)
+            elif isinstance(module, GatedDeltaNet):  # transformers' Qwen3.5 initialization
+                nn.init.normal_(module.conv1d.weight, mean=0.0, std=std)
+                nn.init.ones_(module.dt_bias)
+                module.A_log.copy_(torch.empty_like(module.A_log).uniform_(0.01, 16).log())
             elif isinstance(module, Experts):
                 nn.init.normal_(module.gate_up_proj, mean=0.0, std=std)
                 nn.init.normal_(module.down_proj, mean=0.0, std=residual_std)
@@ -766,7 +785,7 @@ class Transformer(nn.Module):
         first_shared = config.n_layers - config.kv_shared_layers
         try:
             for i, layer in enumerate(self.model.layers):
-                attention = layer.self_attn
+                attention = None if layer.linear else layer.self_attn
                 kept = _narrowed(kv_cache, logits_to_keep) if i == first_shared else None
                 if kept is not None:  # the layers left store nothing: the kept rows alone
                     kv_cache, rows, logits_to_keep = kept
@@ -774,9 +793,11 @@ class Transformer(nn.Module):
                     rotations, local_rotations = ((cos[:, rows], sin[:, rows])
                                                   for cos, sin in (rotations, local_rotations))
                     per_layer = None if per_layer is None else per_layer[:, rows]
-                x = layer(x, *(local_rotations if attention.local_rope else rotations),
+                local_rope = attention is not None and attention.local_rope
+                sharing = attention is not None and attention.shares_kv
+                x = layer(x, *(local_rotations if local_rope else rotations),
                           kv_cache, starts, None if per_layer is None else per_layer[:, :, i],
-                          shared.get(attention.kv_source) if attention.shares_kv else None)
+                          shared.get(attention.kv_source) if sharing else None)
         finally:
             for moe in experts:
                 moe.sink = None

@@ -72,6 +72,7 @@ class LLMEngine:
         passes its autocast dtype (see `lathe.pretrain.runtime.precision`). `draft_model`: the
         proposer of `config.speculative` with method "draft"."""
         model.config.require_language_model("the serve engine")
+        model.config.require_attention_only("the serve engine")
         configure_kernels()  # which kernels its steps take, chosen once, here
         self.model = model.eval()
         self.tokenizer = tokenizer

@@ -109,7 +109,7 @@ def test_sliding_windows_only_where_the_family_has_them():
                                 layer_types=["sliding_attention"] * 4)
     with pytest.raises(ConfigError, match="layer_types=.* needs sliding_window"):
         ModelConfig.from_preset("tiny", family="qwen3", qk_norm=True,
-                                layer_types=["full_attention"] * 4)
+                                layer_types=["full_attention"] * 3 + ["sliding_attention"])
     with pytest.raises(ConfigError, match="must name, for each of the 4 layers"):
         ModelConfig.from_preset("tiny", family="qwen3", qk_norm=True, sliding_window=8,
                                 layer_types=["sliding_attention"] * 3)

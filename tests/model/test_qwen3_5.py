@@ -1,0 +1,206 @@
+"""Qwen3.5: Gated DeltaNet layers among gated full-attention layers, checked against
+transformers' own classes on tiny random models they build and `save_pretrained` writes —
+the text model and the multimodal checkpoint the hub ships (a vision tower and
+multi-token-prediction weights beside the language model) load with transformers' logits
+and export back as `Qwen3_5ForCausalLM`; generation through the recurrent state, packed
+training rows and gradients are transformers'; what lathe does not do yet (its paged
+engine, GGUF) is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from lathe.core.errors import ConfigError
+from lathe.model import ModelConfig, Transformer, generate, load_checkpoint, save_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+TEXT = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+            linear_value_head_dim=8)
+
+
+def sharpen(language) -> None:
+    """Random weights give near-uniform attention and near-equal logits, and start every
+    (1 + w) norm at 1: move them all away, so a wrong layer cannot pass."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in language.layers:
+            mixer = getattr(layer, "linear_attn", None)
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            if mixer is not None:
+                mixer.in_proj_qkv.weight.mul_(4)
+                mixer.conv1d.weight.mul_(3)
+                mixer.norm.weight.copy_(1 + 0.3 * torch.randn(mixer.norm.weight.shape,
+                                                              generator=generator))
+                mixer.dt_bias.copy_(torch.randn(mixer.dt_bias.shape, generator=generator))
+            else:
+                layer.self_attn.q_proj.weight.mul_(8)
+                layer.self_attn.k_proj.weight.mul_(8)
+                norms += [layer.self_attn.q_norm, layer.self_attn.k_norm]
+            for norm in norms:
+                norm.weight.copy_(0.3 * torch.randn(norm.weight.shape, generator=generator))
+
+
+def hf_text_model(folder=None, **extra):
+    config = transformers.Qwen3_5TextConfig(**{**TEXT, **extra})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    sharpen(model.model)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+    if folder is not None:
+        model.save_pretrained(folder)
+    return model
+
+
+def test_the_text_model_loads_and_exports_with_transformers_logits(tmp_path):
+    hf = hf_text_model(tmp_path / "hf")
+    assert hf.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    ids = torch.randint(0, 256, (2, 150), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf(ids).logits
+        ours = load_checkpoint(tmp_path / "hf")
+        assert (ours(ids).logits - expected).abs().max() <= 1e-4 * expected.abs().max()
+    assert ours.config.num_params() == sum(p.numel() for p in hf.parameters())
+    save_checkpoint(ours, tmp_path / "lathe")
+    written = json.loads((tmp_path / "lathe" / "config.json").read_text())
+    assert (written["model_type"], written["architectures"]) == (
+        "qwen3_5_text", ["Qwen3_5ForCausalLM"])
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lathe",
+                                                              dtype=torch.float32).eval()
+    assert type(again) is type(hf)
+    assert again.config.layer_types == hf.config.layer_types
+    assert again.config.rope_parameters["partial_rotary_factor"] == 0.25
+    assert set(again.state_dict()) == set(hf.state_dict())
+    with torch.no_grad():
+        assert (again(ids).logits - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+def test_the_hubs_multimodal_checkpoint_loads_as_its_language_model(tmp_path):
+    """Qwen3.5 ships as Qwen3_5ForConditionalGeneration: the language model under
+    model.language_model., a vision tower under model.visual., and multi-token-prediction
+    weights (mtp.) that its class ignores; the text config sparse, as the hub's."""
+    vision = transformers.models.qwen3_5.Qwen3_5VisionConfig(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+        patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
+    config = transformers.Qwen3_5Config(
+        text_config={**TEXT, "model_type": "qwen3_5_text"}, vision_config=vision.to_dict())
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    sharpen(model.model.language_model)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+    model.save_pretrained(tmp_path / "hf")
+    weights = next((tmp_path / "hf").glob("*.safetensors"))
+    state = load_file(weights)
+    assert any(name.startswith("model.visual.") for name in state)
+    state["mtp.layers.0.mlp.gate_proj.weight"] = torch.zeros(128, 64)  # what the hub's hold
+    save_file(state, weights, metadata={"format": "pt"})
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    sparse = {key: value for key, value in written["text_config"].items()
+              if key in TEXT or key == "model_type"}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**written, "text_config": sparse}))
+    ids = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        ours = load_checkpoint(tmp_path / "hf")
+        assert ours.config.family == "qwen3_5_text"
+        assert ours.config.partial_rotary_factor == 0.25  # the wrapper's default text config
+        assert (ours(ids).logits - expected).abs().max() <= 1e-4 * expected.abs().max()
+    save_checkpoint(ours, tmp_path / "lathe")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lathe",
+                                                              dtype=torch.float32).eval()
+    assert type(again).__name__ == "Qwen3_5ForCausalLM"
+    with torch.no_grad():
+        assert (again(ids).logits - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+def test_generation_carries_the_recurrent_state_as_transformers_does(tmp_path):
+    """`generate`'s prefill (the chunked rule over 70 tokens) and decode steps (the
+    recurrence from the cached states) give transformers' greedy tokens for two rows."""
+    hf = hf_text_model(tmp_path / "hf")
+    ours = load_checkpoint(tmp_path / "hf")
+    prompts = torch.randint(0, 256, (2, 70), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        theirs = hf.generate(prompts, attention_mask=torch.ones_like(prompts),
+                             max_new_tokens=24, do_sample=False)[:, 70:]
+    assert torch.equal(generate(ours, prompts, 24), theirs)
+    assert len(set(theirs[0].tolist())) > 4  # not one token repeated
+
+
+def test_packed_documents_are_computed_as_each_alone():
+    config = ModelConfig.from_preset("tiny", family="qwen3_5_text", vocab_size=256)
+    torch.manual_seed(0)
+    model = Transformer(config).eval()
+    documents = torch.tensor([[0] * 30 + [1] * 70 + [2] * 28])
+    ids = torch.randint(0, 256, (1, 128), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        packed = model(ids, documents=documents).logits
+        for doc in range(3):
+            at = (documents[0] == doc).nonzero().squeeze(1)
+            assert (model(ids[:, at]).logits - packed[:, at]).abs().max() < 1e-4
+        assert (model(ids).logits - packed).abs().max() > 1e-2
+
+
+def test_gradients_are_transformers(tmp_path):
+    hf = hf_text_model(tmp_path / "hf")
+    ours = load_checkpoint(tmp_path / "hf").train()
+    hf.train()
+    ids = torch.randint(0, 256, (2, 80), generator=torch.Generator().manual_seed(4))
+    hf(ids, labels=ids).loss.backward()
+    ours(ids, labels=ids, return_logits=False).loss.backward()
+    theirs = dict(hf.named_parameters())
+    for name, parameter in ours.named_parameters():
+        reference = theirs[name].grad
+        assert (parameter.grad - reference).abs().max() <= 1e-4 * reference.abs().max() + 1e-8, \
+            name
+
+
+def test_bf16_autocast_stays_close():
+    config = ModelConfig.from_preset("tiny", family="qwen3_5_text", vocab_size=256)
+    torch.manual_seed(0)
+    model = Transformer(config)
+    ids = torch.randint(0, 256, (2, 80), generator=torch.Generator().manual_seed(5))
+    exact = model(ids, labels=ids, return_logits=False).loss
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(ids, labels=ids, return_logits=False).loss
+        loss.backward()
+    assert abs(loss.item() - exact.item()) < 2e-2
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_what_lathe_does_not_do_yet_is_refused_by_name(tmp_path):
+    from lathe.serve.engine import LLMEngine
+    from lathe.serve.gguf_export import unwritable
+
+    model = Transformer(ModelConfig.from_preset("tiny", family="qwen3_5_text"))
+    with pytest.raises(ConfigError, match="3 linear-attention layers"):
+        LLMEngine(model)
+    assert "qwen3_5_text has no llama.cpp architecture" in unwritable(model.config)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"family": "qwen3", "layer_types": ["linear_attention"] * 4},
+     "family='qwen3' has no 'linear_attention' layers"),
+    ({"linear_value_heads": 6}, "linear_value_heads=6 is not a multiple of linear_key_heads=4"),
+    ({"linear_key_head_dim": 0}, "linear_key_head_dim=0 must be a positive integer"),
+    ({"layer_types": ["linear_attention"] * 3 + ["sliding_attention"]},
+     "needs sliding_window"),
+])
+def test_a_linear_attention_config_is_checked_field_by_field(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_preset("tiny", **{"family": "qwen3_5_text", **changes})
+
+
+def test_a_config_json_without_its_output_gate_is_refused(tmp_path):
+    hf = transformers.Qwen3_5TextConfig(**TEXT).to_dict()
+    with pytest.raises(ConfigError, match="attn_output_gate=false"):
+        ModelConfig.from_hf_config({**hf, "attn_output_gate": False})
+    assert ModelConfig.from_hf_config(hf).linear_value_heads == 4
