@@ -200,16 +200,23 @@ GEMMA4 = {"model": {"preset": "tiny", "overrides": {
     "layer_types": ["sliding_attention", "full_attention"] * 2, "per_layer_dim": 16,
     "kv_shared_layers": 2, "double_wide_shared_mlp": True}},
     "precision": {"activation_checkpointing": True}}
+# Qwen3.5's Gated DeltaNet layers (three) beside a gated full-attention one, on windows of
+# several documents, each from a zero recurrent state, every layer recomputed in the backward
+QWEN3_5 = {"model": {"preset": "tiny", "overrides": {
+    "family": "qwen3_5_text", "dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
+    "max_seq_len": 64}}, "precision": {"activation_checkpointing": True}}
 
 
 # ZeRO-3 takes GLM-4.5's experts (Qwen3-MoE's under ZeRO-3 too would add nothing: the
 # experts are stacked parameters alike), FSDP2 Qwen3-MoE's
 @pytest.mark.parametrize(("recipe", "model"), [
-    ("cpu-fsdp2", MOE), ("cpu-zero3", BALANCED_MOE), ("cpu-fsdp2", GEMMA4)],
-    ids=["cpu-fsdp2-qwen3_moe", "cpu-zero3-glm4_moe-balanced", "cpu-fsdp2-gemma4"])
+    ("cpu-fsdp2", MOE), ("cpu-zero3", BALANCED_MOE), ("cpu-fsdp2", GEMMA4),
+    ("cpu-fsdp2", QWEN3_5)],
+    ids=["cpu-fsdp2-qwen3_moe", "cpu-zero3-glm4_moe-balanced", "cpu-fsdp2-gemma4",
+         "cpu-fsdp2-qwen3_5"])
 def test_moe_on_two_sharded_processes_matches_one(recipe, model, corpus, tmp_path):
-    """A mixture of experts, its stacked experts sharded like any parameter, and Gemma 4,
-    its layers of two widths: the same losses as one process, and the gathered export loads
+    """A mixture of experts, its stacked experts sharded like any parameter, Gemma 4, its
+    layers of two widths, and Qwen3.5, its linear-attention layers: the same losses as one process, and the gathered export loads
     in transformers with lathe's logits. The balance loss is off here: transformers
     computes it per forward, over the tokens of one micro-batch on one rank, so it is not a
     sum that splits over ranks exactly. The aux-loss-free balance is a sum: its selection
@@ -220,7 +227,10 @@ def test_moe_on_two_sharded_processes_matches_one(recipe, model, corpus, tmp_pat
     balanced = model is BALANCED_MOE
 
     def moe(out: Path, micro_batch_size: int) -> dict:
-        return {**settings(corpus, out, micro_batch_size, steps=8), **model}
+        config = {**settings(corpus, out, micro_batch_size, steps=8), **model}
+        if model is QWEN3_5:
+            config["data"] = {**config["data"], "document_mask": True}
+        return config
 
     one = tmp_path / "one"
     reset_accelerate()
