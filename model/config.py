@@ -463,16 +463,6 @@ class ModelConfig:
         """Whether layer `layer` is a Gated DeltaNet layer, not attention."""
         return self.layer_types is not None and self.layer_types[layer] == "linear_attention"
 
-    def require_attention_only(self, what: str) -> None:
-        """Refuse a model with linear-attention layers where `what` keeps keys and values
-        alone (a paged KV cache has no room for their recurrent state)."""
-        if self.linear_layer_count:
-            raise ConfigError(
-                f"{what} keeps keys and values in a paged cache; this model's "
-                f"{self.linear_layer_count} linear-attention layers (Gated DeltaNet, "
-                "layer_types 'linear_attention') carry a recurrent state it does not hold. "
-                "Generate with `lathe generate`, or serve its GGUF with llama.cpp")
-
     def kv_source(self, layer: int) -> int:
         """The layer whose keys and values layer `layer` attends over: itself, or for a
         KV-sharing layer the last layer before the shared ones of its kind (sliding, full)."""

@@ -7,9 +7,10 @@ and log decay g = −exp(A_log) · softplus(in_proj_a x + dt_bias); the gated de
 SiLU(in_proj_z x); `out_proj` back to the model's width. Names and arithmetic are
 transformers' `Qwen3_5GatedDeltaNet`, so its checkpoints load as they are.
 
-With a cache (`KVCache.recurrent_state`), the layer continues from the state the cache holds
-for it — the convolution's last inputs and the rule's (value heads, key width, value width)
-state — and leaves the new one there; without, each packed document starts from zeros.
+With a cache, the layer hands it its per-token inputs and `mix` (`KVCache.recurrent`), which
+the cache runs over each sequence from the states it holds for it — the convolution's last
+inputs and the rule's (value heads, key width, value width) state — keeping the new ones;
+without, each packed document starts from zeros.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import Tensor, nn
 
 from lathe.kernels.gated_delta import gated_delta_recurrence, gated_delta_rule, short_convolution
 from lathe.model.config import ModelConfig
-from lathe.model.kv_cache import KVCache
+from lathe.model.kv_cache import KVCache, States
 
 
 class GatedRMSNorm(nn.Module):
@@ -62,20 +63,31 @@ class GatedDeltaNet(nn.Module):
                 starts: Tensor | None = None) -> Tensor:
         """x (B, T, dim) -> (B, T, dim); `starts`: packed rows' document starts."""
         batch, length, _ = x.shape
-        key_width, value_width = self.head_dims
-        held = None if kv_cache is None else kv_cache.recurrent_state(self.layer_idx)
-        conv_state, state = (None, None) if held is None else held
-        mixed, conv_state = short_convolution(self.in_proj_qkv(x), self.conv1d.weight[:, 0],
-                                              starts, conv_state)
+        beta = self.in_proj_b(x).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        inputs = (self.in_proj_qkv(x), beta, g)
+        if kv_cache is None:
+            out = self.mix(inputs, None, starts)[0]
+        else:
+            out = kv_cache.recurrent(self.layer_idx, inputs, self.mix)
+        z = self.in_proj_z(x).view(batch, length, self.value_heads, self.head_dims[1])
+        return self.out_proj(self.norm(out, z).reshape(batch, length, self.value_dim))
+
+    def mix(self, inputs: tuple[Tensor, ...], states: States | None,
+            starts: Tensor | None = None) -> tuple[Tensor, States]:
+        """The convolution and the rule over (B, T, ·) inputs — q/k/v before the
+        convolution, β, g — from `states` (the convolution's last inputs, the rule's state;
+        None: zeros): the (B, T, value heads, value width) output and the states after."""
+        mixed, beta, g = inputs
+        batch, length, _ = mixed.shape
+        conv_state, state = (None, None) if states is None else states
+        mixed, conv_state = short_convolution(mixed, self.conv1d.weight[:, 0], starts,
+                                              conv_state)
         q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
+        key_width, value_width = self.head_dims
         q = q.view(batch, length, self.key_heads, key_width)
         k = k.view(batch, length, self.key_heads, key_width)
         v = v.view(batch, length, self.value_heads, value_width)
-        beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         rule = gated_delta_recurrence if length == 1 else gated_delta_rule
         out, state = rule(q, k, v, g, beta, starts, state)
-        if kv_cache is not None:
-            kv_cache.store_recurrent_state(self.layer_idx, conv_state, state)
-        z = self.in_proj_z(x).view(batch, length, self.value_heads, value_width)
-        return self.out_proj(self.norm(out, z).reshape(batch, length, self.value_dim))
+        return out, (conv_state, state)

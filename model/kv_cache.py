@@ -6,8 +6,10 @@ attention layer hands the cache its queries and new K/V through `attend` and get
 the attention output: the cache stores the new K/V and attends over everything each
 query may see. Past the last layer that stores keys and values (Gemma 4's KV-sharing
 layers) the model may `narrow` the cache to the rows whose logits it keeps. A linear-attention
-layer (Qwen3.5's Gated DeltaNet) keeps no keys or values but a recurrent state per sequence,
-which it reads (`recurrent_state`) and replaces (`store_recurrent_state`) each forward.
+layer (Qwen3.5's Gated DeltaNet) keeps no keys or values but a recurrent state per sequence:
+it hands the cache its per-token inputs and the function that runs it over one batch of
+sequences from their states (`recurrent`), and the cache runs it over each sequence's tokens
+from the state it holds for that sequence, keeping the state it ends in.
 `ContiguousKVCache` stores one dense buffer per layer (generation in
 `lathe.model.generate`, tests); the serving engine's paged cache implements the same
 methods over block tables, for a batch of sequences of different lengths flattened into
@@ -17,13 +19,19 @@ one row.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
 import torch
 from torch import Tensor
 
 from lathe.kernels import PLAIN, AttentionVariant, causal_attention
 from lathe.model.config import ModelConfig
+
+
+# (B, T, ·) inputs of B sequences and their states before them (None: fresh sequences) ->
+# the (B, T, ·) output and the states after them: a linear-attention layer's computation
+States: TypeAlias = tuple[Tensor, ...]
+RecurrentStep: TypeAlias = Callable[[tuple[Tensor, ...], States | None], tuple[Tensor, States]]
 
 
 class KVCache(Protocol):
@@ -49,13 +57,12 @@ class KVCache(Protocol):
         row or it cannot attend them so."""
         ...
 
-    def recurrent_state(self, layer_idx: int) -> tuple[Tensor, Tensor] | None:
-        """A linear-attention layer's (convolution inputs, recurrence state) for each row
-        from the forwards before this one; None before the first."""
-        ...
-
-    def store_recurrent_state(self, layer_idx: int, conv: Tensor, state: Tensor) -> None:
-        """Keep a linear-attention layer's states after this forward's tokens."""
+    def recurrent(self, layer_idx: int, inputs: tuple[Tensor, ...],
+                  step: RecurrentStep) -> Tensor:
+        """A linear-attention layer's output for this forward's tokens: `step` run over
+        each sequence's share of the (1 or B, T, ·) `inputs`, from the states the cache
+        holds for the sequence (none at its first token), which it then replaces with the
+        states `step` ends in."""
         ...
 
 
@@ -76,7 +83,7 @@ class ContiguousKVCache:
             return torch.zeros(batch_size, kv_heads, length, width, device=device, dtype=dtype)
 
         self.k, self.v = per_layer_buffers(config, buffer)
-        self.states: dict[int, tuple[Tensor, Tensor]] = {}
+        self.states: dict[int, States] = {}
         self.batch_size, self.dtype = batch_size, dtype
         self.max_len = max_len
         self.length = 0
@@ -110,11 +117,10 @@ class ContiguousKVCache:
         out = causal_attention(q.to(self.dtype), keys[:, :, :end], values[:, :, :end], variant)
         return out.to(q.dtype)
 
-    def recurrent_state(self, layer_idx: int) -> tuple[Tensor, Tensor] | None:
-        return self.states.get(layer_idx)
-
-    def store_recurrent_state(self, layer_idx: int, conv: Tensor, state: Tensor) -> None:
-        self.states[layer_idx] = conv, state
+    def recurrent(self, layer_idx: int, inputs: tuple[Tensor, ...],
+                  step: RecurrentStep) -> Tensor:
+        out, self.states[layer_idx] = step(inputs, self.states.get(layer_idx))
+        return out
 
     def narrow(self, rows: Tensor) -> ContiguousKVCache | None:
         """Itself for some last rows of the new tokens, whose queries attend as they would

@@ -72,7 +72,6 @@ class LLMEngine:
         passes its autocast dtype (see `lathe.pretrain.runtime.precision`). `draft_model`: the
         proposer of `config.speculative` with method "draft"."""
         model.config.require_language_model("the serve engine")
-        model.config.require_attention_only("the serve engine")
         configure_kernels()  # which kernels its steps take, chosen once, here
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -85,6 +84,11 @@ class LLMEngine:
         self.max_model_len = serving_length(self.config, model.config)
         dtype = kv_dtype or activation_dtype(model)
         speculative = self.config.speculative
+        recurrent = model.config.linear_layer_count > 0
+        if recurrent and speculative is not None:
+            raise ConfigError("speculative decoding is not served for a model with "
+                              "linear-attention layers (Qwen3.5's): their states would advance "
+                              "through rejected drafts; drop engine.speculative")
         check_draft(model, draft_model, speculative)
         num_blocks = self.config.num_blocks or blocks_in_budget(
             self.config, [m.config for m in (model, draft_model) if m is not None], self.device,
@@ -99,9 +103,11 @@ class LLMEngine:
             if self.config.max_loras else None
         # the callback is the adapters', not a method of the engine: no reference cycle, so
         # a dropped engine frees its KV cache at once (on a GPU, before the next one is sized)
+        # a cached prefix has keys and values but no linear-attention state at its end
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, lookahead,
-                                   None if self.adapters is None else self.adapters.admit)
+                                   None if self.adapters is None else self.adapters.admit,
+                                   prefix_caching=not recurrent)
         self.step_cost = StepCost(self.config.max_decode_stall, block_size)
         # a compiled step reads each row's adapter slot from one tensor the largest bucket
         # long, so with adapters a step runs compiled only within one bucket
@@ -120,7 +126,8 @@ class LLMEngine:
         self.memory = {"weight_bytes": weight_bytes(model) + (
                            0 if draft_model is None else weight_bytes(draft_model)),
                        "kv_cache_bytes": self.slabs.nbytes + (
-                           0 if draft_slabs is None else draft_slabs.nbytes)}
+                           0 if draft_slabs is None else draft_slabs.nbytes) + (
+                           0 if self.runner.states is None else self.runner.states.nbytes)}
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         self.sampler = Sampler(tokenizer, model.config.vocab_size, self.eos_token_ids,
                                self.device)

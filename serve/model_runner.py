@@ -12,7 +12,9 @@ Prefill chunks — and a speculative step's verified drafts, which are a short c
 their context through the same rows; on CPU a short one instead attends token by token
 through them in the native paged kernel, beside the step's decodes. A draft model runs
 through the same rows on its own slabs: its KV lives in the target's block ids, so it is
-paged, shared and freed with them.
+paged, shared and freed with them. A model's linear-attention layers keep each sequence's state in the row of its
+block table (`lathe.serve.recurrent_states`); every step carries where its sequences lie
+(`StateSpans`), and such a model's steps run eagerly.
 With `compile_decode`, a step of the target whose every token attends through its block
 table — decodes, and on CPU those short prefill chunks and drafts — runs through
 `lathe.serve.decode_graph` instead: the same rows, a token each, at compiled static shapes
@@ -40,6 +42,7 @@ from lathe.serve.decode_graph import DecodeGraphs, Progress, StaticDecodeBatch
 from lathe.serve.host_memory import retain_freed_memory
 from lathe.serve.paged_cache import KVSlabs, PagedBatch, SequenceSpan
 from lathe.serve.quant import is_quantized
+from lathe.serve.recurrent_states import RecurrentStates, StateSpans
 from lathe.serve.sequence import Sequence
 
 log = logging.getLogger("lathe.serve")
@@ -95,8 +98,14 @@ class ModelRunner:
         # max_position_embeddings alone (1e10 of them: 320 GB) would never be filled
         self.max_blocks = min(-(-max_model_len // self.block_size),
                               slabs.scratch_slot // self.block_size)
+        # each sequence's linear-attention states, by its row: such steps are not compiled
+        self.states = RecurrentStates(model.config, rows, device, slabs.dtype) \
+            if model.config.linear_layer_count else None
+        if compile_decode and self.states is not None:
+            log.info("decode steps run eagerly: compiled steps do not carry the "
+                     "linear-attention layers' states")
         self.graphs = DecodeGraphs(model, slabs, rows, self.max_blocks) \
-            if compile_decode else None
+            if compile_decode and self.states is None else None
         # the LM head of a compiled step, over its kept rows outside the graph (as vLLM's)
         self.head = model.compute_logits if model.config.final_softcap is not None \
             else bound_linear(model.lm_head)
@@ -168,6 +177,8 @@ class ModelRunner:
     def _grow(self) -> None:
         old = self.tables.shape[0]
         self.tables = torch.cat([self.tables, torch.zeros_like(self.tables)])
+        if self.states is not None:
+            self.states.grow(2 * old)
         self.written += [[] for _ in range(old)]
         self.free_rows += list(range(2 * old - 1, old - 1, -1))
 
@@ -213,12 +224,23 @@ class ModelRunner:
             slots[offset:offset + count] = context[start:end]
             spans.append(SequenceSpan(offset, count, context))
             offset += count
-        view = PagedBatch(slabs, positions, slots, num_paged, tables, lens, spans)
+        view = PagedBatch(slabs, positions, slots, num_paged, tables, lens, spans,
+                          self._state_spans([(at, seq, start, len(tokens)) for at, (seq, start,
+                                            tokens) in zip(_starts(laid_out), laid_out,
+                                                           strict=True)]))
         return torch.tensor([ids], device=device), view, starts
+
+    def _state_spans(self, items: list[tuple[int, Sequence, int, int]]) -> StateSpans | None:
+        """Where each sequence's tokens (at, the sequence, its first position, how many)
+        lie for the linear-attention layers; None for a model without them."""
+        if self.states is None:
+            return None
+        return StateSpans(self.states, [(at, count, self._row(seq), start == 0)
+                                        for at, seq, start, count in items])
 
     def _paged_context(self, slabs: KVSlabs) -> int:
         """The longest context a prefill chunk attends token by token over (none off CPU)."""
-        k_slab = slabs.k[0]
+        k_slab = next(slab for slab in slabs.k if len(slab))  # not a linear-attention layer's
         if not native_kernel("paged_decode", k_slab):
             return 0
         return PAGED_PREFILL_BYTES // (2 * k_slab[0].nbytes)
@@ -248,7 +270,9 @@ class ModelRunner:
         if static:
             assert self.graphs is not None
             blocks = self.graphs.width(blocks)
-        return inputs[0, :1], [self._view(inputs[k], tables[:, :blocks], static)
+        return inputs[0, :1], [self._view(inputs[k], tables[:, :blocks], static,
+                                          self._state_spans([(i, seq, start + k, 1) for i, (
+                                              seq, start, _) in enumerate(items)]))
                                for k in range(steps)]
 
     def _table_inputs(self, items: Seq[StepItem], steps: int = 1) -> tuple[Tensor, Tensor, int]:
@@ -281,12 +305,12 @@ class ModelRunner:
                 last // size + 1)
 
     def _view(self, inputs: Tensor, tables: Tensor, static: bool,
-              ) -> PagedBatch | StaticDecodeBatch:
+              states: StateSpans | None = None) -> PagedBatch | StaticDecodeBatch:
         """The attention view of one pass of `_table_inputs`: every token through its table."""
         if static:
             return StaticDecodeBatch(self.slabs, inputs[1], inputs[2], tables, inputs[3])
         return PagedBatch(self.slabs, inputs[1], inputs[2], inputs.shape[1], tables,
-                          inputs[3], [])
+                          inputs[3], [], states)
 
     def run(self, ids: Tensor, view: PagedBatch | StaticDecodeBatch, keep: list[int],
             model: Transformer | None = None) -> Tensor:

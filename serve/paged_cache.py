@@ -19,7 +19,9 @@ token over its own context up to its position, so decodes and, on CPU, the token
 short prefill chunks; each other prefill chunk through `lathe.kernels.causal_attention`
 over its gathered context — so a mixed step computes exactly what separate steps would.
 `narrow` gives the step for the rows whose logits are sampled: the layers that share an
-earlier layer's keys and values (Gemma 4 E2B's last 20 of 35) need run no others.
+earlier layer's keys and values (Gemma 4 E2B's last 20 of 35) need run no others. A model's
+linear-attention layers (Qwen3.5's) keep no slabs: `recurrent` runs them over each
+sequence's tokens from its state (`lathe.serve.recurrent_states`).
 
 `blocks_in_budget` sizes the slabs: how many blocks an engine's KV budget holds.
 """
@@ -35,8 +37,9 @@ from torch import Tensor
 
 from lathe.kernels import PLAIN, AttentionVariant, causal_attention, paged_decode
 from lathe.model.config import ModelConfig
-from lathe.model.kv_cache import per_layer_buffers
+from lathe.model.kv_cache import RecurrentStep, per_layer_buffers
 from lathe.serve.config import DEFAULT_KV_MB, EngineConfig
+from lathe.serve.recurrent_states import RecurrentStates, StateSpans
 from lathe.serve.request_checks import RequestError
 
 
@@ -45,8 +48,9 @@ class KVSlabs:
                  device: torch.device | str, dtype: torch.dtype) -> None:
         rows = (num_blocks + 1) * block_size
         self.k, self.v = per_layer_buffers(config, lambda layer: torch.zeros(
-            rows, *config.attention_shape(layer), device=device, dtype=dtype))
-        self.block_size = block_size
+            0 if config.is_linear(layer) else rows, *config.attention_shape(layer),
+            device=device, dtype=dtype))
+        self.block_size, self.dtype = block_size, dtype
         self.scratch_slot = num_blocks * block_size  # first row of the extra block
 
     @property
@@ -84,8 +88,8 @@ class PagedBatch:
 
     def __init__(self, slabs: KVSlabs, positions: Tensor, slot_mapping: Tensor,
                  num_paged: int, paged_tables: Tensor | None, paged_lens: Tensor | None,
-                 prefills: list[SequenceSpan]) -> None:
-        self.slabs = slabs
+                 prefills: list[SequenceSpan], states: StateSpans | None = None) -> None:
+        self.slabs, self.states = slabs, states
         self.positions = positions
         self.slot_mapping = slot_mapping
         self.num_paged = num_paged
@@ -107,7 +111,7 @@ class PagedBatch:
         all of it for prompt log-probs), which attend over the chunk's context as its
         last queries. None for every row (a decode step: nothing to narrow, no host sync)
         and for other rows of a chunk, which the full step serves."""
-        if len(rows) >= len(self.slot_mapping):
+        if len(rows) >= len(self.slot_mapping) or self.states is not None:
             return None
         kept = rows.tolist()
         paged = [r for r in kept if r < self.num_paged]
@@ -130,6 +134,13 @@ class PagedBatch:
         return PagedBatch(self.slabs, self.positions[rows], self.slot_mapping[rows], len(paged),
                           None if not paged else self.paged_tables[index],
                           None if not paged else self.paged_lens[index], spans)
+
+    def recurrent(self, layer_idx: int, inputs: tuple[Tensor, ...],
+                  step: RecurrentStep) -> Tensor:
+        if self.states is None:
+            raise ValueError("this step was laid out without recurrent states: the engine's "
+                             "runner makes them for a model with linear-attention layers")
+        return self.states.run(layer_idx, inputs, step)
 
     def attend(self, layer_idx: int, q: Tensor, k: Tensor | None, v: Tensor | None,
                variant: AttentionVariant = PLAIN) -> Tensor:
@@ -171,7 +182,10 @@ def blocks_in_budget(config: EngineConfig, models: list[ModelConfig], device: to
         # what torch's caching allocator holds unused (an earlier engine's freed cache, say)
         # is free to this process too, though the driver counts it as taken
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        budget = free - (1 - config.gpu_memory_utilization) * total
+        # linear-attention layers' states, a sequence's each, come out of the same memory
+        states = config.max_num_seqs * sum(RecurrentStates.bytes_per_sequence(m, dtype)
+                                           for m in models)
+        budget = free - (1 - config.gpu_memory_utilization) * total - states
     else:
         per_sequence = -(-max_model_len // config.block_size)
         budget = min(DEFAULT_KV_MB * 2**20, (config.max_num_seqs * per_sequence + 1) * per_block)

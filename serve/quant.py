@@ -296,9 +296,7 @@ def load_serving_model(path: str | Path, quantize: QuantMode | None = None,
     (`lathe.serve.host_memory`). Its full-precision linears are `DecodeLinear`s: on the
     CPU a float32 decode step's few rows take lathe's native op (1.6× the single-stream
     tokens/s of BLAS's on a 88M model), and every row of a half one."""
-    served = read_model_config(path)
-    served.require_language_model(f"serving {path}")
-    served.require_attention_only(f"serving {path}: lathe's engine")
+    read_model_config(path).require_language_model(f"serving {path}")
     device = torch.device(device if device is not None else
                           "cuda" if torch.cuda.is_available() else "cpu")
     quant = read_quant_scheme(path)

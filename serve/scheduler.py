@@ -96,10 +96,13 @@ class StepCost:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, num_lookahead_slots: int = 0,
-                 admit: Callable[[Sequence], bool] | None = None) -> None:
+                 admit: Callable[[Sequence], bool] | None = None,
+                 prefix_caching: bool = True) -> None:
         """`admit(seq)`: whether a waiting sequence may start now beyond its blocks (its
-        LoRA adapter got a slot); one that may not is passed over, not waited for."""
+        LoRA adapter got a slot); one that may not is passed over, not waited for.
+        `prefix_caching`: whether a sequence may start from cached blocks of its prompt."""
         self.block_manager = block_manager
+        self.prefix_caching = prefix_caching
         self.admit = admit or (lambda seq: True)
         self.num_lookahead_slots = num_lookahead_slots
         self.max_num_seqs = max_num_seqs
@@ -140,7 +143,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = next((s for s in self.waiting if s.ready and self.admit(s)), None)
             if seq is None or not self.block_manager.can_allocate(
-                    seq.token_ids, cached := seq.reads_prefix_cache, seq.cache_root):
+                    seq.token_ids, cached := seq.reads_prefix_cache and self.prefix_caching,
+                    seq.cache_root):
                 break
             self.waiting.remove(seq)
             seq.table = self.block_manager.allocate(seq.token_ids, cached, seq.cache_root)

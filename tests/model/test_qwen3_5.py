@@ -2,9 +2,9 @@
 transformers' own classes on tiny random models they build and `save_pretrained` writes —
 the text model and the multimodal checkpoint the hub ships (a vision tower and
 multi-token-prediction weights beside the language model) load with transformers' logits
-and export back as `Qwen3_5ForCausalLM`; generation through the recurrent state, packed
-training rows and gradients are transformers'; what lathe does not do yet (its paged
-engine, GGUF) is refused by name."""
+and export back as `Qwen3_5ForCausalLM`; generation through the recurrent state (lathe's
+`generate` and the serving engine's, whatever the batching), packed training rows and
+gradients are transformers'; what lathe does not do yet is refused by name."""
 
 from __future__ import annotations
 
@@ -176,14 +176,69 @@ def test_bf16_autocast_stays_close():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-def test_what_lathe_does_not_do_yet_is_refused_by_name(tmp_path):
+def full_forward_greedy(hf, prompt: list[int], steps: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("engine", [
+    {"num_blocks": 64},  # whole prompts, their first tokens decoded together
+    {"num_blocks": 64, "max_num_batched_tokens": 48},  # prompts in chunks beside decodes
+    {"num_blocks": 64, "decode_steps": 4},  # several decode passes a step
+    {"num_blocks": 40, "block_size": 4, "max_num_batched_tokens": 64},  # preempted, redone
+], ids=["whole", "chunked", "multi-step", "preempted"])
+def test_the_engine_serves_each_sequence_from_its_own_state(tmp_path, engine):
+    """The paged engine keeps each sequence's linear-attention states by its row: however
+    a step mixes prefill chunks and decodes of other sequences, and after a preemption
+    recomputes a sequence from its first token, the greedy tokens are transformers'."""
+    from lathe.serve.config import EngineConfig
     from lathe.serve.engine import LLMEngine
-    from lathe.serve.gguf_export import unwritable
+    from lathe.serve.sampling_params import SamplingParams
+
+    hf = hf_text_model(tmp_path / "hf")
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (n,), generator=generator).tolist()
+               for n in (5, 40, 130, 1, 77, 33)]
+    served = LLMEngine(load_checkpoint(tmp_path / "hf"), config=EngineConfig(**engine))
+    outputs = served.generate(prompts, SamplingParams(max_tokens=16, temperature=0,
+                                                      ignore_eos=True))
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == full_forward_greedy(hf, prompt, 16)
+    if "block_size" in engine:
+        assert served.scheduler.num_preemptions > 0
+
+
+def test_the_engine_samples_n_and_scores_prompts_as_transformers(tmp_path):
+    """n > 1 siblings compute their prompt each (no prefix cache: a cached prefix has no
+    state at its end), and a prompt's log-probabilities are transformers'."""
+    from lathe.serve.config import EngineConfig
+    from lathe.serve.engine import LLMEngine
+    from lathe.serve.sampling_params import SamplingParams
+
+    hf = hf_text_model(tmp_path / "hf")
+    prompt = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    served = LLMEngine(load_checkpoint(tmp_path / "hf"), config=EngineConfig(num_blocks=64))
+    (output,) = served.generate([prompt], SamplingParams(max_tokens=12, temperature=0, n=3,
+                                                         ignore_eos=True, prompt_logprobs=0))
+    expected = full_forward_greedy(hf, prompt, 12)
+    assert [sample.token_ids for sample in output.outputs] == [expected] * 3
+    with torch.no_grad():
+        scores = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], -1)
+    theirs = [scores[i, token].item() for i, token in enumerate(prompt[1:])]
+    ours = [entry.logprob for entry in output.prompt_logprobs[1:]]
+    assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-4
+
+
+def test_what_lathe_does_not_do_yet_is_refused_by_name():
+    from lathe.serve.config import EngineConfig, SpeculativeConfig
+    from lathe.serve.engine import LLMEngine
 
     model = Transformer(ModelConfig.from_preset("tiny", family="qwen3_5_text"))
-    with pytest.raises(ConfigError, match="3 linear-attention layers"):
-        LLMEngine(model)
-    assert "qwen3_5_text has no llama.cpp architecture" in unwritable(model.config)
+    with pytest.raises(ConfigError, match="speculative decoding is not served"):
+        LLMEngine(model, config=EngineConfig(speculative=SpeculativeConfig(method="ngram")))
 
 
 @pytest.mark.parametrize(("changes", "message"), [

@@ -1,4 +1,4 @@
-"""Post-training Qwen2, Gemma 2, Phi-3, Qwen3-MoE and GLM-4.5-MoE checkpoints that
+"""Post-training Qwen2, Gemma 2, Phi-3, Qwen3-MoE, GLM-4.5-MoE and Qwen3.5 checkpoints that
 transformers wrote (with lathe's tokenizer, whose chat template the stages render): SFT and
 DPO steps with LoRA run, and the merged export loads in transformers as the original class
 with lathe's logits; the adapter folder loads in peft on that class."""
@@ -39,7 +39,14 @@ FAMILY_CONFIGS = {
     "Glm4Moe": {"head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
                 "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
                 "n_group": 2, "topk_group": 1},
+    # a Gated DeltaNet layer before a gated full-attention one: the engine that evaluates
+    # and serves it carries each sequence's recurrent state
+    "Qwen3_5": {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"],
+                "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                "linear_key_head_dim": 8, "linear_value_head_dim": 8},
 }
+# a family whose text model's config class is not `<family>Config` (that is its wrapper's)
+CONFIG_CLASSES = {"Qwen3_5": "Qwen3_5TextConfig"}
 EXPERTS = {"Qwen3Moe": "model.layers.0.mlp.experts.gate_up_proj",
            "Glm4Moe": "model.layers.1.mlp.experts.gate_up_proj"}
 
@@ -50,7 +57,7 @@ def family_base(request, base, tmp_path_factory) -> tuple[str, Path]:
     folder = tmp_path_factory.mktemp(family) / "base"
     tokenizer = load_tokenizer(base)
     eos = tokenizer.token_to_id("<|end_of_turn|>")
-    config = getattr(transformers, f"{family}Config")(
+    config = getattr(transformers, CONFIG_CLASSES.get(family, f"{family}Config"))(
         vocab_size=tokenizer.get_vocab_size(with_added_tokens=True), hidden_size=64,
         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
@@ -113,3 +120,8 @@ def test_sft_and_dpo_with_lora_on_a_foreign_checkpoint(family_base, tmp_path):
     assert main(["dpo", *quick(dpo, sft / "final", max_steps=2, **{
         "lora.enabled": "true", "data.train": files["train"], "data.eval": files["test"]})]) == 0
     logits_agree(dpo / "final", ids, family)
+    if family == "Qwen3_5":  # GRPO's rollouts: its engine's recurrent states, adapters in slots
+        grpo = tmp_path / "grpo"
+        assert main(["grpo", *quick(grpo, family_base, max_steps=2, prompts_per_step=2,
+                                    num_generations=2, limit=16, **{"lora.enabled": "true"})]) == 0
+        logits_agree(grpo / "final", ids, family)

@@ -1,0 +1,109 @@
+"""What each sequence's linear-attention layers (Qwen3.5's Gated DeltaNet) carry from one
+engine step to the next, and one step's view of it.
+
+Where an attention layer keeps keys and values per token in the paged slabs, a
+linear-attention layer keeps one fixed-size state per sequence: its short convolution's last
+inputs and its delta rule's (value heads, key width, value width) matrix. `RecurrentStates`
+holds them per layer, a row for each row of the `ModelRunner`'s block tables (a sequence's
+row is its state's index), and grows with those rows. A state is the sequence's after the
+tokens the engine has computed for it, so a sequence starts fresh only at position 0 — a new
+one, or one recomputed after a preemption: the engine serves these models without prefix
+caching (a cached prefix's keys and values have no state at their end) and without
+speculative decoding (the state would have advanced through rejected drafts).
+
+`StateSpans` is one step's layout: where each sequence's tokens lie in the step's row, its
+state row, whether it starts fresh. `run` gives a layer's computation the tokens sequence by
+sequence: the single tokens that continue a sequence (decodes) as one batch of rows gathered
+from the states and scattered back, each other run of tokens (a prefill chunk) alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lathe.model.config import ModelConfig
+from lathe.model.kv_cache import RecurrentStep
+
+
+class RecurrentStates:
+    def __init__(self, config: ModelConfig, rows: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        """The convolution's inputs in `dtype` (the KV cache's), the rule's state in float32
+        (as it is computed)."""
+        self.conv_shape, self.state_shape = recurrent_shapes(config)
+        self.layers = [i for i in range(config.n_layers) if config.is_linear(i)]
+        self.conv = {i: torch.zeros(rows, *self.conv_shape, device=device, dtype=dtype)
+                     for i in self.layers}
+        self.state = {i: torch.zeros(rows, *self.state_shape, device=device,
+                                     dtype=torch.float32) for i in self.layers}
+
+    def grow(self, rows: int) -> None:
+        """Room for `rows` sequences, the states held kept."""
+        for table in (self.conv, self.state):
+            for i, held in table.items():
+                table[i] = torch.cat((held, held.new_zeros(rows - len(held), *held.shape[1:])))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for table in (self.conv, self.state) for t in table.values())
+
+    @staticmethod
+    def bytes_per_sequence(config: ModelConfig, dtype: torch.dtype) -> int:
+        """What one sequence's states take, every linear-attention layer's."""
+        conv, state = recurrent_shapes(config)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return config.linear_layer_count * (conv[0] * conv[1] * itemsize + 4 * state[0]
+                                            * state[1] * state[2])
+
+
+def recurrent_shapes(config: ModelConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """One sequence's (convolution inputs, rule state) shapes in a linear-attention layer."""
+    channels = (2 * config.linear_key_heads * config.linear_key_head_dim
+                + config.linear_value_heads * config.linear_value_head_dim)
+    return ((config.linear_conv_kernel - 1, channels),
+            (config.linear_value_heads, config.linear_key_head_dim,
+             config.linear_value_head_dim))
+
+
+@dataclass
+class StateSpans:
+    """One step's sequences as the states see them: (start in the step's row, length,
+    state row, fresh) each, in row order."""
+
+    states: RecurrentStates
+    spans: list[tuple[int, int, int, bool]]
+
+    def run(self, layer_idx: int, inputs: tuple[Tensor, ...], step: RecurrentStep) -> Tensor:
+        """`KVCache.recurrent` over this step's sequences (inputs (1, T, ·))."""
+        conv, state = self.states.conv[layer_idx], self.states.state[layer_idx]
+        device = conv.device
+        continuing = [(start, row) for start, length, row, fresh in self.spans
+                      if length == 1 and not fresh]
+        out: Tensor | None = None
+
+        def place(rows: Tensor | slice, result: Tensor) -> None:
+            nonlocal out
+            if out is None:
+                out = result.new_empty(1, inputs[0].shape[1], *result.shape[1:])
+            out[0, rows] = result
+        if continuing:
+            at = torch.tensor([start for start, _ in continuing], device=device)
+            rows = torch.tensor([row for _, row in continuing], device=device)
+            result, (new_conv, new_state) = step(tuple(t[0, at, None] for t in inputs),
+                                                 (conv[rows], state[rows]))
+            conv[rows], state[rows] = new_conv.to(conv.dtype), new_state
+            place(at, result[:, 0])
+        for start, length, row, fresh in self.spans:
+            if length == 1 and not fresh:
+                continue
+            held = None if fresh else (conv[row:row + 1], state[row:row + 1])
+            result, (new_conv, new_state) = step(
+                tuple(t[:, start:start + length] for t in inputs), held)
+            conv[row], state[row] = new_conv[0].to(conv.dtype), new_state[0]
+            place(slice(start, start + length), result[0])
+        assert out is not None, "a step with no tokens"
+        return out
