@@ -20,7 +20,7 @@ splits into lathe's q/k/v and gate/up and an export joins again (`split_fused`,
 | gemma3_text | Gemma3ForCausalLM | Gemma 2's, and an RMSNorm of each head of q and k |
 | gemma4_text | Gemma4ForCausalLM | Gemma 3's, plain norms, v normed; full layers apart (below) |
 | phi3 (Phi-3, Phi-4-mini) | Phi3ForCausalLM | fused `qkv_proj`, `gate_up_proj`; partial RoPE |
-| qwen3_5_text (Qwen3.5) | Qwen3_5ForCausalLM | Qwen3's q/k norms, (1 + w) norms, gated attention output, partial RoPE; three Gated DeltaNet layers in each four (below) |
+| qwen3_5_text (Qwen3.5) | Qwen3_5ForCausalLM | (1 + w) norms, gated attention; Gated DeltaNets |
 | mixtral | MixtralForCausalLM | experts in every layer (`block_sparse_moe`), top-k renormalized |
 | qwen3_moe | Qwen3MoeForCausalLM | Qwen3's attention; experts in the layers not `mlp_only_layers` |
 | olmo2 (OLMo 2) | Olmo2ForCausalLM | OLMoE's q/k norms; norms after attention and MLP only |

@@ -27,7 +27,6 @@ from torch import Tensor
 from lathe.kernels import PLAIN, AttentionVariant, causal_attention
 from lathe.model.config import ModelConfig
 
-
 # (B, T, ·) inputs of B sequences and their states before them (None: fresh sequences) ->
 # the (B, T, ·) output and the states after them: a linear-attention layer's computation
 States: TypeAlias = tuple[Tensor, ...]

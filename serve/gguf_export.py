@@ -86,11 +86,19 @@ GEMMA4_MOE_NAMES = {**GEMMA4_NAMES, "mlp.shared_expert.gate_proj": "ffn_gate",
                     "mlp.shared_expert_norm": "post_ffw_norm_1",
                     "mlp.experts_input_norm": "pre_ffw_norm_2",
                     "mlp.experts_norm": "post_ffw_norm_2"}
-# a router's parameters beyond its weight: GLM-4.5's selection bias, Gemma 4's input scale
-# and per-expert weight scale
-ROUTER_NAMES = {"mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
-                "mlp.gate.scale": "ffn_gate_inp.scale",
-                "mlp.gate.per_expert_scale": "ffn_down_exps.scale"}
+# a layer's parameters beyond its modules' weights: GLM-4.5's router's selection bias, Gemma
+# 4's router's input scale and per-expert weight scale; Qwen3.5's Gated DeltaNet's decay
+# (stored as A = −exp(A_log)) and step bias
+PARAMETER_NAMES = {"mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+                   "mlp.gate.scale": "ffn_gate_inp.scale",
+                   "mlp.gate.per_expert_scale": "ffn_down_exps.scale",
+                   "linear_attn.A_log": "ssm_a", "linear_attn.dt_bias": "ssm_dt.bias"}
+# Qwen3.5's: the MLP's input norm named as GLM-4.5's, and the Gated DeltaNet layers' modules
+QWEN3_5_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
+                 "linear_attn.in_proj_qkv": "attn_qkv", "linear_attn.in_proj_z": "attn_gate",
+                 "linear_attn.in_proj_b": "ssm_beta", "linear_attn.in_proj_a": "ssm_alpha",
+                 "linear_attn.conv1d": "ssm_conv1d", "linear_attn.norm": "ssm_norm",
+                 "linear_attn.out_proj": "ssm_out"}
 # OLMo 2's: norms after attention and after the MLP, none before
 POST_NORM_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
                    "post_feedforward_layernorm": "post_ffw_norm"}
@@ -98,7 +106,8 @@ POST_NORM_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_no
 ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
           "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3", "mixtral": "llama",
           "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "qwen2_moe": "qwen2moe",
-          "glm4_moe": "glm4moe", "olmo2": "olmo2", "olmo3": "olmo2", "gemma4_text": "gemma4"}
+          "glm4_moe": "glm4moe", "olmo2": "olmo2", "olmo3": "olmo2", "gemma4_text": "gemma4",
+          "qwen3_5_text": "qwen35"}
 # whether llama.cpp's graph for an architecture renormalizes the top-k expert weights (glm4moe
 # reads it from the file)
 EXPERT_WEIGHTS_NORM = {"llama": True, "qwen3moe": True, "olmoe": False, "qwen2moe": False}
@@ -123,8 +132,8 @@ def gguf_tensor_name(name: str, names: dict[str, str] = LAYER_NAMES) -> str:
     if name in fixed:
         return fixed[name]
     _, _, index, rest = name.split(".", 3)
-    if rest in ROUTER_NAMES:
-        return f"blk.{index}.{ROUTER_NAMES[rest]}"
+    if rest in PARAMETER_NAMES:
+        return f"blk.{index}.{PARAMETER_NAMES[rest]}"
     module, _, kind = rest.rpartition(".") if rest.endswith((".weight", ".bias")) \
         else (rest, "", "weight")  # stacked experts are parameters of their own
     if module not in names or kind not in ("weight", "bias"):
@@ -140,12 +149,15 @@ def gguf_tensors(state: dict[str, Tensor], config: ModelConfig) -> dict[str, np.
     names = GEMMA4_MOE_NAMES if config.experts_beside_mlp else GEMMA4_NAMES \
         if config.layer_scalar else SANDWICH_NAMES if config.sandwich_norms \
         else POST_NORM_NAMES if config.post_norms \
-        else GLM4_MOE_NAMES if config.family == "glm4_moe" else LAYER_NAMES
+        else GLM4_MOE_NAMES if config.family == "glm4_moe" \
+        else QWEN3_5_NAMES if config.linear_layer_count else LAYER_NAMES
     for name, tensor in _split_gate_up(join_fused(state, config)).items():
         if name == "lm_head.weight" and config.tie_embeddings:
             continue
         tensor = tensor.detach().float().cpu()
-        if permute and name.endswith("q_proj.weight"):
+        if ".linear_attn." in name:
+            tensor = _delta_net_tensor(name, tensor, config)
+        elif permute and name.endswith("q_proj.weight"):
             tensor = permute_rope_rows(tensor, config.n_heads)
         elif permute and name.endswith("k_proj.weight"):
             tensor = permute_rope_rows(tensor, config.n_kv_heads)
@@ -165,6 +177,63 @@ def gguf_tensors(state: dict[str, Tensor], config: ModelConfig) -> dict[str, np.
         plain = dataclasses.replace(config, rope_scaling=None)
         out["rope_freqs.weight"] = (rope_inv_freq(plain) / rope_inv_freq(config)).numpy()
     return out
+
+
+def _delta_net_tensor(name: str, tensor: Tensor, config: ModelConfig) -> Tensor:
+    """A Gated DeltaNet parameter as llama.cpp's qwen35 reads it (its converter's rules): the
+    decay as A = −exp(A_log), the convolution's weight (channels, kernel), and — with fewer
+    key heads than value heads — the value heads in tiled order (head j of every key head's
+    group, then j + 1: ggml repeats the key heads whole) where transformers groups them by
+    key head."""
+    if name.endswith(".A_log"):
+        tensor = -tensor.exp()
+    elif name.endswith(".conv1d.weight"):
+        tensor = tensor[:, 0]
+    groups = config.linear_value_heads // config.linear_key_heads
+    if groups == 1:
+        return tensor
+
+    def tiled(part: Tensor, width: int, dim: int = 0) -> Tensor:
+        shape = list(part.shape)
+        grouped = part.unflatten(dim, (config.linear_key_heads, groups, width))
+        return grouped.transpose(dim, dim + 1).reshape(shape)
+    width = config.linear_value_head_dim
+    keys = 2 * config.linear_key_heads * config.linear_key_head_dim
+    if name.endswith((".in_proj_qkv.weight", ".conv1d.weight")):  # the values follow q, k
+        return torch.cat((tensor[:keys], tiled(tensor[keys:], width)))
+    if name.endswith(".in_proj_z.weight"):
+        return tiled(tensor, width)
+    if name.endswith((".in_proj_a.weight", ".in_proj_b.weight", ".A_log", ".dt_bias")):
+        return tiled(tensor, 1)
+    if name.endswith(".out_proj.weight"):
+        return tiled(tensor, width, dim=1)
+    return tensor
+
+
+def _write_delta_net_layers(writer: gguf.GGUFWriter, config: ModelConfig) -> None:
+    """Qwen3.5's Gated DeltaNet shape as llama.cpp's qwen35 reads it (the keys its converter
+    writes from config.json): the convolution's width, the key width (its "state size"), the
+    key heads (groups), the value heads (the "time-step rank") and their width together, and
+    which layers attend (every `interval`-th)."""
+    writer.add_ssm_conv_kernel(config.linear_conv_kernel)
+    writer.add_ssm_state_size(config.linear_key_head_dim)
+    writer.add_ssm_group_count(config.linear_key_heads)
+    writer.add_ssm_time_step_rank(config.linear_value_heads)
+    writer.add_ssm_inner_size(config.linear_value_heads * config.linear_value_head_dim)
+    writer.add_full_attention_interval(_full_attention_interval(config))
+    # llama.cpp turns positions by interleaved multimodal RoPE, pair i by the time, height or
+    # width section (i mod 3) while i is within it, else by a fourth that is 0 for text: the
+    # sections cover every rotated pair (Qwen3.5's [11, 11, 10] of its 32), and since a text
+    # position is the same in all three, they turn it as plain RoPE does
+    pairs = config.rotary_dim // 2
+    writer.add_rope_dimension_sections([(pairs + 2) // 3, (pairs + 1) // 3, pairs // 3, 0])
+
+
+def _full_attention_interval(config: ModelConfig) -> int:
+    """Every how many layers one attends (Qwen3.5's layer pattern), from its first such."""
+    assert config.layer_types is not None
+    return config.layer_types.index("full_attention") + 1 \
+        if "full_attention" in config.layer_types else config.n_layers + 1
 
 
 def _write_gemma4_layers(writer: gguf.GGUFWriter, config: ModelConfig) -> None:
@@ -248,6 +317,14 @@ def unwritable(config: ModelConfig) -> str | None:
         and "llama.cpp's olmoe norms k over all n_heads heads: it takes no grouped KV heads",
         config.moe_layers is not None and not all(config.moe_layers) and arch != "glm4moe"
         and f"llama.cpp's {arch} has experts in every layer (no mlp_only_layers)",
+        arch == "qwen35" and config.linear_layer_count and config.layer_types != [
+            "linear_attention" if (i + 1) % _full_attention_interval(config) else
+            "full_attention" for i in range(config.n_layers)]
+        and "llama.cpp's qwen35 attends in every N-th layer alone (full_attention_interval), "
+            f"not in these: {config.layer_types}",
+        arch == "qwen35" and config.qkv_bias and "llama.cpp's qwen35 has no attention biases",
+        arch == "qwen35" and not config.linear_layer_count
+        and "llama.cpp's qwen35 needs its linear-attention layers",
     ]
     found = [reason for reason in reasons if reason]
     return f"this {config.family} model: {'; '.join(found)}" if found else None
@@ -299,6 +376,8 @@ def export_gguf(checkpoint: str | Path, out: str | Path, dtype: str = "f16") -> 
         writer.add_rope_dimension_count(config.rotary_dim)
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
+    if config.linear_layer_count:
+        _write_delta_net_layers(writer, config)
     writer.add_rope_freq_base(config.rope_theta)
     scaling = config.rope_scaling
     if scaling is not None and scaling.rope_type == "linear":

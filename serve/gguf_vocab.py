@@ -43,13 +43,16 @@ from lathe.model.checkpoint import CheckpointError
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}"
                 r"\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_REGEX = LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
+# Qwen3.5's: Qwen2's with combining marks kept in words
+QWEN3_5_REGEX = QWEN2_REGEX.replace(r"?\p{L}+", r"?[\p{L}\p{M}]+").replace(
+    r"[^\s\p{L}\p{N}]+", r"[^\s\p{L}\p{M}\p{N}]+")
 TEKKEN_REGEX = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"
                 r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|"
                 r"\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 GPT2 = "ByteLevel"  # no Split: ByteLevel's own regex (GPT-2's)
 SMOLLM = "Digits+ByteLevel"  # each digit alone, then GPT-2's regex
 PRE_TOKENIZERS = {LLAMA3_REGEX: "llama-bpe", QWEN2_REGEX: "qwen2", TEKKEN_REGEX: "tekken",
-                  GPT2: "gpt-2", SMOLLM: "smollm"}
+                  GPT2: "gpt-2", SMOLLM: "smollm", QWEN3_5_REGEX: "qwen35"}
 # families whose llama.cpp name for the Llama-3 regex is their own (it also drops the BOS)
 FAMILY_PRE = {"glm4_moe": {"llama-bpe": "glm4"}}
 # families whose "▁"-spaced BPE llama.cpp reads by merge rank, as its tokenizer model named

@@ -12,9 +12,9 @@ Prefill chunks — and a speculative step's verified drafts, which are a short c
 their context through the same rows; on CPU a short one instead attends token by token
 through them in the native paged kernel, beside the step's decodes. A draft model runs
 through the same rows on its own slabs: its KV lives in the target's block ids, so it is
-paged, shared and freed with them. A model's linear-attention layers keep each sequence's state in the row of its
-block table (`lathe.serve.recurrent_states`); every step carries where its sequences lie
-(`StateSpans`), and such a model's steps run eagerly.
+paged, shared and freed with them. A model's linear-attention layers keep each sequence's
+state in the row of its block table (`lathe.serve.recurrent_states`); every step carries
+where its sequences lie (`StateSpans`), and such a model's steps run eagerly.
 With `compile_decode`, a step of the target whose every token attends through its block
 table — decodes, and on CPU those short prefill chunks and drafts — runs through
 `lathe.serve.decode_graph` instead: the same rows, a token each, at compiled static shapes

@@ -215,3 +215,27 @@ def build_qwen_tokenizer(folder: Path) -> Path:
         ["<tool_call>"], {"tokenizer_class": "Qwen2TokenizerFast", "add_bos_token": False,
                           "bos_token": None, "eos_token": "<|im_end|>",
                           "pad_token": "<|endoftext|>"})
+
+
+def build_qwen3_5_tokenizer(folder: Path, vocab_size: int = 400) -> Path:
+    """The shape of Qwen3.5's tokenizer.json: byte-level BPE behind its own split regex (Qwen2's
+    keeping combining marks in words), with its chat special tokens after the pieces."""
+    from tokenizers import Regex
+    from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(_CORPUS * 10, trainer)
+    tokenizer.add_special_tokens(specials)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "Qwen2TokenizerFast", "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "bos_token": None}))
+    return folder

@@ -259,3 +259,54 @@ def test_a_config_json_without_its_output_gate_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="attn_output_gate=false"):
         ModelConfig.from_hf_config({**hf, "attn_output_gate": False})
     assert ModelConfig.from_hf_config(hf).linear_value_heads == 4
+
+
+TEXTS = ["Hello world, this is a test.\nÉtudiant naïve café — 東京タワー",
+         "def add(a, b):\n    return a + b  # 12345",
+         "the quick brown fox\n\n\tjumps   over",
+         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"]
+
+
+@pytest.mark.parametrize("key_heads", [2, 4], ids=["grouped-values", "one-value-a-key"])
+def test_its_gguf_gives_llama_cpps_logits_and_tokens(tmp_path, key_heads):
+    """Exported as llama.cpp's qwen35 (its converter's tensors: A = −exp(A_log), the
+    convolution 2-D, the value heads tiled where key heads serve several; (1 + w) norms but
+    the DeltaNet's own), llama.cpp computes lathe's logits over 150 tokens, through the
+    linear layers' recurrence and the gated full layer; its vocabulary (Qwen3.5's regex,
+    `qwen35`) tokenizes and detokenizes text as transformers does."""
+    from transformers import PreTrainedTokenizerFast
+
+    from lathe.serve.gguf_export import export_gguf
+    from tests import llama_cpp_runtime
+    from tests.builders import build_qwen3_5_tokenizer
+
+    llama_cpp_runtime.library()
+    hf = hf_text_model(linear_num_key_heads=key_heads, vocab_size=403)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.A_log.normal_(0, 1)
+    hf.save_pretrained(tmp_path / "hf")
+    build_qwen3_5_tokenizer(tmp_path / "hf", vocab_size=400)
+    out = export_gguf(tmp_path / "hf", tmp_path / "m.gguf", dtype="f32")
+    ids = torch.randint(3, 400, (150,), generator=torch.Generator().manual_seed(6)).tolist()
+    with torch.no_grad():
+        ours = load_checkpoint(tmp_path / "hf")(torch.tensor([ids])).logits[0]
+    runtime = llama_cpp_runtime.LlamaCpp(out, 256)
+    theirs = runtime.logits(ids)
+    assert (theirs - ours).abs().max() / ours.abs().max() < 1e-4
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "hf" / "tokenizer.json"))
+    vocabulary = llama_cpp_runtime.LlamaCpp(out)
+    for text in TEXTS:
+        expected = tokenizer.encode(text, add_special_tokens=False)
+        assert vocabulary.tokenize(text, special=True) == expected
+        assert vocabulary.detokenize(expected, special=True) == text
+
+
+def test_a_layer_pattern_llama_cpp_cannot_hold_is_refused():
+    from lathe.serve.gguf_export import unwritable
+
+    config = ModelConfig.from_preset("tiny", family="qwen3_5_text", layer_types=[
+        "linear_attention", "full_attention", "full_attention", "linear_attention"])
+    assert "attends in every N-th layer alone" in unwritable(config)
+    assert unwritable(ModelConfig.from_preset("tiny", family="qwen3_5_text")) is None

@@ -216,13 +216,13 @@ QWEN3_5 = {"model": {"preset": "tiny", "overrides": {
          "cpu-fsdp2-qwen3_5"])
 def test_moe_on_two_sharded_processes_matches_one(recipe, model, corpus, tmp_path):
     """A mixture of experts, its stacked experts sharded like any parameter, Gemma 4, its
-    layers of two widths, and Qwen3.5, its linear-attention layers: the same losses as one process, and the gathered export loads
-    in transformers with lathe's logits. The balance loss is off here: transformers
-    computes it per forward, over the tokens of one micro-batch on one rank, so it is not a
-    sum that splits over ranks exactly. The aux-loss-free balance is a sum: its selection
-    biases, updated from both ranks' loads, end where one process's do (under ZeRO-3
-    alone: the loads are all-reduced the same way under every backend, and the biases are
-    buffers, which no backend shards)."""
+    layers of two widths, and Qwen3.5, its linear-attention layers: the same losses as one
+    process, and the gathered export loads in transformers with lathe's logits. The balance
+    loss is off here: transformers computes it per forward, over the tokens of one
+    micro-batch on one rank, so it is not a sum that splits over ranks exactly. The
+    aux-loss-free balance is a sum: its selection biases, updated from both ranks' loads,
+    end where one process's do (under ZeRO-3 alone: the loads are all-reduced the same way
+    under every backend, and the biases are buffers, which no backend shards)."""
     from transformers import AutoModelForCausalLM
     balanced = model is BALANCED_MOE
 
