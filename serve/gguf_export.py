@@ -7,9 +7,10 @@ exact weights, to compare runtimes on the same numbers), f16, bf16 or q8_0.
 Each family is written as the llama.cpp architecture its converter makes of it (`ARCHES`):
 llama, mistral and mixtral as `llama`; qwen2, qwen3, gemma2, gemma3, gemma4, phi3, qwen2_moe
 (`qwen2moe`), qwen3_moe (`qwen3moe`), olmoe, olmo2 and glm4_moe (`glm4moe`) as themselves,
-olmo3 as `olmo2` with its window (Phi-3's projections stay fused: `attn_qkv`, and gate and up
-as one `ffn_up`; OLMo's norms after attention and the MLP are `post_attention_norm` and
-`post_ffw_norm`). A mixture of experts'
+olmo3 as `olmo2` with its window, qwen3_5_text as `qwen35` (Phi-3's projections stay fused:
+`attn_qkv`, and gate and up as one `ffn_up`; OLMo's norms after attention and the MLP are
+`post_attention_norm` and `post_ffw_norm`; Qwen3.5's Gated DeltaNet layers are `attn_qkv`,
+`attn_gate`, `ssm_*` as its converter writes them, `_delta_net_tensor`). A mixture of experts'
 router is `ffn_gate_inp`, its experts stacked `ffn_gate_exps`, `ffn_up_exps` and
 `ffn_down_exps`, a shared expert `ffn_*_shexp` (Qwen2-MoE's gate `ffn_gate_inp_shexp`);
 GLM-4.5's sigmoid router's selection bias is `exp_probs_b`, its norm after attention

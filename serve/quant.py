@@ -44,6 +44,7 @@ from lathe.model.checkpoint import (
     load_checkpoint,
     read_model_config,
 )
+from lathe.model.gated_delta_net import GatedDeltaNet
 from lathe.model.transformer import Experts, MoE, Transformer, gated, run_each_expert
 from lathe.serve.config import QuantMode
 from lathe.serve.half_weights import activation_dtype, use_half_weights
@@ -247,13 +248,16 @@ def quantize_linears(model: nn.Module, mode: QuantMode, group_size: int = 128,
     mixture of experts' by its `Experts` module's name); returns how many linears were
     replaced. The LM head and the routers keep full precision, as llm-compressor's recipes
     keep them: a head's rounding reaches every logit, a router's top-k picks the experts,
-    and both are slivers of the weights. For int4, layers narrower than `group_size` fall
+    and both are slivers of the weights; so do a Gated DeltaNet's per-head decay and
+    learning-rate projections (`in_proj_a`, `in_proj_b`: a row per value head, exponentiated
+    into every later token's state). For int4, layers narrower than `group_size` fall
     back to groups of 32."""
     replaced = 0
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             full_name = f"{parent_name}.{name}" if parent_name else name
-            if full_name == "lm_head" or (only is not None and full_name not in only):
+            if full_name == "lm_head" or (only is not None and full_name not in only) or (
+                    isinstance(parent, GatedDeltaNet) and name in ("in_proj_a", "in_proj_b")):
                 continue
             if isinstance(child, nn.Linear) and not isinstance(parent, MoE):
                 setattr(parent, name, quantized_linear(child, mode, group_size))

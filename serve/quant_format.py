@@ -387,8 +387,9 @@ def write_quantized_checkpoint(model: nn.Module, config: ModelConfig, source: Pa
         or torch.float32
     state = {name: tensor.to(stored) if tensor.is_floating_point() else tensor
              for name, tensor in hf_layout(dense, config).items()}
+    # every full-precision matrix (and a Gated DeltaNet's convolution, a 3-D one) by name
     ignore = ["lm_head"] + sorted(name.removesuffix(".weight") for name, tensor in state.items()
-                                  if tensor.dim() == 2 and "embed_tokens" not in name
+                                  if tensor.dim() >= 2 and "embed_tokens" not in name
                                   and name != "lm_head.weight")
     hf_scales, hf_zero_points = hf_layout(scales, config), hf_layout(zero_points, config)
     compressor = FloatQuantizationCompressor if mode == "fp8" else PackedQuantizationCompressor

@@ -310,3 +310,26 @@ def test_a_layer_pattern_llama_cpp_cannot_hold_is_refused():
         "linear_attention", "full_attention", "full_attention", "linear_attention"])
     assert "attends in every N-th layer alone" in unwritable(config)
     assert unwritable(ModelConfig.from_preset("tiny", family="qwen3_5_text")) is None
+
+
+def test_int8_serving_keeps_the_decay_projections_full(tmp_path):
+    """Quantized serving rounds the Gated DeltaNet's big projections but not its per-head
+    decay and learning-rate rows (`in_proj_a`, `in_proj_b`), as the router and LM head; the
+    quantized engine's greedy tokens are the full one's on this model."""
+    from lathe.serve.config import EngineConfig
+    from lathe.serve.engine import LLMEngine
+    from lathe.serve.quant import Int8Linear
+    from lathe.serve.sampling_params import SamplingParams
+
+    hf_text_model(tmp_path / "hf")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompt = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(7)).tolist()
+    full = LLMEngine.from_checkpoint(tmp_path / "hf", EngineConfig(num_blocks=64))
+    rounded = LLMEngine.from_checkpoint(tmp_path / "hf", EngineConfig(num_blocks=64),
+                                        quantize="int8")
+    mixer = rounded.model.model.layers[0].linear_attn
+    assert isinstance(mixer.in_proj_qkv, Int8Linear) and isinstance(mixer.out_proj, Int8Linear)
+    for kept in (mixer.in_proj_a, mixer.in_proj_b):  # on CPU, lathe's few-row DecodeLinear
+        assert not isinstance(kept, Int8Linear) and kept.weight.is_floating_point()
+    assert rounded.generate([prompt], params)[0].outputs[0].token_ids == \
+        full.generate([prompt], params)[0].outputs[0].token_ids
