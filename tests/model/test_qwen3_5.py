@@ -333,3 +333,28 @@ def test_int8_serving_keeps_the_decay_projections_full(tmp_path):
         assert not isinstance(kept, Int8Linear) and kept.weight.is_floating_point()
     assert rounded.generate([prompt], params)[0].outputs[0].token_ids == \
         full.generate([prompt], params)[0].outputs[0].token_ids
+
+
+def test_a_reward_model_loads_and_exports_as_its_sequence_classifier(tmp_path):
+    """Qwen3_5TextForSequenceClassification (a reward model) loads with its scores at each
+    row's last token and exports as that class."""
+    config = transformers.Qwen3_5TextConfig(**TEXT, num_labels=1, pad_token_id=0)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForSequenceClassification.from_config(config).float().eval()
+    sharpen(hf.model)
+    with torch.no_grad():
+        hf.score.weight.mul_(30)
+    hf.save_pretrained(tmp_path / "hf")
+    ids = torch.randint(1, 256, (2, 90), generator=torch.Generator().manual_seed(8))
+    ids[1, 70:] = 0  # the second row padded after 70 tokens
+    ours = load_checkpoint(tmp_path / "hf")
+    with torch.no_grad():
+        expected = hf(ids).logits[:, 0]
+        scores = ours(ids).logits[:, :, 0][[0, 1], [89, 69]]
+        assert (scores - expected).abs().max() <= 1e-4 * expected.abs().max()
+    save_checkpoint(ours, tmp_path / "lathe", tokenizer=None)
+    again = transformers.AutoModelForSequenceClassification.from_pretrained(
+        tmp_path / "lathe", dtype=torch.float32, pad_token_id=0).eval()
+    assert type(again) is type(hf)
+    with torch.no_grad():
+        assert (again(ids).logits[:, 0] - expected).abs().max() <= 1e-4 * expected.abs().max()

@@ -201,7 +201,8 @@ GEMMA4 = {"model": {"preset": "tiny", "overrides": {
     "kv_shared_layers": 2, "double_wide_shared_mlp": True}},
     "precision": {"activation_checkpointing": True}}
 # Qwen3.5's Gated DeltaNet layers (three) beside a gated full-attention one, on windows of
-# several documents, each from a zero recurrent state, every layer recomputed in the backward
+# several documents, each from a zero recurrent state, every layer recomputed in the backward;
+# under ZeRO-3 its convolution's weight, read outside that module's forward, is gathered too
 QWEN3_5 = {"model": {"preset": "tiny", "overrides": {
     "family": "qwen3_5_text", "dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
     "max_seq_len": 64}}, "precision": {"activation_checkpointing": True}}
@@ -211,9 +212,9 @@ QWEN3_5 = {"model": {"preset": "tiny", "overrides": {
 # experts are stacked parameters alike), FSDP2 Qwen3-MoE's
 @pytest.mark.parametrize(("recipe", "model"), [
     ("cpu-fsdp2", MOE), ("cpu-zero3", BALANCED_MOE), ("cpu-fsdp2", GEMMA4),
-    ("cpu-fsdp2", QWEN3_5)],
+    ("cpu-fsdp2", QWEN3_5), ("cpu-zero3", QWEN3_5)],
     ids=["cpu-fsdp2-qwen3_moe", "cpu-zero3-glm4_moe-balanced", "cpu-fsdp2-gemma4",
-         "cpu-fsdp2-qwen3_5"])
+         "cpu-fsdp2-qwen3_5", "cpu-zero3-qwen3_5"])
 def test_moe_on_two_sharded_processes_matches_one(recipe, model, corpus, tmp_path):
     """A mixture of experts, its stacked experts sharded like any parameter, Gemma 4, its
     layers of two widths, and Qwen3.5, its linear-attention layers: the same losses as one
