@@ -921,7 +921,7 @@ class ModelConfig:
             n_layers=hf["num_hidden_layers"],
             n_heads=n_heads,
             n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-            ffn_hidden_dim=hf["intermediate_size"],
+            ffn_hidden_dim=hf.get("intermediate_size"),  # Qwen3.5-MoE's has none: its read's
             norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=scaling,

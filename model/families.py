@@ -21,6 +21,7 @@ splits into lathe's q/k/v and gate/up and an export joins again (`split_fused`,
 | gemma4_text | Gemma4ForCausalLM | Gemma 3's, plain norms, v normed; full layers apart (below) |
 | phi3 (Phi-3, Phi-4-mini) | Phi3ForCausalLM | fused `qkv_proj`, `gate_up_proj`; partial RoPE |
 | qwen3_5_text (Qwen3.5) | Qwen3_5ForCausalLM | (1 + w) norms, gated attention; Gated DeltaNets |
+| qwen3_5_moe_text | Qwen3_5MoeForCausalLM | Qwen3.5's layers; Qwen2-MoE's experts in every one |
 | mixtral | MixtralForCausalLM | experts in every layer (`block_sparse_moe`), top-k renormalized |
 | qwen3_moe | Qwen3MoeForCausalLM | Qwen3's attention; experts in the layers not `mlp_only_layers` |
 | olmo2 (OLMo 2) | Olmo2ForCausalLM | OLMoE's q/k norms; norms after attention and MLP only |
@@ -30,9 +31,9 @@ splits into lathe's q/k/v and gate/up and an export joins again (`split_fused`,
 | glm4_moe (GLM-4.5) | Glm4MoeForCausalLM | partial RoPE, q/k norms optional; DeepSeek-V3's router |
 
 A multimodal checkpoint whose language model is one of these (`WRAPPERS`: Gemma 3 from 4B
-up, `gemma3`; Gemma 4, `gemma4`; Mistral Small 3.1 and 3.2, `mistral3`; Qwen3.5, `qwen3_5`,
-its multi-token-prediction weights `mtp.` ignored as its class does) loads as that
-language model: its `text_config` read as the family's config.json, what it leaves out
+up, `gemma3`; Gemma 4, `gemma4`; Mistral Small 3.1 and 3.2, `mistral3`; Qwen3.5, `qwen3_5`
+and `qwen3_5_moe`, its multi-token-prediction weights `mtp.` ignored as its class does) loads
+as that language model: its `text_config` read as the family's config.json, what it leaves out
 filled with the wrapper's transformers defaults for it (a nested config is written as its
 difference from them), its weights renamed from the wrapper's and the vision (and audio)
 towers' left out (`language_model_weights`); it exports as the text model.
@@ -366,10 +367,15 @@ QWEN3_5_LINEAR = {"linear_num_key_heads": ("linear_key_heads", 16),
 
 
 def _qwen3_5_read(hf: dict[str, Any]) -> dict[str, Any]:
+    """The Gated DeltaNet's shape; for Qwen3.5-MoE, which has no dense MLP, a dense width
+    equal to an expert's (what `intermediate_size` would default experts to)."""
     if hf.get("attn_output_gate") is False:  # Qwen3-Next's key; Qwen3.5's class always gates
         raise ConfigError("config.json: attn_output_gate=false is not supported: Qwen3.5's "
                           "attention gates its output")
-    return {ours: hf.get(key) or default for key, (ours, default) in QWEN3_5_LINEAR.items()}
+    dense = {} if hf.get("intermediate_size") else {
+        "ffn_hidden_dim": hf.get("moe_intermediate_size") or 512}
+    return {**dense, **{ours: hf.get(key) or default
+                        for key, (ours, default) in QWEN3_5_LINEAR.items()}}
 
 
 def _qwen3_5_extra(c: Any) -> dict[str, Any]:
@@ -546,6 +552,23 @@ QWEN2_MOE_EXPERTS = ExpertLayout(
     lambda c: {**_qwen3_moe_written(c), "shared_expert_intermediate_size":
                c.shared_expert_dim or 0},
     options=("moe_layers", "norm_topk_prob", "shared_expert"))
+def _qwen3_5_moe_read(hf: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5-MoE's experts, in every layer, and its sigmoid-gated shared expert (Qwen3_5Moe-
+    TextConfig's defaults); its class renormalizes the top-k weights."""
+    hf = {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+          "shared_expert_intermediate_size": 512, "router_aux_loss_coef": 0.001,
+          **{k: v for k, v in hf.items() if v is not None}}
+    return {**_experts_read({**hf, "norm_topk_prob": True, "mlp_only_layers": None,
+                             "decoder_sparse_step": 1}, {}),
+            "shared_expert_dim": hf["shared_expert_intermediate_size"]}
+
+
+QWEN3_5_MOE_EXPERTS = ExpertLayout(
+    "mlp", STACKED, _qwen3_5_moe_read,
+    lambda c: {**_experts_written(c), "num_experts": c.n_experts,
+               "moe_intermediate_size": c.moe_ffn_hidden_dim,
+               "shared_expert_intermediate_size": c.shared_expert_dim},
+    options=("shared_expert",))
 OLMOE_EXPERTS = ExpertLayout(
     "mlp", STACKED,
     lambda hf: _experts_read(hf, {"num_experts": 64, "num_experts_per_tok": 8,
@@ -604,6 +627,14 @@ FAMILIES: dict[str, Family] = {
         takes=("partial_rotary_factor", "linear_key_heads", "linear_value_heads",
                "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel"),
         classifier_class="Qwen3_5TextForSequenceClassification", read=_qwen3_5_read),
+    "qwen3_5_moe_text": Family(
+        "Qwen3_5MoeForCausalLM",
+        lambda hf: {"qk_norm": True, "norm_unit_offset": True, "attn_output_gate": True,
+                    "shared_expert_gate": True, **_attention_bias(hf)},
+        _qwen3_5_layers, lambda c: {**_qwen3_5_extra(c), **QWEN3_5_MOE_EXPERTS.written(c)},
+        takes=("partial_rotary_factor", "linear_key_heads", "linear_value_heads",
+               "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel"),
+        experts=QWEN3_5_MOE_EXPERTS, classifier_class="", read=_qwen3_5_read),
     "mixtral": Family(
         "MixtralForCausalLM", lambda hf: {}, _mistral_window,
         lambda c: {"sliding_window": c.sliding_window, **MIXTRAL_EXPERTS.written(c)},
@@ -686,6 +717,14 @@ WRAPPERS = {
         "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4,
         "head_dim": 256, "hidden_act": "silu", "max_position_embeddings": 32_768,
         "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0,
+                            "partial_rotary_factor": 0.25}}),
+    "qwen3_5_moe": Wrapper("qwen3_5_moe_text", {
+        "vocab_size": 248_320, "hidden_size": 2048, "num_hidden_layers": 40,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+        "hidden_act": "silu", "max_position_embeddings": 32_768, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "num_experts_per_tok": 8, "num_experts": 256,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0,
                             "partial_rotary_factor": 0.25}}),
 }
@@ -945,6 +984,12 @@ def fresh_switches(family: str, n_layers: int, head_dim: int,
                           f"{', '.join(FAMILIES)}")
     switches = {name: value for name, value in
                 FAMILIES[family].switches({"attention_bias": False}).items() if value}
+    if family in ("qwen3_5_text", "qwen3_5_moe_text"):
+        width = max(head_dim // 2, 2)
+        switches = {**switches, "partial_rotary_factor": 0.25,
+                    "layer_types": _qwen3_5_layers({"num_hidden_layers": n_layers})[1],
+                    "linear_key_heads": n_heads, "linear_value_heads": 2 * n_heads,
+                    "linear_key_head_dim": width, "linear_value_head_dim": width}
     experts = FAMILIES[family].experts
     if experts is not None and "optional" not in experts.options:
         sigmoid = {"router_aux_loss_coef": 0.0} if switches.get("sigmoid_router") else {}
@@ -953,12 +998,6 @@ def fresh_switches(family: str, n_layers: int, head_dim: int,
             else {}
         return {**switches, "n_experts": 8, "n_experts_per_token": 2,
                 "norm_topk_prob": family != "olmoe", **sigmoid, **shared}
-    if family == "qwen3_5_text":
-        width = max(head_dim // 2, 2)
-        return {**switches, "partial_rotary_factor": 0.25,
-                "layer_types": _qwen3_5_layers({"num_hidden_layers": n_layers})[1],
-                "linear_key_heads": n_heads, "linear_value_heads": 2 * n_heads,
-                "linear_key_head_dim": width, "linear_value_head_dim": width}
     if family == "olmo3":  # OLMo 3's: three sliding layers of each four, one RoPE base
         return {**switches, "sliding_window": 4096, "rope_theta": 500_000.0,
                 "rope_local_theta": 500_000.0,

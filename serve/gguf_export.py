@@ -7,16 +7,16 @@ exact weights, to compare runtimes on the same numbers), f16, bf16 or q8_0.
 Each family is written as the llama.cpp architecture its converter makes of it (`ARCHES`):
 llama, mistral and mixtral as `llama`; qwen2, qwen3, gemma2, gemma3, gemma4, phi3, qwen2_moe
 (`qwen2moe`), qwen3_moe (`qwen3moe`), olmoe, olmo2 and glm4_moe (`glm4moe`) as themselves,
-olmo3 as `olmo2` with its window, qwen3_5_text as `qwen35` (Phi-3's projections stay fused:
-`attn_qkv`, and gate and up as one `ffn_up`; OLMo's norms after attention and the MLP are
-`post_attention_norm` and `post_ffw_norm`; Qwen3.5's Gated DeltaNet layers are `attn_qkv`,
-`attn_gate`, `ssm_*` as its converter writes them, `_delta_net_tensor`). A mixture of experts'
-router is `ffn_gate_inp`, its experts stacked `ffn_gate_exps`, `ffn_up_exps` and
-`ffn_down_exps`, a shared expert `ffn_*_shexp` (Qwen2-MoE's gate `ffn_gate_inp_shexp`);
-GLM-4.5's sigmoid router's selection bias is `exp_probs_b`, its norm after attention
-`post_attention_norm`, and its routing (sigmoid gating, groups, weight scale, leading dense
-layers) goes in as keys. Layout facts
-that matter: llama.cpp's `llama` RoPE rotates adjacent pairs (2i, 2i + 1) while HF
+olmo3 as `olmo2` with its window, qwen3_5_text and qwen3_5_moe_text as `qwen35` and
+`qwen35moe` (Phi-3's projections stay fused: `attn_qkv`, and gate and up as one `ffn_up`;
+OLMo's norms after attention and the MLP are `post_attention_norm` and `post_ffw_norm`;
+Qwen3.5's Gated DeltaNet layers are `attn_qkv`, `attn_gate`, `ssm_*` as its converter writes
+them, `_delta_net_tensor`). A mixture of experts' router is `ffn_gate_inp`, its experts
+stacked `ffn_gate_exps`, `ffn_up_exps` and `ffn_down_exps`, a shared expert `ffn_*_shexp`
+(Qwen2-MoE's gate `ffn_gate_inp_shexp`); GLM-4.5's sigmoid router's selection bias is
+`exp_probs_b`, its norm after attention `post_attention_norm`, and its routing (sigmoid
+gating, groups, weight scale, leading dense layers) goes in as keys. Layout facts that
+matter: llama.cpp's `llama` RoPE rotates adjacent pairs (2i, 2i + 1) while HF
 checkpoints rotate halves (i, i + d/2), so for it q_proj and k_proj rows are permuted per
 head (`permute_rope_rows`), as llama.cpp's own converter does; the other architectures
 rotate halves (NEOX) and take the rows as they are. Gemma's norms are stored as 1 + w (not
@@ -103,15 +103,17 @@ QWEN3_5_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_norm
 # OLMo 2's: norms after attention and after the MLP, none before
 POST_NORM_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
                    "post_feedforward_layernorm": "post_ffw_norm"}
+QWEN3_5_ARCHES = ("qwen35", "qwen35moe")
 # lathe family -> llama.cpp architecture
 ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
           "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3", "mixtral": "llama",
           "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "qwen2_moe": "qwen2moe",
           "glm4_moe": "glm4moe", "olmo2": "olmo2", "olmo3": "olmo2", "gemma4_text": "gemma4",
-          "qwen3_5_text": "qwen35"}
+          "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe"}
 # whether llama.cpp's graph for an architecture renormalizes the top-k expert weights (glm4moe
 # reads it from the file)
-EXPERT_WEIGHTS_NORM = {"llama": True, "qwen3moe": True, "olmoe": False, "qwen2moe": False}
+EXPERT_WEIGHTS_NORM = {"llama": True, "qwen3moe": True, "olmoe": False, "qwen2moe": False,
+                       "qwen35moe": True}
 
 
 def permute_rope_rows(weight: Tensor, n_heads: int) -> Tensor:
@@ -318,14 +320,15 @@ def unwritable(config: ModelConfig) -> str | None:
         and "llama.cpp's olmoe norms k over all n_heads heads: it takes no grouped KV heads",
         config.moe_layers is not None and not all(config.moe_layers) and arch != "glm4moe"
         and f"llama.cpp's {arch} has experts in every layer (no mlp_only_layers)",
-        arch == "qwen35" and config.linear_layer_count and config.layer_types != [
+        arch in QWEN3_5_ARCHES and config.linear_layer_count and config.layer_types != [
             "linear_attention" if (i + 1) % _full_attention_interval(config) else
             "full_attention" for i in range(config.n_layers)]
-        and "llama.cpp's qwen35 attends in every N-th layer alone (full_attention_interval), "
+        and f"llama.cpp's {arch} attends in every N-th layer alone (full_attention_interval), "
             f"not in these: {config.layer_types}",
-        arch == "qwen35" and config.qkv_bias and "llama.cpp's qwen35 has no attention biases",
-        arch == "qwen35" and not config.linear_layer_count
-        and "llama.cpp's qwen35 needs its linear-attention layers",
+        arch in QWEN3_5_ARCHES and config.qkv_bias
+        and f"llama.cpp's {arch} has no attention biases",
+        arch in QWEN3_5_ARCHES and not config.linear_layer_count
+        and f"llama.cpp's {arch} needs its linear-attention layers",
     ]
     found = [reason for reason in reasons if reason]
     return f"this {config.family} model: {'; '.join(found)}" if found else None

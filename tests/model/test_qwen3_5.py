@@ -358,3 +358,82 @@ def test_a_reward_model_loads_and_exports_as_its_sequence_classifier(tmp_path):
     assert type(again) is type(hf)
     with torch.no_grad():
         assert (again(ids).logits[:, 0] - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+MOE = dict(TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           shared_expert_intermediate_size=48)
+del MOE["intermediate_size"]
+
+
+def hf_moe_model(folder=None):
+    """Qwen3.5-MoE's text model: Qwen3.5's layers, each MLP four experts (two a token) and
+    a sigmoid-gated shared expert; its routers decisive, so no near-tie flips a choice."""
+    config = transformers.Qwen3_5MoeTextConfig(**MOE)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    sharpen(model.model)
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.copy_(torch.randn(layer.mlp.gate.weight.shape,
+                                                    generator=generator))
+    if folder is not None:
+        model.save_pretrained(folder)
+    return model
+
+
+def test_the_moe_loads_exports_serves_and_runs_in_llama_cpp(tmp_path):
+    """Qwen3.5-MoE (35B-A3B's shape, tiny): transformers' logits, an export that loads back
+    as Qwen3_5MoeForCausalLM (its experts one by one, as transformers reads them), the
+    engine's greedy tokens, and its GGUF as llama.cpp's qwen35moe with lathe's logits."""
+    from lathe.serve.config import EngineConfig
+    from lathe.serve.engine import LLMEngine
+    from lathe.serve.gguf_export import export_gguf
+    from lathe.serve.sampling_params import SamplingParams
+    from tests import llama_cpp_runtime
+    from tests.builders import build_qwen3_5_tokenizer
+
+    hf = hf_moe_model(tmp_path / "hf")
+    ids = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf(ids).logits
+        ours = load_checkpoint(tmp_path / "hf")
+        assert (ours.config.n_experts, ours.config.shared_expert_dim) == (4, 48)
+        assert (ours(ids).logits - expected).abs().max() <= 1e-4 * expected.abs().max()
+    assert ours.config.num_params() == sum(p.numel() for p in hf.parameters())
+    save_checkpoint(ours, tmp_path / "lathe")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lathe",
+                                                              dtype=torch.float32).eval()
+    assert type(again) is type(hf)
+    with torch.no_grad():
+        assert (again(ids).logits - expected).abs().max() <= 1e-4 * expected.abs().max()
+    prompt = ids[0, :30].tolist()
+    served = LLMEngine(ours, config=EngineConfig(num_blocks=64))
+    (output,) = served.generate([prompt], SamplingParams(max_tokens=12, temperature=0,
+                                                         ignore_eos=True))
+    assert output.outputs[0].token_ids == full_forward_greedy(hf, prompt, 12)
+
+    llama_cpp_runtime.library()
+    moe = dict(MOE, vocab_size=403)
+    config = transformers.Qwen3_5MoeTextConfig(**moe)
+    torch.manual_seed(0)
+    big = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    sharpen(big.model)
+    big.save_pretrained(tmp_path / "gguf")
+    build_qwen3_5_tokenizer(tmp_path / "gguf", vocab_size=400)
+    out = export_gguf(tmp_path / "gguf", tmp_path / "m.gguf", dtype="f32")
+    tokens = torch.randint(3, 400, (120,), generator=torch.Generator().manual_seed(6)).tolist()
+    with torch.no_grad():
+        lathe_logits = load_checkpoint(tmp_path / "gguf")(torch.tensor([tokens])).logits[0]
+    theirs = llama_cpp_runtime.LlamaCpp(out, 256).logits(tokens)
+    assert (theirs - lathe_logits).abs().max() / lathe_logits.abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("wrapper", ["Qwen3_5Config", "Qwen3_5MoeConfig"])
+def test_a_wrappers_sparse_text_config_reads_as_its_full_default(wrapper):
+    """The hub writes a multimodal checkpoint's text_config as its difference from the
+    wrapper's default: an empty one must read as that default (27B's and 35B-A3B's shapes)."""
+    full = getattr(transformers, wrapper)().to_dict()
+    sparse = {**full, "text_config": {"model_type": full["text_config"]["model_type"]}}
+    assert ModelConfig.from_hf_config(sparse) == ModelConfig.from_hf_config(full)
