@@ -136,10 +136,10 @@ def offline(checkpoint: Path, prompts: list[list[int]], new_tokens: int,
         LLMEngine.from_checkpoint(checkpoint, EngineConfig(num_blocks=blocks), device=device))
     outputs = {name: engine.generate(prompts, params) for name, engine in engines.items()}
 
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
     # transformers loads the checkpoint in the dtype lathe's engine runs it in
     dtype = next(iter(engines.values())).model.model.embed_tokens.weight.dtype
-    model = LlamaForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(device).eval()
     # as lathe's ignore_eos (and vLLM's): EOS neither stops a row nor is masked out
     # (min_new_tokens would mask it, so a trained model's greedy tokens would differ)
     model.generation_config.eos_token_id = None
