@@ -261,6 +261,24 @@ def test_a_config_json_without_its_output_gate_is_refused(tmp_path):
     assert ModelConfig.from_hf_config(hf).linear_value_heads == 4
 
 
+def llama_cpp_error(hf, folder, length: int) -> tuple[float, object]:
+    """`hf` saved to `folder` with a Qwen3.5-shaped tokenizer and exported to an f32 GGUF: the
+    largest difference between llama.cpp's logits and lathe's over `length` tokens, relative
+    to lathe's largest, and the file."""
+    from lathe.serve.gguf_export import export_gguf
+    from tests import llama_cpp_runtime
+    from tests.builders import build_qwen3_5_tokenizer
+
+    hf.save_pretrained(folder)
+    build_qwen3_5_tokenizer(folder, vocab_size=400)
+    out = export_gguf(folder, folder.with_suffix(".gguf"), dtype="f32")
+    ids = torch.randint(3, 400, (length,), generator=torch.Generator().manual_seed(6)).tolist()
+    with torch.no_grad():
+        ours = load_checkpoint(folder)(torch.tensor([ids])).logits[0]
+    theirs = llama_cpp_runtime.LlamaCpp(out, 256).logits(ids)
+    return float((theirs - ours).abs().max() / ours.abs().max()), out
+
+
 TEXTS = ["Hello world, this is a test.\nÉtudiant naïve café — 東京タワー",
          "def add(a, b):\n    return a + b  # 12345",
          "the quick brown fox\n\n\tjumps   over",
@@ -276,9 +294,7 @@ def test_its_gguf_gives_llama_cpps_logits_and_tokens(tmp_path, key_heads):
     `qwen35`) tokenizes and detokenizes text as transformers does."""
     from transformers import PreTrainedTokenizerFast
 
-    from lathe.serve.gguf_export import export_gguf
     from tests import llama_cpp_runtime
-    from tests.builders import build_qwen3_5_tokenizer
 
     llama_cpp_runtime.library()
     hf = hf_text_model(linear_num_key_heads=key_heads, vocab_size=403)
@@ -286,15 +302,8 @@ def test_its_gguf_gives_llama_cpps_logits_and_tokens(tmp_path, key_heads):
         for layer in hf.model.layers:
             if hasattr(layer, "linear_attn"):
                 layer.linear_attn.A_log.normal_(0, 1)
-    hf.save_pretrained(tmp_path / "hf")
-    build_qwen3_5_tokenizer(tmp_path / "hf", vocab_size=400)
-    out = export_gguf(tmp_path / "hf", tmp_path / "m.gguf", dtype="f32")
-    ids = torch.randint(3, 400, (150,), generator=torch.Generator().manual_seed(6)).tolist()
-    with torch.no_grad():
-        ours = load_checkpoint(tmp_path / "hf")(torch.tensor([ids])).logits[0]
-    runtime = llama_cpp_runtime.LlamaCpp(out, 256)
-    theirs = runtime.logits(ids)
-    assert (theirs - ours).abs().max() / ours.abs().max() < 1e-4
+    error, out = llama_cpp_error(hf, tmp_path / "hf", 150)
+    assert error < 1e-4
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "hf" / "tokenizer.json"))
     vocabulary = llama_cpp_runtime.LlamaCpp(out)
     for text in TEXTS:
@@ -389,10 +398,8 @@ def test_the_moe_loads_exports_serves_and_runs_in_llama_cpp(tmp_path):
     engine's greedy tokens, and its GGUF as llama.cpp's qwen35moe with lathe's logits."""
     from lathe.serve.config import EngineConfig
     from lathe.serve.engine import LLMEngine
-    from lathe.serve.gguf_export import export_gguf
     from lathe.serve.sampling_params import SamplingParams
     from tests import llama_cpp_runtime
-    from tests.builders import build_qwen3_5_tokenizer
 
     hf = hf_moe_model(tmp_path / "hf")
     ids = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(0))
@@ -415,19 +422,11 @@ def test_the_moe_loads_exports_serves_and_runs_in_llama_cpp(tmp_path):
     assert output.outputs[0].token_ids == full_forward_greedy(hf, prompt, 12)
 
     llama_cpp_runtime.library()
-    moe = dict(MOE, vocab_size=403)
-    config = transformers.Qwen3_5MoeTextConfig(**moe)
     torch.manual_seed(0)
-    big = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    big = transformers.AutoModelForCausalLM.from_config(
+        transformers.Qwen3_5MoeTextConfig(**dict(MOE, vocab_size=403))).float().eval()
     sharpen(big.model)
-    big.save_pretrained(tmp_path / "gguf")
-    build_qwen3_5_tokenizer(tmp_path / "gguf", vocab_size=400)
-    out = export_gguf(tmp_path / "gguf", tmp_path / "m.gguf", dtype="f32")
-    tokens = torch.randint(3, 400, (120,), generator=torch.Generator().manual_seed(6)).tolist()
-    with torch.no_grad():
-        lathe_logits = load_checkpoint(tmp_path / "gguf")(torch.tensor([tokens])).logits[0]
-    theirs = llama_cpp_runtime.LlamaCpp(out, 256).logits(tokens)
-    assert (theirs - lathe_logits).abs().max() / lathe_logits.abs().max() < 1e-4
+    assert llama_cpp_error(big, tmp_path / "gguf", 120)[0] < 1e-4
 
 
 @pytest.mark.parametrize("wrapper", ["Qwen3_5Config", "Qwen3_5MoeConfig"])
