@@ -307,3 +307,13 @@ def test_megabyte_prompts_do_not_stall_the_event_loop(serving, checkpoint):
     one_tokenization = time.perf_counter() - start
     assert len(latencies) > 3, latencies
     assert max(latencies) < max(0.5, 0.6 * one_tokenization), (latencies, one_tokenization)
+
+
+def test_an_idle_connection_outlives_the_openai_clients_pool():
+    """The official client's pool drops an idle connection after its keep-alive expiry; the
+    server keeps one longer, so a request never goes out on a socket the server is closing
+    at that same moment (the client then reads "Server disconnected without sending a
+    response": met in CI with both at 5 s)."""
+    from openai._base_client import DEFAULT_CONNECTION_LIMITS
+
+    assert ConnectionLimits().idle_seconds > DEFAULT_CONNECTION_LIMITS.keepalive_expiry + 1
