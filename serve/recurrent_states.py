@@ -20,6 +20,7 @@ from the states and scattered back, each other run of tokens (a prefill chunk) a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -77,12 +78,21 @@ class StateSpans:
     states: RecurrentStates
     spans: list[tuple[int, int, int, bool]]
 
+    @cached_property
+    def continuing(self) -> tuple[Tensor, Tensor] | None:
+        """The single tokens that continue a sequence: where they lie in the step's row and
+        their state rows, built once for all the step's layers (None: there are none)."""
+        picked = [(start, row) for start, length, row, fresh in self.spans
+                  if length == 1 and not fresh]
+        if not picked:
+            return None
+        device = next(iter(self.states.state.values())).device
+        return (torch.tensor([start for start, _ in picked], device=device),
+                torch.tensor([row for _, row in picked], device=device))
+
     def run(self, layer_idx: int, inputs: tuple[Tensor, ...], step: RecurrentStep) -> Tensor:
         """`KVCache.recurrent` over this step's sequences (inputs (1, T, ·))."""
         conv, state = self.states.conv[layer_idx], self.states.state[layer_idx]
-        device = conv.device
-        continuing = [(start, row) for start, length, row, fresh in self.spans
-                      if length == 1 and not fresh]
         out: Tensor | None = None
 
         def place(rows: Tensor | slice, result: Tensor) -> None:
@@ -90,9 +100,8 @@ class StateSpans:
             if out is None:
                 out = result.new_empty(1, inputs[0].shape[1], *result.shape[1:])
             out[0, rows] = result
-        if continuing:
-            at = torch.tensor([start for start, _ in continuing], device=device)
-            rows = torch.tensor([row for _, row in continuing], device=device)
+        if self.continuing is not None:
+            at, rows = self.continuing
             result, (new_conv, new_state) = step(tuple(t[0, at, None] for t in inputs),
                                                  (conv[rows], state[rows]))
             conv[rows], state[rows] = new_conv.to(conv.dtype), new_state
