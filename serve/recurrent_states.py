@@ -12,9 +12,10 @@ caching (a cached prefix's keys and values have no state at their end) and witho
 speculative decoding (the state would have advanced through rejected drafts).
 
 `StateSpans` is one step's layout: where each sequence's tokens lie in the step's row, its
-state row, whether it starts fresh. `run` gives a layer's computation the tokens sequence by
-sequence: the single tokens that continue a sequence (decodes) as one batch of rows gathered
-from the states and scattered back, each other run of tokens (a prefill chunk) alone.
+state row, whether it starts fresh. `run` gives a layer's computation the tokens in batches
+of sequences with as many tokens and the same freshness — a step's decodes together, and
+the equal prompts of n samples or of a GRPO group — their states gathered and scattered
+back by row.
 """
 
 from __future__ import annotations
@@ -79,40 +80,32 @@ class StateSpans:
     spans: list[tuple[int, int, int, bool]]
 
     @cached_property
-    def continuing(self) -> tuple[Tensor, Tensor] | None:
-        """The single tokens that continue a sequence: where they lie in the step's row and
-        their state rows, built once for all the step's layers (None: there are none)."""
-        picked = [(start, row) for start, length, row, fresh in self.spans
-                  if length == 1 and not fresh]
-        if not picked:
-            return None
+    def groups(self) -> list[tuple[Tensor, Tensor, bool]]:
+        """The step's sequences in batches the layers run at once: those of one length and
+        freshness together (a step's decodes; n samples' or a GRPO group's equal prompts),
+        each batch as where its tokens lie in the step's row (sequences × length), its
+        state rows, and whether it starts fresh. Built once for all the step's layers."""
+        batches: dict[tuple[int, bool], list[tuple[int, int]]] = {}
+        for start, length, row, fresh in self.spans:
+            batches.setdefault((length, fresh), []).append((start, row))
         device = next(iter(self.states.state.values())).device
-        return (torch.tensor([start for start, _ in picked], device=device),
-                torch.tensor([row for _, row in picked], device=device))
+        out = []
+        for (length, fresh), members in batches.items():
+            starts = torch.tensor([start for start, _ in members], device=device)
+            out.append((starts[:, None] + torch.arange(length, device=device),
+                        torch.tensor([row for _, row in members], device=device), fresh))
+        return out
 
     def run(self, layer_idx: int, inputs: tuple[Tensor, ...], step: RecurrentStep) -> Tensor:
         """`KVCache.recurrent` over this step's sequences (inputs (1, T, ·))."""
         conv, state = self.states.conv[layer_idx], self.states.state[layer_idx]
         out: Tensor | None = None
-
-        def place(rows: Tensor | slice, result: Tensor) -> None:
-            nonlocal out
-            if out is None:
-                out = result.new_empty(1, inputs[0].shape[1], *result.shape[1:])
-            out[0, rows] = result
-        if self.continuing is not None:
-            at, rows = self.continuing
-            result, (new_conv, new_state) = step(tuple(t[0, at, None] for t in inputs),
-                                                 (conv[rows], state[rows]))
+        for at, rows, fresh in self.groups:
+            result, (new_conv, new_state) = step(tuple(t[0, at] for t in inputs),
+                                                 None if fresh else (conv[rows], state[rows]))
             conv[rows], state[rows] = new_conv.to(conv.dtype), new_state
-            place(at, result[:, 0])
-        for start, length, row, fresh in self.spans:
-            if length == 1 and not fresh:
-                continue
-            held = None if fresh else (conv[row:row + 1], state[row:row + 1])
-            result, (new_conv, new_state) = step(
-                tuple(t[:, start:start + length] for t in inputs), held)
-            conv[row], state[row] = new_conv[0].to(conv.dtype), new_state[0]
-            place(slice(start, start + length), result[0])
+            if out is None:
+                out = result.new_empty(1, inputs[0].shape[1], *result.shape[2:])
+            out[0, at] = result
         assert out is not None, "a step with no tokens"
         return out
