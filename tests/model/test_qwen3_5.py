@@ -200,8 +200,9 @@ def test_the_engine_serves_each_sequence_from_its_own_state(tmp_path, engine):
 
     hf = hf_text_model(tmp_path / "hf")
     generator = torch.Generator().manual_seed(0)
+    # three of one length: run as one batch of rows wherever they step alike
     prompts = [torch.randint(0, 256, (n,), generator=generator).tolist()
-               for n in (5, 40, 130, 1, 77, 33)]
+               for n in (5, 40, 130, 1, 77, 40, 33, 40)]
     served = LLMEngine(load_checkpoint(tmp_path / "hf"), config=EngineConfig(**engine))
     outputs = served.generate(prompts, SamplingParams(max_tokens=16, temperature=0,
                                                       ignore_eos=True))
