@@ -100,9 +100,8 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         reads_state = writes_state = carries = None
     else:
         starts = starts.reshape(batch, 1, n, chunk)
-        index = torch.arange(n * chunk, device=q.device).reshape(1, 1, n, chunk)
         same = below & (starts[..., :, None] == starts[..., None, :])
-        first = index[..., :1]
+        first = (torch.arange(n, device=q.device) * chunk)[:, None]  # each chunk's first index
         reads_state = (starts < first).float()
         writes_state = (starts == starts[..., -1:]).float()
         carries = reads_state[..., -1]

@@ -15,6 +15,7 @@ from lathe.core.config import from_dict
 from lathe.core.errors import ConfigError
 from lathe.model.families import (
     FAMILIES,
+    LINEAR_FIELDS,
     WRAPPERS,
     family_switches,
     fresh_switches,
@@ -24,9 +25,6 @@ from lathe.model.families import (
 ROPE_TYPES = ("llama3", "linear", "yarn", "longrope", "dynamic")
 LAYER_TYPES = ("sliding_attention", "full_attention", "linear_attention")
 ATTENTION_TYPES = LAYER_TYPES[:2]  # the layers that attend (and keep keys and values)
-# a Gated DeltaNet layer's shape (`layer_types`' "linear_attention", Qwen3.5's)
-LINEAR_FIELDS = ("linear_key_heads", "linear_value_heads", "linear_key_head_dim",
-                 "linear_value_head_dim", "linear_conv_kernel")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # HF's names for the gated MLP's activation
 
 
@@ -455,6 +453,12 @@ class ModelConfig:
                               "query/key head serves a whole group of value heads")
 
     @property
+    def linear_conv_channels(self) -> int:
+        """The channels a Gated DeltaNet layer's convolution runs over: its q, k and v."""
+        return (2 * self.linear_key_heads * self.linear_key_head_dim
+                + self.linear_value_heads * self.linear_value_head_dim)
+
+    @property
     def linear_layer_count(self) -> int:
         """How many layers are Gated DeltaNet layers (`layer_types`' "linear_attention")."""
         return 0 if self.layer_types is None else self.layer_types.count("linear_attention")
@@ -691,8 +695,7 @@ class ModelConfig:
     def _delta_net_extras(self) -> int:
         """A Gated DeltaNet layer's parameters outside its linears: the convolution's
         weights, each value head's decay and step bias, and the output norm's weight."""
-        conv = (2 * self.linear_key_heads * self.linear_key_head_dim
-                + self.linear_value_heads * self.linear_value_head_dim) * self.linear_conv_kernel
+        conv = self.linear_conv_channels * self.linear_conv_kernel
         return conv + 2 * self.linear_value_heads + self.linear_value_head_dim
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
@@ -921,7 +924,7 @@ class ModelConfig:
             n_layers=hf["num_hidden_layers"],
             n_heads=n_heads,
             n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-            ffn_hidden_dim=hf.get("intermediate_size"),  # Qwen3.5-MoE's has none: its read's
+            ffn_hidden_dim=hf.get("intermediate_size"),  # Qwen3.5-MoE has none: its read sets it
             norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=scaling,
@@ -941,9 +944,12 @@ class ModelConfig:
             clip_qkv=hf.get("clip_qkv"),
             num_labels=_num_labels(hf),
         )
-        return cls(**{**fields, **family.read(hf),
-                      **(family.experts.read(hf) if family.experts else {}),
-                      **family.switches(hf)})
+        fields = {**fields, **family.read(hf),
+                  **(family.experts.read(hf) if family.experts else {}), **family.switches(hf)}
+        if fields["ffn_hidden_dim"] is None:
+            raise ConfigError(f"config.json: intermediate_size is missing; {model_type}'s MLP "
+                              "width must be given")
+        return cls(**fields)
 
 
 def _num_labels(hf: dict[str, Any]) -> int:

@@ -352,6 +352,10 @@ def _qwen3_5_layers(hf: dict[str, Any]) -> Window:
         raise ConfigError(f"config.json: sliding_window={hf['sliding_window']!r} is not "
                           f"supported for {hf.get('model_type')}: its attention layers are full")
     every = hf.get("full_attention_interval", 4)
+    if not hf.get("layer_types") and (not isinstance(every, int) or isinstance(every, bool)
+                                      or every < 1):
+        raise ConfigError(f"config.json: full_attention_interval={every!r} must be a positive "
+                          "integer (every how many layers one attends)")
     types = hf.get("layer_types") or [
         "linear_attention" if (i + 1) % every else "full_attention"
         for i in range(hf["num_hidden_layers"])]
@@ -364,18 +368,23 @@ QWEN3_5_LINEAR = {"linear_num_key_heads": ("linear_key_heads", 16),
                   "linear_key_head_dim": ("linear_key_head_dim", 128),
                   "linear_value_head_dim": ("linear_value_head_dim", 128),
                   "linear_conv_kernel_dim": ("linear_conv_kernel", 4)}
+LINEAR_FIELDS = tuple(ours for ours, _ in QWEN3_5_LINEAR.values())  # the fields they set
+QWEN3_5_TAKES = ("partial_rotary_factor", *LINEAR_FIELDS)
+
+
+def _qwen3_5_switches(hf: dict[str, Any]) -> dict[str, bool]:
+    """Qwen3's per-head q/k norms, (1 + w) norms, and its attention's output gate."""
+    return {"qk_norm": True, "norm_unit_offset": True, "attn_output_gate": True,
+            **_attention_bias(hf)}
 
 
 def _qwen3_5_read(hf: dict[str, Any]) -> dict[str, Any]:
-    """The Gated DeltaNet's shape; for Qwen3.5-MoE, which has no dense MLP, a dense width
-    equal to an expert's (what `intermediate_size` would default experts to)."""
+    """The Gated DeltaNet's shape (its class's defaults for absent keys)."""
     if hf.get("attn_output_gate") is False:  # Qwen3-Next's key; Qwen3.5's class always gates
         raise ConfigError("config.json: attn_output_gate=false is not supported: Qwen3.5's "
                           "attention gates its output")
-    dense = {} if hf.get("intermediate_size") else {
-        "ffn_hidden_dim": hf.get("moe_intermediate_size") or 512}
-    return {**dense, **{ours: hf.get(key) or default
-                        for key, (ours, default) in QWEN3_5_LINEAR.items()}}
+    return {ours: default if hf.get(key) is None else hf[key]
+            for key, (ours, default) in QWEN3_5_LINEAR.items()}
 
 
 def _qwen3_5_extra(c: Any) -> dict[str, Any]:
@@ -558,9 +567,11 @@ def _qwen3_5_moe_read(hf: dict[str, Any]) -> dict[str, Any]:
     hf = {"num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
           "shared_expert_intermediate_size": 512, "router_aux_loss_coef": 0.001,
           **{k: v for k, v in hf.items() if v is not None}}
+    # it has no dense MLP: a dense width equal to an expert's (what experts default to)
+    dense = {} if hf.get("intermediate_size") else {"ffn_hidden_dim": hf["moe_intermediate_size"]}
     return {**_experts_read({**hf, "norm_topk_prob": True, "mlp_only_layers": None,
                              "decoder_sparse_step": 1}, {}),
-            "shared_expert_dim": hf["shared_expert_intermediate_size"]}
+            "shared_expert_dim": hf["shared_expert_intermediate_size"], **dense}
 
 
 QWEN3_5_MOE_EXPERTS = ExpertLayout(
@@ -620,21 +631,14 @@ FAMILIES: dict[str, Family] = {
         _gemma4_extra, sliding="layers", takes=GEMMA4_FIELDS, experts=GEMMA4_EXPERTS,
         classifier_class="", rope=_gemma4_rope, read=_gemma4_read),
     "qwen3_5_text": Family(
-        "Qwen3_5ForCausalLM",
-        lambda hf: {"qk_norm": True, "norm_unit_offset": True, "attn_output_gate": True,
-                    **_attention_bias(hf)},
-        _qwen3_5_layers, _qwen3_5_extra,
-        takes=("partial_rotary_factor", "linear_key_heads", "linear_value_heads",
-               "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel"),
-        classifier_class="Qwen3_5TextForSequenceClassification", read=_qwen3_5_read),
+        "Qwen3_5ForCausalLM", _qwen3_5_switches, _qwen3_5_layers, _qwen3_5_extra,
+        takes=QWEN3_5_TAKES, classifier_class="Qwen3_5TextForSequenceClassification",
+        read=_qwen3_5_read),
     "qwen3_5_moe_text": Family(
-        "Qwen3_5MoeForCausalLM",
-        lambda hf: {"qk_norm": True, "norm_unit_offset": True, "attn_output_gate": True,
-                    "shared_expert_gate": True, **_attention_bias(hf)},
+        "Qwen3_5MoeForCausalLM", lambda hf: {**_qwen3_5_switches(hf), "shared_expert_gate": True},
         _qwen3_5_layers, lambda c: {**_qwen3_5_extra(c), **QWEN3_5_MOE_EXPERTS.written(c)},
-        takes=("partial_rotary_factor", "linear_key_heads", "linear_value_heads",
-               "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel"),
-        experts=QWEN3_5_MOE_EXPERTS, classifier_class="", read=_qwen3_5_read),
+        takes=QWEN3_5_TAKES, experts=QWEN3_5_MOE_EXPERTS, classifier_class="",
+        read=_qwen3_5_read),
     "mixtral": Family(
         "MixtralForCausalLM", lambda hf: {}, _mistral_window,
         lambda c: {"sliding_window": c.sliding_window, **MIXTRAL_EXPERTS.written(c)},
@@ -984,7 +988,7 @@ def fresh_switches(family: str, n_layers: int, head_dim: int,
                           f"{', '.join(FAMILIES)}")
     switches = {name: value for name, value in
                 FAMILIES[family].switches({"attention_bias": False}).items() if value}
-    if family in ("qwen3_5_text", "qwen3_5_moe_text"):
+    if "linear_key_heads" in FAMILIES[family].takes:  # Qwen3.5's, dense or not
         width = max(head_dim // 2, 2)
         switches = {**switches, "partial_rotary_factor": 0.25,
                     "layer_types": _qwen3_5_layers({"num_hidden_layers": n_layers})[1],

@@ -46,7 +46,7 @@ class GatedDeltaNet(nn.Module):
         self.key_dim = config.linear_key_heads * config.linear_key_head_dim
         self.value_dim = config.linear_value_heads * config.linear_value_head_dim
         self.head_dims = config.linear_key_head_dim, config.linear_value_head_dim
-        channels = 2 * self.key_dim + self.value_dim
+        channels = config.linear_conv_channels
         self.in_proj_qkv = nn.Linear(config.dim, channels, bias=False)
         self.in_proj_z = nn.Linear(config.dim, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(config.dim, self.value_heads, bias=False)

@@ -64,9 +64,7 @@ class RecurrentStates:
 
 def recurrent_shapes(config: ModelConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
     """One sequence's (convolution inputs, rule state) shapes in a linear-attention layer."""
-    channels = (2 * config.linear_key_heads * config.linear_key_head_dim
-                + config.linear_value_heads * config.linear_value_head_dim)
-    return ((config.linear_conv_kernel - 1, channels),
+    return ((config.linear_conv_kernel - 1, config.linear_conv_channels),
             (config.linear_value_heads, config.linear_key_head_dim,
              config.linear_value_head_dim))
 

@@ -437,3 +437,15 @@ def test_a_wrappers_sparse_text_config_reads_as_its_full_default(wrapper):
     full = getattr(transformers, wrapper)().to_dict()
     sparse = {**full, "text_config": {"model_type": full["text_config"]["model_type"]}}
     assert ModelConfig.from_hf_config(sparse) == ModelConfig.from_hf_config(full)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"full_attention_interval": 0, "layer_types": None},
+     "full_attention_interval=0 must be a positive integer"),
+    ({"linear_num_key_heads": 0}, "linear_key_heads=0 must be a positive integer"),
+    ({"intermediate_size": None}, "intermediate_size is missing"),
+])
+def test_a_hostile_config_json_is_refused_by_field(changes, message):
+    hf = {**transformers.Qwen3_5TextConfig(**TEXT).to_dict(), **changes}
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf_config(hf)
