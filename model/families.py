@@ -22,6 +22,7 @@ splits into lathe's q/k/v and gate/up and an export joins again (`split_fused`,
 | phi3 (Phi-3, Phi-4-mini) | Phi3ForCausalLM | fused `qkv_proj`, `gate_up_proj`; partial RoPE |
 | qwen3_5_text (Qwen3.5) | Qwen3_5ForCausalLM | (1 + w) norms, gated attention; Gated DeltaNets |
 | qwen3_5_moe_text | Qwen3_5MoeForCausalLM | Qwen3.5's layers; Qwen2-MoE's experts in every one |
+| qwen3_next (Qwen3-Next) | Qwen3NextForCausalLM | Qwen3.5-MoE's, DeltaNet projections fused |
 | mixtral | MixtralForCausalLM | experts in every layer (`block_sparse_moe`), top-k renormalized |
 | qwen3_moe | Qwen3MoeForCausalLM | Qwen3's attention; experts in the layers not `mlp_only_layers` |
 | olmo2 (OLMo 2) | Olmo2ForCausalLM | OLMoE's q/k norms; norms after attention and MLP only |
@@ -59,7 +60,10 @@ Gated DeltaNet token mixers (`lathe.model.gated_delta_net`) whose shape is its c
 `linear_num_key_heads`, `linear_num_value_heads`, their head widths and
 `linear_conv_kernel_dim`; its full-attention layers' q_proj is twice as wide, each head
 followed by the gate of its output. Its text-only positions make its interleaved
-multimodal RoPE the plain partial one.
+multimodal RoPE the plain partial one. Qwen3-Next, its predecessor, computes the same layers
+(with Qwen2-MoE's experts where `mlp_only_layers` and `decoder_sparse_step` leave them) but
+stores each DeltaNet's q, k, v and z projections as one `in_proj_qkvz` and its b and a as
+`in_proj_ba`, their rows grouped by key head (`fused_rows`).
 
 Sliding windows: Mistral's `sliding_window` covers every layer; Qwen2/3's and SmolLM3's
 (`use_sliding_window`) cover the layers `layer_types` marks, by default those from
@@ -141,9 +145,14 @@ class Family:
         return self.architecture.removesuffix("ForCausalLM") + "ForSequenceClassification"
 
 
-# a fused projection -> the projections it stacks (along the output dimension, in order)
+# a fused projection -> the projections it stacks (along the output dimension, in order;
+# Qwen3-Next's Gated DeltaNet ones interleave them by key head, `fused_rows`)
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+         "linear_attn.in_proj_qkvz": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
+         "linear_attn.in_proj_ba": ("linear_attn.in_proj_b", "linear_attn.in_proj_a")}
+PHI3_FUSED = ("self_attn.qkv_proj", "mlp.gate_up_proj")
+QWEN3_NEXT_FUSED = ("linear_attn.in_proj_qkvz", "linear_attn.in_proj_ba")
 
 
 def _rope_parameters(hf: dict[str, Any], default_theta: float = 10000.0
@@ -379,12 +388,17 @@ def _qwen3_5_switches(hf: dict[str, Any]) -> dict[str, bool]:
 
 
 def _qwen3_5_read(hf: dict[str, Any]) -> dict[str, Any]:
-    """The Gated DeltaNet's shape (its class's defaults for absent keys)."""
-    if hf.get("attn_output_gate") is False:  # Qwen3-Next's key; Qwen3.5's class always gates
+    """The Gated DeltaNet's shape, and a quarter of each head turned by RoPE where neither
+    its RoPE parameters nor the top level say (its class's defaults for absent keys)."""
+    if hf.get("attn_output_gate") is False:  # an old key; Qwen3.5's and Next's classes gate
         raise ConfigError("config.json: attn_output_gate=false is not supported: Qwen3.5's "
                           "attention gates its output")
-    return {ours: default if hf.get(key) is None else hf[key]
-            for key, (ours, default) in QWEN3_5_LINEAR.items()}
+    rope = hf.get("rope_parameters")
+    given = (rope.get("partial_rotary_factor") if isinstance(rope, dict) else None) \
+        or hf.get("partial_rotary_factor")
+    return {**({} if given else {"partial_rotary_factor": 0.25}),
+            **{ours: default if hf.get(key) is None else hf[key]
+               for key, (ours, default) in QWEN3_5_LINEAR.items()}}
 
 
 def _qwen3_5_extra(c: Any) -> dict[str, Any]:
@@ -580,6 +594,23 @@ QWEN3_5_MOE_EXPERTS = ExpertLayout(
                "moe_intermediate_size": c.moe_ffn_hidden_dim,
                "shared_expert_intermediate_size": c.shared_expert_dim},
     options=("shared_expert",))
+def _qwen3_next_experts_read(hf: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-Next's experts (Qwen3NextConfig's defaults, 80B-A3B's: 512, ten a token, top-k
+    renormalized) in the layers `mlp_only_layers` and `decoder_sparse_step` leave them, and
+    its sigmoid-gated shared expert. Without experts its layers are Qwen3.5's: refused."""
+    if hf.get("num_experts") == 0:
+        raise ConfigError("config.json: num_experts=0 (a Qwen3-Next without experts) is not "
+                          "supported; its layers are Qwen3.5's (model_type qwen3_5_text)")
+    shared = hf.get("shared_expert_intermediate_size")
+    return {**_experts_read(hf, {"num_experts": 512, "num_experts_per_tok": 10,
+                                 "norm_topk_prob": True, "router_aux_loss_coef": 0.001,
+                                 "moe_intermediate_size": 512}),
+            "shared_expert_dim": (512 if shared is None else shared) or None}
+
+
+QWEN3_NEXT_EXPERTS = ExpertLayout(
+    "mlp", STACKED, _qwen3_next_experts_read, QWEN2_MOE_EXPERTS.written,
+    options=("moe_layers", "norm_topk_prob", "shared_expert"))
 OLMOE_EXPERTS = ExpertLayout(
     "mlp", STACKED,
     lambda hf: _experts_read(hf, {"num_experts": 64, "num_experts_per_tok": 8,
@@ -614,7 +645,7 @@ FAMILIES: dict[str, Family] = {
                    c.rope_scaling.original_max_seq_len if c.rope_scaling is not None
                    and c.rope_scaling.rope_type == "longrope" else c.max_seq_len,
                    "resid_pdrop": 0.0, "embd_pdrop": 0.0},
-        sliding="all", takes=("partial_rotary_factor",), fused=tuple(FUSED), rope=_phi3_rope),
+        sliding="all", takes=("partial_rotary_factor",), fused=PHI3_FUSED, rope=_phi3_rope),
     "gemma2": Family(
         "Gemma2ForCausalLM", lambda hf: {**GEMMA, **_attention_bias(hf)}, _gemma_window(2),
         _gemma_extra, sliding="layers", takes=GEMMA_FIELDS),
@@ -638,6 +669,12 @@ FAMILIES: dict[str, Family] = {
         "Qwen3_5MoeForCausalLM", lambda hf: {**_qwen3_5_switches(hf), "shared_expert_gate": True},
         _qwen3_5_layers, lambda c: {**_qwen3_5_extra(c), **QWEN3_5_MOE_EXPERTS.written(c)},
         takes=QWEN3_5_TAKES, experts=QWEN3_5_MOE_EXPERTS, classifier_class="",
+        read=_qwen3_5_read),
+    "qwen3_next": Family(
+        "Qwen3NextForCausalLM",
+        lambda hf: {**_qwen3_5_switches(hf), "shared_expert_gate": True}, _qwen3_5_layers,
+        lambda c: {**_qwen3_5_extra(c), **QWEN3_NEXT_EXPERTS.written(c)},
+        takes=QWEN3_5_TAKES, fused=QWEN3_NEXT_FUSED, experts=QWEN3_NEXT_EXPERTS,
         read=_qwen3_5_read),
     "mixtral": Family(
         "MixtralForCausalLM", lambda hf: {}, _mistral_window,
@@ -793,7 +830,28 @@ def family_switches(model_type: str, config: Any) -> dict[str, bool]:
 def _parts(config: Any, fused: str) -> list[int]:
     """The output widths of the projections `fused` stacks."""
     kv = config.n_kv_heads * config.head_dim
+    if fused.endswith("in_proj_qkvz"):
+        return [config.linear_conv_channels,
+                config.linear_value_heads * config.linear_value_head_dim]
+    if fused.endswith("in_proj_ba"):
+        return [config.linear_value_heads] * 2
     return [config.q_dim, kv, kv] if fused.endswith("qkv_proj") else [config.ffn_hidden_dim] * 2
+
+
+def fused_rows(config: Any, fused: str) -> torch.Tensor | None:
+    """The fused projection's row of each row of lathe's parts, stacked in order, where its
+    family interleaves them (Qwen3-Next's Gated DeltaNet: each key head's q, k, and its group
+    of value heads' v and z rows, then the next key head's; its b and a rows likewise, where
+    lathe holds all q, k and v rows, then z's); None where the parts are stacked whole."""
+    if not fused.startswith("linear_attn."):
+        return None
+    heads = config.linear_key_heads
+    group = config.linear_value_heads // heads
+    key, value = config.linear_key_head_dim, config.linear_value_head_dim
+    pieces = [key, key, group * value, group * value] if fused.endswith("qkvz") \
+        else [group, group]
+    by_head = torch.arange(heads * sum(pieces)).view(heads, sum(pieces)).split(pieces, dim=1)
+    return torch.cat([piece.reshape(-1) for piece in by_head])
 
 
 SHARED_KV_PARTS = ("k_proj.", "v_proj.", "k_norm.", "v_norm.")
@@ -817,6 +875,9 @@ def split_fused(state: dict[str, Any], config: Any) -> dict[str, Any]:
         if fused is None or tensor.shape[0] != sum(_parts(config, fused)):
             out[name] = tensor  # a mis-shaped one is reported by the shape check
             continue
+        rows = fused_rows(config, fused)
+        if rows is not None:
+            tensor = tensor[rows]
         for part, piece in zip(FUSED[fused], tensor.split(_parts(config, fused)), strict=True):
             out[name.replace(fused, part)] = piece
     return out
@@ -829,7 +890,10 @@ def join_fused(state: dict[str, Any], config: Any) -> dict[str, Any]:
         first = FUSED[fused][0]
         for name in [n for n in state if f".{first}." in n]:
             names = [name.replace(first, part) for part in FUSED[fused]]
-            out[name.replace(first, fused)] = torch.cat([out.pop(n) for n in names])
+            joined = torch.cat([out.pop(n) for n in names])
+            rows = fused_rows(config, fused)
+            out[name.replace(first, fused)] = joined if rows is None \
+                else joined[torch.argsort(rows)]
     return out
 
 
@@ -988,7 +1052,7 @@ def fresh_switches(family: str, n_layers: int, head_dim: int,
                           f"{', '.join(FAMILIES)}")
     switches = {name: value for name, value in
                 FAMILIES[family].switches({"attention_bias": False}).items() if value}
-    if "linear_key_heads" in FAMILIES[family].takes:  # Qwen3.5's, dense or not
+    if "linear_key_heads" in FAMILIES[family].takes:  # Qwen3.5's (dense or not), Qwen3-Next's
         width = max(head_dim // 2, 2)
         switches = {**switches, "partial_rotary_factor": 0.25,
                     "layer_types": _qwen3_5_layers({"num_hidden_layers": n_layers})[1],

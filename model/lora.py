@@ -40,7 +40,8 @@ from torch import Tensor, nn
 from lathe.core.atomic import atomic_directory
 from lathe.core.errors import ConfigError
 from lathe.core.reporting import quiet_loggers
-from lathe.model.families import FAMILIES, FUSED, adapter_renamed
+from lathe.model.config import ModelConfig
+from lathe.model.families import FAMILIES, FUSED, adapter_renamed, fused_rows
 from lathe.model.transformer import Transformer
 
 
@@ -203,9 +204,8 @@ def save_adapter(model: nn.Module, section: LoraSection, path: str | Path,
     state = {name: tensor.detach().contiguous().cpu()
              for name, tensor in _peft().utils.get_peft_model_state_dict(model).items()}
     config = section.peft_config(has_experts(model))
-    fused = FAMILIES[model.config.family].fused if isinstance(model, Transformer) else ()
-    if fused:
-        state, config.r, config.target_modules = fuse_adapter(state, section.r, fused,
+    if isinstance(model, Transformer) and FAMILIES[model.config.family].fused:
+        state, config.r, config.target_modules = fuse_adapter(state, section.r, model.config,
                                                               output_widths(model))
         config.lora_alpha = section.alpha * config.r / section.r
     if isinstance(model, Transformer):
@@ -240,7 +240,7 @@ def load_adapter(model: Transformer, path: str | Path) -> Transformer:
     pairs = split_fused_pairs(adapter_pairs(adapter_renamed(
         {name.removeprefix(PEFT_PREFIX): tensor
          for name, tensor in load_file(path / ADAPTER_WEIGHTS).items()}, model.config)),
-        output_widths(model))
+        output_widths(model), model.config)
     state = {f"{module}.lora_{half}.weight": tensor for module, (a, b) in pairs.items()
              for half, tensor in (("A", a), ("B", b))}
     result = _peft().utils.set_peft_model_state_dict(model, state)
@@ -281,11 +281,12 @@ def _fused_name(module: str) -> str | None:
                 None)
 
 
-def split_fused_pairs(pairs: dict[str, tuple[Tensor, Tensor]],
-                      widths: dict[str, int]) -> dict[str, tuple[Tensor, Tensor]]:
-    """An adapter on fused projections (Phi-3's `qkv_proj`, `gate_up_proj`) as adapters on
-    the projections they stack: each part keeps A and takes its rows of B, which is exactly
-    the fused B·A's rows. `widths`: a module name -> its output width."""
+def split_fused_pairs(pairs: dict[str, tuple[Tensor, Tensor]], widths: dict[str, int],
+                      config: ModelConfig | None) -> dict[str, tuple[Tensor, Tensor]]:
+    """An adapter on fused projections (Phi-3's `qkv_proj`, `gate_up_proj`, Qwen3-Next's
+    `in_proj_qkvz`, `in_proj_ba`) as adapters on the projections they stack: each part keeps
+    A and takes its rows of B, which is exactly the fused B·A's rows. `widths`: a module
+    name -> its output width; `config`: the base's (where the parts' rows interleave)."""
     out = {}
     for module, (a, b) in pairs.items():
         fused = _fused_name(module)
@@ -297,19 +298,26 @@ def split_fused_pairs(pairs: dict[str, tuple[Tensor, Tensor]],
         if sum(rows) != b.shape[0] or not all(rows):
             raise ValueError(f"LoRA B of {module} has {b.shape[0]} rows, but this model's "
                              f"{', '.join(parts)} give {rows}")
+        if fused.startswith("linear_attn."):
+            if config is None:
+                raise ValueError(f"LoRA B of {module}: its rows interleave by key head; "
+                                 "read it with the base model's config")
+            b = b[fused_rows(config, fused)]
         out.update({part: (a, piece) for part, piece in zip(parts, b.split(rows), strict=True)})
     return out
 
 
-def fuse_adapter(state: dict[str, Tensor], rank: int, fused: tuple[str, ...],
+def fuse_adapter(state: dict[str, Tensor], rank: int, config: ModelConfig,
                  widths: dict[str, int]) -> tuple[dict[str, Tensor], int, list[str]]:
-    """Adapters on lathe's split projections as one peft adapter on a family's fused ones
-    (Phi-3's `qkv_proj`, `gate_up_proj`): a fused module's A stacks its parts' A's and its B
-    puts each part's B in its own rows and columns (block-diagonal), so B·A is each part's
-    own update, exactly; an untargeted part is zeros. peft takes one rank per adapter, so
-    every module is padded with zeros to the widest stack's rank (the caller scales alpha
-    by the same factor, keeping alpha / r). Returns the weights, that rank and the targets.
-    `widths`: a module name -> its output width."""
+    """Adapters on lathe's split projections as one peft adapter on the fused ones of
+    `config`'s family (Phi-3's `qkv_proj`, `gate_up_proj`; Qwen3-Next's, rows interleaved):
+    a fused module's A stacks its parts' A's and its B puts each part's B in its own rows
+    and columns (block-diagonal), so B·A is each part's own update, exactly; an untargeted
+    part is zeros. peft takes one rank per adapter, so every module is padded with zeros to
+    the widest stack's rank (the caller scales alpha by the same factor, keeping alpha / r).
+    Returns the weights, that rank and the targets. `widths`: a module name -> its output
+    width."""
+    fused = FAMILIES[config.family].fused
     widest = max(len(FUSED[f]) for f in fused)
     wide = rank * widest
     out: dict[str, tuple[Tensor, Tensor]] = {}
@@ -333,7 +341,9 @@ def fuse_adapter(state: dict[str, Tensor], rank: int, fused: tuple[str, ...],
             block[:, index * rank:(index + 1) * rank] = b
             a_rows.append(a)
             b_rows.append(block)
-        out[target] = (torch.cat(a_rows), torch.cat(b_rows))
+        rows = fused_rows(config, fused_name)
+        b = torch.cat(b_rows)
+        out[target] = (torch.cat(a_rows), b if rows is None else b[torch.argsort(rows)])
     state = {}
     for module, (a, b) in out.items():
         state[f"{module}.lora_A.weight"] = torch.cat(

@@ -1,16 +1,17 @@
 """Many LoRA adapters on one served base, in the same batch (Punica / S-LoRA's idea).
 
-The engine wraps every attention and MLP projection of the base in a `MultiLoraLinear`
-holding `max_loras` adapter slots (Aᵀ: slots × in × max_rank, Bᵀ: slots × max_rank × out, a
-scale per slot; an adapter of lower rank fills its slot's leading ranks and leaves zeros).
-Each step the engine says which slot each token row belongs to (`AdapterSlots.rows`); a
-projection then adds (x A_slotᵀ) B_slotᵀ · scale to each adapted row's base output: over
-several adapters, in one kernel call that reads each row's own slot
+The engine wraps every attention and MLP projection of the base (and a Gated DeltaNet's) in
+a `MultiLoraLinear` holding `max_loras` adapter slots (Aᵀ: slots × in × max_rank, Bᵀ: slots
+× max_rank × out, a scale per slot; an adapter of lower rank fills its slot's leading ranks
+and leaves zeros). Each step the engine says which slot each token row belongs to
+(`AdapterSlots.rows`); a projection then adds (x A_slotᵀ) B_slotᵀ · scale to each adapted
+row's base output: over several adapters, in one kernel call that reads each row's own slot
 (`lathe.kernels.lora_bgmv`: the native op on CPU, Triton's where the kernel policy turns it
 on) for a step of at most the largest decode bucket's rows, else in one batched matmul pair
 over every row's own gathered A and B (Punica's BGMV) while those stay small
 (`GATHER_ELEMENTS`), else one matmul pair per adapter over its rows (SGMV's segments); over
-all rows when they share one adapter. Rows of the base model (slot -1) get nothing added.
+all rows when they share one adapter.
+Rows of the base model (slot -1) get nothing added.
 
 A compiled decode step (`lathe.serve.decode_graph`) cannot take a Python list of rows: it
 reads each row's slot from `row_slots`, a device tensor every projection shares, which the
@@ -50,10 +51,12 @@ from lathe.core.errors import CheckpointError
 from lathe.kernels.lora_bgmv import fused_lora_bgmv, lora_bgmv
 from lathe.model.config import ModelConfig
 from lathe.model.families import adapter_renamed, language_model_weights
+from lathe.model.gated_delta_net import GatedDeltaNet
 from lathe.model.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     ALL_LINEARS,
+    DELTA_NET_LINEARS,
     PEFT_PREFIX,
     adapter_pairs,
     expert_adapters,
@@ -235,7 +238,7 @@ def read_adapter(name: str, path: str | Path, layers: dict[str, MultiLoraLinear]
             {key.removeprefix(PEFT_PREFIX): t for key, t in tensors.items()})
         pairs = split_fused_pairs(
             adapter_pairs(named if base is None else adapter_renamed(named, base)),
-            {module: layer.out_features for module, layer in layers.items()})
+            {module: layer.out_features for module, layer in layers.items()}, base)
     except ValueError as error:
         raise CheckpointError(f"{weights_file}: {error}") from None
     experts = expert_adapters(pairs)
@@ -249,7 +252,8 @@ def read_adapter(name: str, path: str | Path, layers: dict[str, MultiLoraLinear]
         if module not in layers:
             raise CheckpointError(f"{weights_file}: {module!r} is not a projection of this base "
                                   f"that adapters may target ({', '.join(ALL_LINEARS)} of each "
-                                  "layer); was the adapter trained on another base, or on "
+                                  f"layer, {', '.join(DELTA_NET_LINEARS)} of a linear-attention "
+                                  "one); was the adapter trained on another base, or on "
                                   "lm_head?")
         layer = layers[module]
         if a.shape != (rank, layer.in_features) or b.shape != (layer.out_features, rank):
@@ -308,8 +312,9 @@ class AdapterSlots:
         self.row_slots = torch.full((max_rows,), -1, dtype=torch.long, device=device)
         self.layers: dict[str, MultiLoraLinear] = {}
         for name, module in list(model.named_modules()):
+            targets = DELTA_NET_LINEARS if isinstance(module, GatedDeltaNet) else ALL_LINEARS
             for child_name, child in list(module.named_children()):
-                if child_name in ALL_LINEARS and not isinstance(child, MultiLoraLinear):
+                if child_name in targets and not isinstance(child, MultiLoraLinear):
                     wrapped = MultiLoraLinear(child, max_loras, max_rank, self.context,
                                               self.row_slots, dtype)
                     setattr(module, child_name, wrapped)

@@ -7,11 +7,12 @@ exact weights, to compare runtimes on the same numbers), f16, bf16 or q8_0.
 Each family is written as the llama.cpp architecture its converter makes of it (`ARCHES`):
 llama, mistral and mixtral as `llama`; qwen2, qwen3, gemma2, gemma3, gemma4, phi3, qwen2_moe
 (`qwen2moe`), qwen3_moe (`qwen3moe`), olmoe, olmo2 and glm4_moe (`glm4moe`) as themselves,
-olmo3 as `olmo2` with its window, qwen3_5_text and qwen3_5_moe_text as `qwen35` and
-`qwen35moe` (Phi-3's projections stay fused: `attn_qkv`, and gate and up as one `ffn_up`;
-OLMo's norms after attention and the MLP are `post_attention_norm` and `post_ffw_norm`;
-Qwen3.5's Gated DeltaNet layers are `attn_qkv`, `attn_gate`, `ssm_*` as its converter writes
-them, `_delta_net_tensor`). A mixture of experts' router is `ffn_gate_inp`, its experts
+olmo3 as `olmo2` with its window, qwen3_5_text, qwen3_5_moe_text and qwen3_next as `qwen35`,
+`qwen35moe` and `qwen3next` (Phi-3's projections stay fused: `attn_qkv`, and gate and up as
+one `ffn_up`; OLMo's norms after attention and the MLP are `post_attention_norm` and
+`post_ffw_norm`; Qwen3.5's Gated DeltaNet layers are `attn_qkv`, `attn_gate`, `ssm_*` as its
+converter writes them, `_delta_net_tensor`, Qwen3-Next's fused `ssm_in` and `ssm_ba`).
+A mixture of experts' router is `ffn_gate_inp`, its experts
 stacked `ffn_gate_exps`, `ffn_up_exps` and `ffn_down_exps`, a shared expert `ffn_*_shexp`
 (Qwen2-MoE's gate `ffn_gate_inp_shexp`); GLM-4.5's sigmoid router's selection bias is
 `exp_probs_b`, its norm after attention `post_attention_norm`, and its routing (sigmoid
@@ -99,21 +100,23 @@ QWEN3_5_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_norm
                  "linear_attn.in_proj_qkv": "attn_qkv", "linear_attn.in_proj_z": "attn_gate",
                  "linear_attn.in_proj_b": "ssm_beta", "linear_attn.in_proj_a": "ssm_alpha",
                  "linear_attn.conv1d": "ssm_conv1d", "linear_attn.norm": "ssm_norm",
-                 "linear_attn.out_proj": "ssm_out"}
+                 "linear_attn.out_proj": "ssm_out",
+                 # Qwen3-Next's fused projections (llama.cpp's qwen3next splits them by key head)
+                 "linear_attn.in_proj_qkvz": "ssm_in", "linear_attn.in_proj_ba": "ssm_ba"}
 # OLMo 2's: norms after attention and after the MLP, none before
 POST_NORM_NAMES = {**LAYER_NAMES, "post_attention_layernorm": "post_attention_norm",
                    "post_feedforward_layernorm": "post_ffw_norm"}
-QWEN3_5_ARCHES = ("qwen35", "qwen35moe")
+QWEN3_5_ARCHES = ("qwen35", "qwen35moe", "qwen3next")
 # lathe family -> llama.cpp architecture
 ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
           "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3", "mixtral": "llama",
           "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "qwen2_moe": "qwen2moe",
           "glm4_moe": "glm4moe", "olmo2": "olmo2", "olmo3": "olmo2", "gemma4_text": "gemma4",
-          "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe"}
+          "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next"}
 # whether llama.cpp's graph for an architecture renormalizes the top-k expert weights (glm4moe
 # reads it from the file)
 EXPERT_WEIGHTS_NORM = {"llama": True, "qwen3moe": True, "olmoe": False, "qwen2moe": False,
-                       "qwen35moe": True}
+                       "qwen35moe": True, "qwen3next": True}
 
 
 def permute_rope_rows(weight: Tensor, n_heads: int) -> Tensor:
@@ -183,17 +186,17 @@ def gguf_tensors(state: dict[str, Tensor], config: ModelConfig) -> dict[str, np.
 
 
 def _delta_net_tensor(name: str, tensor: Tensor, config: ModelConfig) -> Tensor:
-    """A Gated DeltaNet parameter as llama.cpp's qwen35 reads it (its converter's rules): the
-    decay as A = −exp(A_log), the convolution's weight (channels, kernel), and — with fewer
-    key heads than value heads — the value heads in tiled order (head j of every key head's
-    group, then j + 1: ggml repeats the key heads whole) where transformers groups them by
-    key head."""
+    """A Gated DeltaNet parameter as llama.cpp's qwen35 and qwen3next read it (their
+    converter's rules): the decay as A = −exp(A_log), the convolution's weight (channels,
+    kernel), and — qwen35, with fewer key heads than value heads — the value heads in tiled
+    order (head j of every key head's group, then j + 1: ggml repeats the key heads whole)
+    where transformers groups them by key head (qwen3next repeats each key head in place)."""
     if name.endswith(".A_log"):
         tensor = -tensor.exp()
     elif name.endswith(".conv1d.weight"):
         tensor = tensor[:, 0]
     groups = config.linear_value_heads // config.linear_key_heads
-    if groups == 1:
+    if groups == 1 or ARCHES[config.family] == "qwen3next":
         return tensor
 
     def tiled(part: Tensor, width: int, dim: int = 0) -> Tensor:
@@ -214,16 +217,18 @@ def _delta_net_tensor(name: str, tensor: Tensor, config: ModelConfig) -> Tensor:
 
 
 def _write_delta_net_layers(writer: gguf.GGUFWriter, config: ModelConfig) -> None:
-    """Qwen3.5's Gated DeltaNet shape as llama.cpp's qwen35 reads it (the keys its converter
-    writes from config.json): the convolution's width, the key width (its "state size"), the
-    key heads (groups), the value heads (the "time-step rank") and their width together, and
-    which layers attend (every `interval`-th)."""
+    """Qwen3.5's Gated DeltaNet shape as llama.cpp's qwen35 and qwen3next read it (the keys
+    its converter writes from config.json): the convolution's width, the key width (its
+    "state size"), the key heads (groups), the value heads (the "time-step rank") and their
+    width together, which layers attend (every `interval`-th), and qwen35's RoPE sections."""
     writer.add_ssm_conv_kernel(config.linear_conv_kernel)
     writer.add_ssm_state_size(config.linear_key_head_dim)
     writer.add_ssm_group_count(config.linear_key_heads)
     writer.add_ssm_time_step_rank(config.linear_value_heads)
     writer.add_ssm_inner_size(config.linear_value_heads * config.linear_value_head_dim)
     writer.add_full_attention_interval(_full_attention_interval(config))
+    if ARCHES[config.family] == "qwen3next":  # plain partial RoPE
+        return
     # llama.cpp turns positions by interleaved multimodal RoPE, pair i by the time, height or
     # width section (i mod 3) while i is within it, else by a fourth that is 0 for text: the
     # sections cover every rotated pair (Qwen3.5's [11, 11, 10] of its 32), and since a text
@@ -329,6 +334,11 @@ def unwritable(config: ModelConfig) -> str | None:
         and f"llama.cpp's {arch} has no attention biases",
         arch in QWEN3_5_ARCHES and not config.linear_layer_count
         and f"llama.cpp's {arch} needs its linear-attention layers",
+        arch == "qwen3next" and config.shared_expert_dim is None
+        and "llama.cpp's qwen3next needs its shared expert",
+        arch == "qwen3next" and config.linear_key_head_dim != config.linear_value_head_dim
+        and f"llama.cpp's qwen3next takes the DeltaNet's value heads as wide as its key "
+            f"heads, not {config.linear_value_head_dim} against {config.linear_key_head_dim}",
     ]
     found = [reason for reason in reasons if reason]
     return f"this {config.family} model: {'; '.join(found)}" if found else None
