@@ -449,3 +449,40 @@ def test_a_hostile_config_json_is_refused_by_field(changes, message):
     hf = {**transformers.Qwen3_5TextConfig(**TEXT).to_dict(), **changes}
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_hf_config(hf)
+
+
+def test_a_policys_adapters_on_the_delta_net_go_into_an_engine_slot(tmp_path):
+    """GRPO's rollout engine takes a LoRA policy's adapters each step into a slot: on the
+    Gated DeltaNet's projections too (every one of them), serving the merged policy's
+    greedy tokens."""
+    from lathe.model.lora import (
+        DELTA_NET_LINEARS,
+        LoraSection,
+        adapter_pairs,
+        adapter_weights,
+        apply_lora,
+        merge_lora,
+    )
+    from lathe.serve.config import EngineConfig
+    from lathe.serve.engine import LLMEngine
+    from lathe.serve.sampling_params import SamplingParams
+
+    hf_text_model(tmp_path / "hf")
+    section = LoraSection(enabled=True, r=4, alpha=8, target_modules=DELTA_NET_LINEARS)
+    policy = apply_lora(load_checkpoint(tmp_path / "hf"), section)
+    generator = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    weights = {name.removeprefix("base_model.model."): tensor
+               for name, tensor in adapter_weights(policy).items()}
+    engine = LLMEngine.from_checkpoint(tmp_path / "hf", EngineConfig(num_blocks=64, max_loras=1,
+                                                                     max_lora_rank=4))
+    engine.put_adapter("policy", adapter_pairs(weights), section.scale)
+    prompt = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(10)).tolist()
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    served = engine.generate([prompt], params, adapter="policy")[0].outputs[0].token_ids
+    merged = LLMEngine(merge_lora(policy).eval(), config=EngineConfig(num_blocks=64))
+    assert served == merged.generate([prompt], params)[0].outputs[0].token_ids
+    assert served != engine.generate([prompt], params)[0].outputs[0].token_ids
