@@ -217,3 +217,26 @@ def test_a_fused_projection_of_the_wrong_width_is_refused_by_name(tmp_path):
     save_file(state, weights, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="in_proj_qkvz"):
         load_checkpoint(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_quantized_export_keeps_the_fused_rows_and_their_scales(tmp_path, mode):
+    """`lathe export --format quantized` joins the quantized q/k/v and z into the class's
+    `in_proj_qkvz`, each row's scale moving with it (b and a stay full precision): the
+    folder serves with the logits of the model quantized in memory."""
+    from lathe.serve.quant import load_serving_model, save_quantized_checkpoint
+    from tests.builders import build_qwen3_5_tokenizer
+
+    hf_model(tmp_path / "hf", hidden_size=128, linear_key_head_dim=16,
+             linear_value_head_dim=16, moe_intermediate_size=64,
+             shared_expert_intermediate_size=64)
+    build_qwen3_5_tokenizer(tmp_path / "hf", vocab_size=256)
+    out = save_quantized_checkpoint(tmp_path / "hf", tmp_path / mode, mode, group_size=32)
+    stored = load_file(next(out.glob("*.safetensors")))
+    assert "model.layers.0.linear_attn.in_proj_qkvz.weight_scale" in stored
+    assert stored["model.layers.0.linear_attn.in_proj_ba.weight"].is_floating_point()
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        expected = load_serving_model(tmp_path / "hf", quantize=mode, group_size=32,
+                                      device="cpu")(ids).logits
+        assert relative(load_serving_model(out, device="cpu")(ids).logits, expected) <= 1e-5
