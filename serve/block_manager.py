@@ -13,7 +13,7 @@ queue, so the least recently freed cached block is the one evicted.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 NO_HASH = -1
@@ -77,57 +77,69 @@ class BlockManager:
         return blocks_for(num_tokens, self.block_size)
 
     def can_allocate(self, token_ids: Sequence[int], use_cache: bool = True,
-                     root: int = NO_HASH) -> bool:
-        """Whether `allocate(token_ids, use_cache, root)` would succeed now (cached blocks
-        in use are free of charge; cached blocks sitting in the free queue still take a
-        free slot)."""
-        needed, parent, hitting = 0, root, use_cache
-        for start in range(0, len(token_ids), self.block_size):
-            chunk = token_ids[start:start + self.block_size]
-            full = self._lookable(start, len(token_ids))
-            block = self._lookup(parent, chunk) if full and hitting else None
-            if block is None:
-                hitting = False
-                needed += 1
-            elif block.ref_count == 0:
-                needed += 1
-            parent = block.hash if block is not None else root
+                     root: int = NO_HASH, keep: Callable[[int], bool] | None = None) -> bool:
+        """Whether `allocate(token_ids, use_cache, root, keep)` would succeed now (cached
+        blocks in use are free of charge; cached blocks sitting in the free queue still take
+        a free slot)."""
+        hits = self._cached_prefix(token_ids, use_cache, root, keep)
+        needed = self.blocks_needed(len(token_ids)) - len(hits) \
+            + sum(block.ref_count == 0 for block in hits)
         return needed <= len(self.free)
 
     def allocate(self, token_ids: Sequence[int], use_cache: bool = True,
-                 root: int = NO_HASH) -> BlockTable:
+                 root: int = NO_HASH, keep: Callable[[int], bool] | None = None) -> BlockTable:
         """Blocks for a new sequence's prompt, reusing cached full blocks of its prefix
         (unless `use_cache` is False: a prompt being scored computes every position).
         `root` starts the hash chain: sequences with different roots (different LoRA
-        adapters) never share a block.
+        adapters) never share a block. `keep(hash)`: whether a cached prefix may end with
+        that block (a model with linear-attention layers resumes only where their states
+        were kept); the cached blocks past the last it keeps are computed again.
 
         The cache is consulted until the first miss; the blocks after it are fresh and
         join the cache only once `commit` reports their KV computed. The block holding the
         last token is never taken from the cache: that token is always computed (its
         logits give the next token), and computing it must not write into a shared block.
         """
-        if not self.can_allocate(token_ids, use_cache):
+        if not self.can_allocate(token_ids, use_cache, root, keep):
             raise OutOfBlocks(f"{self.blocks_needed(len(token_ids))} blocks needed, "
                               f"{len(self.free)} free")
+        hits = self._cached_prefix(token_ids, use_cache, root, keep)
         table = BlockTable(root=root)
-        parent, hitting = root, use_cache
-        for start in range(0, len(token_ids), self.block_size):
-            chunk = token_ids[start:start + self.block_size]
-            full = self._lookable(start, len(token_ids))
-            block = self._lookup(parent, chunk) if full and hitting else None
-            if full and use_cache:
-                self.prefix_queries += len(chunk)
-            if block is None:
-                hitting = False
-                block = self._take_fresh()
-            else:
-                self.prefix_hits += len(chunk)
-                table.num_cached_tokens += len(chunk)
-                table.num_committed += 1
-                self._share(block)
+        for block in hits:
+            self._share(block)
             table.blocks.append(block.block_id)
-            parent = block.hash
+        table.num_cached_tokens = len(hits) * self.block_size
+        table.num_committed = len(hits)
+        if use_cache:
+            self.prefix_queries += sum(
+                len(token_ids[start:start + self.block_size])
+                for start in range(0, len(token_ids), self.block_size)
+                if self._lookable(start, len(token_ids)))
+            self.prefix_hits += table.num_cached_tokens
+        while len(table.blocks) < self.blocks_needed(len(token_ids)):
+            table.blocks.append(self._take_fresh().block_id)
         return table
+
+    def _cached_prefix(self, token_ids: Sequence[int], use_cache: bool, root: int,
+                       keep: Callable[[int], bool] | None) -> list[Block]:
+        """The cached blocks a new sequence's prompt starts with: its full blocks found in
+        the cache, up to the first miss, and (with `keep`) up to the last that `keep`s."""
+        hits: list[Block] = []
+        if not use_cache:
+            return hits
+        parent = root
+        for start in range(0, len(token_ids), self.block_size):
+            if not self._lookable(start, len(token_ids)):
+                break
+            block = self._lookup(parent, token_ids[start:start + self.block_size])
+            if block is None:
+                break
+            hits.append(block)
+            parent = block.hash
+        if keep is not None:
+            while hits and not keep(hits[-1].hash):
+                hits.pop()
+        return hits
 
     def can_append(self, table: BlockTable, num_tokens: int) -> bool:
         """Whether the sequence can grow to `num_tokens` tokens with the free blocks left."""
@@ -141,6 +153,10 @@ class BlockManager:
                               f"{len(self.free)} free")
         while len(table.blocks) < self.blocks_needed(num_tokens):
             table.blocks.append(self._take_fresh().block_id)
+
+    def hash_of(self, block_id: int) -> int:
+        """A block's chained hash (NO_HASH until it is full and committed)."""
+        return self.blocks[block_id].hash
 
     def has_uncommitted(self, table: BlockTable, num_computed: int) -> bool:
         """Whether `num_computed` tokens fill a block `commit` has not seen yet."""

@@ -117,6 +117,13 @@ class EngineConfig:
         "multi-step decoding: forward passes a decode-only step runs before scheduling and "
         "streaming again (output streams in runs of this many tokens, and a request "
         "arriving meanwhile waits for the run's end; not with speculative decoding)"))
+    # a model with linear-attention layers (Qwen3.5's, Qwen3-Next's): their states at the end
+    # of cached prefixes (`lathe.serve.recurrent_states`), one sequence's states each (a
+    # Qwen3.5-9B's: ~50 MiB); on a GPU they come out of the KV budget
+    recurrent_snapshots: int = field(default=32, metadata=cli(
+        "a model with linear-attention layers: prefixes whose states are kept for prefix "
+        "caching, each at the last block boundary of a prefill chunk (0: no prefix caching "
+        "for such a model)"))
     # LoRA adapters served over the base in the same batch (`lathe.serve.adapters`)
     max_loras: int = field(default=0, metadata=cli(
         "adapter slots held at once, loaded at start or through /v1/load_lora_adapter "
@@ -131,6 +138,9 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.recurrent_snapshots < 0:
+            raise ConfigError(f"recurrent_snapshots={self.recurrent_snapshots} must be >= 0 "
+                              "(0: no prefix caching for a model with linear-attention layers)")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len={self.max_model_len} must be >= 1 (or None: "
                               "the model's max_position_embeddings)")

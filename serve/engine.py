@@ -41,6 +41,7 @@ from lathe.serve.offline import generate
 from lathe.serve.outputs import Completion, OutputProcessor, Pick, SequenceDelta
 from lathe.serve.paged_cache import KVSlabs, blocks_in_budget
 from lathe.serve.quant import load_serving_model, serving_tokenizer, weight_bytes
+from lathe.serve.recurrent_states import StateSnapshots
 from lathe.serve.request_checks import AdapterError, RequestError, RequestLimits
 from lathe.serve.sampler import Sampler
 from lathe.serve.sampling import seeded_generator
@@ -103,11 +104,16 @@ class LLMEngine:
             if self.config.max_loras else None
         # the callback is the adapters', not a method of the engine: no reference cycle, so
         # a dropped engine frees its KV cache at once (on a GPU, before the next one is sized)
-        # a cached prefix has keys and values but no linear-attention state at its end
+        # a cached prefix has keys and values but no linear-attention state at its end: such
+        # a model's prefix ends where its states were kept
+        self.snapshots = StateSnapshots(self.config.recurrent_snapshots) \
+            if recurrent and self.config.recurrent_snapshots else None
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, lookahead,
                                    None if self.adapters is None else self.adapters.admit,
-                                   prefix_caching=not recurrent)
+                                   prefix_caching=not recurrent or self.snapshots is not None,
+                                   prefix_ends=None if self.snapshots is None
+                                   else self.snapshots.__contains__)
         self.step_cost = StepCost(self.config.max_decode_stall, block_size)
         # a compiled step reads each row's adapter slot from one tensor the largest bucket
         # long, so with adapters a step runs compiled only within one bucket
@@ -116,7 +122,9 @@ class LLMEngine:
                                   compile_decode=self.config.compile_decode,
                                   retain_memory=self.config.retain_freed_memory,
                                   max_static_rows=None if self.adapters is None
-                                  else len(self.adapters.row_slots))
+                                  else len(self.adapters.row_slots),
+                                  snapshots=self.snapshots,
+                                  block_hash=self.block_manager.hash_of)
         draft_slabs = None if draft_model is None else KVSlabs(
             draft_model.config, num_blocks, block_size, self.device, dtype)
         self.speculator = None if speculative is None else Speculator(
@@ -269,6 +277,8 @@ class LLMEngine:
         self.step_cost.observe(batch, (time.perf_counter() - start) / steps)
         self.scheduler.update_from_output(batch, picks, None if self.speculator is None
                                           else self.speculator.cacheable)
+        if self.snapshots is not None:
+            self.runner.keep_snapshots()
         return [self._emit(seq, picks[seq]) for seq, _ in batch.items if seq in picks]
 
     def _emit(self, seq: Sequence, picks: list[Pick]) -> SequenceDelta:
@@ -313,6 +323,8 @@ class LLMEngine:
                                f"{self.num_running + self.num_waiting} unfinished sequences")
         self.runner.load_weights(state_dict)
         self.block_manager.reset_prefix_cache()
+        if self.snapshots is not None:
+            self.snapshots.clear()
         self.weight_version += 1
 
     def update_weights(self, path: str) -> int:
@@ -336,6 +348,8 @@ class LLMEngine:
             "prompt_tokens": self.prompt_tokens_total,
             "generation_tokens": self.outputs.generation_tokens_total,
             **self.memory,
+            **({"recurrent_snapshots": len(self.snapshots)} if self.snapshots is not None
+               else {}),
             **(self.runner.graphs.stats() if self.runner.graphs is not None else {}),
             **(self.speculator.stats() if self.speculator is not None else {}),
         }

@@ -14,7 +14,8 @@ through them in the native paged kernel, beside the step's decodes. A draft mode
 through the same rows on its own slabs: its KV lives in the target's block ids, so it is
 paged, shared and freed with them. A model's linear-attention layers keep each sequence's
 state in the row of its block table (`lathe.serve.recurrent_states`); every step carries
-where its sequences lie (`StateSpans`), and such a model's steps run eagerly.
+where its sequences lie (`StateSpans`) and which prefill chunks snapshot their states for
+the prefix cache, and such a model's steps run eagerly.
 With `compile_decode`, a step of the target whose every token attends through its block
 table — decodes, and on CPU those short prefill chunks and drafts — runs through
 `lathe.serve.decode_graph` instead: the same rows, a token each, at compiled static shapes
@@ -29,7 +30,7 @@ again.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 
 import torch
@@ -38,11 +39,12 @@ from torch import Tensor
 from lathe.kernels.cpu_native import load_cpu_kernels, native_inference, native_kernel
 from lathe.kernels.decode_linear import bound_linear
 from lathe.model.transformer import Transformer
+from lathe.serve.block_manager import NO_HASH
 from lathe.serve.decode_graph import DecodeGraphs, Progress, StaticDecodeBatch
 from lathe.serve.host_memory import retain_freed_memory
 from lathe.serve.paged_cache import KVSlabs, PagedBatch, SequenceSpan
 from lathe.serve.quant import is_quantized
-from lathe.serve.recurrent_states import RecurrentStates, StateSpans
+from lathe.serve.recurrent_states import RecurrentStates, StateSnapshots, StateSpans
 from lathe.serve.sequence import Sequence
 
 log = logging.getLogger("lathe.serve")
@@ -83,10 +85,14 @@ class ModelRunner:
     def __init__(self, model: Transformer, slabs: KVSlabs, device: torch.device,
                  max_model_len: int, rows: int = 64, compile_decode: bool = False,
                  retain_memory: bool = True,
-                 max_static_rows: int | None = None) -> None:
+                 max_static_rows: int | None = None,
+                 snapshots: StateSnapshots | None = None,
+                 block_hash: Callable[[int], int] | None = None) -> None:
         """`max_model_len`: the longest sequence served; `max_static_rows`: the most tokens a
         compiled step may have (None: any number, in several calls past the largest bucket);
-        `retain_memory`: as `EngineConfig.retain_freed_memory`."""
+        `retain_memory`: as `EngineConfig.retain_freed_memory`; `snapshots`: where a model
+        with linear-attention layers keeps their states for prefix caching, under the hash
+        of the block they end (`block_hash(block id)`)."""
         self.model, self.slabs, self.device = model, slabs, device
         self.max_static_rows = max_static_rows if max_static_rows is not None else 1 << 62
         if device.type == "cpu":  # paged decode attention, and the GEMMs' graph ops
@@ -101,6 +107,11 @@ class ModelRunner:
         # each sequence's linear-attention states, by its row: such steps are not compiled
         self.states = RecurrentStates(model.config, rows, device, slabs.dtype) \
             if model.config.linear_layer_count else None
+        self.snapshots = snapshots if self.states is not None else None
+        self.block_hash = block_hash
+        # the last step's snapshots, to be kept once their blocks are hashed: the sequence,
+        # the boundary, the step's spans and the state row
+        self._taken: list[tuple[Sequence, int, StateSpans, int]] = []
         if compile_decode and self.states is not None:
             log.info("decode steps run eagerly: compiled steps do not carry the "
                      "linear-attention layers' states")
@@ -232,11 +243,40 @@ class ModelRunner:
 
     def _state_spans(self, items: list[tuple[int, Sequence, int, int]]) -> StateSpans | None:
         """Where each sequence's tokens (at, the sequence, its first position, how many)
-        lie for the linear-attention layers; None for a model without them."""
+        lie for the linear-attention layers; None for a model without them. With
+        snapshots, a sequence that starts from a cached prefix gets its states from the
+        prefix's snapshot, and a prefill chunk is snapshotted at the last block boundary it
+        reaches."""
         if self.states is None:
             return None
-        return StateSpans(self.states, [(at, count, self._row(seq), start == 0)
-                                        for at, seq, start, count in items])
+        size, spans, taken = self.block_size, [], []
+        for at, seq, start, count in items:
+            row, cut = self._row(seq), None
+            if self.snapshots is not None:
+                if start and start == seq.table.num_cached_tokens:  # its first step
+                    self.states.restore(row, self.snapshots.get(
+                        self._block_hash(seq.table.blocks[start // size - 1])))
+                boundary = (start + count) // size * size
+                if count > 1 and boundary > start:
+                    cut = boundary - start
+                    taken.append((seq, boundary, row))
+            spans.append((at, count, row, start == 0, cut))
+        view = StateSpans(self.states, spans)
+        self._taken = [(seq, boundary, view, row) for seq, boundary, row in taken]
+        return view
+
+    def _block_hash(self, block_id: int) -> int:
+        assert self.block_hash is not None, "snapshots need the block manager's hashes"
+        return self.block_hash(block_id)
+
+    def keep_snapshots(self) -> None:
+        """Keep the last step's snapshots under their blocks' hashes, once the scheduler
+        has committed those blocks (`Scheduler.update_from_output`)."""
+        for seq, boundary, view, row in self._taken:
+            key = self._block_hash(seq.table.blocks[boundary // self.block_size - 1])
+            if row in view.captured and key != NO_HASH:
+                self.snapshots.put(key, view.captured[row])
+        self._taken = []
 
     def _paged_context(self, slabs: KVSlabs) -> int:
         """The longest context a prefill chunk attends token by token over (none off CPU)."""

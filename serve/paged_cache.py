@@ -182,9 +182,10 @@ def blocks_in_budget(config: EngineConfig, models: list[ModelConfig], device: to
         # what torch's caching allocator holds unused (an earlier engine's freed cache, say)
         # is free to this process too, though the driver counts it as taken
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        # linear-attention layers' states, a sequence's each, come out of the same memory
-        states = config.max_num_seqs * sum(RecurrentStates.bytes_per_sequence(m, dtype)
-                                           for m in models)
+        # linear-attention layers' states, a sequence's each and the prefix cache's
+        # snapshots', come out of the same memory
+        states = (config.max_num_seqs + config.recurrent_snapshots) * sum(
+            RecurrentStates.bytes_per_sequence(m, dtype) for m in models)
         budget = free - (1 - config.gpu_memory_utilization) * total - states
     else:
         per_sequence = -(-max_model_len // config.block_size)

@@ -6,21 +6,31 @@ linear-attention layer keeps one fixed-size state per sequence: its short convol
 inputs and its delta rule's (value heads, key width, value width) matrix. `RecurrentStates`
 holds them per layer, a row for each row of the `ModelRunner`'s block tables (a sequence's
 row is its state's index), and grows with those rows. A state is the sequence's after the
-tokens the engine has computed for it, so a sequence starts fresh only at position 0 — a new
-one, or one recomputed after a preemption: the engine serves these models without prefix
-caching (a cached prefix's keys and values have no state at their end) and without
-speculative decoding (the state would have advanced through rejected drafts).
+tokens the engine has computed for it, so a sequence starts fresh at position 0 — a new
+one, or one recomputed after a preemption — or from a snapshot. These models are served
+without speculative decoding (the state would have advanced through rejected drafts).
+
+A cached prefix's keys and values have no linear-attention state at their end, so prefix
+caching keeps states apart (vLLM's "align" mode for hybrid models, in short): each prefill
+chunk's states at the last block boundary it crosses are snapshotted, all layers' together,
+under the hash of the block that ends there (`StateSnapshots`, the most recent few, least
+recently used first out). A new prompt then starts from cached blocks only up to a block
+whose snapshot is held (`BlockManager.allocate`'s `keep`), its states copied in from it. A
+prompt that grows a conversation (the next turn of a chat or an agent's loop) resumes at
+the last boundary of the prompt before it, instead of at token 0.
 
 `StateSpans` is one step's layout: where each sequence's tokens lie in the step's row, its
-state row, whether it starts fresh. `run` gives a layer's computation the tokens in batches
-of sequences with as many tokens and the same freshness — a step's decodes together, and
-the equal prompts of n samples or of a GRPO group — their states gathered and scattered
-back by row.
+state row, whether it starts fresh, and where (if anywhere) a snapshot is taken. `run` gives
+a layer's computation the tokens in batches of sequences with as many tokens and the same
+freshness — a step's decodes together, and the equal prompts of n samples or of a GRPO
+group — their states gathered and scattered back by row; a chunk that snapshots before its
+end runs in two pieces, the second after every first piece.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -53,6 +63,11 @@ class RecurrentStates:
         return sum(t.numel() * t.element_size()
                    for table in (self.conv, self.state) for t in table.values())
 
+    def restore(self, row: int, snapshot: Snapshot) -> None:
+        """Start `row` from a kept prefix's states."""
+        for i, (conv, state) in snapshot.items():
+            self.conv[i][row], self.state[i][row] = conv, state
+
     @staticmethod
     def bytes_per_sequence(config: ModelConfig, dtype: torch.dtype) -> int:
         """What one sequence's states take, every linear-attention layer's."""
@@ -60,6 +75,42 @@ class RecurrentStates:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return config.linear_layer_count * (conv[0] * conv[1] * itemsize + 4 * state[0]
                                             * state[1] * state[2])
+
+
+# every linear-attention layer's (convolution inputs, rule state) of one sequence, by layer
+Snapshot = dict[int, tuple[Tensor, Tensor]]
+
+
+class StateSnapshots:
+    """Snapshots of the states at the end of cached prefixes, keyed by the hash of the block
+    that ends there; the `capacity` most recently stored or used ones kept."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.held: OrderedDict[int, Snapshot] = OrderedDict()
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.held
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+    def put(self, key: int, snapshot: Snapshot) -> None:
+        self.held[key] = snapshot
+        self.held.move_to_end(key)
+        while len(self.held) > self.capacity:
+            self.held.popitem(last=False)
+
+    def get(self, key: int) -> Snapshot:
+        snapshot = self.held.get(key)
+        if snapshot is None:
+            raise RuntimeError(f"no linear-attention states kept for block hash {key}: the "
+                               "scheduler admitted a cached prefix without them")
+        self.held.move_to_end(key)
+        return snapshot
+
+    def clear(self) -> None:
+        self.held.clear()
 
 
 def recurrent_shapes(config: ModelConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
@@ -72,19 +123,34 @@ def recurrent_shapes(config: ModelConfig) -> tuple[tuple[int, int], tuple[int, i
 @dataclass
 class StateSpans:
     """One step's sequences as the states see them: (start in the step's row, length,
-    state row, fresh) each, in row order."""
+    state row, fresh, snapshot) each, in row order — snapshot: after how many of its tokens
+    its states are kept (None: nowhere)."""
 
     states: RecurrentStates
-    spans: list[tuple[int, int, int, bool]]
+    spans: list[tuple[int, int, int, bool, int | None]]
+    captured: dict[int, Snapshot] = field(default_factory=dict)  # state row -> its snapshot
 
     @cached_property
-    def groups(self) -> list[tuple[Tensor, Tensor, bool]]:
+    def rounds(self) -> list[list[tuple[Tensor, Tensor, bool]]]:
         """The step's sequences in batches the layers run at once: those of one length and
         freshness together (a step's decodes; n samples' or a GRPO group's equal prompts),
         each batch as where its tokens lie in the step's row (sequences × length), its
-        state rows, and whether it starts fresh. Built once for all the step's layers."""
+        state rows, and whether it starts fresh; the second pieces of the chunks that are
+        snapshotted before their end in a round after the first. Built once for all the
+        step's layers."""
+        first, second = [], []
+        for start, length, row, fresh, cut in self.spans:
+            if cut is None or cut == length:
+                first.append((start, length, row, fresh))
+            else:
+                first.append((start, cut, row, fresh))
+                second.append((start + cut, length - cut, row, False))
+        return [self._batches(first)] + ([self._batches(second)] if second else [])
+
+    def _batches(self, spans: list[tuple[int, int, int, bool]]
+                 ) -> list[tuple[Tensor, Tensor, bool]]:
         batches: dict[tuple[int, bool], list[tuple[int, int]]] = {}
-        for start, length, row, fresh in self.spans:
+        for start, length, row, fresh in spans:
             batches.setdefault((length, fresh), []).append((start, row))
         device = next(iter(self.states.state.values())).device
         out = []
@@ -94,16 +160,26 @@ class StateSpans:
                         torch.tensor([row for _, row in members], device=device), fresh))
         return out
 
+    @cached_property
+    def snapshot_rows(self) -> list[int]:
+        return [row for _, _, row, _, cut in self.spans if cut is not None]
+
     def run(self, layer_idx: int, inputs: tuple[Tensor, ...], step: RecurrentStep) -> Tensor:
-        """`KVCache.recurrent` over this step's sequences (inputs (1, T, ·))."""
+        """`KVCache.recurrent` over this step's sequences (inputs (1, T, ·)), keeping the
+        snapshots the spans ask for in `captured`."""
         conv, state = self.states.conv[layer_idx], self.states.state[layer_idx]
         out: Tensor | None = None
-        for at, rows, fresh in self.groups:
-            result, (new_conv, new_state) = step(tuple(t[0, at] for t in inputs),
-                                                 None if fresh else (conv[rows], state[rows]))
-            conv[rows], state[rows] = new_conv.to(conv.dtype), new_state
-            if out is None:
-                out = result.new_empty(1, inputs[0].shape[1], *result.shape[2:])
-            out[0, at] = result
+        for number, groups in enumerate(self.rounds):
+            for at, rows, fresh in groups:
+                result, (new_conv, new_state) = step(
+                    tuple(t[0, at] for t in inputs), None if fresh else (conv[rows], state[rows]))
+                conv[rows], state[rows] = new_conv.to(conv.dtype), new_state
+                if out is None:
+                    out = result.new_empty(1, inputs[0].shape[1], *result.shape[2:])
+                out[0, at] = result
+            if number == 0:
+                for row in self.snapshot_rows:
+                    self.captured.setdefault(row, {})[layer_idx] = (conv[row].clone(),
+                                                                    state[row].clone())
         assert out is not None, "a step with no tokens"
         return out

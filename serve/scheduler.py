@@ -97,12 +97,17 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, num_lookahead_slots: int = 0,
                  admit: Callable[[Sequence], bool] | None = None,
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True,
+                 prefix_ends: Callable[[int], bool] | None = None) -> None:
         """`admit(seq)`: whether a waiting sequence may start now beyond its blocks (its
         LoRA adapter got a slot); one that may not is passed over, not waited for.
-        `prefix_caching`: whether a sequence may start from cached blocks of its prompt."""
+        `prefix_caching`: whether a sequence may start from cached blocks of its prompt;
+        `prefix_ends(hash)`: whether a cached prefix may end with that block (`BlockManager.
+        allocate`'s `keep`: a model with linear-attention layers, where their states were
+        kept)."""
         self.block_manager = block_manager
         self.prefix_caching = prefix_caching
+        self.prefix_ends = prefix_ends
         self.admit = admit or (lambda seq: True)
         self.num_lookahead_slots = num_lookahead_slots
         self.max_num_seqs = max_num_seqs
@@ -144,10 +149,11 @@ class Scheduler:
             seq = next((s for s in self.waiting if s.ready and self.admit(s)), None)
             if seq is None or not self.block_manager.can_allocate(
                     seq.token_ids, cached := seq.reads_prefix_cache and self.prefix_caching,
-                    seq.cache_root):
+                    seq.cache_root, self.prefix_ends):
                 break
             self.waiting.remove(seq)
-            seq.table = self.block_manager.allocate(seq.token_ids, cached, seq.cache_root)
+            seq.table = self.block_manager.allocate(seq.token_ids, cached, seq.cache_root,
+                                                    self.prefix_ends)
             seq.num_computed = seq.table.num_cached_tokens
             seq.status = Status.RUNNING
             self.running.append(seq)

@@ -486,3 +486,59 @@ def test_a_policys_adapters_on_the_delta_net_go_into_an_engine_slot(tmp_path):
     merged = LLMEngine(merge_lora(policy).eval(), config=EngineConfig(num_blocks=64))
     assert served == merged.generate([prompt], params)[0].outputs[0].token_ids
     assert served != engine.generate([prompt], params)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("engine", [
+    {},  # each prompt in one chunk, snapshotted at its last block boundary
+    {"max_num_batched_tokens": 24},  # in chunks, each snapshotted
+    {"decode_steps": 4},  # a one-token first step in a run of decode passes
+], ids=["whole", "chunked", "multi-step"])
+def test_a_conversations_next_turn_resumes_from_the_kept_states(tmp_path, engine):
+    """Prefix caching for linear-attention layers: a prompt that extends an earlier one (a
+    chat's next turn) starts from the cached blocks up to the last block boundary where the
+    earlier prompt's states were kept, its states copied from there; one whose last token
+    alone is new computes that token from them. The greedy tokens are transformers'."""
+    from lathe.serve.config import EngineConfig
+    from lathe.serve.engine import LLMEngine
+    from lathe.serve.sampling_params import SamplingParams
+
+    hf = hf_text_model(tmp_path / "hf")
+    served = LLMEngine(load_checkpoint(tmp_path / "hf"),
+                       config=EngineConfig(num_blocks=64, **engine))
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    generator = torch.Generator().manual_seed(11)
+    first = torch.randint(0, 256, (70,), generator=generator).tolist()
+    answer = served.generate([first], params)[0].outputs[0].token_ids
+    turns = [first + answer + torch.randint(0, 256, (15,), generator=generator).tolist(),
+             first[:64] + [7]]
+    for prompt in turns:
+        hits = served.stats()["prefix_cache_hits"]
+        tokens = served.generate([prompt], params)[0].outputs[0].token_ids
+        assert served.stats()["prefix_cache_hits"] - hits == 64
+        assert tokens == full_forward_greedy(hf, prompt, 10)
+
+
+def test_the_kept_states_are_bounded_and_dropped_with_the_weights(tmp_path):
+    """With room for one snapshot the second prompt's evicts the first's: the first's
+    next turn computes from token 0, as with none kept; new weights drop them all."""
+    from lathe.serve.config import EngineConfig
+    from lathe.serve.engine import LLMEngine
+    from lathe.serve.sampling_params import SamplingParams
+
+    hf = hf_text_model(tmp_path / "hf")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    generator = torch.Generator().manual_seed(12)
+    a, b = (torch.randint(0, 256, (40,), generator=generator).tolist() for _ in range(2))
+    for kept in (1, 0):
+        served = LLMEngine(load_checkpoint(tmp_path / "hf"), config=EngineConfig(
+            num_blocks=64, recurrent_snapshots=kept))
+        served.generate([a], params)
+        served.generate([b], params)
+        assert served.stats().get("recurrent_snapshots", 0) == kept
+        tokens = served.generate([a + [3, 4]], params)[0].outputs[0].token_ids
+        assert served.stats()["prefix_cache_hits"] == 0
+        assert tokens == full_forward_greedy(hf, a + [3, 4], 6)
+    served = LLMEngine(load_checkpoint(tmp_path / "hf"), config=EngineConfig(num_blocks=64))
+    served.generate([a], params)
+    served.load_weights(served.model.state_dict())
+    assert served.stats()["recurrent_snapshots"] == 0

@@ -98,3 +98,23 @@ def test_random_workload_keeps_reference_counts_consistent():
     for table, _ in live:
         manager.free_table(table)
     assert manager.num_free == 64 and manager.prefix_hits > 0
+
+
+def test_a_cached_prefix_ends_at_the_last_block_keep_allows():
+    """A model with linear-attention layers resumes only where their states were kept:
+    the cached blocks past the last one `keep` allows are fresh (and counted as such by
+    can_allocate), the chain before it shared."""
+    manager = BlockManager(num_blocks=12, block_size=4)
+    prompt = list(range(20, 34))  # three full blocks and 2 tokens
+    first = manager.allocate(prompt)
+    manager.commit(first, prompt, len(prompt))
+    kept = {manager.hash_of(first.blocks[0])}
+    free = manager.num_free
+    assert manager.can_allocate(prompt, keep=kept.__contains__)
+    table = manager.allocate(prompt, keep=kept.__contains__)
+    assert table.num_cached_tokens == 4 and table.num_committed == 1
+    assert table.blocks[0] == first.blocks[0] and table.blocks[1] != first.blocks[1]
+    assert manager.num_free == free - 3
+    assert manager.allocate(prompt, keep=lambda h: False).num_cached_tokens == 0
+    assert manager.allocate(prompt).num_cached_tokens == 12  # without keep, every full block
+    assert not manager.can_allocate(list(range(100, 120)), keep=kept.__contains__)
