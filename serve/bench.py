@@ -44,7 +44,11 @@
     with empty caches (a fresh `$LATHE_CACHE_DIR` and inductor cache), as started by
     default (compiled steps built in the background), with --enforce-eager and with
     --compile-before-ready, with `--lora` flags (`--start-loras`) when given; and how long a
-    second request takes, while the default server's graphs are still building.
+    second request takes, while the default server's graphs are still building;
+(i) an agent's loop, one request at a time, each prompt the last one grown by its answer
+    and a tool's result: seconds per turn with the prefix cache (for linear-attention
+    layers, their kept states) against every prompt computed whole and against
+    transformers' `generate()`.
 
 `--sections` picks which run (default: all that apply).
 
@@ -426,6 +430,8 @@ def run(args: argparse.Namespace) -> str:
         sections += adapter_section(checkpoint, vocab, args)
     if "h" in args.sections:
         sections += start_section(checkpoint, args)
+    if "i" in args.sections:
+        sections += conversation_section(checkpoint, vocab, device, args)
     if "e" in args.sections and args.draft is not None:
         spec_prompts = text_prompts(args.eval_shards, max(args.spec_batches), 64, vocab)
         rows = speculative_rows(checkpoint, args.draft, args.num_speculative_tokens,
@@ -445,6 +451,84 @@ def run(args: argparse.Namespace) -> str:
         f"Command: `python -m lathe.serve.bench` — checkpoint: {source}", "", *sections])
     record(table, history_folder(args))
     return table
+
+
+def conversation_section(checkpoint: Path, vocab: int, device: torch.device,
+                         args: argparse.Namespace) -> list[str]:
+    """(i): an agent's loop, one request at a time: a `--turn-context`-token first prompt,
+    each later prompt the last one, its `--turn-answer`-token greedy answer and
+    `--turn-tokens` new tokens (a tool's result). lathe's engine with its prefix cache (a
+    model with linear-attention layers: from their kept states) against the same engine
+    computing every prompt whole (`--no-enable-prefix-caching`) and transformers'
+    `generate()` on each whole prompt; each turn's seconds, best of `REPEATS` rounds."""
+    generator = torch.Generator().manual_seed(7)
+    first = torch.randint(3, vocab, (args.turn_context,), generator=generator).tolist()
+    results = [torch.randint(3, vocab, (args.turn_tokens,), generator=generator).tolist()
+               for _ in range(args.turns)]
+    params = SamplingParams(max_tokens=args.turn_answer, temperature=0, ignore_eos=True)
+    length = args.turn_context + args.turns * (args.turn_answer + args.turn_tokens)
+    blocks = 2 * -(-length // EngineConfig.block_size)
+    engines = {name: LLMEngine.from_checkpoint(checkpoint, EngineConfig(
+        num_blocks=blocks, prefix_caching=caching, max_num_batched_tokens=length),
+        device=device) for name, caching in (("lathe, prefix cache", True),
+                                            ("lathe, every prompt whole", False))}
+
+    def lathe_turns(engine: LLMEngine) -> tuple[list[float], list[list[int]]]:
+        engine.block_manager.reset_prefix_cache()
+        if engine.snapshots is not None:
+            engine.snapshots.clear()
+        prompt, seconds, answers = first, [], []
+        for result in results:
+            start = time.perf_counter()
+            answer = engine.generate([prompt], params)[0].outputs[0].token_ids
+            seconds.append(time.perf_counter() - start)
+            answers.append(answer)
+            prompt = prompt + answer + result
+        return seconds, answers
+
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=next(iter(
+        engines.values())).model.model.embed_tokens.weight.dtype).to(device).eval()
+    model.generation_config.eos_token_id = None
+
+    def transformers_turns(answers: list[list[int]]) -> tuple[list[float], list[list[int]]]:
+        prompt, seconds, theirs = first, [], []
+        for answer, result in zip(answers, results, strict=True):
+            ids = torch.tensor([prompt], device=device)
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                     max_new_tokens=args.turn_answer, do_sample=False,
+                                     pad_token_id=0)
+            seconds.append(time.perf_counter() - start)
+            theirs.append(out[0, len(prompt):].tolist())
+            prompt = prompt + answer + result  # lathe's answers: the same prompts
+        return seconds, theirs
+
+    best: dict[str, list[float]] = {}
+    answers: dict[str, list[list[int]]] = {}
+    name_hf = "transformers `generate()` on each whole prompt"
+    for _ in range(REPEATS):
+        for name, engine in engines.items():
+            seconds, answers[name] = lathe_turns(engine)
+            best[name] = [min(a, b) for a, b in zip(best.get(name, seconds), seconds,
+                                                    strict=True)]
+        seconds, answers[name_hf] = transformers_turns(answers["lathe, prefix cache"])
+        best[name_hf] = [min(a, b) for a, b in zip(best.get(name_hf, seconds), seconds,
+                                                   strict=True)]
+    reference = answers["lathe, every prompt whole"]
+    rows = []
+    for name, seconds in best.items():
+        same = sum(a == b for a, b in zip(answers[name], reference, strict=True))
+        later = sum(seconds[1:]) / max(len(seconds) - 1, 1)
+        rows.append(f"| {name} | {seconds[0]:.3f} | {later:.3f} | {sum(seconds):.2f} | "
+                    f"{same}/{args.turns} |")
+        print(f"(i) {rows[-1]}", flush=True)
+    return [f"### (i) An agent's loop: a {args.turn_context}-token prompt, then {args.turns - 1}"
+            f" turns each adding the {args.turn_answer}-token answer and {args.turn_tokens} "
+            "new tokens, greedy, one request at a time", "",
+            "| engine | first turn, s | later turns, mean s | total s | answers as computed "
+            "whole |", "|---|---:|---:|---:|---:|", *rows, ""]
 
 
 def first_answers(command: list[str], url: str, env: dict[str, str]) -> tuple[float, float]:
@@ -938,7 +1022,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec-tokens", type=int, default=64, help="(e): new tokens each")
     parser.add_argument("--start-loras", nargs="*", default=[], metavar="NAME=FOLDER",
                         help="(h): adapters every started server loads")
-    parser.add_argument("--sections", default="abcdefgh",
+    parser.add_argument("--turns", type=int, default=8, help="(i): requests in the loop")
+    parser.add_argument("--turn-context", type=int, default=1024,
+                        help="(i): the first prompt's tokens")
+    parser.add_argument("--turn-answer", type=int, default=32, help="(i): each answer's tokens")
+    parser.add_argument("--turn-tokens", type=int, default=64,
+                        help="(i): the tokens each turn adds after the answer")
+    parser.add_argument("--sections", default="abcdefghi",
                         help="which sections run, e.g. 'ce' (d needs CUDA, e needs --draft, "
                              "f a --checkpoint with a tokenizer)")
     add_history_arguments(parser)

@@ -117,6 +117,12 @@ class EngineConfig:
         "multi-step decoding: forward passes a decode-only step runs before scheduling and "
         "streaming again (output streams in runs of this many tokens, and a request "
         "arriving meanwhile waits for the run's end; not with speculative decoding)"))
+    # (vLLM's --enable-prefix-caching) `lathe.serve.block_manager`
+    prefix_caching: bool = field(default=True, metadata=cli(
+        "compute every prompt from its first token (by default a prompt starts from the KV "
+        "of a prefix computed before; for a model with linear-attention layers, where their "
+        "states were kept: --recurrent-snapshots)",
+        negate="--no-enable-prefix-caching"))
     # a model with linear-attention layers (Qwen3.5's, Qwen3-Next's): their states at the end
     # of cached prefixes (`lathe.serve.recurrent_states`), one sequence's states each (a
     # Qwen3.5-9B's: ~50 MiB); on a GPU they come out of the KV budget

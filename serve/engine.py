@@ -106,12 +106,14 @@ class LLMEngine:
         # a dropped engine frees its KV cache at once (on a GPU, before the next one is sized)
         # a cached prefix has keys and values but no linear-attention state at its end: such
         # a model's prefix ends where its states were kept
+        caching = self.config.prefix_caching
         self.snapshots = StateSnapshots(self.config.recurrent_snapshots) \
-            if recurrent and self.config.recurrent_snapshots else None
+            if caching and recurrent and self.config.recurrent_snapshots else None
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, lookahead,
                                    None if self.adapters is None else self.adapters.admit,
-                                   prefix_caching=not recurrent or self.snapshots is not None,
+                                   prefix_caching=caching and (
+                                       not recurrent or self.snapshots is not None),
                                    prefix_ends=None if self.snapshots is None
                                    else self.snapshots.__contains__)
         self.step_cost = StepCost(self.config.max_decode_stall, block_size)

@@ -213,8 +213,9 @@ def test_the_engine_serves_each_sequence_from_its_own_state(tmp_path, engine):
 
 
 def test_the_engine_samples_n_and_scores_prompts_as_transformers(tmp_path):
-    """n > 1 siblings compute their prompt each (no prefix cache: a cached prefix has no
-    state at its end), and a prompt's log-probabilities are transformers'."""
+    """n > 1 siblings resume from the states the first kept at its prompt's last block
+    boundary (32 of its 40 tokens cached each), and a prompt's log-probabilities are
+    transformers'."""
     from lathe.serve.config import EngineConfig
     from lathe.serve.engine import LLMEngine
     from lathe.serve.sampling_params import SamplingParams
@@ -226,6 +227,7 @@ def test_the_engine_samples_n_and_scores_prompts_as_transformers(tmp_path):
                                                          ignore_eos=True, prompt_logprobs=0))
     expected = full_forward_greedy(hf, prompt, 12)
     assert [sample.token_ids for sample in output.outputs] == [expected] * 3
+    assert served.stats()["prefix_cache_hits"] == 2 * 32
     with torch.no_grad():
         scores = torch.log_softmax(hf(torch.tensor([prompt])).logits[0], -1)
     theirs = [scores[i, token].item() for i, token in enumerate(prompt[1:])]
@@ -520,7 +522,8 @@ def test_a_conversations_next_turn_resumes_from_the_kept_states(tmp_path, engine
 
 def test_the_kept_states_are_bounded_and_dropped_with_the_weights(tmp_path):
     """With room for one snapshot the second prompt's evicts the first's: the first's
-    next turn computes from token 0, as with none kept; new weights drop them all."""
+    next turn computes from token 0, as with none kept or the prefix cache off; new
+    weights drop them all."""
     from lathe.serve.config import EngineConfig
     from lathe.serve.engine import LLMEngine
     from lathe.serve.sampling_params import SamplingParams
@@ -529,9 +532,10 @@ def test_the_kept_states_are_bounded_and_dropped_with_the_weights(tmp_path):
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     generator = torch.Generator().manual_seed(12)
     a, b = (torch.randint(0, 256, (40,), generator=generator).tolist() for _ in range(2))
-    for kept in (1, 0):
+    for kept, config in ((1, {"recurrent_snapshots": 1}), (0, {"recurrent_snapshots": 0}),
+                         (0, {"prefix_caching": False})):
         served = LLMEngine(load_checkpoint(tmp_path / "hf"), config=EngineConfig(
-            num_blocks=64, recurrent_snapshots=kept))
+            num_blocks=64, **config))
         served.generate([a], params)
         served.generate([b], params)
         assert served.stats().get("recurrent_snapshots", 0) == kept

@@ -60,6 +60,10 @@ def test_prefix_cache_hit_gives_identical_output_and_counts():
     second = engine.generate([prompt], params)[0]
     assert second.outputs[0].token_ids == first == naive_greedy(model, prompt, 8)
     assert engine.block_manager.prefix_hits - hits == 28  # 7 full blocks; the last is recomputed
+    uncached = engine_for(model, prefix_caching=False)  # --no-enable-prefix-caching
+    for _ in range(2):
+        assert uncached.generate([prompt], params)[0].outputs[0].token_ids == first
+    assert uncached.block_manager.prefix_hits == 0
 
 
 def test_pool_is_empty_after_finished_and_aborted_requests():
