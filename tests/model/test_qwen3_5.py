@@ -122,17 +122,20 @@ def test_the_hubs_multimodal_checkpoint_loads_as_its_language_model(tmp_path):
         assert (again(ids).logits - expected).abs().max() <= 1e-4 * expected.abs().max()
 
 
-def test_generation_carries_the_recurrent_state_as_transformers_does(tmp_path):
+def generates_as_transformers(hf, ours, steps: int) -> None:
     """`generate`'s prefill (the chunked rule over 70 tokens) and decode steps (the
     recurrence from the cached states) give transformers' greedy tokens for two rows."""
-    hf = hf_text_model(tmp_path / "hf")
-    ours = load_checkpoint(tmp_path / "hf")
     prompts = torch.randint(0, 256, (2, 70), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         theirs = hf.generate(prompts, attention_mask=torch.ones_like(prompts),
-                             max_new_tokens=24, do_sample=False)[:, 70:]
-    assert torch.equal(generate(ours, prompts, 24), theirs)
+                             max_new_tokens=steps, do_sample=False)[:, 70:]
+    assert torch.equal(generate(ours, prompts, steps), theirs)
     assert len(set(theirs[0].tolist())) > 4  # not one token repeated
+
+
+def test_generation_carries_the_recurrent_state_as_transformers_does(tmp_path):
+    generates_as_transformers(hf_text_model(tmp_path / "hf"), load_checkpoint(tmp_path / "hf"),
+                              24)
 
 
 def test_packed_documents_are_computed_as_each_alone():
@@ -453,6 +456,19 @@ def test_a_hostile_config_json_is_refused_by_field(changes, message):
         ModelConfig.from_hf_config(hf)
 
 
+def adapted(folder, section, seed: int = 9):
+    """The checkpoint at `folder` with `section`'s adapters, their B's random (not zero)."""
+    from lathe.model.lora import apply_lora
+
+    model = apply_lora(load_checkpoint(folder), section)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    return model
+
+
 def test_a_policys_adapters_on_the_delta_net_go_into_an_engine_slot(tmp_path):
     """GRPO's rollout engine takes a LoRA policy's adapters each step into a slot: on the
     Gated DeltaNet's projections too (every one of them), serving the merged policy's
@@ -462,7 +478,6 @@ def test_a_policys_adapters_on_the_delta_net_go_into_an_engine_slot(tmp_path):
         LoraSection,
         adapter_pairs,
         adapter_weights,
-        apply_lora,
         merge_lora,
     )
     from lathe.serve.config import EngineConfig
@@ -471,12 +486,7 @@ def test_a_policys_adapters_on_the_delta_net_go_into_an_engine_slot(tmp_path):
 
     hf_text_model(tmp_path / "hf")
     section = LoraSection(enabled=True, r=4, alpha=8, target_modules=DELTA_NET_LINEARS)
-    policy = apply_lora(load_checkpoint(tmp_path / "hf"), section)
-    generator = torch.Generator().manual_seed(9)
-    with torch.no_grad():
-        for name, parameter in policy.named_parameters():
-            if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    policy = adapted(tmp_path / "hf", section)
     weights = {name.removeprefix("base_model.model."): tensor
                for name, tensor in adapter_weights(policy).items()}
     engine = LLMEngine.from_checkpoint(tmp_path / "hf", EngineConfig(num_blocks=64, max_loras=1,

@@ -15,9 +15,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lathe.core.errors import CheckpointError, ConfigError
-from lathe.model import ModelConfig, generate, load_checkpoint, save_checkpoint
+from lathe.model import ModelConfig, load_checkpoint, save_checkpoint
 from lathe.model.families import join_fused
-from tests.model.test_qwen3_5 import full_forward_greedy, llama_cpp_error
+from tests.model.test_qwen3_5 import (
+    adapted,
+    full_forward_greedy,
+    generates_as_transformers,
+    llama_cpp_error,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -108,11 +113,7 @@ def test_generation_and_the_engine_follow_transformers(tmp_path):
 
     hf = hf_model(tmp_path / "hf")
     ours = load_checkpoint(tmp_path / "hf")
-    prompts = torch.randint(0, 256, (2, 70), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        theirs = hf.generate(prompts, attention_mask=torch.ones_like(prompts),
-                             max_new_tokens=16, do_sample=False)[:, 70:]
-    assert torch.equal(generate(ours, prompts, 16), theirs)
+    generates_as_transformers(hf, ours, 16)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (5, 90, 33)]
     served = LLMEngine(ours, config=EngineConfig(num_blocks=64, max_num_batched_tokens=48))
@@ -129,7 +130,7 @@ def test_a_lora_adapter_on_the_fused_projections_is_pefts_and_served(tmp_path):
     engine slot serves it with the merged model's greedy tokens."""
     from peft import PeftModel
 
-    from lathe.model.lora import LoraSection, apply_lora, load_adapter, merge_lora, save_adapter
+    from lathe.model.lora import LoraSection, load_adapter, merge_lora, save_adapter
     from lathe.serve.config import EngineConfig
     from lathe.serve.engine import LLMEngine
     from lathe.serve.sampling_params import SamplingParams
@@ -137,12 +138,7 @@ def test_a_lora_adapter_on_the_fused_projections_is_pefts_and_served(tmp_path):
     hf_model(tmp_path / "hf")
     section = LoraSection(enabled=True, r=4, alpha=8, target_modules=[
         "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "q_proj"])
-    model = apply_lora(load_checkpoint(tmp_path / "hf"), section)
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    model = adapted(tmp_path / "hf", section, seed=5)
     save_adapter(model, section, tmp_path / "adapter", tmp_path / "hf")
     written = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     assert any(".linear_attn.in_proj_qkvz.lora_B" in name for name in written)
