@@ -14,8 +14,8 @@ through them in the native paged kernel, beside the step's decodes. A draft mode
 through the same rows on its own slabs: its KV lives in the target's block ids, so it is
 paged, shared and freed with them. A model's linear-attention layers keep each sequence's
 state in the row of its block table (`lathe.serve.recurrent_states`); every step carries
-where its sequences lie (`StateSpans`) and which prefill chunks snapshot their states for
-the prefix cache, and such a model's steps run eagerly.
+where its sequences lie (`StateSpans`) and which snapshot their states for the prefix cache
+(prefill chunks and decodes at block boundaries), and such a model's steps run eagerly.
 With `compile_decode`, a step of the target whose every token attends through its block
 table — decodes, and on CPU those short prefill chunks and drafts — runs through
 `lathe.serve.decode_graph` instead: the same rows, a token each, at compiled static shapes
@@ -109,9 +109,10 @@ class ModelRunner:
             if model.config.linear_layer_count else None
         self.snapshots = snapshots if self.states is not None else None
         self.block_hash = block_hash
-        # the last step's snapshots, to be kept once their blocks are hashed: the sequence,
-        # the boundary, the step's spans and the state row
-        self._taken: list[tuple[Sequence, int, StateSpans, int]] = []
+        # the step's snapshots, to be kept once their blocks are hashed: the sequence, the
+        # boundary, the pass's spans, the state row and whether a decode took it
+        self._taken: list[tuple[Sequence, int, StateSpans, int, bool]] = []
+        self._decoded: dict[Sequence, int] = {}  # each sequence's kept decode snapshot
         if compile_decode and self.states is not None:
             log.info("decode steps run eagerly: compiled steps do not carry the "
                      "linear-attention layers' states")
@@ -165,6 +166,7 @@ class ModelRunner:
 
     def release(self, seq: Sequence) -> None:
         """Give a finished or aborted sequence's row back."""
+        self._decoded.pop(seq, None)
         row = self.rows.pop(seq, None)
         if row is not None:
             self.written[row] = []
@@ -246,7 +248,7 @@ class ModelRunner:
         lie for the linear-attention layers; None for a model without them. With
         snapshots, a sequence that starts from a cached prefix gets its states from the
         prefix's snapshot, and a prefill chunk is snapshotted at the last block boundary it
-        reaches."""
+        reaches, and a decode at the block boundary it ends."""
         if self.states is None:
             return None
         size, spans, taken = self.block_size, [], []
@@ -257,12 +259,13 @@ class ModelRunner:
                     self.states.restore(row, self.snapshots.get(
                         self._block_hash(seq.table.blocks[start // size - 1])))
                 boundary = (start + count) // size * size
-                if count > 1 and boundary > start:
+                if boundary > start:
                     cut = boundary - start
-                    taken.append((seq, boundary, row))
+                    taken.append((seq, boundary, row, count == 1))
             spans.append((at, count, row, start == 0, cut))
         view = StateSpans(self.states, spans)
-        self._taken = [(seq, boundary, view, row) for seq, boundary, row in taken]
+        self._taken += [(seq, boundary, view, row, decode)
+                        for seq, boundary, row, decode in taken]
         return view
 
     def _block_hash(self, block_id: int) -> int:
@@ -270,12 +273,21 @@ class ModelRunner:
         return self.block_hash(block_id)
 
     def keep_snapshots(self) -> None:
-        """Keep the last step's snapshots under their blocks' hashes, once the scheduler
-        has committed those blocks (`Scheduler.update_from_output`)."""
-        for seq, boundary, view, row in self._taken:
+        """Keep the step's snapshots under their blocks' hashes, once the scheduler has
+        committed those blocks (`Scheduler.update_from_output`). A sequence's decodes keep
+        one: its latest (the answer so far, which a conversation's next turn repeats) takes
+        the place of the one before, so a long answer does not flush the others."""
+        assert self.snapshots is not None
+        for seq, boundary, view, row, decode in self._taken:
             key = self._block_hash(seq.table.blocks[boundary // self.block_size - 1])
-            if row in view.captured and key != NO_HASH:
-                self.snapshots.put(key, view.captured[row])
+            if row not in view.captured or key == NO_HASH:
+                continue
+            self.snapshots.put(key, view.captured[row])
+            if decode:
+                before = self._decoded.get(seq)
+                if before is not None and before != key:
+                    self.snapshots.discard(before)
+                self._decoded[seq] = key
         self._taken = []
 
     def _paged_context(self, slabs: KVSlabs) -> int:

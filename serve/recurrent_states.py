@@ -13,11 +13,12 @@ without speculative decoding (the state would have advanced through rejected dra
 A cached prefix's keys and values have no linear-attention state at their end, so prefix
 caching keeps states apart (vLLM's "align" mode for hybrid models, in short): each prefill
 chunk's states at the last block boundary it crosses are snapshotted, all layers' together,
-under the hash of the block that ends there (`StateSnapshots`, the most recent few, least
-recently used first out). A new prompt then starts from cached blocks only up to a block
-whose snapshot is held (`BlockManager.allocate`'s `keep`), its states copied in from it. A
-prompt that grows a conversation (the next turn of a chat or an agent's loop) resumes at
-the last boundary of the prompt before it, instead of at token 0.
+under the hash of the block that ends there, and so are a decoding sequence's at each
+boundary it reaches, its latest replacing its last (`StateSnapshots`, the most recent few,
+least recently used first out). A new prompt then starts from cached blocks only up to a
+block whose snapshot is held (`BlockManager.allocate`'s `keep`), its states copied in from
+it. A prompt that grows a conversation (the next turn of a chat or an agent's loop) resumes
+at the last boundary of the answer before it, instead of at token 0.
 
 `StateSpans` is one step's layout: where each sequence's tokens lie in the step's row, its
 state row, whether it starts fresh, and where (if anywhere) a snapshot is taken. `run` gives
@@ -100,6 +101,9 @@ class StateSnapshots:
         self.held.move_to_end(key)
         while len(self.held) > self.capacity:
             self.held.popitem(last=False)
+
+    def discard(self, key: int) -> None:
+        self.held.pop(key, None)
 
     def get(self, key: int) -> Snapshot:
         snapshot = self.held.get(key)

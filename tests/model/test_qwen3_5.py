@@ -506,10 +506,12 @@ def test_a_policys_adapters_on_the_delta_net_go_into_an_engine_slot(tmp_path):
     {"decode_steps": 4},  # a one-token first step in a run of decode passes
 ], ids=["whole", "chunked", "multi-step"])
 def test_a_conversations_next_turn_resumes_from_the_kept_states(tmp_path, engine):
-    """Prefix caching for linear-attention layers: a prompt that extends an earlier one (a
-    chat's next turn) starts from the cached blocks up to the last block boundary where the
-    earlier prompt's states were kept, its states copied from there; one whose last token
-    alone is new computes that token from them. The greedy tokens are transformers'."""
+    """Prefix caching for linear-attention layers: a prompt that extends an earlier one and
+    its answer (a chat's next turn) starts from the cached blocks up to the last block
+    boundary where the states were kept — the answer's, reached while decoding — its states
+    copied from there; one that shares the earlier prompt's prefix resumes where that
+    prompt's prefill kept them, and one whose last token alone is new computes that token
+    from them. The greedy tokens are transformers'."""
     from lathe.serve.config import EngineConfig
     from lathe.serve.engine import LLMEngine
     from lathe.serve.sampling_params import SamplingParams
@@ -520,20 +522,22 @@ def test_a_conversations_next_turn_resumes_from_the_kept_states(tmp_path, engine
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     generator = torch.Generator().manual_seed(11)
     first = torch.randint(0, 256, (70,), generator=generator).tolist()
-    answer = served.generate([first], params)[0].outputs[0].token_ids
-    turns = [first + answer + torch.randint(0, 256, (15,), generator=generator).tolist(),
-             first[:64] + [7]]
-    for prompt in turns:
+    answer = served.generate([first], SamplingParams(max_tokens=20, temperature=0,
+                                                     ignore_eos=True))[0].outputs[0].token_ids
+    turns = [(first + answer + torch.randint(0, 256, (15,), generator=generator).tolist(), 80),
+             (first[:64] + torch.randint(0, 256, (30,), generator=generator).tolist(), 64),
+             (first[:64] + [7], 64)]
+    for prompt, cached in turns:
         hits = served.stats()["prefix_cache_hits"]
         tokens = served.generate([prompt], params)[0].outputs[0].token_ids
-        assert served.stats()["prefix_cache_hits"] - hits == 64
+        assert served.stats()["prefix_cache_hits"] - hits == cached
         assert tokens == full_forward_greedy(hf, prompt, 10)
 
 
 def test_the_kept_states_are_bounded_and_dropped_with_the_weights(tmp_path):
     """With room for one snapshot the second prompt's evicts the first's: the first's
-    next turn computes from token 0, as with none kept or the prefix cache off; new
-    weights drop them all."""
+    next turn computes from token 0, as with none kept or the prefix cache off; a long
+    answer keeps one; new weights drop them all."""
     from lathe.serve.config import EngineConfig
     from lathe.serve.engine import LLMEngine
     from lathe.serve.sampling_params import SamplingParams
@@ -553,6 +557,8 @@ def test_the_kept_states_are_bounded_and_dropped_with_the_weights(tmp_path):
         assert served.stats()["prefix_cache_hits"] == 0
         assert tokens == full_forward_greedy(hf, a + [3, 4], 6)
     served = LLMEngine(load_checkpoint(tmp_path / "hf"), config=EngineConfig(num_blocks=64))
-    served.generate([a], params)
+    # the prompt's at 32, and of the answer's four boundaries (48 to 96) the last alone
+    served.generate([a], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    assert served.stats()["recurrent_snapshots"] == 2
     served.load_weights(served.model.state_dict())
     assert served.stats()["recurrent_snapshots"] == 0
