@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
@@ -314,12 +315,10 @@ def fuse_adapter(state: dict[str, Tensor], rank: int, config: ModelConfig,
     a fused module's A stacks its parts' A's and its B puts each part's B in its own rows
     and columns (block-diagonal), so B·A is each part's own update, exactly; an untargeted
     part is zeros. peft takes one rank per adapter, so every module is padded with zeros to
-    the widest stack's rank (the caller scales alpha by the same factor, keeping alpha / r).
-    Returns the weights, that rank and the targets. `widths`: a module name -> its output
-    width."""
+    the widest stack's rank (the caller scales alpha by the same factor, keeping alpha / r;
+    no stack, no padding). Returns the weights, that rank and the targets. `widths`: a module
+    name -> its output width."""
     fused = FAMILIES[config.family].fused
-    widest = max(len(FUSED[f]) for f in fused)
-    wide = rank * widest
     out: dict[str, tuple[Tensor, Tensor]] = {}
     stacks: dict[str, dict[str, tuple[Tensor, Tensor]]] = {}
     for module, (a, b) in adapter_pairs(state).items():
@@ -329,6 +328,8 @@ def fuse_adapter(state: dict[str, Tensor], rank: int, config: ModelConfig,
             out[module] = (a, b)
         else:
             stacks.setdefault(module.removesuffix(match[1]) + match[0], {})[match[1]] = (a, b)
+    wide = rank * max((len(FUSED[next(f for f in fused if target.endswith(f))])
+                       for target in stacks), default=1)
     for target, parts in stacks.items():
         fused_name = next(f for f in fused if target.endswith(f))
         prefix = target.removesuffix(fused_name)
@@ -345,12 +346,18 @@ def fuse_adapter(state: dict[str, Tensor], rank: int, config: ModelConfig,
         b = torch.cat(b_rows)
         out[target] = (torch.cat(a_rows), b if rows is None else b[torch.argsort(rows)])
     state = {}
+    experts = set(expert_adapters(out))
     for module, (a, b) in out.items():
-        state[f"{module}.lora_A.weight"] = torch.cat(
-            [a, a.new_zeros(wide - a.shape[0], a.shape[1])])
-        state[f"{module}.lora_B.weight"] = torch.cat(
-            [b, b.new_zeros(b.shape[0], wide - b.shape[1])], dim=1)
-    return state, wide, sorted({module.rpartition(".")[2] for module in out})
+        # peft's stacked experts hold A (experts · r, in) and B (out, r · experts): each
+        # expert's ranks are padded, as a linear's (or a stack's) are
+        groups = a.shape[0] // rank if module in experts else 1
+        width = a.shape[0] // groups
+        state[f"{module}.lora_A.weight"] = F.pad(
+            a.view(groups, width, -1), (0, 0, 0, wide - width)).reshape(groups * wide, -1)
+        state[f"{module}.lora_B.weight"] = F.pad(
+            b.view(b.shape[0], width, groups), (0, 0, 0, wide - width)).reshape(b.shape[0], -1)
+    return state, wide, sorted({module.rpartition(".")[2] for module in out
+                                if module not in experts})  # those are target_parameters
 
 class AdapterMerger:
     """Full-precision base weights plus a policy's current adapter weights -> the merged

@@ -236,3 +236,29 @@ def test_a_quantized_export_keeps_the_fused_rows_and_their_scales(tmp_path, mode
         expected = load_serving_model(tmp_path / "hf", quantize=mode, group_size=32,
                                       device="cpu")(ids).logits
         assert relative(load_serving_model(out, device="cpu")(ids).logits, expected) <= 1e-5
+
+
+def test_an_adapter_on_the_fused_projections_and_the_experts_is_pefts(tmp_path):
+    """Beside the fused projections' stacks (twice the rank wide), the stacked experts'
+    adapters (peft's target_parameters) are padded expert by expert to that rank: peft on
+    the class computes lathe's adapted logits, and lathe reads the folder back."""
+    from peft import PeftModel
+
+    from lathe.model.lora import LoraSection, load_adapter, save_adapter
+
+    hf_model(tmp_path / "hf")
+    section = LoraSection(enabled=True, r=4, alpha=8,
+                          target_modules=["in_proj_qkv", "in_proj_z", "down_proj"])
+    model = adapted(tmp_path / "hf", section, seed=6)
+    save_adapter(model, section, tmp_path / "adapter", tmp_path / "hf")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (8, 16)
+    assert config["target_parameters"] and "experts" not in config["target_modules"]
+    ids = torch.randint(0, 256, (2, 50), generator=torch.Generator().manual_seed(7))
+    theirs = PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", dtype=torch.float32), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        ours = model(ids).logits
+        assert relative(theirs(ids).logits, ours) <= 1e-5
+        reloaded = load_adapter(load_checkpoint(tmp_path / "hf"), tmp_path / "adapter")
+        assert relative(reloaded(ids).logits, ours) <= 1e-5

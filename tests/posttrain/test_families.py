@@ -1,7 +1,8 @@
-"""Post-training Qwen2, Gemma 2, Phi-3, Qwen3-MoE, GLM-4.5-MoE, Qwen3.5 and Qwen3.5-MoE
-checkpoints that transformers wrote (with lathe's tokenizer, whose chat template the stages
-render): SFT and DPO steps with LoRA run, and the merged export loads in transformers as the
-original class with lathe's logits; the adapter folder loads in peft on that class."""
+"""Post-training Qwen2, Gemma 2, Phi-3, Qwen3-MoE, GLM-4.5-MoE, Qwen3.5, Qwen3.5-MoE and
+Qwen3-Next checkpoints that transformers wrote (with lathe's tokenizer, whose chat template
+the stages render): SFT and DPO steps with LoRA run, and the merged export loads in
+transformers as the original class with lathe's logits; the adapter folder loads in peft on
+that class."""
 
 from __future__ import annotations
 
@@ -51,11 +52,19 @@ FAMILY_CONFIGS = {
                    "linear_key_head_dim": 8, "linear_value_head_dim": 8, "num_experts": 4,
                    "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                    "shared_expert_intermediate_size": 32},
+    # Qwen3.5-MoE's layers stored as Qwen3-Next's (each DeltaNet's projections fused), its
+    # experts where mlp_only_layers leaves them: the adapter written on the class's modules
+    "Qwen3Next": {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"],
+                  "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                  "linear_key_head_dim": 8, "linear_value_head_dim": 8, "num_experts": 4,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 32, "mlp_only_layers": [0]},
 }
 # a family whose text model's config class is not `<family>Config` (that is its wrapper's)
 CONFIG_CLASSES = {"Qwen3_5": "Qwen3_5TextConfig", "Qwen3_5Moe": "Qwen3_5MoeTextConfig"}
 EXPERTS = {"Qwen3Moe": "model.layers.0.mlp.experts.gate_up_proj",
            "Qwen3_5Moe": "model.layers.0.mlp.experts.gate_up_proj",
+           "Qwen3Next": "model.layers.1.mlp.experts.gate_up_proj",
            "Glm4Moe": "model.layers.1.mlp.experts.gate_up_proj"}
 
 
