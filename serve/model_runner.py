@@ -201,6 +201,7 @@ class ModelRunner:
         target's), and where each item's tokens start in the row. The tokens that attend
         through their block table (decodes, and on CPU short prefill chunks) are laid out
         first."""
+        self._taken = []  # a step that failed before its snapshots were kept leaves none
         if self._static(items, slabs):
             inputs, tables, blocks = self._table_inputs(items)
             assert self.graphs is not None
@@ -279,8 +280,9 @@ class ModelRunner:
         the place of the one before, so a long answer does not flush the others."""
         assert self.snapshots is not None
         for seq, boundary, view, row, decode in self._taken:
-            key = self._block_hash(seq.table.blocks[boundary // self.block_size - 1])
-            if row not in view.captured or key == NO_HASH:
+            index = boundary // self.block_size - 1
+            if row not in view.captured or index >= len(seq.table.blocks) or \
+                    (key := self._block_hash(seq.table.blocks[index])) == NO_HASH:
                 continue
             self.snapshots.put(key, view.captured[row])
             if decode:
@@ -317,6 +319,7 @@ class ModelRunner:
         """The first token row and the paged-attention views of `steps` decode passes over
         `items` (one token each), the k-th pass at each item's start + k, so a later pass
         costs a few tensor views. Each sequence's blocks must already hold its last pass."""
+        self._taken = []
         inputs, tables, blocks = self._table_inputs(items, steps)
         static = self._static(items, None)
         if static:
