@@ -37,7 +37,7 @@ from lathe.pretrain.runtime.precision import compute_dtype
 from lathe.pretrain.runtime.trainer import Runtime, Work, plain_model
 from lathe.serve.config import EngineConfig
 from lathe.serve.engine import LLMEngine
-from lathe.serve.paged_cache import KVSlabs
+from lathe.serve.paged_cache import engine_cache_bytes
 from lathe.serve.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -253,9 +253,10 @@ EVAL_BLOCKS = 512  # the task evaluator's KV cache, in blocks of EngineConfig.bl
 
 
 def evaluation_cache_bytes(model_config: ModelConfig, mixed_precision: str) -> int:
-    """The task evaluator's KV cache (its one allocation beyond the policy's weights)."""
-    return (EVAL_BLOCKS + 1) * KVSlabs.bytes_per_block(
-        model_config, EngineConfig().block_size, compute_dtype(mixed_precision))
+    """The task evaluator's KV cache (its one allocation beyond the policy's weights; with
+    linear-attention layers, their states)."""
+    return engine_cache_bytes(EngineConfig(num_blocks=EVAL_BLOCKS), model_config,
+                              compute_dtype(mixed_precision))
 
 
 class TaskEvaluator:

@@ -38,7 +38,7 @@ from lathe.pretrain.runtime.precision import compute_dtype
 from lathe.pretrain.runtime.trainer import Runtime
 from lathe.serve.config import EngineConfig
 from lathe.serve.engine import LLMEngine
-from lathe.serve.paged_cache import KVSlabs
+from lathe.serve.paged_cache import engine_cache_bytes
 from lathe.serve.remote import LocalServer, RemoteEngine
 from lathe.serve.sampling_params import SamplingParams
 
@@ -94,9 +94,9 @@ POLICY_ADAPTER = "policy"  # the rollout engine's name for the policy's current 
 
 def rollout_engine_bytes(model_config: ModelConfig, mixed_precision: str) -> tuple[int, int]:
     """What a rank's rollout engine holds, for memory plans: its fp32 copy of the policy, and
-    its KV cache of ROLLOUT_BLOCKS blocks."""
-    cache = (ROLLOUT_BLOCKS + 1) * KVSlabs.bytes_per_block(
-        model_config, EngineConfig().block_size, compute_dtype(mixed_precision))
+    its KV cache of ROLLOUT_BLOCKS blocks (with linear-attention layers, their states)."""
+    cache = engine_cache_bytes(EngineConfig(num_blocks=ROLLOUT_BLOCKS), model_config,
+                               compute_dtype(mixed_precision))
     return 4 * model_config.num_params(), cache
 
 

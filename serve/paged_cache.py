@@ -166,6 +166,17 @@ class PagedBatch:
         return out.to(result_dtype)
 
 
+def engine_cache_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
+    """What an engine of `config.num_blocks` blocks holds beyond the weights, at most (for
+    memory plans): its KV slabs and their scratch block, and for a model with
+    linear-attention layers a state for each of `max_num_seqs` rows and each snapshot the
+    prefix cache may keep."""
+    assert config.num_blocks is not None, "a plan sizes an engine of a set block count"
+    rows = config.max_num_seqs + (config.recurrent_snapshots if config.prefix_caching else 0)
+    return ((config.num_blocks + 1) * KVSlabs.bytes_per_block(model, config.block_size, dtype)
+            + rows * RecurrentStates.bytes_per_sequence(model, dtype))
+
+
 def blocks_in_budget(config: EngineConfig, models: list[ModelConfig], device: torch.device,
                      dtype: torch.dtype, max_model_len: int) -> int:
     """KV blocks an engine's budget holds (each of `models` — a target and its draft — takes

@@ -562,3 +562,20 @@ def test_the_kept_states_are_bounded_and_dropped_with_the_weights(tmp_path):
     assert served.stats()["recurrent_snapshots"] == 2
     served.load_weights(served.model.state_dict())
     assert served.stats()["recurrent_snapshots"] == 0
+
+
+def test_a_memory_plan_counts_the_engines_states_and_snapshots():
+    """What a plan reserves for an engine (a rollout engine, an evaluator's) is what the
+    engine holds: its slabs, a state for each row, and the snapshots at their most."""
+    from lathe.serve.config import EngineConfig
+    from lathe.serve.engine import LLMEngine
+    from lathe.serve.paged_cache import engine_cache_bytes
+    from lathe.serve.recurrent_states import RecurrentStates
+
+    model = Transformer(ModelConfig.from_preset("tiny", family="qwen3_5_text"))
+    config = EngineConfig(num_blocks=32, max_num_seqs=8, recurrent_snapshots=4)
+    engine = LLMEngine(model, config=config)
+    per_sequence = RecurrentStates.bytes_per_sequence(model.config, torch.float32)
+    assert per_sequence > 0
+    assert engine_cache_bytes(config, model.config, torch.float32) == \
+        engine.memory["kv_cache_bytes"] + 4 * per_sequence
