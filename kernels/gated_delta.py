@@ -76,10 +76,13 @@ def gated_delta_recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
 def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                      starts: Tensor | None = None, state: Tensor | None = None,
                      chunk: int = CHUNK) -> tuple[Tensor, Tensor]:
-    """`gated_delta_recurrence`'s result, computed `chunk` tokens at a time."""
+    """`gated_delta_recurrence`'s result, computed `chunk` tokens at a time (fewer for a
+    shorter sequence: the power of two that holds it, so a prefill's last few tokens do not
+    pay a whole chunk's padding)."""
     out_dtype = v.dtype
     q, k, v, g, beta = _prepared(q, k, v, g, beta)
     batch, heads, length, dv = v.shape
+    chunk = min(chunk, 1 << max(length - 1, 0).bit_length())
     dk = k.shape[-1]
     pad = -length % chunk
     if pad:

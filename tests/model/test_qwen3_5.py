@@ -192,7 +192,10 @@ def full_forward_greedy(hf, prompt: list[int], steps: int) -> list[int]:
     {"num_blocks": 64, "max_num_batched_tokens": 48},  # prompts in chunks beside decodes
     {"num_blocks": 64, "decode_steps": 4},  # several decode passes a step
     {"num_blocks": 40, "block_size": 4, "max_num_batched_tokens": 64},  # preempted, redone
-], ids=["whole", "chunked", "multi-step", "preempted"])
+    # no snapshots to cut them: the prompts whole, or in chunks that continue their states
+    {"num_blocks": 64, "prefix_caching": False},
+    {"num_blocks": 64, "prefix_caching": False, "max_num_batched_tokens": 100},
+], ids=["whole", "chunked", "multi-step", "preempted", "uncached", "uncached-chunks"])
 def test_the_engine_serves_each_sequence_from_its_own_state(tmp_path, engine):
     """The paged engine keeps each sequence's linear-attention states by its row: however
     a step mixes prefill chunks and decodes of other sequences, and after a preemption
