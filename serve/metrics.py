@@ -47,6 +47,12 @@ class _EngineCollector(Collector):
             counter = CounterMetricFamily(f"lathe:{name}", help_, labels=["model_name"])
             counter.add_metric([self.model], stats[key])
             yield counter
+        if "recurrent_snapshots" in stats:
+            gauge = GaugeMetricFamily(
+                "lathe:recurrent_snapshots", "Linear-attention states kept for the prefix "
+                "cache (a model with linear-attention layers).", labels=["model_name"])
+            gauge.add_metric([self.model], stats["recurrent_snapshots"])
+            yield gauge
         if "decode_graphs_late" in stats:
             counter = CounterMetricFamily(
                 "lathe:decode_graphs_built", "Compiled decode steps built, by origin: "

@@ -540,9 +540,10 @@ def test_a_conversations_next_turn_resumes_from_the_kept_states(tmp_path, engine
 def test_the_kept_states_are_bounded_and_dropped_with_the_weights(tmp_path):
     """With room for one snapshot the second prompt's evicts the first's: the first's
     next turn computes from token 0, as with none kept or the prefix cache off; a long
-    answer keeps one; new weights drop them all."""
+    answer keeps one (/metrics counts them); new weights drop them all."""
     from lathe.serve.config import EngineConfig
     from lathe.serve.engine import LLMEngine
+    from lathe.serve.metrics import ServerMetrics
     from lathe.serve.sampling_params import SamplingParams
 
     hf = hf_text_model(tmp_path / "hf")
@@ -563,6 +564,8 @@ def test_the_kept_states_are_bounded_and_dropped_with_the_weights(tmp_path):
     # the prompt's at 32, and of the answer's four boundaries (48 to 96) the last alone
     served.generate([a], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
     assert served.stats()["recurrent_snapshots"] == 2
+    metrics = ServerMetrics(served.stats, "q").render().decode()
+    assert 'lathe:recurrent_snapshots{model_name="q"} 2.0' in metrics
     served.load_weights(served.model.state_dict())
     assert served.stats()["recurrent_snapshots"] == 0
 
