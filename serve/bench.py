@@ -460,13 +460,21 @@ def conversation_section(checkpoint: Path, vocab: int, device: torch.device,
     `--turn-tokens` new tokens (a tool's result). lathe's engine with its prefix cache (a
     model with linear-attention layers: from their kept states) against the same engine
     computing every prompt whole (`--no-enable-prefix-caching`) and transformers'
-    `generate()` on each whole prompt; each turn's seconds, best of `REPEATS` rounds."""
+    `generate()` on each whole prompt; each turn's seconds, best of `REPEATS` rounds. The
+    first prompt is cut so that the loop fits the model's positions (the random `nano`'s
+    512); none left, the section is skipped."""
+    grown = args.turns * (args.turn_answer + args.turn_tokens)
+    context = min(args.turn_context, load_checkpoint(checkpoint).config.max_seq_len - grown)
+    if context < 1:
+        print(f"(i) skipped: {args.turns} turns of {args.turn_answer + args.turn_tokens} "
+              "tokens exceed the model's positions", flush=True)
+        return []
     generator = torch.Generator().manual_seed(7)
-    first = torch.randint(3, vocab, (args.turn_context,), generator=generator).tolist()
+    first = torch.randint(3, vocab, (context,), generator=generator).tolist()
     results = [torch.randint(3, vocab, (args.turn_tokens,), generator=generator).tolist()
                for _ in range(args.turns)]
     params = SamplingParams(max_tokens=args.turn_answer, temperature=0, ignore_eos=True)
-    length = args.turn_context + args.turns * (args.turn_answer + args.turn_tokens)
+    length = context + grown
     blocks = 2 * -(-length // EngineConfig.block_size)
     engines = {name: LLMEngine.from_checkpoint(checkpoint, EngineConfig(
         num_blocks=blocks, prefix_caching=caching, max_num_batched_tokens=length),
@@ -524,7 +532,7 @@ def conversation_section(checkpoint: Path, vocab: int, device: torch.device,
         rows.append(f"| {name} | {seconds[0]:.3f} | {later:.3f} | {sum(seconds):.2f} | "
                     f"{same}/{args.turns} |")
         print(f"(i) {rows[-1]}", flush=True)
-    return [f"### (i) An agent's loop: a {args.turn_context}-token prompt, then {args.turns - 1}"
+    return [f"### (i) An agent's loop: a {context}-token prompt, then {args.turns - 1}"
             f" turns each adding the {args.turn_answer}-token answer and {args.turn_tokens} "
             "new tokens, greedy, one request at a time", "",
             "| engine | first turn, s | later turns, mean s | total s | answers as computed "

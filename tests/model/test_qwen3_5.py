@@ -585,3 +585,23 @@ def test_a_memory_plan_counts_the_engines_states_and_snapshots():
     assert per_sequence > 0
     assert engine_cache_bytes(config, model.config, torch.float32) == \
         engine.memory["kv_cache_bytes"] + 4 * per_sequence
+
+
+def test_the_serve_benchs_agent_loop_reports_each_engine(tmp_path, capsys):
+    """`python -m lathe.serve.bench --sections i` on a Qwen3.5 checkpoint: the cached engine,
+    the whole one and transformers give the same answers turn after turn; a loop longer
+    than the model's positions is skipped, not failed."""
+    from lathe.serve.bench import main
+
+    hf_text_model(tmp_path / "hf")
+    flags = ["--checkpoint", str(tmp_path / "hf"), "--sections", "i", "--turn-answer", "4",
+             "--turn-tokens", "8", "--no-write"]
+    assert main([*flags, "--turns", "3", "--turn-context", "40"]) == 0
+    table = capsys.readouterr().out.split("### (i) An agent's loop: a 40-token prompt")[1]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row.split(" | ")[0] for row in rows[1:]] == [
+        "| lathe, prefix cache", "| lathe, every prompt whole",
+        "| transformers `generate()` on each whole prompt"]
+    assert all(row.endswith("| 3/3 |") for row in rows[1:])
+    assert main([*flags, "--turns", "50"]) == 0
+    assert "(i) skipped" in capsys.readouterr().out
