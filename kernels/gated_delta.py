@@ -52,16 +52,19 @@ def _prepared(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
 
 
 def gated_delta_recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                           starts: Tensor | None = None, state: Tensor | None = None
-                           ) -> tuple[Tensor, Tensor]:
+                           starts: Tensor | None = None, state: Tensor | None = None,
+                           every: bool = False) -> tuple[Tensor, Tensor]:
     """The rule token by token: q, k (B, T, Hk, Dk), v (B, T, Hv, Dv), g (log decay, ≤ 0)
     and beta (B, T, Hv), the state (B, Hv, Dk, Dv) before the first token (None: zeros) ->
-    the output (B, T, Hv, Dv) and the state after the last token."""
+    the output (B, T, Hv, Dv) and the state after the last token — or, with `every`, after
+    each token (B, T, Hv, Dk, Dv): a speculative step's, to keep the one after its last
+    accepted token."""
     out_dtype = v.dtype
     q, k, v, g, beta = _prepared(q, k, v, g, beta)
     batch, heads, length, _ = v.shape
     s = q.new_zeros(batch, heads, k.shape[-1], v.shape[-1]) if state is None else state.float()
     out = torch.empty_like(v)
+    after = [] if every else None
     for t in range(length):
         decay = g[:, :, t].exp()
         if starts is not None:  # a document's first token forgets the one before
@@ -70,7 +73,9 @@ def gated_delta_recurrence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
         delta = (v[:, :, t] - (s * k[:, :, t, :, None]).sum(-2)) * beta[:, :, t, None]
         s = s + k[:, :, t, :, None] * delta[:, :, None]
         out[:, :, t] = (s * q[:, :, t, :, None]).sum(-2)
-    return out.transpose(1, 2).to(out_dtype), s
+        if after is not None:
+            after.append(s)
+    return out.transpose(1, 2).to(out_dtype), s if after is None else torch.stack(after, 1)
 
 
 def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,

@@ -74,20 +74,30 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(self.norm(out, z).reshape(batch, length, self.value_dim))
 
     def mix(self, inputs: tuple[Tensor, ...], states: States | None,
-            starts: Tensor | None = None) -> tuple[Tensor, States]:
+            starts: Tensor | None = None, every: bool = False) -> tuple[Tensor, States]:
         """The convolution and the rule over (B, T, ·) inputs — q/k/v before the
         convolution, β, g — from `states` (the convolution's last inputs, the rule's state;
-        None: zeros): the (B, T, value heads, value width) output and the states after."""
+        None: zeros): the (B, T, value heads, value width) output and the states after —
+        with `every`, after each token (a T dimension after B), token by token."""
         mixed, beta, g = inputs
         batch, length, _ = mixed.shape
         conv_state, state = (None, None) if states is None else states
+        raw = mixed
         mixed, conv_state = short_convolution(mixed, self.conv1d.weight[:, 0], starts,
                                               conv_state)
+        if every:  # each token's last K−1 convolution inputs, it included
+            history = torch.cat((raw.new_zeros(batch, self.conv1d.weight.shape[-1] - 1,
+                                               raw.shape[2]) if states is None
+                                 else states[0].to(raw.dtype), raw), dim=1)
+            conv_state = history.unfold(1, history.shape[1] - length, 1)[:, 1:].transpose(2, 3)
         q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
         key_width, value_width = self.head_dims
         q = q.view(batch, length, self.key_heads, key_width)
         k = k.view(batch, length, self.key_heads, key_width)
         v = v.view(batch, length, self.value_heads, value_width)
-        rule = gated_delta_recurrence if length == 1 else gated_delta_rule
-        out, state = rule(q, k, v, g, beta, starts, state)
+        if every:
+            out, state = gated_delta_recurrence(q, k, v, g, beta, starts, state, every=True)
+        else:
+            rule = gated_delta_recurrence if length == 1 else gated_delta_rule
+            out, state = rule(q, k, v, g, beta, starts, state)
         return out, (conv_state, state)

@@ -27,10 +27,16 @@ from torch import Tensor
 from lathe.kernels import PLAIN, AttentionVariant, causal_attention
 from lathe.model.config import ModelConfig
 
-# (B, T, ·) inputs of B sequences and their states before them (None: fresh sequences) ->
-# the (B, T, ·) output and the states after them: a linear-attention layer's computation
 States: TypeAlias = tuple[Tensor, ...]
-RecurrentStep: TypeAlias = Callable[[tuple[Tensor, ...], States | None], tuple[Tensor, States]]
+
+
+class RecurrentStep(Protocol):
+    """A linear-attention layer's computation: (B, T, ·) inputs of B sequences and their
+    states before them (None: fresh sequences) -> the (B, T, ·) output and the states after
+    them — with `every`, after each token (a T dimension after B)."""
+
+    def __call__(self, inputs: tuple[Tensor, ...], states: States | None, /, *,
+                 every: bool = False) -> tuple[Tensor, States]: ...
 
 
 class KVCache(Protocol):

@@ -86,10 +86,6 @@ class LLMEngine:
         dtype = kv_dtype or activation_dtype(model)
         speculative = self.config.speculative
         recurrent = model.config.linear_layer_count > 0
-        if recurrent and speculative is not None:
-            raise ConfigError("speculative decoding is not served for a model with "
-                              "linear-attention layers (Qwen3.5's): their states would advance "
-                              "through rejected drafts; drop engine.speculative")
         check_draft(model, draft_model, speculative)
         num_blocks = self.config.num_blocks or blocks_in_budget(
             self.config, [m.config for m in (model, draft_model) if m is not None], self.device,

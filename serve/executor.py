@@ -59,7 +59,7 @@ class StepExecutor:
             start = seq.num_computed
             draft = drafts[seq].tokens if seq in drafts else []
             work.append((seq, start, seq.tokens(start, start + count) + draft))
-        ids, view, starts = self.runner.prepare(work)
+        ids, view, starts = self.runner.prepare(work, drafted=frozenset(drafts))
         slots = None
         if self.adapters is not None:
             slots = [-1] * ids.shape[-1]
@@ -102,6 +102,7 @@ class StepExecutor:
             drawn = self.sampler.draft_logits(verified, drafts, logits)
             accepted = self.speculator.verify(verified, drafts, logits, drawn)
             self.sampler.accepted(accepted)
+            self.runner.settle_drafts({seq: len(tokens) for seq, tokens in accepted.items()})
             picks.update(accepted)
         return picks
 

@@ -113,6 +113,7 @@ class ModelRunner:
         # boundary, the pass's spans, the state row and whether a decode took it
         self._taken: list[tuple[Sequence, int, StateSpans, int, bool]] = []
         self._decoded: dict[Sequence, int] = {}  # each sequence's kept decode snapshot
+        self._drafted: StateSpans | None = None  # the last step's, until its drafts settle
         if compile_decode and self.states is not None:
             log.info("decode steps run eagerly: compiled steps do not carry the "
                      "linear-attention layers' states")
@@ -196,11 +197,13 @@ class ModelRunner:
         self.free_rows += list(range(2 * old - 1, old - 1, -1))
 
     def prepare(self, items: Seq[StepItem], slabs: KVSlabs | None = None,
+                drafted: frozenset[Sequence] = frozenset(),
                 ) -> tuple[Tensor, PagedBatch | StaticDecodeBatch, list[int]]:
         """The step's token row, its paged-attention view (on `slabs`, by default the
         target's), and where each item's tokens start in the row. The tokens that attend
         through their block table (decodes, and on CPU short prefill chunks) are laid out
-        first."""
+        first. `drafted`: the sequences whose tokens end in drafts (their linear-attention
+        states are settled once the drafts are verified: `settle_drafts`)."""
         self._taken = []  # a step that failed before its snapshots were kept leaves none
         if self._static(items, slabs):
             inputs, tables, blocks = self._table_inputs(items)
@@ -238,13 +241,14 @@ class ModelRunner:
             slots[offset:offset + count] = context[start:end]
             spans.append(SequenceSpan(offset, count, context))
             offset += count
-        view = PagedBatch(slabs, positions, slots, num_paged, tables, lens, spans,
-                          self._state_spans([(at, seq, start, len(tokens)) for at, (seq, start,
-                                            tokens) in zip(_starts(laid_out), laid_out,
-                                                           strict=True)]))
+        states = None if slabs is not self.slabs else self._state_spans(
+            [(at, seq, start, len(tokens)) for at, (seq, start, tokens) in
+             zip(_starts(laid_out), laid_out, strict=True)], drafted)
+        view = PagedBatch(slabs, positions, slots, num_paged, tables, lens, spans, states)
         return torch.tensor([ids], device=device), view, starts
 
-    def _state_spans(self, items: list[tuple[int, Sequence, int, int]]) -> StateSpans | None:
+    def _state_spans(self, items: list[tuple[int, Sequence, int, int]],
+                     drafted: frozenset[Sequence] = frozenset()) -> StateSpans | None:
         """Where each sequence's tokens (at, the sequence, its first position, how many)
         lie for the linear-attention layers; None for a model without them. With
         snapshots, a sequence that starts from a cached prefix gets its states from the
@@ -260,14 +264,23 @@ class ModelRunner:
                     self.states.restore(row, self.snapshots.get(
                         self._block_hash(seq.table.blocks[start // size - 1])))
                 boundary = (start + count) // size * size
-                if boundary > start:
+                if boundary > start and seq not in drafted:  # drafts may yet be rejected
                     cut = boundary - start
                     taken.append((seq, boundary, row, count == 1))
             spans.append((at, count, row, start == 0, cut))
-        view = StateSpans(self.states, spans)
+        view = StateSpans(self.states, spans, frozenset(self.rows[seq] for seq in drafted))
+        self._drafted = view
         self._taken += [(seq, boundary, view, row, decode)
                         for seq, boundary, row, decode in taken]
         return view
+
+    def settle_drafts(self, kept: Mapping[Sequence, int]) -> None:
+        """Each drafted sequence's linear-attention states after the `kept[seq]` tokens of
+        its step that stand (its last sampled token and the drafts accepted after it)."""
+        if self.states is not None and self._drafted is not None:
+            for seq, count in kept.items():
+                self._drafted.settle(self.rows[seq], count)
+            self._drafted = None
 
     def _block_hash(self, block_id: int) -> int:
         assert self.block_hash is not None, "snapshots need the block manager's hashes"

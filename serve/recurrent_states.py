@@ -7,8 +7,10 @@ inputs and its delta rule's (value heads, key width, value width) matrix. `Recur
 holds them per layer, a row for each row of the `ModelRunner`'s block tables (a sequence's
 row is its state's index), and grows with those rows. A state is the sequence's after the
 tokens the engine has computed for it, so a sequence starts fresh at position 0 — a new
-one, or one recomputed after a preemption — or from a snapshot. These models are served
-without speculative decoding (the state would have advanced through rejected drafts).
+one, or one recomputed after a preemption — or from a snapshot. In a speculative step the
+state would advance through drafts the target then rejects, so a drafted sequence's tokens
+run token by token keeping the states after each (`StateSpans.candidates`), and once the
+drafts are verified the row takes those after the last accepted one (`settle`).
 
 A cached prefix's keys and values have no linear-attention state at their end, so prefix
 caching keeps states apart (vLLM's "align" mode for hybrid models, in short): each prefill
@@ -132,14 +134,20 @@ class StateSpans:
 
     states: RecurrentStates
     spans: list[tuple[int, int, int, bool, int | None]]
+    # state rows whose tokens end in drafts: their states after each token are kept until
+    # `settle` says how many were accepted
+    drafted: frozenset[int] = frozenset()
     captured: dict[int, Snapshot] = field(default_factory=dict)  # state row -> its snapshot
+    # a drafted row's states after each of its tokens, by layer (token first)
+    candidates: dict[int, Snapshot] = field(default_factory=dict)
 
     @cached_property
-    def rounds(self) -> list[list[tuple[Tensor, Tensor, bool]]]:
-        """The step's sequences in batches the layers run at once: those of one length and
-        freshness together (a step's decodes; n samples' or a GRPO group's equal prompts),
-        each batch as where its tokens lie in the step's row (sequences × length), its
-        state rows, and whether it starts fresh; the second pieces of the chunks that are
+    def rounds(self) -> list[list[tuple[Tensor, Tensor, bool, bool]]]:
+        """The step's sequences in batches the layers run at once: those of one length,
+        freshness and drafting together (a step's decodes; n samples' or a GRPO group's
+        equal prompts), each batch as where its tokens lie in the step's row (sequences ×
+        length), its state rows, whether it starts fresh and whether its tokens end in
+        drafts; the second pieces of the chunks that are
         snapshotted before their end in a round after the first. Built once for all the
         step's layers."""
         first, second = [], []
@@ -152,16 +160,17 @@ class StateSpans:
         return [self._batches(first)] + ([self._batches(second)] if second else [])
 
     def _batches(self, spans: list[tuple[int, int, int, bool]]
-                 ) -> list[tuple[Tensor, Tensor, bool]]:
-        batches: dict[tuple[int, bool], list[tuple[int, int]]] = {}
+                 ) -> list[tuple[Tensor, Tensor, bool, bool]]:
+        batches: dict[tuple[int, bool, bool], list[tuple[int, int]]] = {}
         for start, length, row, fresh in spans:
-            batches.setdefault((length, fresh), []).append((start, row))
+            batches.setdefault((length, fresh, row in self.drafted), []).append((start, row))
         device = next(iter(self.states.state.values())).device
         out = []
-        for (length, fresh), members in batches.items():
+        for (length, fresh, drafted), members in batches.items():
             starts = torch.tensor([start for start, _ in members], device=device)
             out.append((starts[:, None] + torch.arange(length, device=device),
-                        torch.tensor([row for _, row in members], device=device), fresh))
+                        torch.tensor([row for _, row in members], device=device), fresh,
+                        drafted))
         return out
 
     @cached_property
@@ -174,9 +183,15 @@ class StateSpans:
         conv, state = self.states.conv[layer_idx], self.states.state[layer_idx]
         out: Tensor | None = None
         for number, groups in enumerate(self.rounds):
-            for at, rows, fresh in groups:
+            for at, rows, fresh, drafted in groups:
                 result, (new_conv, new_state) = step(
-                    tuple(t[0, at] for t in inputs), None if fresh else (conv[rows], state[rows]))
+                    tuple(t[0, at] for t in inputs), None if fresh else (conv[rows], state[rows]),
+                    every=drafted)
+                if drafted:
+                    for i, row in enumerate(rows.tolist()):
+                        self.candidates.setdefault(row, {})[layer_idx] = (new_conv[i],
+                                                                          new_state[i])
+                    new_conv, new_state = new_conv[:, -1], new_state[:, -1]
                 conv[rows], state[rows] = new_conv.to(conv.dtype), new_state
                 if out is None:
                     out = result.new_empty(1, inputs[0].shape[1], *result.shape[2:])
@@ -187,3 +202,10 @@ class StateSpans:
                                                                     state[row].clone())
         assert out is not None, "a step with no tokens"
         return out
+
+    def settle(self, row: int, kept: int) -> None:
+        """A drafted row's states after its first `kept` tokens (the last sampled one and
+        the drafts accepted after it), in place of those after all of them."""
+        for layer, (conv, state) in self.candidates.pop(row, {}).items():
+            self.states.conv[layer][row] = conv[kept - 1]
+            self.states.state[layer][row] = state[kept - 1]

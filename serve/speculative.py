@@ -294,6 +294,11 @@ def check_draft(model: Transformer, draft: Transformer | None,
     if not wants_draft:
         raise RequestError("a draft model was given but speculative decoding is not set to "
                            "method 'draft'; set EngineConfig.speculative")
+    if draft.config.linear_layer_count:
+        raise RequestError("the draft model has linear-attention layers (Qwen3.5's), whose "
+                           "states its drafting would advance past what the target accepts; "
+                           "draft with an attention-only model or with prompt lookup "
+                           "(method 'ngram')")
     if draft.config.vocab_size != model.config.vocab_size:
         raise RequestError(f"the draft model's vocab_size {draft.config.vocab_size} differs "
                            f"from the target's {model.config.vocab_size}; a draft must share "

@@ -241,13 +241,46 @@ def test_the_engine_samples_n_and_scores_prompts_as_transformers(tmp_path):
     assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-4
 
 
-def test_what_lathe_does_not_do_yet_is_refused_by_name():
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_decoding_keeps_the_states_after_the_accepted_drafts(tmp_path, method):
+    """Prompt lookup, or an attention-only draft model: the target verifies each step's
+    drafts in one pass, its linear-attention states are those after the last token it
+    accepts (not after the rejected ones), and its greedy tokens are transformers'. Prompt
+    lookup's drafts are both accepted and rejected here; all the random draft model's are
+    rejected; several sequences draft at once, a chunked prompt beside them."""
     from lathe.serve.config import EngineConfig, SpeculativeConfig
     from lathe.serve.engine import LLMEngine
+    from lathe.serve.sampling_params import SamplingParams
+
+    hf = hf_text_model(tmp_path / "hf")
+    torch.manual_seed(3)
+    draft = Transformer(ModelConfig.from_preset("tiny", vocab_size=256)) \
+        if method == "draft" else None
+    served = LLMEngine(load_checkpoint(tmp_path / "hf"), draft_model=draft, config=EngineConfig(
+        num_blocks=64, max_num_batched_tokens=48,
+        speculative=SpeculativeConfig(method=method, num_speculative_tokens=3)))
+    generator = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(0, 256, (6,), generator=generator).tolist() * 5 for _ in range(2)]
+    prompts.append(torch.randint(0, 256, (70,), generator=generator).tolist())
+    outputs = served.generate(prompts, SamplingParams(max_tokens=64, temperature=0,
+                                                      ignore_eos=True))
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == full_forward_greedy(hf, prompt, 64)
+    stats = served.stats()
+    assert stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    if method == "ngram":  # the random draft model's guesses are all rejected
+        assert stats["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_a_draft_model_with_linear_attention_is_refused():
+    from lathe.serve.config import EngineConfig, SpeculativeConfig
+    from lathe.serve.engine import LLMEngine
+    from lathe.serve.request_checks import RequestError
 
     model = Transformer(ModelConfig.from_preset("tiny", family="qwen3_5_text"))
-    with pytest.raises(ConfigError, match="speculative decoding is not served"):
-        LLMEngine(model, config=EngineConfig(speculative=SpeculativeConfig(method="ngram")))
+    with pytest.raises(RequestError, match="draft model has linear-attention layers"):
+        LLMEngine(model, draft_model=model, config=EngineConfig(
+            speculative=SpeculativeConfig(method="draft")))
 
 
 @pytest.mark.parametrize(("changes", "message"), [

@@ -52,7 +52,7 @@ def test_a_steps_batches_compute_what_each_sequence_computes_alone():
     for at, length, row, fresh, _ in spans_of():
         expected.append(alone(layer, states, inputs, at, length, row, fresh))
     step = StateSpans(states, spans_of())
-    assert max(len(rows) for _, rows, _ in step.rounds[0]) == 2
+    assert max(len(rows) for _, rows, *_ in step.rounds[0]) == 2
     out = step.run(0, inputs, layer.mix)
     for (at, length, row, _, _), (want, conv, state) in zip(spans_of(), expected,
                                                             strict=True):
@@ -75,3 +75,19 @@ def test_a_snapshot_is_the_state_at_its_boundary():
     torch.testing.assert_close(kept_state, state, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(states.state[0][1], end_state, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(states.conv[0][1], end_conv, rtol=1e-5, atol=1e-6)
+
+
+def test_a_drafted_rows_states_settle_after_its_accepted_tokens():
+    """A speculative step's drafted sequence runs keeping its states after each token; told
+    how many of them stand (its last token and the drafts accepted), the row holds the
+    states after those, as if the rejected drafts had never run."""
+    layer, states, inputs = setup()
+    at, length, row, fresh, _ = spans_of()[3]  # 36 tokens: the last token and 35 "drafts"
+    _, conv, state = alone(layer, states, inputs, at, length, row, fresh, cut=3)
+    want, *_ = alone(layer, states, inputs, at, length, row, fresh)
+    step = StateSpans(states, spans_of(), drafted=frozenset({row}))
+    out = step.run(0, inputs, layer.mix)
+    torch.testing.assert_close(out[0, at:at + length], want, rtol=1e-4, atol=1e-5)
+    step.settle(row, 3)
+    torch.testing.assert_close(states.conv[0][row], conv, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(states.state[0][row], state, rtol=1e-4, atol=1e-5)
