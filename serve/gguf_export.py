@@ -336,8 +336,9 @@ def unwritable(config: ModelConfig) -> str | None:
         and f"llama.cpp's {arch} needs its linear-attention layers",
         arch == "qwen3next" and config.shared_expert_dim is None
         and "llama.cpp's qwen3next needs its shared expert",
-        arch == "qwen3next" and config.linear_key_head_dim != config.linear_value_head_dim
-        and f"llama.cpp's qwen3next takes the DeltaNet's value heads as wide as its key "
+        arch in QWEN3_5_ARCHES and config.linear_layer_count
+        and config.linear_key_head_dim != config.linear_value_head_dim
+        and f"llama.cpp's {arch} takes the DeltaNet's value heads as wide as its key "
             f"heads, not {config.linear_value_head_dim} against {config.linear_key_head_dim}",
     ]
     found = [reason for reason in reasons if reason]

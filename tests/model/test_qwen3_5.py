@@ -361,6 +361,9 @@ def test_a_layer_pattern_llama_cpp_cannot_hold_is_refused():
         "linear_attention", "full_attention", "full_attention", "linear_attention"])
     assert "attends in every N-th layer alone" in unwritable(config)
     assert unwritable(ModelConfig.from_preset("tiny", family="qwen3_5_text")) is None
+    # llama.cpp fails to load such a file (tried)
+    wide = ModelConfig.from_preset("tiny", family="qwen3_5_text", linear_value_head_dim=32)
+    assert "value heads as wide as its key heads" in unwritable(wide)
 
 
 def test_int8_serving_keeps_the_decay_projections_full(tmp_path):
