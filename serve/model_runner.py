@@ -252,8 +252,9 @@ class ModelRunner:
         """Where each sequence's tokens (at, the sequence, its first position, how many)
         lie for the linear-attention layers; None for a model without them. With
         snapshots, a sequence that starts from a cached prefix gets its states from the
-        prefix's snapshot, and a prefill chunk is snapshotted at the last block boundary it
-        reaches, and a decode at the block boundary it ends."""
+        prefix's snapshot, a prefill chunk is snapshotted at the last block boundary it
+        reaches and a decode at the block boundary it ends; a `drafted` sequence keeps its
+        states after each token (and takes no snapshot) until `settle_drafts`."""
         if self.states is None:
             return None
         size, spans, taken = self.block_size, [], []
