@@ -122,7 +122,8 @@ class LLMEngine:
                                   max_static_rows=None if self.adapters is None
                                   else len(self.adapters.row_slots),
                                   snapshots=self.snapshots,
-                                  block_hash=self.block_manager.hash_of)
+                                  block_hash=self.block_manager.hash_of,
+                                  snapshot_stride=self.config.recurrent_snapshot_stride)
         draft_slabs = None if draft_model is None else KVSlabs(
             draft_model.config, num_blocks, block_size, self.device, dtype)
         self.speculator = None if speculative is None else Speculator(

@@ -87,12 +87,14 @@ class ModelRunner:
                  retain_memory: bool = True,
                  max_static_rows: int | None = None,
                  snapshots: StateSnapshots | None = None,
-                 block_hash: Callable[[int], int] | None = None) -> None:
+                 block_hash: Callable[[int], int] | None = None,
+                 snapshot_stride: int = 0) -> None:
         """`max_model_len`: the longest sequence served; `max_static_rows`: the most tokens a
         compiled step may have (None: any number, in several calls past the largest bucket);
         `retain_memory`: as `EngineConfig.retain_freed_memory`; `snapshots`: where a model
         with linear-attention layers keeps their states for prefix caching, under the hash
-        of the block they end (`block_hash(block id)`)."""
+        of the block they end (`block_hash(block id)`), at each chunk's last block boundary
+        and every `snapshot_stride` tokens (0: there alone)."""
         self.model, self.slabs, self.device = model, slabs, device
         self.max_static_rows = max_static_rows if max_static_rows is not None else 1 << 62
         if device.type == "cpu":  # paged decode attention, and the GEMMs' graph ops
@@ -109,9 +111,11 @@ class ModelRunner:
             if model.config.linear_layer_count else None
         self.snapshots = snapshots if self.states is not None else None
         self.block_hash = block_hash
+        self.snapshot_stride = snapshot_stride
         # the step's snapshots, to be kept once their blocks are hashed: the sequence, the
-        # boundary, the pass's spans, the state row and whether a decode took it
-        self._taken: list[tuple[Sequence, int, StateSpans, int, bool]] = []
+        # boundary, the pass's spans, its key there (state row, tokens) and whether a decode
+        # took it
+        self._taken: list[tuple[Sequence, int, StateSpans, tuple[int, int], bool]] = []
         self._decoded: dict[Sequence, int] = {}  # each sequence's kept decode snapshot
         self._drafted: StateSpans | None = None  # the last step's, until its drafts settle
         if compile_decode and self.states is not None:
@@ -259,20 +263,22 @@ class ModelRunner:
             return None
         size, spans, taken = self.block_size, [], []
         for at, seq, start, count in items:
-            row, cut = self._row(seq), None
+            row, cuts = self._row(seq), ()
             if self.snapshots is not None:
                 if start and start == seq.table.num_cached_tokens:  # its first step
                     self.states.restore(row, self.snapshots.get(
                         self._block_hash(seq.table.blocks[start // size - 1])))
-                boundary = (start + count) // size * size
-                if boundary > start and seq not in drafted:  # drafts may yet be rejected
-                    cut = boundary - start
-                    taken.append((seq, boundary, row, count == 1))
-            spans.append((at, count, row, start == 0, cut))
+                end, stride = start + count, self.snapshot_stride
+                boundaries = {end // size * size} | (
+                    set(range((start // stride + 1) * stride, end, stride)) if stride else set())
+                if seq not in drafted:  # drafts may yet be rejected
+                    cuts = tuple(sorted(b - start for b in boundaries if b > start))
+                    taken += [(seq, start + cut, row, cut, count == 1) for cut in cuts]
+            spans.append((at, count, row, start == 0, cuts))
         view = StateSpans(self.states, spans, frozenset(self.rows[seq] for seq in drafted))
         self._drafted = view
-        self._taken += [(seq, boundary, view, row, decode)
-                        for seq, boundary, row, decode in taken]
+        self._taken += [(seq, boundary, view, (row, cut), decode)
+                        for seq, boundary, row, cut, decode in taken]
         return view
 
     def settle_drafts(self, kept: Mapping[Sequence, int]) -> None:
@@ -293,12 +299,13 @@ class ModelRunner:
         one: its latest (the answer so far, which a conversation's next turn repeats) takes
         the place of the one before, so a long answer does not flush the others."""
         assert self.snapshots is not None
-        for seq, boundary, view, row, decode in self._taken:
+        for seq, boundary, view, taken, decode in self._taken:
             index = boundary // self.block_size - 1
-            if row not in view.captured or index >= len(seq.table.blocks) or \
+            snapshot = view.captured.get(taken)
+            if snapshot is None or index >= len(seq.table.blocks) or \
                     (key := self._block_hash(seq.table.blocks[index])) == NO_HASH:
                 continue
-            self.snapshots.put(key, view.captured[row])
+            self.snapshots.put(key, snapshot)
             if decode:
                 before = self._decoded.get(seq)
                 if before is not None and before != key:

@@ -14,8 +14,10 @@ drafts are verified the row takes those after the last accepted one (`settle`).
 
 A cached prefix's keys and values have no linear-attention state at their end, so prefix
 caching keeps states apart (vLLM's "align" mode for hybrid models, in short): each prefill
-chunk's states at the last block boundary it crosses are snapshotted, all layers' together,
-under the hash of the block that ends there, and so are a decoding sequence's at each
+chunk's states at the last block boundary it crosses, and at every multiple of the snapshot
+stride it crosses (a long shared system prompt then resumes near its end), are
+snapshotted, all layers' together, under the hash of the block that ends there, and so are
+a decoding sequence's at each
 boundary it reaches, its latest replacing its last (`StateSnapshots`, the most recent few,
 least recently used first out). A new prompt then starts from cached blocks only up to a
 block whose snapshot is held (`BlockManager.allocate`'s `keep`), its states copied in from
@@ -129,15 +131,16 @@ def recurrent_shapes(config: ModelConfig) -> tuple[tuple[int, int], tuple[int, i
 @dataclass
 class StateSpans:
     """One step's sequences as the states see them: (start in the step's row, length,
-    state row, fresh, snapshot) each, in row order — snapshot: after how many of its tokens
-    its states are kept (None: nowhere)."""
+    state row, fresh, snapshots) each, in row order — snapshots: after how many of its
+    tokens its states are kept, ascending (none: nowhere)."""
 
     states: RecurrentStates
-    spans: list[tuple[int, int, int, bool, int | None]]
+    spans: list[tuple[int, int, int, bool, tuple[int, ...]]]
     # state rows whose tokens end in drafts: their states after each token are kept until
     # `settle` says how many were accepted
     drafted: frozenset[int] = frozenset()
-    captured: dict[int, Snapshot] = field(default_factory=dict)  # state row -> its snapshot
+    # (state row, after how many of its tokens) -> the snapshot
+    captured: dict[tuple[int, int], Snapshot] = field(default_factory=dict)
     # a drafted row's states after each of its tokens, by layer (token first)
     candidates: dict[int, Snapshot] = field(default_factory=dict)
 
@@ -147,17 +150,18 @@ class StateSpans:
         freshness and drafting together (a step's decodes; n samples' or a GRPO group's
         equal prompts), each batch as where its tokens lie in the step's row (sequences ×
         length), its state rows, whether it starts fresh and whether its tokens end in
-        drafts; the second pieces of the chunks that are
-        snapshotted before their end in a round after the first. Built once for all the
-        step's layers."""
-        first, second = [], []
-        for start, length, row, fresh, cut in self.spans:
-            if cut is None or cut == length:
-                first.append((start, length, row, fresh))
-            else:
-                first.append((start, cut, row, fresh))
-                second.append((start + cut, length - cut, row, False))
-        return [self._batches(first)] + ([self._batches(second)] if second else [])
+        drafts. A chunk snapshotted before its end runs in pieces, each ending at a
+        snapshot: its first piece in the first round, its next in the next. Built once for
+        all the step's layers."""
+        pieces: list[list[tuple[int, int, int, bool]]] = []
+        for start, length, row, fresh, cuts in self.spans:
+            ends = [cut for cut in cuts if cut < length] + [length]
+            for number, (begin, end) in enumerate(zip([0, *ends], ends, strict=False)):
+                if number == len(pieces):
+                    pieces.append([])
+                pieces[number].append((start + begin, end - begin, row,
+                                       fresh and number == 0))
+        return [self._batches(round_) for round_ in pieces]
 
     def _batches(self, spans: list[tuple[int, int, int, bool]]
                  ) -> list[tuple[Tensor, Tensor, bool, bool]]:
@@ -174,8 +178,13 @@ class StateSpans:
         return out
 
     @cached_property
-    def snapshot_rows(self) -> list[int]:
-        return [row for _, _, row, _, cut in self.spans if cut is not None]
+    def snapshot_rounds(self) -> dict[int, list[tuple[int, int]]]:
+        """After each round, the (state row, tokens) snapshots it completes."""
+        out: dict[int, list[tuple[int, int]]] = {}
+        for _, _, row, _, cuts in self.spans:
+            for number, cut in enumerate(cuts):
+                out.setdefault(number, []).append((row, cut))
+        return out
 
     def run(self, layer_idx: int, inputs: tuple[Tensor, ...], step: RecurrentStep) -> Tensor:
         """`KVCache.recurrent` over this step's sequences (inputs (1, T, ·)), keeping the
@@ -196,10 +205,9 @@ class StateSpans:
                 if out is None:
                     out = result.new_empty(1, inputs[0].shape[1], *result.shape[2:])
                 out[0, at] = result
-            if number == 0:
-                for row in self.snapshot_rows:
-                    self.captured.setdefault(row, {})[layer_idx] = (conv[row].clone(),
-                                                                    state[row].clone())
+            for row, cut in self.snapshot_rounds.get(number, []):
+                self.captured.setdefault((row, cut), {})[layer_idx] = (conv[row].clone(),
+                                                                       state[row].clone())
         assert out is not None, "a step with no tokens"
         return out
 

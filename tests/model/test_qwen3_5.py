@@ -641,3 +641,29 @@ def test_the_serve_benchs_agent_loop_reports_each_engine(tmp_path, capsys):
     assert all(row.endswith("| 3/3 |") for row in rows[1:])
     assert main([*flags, "--turns", "50"]) == 0
     assert "(i) skipped" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("stride", "cached"), [(0, 0), (32, 64)])
+def test_a_shared_system_prompt_resumes_from_its_stride_snapshots(tmp_path, stride, cached):
+    """Two prompts that share their first 70 tokens (a system prompt) and then differ: with
+    a snapshot every `stride` tokens the second resumes at the last one inside the shared
+    part; with the chunk's last boundary alone (past where they differ) it cannot resume."""
+    from lathe.core.errors import ConfigError
+    from lathe.serve.config import EngineConfig
+    from lathe.serve.engine import LLMEngine
+    from lathe.serve.sampling_params import SamplingParams
+
+    hf = hf_text_model(tmp_path / "hf")
+    served = LLMEngine(load_checkpoint(tmp_path / "hf"), config=EngineConfig(
+        num_blocks=64, recurrent_snapshot_stride=stride))
+    generator = torch.Generator().manual_seed(14)
+    system = torch.randint(0, 256, (70,), generator=generator).tolist()
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    served.generate([system + torch.randint(0, 256, (10,), generator=generator).tolist()],
+                    params)
+    second = system + torch.randint(0, 256, (12,), generator=generator).tolist()
+    tokens = served.generate([second], params)[0].outputs[0].token_ids
+    assert served.stats()["prefix_cache_hits"] == cached
+    assert tokens == full_forward_greedy(hf, second, 8)
+    with pytest.raises(ConfigError, match="recurrent_snapshot_stride=40 must be a multiple"):
+        EngineConfig(recurrent_snapshot_stride=40)

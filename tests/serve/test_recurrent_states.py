@@ -41,7 +41,7 @@ def alone(layer, states, inputs, start, length, row, fresh, cut=None):
 def spans_of(cuts=None):
     spans, at = [], 0
     for row, (length, fresh) in enumerate(zip(LENGTHS, FRESH, strict=True)):
-        spans.append((at, length, row, fresh, (cuts or {}).get(row)))
+        spans.append((at, length, row, fresh, (cuts or {}).get(row, ())))
         at += length
     return spans
 
@@ -68,9 +68,10 @@ def test_a_snapshot_is_the_state_at_its_boundary():
     at, length, row, fresh, _ = spans_of()[1]
     _, conv, state = alone(layer, states, inputs, at, length, row, fresh, cut=32)
     _, end_conv, end_state = alone(layer, states, inputs, at, length, row, fresh)
-    step = StateSpans(states, spans_of({1: 32}))
+    step = StateSpans(states, spans_of({1: (16, 32)}))
     step.run(0, inputs, layer.mix)
-    kept_conv, kept_state = step.captured[1][0]
+    assert len(step.rounds) == 3  # its pieces 16, 16 and 5 tokens
+    kept_conv, kept_state = step.captured[(1, 32)][0]
     torch.testing.assert_close(kept_conv, conv, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(kept_state, state, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(states.state[0][1], end_state, rtol=1e-4, atol=1e-5)
