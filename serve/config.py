@@ -133,8 +133,8 @@ class EngineConfig:
     recurrent_snapshot_stride: int = field(default=1024, metadata=cli(
         "a model with linear-attention layers: a long prefill chunk also keeps its states at "
         "every multiple of this many tokens, so a long shared prefix (a system prompt, "
-        "tools) resumes near its end for prompts that differ after it; a multiple of "
-        "--block-size (0: at each chunk's last block boundary alone)"))
+        "tools) resumes near its end for prompts that differ after it; rounded down to a "
+        "multiple of --block-size (0: at each chunk's last block boundary alone)"))
     # LoRA adapters served over the base in the same batch (`lathe.serve.adapters`)
     max_loras: int = field(default=0, metadata=cli(
         "adapter slots held at once, loaded at start or through /v1/load_lora_adapter "
@@ -149,9 +149,9 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.recurrent_snapshot_stride < 0 or self.recurrent_snapshot_stride % self.block_size:
+        if self.recurrent_snapshot_stride < 0:
             raise ConfigError(f"recurrent_snapshot_stride={self.recurrent_snapshot_stride} must "
-                              f"be a multiple of block_size={self.block_size} (0: off)")
+                              "be >= 0 (0: at each chunk's last block boundary alone)")
         if self.recurrent_snapshots < 0:
             raise ConfigError(f"recurrent_snapshots={self.recurrent_snapshots} must be >= 0 "
                               "(0: no prefix caching for a model with linear-attention layers)")

@@ -111,7 +111,7 @@ class ModelRunner:
             if model.config.linear_layer_count else None
         self.snapshots = snapshots if self.states is not None else None
         self.block_hash = block_hash
-        self.snapshot_stride = snapshot_stride
+        self.snapshot_stride = snapshot_stride // self.block_size * self.block_size
         # the step's snapshots, to be kept once their blocks are hashed: the sequence, the
         # boundary, the pass's spans, its key there (state row, tokens) and whether a decode
         # took it
