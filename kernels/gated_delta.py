@@ -138,10 +138,12 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
 
 
 def short_convolution(x: Tensor, weight: Tensor, starts: Tensor | None = None,
-                      state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                      state: Tensor | None = None, every: bool = False
+                      ) -> tuple[Tensor, Tensor]:
     """SiLU of the depthwise causal convolution of x (B, T, C) by weight (C, K): token t
     reads tokens t−K+1..t of its own document (`starts`), and before the first token the
-    K−1 inputs of `state` (B, K−1, C; None: zeros). Returns it and the last K−1 inputs."""
+    K−1 inputs of `state` (B, K−1, C; None: zeros). Returns it and the last K−1 inputs —
+    with `every`, those up to each token, it included (B, T, K−1, C)."""
     width = weight.shape[1]
     history = x.new_zeros(x.shape[0], width - 1, x.shape[2]) if state is None \
         else state.to(x.dtype)
@@ -154,4 +156,6 @@ def short_convolution(x: Tensor, weight: Tensor, starts: Tensor | None = None,
         if starts is not None:
             earlier = earlier * (position - back >= starts)[..., None].to(x.dtype)
         out = out + earlier * weight[:, width - 1 - back]
-    return F.silu(out).to(x.dtype), padded[:, length:]
+    after = padded.unfold(1, width - 1, 1)[:, 1:].transpose(2, 3) if every \
+        else padded[:, length:]
+    return F.silu(out).to(x.dtype), after

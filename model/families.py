@@ -594,6 +594,8 @@ QWEN3_5_MOE_EXPERTS = ExpertLayout(
                "moe_intermediate_size": c.moe_ffn_hidden_dim,
                "shared_expert_intermediate_size": c.shared_expert_dim},
     options=("shared_expert",))
+
+
 def _qwen3_next_experts_read(hf: dict[str, Any]) -> dict[str, Any]:
     """Qwen3-Next's experts (Qwen3NextConfig's defaults, 80B-A3B's: 512, ten a token, top-k
     renormalized) in the layers `mlp_only_layers` and `decoder_sparse_step` leave them, and

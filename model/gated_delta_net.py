@@ -82,14 +82,8 @@ class GatedDeltaNet(nn.Module):
         mixed, beta, g = inputs
         batch, length, _ = mixed.shape
         conv_state, state = (None, None) if states is None else states
-        raw = mixed
         mixed, conv_state = short_convolution(mixed, self.conv1d.weight[:, 0], starts,
-                                              conv_state)
-        if every:  # each token's last K−1 convolution inputs, it included
-            history = torch.cat((raw.new_zeros(batch, self.conv1d.weight.shape[-1] - 1,
-                                               raw.shape[2]) if states is None
-                                 else states[0].to(raw.dtype), raw), dim=1)
-            conv_state = history.unfold(1, history.shape[1] - length, 1)[:, 1:].transpose(2, 3)
+                                              conv_state, every)
         q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
         key_width, value_width = self.head_dims
         q = q.view(batch, length, self.key_heads, key_width)

@@ -283,7 +283,7 @@ def _fused_name(module: str) -> str | None:
 
 
 def split_fused_pairs(pairs: dict[str, tuple[Tensor, Tensor]], widths: dict[str, int],
-                      config: ModelConfig | None) -> dict[str, tuple[Tensor, Tensor]]:
+                      config: ModelConfig) -> dict[str, tuple[Tensor, Tensor]]:
     """An adapter on fused projections (Phi-3's `qkv_proj`, `gate_up_proj`, Qwen3-Next's
     `in_proj_qkvz`, `in_proj_ba`) as adapters on the projections they stack: each part keeps
     A and takes its rows of B, which is exactly the fused B·A's rows. `widths`: a module
@@ -299,11 +299,9 @@ def split_fused_pairs(pairs: dict[str, tuple[Tensor, Tensor]], widths: dict[str,
         if sum(rows) != b.shape[0] or not all(rows):
             raise ValueError(f"LoRA B of {module} has {b.shape[0]} rows, but this model's "
                              f"{', '.join(parts)} give {rows}")
-        if fused.startswith("linear_attn."):
-            if config is None:
-                raise ValueError(f"LoRA B of {module}: its rows interleave by key head; "
-                                 "read it with the base model's config")
-            b = b[fused_rows(config, fused)]
+        order = fused_rows(config, fused)
+        if order is not None:
+            b = b[order]
         out.update({part: (a, piece) for part, piece in zip(parts, b.split(rows), strict=True)})
     return out
 
@@ -320,18 +318,18 @@ def fuse_adapter(state: dict[str, Tensor], rank: int, config: ModelConfig,
     name -> its output width."""
     fused = FAMILIES[config.family].fused
     out: dict[str, tuple[Tensor, Tensor]] = {}
-    stacks: dict[str, dict[str, tuple[Tensor, Tensor]]] = {}
+    # a fused module's name -> (its FUSED key, the adapters of its parts present)
+    stacks: dict[str, tuple[str, dict[str, tuple[Tensor, Tensor]]]] = {}
     for module, (a, b) in adapter_pairs(state).items():
         match = next(((f, part) for f in fused for part in FUSED[f] if module.endswith(part)),
                      None)
         if match is None:
             out[module] = (a, b)
         else:
-            stacks.setdefault(module.removesuffix(match[1]) + match[0], {})[match[1]] = (a, b)
-    wide = rank * max((len(FUSED[next(f for f in fused if target.endswith(f))])
-                       for target in stacks), default=1)
-    for target, parts in stacks.items():
-        fused_name = next(f for f in fused if target.endswith(f))
+            name, part = match
+            stacks.setdefault(module.removesuffix(part) + name, (name, {}))[1][part] = (a, b)
+    wide = rank * max((len(FUSED[name]) for name, _ in stacks.values()), default=1)
+    for target, (fused_name, parts) in stacks.items():
         prefix = target.removesuffix(fused_name)
         a0 = next(iter(parts.values()))[0]
         a_rows, b_rows = [], []
@@ -358,6 +356,7 @@ def fuse_adapter(state: dict[str, Tensor], rank: int, config: ModelConfig,
             b.view(b.shape[0], width, groups), (0, 0, 0, wide - width)).reshape(b.shape[0], -1)
     return state, wide, sorted({module.rpartition(".")[2] for module in out
                                 if module not in experts})  # those are target_parameters
+
 
 class AdapterMerger:
     """Full-precision base weights plus a policy's current adapter weights -> the merged

@@ -10,8 +10,7 @@ row's base output: over several adapters, in one kernel call that reads each row
 on) for a step of at most the largest decode bucket's rows, else in one batched matmul pair
 over every row's own gathered A and B (Punica's BGMV) while those stay small
 (`GATHER_ELEMENTS`), else one matmul pair per adapter over its rows (SGMV's segments); over
-all rows when they share one adapter.
-Rows of the base model (slot -1) get nothing added.
+all rows when they share one adapter. Rows of the base model (slot -1) get nothing added.
 
 A compiled decode step (`lathe.serve.decode_graph`) cannot take a Python list of rows: it
 reads each row's slot from `row_slots`, a device tensor every projection shares, which the
@@ -192,11 +191,11 @@ def check_base(config_file: Path, base: object, served: dict) -> None:
 
 
 def read_adapter(name: str, path: str | Path, layers: dict[str, MultiLoraLinear],
-                 max_rank: int, base: ModelConfig | None = None) -> LoraAdapter:
+                 max_rank: int, base: ModelConfig) -> LoraAdapter:
     """A peft adapter folder checked against the base's projections `layers` (module name
-    -> layer) and, when given, the served model's config `base` (its HF config, and its
-    family's class's module names); `CheckpointError` naming the file, the weight and the
-    fix when it does not fit."""
+    -> layer) and the served model's config `base` (its HF config, and its family's class's
+    module names and fused rows); `CheckpointError` naming the file, the weight and the fix
+    when it does not fit."""
     path = Path(path)
     config_file, weights_file = (checkpoint_file(path, ADAPTER_CONFIG),
                                  checkpoint_file(path, ADAPTER_WEIGHTS))
@@ -205,8 +204,7 @@ def read_adapter(name: str, path: str | Path, layers: dict[str, MultiLoraLinear]
                               f"and {ADAPTER_WEIGHTS} (peft's save_pretrained, or a lathe "
                               "LoRA run's final-adapter)")
     config = read_json_object(config_file)
-    if base is not None:
-        check_base(config_file, config.get("base_model_name_or_path"), base.to_hf_config())
+    check_base(config_file, config.get("base_model_name_or_path"), base.to_hf_config())
     for key, wanted in (("use_dora", False), ("bias", "none"), ("modules_to_save", None)):
         if config.get(key, wanted) not in (wanted, [], {}):
             raise CheckpointError(f"{config_file}: {key}={config[key]!r} is not served; only "
@@ -237,7 +235,7 @@ def read_adapter(name: str, path: str | Path, layers: dict[str, MultiLoraLinear]
         named = language_model_weights(
             {key.removeprefix(PEFT_PREFIX): t for key, t in tensors.items()})
         pairs = split_fused_pairs(
-            adapter_pairs(named if base is None else adapter_renamed(named, base)),
+            adapter_pairs(adapter_renamed(named, base)),
             {module: layer.out_features for module, layer in layers.items()}, base)
     except ValueError as error:
         raise CheckpointError(f"{weights_file}: {error}") from None

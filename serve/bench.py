@@ -87,7 +87,7 @@ from torch import Tensor, nn
 from lathe.core.bench_history import add_history_arguments, history_folder, record
 from lathe.kernels import kernels_off
 from lathe.kernels.decode_linear import DecodeLinear
-from lathe.model.checkpoint import load_checkpoint, save_checkpoint
+from lathe.model.checkpoint import load_checkpoint, read_model_config, save_checkpoint
 from lathe.model.config import ModelConfig
 from lathe.model.transformer import Transformer
 from lathe.serve.config import EngineConfig, SpeculativeConfig
@@ -464,7 +464,7 @@ def conversation_section(checkpoint: Path, vocab: int, device: torch.device,
     first prompt is cut so that the loop fits the model's positions (the random `nano`'s
     512); none left, the section is skipped."""
     grown = args.turns * (args.turn_answer + args.turn_tokens)
-    context = min(args.turn_context, load_checkpoint(checkpoint).config.max_seq_len - grown)
+    context = min(args.turn_context, read_model_config(checkpoint).max_seq_len - grown)
     if context < 1:
         print(f"(i) skipped: {args.turns} turns of {args.turn_answer + args.turn_tokens} "
               "tokens exceed the model's positions", flush=True)
@@ -515,15 +515,16 @@ def conversation_section(checkpoint: Path, vocab: int, device: torch.device,
 
     best: dict[str, list[float]] = {}
     answers: dict[str, list[list[int]]] = {}
-    name_hf = "transformers `generate()` on each whole prompt"
+
+    def timed(name: str, result: tuple[list[float], list[list[int]]]) -> None:
+        """Each turn's best seconds so far, and the round's answers."""
+        seconds, answers[name] = result
+        best[name] = [min(a, b) for a, b in zip(best.get(name, seconds), seconds, strict=True)]
     for _ in range(REPEATS):
         for name, engine in engines.items():
-            seconds, answers[name] = lathe_turns(engine)
-            best[name] = [min(a, b) for a, b in zip(best.get(name, seconds), seconds,
-                                                    strict=True)]
-        seconds, answers[name_hf] = transformers_turns(answers["lathe, prefix cache"])
-        best[name_hf] = [min(a, b) for a, b in zip(best.get(name_hf, seconds), seconds,
-                                                   strict=True)]
+            timed(name, lathe_turns(engine))
+        timed("transformers `generate()` on each whole prompt",
+              transformers_turns(answers["lathe, prefix cache"]))
     reference = answers["lathe, every prompt whole"]
     rows = []
     for name, seconds in best.items():

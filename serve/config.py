@@ -149,12 +149,12 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.recurrent_snapshot_stride < 0:
-            raise ConfigError(f"recurrent_snapshot_stride={self.recurrent_snapshot_stride} must "
-                              "be >= 0 (0: at each chunk's last block boundary alone)")
-        if self.recurrent_snapshots < 0:
-            raise ConfigError(f"recurrent_snapshots={self.recurrent_snapshots} must be >= 0 "
-                              "(0: no prefix caching for a model with linear-attention layers)")
+        for name, zero in (
+                ("recurrent_snapshots", "no prefix caching for a model with linear-attention "
+                 "layers"),
+                ("recurrent_snapshot_stride", "at each chunk's last block boundary alone")):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0 (0: {zero})")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len={self.max_model_len} must be >= 1 (or None: "
                               "the model's max_position_embeddings)")

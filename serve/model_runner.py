@@ -110,6 +110,8 @@ class ModelRunner:
         self.states = RecurrentStates(model.config, rows, device, slabs.dtype) \
             if model.config.linear_layer_count else None
         self.snapshots = snapshots if self.states is not None else None
+        if self.snapshots is not None and block_hash is None:
+            raise ValueError("snapshots are kept under block hashes: pass block_hash")
         self.block_hash = block_hash
         self.snapshot_stride = snapshot_stride // self.block_size * self.block_size
         # the step's snapshots, to be kept once their blocks are hashed: the sequence, the
@@ -267,12 +269,9 @@ class ModelRunner:
             if self.snapshots is not None:
                 if start and start == seq.table.num_cached_tokens:  # its first step
                     self.states.restore(row, self.snapshots.get(
-                        self._block_hash(seq.table.blocks[start // size - 1])))
-                end, stride = start + count, self.snapshot_stride
-                boundaries = {end // size * size} | (
-                    set(range((start // stride + 1) * stride, end, stride)) if stride else set())
+                        self.block_hash(seq.table.blocks[start // size - 1])))
                 if seq not in drafted:  # drafts may yet be rejected
-                    cuts = tuple(sorted(b - start for b in boundaries if b > start))
+                    cuts = self._cuts(start, count)
                     taken += [(seq, start + cut, row, cut, count == 1) for cut in cuts]
             spans.append((at, count, row, start == 0, cuts))
         view = StateSpans(self.states, spans, frozenset(self.rows[seq] for seq in drafted))
@@ -281,6 +280,16 @@ class ModelRunner:
                         for seq, boundary, row, cut, decode in taken]
         return view
 
+    def _cuts(self, start: int, count: int) -> tuple[int, ...]:
+        """After how many of the `count` tokens from position `start` their states are
+        snapshotted: the last block boundary they reach, and each multiple of the stride
+        they cross."""
+        end, stride = start + count, self.snapshot_stride
+        boundaries = {end // self.block_size * self.block_size}
+        if stride:
+            boundaries |= set(range((start // stride + 1) * stride, end, stride))
+        return tuple(sorted(b - start for b in boundaries if b > start))
+
     def settle_drafts(self, kept: Mapping[Sequence, int]) -> None:
         """Each drafted sequence's linear-attention states after the `kept[seq]` tokens of
         its step that stand (its last sampled token and the drafts accepted after it)."""
@@ -288,10 +297,6 @@ class ModelRunner:
             for seq, count in kept.items():
                 self._drafted.settle(self.rows[seq], count)
             self._drafted = None
-
-    def _block_hash(self, block_id: int) -> int:
-        assert self.block_hash is not None, "snapshots need the block manager's hashes"
-        return self.block_hash(block_id)
 
     def keep_snapshots(self) -> None:
         """Keep the step's snapshots under their blocks' hashes, once the scheduler has
@@ -303,7 +308,7 @@ class ModelRunner:
             index = boundary // self.block_size - 1
             snapshot = view.captured.get(taken)
             if snapshot is None or index >= len(seq.table.blocks) or \
-                    (key := self._block_hash(seq.table.blocks[index])) == NO_HASH:
+                    (key := self.block_hash(seq.table.blocks[index])) == NO_HASH:
                 continue
             self.snapshots.put(key, snapshot)
             if decode:

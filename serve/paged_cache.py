@@ -172,9 +172,14 @@ def engine_cache_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dt
     linear-attention layers a state for each of `max_num_seqs` rows and each snapshot the
     prefix cache may keep."""
     assert config.num_blocks is not None, "a plan sizes an engine of a set block count"
-    rows = config.max_num_seqs + (config.recurrent_snapshots if config.prefix_caching else 0)
     return ((config.num_blocks + 1) * KVSlabs.bytes_per_block(model, config.block_size, dtype)
-            + rows * RecurrentStates.bytes_per_sequence(model, dtype))
+            + state_rows(config) * RecurrentStates.bytes_per_sequence(model, dtype))
+
+
+def state_rows(config: EngineConfig) -> int:
+    """How many sequences' linear-attention states an engine holds at most: a running
+    sequence's each, and each snapshot its prefix cache may keep."""
+    return config.max_num_seqs + (config.recurrent_snapshots if config.prefix_caching else 0)
 
 
 def blocks_in_budget(config: EngineConfig, models: list[ModelConfig], device: torch.device,
@@ -195,8 +200,8 @@ def blocks_in_budget(config: EngineConfig, models: list[ModelConfig], device: to
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         # linear-attention layers' states, a sequence's each and the prefix cache's
         # snapshots', come out of the same memory
-        states = (config.max_num_seqs + config.recurrent_snapshots) * sum(
-            RecurrentStates.bytes_per_sequence(m, dtype) for m in models)
+        states = state_rows(config) * sum(RecurrentStates.bytes_per_sequence(m, dtype)
+                                          for m in models)
         budget = free - (1 - config.gpu_memory_utilization) * total - states
     else:
         per_sequence = -(-max_model_len // config.block_size)

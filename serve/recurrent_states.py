@@ -15,22 +15,20 @@ drafts are verified the row takes those after the last accepted one (`settle`).
 A cached prefix's keys and values have no linear-attention state at their end, so prefix
 caching keeps states apart (vLLM's "align" mode for hybrid models, in short): each prefill
 chunk's states at the last block boundary it crosses, and at every multiple of the snapshot
-stride it crosses (a long shared system prompt then resumes near its end), are
-snapshotted, all layers' together, under the hash of the block that ends there, and so are
-a decoding sequence's at each
-boundary it reaches, its latest replacing its last (`StateSnapshots`, the most recent few,
-least recently used first out). A new prompt then starts from cached blocks only up to a
-block whose snapshot is held (`BlockManager.allocate`'s `keep`), its states copied in from
-it. A prompt that grows a conversation (the next turn of a chat or an agent's loop) resumes
-at the last boundary of the answer before it, instead of at token 0.
+stride it crosses (a long shared system prompt then resumes near its end), are snapshotted,
+all layers' together, under the hash of the block that ends there, and so are a decoding
+sequence's at each boundary it reaches, its latest replacing its last (`StateSnapshots`, the
+most recent few, least recently used first out). A new prompt then starts from cached blocks
+only up to a block whose snapshot is held (`BlockManager.allocate`'s `keep`), its states
+copied in from it. A prompt that grows a conversation (the next turn of a chat or an agent's
+loop) resumes at the last boundary of the answer before it, instead of at token 0.
 
 `StateSpans` is one step's layout: where each sequence's tokens lie in the step's row, its
 state row, whether it starts fresh, and where (if anywhere) a snapshot is taken. `run` gives
 a layer's computation the tokens in batches of sequences with as many tokens and the same
-freshness — a step's decodes together, and the equal prompts of n samples or of a GRPO
-group — their states gathered and scattered back by row; a chunk that snapshots before its
-end runs in two pieces, the second after every first piece.
-"""
+freshness — a step's decodes together, and the equal prompts of n samples or of a GRPO group
+— their states gathered and scattered back by row; a chunk that snapshots before its end
+runs in pieces, one a round, each ending at a snapshot."""
 
 from __future__ import annotations
 
@@ -145,12 +143,13 @@ class StateSpans:
     candidates: dict[int, Snapshot] = field(default_factory=dict)
 
     @cached_property
-    def rounds(self) -> list[list[tuple[Tensor, Tensor, bool, bool]]]:
+    def rounds(self) -> list[list[tuple[Tensor, Tensor, list[int], bool, bool]]]:
         """The step's sequences in batches the layers run at once: those of one length,
-        freshness and drafting together (a step's decodes; n samples' or a GRPO group's
-        equal prompts), each batch as where its tokens lie in the step's row (sequences ×
-        length), its state rows, whether it starts fresh and whether its tokens end in
-        drafts. A chunk snapshotted before its end runs in pieces, each ending at a
+        freshness and drafting together (a step's decodes; n samples' or a GRPO group's equal
+        prompts),
+        each batch as where its tokens lie in the step's row (sequences × length), its state
+        rows (on the device and on the host), whether it starts fresh and whether its tokens
+        end in drafts. A chunk snapshotted before its end runs in pieces, each ending at a
         snapshot: its first piece in the first round, its next in the next. Built once for
         all the step's layers."""
         pieces: list[list[tuple[int, int, int, bool]]] = []
@@ -164,7 +163,7 @@ class StateSpans:
         return [self._batches(round_) for round_ in pieces]
 
     def _batches(self, spans: list[tuple[int, int, int, bool]]
-                 ) -> list[tuple[Tensor, Tensor, bool, bool]]:
+                 ) -> list[tuple[Tensor, Tensor, list[int], bool, bool]]:
         batches: dict[tuple[int, bool, bool], list[tuple[int, int]]] = {}
         for start, length, row, fresh in spans:
             batches.setdefault((length, fresh, row in self.drafted), []).append((start, row))
@@ -172,9 +171,9 @@ class StateSpans:
         out = []
         for (length, fresh, drafted), members in batches.items():
             starts = torch.tensor([start for start, _ in members], device=device)
+            rows = [row for _, row in members]
             out.append((starts[:, None] + torch.arange(length, device=device),
-                        torch.tensor([row for _, row in members], device=device), fresh,
-                        drafted))
+                        torch.tensor(rows, device=device), rows, fresh, drafted))
         return out
 
     @cached_property
@@ -192,12 +191,12 @@ class StateSpans:
         conv, state = self.states.conv[layer_idx], self.states.state[layer_idx]
         out: Tensor | None = None
         for number, groups in enumerate(self.rounds):
-            for at, rows, fresh, drafted in groups:
+            for at, rows, host_rows, fresh, drafted in groups:
                 result, (new_conv, new_state) = step(
                     tuple(t[0, at] for t in inputs), None if fresh else (conv[rows], state[rows]),
                     every=drafted)
                 if drafted:
-                    for i, row in enumerate(rows.tolist()):
+                    for i, row in enumerate(host_rows):
                         self.candidates.setdefault(row, {})[layer_idx] = (new_conv[i],
                                                                           new_state[i])
                     new_conv, new_state = new_conv[:, -1], new_state[:, -1]

@@ -667,3 +667,31 @@ def test_a_shared_system_prompt_resumes_from_its_stride_snapshots(tmp_path, stri
     assert tokens == full_forward_greedy(hf, second, 8)
     with pytest.raises(ConfigError, match="recurrent_snapshot_stride=-1 must be >= 0"):
         EngineConfig(recurrent_snapshot_stride=-1)
+
+
+def test_kept_states_and_drafts_under_bf16_autocast_stay_close(tmp_path):
+    """A training stage's rollout engine runs under bf16 autocast with a bf16 cache: a next
+    turn resumed from the kept states (in bf16), with prompt-lookup drafts, scores its first
+    answer token within bf16's error of an engine that computes the prompt whole."""
+    from lathe.serve.config import EngineConfig, SpeculativeConfig
+    from lathe.serve.engine import LLMEngine
+    from lathe.serve.sampling_params import SamplingParams
+
+    hf_text_model(tmp_path / "hf")
+    model = load_checkpoint(tmp_path / "hf")
+    resumed = LLMEngine(model, kv_dtype=torch.bfloat16, config=EngineConfig(
+        num_blocks=64, speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3)))
+    whole = LLMEngine(model, kv_dtype=torch.bfloat16, config=EngineConfig(
+        num_blocks=64, prefix_caching=False))
+    generator = torch.Generator().manual_seed(15)
+    first = torch.randint(0, 256, (6,), generator=generator).tolist() * 8
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        answer = resumed.generate([first], params)[0].outputs[0].token_ids
+        turn = first + answer + [5, 6, 7]
+        got = resumed.generate([turn], params)[0].outputs[0]
+        want = whole.generate([turn], params)[0].outputs[0]
+    assert resumed.stats()["prefix_cache_hits"] == 48
+    assert resumed.runner.states.conv[0].dtype == torch.bfloat16
+    assert got.token_ids[0] == want.token_ids[0]
+    assert got.logprobs[0].logprob == pytest.approx(want.logprobs[0].logprob, abs=0.1)

@@ -52,7 +52,7 @@ def test_a_steps_batches_compute_what_each_sequence_computes_alone():
     for at, length, row, fresh, _ in spans_of():
         expected.append(alone(layer, states, inputs, at, length, row, fresh))
     step = StateSpans(states, spans_of())
-    assert max(len(rows) for _, rows, *_ in step.rounds[0]) == 2
+    assert max(len(rows) for _, _, rows, *_ in step.rounds[0]) == 2
     out = step.run(0, inputs, layer.mix)
     for (at, length, row, _, _), (want, conv, state) in zip(spans_of(), expected,
                                                             strict=True):
