@@ -91,6 +91,7 @@ class DecodeLinearPass(CustomGraphPass):
                 groups.setdefault((dtype, *_source(node.args[0])), []).append(linear)
         for linears in groups.values():
             first = linears[0].node
+            x = first.args[0]  # read now: erasing `first` (the first part's call) clears it
             # the call goes where the group's first linear was: a weight made after it (not
             # a parameter) takes a call of its own
             joined = [linear for linear in linears
@@ -98,7 +99,7 @@ class DecodeLinearPass(CustomGraphPass):
             parts = [joined[i:i + MAX_GROUP] for i in range(0, len(joined), MAX_GROUP)]
             for part in parts + [[linear] for linear in linears if linear not in joined]:
                 if len(part) > 1 or part[0].mm:  # else already its own op
-                    self._replace(graph, first.args[0], part)
+                    self._replace(graph, x, part)
 
     @staticmethod
     def _replace(graph: torch.fx.Graph, x: torch.fx.Node, linears: list[_Linear]) -> None:

@@ -229,6 +229,21 @@ def test_the_pass_makes_one_call_for_linears_that_share_their_input():
     assert calls == {"lathe::decode_linear3_cpu": 1, "lathe::decode_linear_cpu": 1}
 
 
+def test_more_linears_on_one_input_than_a_call_takes_split_into_calls():
+    """A Gated DeltaNet's four input projections (qkv, z, b, a) read one x: a call of three
+    and one of one, each output the linear's own."""
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(size, 64, generator=g) for size in (96, 48, 4, 4)]
+    F = torch.nn.functional
+
+    def projections(x):
+        qkv, z, b, a = (F.linear(x, w) for w in weights)
+        return torch.cat([qkv, z * 2, b.sigmoid(), a.exp()], dim=-1)
+
+    calls = lathe_calls_of_compiled(projections, torch.randn(1, 2, 64, generator=g))
+    assert calls == {"lathe::decode_linear3_cpu": 1, "lathe::decode_linear_cpu": 1}
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_pass_makes_one_call_for_half_linears_that_share_their_input(dtype):
     """A float32 model's half linears trace to the native op (`linear`); q, k and v become
