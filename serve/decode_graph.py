@@ -30,7 +30,11 @@ sequence) and attend over it alone; their logits are dropped. A row is a token, 
 sequence: where every token of a step attends through its block table (on CPU, prefill
 chunks and verified drafts over short contexts as well as decodes — see
 `lathe.serve.model_runner`), the step runs through the same graphs, in calls of the largest
-bucket when it has more tokens; other steps stay eager. Weights are read, not frozen into
+bucket when it has more tokens; other steps stay eager. A model with linear-attention
+layers (Qwen3.5's Gated DeltaNet), whose states carry a sequence on a token at a time, runs
+only its decodes here (not a prompt's first token, not drafts): each row's layer reads its
+sequence's states by row (`RecurrentStates`; a padding row, the scratch row) and writes the
+new ones back in place, inside the graph. Weights are read, not frozen into
 the graph, so `LLMEngine.load_weights` (GRPO's refresh) needs no recompile.
 
 `warm_up` builds every shape before it returns, so that no step under load pays a compile;
@@ -75,10 +79,12 @@ import lathe.model
 from lathe.kernels import AttentionVariant, paged_decode
 from lathe.kernels.cpu_native import cpu_kernels_loaded, native_kernel
 from lathe.kernels.dispatch import policy
+from lathe.model.kv_cache import RecurrentStep
 from lathe.model.transformer import Transformer
 from lathe.serve.captured_step import CapturedStep
 from lathe.serve.config import cache_root
 from lathe.serve.paged_cache import KVSlabs
+from lathe.serve.recurrent_states import RecurrentStates, StateSpans
 
 log = logging.getLogger("lathe.serve")
 
@@ -118,12 +124,34 @@ def width_buckets(max_blocks: int) -> list[int]:
 
 class StaticDecodeBatch:
     """One padded decode step as a `KVCache`: a token per row at `positions`, written to
-    `slots`, attending over the first `lens` slots of its block table row."""
+    `slots`, attending over the first `lens` slots of its block table row; a
+    linear-attention layer's token runs from, and writes back, the states of its row of
+    `states` (`state_rows`). `spans`: the runner's view of the step's states (the
+    snapshots it takes), held for after the step."""
 
     def __init__(self, slabs: KVSlabs, positions: Tensor, slots: Tensor, tables: Tensor,
-                 lens: Tensor) -> None:
+                 lens: Tensor, states: RecurrentStates | None = None,
+                 state_rows: Tensor | None = None, spans: StateSpans | None = None) -> None:
         self.slabs, self.positions, self.slots = slabs, positions, slots
         self.tables, self.lens = tables, lens
+        self.states, self.state_rows, self.spans = states, state_rows, spans
+
+    def graph_inputs(self, ids: Tensor) -> tuple[Tensor, ...]:
+        """The arguments of `DecodeGraphs.run` for this step's token `ids`."""
+        return (ids, self.positions, self.slots, self.tables, self.lens,
+                *(() if self.state_rows is None else (self.state_rows,)))
+
+    def recurrent(self, layer_idx: int, inputs: tuple[Tensor, ...],
+                  step: RecurrentStep) -> Tensor:
+        assert self.states is not None and self.state_rows is not None
+        conv, state = self.states.conv[layer_idx], self.states.state[layer_idx]
+        rows = self.state_rows
+        out, (new_conv, new_state) = step(tuple(t[0, :, None] for t in inputs),
+                                          (conv[rows], state[rows]))
+        # padding rows all write the scratch row: whichever lands, no sequence reads it
+        conv.index_copy_(0, rows, new_conv.to(conv.dtype))
+        state.index_copy_(0, rows, new_state)
+        return out[:, 0][None]
 
     def prepare(self, input_ids: Tensor, positions: Tensor | None) -> Tensor:
         return self.positions[None]
@@ -145,8 +173,11 @@ class StaticDecodeBatch:
 
 class DecodeGraphs:
     def __init__(self, model: Transformer, slabs: KVSlabs, max_num_seqs: int,
-                 max_blocks: int) -> None:
-        self.model, self.slabs = model, slabs
+                 max_blocks: int, states: RecurrentStates | None = None) -> None:
+        """`states`: a model with linear-attention layers' (its graphs read and write them
+        in place: states that grow into new tensors are no longer theirs)."""
+        self.model, self.slabs, self.states = model, slabs, states
+        self._scratch = states.scratch if states is not None else 0
         self.buckets = batch_buckets(max_num_seqs)
         self.steps = 0  # decode steps run compiled
         self.built: Counter[str] = Counter()  # graphs by origin: "compiled", "cached"
@@ -298,7 +329,9 @@ class DecodeGraphs:
                 torch.zeros(size, dtype=torch.long, device=device),
                 torch.full((size,), scratch, device=device),
                 torch.full((size, width), scratch // self.slabs.block_size, device=device),
-                torch.ones(size, dtype=torch.long, device=device))
+                torch.ones(size, dtype=torch.long, device=device),
+                *(() if self.states is None
+                  else (torch.full((size,), self.states.scratch, device=device),)))
 
     def bucket(self, batch: int) -> int | None:
         """The padded size of a `batch`-row decode step, None past the largest bucket."""
@@ -310,15 +343,23 @@ class DecodeGraphs:
         return self.widths[bisect.bisect_left(self.widths, blocks)]
 
     def _forward(self, ids: Tensor, positions: Tensor, slots: Tensor, tables: Tensor,
-                 lens: Tensor) -> Tensor:
-        view = StaticDecodeBatch(self.slabs, positions, slots, tables, lens)
+                 lens: Tensor, state_rows: Tensor | None = None) -> Tensor:
+        view = StaticDecodeBatch(self.slabs, positions, slots, tables, lens, self.states,
+                                 state_rows)
         return self.model(ids[None], kv_cache=view, head=False).hidden[0]
 
+    @property
+    def states_current(self) -> bool:
+        """Whether the linear-attention states are still the tensors the graphs were built
+        over (not grown since; true without such layers)."""
+        return self.states is None or self.states.scratch == self._scratch
+
     def run(self, ids: Tensor, positions: Tensor, slots: Tensor, tables: Tensor,
-            lens: Tensor) -> Tensor:
+            lens: Tensor, state_rows: Tensor | None = None) -> Tensor:
         """The final norm's output (B, dim) of a B-row step (all arguments (B,) but
         `tables`, (B, a `width` bucket)), computed at the bucket's padded size; the LM head
-        is the caller's (`Transformer.compute_logits`), on the rows it keeps."""
+        is the caller's (`Transformer.compute_logits`), on the rows it keeps. A model with
+        linear-attention layers gives each row's `state_rows`."""
         batch = ids.shape[0]
         size = self.bucket(batch)
         if size is None:
@@ -334,8 +375,12 @@ class DecodeGraphs:
             tables = torch.cat([tables, tables.new_full((pad, tables.shape[1]),
                                                         scratch // self.slabs.block_size)])
             lens = torch.cat([lens, lens.new_ones(pad)])
+            if state_rows is not None:
+                state_rows = torch.cat([state_rows, state_rows.new_full((pad,),
+                                                                        self._scratch)])
         self.steps += 1
-        inputs = (ids, positions, slots, tables, lens)
+        inputs = (ids, positions, slots, tables, lens,
+                  *(() if state_rows is None else (state_rows,)))
         shape = (size, tables.shape[1])
         graph = self._graphs.get(shape)
         if graph is None:
@@ -427,9 +472,13 @@ class DecodeGraphs:
                    for name, t in (*self.model.named_parameters(),
                                    *self.model.named_buffers())]
         slab, kernels = self.slabs.k[0], policy()
+        states = None if self.states is None else [
+            (tuple(t.shape), str(t.dtype)) for table in (self.states.conv, self.states.state)
+            for t in table.values()]
         return repr((torch.__version__, sys.version, platform.machine(),
                      torch.backends.cpu.get_cpu_capability(), _source_digest(), repr(self.model),
-                     tensors, vars(self.model.config), len(self.slabs.k), tuple(slab.shape),
+                     tensors, vars(self.model.config),
+                     [tuple(slab.shape) for slab in self.slabs.k], states,
                      str(slab.dtype), self.slabs.block_size, self.slabs.scratch_slot,
                      # sorted: a frozenset's order changes from one process to the next
                      sorted((device, sorted(on)) for device, on in kernels.on.items()),

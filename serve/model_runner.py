@@ -15,11 +15,13 @@ through the same rows on its own slabs: its KV lives in the target's block ids, 
 paged, shared and freed with them. A model's linear-attention layers keep each sequence's
 state in the row of its block table (`lathe.serve.recurrent_states`); every step carries
 where its sequences lie (`StateSpans`) and which snapshot their states for the prefix cache
-(prefill chunks and decodes at block boundaries), and such a model's steps run eagerly.
+(prefill chunks and decodes at block boundaries); a preempted sequence's row goes back
+(it starts again when readmitted), so the rows never outgrow `max_num_seqs`.
 With `compile_decode`, a step of the target whose every token attends through its block
 table — decodes, and on CPU those short prefill chunks and drafts — runs through
 `lathe.serve.decode_graph` instead: the same rows, a token each, at compiled static shapes
-(a 4-token prompt's first step on the README model: 0.38 ms against 1.30 ms eager). On CPU the
+(a 4-token prompt's first step on the README model: 0.38 ms against 1.30 ms eager); with
+linear-attention layers, a step of decodes alone does, snapshots taken after it. On CPU the
 runner loads lathe's native kernels: paged decode attention that reads the slabs in
 place, few-row linears, the greedy pick, and the quantized GEMMs as ops a compiled step
 calls without Python; and it has glibc keep freed memory mapped
@@ -45,7 +47,7 @@ from lathe.serve.host_memory import retain_freed_memory
 from lathe.serve.paged_cache import KVSlabs, PagedBatch, SequenceSpan
 from lathe.serve.quant import is_quantized
 from lathe.serve.recurrent_states import RecurrentStates, StateSnapshots, StateSpans
-from lathe.serve.sequence import Sequence
+from lathe.serve.sequence import Sequence, Status
 
 log = logging.getLogger("lathe.serve")
 
@@ -106,7 +108,7 @@ class ModelRunner:
         # max_position_embeddings alone (1e10 of them: 320 GB) would never be filled
         self.max_blocks = min(-(-max_model_len // self.block_size),
                               slabs.scratch_slot // self.block_size)
-        # each sequence's linear-attention states, by its row: such steps are not compiled
+        # each sequence's linear-attention states, by its row
         self.states = RecurrentStates(model.config, rows, device, slabs.dtype) \
             if model.config.linear_layer_count else None
         self.snapshots = snapshots if self.states is not None else None
@@ -120,11 +122,8 @@ class ModelRunner:
         self._taken: list[tuple[Sequence, int, StateSpans, tuple[int, int], bool]] = []
         self._decoded: dict[Sequence, int] = {}  # each sequence's kept decode snapshot
         self._drafted: StateSpans | None = None  # the last step's, until its drafts settle
-        if compile_decode and self.states is not None:
-            log.info("decode steps run eagerly: compiled steps do not carry the "
-                     "linear-attention layers' states")
-        self.graphs = DecodeGraphs(model, slabs, rows, self.max_blocks) \
-            if compile_decode and self.states is None else None
+        self.graphs = DecodeGraphs(model, slabs, rows, self.max_blocks, self.states) \
+            if compile_decode else None
         # the LM head of a compiled step, over its kept rows outside the graph (as vLLM's)
         self.head = model.compute_logits if model.config.final_softcap is not None \
             else bound_linear(model.lm_head)
@@ -184,6 +183,8 @@ class ModelRunner:
         row = self.rows.get(seq)
         if row is None:
             if not self.free_rows:
+                self._reclaim()
+            if not self.free_rows:
                 self._grow()
             row = self.rows[seq] = self.free_rows.pop()
         blocks, known = seq.table.blocks, self.written[row]
@@ -193,6 +194,14 @@ class ModelRunner:
                                                                device=self.device)
             self.written[row] = list(blocks)
         return row
+
+    def _reclaim(self) -> None:
+        """Free the rows of preempted sequences: one starts again from its first token (or
+        a snapshot) when it is readmitted, so it needs no row before then, and the running
+        ones (`max_num_seqs` at most) then never outgrow the rows the compiled steps of a
+        model with linear-attention layers were built over."""
+        for seq in [seq for seq in self.rows if seq.status is Status.WAITING]:
+            self.release(seq)
 
     def _grow(self) -> None:
         old = self.tables.shape[0]
@@ -211,10 +220,12 @@ class ModelRunner:
         first. `drafted`: the sequences whose tokens end in drafts (their linear-attention
         states are settled once the drafts are verified: `settle_drafts`)."""
         self._taken = []  # a step that failed before its snapshots were kept leaves none
-        if self._static(items, slabs):
+        if self._static(items, slabs, drafted):
             inputs, tables, blocks = self._table_inputs(items)
             assert self.graphs is not None
-            view = self._view(inputs[0], tables[:, :self.graphs.width(blocks)], static=True)
+            view = self._view(inputs[0], tables[:, :self.graphs.width(blocks)], static=True,
+                              states=self._state_spans([(i, seq, start, 1) for i, (
+                                  seq, start, _) in enumerate(items)]))
             return inputs[0, :1], view, _starts(items)
         slabs = slabs or self.slabs
         paged_context = self._paged_context(slabs)
@@ -325,14 +336,22 @@ class ModelRunner:
             return 0
         return PAGED_PREFILL_BYTES // (2 * k_slab[0].nbytes)
 
-    def _static(self, items: Seq[StepItem], slabs: KVSlabs | None) -> bool:
+    def _static(self, items: Seq[StepItem], slabs: KVSlabs | None,
+                drafted: frozenset[Sequence] = frozenset()) -> bool:
         """Whether a step takes the compiled path: the target's, with every token attending
         through its block table — decodes, and on CPU short prefill chunks and verified
         drafts as well — and, with `max_static_rows`, no more tokens than that; and the
-        graphs it calls are built (while they build in the background, others run eager)."""
+        graphs it calls are built (while they build in the background, others run eager).
+        With linear-attention layers, whose states a token at a time carries on, only a
+        step of decodes that continue their states (no first token, no drafts) does."""
         if self.graphs is None or slabs is not None:
             return False
-        if all(len(tokens) == 1 for _, _, tokens in items):
+        decodes = all(len(tokens) == 1 for _, _, tokens in items)
+        if self.states is not None and not (
+                decodes and not drafted and self.graphs.states_current
+                and all(start for _, start, _ in items)):
+            return False
+        if decodes:
             return (self.graphs.bucket(len(items)) is not None
                     and self.graphs.ready_for(len(items)))
         context = self._paged_context(self.slabs)
@@ -389,7 +408,10 @@ class ModelRunner:
               states: StateSpans | None = None) -> PagedBatch | StaticDecodeBatch:
         """The attention view of one pass of `_table_inputs`: every token through its table."""
         if static:
-            return StaticDecodeBatch(self.slabs, inputs[1], inputs[2], tables, inputs[3])
+            rows = None if states is None else torch.tensor(
+                [row for _, _, row, _, _ in states.spans], device=self.device)
+            return StaticDecodeBatch(self.slabs, inputs[1], inputs[2], tables, inputs[3],
+                                     self.states, rows, states)
         return PagedBatch(self.slabs, inputs[1], inputs[2], inputs.shape[1], tables,
                           inputs[3], [], states)
 
@@ -408,23 +430,22 @@ class ModelRunner:
         """A compiled step's logits of rows `keep`: the graphs give the final hidden states,
         in calls of the largest bucket's rows, in row order, when the step has more (each
         call writes its tokens' K/V before they attend, so a sequence's later tokens see its
-        earlier ones, as in one call); the LM head runs on the kept rows alone."""
+        earlier ones, as in one call); the LM head runs on the kept rows alone. The
+        linear-attention states the step snapshots are taken after it."""
         assert self.graphs is not None
-        largest, total = self.graphs.buckets[-1], ids.shape[0]
-        if total <= largest:
-            return self.head(select_rows(self.graphs.run(
-                ids, view.positions, view.slots, view.tables, view.lens), keep))
-        order = sorted(range(len(keep)), key=keep.__getitem__)
-        parts = []
-        for begin in range(0, total, largest):
-            end = min(begin + largest, total)
-            wanted = [keep[i] - begin for i in order if begin <= keep[i] < end]
-            hidden = self.graphs.run(ids[begin:end], view.positions[begin:end],
-                                     view.slots[begin:end], view.tables[begin:end],
-                                     view.lens[begin:end])
-            if wanted:
-                parts.append(select_rows(hidden, wanted))
-        if not parts:
-            return self.head(hidden[:0])
-        kept = torch.cat(parts)[torch.tensor(order, device=ids.device).argsort()]
+        largest, inputs = self.graphs.buckets[-1], view.graph_inputs(ids)
+        if ids.shape[0] <= largest:
+            kept = select_rows(self.graphs.run(*inputs), keep)
+        else:
+            order = sorted(range(len(keep)), key=keep.__getitem__)
+            parts = []
+            for begin in range(0, ids.shape[0], largest):
+                hidden = self.graphs.run(*(t[begin:begin + largest] for t in inputs))
+                wanted = [keep[i] - begin for i in order if begin <= keep[i] < begin + largest]
+                if wanted:
+                    parts.append(select_rows(hidden, wanted))
+            kept = torch.cat(parts)[torch.tensor(order, device=ids.device).argsort()] \
+                if parts else hidden[:0]
+        if view.spans is not None:
+            view.spans.capture(0, view.spans.states.layers)
         return self.head(kept)

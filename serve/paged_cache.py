@@ -169,8 +169,7 @@ class PagedBatch:
 def engine_cache_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
     """What an engine of `config.num_blocks` blocks holds beyond the weights, at most (for
     memory plans): its KV slabs and their scratch block, and for a model with
-    linear-attention layers a state for each of `max_num_seqs` rows and each snapshot the
-    prefix cache may keep."""
+    linear-attention layers the states of `state_rows`."""
     assert config.num_blocks is not None, "a plan sizes an engine of a set block count"
     return ((config.num_blocks + 1) * KVSlabs.bytes_per_block(model, config.block_size, dtype)
             + state_rows(config) * RecurrentStates.bytes_per_sequence(model, dtype))
@@ -178,8 +177,10 @@ def engine_cache_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dt
 
 def state_rows(config: EngineConfig) -> int:
     """How many sequences' linear-attention states an engine holds at most: a running
-    sequence's each, and each snapshot its prefix cache may keep."""
-    return config.max_num_seqs + (config.recurrent_snapshots if config.prefix_caching else 0)
+    sequence's each, the compiled steps' padding row, and each snapshot its prefix cache
+    may keep."""
+    return config.max_num_seqs + 1 + (config.recurrent_snapshots if config.prefix_caching
+                                      else 0)
 
 
 def blocks_in_budget(config: EngineConfig, models: list[ModelConfig], device: torch.device,

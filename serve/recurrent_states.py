@@ -1,16 +1,18 @@
 """What each sequence's linear-attention layers (Qwen3.5's Gated DeltaNet) carry from one
 engine step to the next, and one step's view of it.
 
-Where an attention layer keeps keys and values per token in the paged slabs, a
-linear-attention layer keeps one fixed-size state per sequence: its short convolution's last
-inputs and its delta rule's (value heads, key width, value width) matrix. `RecurrentStates`
-holds them per layer, a row for each row of the `ModelRunner`'s block tables (a sequence's
-row is its state's index), and grows with those rows. A state is the sequence's after the
-tokens the engine has computed for it, so a sequence starts fresh at position 0 — a new
-one, or one recomputed after a preemption — or from a snapshot. In a speculative step the
-state would advance through drafts the target then rejects, so a drafted sequence's tokens
-run token by token keeping the states after each (`StateSpans.candidates`), and once the
-drafts are verified the row takes those after the last accepted one (`settle`).
+Where an attention layer keeps keys and values per token in the paged slabs, a linear-
+attention layer keeps one fixed-size state per sequence: its short convolution's last inputs
+and its delta rule's (value heads, key width, value width) matrix. `RecurrentStates` holds
+them per layer, a row for each row of the `ModelRunner`'s block tables (a sequence's row is
+its state's index) and a scratch row that a compiled decode step's padding rows write
+(`lathe.serve.decode_graph`, which reads and writes the rows in place), and grows with those
+rows — into new tensors, which the compiled steps no longer serve. A state is the sequence's
+after the tokens the engine has computed for it, so a sequence starts fresh at position 0 —
+a new one, or one recomputed after a preemption — or from a snapshot. In a speculative step
+the state would advance through drafts the target then rejects, so a drafted sequence's
+tokens run token by token keeping the states after each (`StateSpans.candidates`), and once
+the drafts are verified the row takes those after the last accepted one (`settle`).
 
 A cached prefix's keys and values have no linear-attention state at their end, so prefix
 caching keeps states apart (vLLM's "align" mode for hybrid models, in short): each prefill
@@ -47,19 +49,27 @@ class RecurrentStates:
     def __init__(self, config: ModelConfig, rows: int, device: torch.device,
                  dtype: torch.dtype) -> None:
         """The convolution's inputs in `dtype` (the KV cache's), the rule's state in float32
-        (as it is computed)."""
+        (as it is computed); a row past the sequences' (`scratch`) for a compiled step's
+        padding rows to write."""
         self.conv_shape, self.state_shape = recurrent_shapes(config)
         self.layers = [i for i in range(config.n_layers) if config.is_linear(i)]
-        self.conv = {i: torch.zeros(rows, *self.conv_shape, device=device, dtype=dtype)
+        self.conv = {i: torch.zeros(rows + 1, *self.conv_shape, device=device, dtype=dtype)
                      for i in self.layers}
-        self.state = {i: torch.zeros(rows, *self.state_shape, device=device,
+        self.state = {i: torch.zeros(rows + 1, *self.state_shape, device=device,
                                      dtype=torch.float32) for i in self.layers}
 
+    @property
+    def scratch(self) -> int:
+        """The padding rows' state row (owned by no sequence), after the sequences'."""
+        return len(next(iter(self.state.values()))) - 1
+
     def grow(self, rows: int) -> None:
-        """Room for `rows` sequences, the states held kept."""
+        """Room for `rows` sequences, the states held kept (new tensors: a compiled step
+        built over the old ones no longer serves)."""
         for table in (self.conv, self.state):
             for i, held in table.items():
-                table[i] = torch.cat((held, held.new_zeros(rows - len(held), *held.shape[1:])))
+                table[i] = torch.cat((held, held.new_zeros(rows + 1 - len(held),
+                                                           *held.shape[1:])))
 
     @property
     def nbytes(self) -> int:
@@ -204,11 +214,17 @@ class StateSpans:
                 if out is None:
                     out = result.new_empty(1, inputs[0].shape[1], *result.shape[2:])
                 out[0, at] = result
-            for row, cut in self.snapshot_rounds.get(number, []):
-                self.captured.setdefault((row, cut), {})[layer_idx] = (conv[row].clone(),
-                                                                       state[row].clone())
+            self.capture(number, [layer_idx])
         assert out is not None, "a step with no tokens"
         return out
+
+    def capture(self, number: int, layers: list[int]) -> None:
+        """Keep the snapshots round `number` completes, of `layers`' states as they are
+        now."""
+        for row, cut in self.snapshot_rounds.get(number, []):
+            taken = self.captured.setdefault((row, cut), {})
+            for i in layers:
+                taken[i] = (self.states.conv[i][row].clone(), self.states.state[i][row].clone())
 
     def settle(self, row: int, kept: int) -> None:
         """A drafted row's states after its first `kept` tokens (the last sampled one and

@@ -195,11 +195,19 @@ def full_forward_greedy(hf, prompt: list[int], steps: int) -> list[int]:
     # no snapshots to cut them: the prompts whole, or in chunks that continue their states
     {"num_blocks": 64, "prefix_caching": False},
     {"num_blocks": 64, "prefix_caching": False, "max_num_batched_tokens": 100},
-], ids=["whole", "chunked", "multi-step", "preempted", "uncached", "uncached-chunks"])
+    # decodes through the compiled steps, which read and write the states of their rows
+    {"num_blocks": 64, "max_num_seqs": 4, "compile_decode": True},
+    {"num_blocks": 64, "max_num_seqs": 4, "compile_decode": True, "decode_steps": 4},
+    {"num_blocks": 40, "block_size": 4, "max_num_batched_tokens": 64, "max_num_seqs": 4,
+     "compile_decode": True},
+], ids=["whole", "chunked", "multi-step", "preempted", "uncached", "uncached-chunks",
+        "compiled", "compiled-multi-step", "compiled-preempted"])
 def test_the_engine_serves_each_sequence_from_its_own_state(tmp_path, engine):
     """The paged engine keeps each sequence's linear-attention states by its row: however
     a step mixes prefill chunks and decodes of other sequences, and after a preemption
-    recomputes a sequence from its first token, the greedy tokens are transformers'."""
+    recomputes a sequence from its first token, the greedy tokens are transformers'. Its
+    compiled decode steps carry the states too, and a preempted sequence's row goes back,
+    so the states never outgrow the tensors the steps were built over."""
     from lathe.serve.config import EngineConfig
     from lathe.serve.engine import LLMEngine
     from lathe.serve.sampling_params import SamplingParams
@@ -216,6 +224,8 @@ def test_the_engine_serves_each_sequence_from_its_own_state(tmp_path, engine):
         assert output.outputs[0].token_ids == full_forward_greedy(hf, prompt, 16)
     if "block_size" in engine:
         assert served.scheduler.num_preemptions > 0
+    if engine.get("compile_decode"):
+        assert served.runner.graphs.steps > 0 and served.runner.graphs.states_current
 
 
 def test_the_engine_samples_n_and_scores_prompts_as_transformers(tmp_path):
@@ -508,10 +518,11 @@ def adapted(folder, section, seed: int = 9):
     return model
 
 
-def test_a_policys_adapters_on_the_delta_net_go_into_an_engine_slot(tmp_path):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_policys_adapters_on_the_delta_net_go_into_an_engine_slot(tmp_path, compiled):
     """GRPO's rollout engine takes a LoRA policy's adapters each step into a slot: on the
     Gated DeltaNet's projections too (every one of them), serving the merged policy's
-    greedy tokens."""
+    greedy tokens — in compiled decode steps as well."""
     from lathe.model.lora import (
         DELTA_NET_LINEARS,
         LoraSection,
@@ -528,8 +539,8 @@ def test_a_policys_adapters_on_the_delta_net_go_into_an_engine_slot(tmp_path):
     policy = adapted(tmp_path / "hf", section)
     weights = {name.removeprefix("base_model.model."): tensor
                for name, tensor in adapter_weights(policy).items()}
-    engine = LLMEngine.from_checkpoint(tmp_path / "hf", EngineConfig(num_blocks=64, max_loras=1,
-                                                                     max_lora_rank=4))
+    engine = LLMEngine.from_checkpoint(tmp_path / "hf", EngineConfig(
+        num_blocks=64, max_loras=1, max_lora_rank=4, max_num_seqs=2, compile_decode=compiled))
     engine.put_adapter("policy", adapter_pairs(weights), section.scale)
     prompt = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(10)).tolist()
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -537,13 +548,15 @@ def test_a_policys_adapters_on_the_delta_net_go_into_an_engine_slot(tmp_path):
     merged = LLMEngine(merge_lora(policy).eval(), config=EngineConfig(num_blocks=64))
     assert served == merged.generate([prompt], params)[0].outputs[0].token_ids
     assert served != engine.generate([prompt], params)[0].outputs[0].token_ids
+    assert (engine.runner.graphs is not None and engine.runner.graphs.steps > 0) == compiled
 
 
 @pytest.mark.parametrize("engine", [
     {},  # each prompt in one chunk, snapshotted at its last block boundary
     {"max_num_batched_tokens": 24},  # in chunks, each snapshotted
     {"decode_steps": 4},  # a one-token first step in a run of decode passes
-], ids=["whole", "chunked", "multi-step"])
+    {"max_num_seqs": 4, "compile_decode": True},  # the answer's states kept by compiled steps
+], ids=["whole", "chunked", "multi-step", "compiled"])
 def test_a_conversations_next_turn_resumes_from_the_kept_states(tmp_path, engine):
     """Prefix caching for linear-attention layers: a prompt that extends an earlier one and
     its answer (a chat's next turn) starts from the cached blocks up to the last block

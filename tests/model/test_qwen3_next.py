@@ -106,7 +106,8 @@ def test_gradients_are_transformers(tmp_path):
 
 def test_generation_and_the_engine_follow_transformers(tmp_path):
     """`generate` (the chunked rule over the prompt, then the recurrence) gives transformers'
-    greedy tokens; so does the paged engine, prompts in chunks beside other decodes."""
+    greedy tokens; so does the paged engine, prompts in chunks beside other decodes, its
+    decodes eager or compiled (the experts and the states in one graph)."""
     from lathe.serve.config import EngineConfig
     from lathe.serve.engine import LLMEngine
     from lathe.serve.sampling_params import SamplingParams
@@ -116,11 +117,14 @@ def test_generation_and_the_engine_follow_transformers(tmp_path):
     generates_as_transformers(hf, ours, 16)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (5, 90, 33)]
-    served = LLMEngine(ours, config=EngineConfig(num_blocks=64, max_num_batched_tokens=48))
-    outputs = served.generate(prompts, SamplingParams(max_tokens=12, temperature=0,
-                                                      ignore_eos=True))
-    for prompt, output in zip(prompts, outputs, strict=True):
-        assert output.outputs[0].token_ids == full_forward_greedy(hf, prompt, 12)
+    for compiled in (False, True):
+        served = LLMEngine(ours, config=EngineConfig(num_blocks=64, max_num_batched_tokens=48,
+                                                     max_num_seqs=4, compile_decode=compiled))
+        outputs = served.generate(prompts, SamplingParams(max_tokens=12, temperature=0,
+                                                          ignore_eos=True))
+        for prompt, output in zip(prompts, outputs, strict=True):
+            assert output.outputs[0].token_ids == full_forward_greedy(hf, prompt, 12)
+    assert served.runner.graphs.steps > 0
 
 
 def test_a_lora_adapter_on_the_fused_projections_is_pefts_and_served(tmp_path):

@@ -310,8 +310,12 @@ def test_seeded_sampling_through_compiled_steps_repeats():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
-def test_cuda_graph_decode_matches_eager_on_gpu():
-    model = serve_model(256).cuda()
+@pytest.mark.parametrize("shape", [{}, {"family": "qwen3_5_text", "n_layers": 4}],
+                         ids=["llama", "qwen3_5"])
+def test_cuda_graph_decode_matches_eager_on_gpu(shape):
+    """Replayed CUDA graphs compute eager's tokens — with a Gated DeltaNet's states read and
+    written by row inside the graph too."""
+    model = serve_model(256, **shape).cuda()
     eager, graphed = engine_pair(model, max_num_seqs=8)
     batch = prompts([3, 17, 40, 9, 25])
     greedy = SamplingParams(max_tokens=24, temperature=0)

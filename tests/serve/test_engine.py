@@ -92,6 +92,25 @@ def test_tiny_cache_preempts_and_every_request_still_completes_exactly():
     assert engine.block_manager.num_free == 12
 
 
+def test_a_preempted_sequences_row_goes_to_a_new_one_before_the_rows_grow():
+    """A preempted sequence starts again when it is readmitted, so a sequence admitted before
+    it (the scheduler skips one it cannot admit yet) takes its row: running sequences, at
+    most `max_num_seqs`, never grow the rows (nor the linear-attention states a compiled
+    step was built over)."""
+    from lathe.serve.sequence import Sequence, Status
+
+    engine = engine_for(serve_model(256), num_blocks=20, max_num_seqs=2)
+    runner = engine.runner
+    first, preempted, admitted = (Sequence(str(i), 0, prompt, SamplingParams())
+                                  for i, prompt in enumerate(prompts([5, 6, 7])))
+    for seq in (first, preempted):
+        seq.status = Status.RUNNING
+        runner._row(seq)
+    preempted.status = Status.WAITING
+    runner._row(admitted)
+    assert runner.tables.shape[0] == 2 and set(runner.rows) == {first, admitted}
+
+
 def test_runner_rows_are_reused_grown_and_rewritten_after_preemption():
     """The model runner's persistent block-table rows: more live sequences than rows grow
     the table, preempted sequences' reallocated blocks are rewritten, finished ones give
