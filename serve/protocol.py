@@ -831,18 +831,18 @@ class ResponseBuilder:
         form = self.options.reply
         stream = self._streams.setdefault(index, ReplyStream(form))
         self._token_ids.setdefault(index, []).extend(token_ids)
-        reasoning, text = stream.feed(text)
-        calls = []
+        reasoning, text, calls = stream.feed(text)
         if finish_reason is not None:
             end = stream.finish(finish_reason)
             reasoning, text = reasoning + (end.reasoning or ""), text + end.content
-            calls, finish_reason = end.calls, end.finish_reason
+            calls, finish_reason = calls + end.calls, end.finish_reason
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else \
             ({"content": text} if text else {})
         if reasoning and self.options.include_reasoning:
             delta["reasoning_content"] = reasoning
-        if calls:
-            delta["tool_calls"] = [call.to_openai(i) for i, call in enumerate(calls)]
+        if calls:  # each whole, as soon as it is complete; numbered through the reply
+            delta["tool_calls"] = [call.to_openai(i) for i, call in enumerate(
+                calls, start=stream.called - len(calls))]
         choice = {"index": index, "delta": delta, "finish_reason": finish_reason,
                   "logprobs": None if logprobs is None
                   else chat_logprobs(self.tokenizer, logprobs), **ids}

@@ -1,7 +1,8 @@
 """A chat choice's text as its client gets it: the reasoning split off first
 (`lathe.serve.reasoning`), then tool calls read out of the answer that follows
-(`lathe.serve.tool_calls`), whole or as it streams, with OpenAI's finish reason — and the
-count of reasoning tokens for the usage block.
+(`lathe.serve.tool_calls`), whole or as it streams (each call as soon as it is complete, as
+vLLM streams them), with OpenAI's finish reason — and the count of reasoning tokens for the
+usage block.
 
 A reply cut by max_tokens keeps the calls it completed. OpenAI ends a reply with calls as
 "tool_calls", but a named `tool_choice` as "stop". With `parallel_tool_calls: false` a reply
@@ -38,8 +39,8 @@ class Reply:
     finish_reason: str | None = None
 
 
-def _finish_reason(form: ReplyFormat, calls: list[ToolCall], reason: str | None) -> str | None:
-    if calls and reason == "stop" and not form.named_call:
+def _finish_reason(form: ReplyFormat, called: bool, reason: str | None) -> str | None:
+    if called and reason == "stop" and not form.named_call:
         return "tool_calls"
     return reason
 
@@ -47,15 +48,16 @@ def _finish_reason(form: ReplyFormat, calls: list[ToolCall], reason: str | None)
 def whole_reply(form: ReplyFormat, text: str, finish_reason: str | None) -> Reply:
     """A finished choice's text read at once."""
     stream = ReplyStream(form)
-    _, content = stream.feed(text)
+    _, content, calls = stream.feed(text)
     end = stream.finish(finish_reason)
-    return Reply(content + end.content, stream.reasoning, end.calls, end.finish_reason)
+    return Reply(content + end.content, stream.reasoning, calls + end.calls, end.finish_reason)
 
 
 class ReplyStream:
     """One streamed choice: `feed` returns the (reasoning, content) a client may see now
-    (nothing of a call, nor of what may yet open a marker); `finish` returns the rest as
-    a `Reply`, with the calls. `reasoning`: all the reasoning so far (None: none)."""
+    (nothing of a call, nor of what may yet open a marker) and the calls completed since;
+    `finish` returns the rest as a `Reply`, with the last calls. `reasoning`: all the
+    reasoning so far (None: none); `called`: how many calls were handed out."""
 
     def __init__(self, form: ReplyFormat) -> None:
         self.form = form
@@ -63,30 +65,39 @@ class ReplyStream:
             if form.reasoning is not None else None
         self.calls = ToolStream(form.tools) if form.tools is not None else None
         self._reasoning: list[str] = []  # joined when asked: a long think costs it once
+        self.called = 0
 
     @property
     def reasoning(self) -> str | None:
         return "".join(self._reasoning) if self.thinking is not None and \
             self.thinking.reasoned else None
 
-    def feed(self, delta: str) -> tuple[str, str]:
+    def feed(self, delta: str) -> tuple[str, str, list[ToolCall]]:
         reasoning, content = self.thinking.feed(delta) if self.thinking else ("", delta)
         self._reasoning.append(reasoning)
+        calls: list[ToolCall] = []
         if self.calls is not None:
-            content = self.calls.feed(content)
-        return reasoning, content
+            content, calls = self.calls.feed(content)
+        return reasoning, content, self._handed(calls)
 
     def finish(self, finish_reason: str | None) -> Reply:
         reasoning, content = self.thinking.finish() if self.thinking else ("", "")
         self._reasoning.append(reasoning)
         calls: list[ToolCall] = []
         if self.calls is not None:
-            content = self.calls.feed(content)
-            rest, calls = self.calls.finish(truncated=finish_reason == "length")
-            content += rest
-            if not self.form.parallel_calls:
-                calls = calls[:1]
-        return Reply(content, reasoning, calls, _finish_reason(self.form, calls, finish_reason))
+            content, calls = self.calls.feed(content)
+            rest, more = self.calls.finish(truncated=finish_reason == "length")
+            content, calls = content + rest, self._handed(calls + more)
+        return Reply(content, reasoning, calls,
+                     _finish_reason(self.form, self.called > 0, finish_reason))
+
+    def _handed(self, calls: list[ToolCall]) -> list[ToolCall]:
+        """`calls` as the client gets them (without parallel calls, the reply's first
+        alone), counted."""
+        if not self.form.parallel_calls:
+            calls = calls[:max(0, 1 - self.called)]
+        self.called += len(calls)
+        return calls
 
 
 def reasoning_tokens(tokenizer: Tokenizer | None, token_ids: list[int],

@@ -1,7 +1,7 @@
 """Tool calls in a model's output, by family: how each writes them (the parser
 `lathe serve --tool-call-parser` picks), the grammar that makes a model write one when a
 request's `tool_choice` requires it, and the split of a stream into the text a client may
-see now and the calls it gets at the end.
+see now and each call as soon as it is complete (`ToolStream`).
 
 - hermes (Qwen2.5, Qwen3, Hermes, SmolLM3): `<tool_call>\\n{"name": ..., "arguments": {...}}
   \\n</tool_call>`, one block per call;
@@ -35,8 +35,12 @@ A grammar spells each marker as the tokenizer does (`structured.Literals`): Qwen
 as tokens. Forcing admits at most `max_calls` calls; a reply cut by max_tokens keeps the
 calls it completed and drops the one it was writing (vLLM does the same). A tool marked
 `strict` gets OpenAI's strict semantics: no object in its arguments takes keys beyond its
-properties. Output that does not parse as calls stays text (vLLM does the same): a model
-that opens a call and writes junk gets its junk back as content, never a crash.
+properties. Calls are read one after another from the first marker: output that does not
+parse as a call stays text (vLLM does the same) — a model that opens a call and writes junk
+gets its junk back as content, never a crash — and so does whatever follows the last complete
+call (text after the calls, a malformed one), the calls before it kept, as vLLM's streaming
+parsers keep them. A call never reads differently in a longer text, so a stream hands each
+out once it is complete and the whole reply reads the same.
 """
 
 from __future__ import annotations
@@ -49,10 +53,13 @@ import secrets
 import string
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from lathe.serve.structured import Literals, StructuredOutput, text_until
 
+# while the text after the last call read is no longer than this, a stream reads on each
+# piece (text that ends the calls shows at once); past it, where a call's end may have come
+SHORT_TAIL = 64
 PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder", "glm45", "glm47", "gemma4")
 _SPACE = re.compile(r"\s*")
 
@@ -70,6 +77,15 @@ class ToolCall:
         call = {"id": self.id, "type": "function",
                 "function": {"name": self.name, "arguments": self.arguments}}
         return call if index is None else {"index": index, **call}
+
+
+class CallsRead(NamedTuple):
+    """What `ToolCallParser.read_calls` read: the complete calls, where the text after
+    them begins, and whether that text may still become a call."""
+
+    calls: list[ToolCall]
+    end: int
+    pending: bool
 
 
 def _json_values(text: str, separators: str) -> tuple[list[Any], str]:
@@ -111,6 +127,8 @@ class ToolCallParser:
 
     name = ""
     markers: tuple[str, ...] = ()
+    ends: tuple[str, ...] = ()  # what a call's text may end with (a stream reads then)
+    turn_end = ""  # what may follow the calls to end the turn (not text)
     at_start = False
     arguments_key = "arguments"
     schemas: dict[str, Any] = {}  # a bound request's tools: name -> parameters schema
@@ -140,16 +158,25 @@ class ToolCallParser:
         return ToolCall(obj["name"], json.dumps(arguments, ensure_ascii=False), self.new_id())
 
     def split(self, text: str, truncated: bool = False) -> tuple[str, list[ToolCall]]:
-        """The reply's text and its calls; ([text], []) when no call parses. `truncated`:
-        the reply was cut (max_tokens), so a last call left unfinished is dropped and the
-        complete ones before it kept."""
+        """The reply's text and its calls; ([text], []) when no call parses. The calls are
+        read one after another from the first marker; what follows the last complete one
+        (text, a malformed call) is text again. `truncated`: the reply was cut
+        (max_tokens), so a last call left unfinished is dropped, not text."""
         start = self.opening(text)
         if start is None:
             return text, []
-        calls = self.parse_calls(text[start:], truncated)
-        if not calls:
+        read = self.read_calls(text[start:])
+        if not read.calls:
             return text, []
-        return text[:start].rstrip(), calls
+        return (text[:start] + self.after_calls(text[start + read.end:], read.pending,
+                                                truncated)).rstrip(), read.calls
+
+    def after_calls(self, text: str, pending: bool, truncated: bool) -> str:
+        """The reply's text after its last complete call, as the client gets it: none where
+        the reply was cut inside a call, or where it is what ends a turn of calls."""
+        if pending and (truncated or (self.turn_end and text.strip() == self.turn_end)):
+            return ""
+        return text
 
     def opening(self, text: str) -> int | None:
         """Where the calls begin in `text`, if they do."""
@@ -168,9 +195,12 @@ class ToolCallParser:
         return max((k for m in self.markers for k in range(1, len(m))
                     if text.endswith(m[:k])), default=0)
 
-    def parse_calls(self, text: str, truncated: bool) -> list[ToolCall]:
-        """The calls `text` (from the first marker on) holds; [] unless it is calls only
-        (but for an unfinished last one when `truncated`)."""
+    def read_calls(self, text: str, at: int = 0) -> CallsRead:
+        """The complete calls `text` (from the first marker on) holds one after another
+        from `at` (the end of calls already read), where the text after them begins, and
+        whether that text may yet become a call as more arrives (a call cut short, or
+        nothing) rather than being text. Reading a longer text never reads a call of
+        the shorter one differently: a stream hands each call out once it is complete."""
         raise NotImplementedError
 
     def grammar(self, tools: list[dict[str, Any]], max_calls: int,
@@ -180,9 +210,29 @@ class ToolCallParser:
         tool's parameters, markers spelled by `literals`."""
         raise NotImplementedError
 
-    def _calls(self, values: list[Any]) -> list[ToolCall]:
-        calls = [self.call(v) for v in values]
-        return calls if calls and all(calls) else []
+    def _json_calls(self, text: str, at: int, separators: str,
+                    closing: str | None = None) -> CallsRead:
+        """Calls written as JSON objects from `at`, `separators` between them, until
+        `closing` (a list's `]`: read past it) when one is given."""
+        decoder, calls = json.JSONDecoder(), []
+        while True:
+            start = at
+            while start < len(text) and text[start] in separators:
+                start += 1
+            if start == len(text):
+                return CallsRead(calls, at, True)
+            if closing is not None and text.startswith(closing, start):
+                end = start + len(closing)  # what follows the closed list is text
+                return CallsRead(calls, end, not text[end:].strip())
+            try:
+                value, end = decoder.raw_decode(text, start)
+            except (json.JSONDecodeError, RecursionError):
+                return CallsRead(calls, at, True)  # cut short, or never JSON: the end says
+            call = self.call(value)
+            if call is None:
+                return CallsRead(calls, at, False)
+            calls.append(call)
+            at = end
 
     def _call_schema(self, tools: list[dict[str, Any]]) -> str:
         options = [{"type": "object", "additionalProperties": False,
@@ -215,24 +265,23 @@ def _repeat(call: str, separator: str, max_calls: int) -> str:
 class HermesParser(ToolCallParser):
     name = "hermes"
     markers = ("<tool_call>",)
+    ends = ("</tool_call>",)
 
-    def parse_calls(self, text: str, truncated: bool) -> list[ToolCall]:
-        calls, rest = [], text
-        while rest.strip():
-            rest = rest.lstrip()
-            if not rest.startswith("<tool_call>"):
-                if truncated and "<tool_call>".startswith(rest):
-                    break  # cut inside the next call's marker
-                return []  # text after the calls: the reply is not (only) calls
-            body, closed, rest = rest[len("<tool_call>"):].partition("</tool_call>")
-            if not closed and truncated:
-                break
-            values, junk = _json_values(body, " \t\r\n") if closed else ([], body)
+    def read_calls(self, text: str, at: int = 0) -> CallsRead:
+        calls = []
+        while True:
+            rest = text[at:].lstrip()
+            if not rest.startswith("<tool_call>"):  # text, or the next marker cut short
+                return CallsRead(calls, at, "<tool_call>".startswith(rest))
+            body, closed, after = rest[len("<tool_call>"):].partition("</tool_call>")
+            if not closed:
+                return CallsRead(calls, at, True)
+            values, junk = _json_values(body, " \t\r\n")
             call = self.call(values[0]) if len(values) == 1 and not junk else None
             if call is None:
-                return []
+                return CallsRead(calls, at, False)
             calls.append(call)
-        return calls
+            at = len(text) - len(after)
 
     def grammar(self, tools: list[dict[str, Any]], max_calls: int,
                 literals: Literals) -> StructuredOutput:
@@ -246,12 +295,15 @@ class HermesParser(ToolCallParser):
 class Llama3JsonParser(ToolCallParser):
     name = "llama3_json"
     markers = ("<|python_tag|>", "{")
+    ends = ("}",)
     at_start = True
     arguments_key = "parameters"
 
-    def parse_calls(self, text: str, truncated: bool) -> list[ToolCall]:
-        values, rest = _json_values(text.removeprefix("<|python_tag|>"), " \t\r\n;")
-        return self._calls(values) if not rest or truncated else []
+    def read_calls(self, text: str, at: int = 0) -> CallsRead:
+        if at == 0 and text.startswith("<|python_tag|>"):
+            read = self._json_calls(text, len("<|python_tag|>"), " \t\r\n;")
+            return read if read.calls else CallsRead([], 0, read.pending)
+        return self._json_calls(text, at, " \t\r\n;")
 
     def grammar(self, tools: list[dict[str, Any]], max_calls: int,
                 literals: Literals) -> StructuredOutput:
@@ -262,6 +314,7 @@ class Llama3JsonParser(ToolCallParser):
 class MistralParser(ToolCallParser):
     name = "mistral"
     markers = ("[TOOL_CALLS]",)
+    ends = ("}", "]")
     named_args = False  # a grammar writes [TOOL_CALLS]name[ARGS]{...}, not a JSON list
 
     def for_template(self, template: str) -> ToolCallParser:
@@ -274,23 +327,26 @@ class MistralParser(ToolCallParser):
         alphabet = string.ascii_letters + string.digits
         return "".join(secrets.choice(alphabet) for _ in range(9))
 
-    def parse_calls(self, text: str, truncated: bool) -> list[ToolCall]:
-        body = text.removeprefix("[TOOL_CALLS]").lstrip()
-        if not body.startswith("["):
-            return self._named_calls(text, truncated)
-        values, rest = _json_values(body[1:], " \t\r\n,")
-        return self._calls(values) if rest.strip() == "]" or truncated else []
+    def read_calls(self, text: str, at: int = 0) -> CallsRead:
+        body = text[len("[TOOL_CALLS]"):] if text.startswith("[TOOL_CALLS]") else ""
+        if not body.lstrip().startswith("["):
+            return self._named_calls(text, at)
+        if at:
+            if text[at - 1] == "]":  # the list closed (a call ends with "}"): text after it
+                return CallsRead([], at, not text[at:].strip())
+            return self._json_calls(text, at, " \t\r\n,", closing="]")
+        read = self._json_calls(text, len(text) - len(body.lstrip()) + 1, " \t\r\n,",
+                                closing="]")  # into the list
+        return read if read.calls else CallsRead([], 0, read.pending)
 
-    def _named_calls(self, text: str, truncated: bool) -> list[ToolCall]:
+    def _named_calls(self, text: str, at: int) -> CallsRead:
         """`[TOOL_CALLS]name[ARGS]{...}` calls, one after another (a `[CALL_ID]id` before
         `[ARGS]`, as some of Mistral's tokenizers write, is read past)."""
-        calls, rest, decoder = [], text, json.JSONDecoder()
-        while rest.strip():
-            rest = rest.lstrip()
+        calls, decoder = [], json.JSONDecoder()
+        while True:
+            rest = text[at:].lstrip()
             if not rest.startswith("[TOOL_CALLS]"):
-                if truncated and "[TOOL_CALLS]".startswith(rest):
-                    break
-                return []
+                return CallsRead(calls, at, "[TOOL_CALLS]".startswith(rest))
             head, found, rest = rest[len("[TOOL_CALLS]"):].partition("[ARGS]")
             name = head.partition("[CALL_ID]")[0]
             try:
@@ -299,13 +355,10 @@ class MistralParser(ToolCallParser):
                 arguments, end = None, 0
             call = self.call({"name": name, "arguments": arguments}) \
                 if found and re.fullmatch(r"[\w.-]+", name) and arguments is not None else None
-            if call is None:
-                if truncated:
-                    break  # cut inside this call
-                return []
+            if call is None:  # cut inside this call (where it is not, the end says)
+                return CallsRead(calls, at, True)
             calls.append(call)
-            rest = rest[end:]
-        return calls
+            at = len(text) - len(rest) + end
 
     def grammar(self, tools: list[dict[str, Any]], max_calls: int,
                 literals: Literals) -> StructuredOutput:
@@ -403,41 +456,41 @@ class XmlToolCallParser(ToolCallParser):
     marker that the next argument or the call's end follows."""
 
     markers = ("<tool_call>",)
+    ends = ("</tool_call>",)
     form: XmlForm
 
-    def parse_calls(self, text: str, truncated: bool) -> list[ToolCall]:
+    def read_calls(self, text: str, at: int = 0) -> CallsRead:
         form = self.form
         head, arg, next_part, tail = form.readers
         close = form.arg_tail.strip()
-        calls, at = [], 0
-        while text[at:].strip():
-            at = len(text) - len(text[at:].lstrip())
-            match = head.match(text, at)
+        calls = []
+        while True:
+            start = len(text) - len(text[at:].lstrip())
+            match = head.match(text, start)
             if match is None:  # not a call; or, cut short, the head of the next one
-                rest = text[at:]
-                cut = rest.startswith("<tool_call>") or "<tool_call>".startswith(rest)
-                return calls if truncated and cut else []
-            name, at, arguments = match.group(1), match.end(), {}
+                rest = text[start:]
+                return CallsRead(calls, at, rest.startswith("<tool_call>")
+                                 or "<tool_call>".startswith(rest))
+            name, position, arguments = match.group(1), match.end(), {}
             properties = (self.schemas.get(name) or {}).get("properties") or {}
-            while (key := arg.match(text, at)) is not None:
+            while (key := arg.match(text, position)) is not None:
                 end = key.end()
                 while (end := text.find(close, end)) >= 0 \
                         and not next_part.match(text, end + len(close)):
                     end += 1
                 if end < 0:
-                    return calls if truncated else []
+                    return CallsRead(calls, at, True)
                 value = text[key.end():end]
                 if form.arg_tail.startswith("\n"):
                     value = value.removesuffix("\n")
                 arguments[key.group(1)] = typed_value(value, properties.get(key.group(1)))
-                at = end + len(close)
-            ended = tail.match(text, at)
+                position = end + len(close)
+            ended = tail.match(text, position)
             if ended is None:
-                return calls if truncated else []
+                return CallsRead(calls, at, True)
             calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False),
                                   self.new_id()))
             at = ended.end()
-        return calls
 
     def grammar(self, tools: list[dict[str, Any]], max_calls: int,
                 literals: Literals) -> StructuredOutput:
@@ -501,6 +554,7 @@ GEMMA_QUOTE = '<|"|>'
 GEMMA_MAX_DEPTH = 64  # nested arguments deeper than this are not a call (hostile output)
 _GEMMA_SCALAR = re.compile(r"[^,:{}\[\]<]+")
 _GEMMA_KEY = re.compile(r"[^,:{}\[\]<]+(?=:)")
+_GEMMA_HEAD = re.compile(r"<\|tool_call>call:([\w.-]+)\{")
 
 
 def gemma_value(text: str, at: int, depth: int = 0) -> tuple[Any, int]:
@@ -561,30 +615,28 @@ class Gemma4Parser(ToolCallParser):
     markers = ("<|tool_call>",)
     closing = "<tool_call|>"
     turn_end = "<|tool_response>"
+    ends = (closing, turn_end)
 
-    def parse_calls(self, text: str, truncated: bool) -> list[ToolCall]:
-        calls, at = [], 0
-        while text[at:].strip():
-            at = len(text) - len(text[at:].lstrip())
-            if text.startswith(self.turn_end, at) and not text[at + len(self.turn_end):].strip():
-                break
-            head = re.compile(r"<\|tool_call>call:([\w.-]+)\{").match(text, at)
-            if head is None:
-                return calls if truncated and self._cut(text[at:]) else []
+    def read_calls(self, text: str, at: int = 0) -> CallsRead:
+        calls = []
+        while True:
+            start = len(text) - len(text[at:].lstrip())
+            rest = text[start:]
+            if self.turn_end.startswith(rest):  # the turn's end, whole or cut short
+                return CallsRead(calls, at, True)
+            head = _GEMMA_HEAD.match(text, start)
+            if head is None:  # text; or, cut short, a call's head
+                return CallsRead(calls, at, rest.startswith(self.markers[0])
+                                 or self.markers[0].startswith(rest))
             try:
                 arguments, end = gemma_value(text, head.end() - 1)
-            except (ValueError, RecursionError):
-                return calls if truncated else []
+            except (ValueError, RecursionError):  # cut short, or never a value: the end says
+                return CallsRead(calls, at, True)
             if not text.startswith(self.closing, end):
-                return calls if truncated and self.closing.startswith(text[end:]) else []
+                return CallsRead(calls, at, self.closing.startswith(text[end:]))
             calls.append(ToolCall(head.group(1), json.dumps(arguments, ensure_ascii=False),
                                   self.new_id()))
             at = end + len(self.closing)
-        return calls
-
-    def _cut(self, rest: str) -> bool:
-        """Whether `rest` is a call's head cut short."""
-        return rest.startswith(self.markers[0]) or self.markers[0].startswith(rest)
 
     def grammar(self, tools: list[dict[str, Any]], max_calls: int,
                 literals: Literals) -> StructuredOutput:
@@ -696,39 +748,81 @@ def tool_call_parser(name: str) -> ToolCallParser:
 
 
 class ToolStream:
-    """One streamed choice's text, split as it arrives: `feed` returns what the client may
-    see now (nothing of a call, nor of what may yet open one); `finish` returns the rest
-    of the text and the calls. Only the text not yet sent is searched for a marker (what
-    may start one is held back), so a long reply costs its length once."""
+    """One streamed choice's text, split as it arrives: `feed` returns the text the client
+    may see now (nothing of a call, nor of what may yet open one) and each call as soon as
+    it is complete; `finish` returns the rest of the text and the last calls — together what
+    `ToolCallParser.split` reads from the whole text. Before the first marker only the text
+    not yet sent is searched for one (what may start one is held back); after it, the calls
+    are read again only when a call's end may have arrived (`ToolCallParser.ends`) or while
+    the text after the last call is short (where text that ends the calls shows), each read
+    from the last call's end: a long reply costs its length about once, a long call a few
+    times its length."""
 
     def __init__(self, parser: ToolCallParser) -> None:
         self.parser = parser
-        self.sent: list[str] = []  # what the client was given
+        self.sent = False  # whether the client was given text before the calls
         self.held = ""  # what may still open calls
-        self.calls: list[str] | None = None  # the text from the first marker on
+        self.region: list[str] | None = None  # the text from the first marker on, in pieces
+        self.size = 0  # its length
+        self.end = 0  # where in it the calls handed out end
+        self.called = 0  # how many were handed out
+        self.passing = False  # the calls ended in text: the rest of the reply is text
+        self.tail = ""  # the region's last characters, where a closing marker may begin
+        self.keep = max(len(end) for end in parser.ends) - 1  # how many of them
+        self.closed_read = 0  # the region's length at the last read on a closing marker
 
-    def feed(self, delta: str) -> str:
-        if self.calls is not None:
-            self.calls.append(delta)
-            return ""
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        if self.passing:
+            return delta, []
+        if self.region is not None:
+            return self._more(delta)
         self.held += delta
         if self.parser.at_start and self.sent:  # the reply began with text: no calls
-            out, self.held = self.held, ""
-        else:
-            start = self.parser.opening(self.held)
-            if start is not None:
-                out, self.calls, self.held = self.held[:start], [self.held[start:]], ""
-            else:
-                end = len(self.held) - self.parser.held_back(self.held)
-                out, self.held = self.held[:end], self.held[end:]
-        if out:
-            self.sent.append(out)
-        return out
+            out, self.held, self.passing = self.held, "", True
+            return out, []
+        start = self.parser.opening(self.held)
+        if start is None:
+            end = len(self.held) - self.parser.held_back(self.held)
+            out, self.held = self.held[:end], self.held[end:]
+            self.sent = self.sent or bool(out)
+            return out, []
+        out, region, self.held = self.held[:start], self.held[start:], ""
+        self.region = []
+        rest, calls = self._more(region, force=True)
+        return out + rest, calls
+
+    def _more(self, delta: str, force: bool = False) -> tuple[str, list[ToolCall]]:
+        assert self.region is not None
+        self.region.append(delta)
+        self.size += len(delta)
+        window = self.tail + delta
+        self.tail = window[len(window) - self.keep:] if self.keep else ""
+        pending = self.size - self.end
+        # past a short tail, a read on a closing marker waits until the call has grown by a
+        # quarter since the last such read: a long JSON call's every "}" would read it all
+        closing = self.size - self.closed_read >= pending // 4 \
+            and any(end in window for end in self.parser.ends)
+        if not (force or pending <= SHORT_TAIL or closing):
+            return "", []
+        if closing:
+            self.closed_read = self.size
+        region = "".join(self.region)
+        self.region = [region]
+        read = self.parser.read_calls(region, self.end)
+        self.end = read.end
+        self.called += len(read.calls)
+        if read.pending:
+            return "", read.calls
+        self.passing = True  # text after the calls, or no call at all: text from there
+        return region[read.end if self.called else 0:], read.calls
 
     def finish(self, truncated: bool = False) -> tuple[str, list[ToolCall]]:
-        sent = "".join(self.sent)
-        text = sent + (self.held if self.calls is None else "".join(self.calls))
-        content, calls = self.parser.split(text, truncated)
-        if calls:
-            return content[len(sent):] if len(content) > len(sent) else "", calls
-        return text[len(sent):], []
+        if self.passing:
+            return "", []
+        if self.region is None:
+            return self.held, []
+        region = "".join(self.region)
+        read = self.parser.read_calls(region, self.end)
+        if not self.called and not read.calls:
+            return region, []
+        return self.parser.after_calls(region[read.end:], read.pending, truncated), read.calls

@@ -101,6 +101,31 @@ def test_streamed_calls_match_the_unstreamed_response(tool_server):
     assert chunks[-1].choices[0].finish_reason == "tool_calls" and len(calls) == 1
 
 
+def test_a_streamed_reply_hands_out_each_call_as_it_completes(tool_server):
+    """Parallel calls stream one by one, each whole as soon as it is complete (index, id,
+    name and arguments in one delta), numbered in order, long before the reply ends; the
+    openai client's stream helper puts together the unstreamed response's calls."""
+    for seed in range(40):  # the first seed whose random reply makes several calls
+        kwargs = dict(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                      max_tokens=160, temperature=1.0, seed=seed)
+        whole = tool_server.chat.completions.create(**kwargs).choices[0].message.tool_calls
+        if len(whole) >= 2:
+            break
+    assert len(whole) >= 2
+    chunks = [c for c in tool_server.chat.completions.create(**kwargs, stream=True)
+              if c.choices]
+    handed = [(at, call) for at, c in enumerate(chunks) for call in c.choices[0].delta.tool_calls
+              or []]
+    assert [call.index for _, call in handed] == list(range(len(whole)))
+    assert [(c.id is not None, c.function.name, c.function.arguments) for _, c in handed] == \
+        [(True, c.function.name, c.function.arguments) for c in whole]
+    assert handed[0][0] < len(chunks) - 10  # the first call well before the last token
+    with tool_server.chat.completions.stream(**kwargs) as stream:
+        final = stream.get_final_completion().choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in final] == \
+        [(c.function.name, c.function.arguments) for c in whole]
+
+
 def test_the_next_turn_takes_the_calls_and_their_results(tool_server):
     first = tool_server.chat.completions.create(
         model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=96,
@@ -219,6 +244,20 @@ def parser_of(form: str):
     return parser.for_template("[ARGS]") if form == "mistral_args" else parser
 
 
+def streamed(parser, text: str, chunk: int, truncated: bool = False
+             ) -> tuple[str, list, list[int]]:
+    """`text` through a `ToolStream` in pieces of `chunk` characters: the text shown, the
+    calls, and after how many characters each call was handed out."""
+    stream, shown, calls, when = ToolStream(parser), [], [], []
+    for i in range(0, len(text), chunk):
+        out, new = stream.feed(text[i:i + chunk])
+        shown.append(out)
+        calls += new
+        when += [min(i + chunk, len(text))] * len(new)
+    rest, last = stream.finish(truncated)
+    return "".join(shown) + rest, calls + last, when + [len(text) + 1] * len(last)
+
+
 @pytest.mark.parametrize("form", sorted(CALLS))
 def test_each_parser_reads_its_family_whole_and_streamed(form):
     parser = parser_of(form)
@@ -226,11 +265,39 @@ def test_each_parser_reads_its_family_whole_and_streamed(form):
     expected = [("add", {"a": 2, "b": 3}), ("shout", {"word": "hi"})]
     said, calls = parser.split(text)
     assert said == content and [(c.name, json.loads(c.arguments)) for c in calls] == expected
-    stream = ToolStream(parser)
-    shown = "".join(stream.feed(text[i:i + 3]) for i in range(0, len(text), 3))
-    rest, streamed = stream.finish()
-    assert (shown + rest).rstrip() == content
-    assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in calls]
+    shown, calls_streamed, when = streamed(parser, text, 3)
+    assert shown.rstrip() == content
+    assert [(c.name, c.arguments) for c in calls_streamed] == [(c.name, c.arguments)
+                                                               for c in calls]
+    # the first call is handed out before the reply ends, soon after its text is complete
+    assert when[0] < len(text) - 10, when
+
+
+@pytest.mark.parametrize(("family", "text", "content", "names"), [
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\nDone.',
+     "\nDone.", ["add"]),
+    ("hermes", 'Sure.<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call><tool_call>'
+     '\n{"name": "add", "arguments": [1]}\n</tool_call>',
+     'Sure.<tool_call>\n{"name": "add", "arguments": [1]}\n</tool_call>', ["add"]),
+    ("qwen3_coder", "<tool_call>\n<function=add>\n</function>\n</tool_call> and then text",
+     " and then text", ["add"]),
+    ("gemma4", "<|tool_call>call:add{a:2}<tool_call|> and then text", " and then text",
+     ["add"]),
+    ("llama3_json", '{"name": "add", "parameters": {}}; {"answer": 4}', '; {"answer": 4}',
+     ["add"]),
+    ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": {}}] and then text',
+     " and then text", ["add"]),
+])
+def test_text_after_complete_calls_is_text_again(family, text, content, names):
+    """The calls are read one after another; what follows the last complete one — text, a
+    malformed call — comes back as text beside them (vLLM's streaming parsers do the same),
+    streamed in any pieces as read whole."""
+    parser = tool_call_parser(family).for_tools(TOOLS)
+    said, calls = parser.split(text)
+    assert (said, [c.name for c in calls]) == (content.rstrip(), names)
+    for chunk in (1, 4, len(text)):
+        shown, streamed_calls, _ = streamed(parser, text, chunk)
+        assert shown.endswith(content) and [c.name for c in streamed_calls] == names
 
 
 @pytest.mark.parametrize(("family", "text"), [
@@ -243,23 +310,18 @@ def test_each_parser_reads_its_family_whole_and_streamed(form):
     ("mistral", "[TOOL_CALLS]two words[ARGS]{}"),
     ("qwen3_coder", "<tool_call>\n{\"name\": \"add\", \"arguments\": {}}\n</tool_call>"),
     ("qwen3_coder", "<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n"),
-    ("qwen3_coder", "<tool_call>\n<function=add>\n</function>\n</tool_call> and then text"),
     ("glm45", "<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>2\n</tool_call>"),
     ("glm45", "<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>2</arg_value>\n"),
     ("gemma4", "<|tool_call>call:add{a:2,b:3}"),  # never closed
     ("gemma4", '<|tool_call>call:add{a:two}<tool_call|>'),  # a string must be quoted
     ("gemma4", '<|tool_call>call:shout{word:<|"|>hi}<tool_call|>'),
-    ("gemma4", "<|tool_call>call:add{a:2}<tool_call|> and then text"),
     ("gemma4", "<|tool_call>call:two words{}<tool_call|>"),
     ("gemma4", "<|tool_call>call:add{" + "[" * 5000 + "]" * 5000 + "}<tool_call|>"),
 ])
 def test_what_is_not_a_call_comes_back_as_text(family, text):
     parser = tool_call_parser(family).for_tools(TOOLS)
     assert parser.split(text) == (text, [])
-    stream = ToolStream(parser)
-    shown = "".join(stream.feed(ch) for ch in text)
-    rest, calls = stream.finish()
-    assert shown + rest == text and calls == []
+    assert streamed(parser, text, 1)[:2] == (text, [])
 
 
 TYPED = [{"type": "function", "function": {"name": "read_file", "parameters": {
@@ -356,11 +418,8 @@ def test_calls_rendered_by_the_real_templates_read_back_and_fit_the_grammar(
     content, read = parser.split(reply)
     assert content.strip() == ""
     assert [(c.name, json.loads(c.arguments)) for c in read] == TYPED_CALLS
-    stream = ToolStream(parser)
-    shown = "".join(stream.feed(reply[i:i + 5]) for i in range(0, len(reply), 5))
-    rest, streamed = stream.finish()
-    assert (shown + rest).strip() == "" and [c.arguments for c in streamed] == \
-        [c.arguments for c in read]
+    shown, calls, _ = streamed(parser, reply, 5)
+    assert shown.strip() == "" and [c.arguments for c in calls] == [c.arguments for c in read]
     calls_text = reply[min(reply.index(m) for m in parser.markers if m in reply):].rstrip()
     grammar = parser.grammar(TYPED, 4, Literals.of(marker_tokenizer.backend_tokenizer)).grammar
     assert admits(grammar, calls_text, marker_tokenizer)
@@ -557,13 +616,11 @@ def test_no_output_crashes_a_parser_and_a_stream_adds_up_to_the_whole(form):
         assert (content, calls) == (text, []) or calls
         for call in calls:
             assert isinstance(json.loads(call.arguments), dict)
-        stream = ToolStream(parser)
-        shown = "".join(stream.feed(text[i:i + chunk]) for i in range(0, len(text), chunk))
-        rest, streamed = stream.finish(truncated)
-        assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments)
-                                                              for c in calls]
-        assert shown + rest == (content if calls else text) or \
-            (calls and (shown + rest).rstrip() == content.rstrip())
+        shown, calls_streamed, _ = streamed(parser, text, chunk, truncated)
+        assert [(c.name, c.arguments) for c in calls_streamed] == [(c.name, c.arguments)
+                                                                   for c in calls]
+        assert shown == (content if calls else text) or \
+            (calls and shown.rstrip() == content.rstrip())
 
     check()
 
@@ -591,10 +648,11 @@ def test_a_reasoning_replys_stream_adds_up_to_the_whole_reply(inside):
         stream = ReplyStream(form)
         sent = [stream.feed(text[i:i + chunk]) for i in range(0, len(text), chunk)]
         end = stream.finish(finish)
-        assert "".join(r for r, _ in sent) + (end.reasoning or "") == (whole.reasoning or "")
-        assert "".join(c for _, c in sent) + end.content == whole.content
-        assert [(c.name, c.arguments) for c in end.calls] == [(c.name, c.arguments)
-                                                               for c in whole.calls]
+        assert "".join(r for r, _, _ in sent) + (end.reasoning or "") == (whole.reasoning or "")
+        assert "".join(c for _, c, _ in sent) + end.content == whole.content
+        calls = [call for _, _, new in sent for call in new] + end.calls
+        assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments)
+                                                           for c in whole.calls]
         assert (end.finish_reason, stream.reasoning) == (whole.finish_reason, whole.reasoning)
 
     check()
