@@ -125,8 +125,9 @@ class ModelConfig:
     only among the `topk_expert_groups` best of `n_expert_groups` groups of experts — and
     weighted by their unbiased scores (renormalized when `norm_topk_prob`) times
     `routed_scaling_factor`. Training adds `router_aux_loss_coef` times the Switch Transformer
-    load-balancing loss (as transformers computes it; a sigmoid router's family has none) and
-    `router_z_loss_coef` times ST-MoE's router z-loss.
+    load-balancing loss when `router_aux_loss` (as transformers computes it, and adds it only
+    with `output_router_logits`, which a hub checkpoint's config.json mostly leaves false; a
+    sigmoid router's family has none) and `router_z_loss_coef` times ST-MoE's router z-loss.
     Gemma 4's: its full-attention layers have heads of their own width `global_head_dim`
     and `global_n_kv_heads` KV heads, whose values are their keys' projection when
     `global_k_is_v` (no `v_proj`), and turn by "proportional" RoPE (`rope_proportion`: the
@@ -191,6 +192,7 @@ class ModelConfig:
     moe_layers: list[int] | None = None
     norm_topk_prob: bool = True
     router_aux_loss_coef: float = 0.01
+    router_aux_loss: bool = True  # whether training adds it (transformers' output_router_logits)
     router_z_loss_coef: float = 0.0
     shared_expert_dim: int | None = None
     shared_expert_gate: bool = False

@@ -459,12 +459,16 @@ def _experts_read(hf: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any
             "moe_ffn_hidden_dim": hf.get("moe_intermediate_size") or hf["intermediate_size"],
             "moe_layers": None if all(layers) else layers,
             "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
-            "router_aux_loss_coef": hf["router_aux_loss_coef"]}
+            "router_aux_loss_coef": hf["router_aux_loss_coef"],
+            # transformers adds the balance loss only when this is on (its classes' default:
+            # off), as TRL's SFT, DPO and GRPO then train: without it unless asked
+            "router_aux_loss": bool(hf.get("output_router_logits", False))}
 
 
 def _experts_written(config: Any) -> dict[str, Any]:
     return {"num_experts_per_tok": config.n_experts_per_token,
-            "router_aux_loss_coef": config.router_aux_loss_coef, "output_router_logits": False}
+            "router_aux_loss_coef": config.router_aux_loss_coef,
+            "output_router_logits": config.router_aux_loss}
 
 
 def _qwen3_moe_written(config: Any) -> dict[str, Any]:

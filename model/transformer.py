@@ -877,9 +877,11 @@ class Transformer(nn.Module):
 
     def _with_router_losses(self, loss: Tensor, router: RouterStats | None) -> Tensor:
         """The training loss: cross-entropy plus, for a mixture of experts, its weighted
-        balance and z losses (transformers adds `router_aux_loss_coef · aux_loss` alike)."""
+        balance loss (when `router_aux_loss`: transformers adds `router_aux_loss_coef ·
+        aux_loss` alike, with `output_router_logits`) and z loss. The balance loss is
+        computed and logged either way."""
         if router is None:
             return loss
-        if router.aux_loss is not None:
+        if router.aux_loss is not None and self.config.router_aux_loss:
             loss = loss + self.config.router_aux_loss_coef * router.aux_loss
         return loss + self.config.router_z_loss_coef * router.z_loss

@@ -45,8 +45,9 @@ T = TypeVar("T")
 
 def load_policy(runtime: Runtime, config: PosttrainConfig,
                 opened: OpenCheckpoint | None = None) -> tuple[Transformer, ChatEncoder]:
-    """The starting weights in fp32 (the runtime applies mixed precision), with adapters
-    injected when LoRA is enabled, and the stage's chat encoder: the checkpoint's tokenizer
+    """The starting weights in fp32 (the runtime applies mixed precision), with the balance
+    loss of its experts as `router_aux_loss` says and adapters injected when LoRA is enabled,
+    and the stage's chat encoder: the checkpoint's tokenizer
     with the chat template it trains on (`chat_template`, or the checkpoint's own).
     `opened`: `config.model` already open, when the stage builds more models from it."""
     checkpoint, lora = config.model, config.lora
@@ -56,6 +57,11 @@ def load_policy(runtime: Runtime, config: PosttrainConfig,
                           "single-process or DDP launch (recipes/accelerate/gpu.yaml)")
     encoder = chat_encoder(checkpoint, config.chat_template, config.chat_template_kwargs)
     model = (opened or OpenCheckpoint(checkpoint)).model(dtype=torch.float32)
+    if config.router_aux_loss is not None:
+        if model.config.n_experts is None:
+            raise ConfigError(f"router_aux_loss={config.router_aux_loss}: {checkpoint} has no "
+                              "experts to balance; drop it")
+        model.config.router_aux_loss = config.router_aux_loss
     if lora.enabled:
         apply_lora(model, lora)
     return model.train(), encoder

@@ -88,6 +88,10 @@ class PosttrainConfig(TrainConfig):
     lora: LoraSection = field(default_factory=LoraSection)
     task_eval: TaskEvalConfig = field(default_factory=TaskEvalConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
+    # a mixture of experts: whether the loss adds the router's balance loss; None: as the
+    # checkpoint's config.json says (`output_router_logits`, which hub checkpoints mostly
+    # leave false — TRL trains without it unless model_init_kwargs turns it on)
+    router_aux_loss: bool | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lathe.core.errors import CheckpointError, ConfigError
-from lathe.model import ModelConfig, Transformer, load_checkpoint
+from lathe.model import ModelConfig, Transformer, load_checkpoint, save_checkpoint
 from tests.model.test_families import saved
 
 transformers = pytest.importorskip("transformers")
@@ -23,15 +23,27 @@ MOE = ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"]
 
 @pytest.mark.parametrize("name", MOE)
 def test_loss_and_balance_loss_are_transformers(tmp_path, name):
+    """As its config.json leaves `output_router_logits` (off), the loss is transformers' plain
+    one — the balance loss computed and logged, not added, as TRL trains a hub MoE; switched
+    on, it is transformers' with the weighted balance loss, and the switch is exported."""
     hf = saved(name, tmp_path / "hf")
     ours = load_checkpoint(tmp_path / "hf")
     ids = torch.randint(0, 256, (2, 40))
+    assert not hf.config.output_router_logits and not ours.config.router_aux_loss
     with torch.no_grad():
-        expected = hf(ids, labels=ids, output_router_logits=True)
+        plain = hf(ids, labels=ids)
+        balanced = hf(ids, labels=ids, output_router_logits=True)
         got = ours(ids, labels=ids)
-    assert float(got.router.aux_loss) == pytest.approx(float(expected.aux_loss), abs=1e-5)
-    assert float(got.loss) == pytest.approx(float(expected.loss), abs=1e-4)
+        ours.config.router_aux_loss = True
+        with_balance = ours(ids, labels=ids)
+    assert float(got.router.aux_loss) == pytest.approx(float(balanced.aux_loss), abs=1e-5)
+    assert float(got.loss) == pytest.approx(float(plain.loss), abs=1e-4)
+    assert float(with_balance.loss) == pytest.approx(float(balanced.loss), abs=1e-4)
+    assert float(balanced.loss) - float(plain.loss) > 1e-3  # the two differ
     assert float(got.router.load.sum()) == pytest.approx(1.0)
+    save_checkpoint(ours, tmp_path / "lathe")
+    assert json.loads((tmp_path / "lathe" / "config.json").read_text())["output_router_logits"]
+    assert load_checkpoint(tmp_path / "lathe").config.router_aux_loss
 
 
 def test_a_sigmoid_routers_loss_is_transformers_and_its_load_is_what_it_chose(tmp_path):

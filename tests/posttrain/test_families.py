@@ -32,7 +32,8 @@ FAMILY_CONFIGS = {
     # q/k/v and gate/up stored fused: the adapter is written on qkv_proj and gate_up_proj
     "Phi3": {"sliding_window": 16},
     # a mixture of experts: adapters on attention and on the stacked experts (peft's
-    # target_parameters, as on transformers' class), the loss carries the balance loss
+    # target_parameters, as on transformers' class), the loss carrying the balance loss when
+    # asked (`router_aux_loss`, transformers' output_router_logits, which the export keeps)
     "Qwen3Moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
                  "moe_intermediate_size": 32, "norm_topk_prob": True},
     # DeepSeek-V3's router (no balance loss), a dense first layer and a shared expert, which
@@ -101,10 +102,14 @@ def test_sft_and_dpo_with_lora_on_a_foreign_checkpoint(family_base, tmp_path):
     family, family_base = family_base
     ids = torch.randint(0, 300, (1, 40))
     sft = tmp_path / "sft"
+    balanced = {"router_aux_loss": "true"} if family in EXPERTS else {}
     assert main(["sft", *quick(sft, family_base, max_steps=2, **{"lora.enabled": "true",
                                                                "optim.lr": 3e-3,
-                                                               "data.limit": 64})]) == 0
+                                                               "data.limit": 64,
+                                                               **balanced})]) == 0
     logits_agree(sft / "final", ids, family)
+    if family in ("Qwen3Moe", "Qwen3_5Moe", "Qwen3Next"):  # softmax routers: the switch
+        assert transformers.AutoConfig.from_pretrained(sft / "final").output_router_logits
     base = transformers.AutoModelForCausalLM.from_pretrained(family_base, dtype=torch.float32)
     adapted = PeftModel.from_pretrained(base, sft / "final-adapter").eval()
     with torch.no_grad():
