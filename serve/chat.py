@@ -182,7 +182,10 @@ def say(backend: ChatBackend, messages: list[dict[str, Any]], sampling: dict[str
         if not calls:
             added.append({"role": "assistant", "content": "".join(parts)})
             return added
-        added.append({"role": "assistant", "tool_calls": calls})
+        # the text the model wrote beside its calls stays in its turn (the next prompt then
+        # renders what it wrote, and the prefix cache holds it)
+        added.append({"role": "assistant", "content": "".join(parts) or None,
+                      "tool_calls": calls})
         results = tools.run_many([(c["function"].get("name", ""),
                                    c["function"].get("arguments") or "{}") for c in calls])
         for call, result in zip(calls, results, strict=True):
