@@ -458,7 +458,8 @@ def conversation_section(checkpoint: Path, vocab: int, device: torch.device,
     """(i): an agent's loop, one request at a time: a `--turn-context`-token first prompt,
     each later prompt the last one, its `--turn-answer`-token greedy answer and
     `--turn-tokens` new tokens (a tool's result). lathe's engine with its prefix cache (a
-    model with linear-attention layers: from their kept states) against the same engine
+    model with linear-attention layers: from their kept states), eager and with its decode
+    steps compiled (`lathe serve`'s default, built before the loop), against the same engine
     computing every prompt whole (`--no-enable-prefix-caching`) and transformers'
     `generate()` on each whole prompt; each turn's seconds, best of `REPEATS` rounds. The
     first prompt is cut so that the loop fits the model's positions (the random `nano`'s
@@ -477,9 +478,14 @@ def conversation_section(checkpoint: Path, vocab: int, device: torch.device,
     length = context + grown
     blocks = 2 * -(-length // EngineConfig.block_size)
     engines = {name: LLMEngine.from_checkpoint(checkpoint, EngineConfig(
-        num_blocks=blocks, prefix_caching=caching, max_num_batched_tokens=length),
-        device=device) for name, caching in (("lathe, prefix cache", True),
-                                            ("lathe, every prompt whole", False))}
+        num_blocks=blocks, prefix_caching=caching, max_num_batched_tokens=length,
+        max_num_seqs=4, compile_decode=compiled), device=device)  # one request at a time
+        for name, caching, compiled in (("lathe, prefix cache", True, False),
+                                        ("lathe, prefix cache, decode steps compiled", True,
+                                         True),
+                                        ("lathe, every prompt whole", False, False))}
+    for engine in engines.values():
+        engine.warm_up()
 
     def lathe_turns(engine: LLMEngine) -> tuple[list[float], list[list[int]]]:
         engine.block_manager.reset_prefix_cache()

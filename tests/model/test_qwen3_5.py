@@ -637,9 +637,9 @@ def test_a_memory_plan_counts_the_engines_states_and_snapshots():
 
 
 def test_the_serve_benchs_agent_loop_reports_each_engine(tmp_path, capsys):
-    """`python -m lathe.serve.bench --sections i` on a Qwen3.5 checkpoint: the cached engine,
-    the whole one and transformers give the same answers turn after turn; a loop longer
-    than the model's positions is skipped, not failed."""
+    """`python -m lathe.serve.bench --sections i` on a Qwen3.5 checkpoint: the cached engine
+    (eager and compiled), the whole one and transformers give the same answers turn after
+    turn; a loop longer than the model's positions is skipped, not failed."""
     from lathe.serve.bench import main
 
     hf_text_model(tmp_path / "hf")
@@ -649,8 +649,8 @@ def test_the_serve_benchs_agent_loop_reports_each_engine(tmp_path, capsys):
     table = capsys.readouterr().out.split("### (i) An agent's loop: a 40-token prompt")[1]
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
     assert [row.split(" | ")[0] for row in rows[1:]] == [
-        "| lathe, prefix cache", "| lathe, every prompt whole",
-        "| transformers `generate()` on each whole prompt"]
+        "| lathe, prefix cache", "| lathe, prefix cache, decode steps compiled",
+        "| lathe, every prompt whole", "| transformers `generate()` on each whole prompt"]
     assert all(row.endswith("| 3/3 |") for row in rows[1:])
     assert main([*flags, "--turns", "50"]) == 0
     assert "(i) skipped" in capsys.readouterr().out
