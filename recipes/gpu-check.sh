@@ -5,8 +5,9 @@
 # transformers), the chunked and fused linear + cross-entropy against Liger's, a LoRA SFT step
 # on the 1B shape against transformers + peft, serving a random-init 1B model (offline
 # against transformers, single stream against the copy roofline), the rest of the kernel
-# bench and GRPO's rollouts in process against a server of the run's own, synchronous and
-# asynchronous. It resumes: LEDGER lists "COMMIT STEP" for what passed before, and
+# bench, GRPO's rollouts in process against a server of the run's own, synchronous and
+# asynchronous, and serving the 1B shape as Qwen3.5 (its CUDA-graph decode steps carrying the
+# linear-attention states). It resumes: LEDGER lists "COMMIT STEP" for what passed before, and
 # what passed at this COMMIT is not run again (a smoke step still reruns when a step to run
 # needs its output). At the end, whatever the budget cut, it writes to OUT: summary.txt (a
 # line per step), passed.txt (the ledger with this run's passes added) and logs.tar.gz (every
@@ -83,7 +84,15 @@ one_b() {  # a random-init 1B checkpoint in bf16 for the serve bench
         "$PY" -m lathe.core init --preset 1b --dtype bfloat16 --out "$WORK/1B"
 }
 serve_bench() { one_b && "$PY" -m lathe.serve.bench --checkpoint "$WORK/1B" --sections ac --no-write; }
-export -f one_b serve_bench  # timeout runs programs, so the function runs in a bash of its own
+# the 1B shape as Qwen3.5 (three Gated DeltaNet layers in four): its CUDA-graph decode steps
+# carry the linear-attention states; transformers runs its PyTorch fallback of
+# flash-linear-attention beside it
+qwen35_bench() {
+    [ -f "$WORK/Q35-1B/model.safetensors" ] || "$PY" -m lathe.core init --preset 1b \
+        --family qwen3_5_text --dtype bfloat16 --out "$WORK/Q35-1B"
+    "$PY" -m lathe.serve.bench --checkpoint "$WORK/Q35-1B" --sections ac --no-write
+}
+export -f one_b serve_bench qwen35_bench  # timeout runs programs: each in a bash of its own
 export PY WORK
 bench bench-pretrain-1b 150 "$PY" -m lathe.pretrain.bench --only 1b --steps 4 --warmup 2 --no-write
 bench bench-fused-ce 40 "$PY" -m lathe.kernels.bench --only linear_cross_entropy --no-write
@@ -91,5 +100,6 @@ bench bench-lora-1b 100 "$PY" -m lathe.posttrain.bench --only lora --steps 4 --w
 bench bench-serve-1b 120 bash -c serve_bench
 bench bench-kernels 90 "$PY" -m lathe.kernels.bench --no-write
 bench bench-rollouts 150 "$PY" -m lathe.posttrain.rollout_bench --steps 30 --no-write
+bench bench-serve-qwen35 150 bash -c qwen35_bench
 
 note "gpu-check: $(grep -c "^$COMMIT " "$OUT/passed.txt") steps passed at $COMMIT; $(left)s left"
