@@ -556,7 +556,8 @@ def test_a_policys_adapters_on_the_delta_net_go_into_an_engine_slot(tmp_path, co
     {"max_num_batched_tokens": 24},  # in chunks, each snapshotted
     {"decode_steps": 4},  # a one-token first step in a run of decode passes
     {"max_num_seqs": 4, "compile_decode": True},  # the answer's states kept by compiled steps
-], ids=["whole", "chunked", "multi-step", "compiled"])
+    {"max_num_seqs": 4, "compile_decode": True, "decode_steps": 4},  # in runs of passes
+], ids=["whole", "chunked", "multi-step", "compiled", "compiled-multi-step"])
 def test_a_conversations_next_turn_resumes_from_the_kept_states(tmp_path, engine):
     """Prefix caching for linear-attention layers: a prompt that extends an earlier one and
     its answer (a chat's next turn) starts from the cached blocks up to the last block
