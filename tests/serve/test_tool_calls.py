@@ -273,6 +273,30 @@ def test_each_parser_reads_its_family_whole_and_streamed(form):
     assert when[0] < len(text) - 10, when
 
 
+@pytest.mark.parametrize("family", ["llama3_json", "hermes", "qwen3_coder"])
+def test_a_long_streamed_call_is_read_a_few_times_not_at_every_closing_brace(family):
+    """A tool call of ~100k characters (a file's text, thousands of "}" in its arguments)
+    streamed four characters at a time: read a bounded number of times, each from where the
+    calls read so far end — not once per piece, nor per "}" (each read costs the call so
+    far) — and handed out whole."""
+    code = "def f(x):\n    return {'a': [x]}\n" * 3000
+    arguments = {"path": "a.py", "text": code}
+    text = {"llama3_json": json.dumps({"name": "write", "parameters": arguments}),
+            "hermes": "<tool_call>\n" + json.dumps({"name": "write", "arguments": arguments})
+            + "\n</tool_call>",
+            "qwen3_coder": "<tool_call>\n<function=write>\n<parameter=path>\na.py\n</parameter>"
+            "\n<parameter=text>\n" + code + "\n</parameter>\n</function>\n</tool_call>"}[family]
+    parser = tool_call_parser(family)
+    reads = []
+    read_calls = parser.read_calls
+    parser.read_calls = lambda region, at=0: reads.append(len(region) - at) or read_calls(
+        region, at)
+    shown, calls, _ = streamed(parser, text, 4)
+    assert shown == "" and [(c.name, json.loads(c.arguments)) for c in calls] == \
+        [("write", arguments)]
+    assert len(reads) < 60 and sum(reads) < 8 * len(text), (len(reads), sum(reads))
+
+
 @pytest.mark.parametrize(("family", "text", "content", "names"), [
     ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\nDone.',
      "\nDone.", ["add"]),
