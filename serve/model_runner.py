@@ -220,6 +220,8 @@ class ModelRunner:
         first. `drafted`: the sequences whose tokens end in drafts (their linear-attention
         states are settled once the drafts are verified: `settle_drafts`)."""
         self._taken = []  # a step that failed before its snapshots were kept leaves none
+        for seq, _, _ in items:  # rows first: a new one may grow the states under the graphs
+            self._row(seq)
         if self._static(items, slabs, drafted):
             inputs, tables, blocks = self._table_inputs(items)
             assert self.graphs is not None

@@ -551,6 +551,36 @@ def test_a_policys_adapters_on_the_delta_net_go_into_an_engine_slot(tmp_path, co
     assert (engine.runner.graphs is not None and engine.runner.graphs.steps > 0) == compiled
 
 
+def test_states_that_outgrow_the_compiled_steps_rows_decode_eagerly(tmp_path):
+    """A runner of fewer rows than running sequences grows its states into new tensors, which
+    the graphs were not built over: from then on its decodes run eagerly, and the greedy
+    tokens stay transformers'."""
+    from lathe.serve.config import EngineConfig
+    from lathe.serve.engine import LLMEngine
+    from lathe.serve.model_runner import ModelRunner
+    from lathe.serve.sampling_params import SamplingParams
+
+    hf = hf_text_model(tmp_path / "hf")
+    engine = LLMEngine(load_checkpoint(tmp_path / "hf"), config=EngineConfig(
+        num_blocks=64, max_num_seqs=4, prefix_caching=False))
+    engine.runner = engine.executor.runner = ModelRunner(
+        engine.model, engine.slabs, engine.device, engine.max_model_len, rows=2,
+        compile_decode=True)
+    engine.warm_up()
+    warmed = engine.runner.graphs.steps  # the warm-up's runs on padding rows
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (9, 30, 17)]
+    lengths = [2, 2, 10]  # the last decodes alone at the end: a batch the graphs hold
+    outputs = engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0,
+                                                       ignore_eos=True) for n in lengths])
+    for prompt, output, n in zip(prompts, outputs, lengths, strict=True):
+        assert output.outputs[0].token_ids == full_forward_greedy(hf, prompt, n)
+    # the rows grew at the first step, before any decode: none ran compiled
+    graphs = engine.runner.graphs
+    assert not graphs.states_current and engine.runner.states.scratch >= 3
+    assert graphs.steps == warmed
+
+
 @pytest.mark.parametrize("engine", [
     {},  # each prompt in one chunk, snapshotted at its last block boundary
     {"max_num_batched_tokens": 24},  # in chunks, each snapshotted
