@@ -379,7 +379,8 @@ def test_a_layer_pattern_llama_cpp_cannot_hold_is_refused():
 def test_int8_serving_keeps_the_decay_projections_full(tmp_path):
     """Quantized serving rounds the Gated DeltaNet's big projections but not its per-head
     decay and learning-rate rows (`in_proj_a`, `in_proj_b`), as the router and LM head; the
-    quantized engine's greedy tokens are the full one's on this model."""
+    quantized engine's greedy tokens are the full one's on this model, its decode steps eager
+    or compiled."""
     from lathe.serve.config import EngineConfig
     from lathe.serve.engine import LLMEngine
     from lathe.serve.quant import Int8Linear
@@ -395,8 +396,12 @@ def test_int8_serving_keeps_the_decay_projections_full(tmp_path):
     assert isinstance(mixer.in_proj_qkv, Int8Linear) and isinstance(mixer.out_proj, Int8Linear)
     for kept in (mixer.in_proj_a, mixer.in_proj_b):  # on CPU, lathe's few-row DecodeLinear
         assert not isinstance(kept, Int8Linear) and kept.weight.is_floating_point()
-    assert rounded.generate([prompt], params)[0].outputs[0].token_ids == \
-        full.generate([prompt], params)[0].outputs[0].token_ids
+    expected = full.generate([prompt], params)[0].outputs[0].token_ids
+    assert rounded.generate([prompt], params)[0].outputs[0].token_ids == expected
+    compiled = LLMEngine.from_checkpoint(tmp_path / "hf", EngineConfig(
+        num_blocks=64, max_num_seqs=2, compile_decode=True), quantize="int8")
+    assert compiled.generate([prompt], params)[0].outputs[0].token_ids == expected
+    assert compiled.runner.graphs.steps > 0
 
 
 def test_a_reward_model_loads_and_exports_as_its_sequence_classifier(tmp_path):
