@@ -6,7 +6,7 @@ README run's base checkpoint and the embedded arithmetic task."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from lathe.core.errors import ConfigError
 from lathe.data.chat_template import TEMPLATE_ARGUMENTS
@@ -92,9 +92,15 @@ class PosttrainConfig(TrainConfig):
     # checkpoint's config.json says (`output_router_logits`, which hub checkpoints mostly
     # leave false — TRL trains without it unless model_init_kwargs turns it on)
     router_aux_loss: bool | None = None
+    # whether the stage's loss is the model's own (with its router losses), which
+    # `router_aux_loss` switches; DPO's, GRPO's and the reward model's are computed apart
+    model_loss: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.router_aux_loss and not self.model_loss:
+            raise ConfigError(f"router_aux_loss=true: {type(self).__name__}'s loss is its own, "
+                              "with no balance term; drop it (SFT and distillation add it)")
         for key in self.chat_template_kwargs:
             if key in TEMPLATE_ARGUMENTS:
                 raise ConfigError(f"chat_template_kwargs.{key}: lathe sets {key!r} itself; "
@@ -130,6 +136,7 @@ class ChatStageConfig(PosttrainConfig):
     """A stage that trains on chats: SFT and distillation."""
 
     data: ChatDataConfig = field(default_factory=ChatDataConfig)
+    model_loss: ClassVar[bool] = True
 
     def training_sources(self) -> list[str]:
         train = self.data.train

@@ -221,7 +221,8 @@ class ModelRunner:
         states are settled once the drafts are verified: `settle_drafts`)."""
         self._taken = []  # a step that failed before its snapshots were kept leaves none
         for seq, _, _ in items:  # rows first: a new one may grow the states under the graphs
-            self._row(seq)
+            if seq not in self.rows:
+                self._row(seq)
         if self._static(items, slabs, drafted):
             inputs, tables, blocks = self._table_inputs(items)
             assert self.graphs is not None
@@ -247,7 +248,7 @@ class ModelRunner:
         tables = lens = None
         if num_paged:
             inputs, tables, blocks = self._table_inputs(laid_out[:num_items])
-            positions[:num_paged], slots[:num_paged], lens = inputs[0, 1:]
+            positions[:num_paged], slots[:num_paged], lens = inputs[0, 1:4]
             tables = tables[:, :blocks]
         spans = []
         offset, size = num_paged, self.block_size
@@ -380,11 +381,12 @@ class ModelRunner:
     def _table_inputs(self, items: Seq[StepItem], steps: int = 1) -> tuple[Tensor, Tensor, int]:
         """The one builder of the inputs of tokens that attend through their block table,
         whichever way the step runs (eager, compiled, several passes): each token's id,
-        position, KV slot and context length, for each of `steps` passes (the k-th at each
-        item's start + k: multi-step decoding, a token per item), computed on the host and
-        sent as one (steps, 4, tokens) tensor (a handful of small device ops per step would
-        cost as much as a small model's layer); the tokens' block-table rows; and how many
-        blocks the longest context spans."""
+        position, KV slot, context length and row (its block table's, its linear-attention
+        states'), for each of `steps` passes (the k-th at each item's start + k: multi-step
+        decoding, a token per item), computed on the host and sent as one (steps, 5, tokens)
+        tensor (a handful of small device ops per step would cost as much as a small model's
+        layer); the tokens' block-table rows; and how many blocks the longest context
+        spans."""
         size = self.block_size
         rows: list[int] = []
         ids: list[int] = []
@@ -401,7 +403,7 @@ class ModelRunner:
             at = [position + k for position in positions]
             passes.append([ids, at, [table[p // size] * size + p % size
                                      for table, p in zip(blocks, at, strict=True)],
-                           [p + 1 for p in at]])
+                           [p + 1 for p in at], rows])
         last = max(positions) + steps - 1
         return (torch.tensor(passes, device=self.device), select_rows(self.tables, rows),
                 last // size + 1)
@@ -410,10 +412,8 @@ class ModelRunner:
               states: StateSpans | None = None) -> PagedBatch | StaticDecodeBatch:
         """The attention view of one pass of `_table_inputs`: every token through its table."""
         if static:
-            rows = None if states is None else torch.tensor(
-                [row for _, _, row, _, _ in states.spans], device=self.device)
             return StaticDecodeBatch(self.slabs, inputs[1], inputs[2], tables, inputs[3],
-                                     self.states, rows, states)
+                                     self.states, None if states is None else inputs[4], states)
         return PagedBatch(self.slabs, inputs[1], inputs[2], inputs.shape[1], tables,
                           inputs[3], [], states)
 

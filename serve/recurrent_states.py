@@ -156,12 +156,11 @@ class StateSpans:
     def rounds(self) -> list[list[tuple[Tensor, Tensor, list[int], bool, bool]]]:
         """The step's sequences in batches the layers run at once: those of one length,
         freshness and drafting together (a step's decodes; n samples' or a GRPO group's equal
-        prompts),
-        each batch as where its tokens lie in the step's row (sequences × length), its state
-        rows (on the device and on the host), whether it starts fresh and whether its tokens
-        end in drafts. A chunk snapshotted before its end runs in pieces, each ending at a
-        snapshot: its first piece in the first round, its next in the next. Built once for
-        all the step's layers."""
+        prompts), each batch as where its tokens lie in the step's row (sequences × length),
+        its state rows (on the device and on the host), whether it starts fresh and whether
+        its tokens end in drafts. A chunk snapshotted before its end runs in pieces, each
+        ending at a snapshot: its first piece in the first round, its next in the next.
+        Built once for all the step's layers."""
         pieces: list[list[tuple[int, int, int, bool]]] = []
         for start, length, row, fresh, cuts in self.spans:
             ends = [cut for cut in cuts if cut < length] + [length]

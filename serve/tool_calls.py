@@ -88,22 +88,6 @@ class CallsRead(NamedTuple):
     pending: bool
 
 
-def _json_values(text: str, separators: str) -> tuple[list[Any], str]:
-    """The JSON values at the head of `text`, one after another with `separators` between
-    them, and the rest of `text` from the first that does not parse ("" when all do)."""
-    decoder, values, at = json.JSONDecoder(), [], 0
-    while True:
-        while at < len(text) and text[at] in separators:
-            at += 1
-        if at == len(text):
-            return values, ""
-        try:
-            value, at = decoder.raw_decode(text, at)
-        except (json.JSONDecodeError, RecursionError):
-            return values, text[at:]
-        values.append(value)
-
-
 def strict_schema(schema: Any) -> Any:
     """`schema` with `additionalProperties: false` on every object schema that does not
     set it (OpenAI's `strict: true`), through properties, items, combinators and $defs."""
@@ -276,8 +260,9 @@ class HermesParser(ToolCallParser):
             body, closed, after = rest[len("<tool_call>"):].partition("</tool_call>")
             if not closed:
                 return CallsRead(calls, at, True)
-            values, junk = _json_values(body, " \t\r\n")
-            call = self.call(values[0]) if len(values) == 1 and not junk else None
+            read = self._json_calls(body, 0, " \t\r\n")  # one call, alone in its block
+            call = read.calls[0] if len(read.calls) == 1 and not body[read.end:].strip() \
+                else None
             if call is None:
                 return CallsRead(calls, at, False)
             calls.append(call)

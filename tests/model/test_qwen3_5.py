@@ -718,6 +718,27 @@ def test_a_shared_system_prompt_resumes_from_its_stride_snapshots(tmp_path, stri
         EngineConfig(recurrent_snapshot_stride=-1)
 
 
+def test_compiled_decode_steps_under_bf16_autocast_stay_close(tmp_path):
+    """Under a training stage's bf16 autocast with a bf16 cache (the conv states in bf16),
+    the compiled decode steps score each decoded token within bf16's error of the eager
+    steps."""
+    from lathe.serve.config import EngineConfig
+    from lathe.serve.engine import LLMEngine
+    from lathe.serve.sampling_params import SamplingParams
+
+    hf_text_model(tmp_path / "hf")
+    model = load_checkpoint(tmp_path / "hf")
+    engines = [LLMEngine(model, kv_dtype=torch.bfloat16, config=EngineConfig(
+        num_blocks=64, max_num_seqs=2, compile_decode=compiled)) for compiled in (False, True)]
+    prompt = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(16)).tolist()
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager, compiled = (engine.generate([prompt], params)[0].outputs[0] for engine in engines)
+    assert engines[1].runner.graphs.steps > 0
+    assert compiled.token_ids[:2] == eager.token_ids[:2]
+    assert compiled.logprobs[1].logprob == pytest.approx(eager.logprobs[1].logprob, abs=0.1)
+
+
 def test_kept_states_and_drafts_under_bf16_autocast_stay_close(tmp_path):
     """A training stage's rollout engine runs under bf16 autocast with a bf16 cache: a next
     turn resumed from the kept states (in bf16), with prompt-lookup drafts, scores its first
