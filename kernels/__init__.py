@@ -4,6 +4,11 @@ serve off-GPU (`cpu_native`, `decode_linear`, `argmax`, `lora_bgmv`). Each op's 
 kernels live in `<op>_triton.py`, imported only when a Triton path runs: lathe imports,
 trains and serves where Triton is not installed. Imports only torch (and triton, lazily)."""
 
+if __name__ == "kernels":  # imported from a checkout's root under another package's name
+    from lathe.kernels.hub_name import hand_over_name
+
+    hand_over_name()
+
 from lathe.kernels.attention import (
     PLAIN,
     AttentionVariant,

@@ -59,6 +59,27 @@ def test_wheel_maps_each_folder_under_the_lathe_namespace(tmp_path):
     assert b"lathe = lathe.core.cli:main" in entry_points
 
 
+def test_from_a_checkout_root_import_kernels_is_the_kernels_distribution():
+    """Run from the repository root (`python -m`, pytest), the `kernels/` folder is found first
+    under the top-level name of Hugging Face's `kernels`, which transformers >= 5.25 imports
+    (`from kernels import CUDAProperties`) whenever a model module loads; lathe's folder must
+    hand that name over, and stay `lathe.kernels`."""
+    import importlib.metadata
+
+    try:
+        distribution = importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("the kernels distribution is not installed (transformers < 5.25)")
+    code = ("import kernels, lathe.kernels\n"
+            "from kernels import CUDAProperties\n"
+            "import transformers.modeling_utils\n"
+            "print(kernels.__file__); print(lathe.kernels.__file__)\n")
+    result = processes.run([sys.executable, "-c", code], timeout=120, cwd=ROOT)
+    theirs, ours = result.stdout.split()[-2:]
+    assert Path(theirs) == Path(distribution.locate_file("kernels/__init__.py"))
+    assert Path(ours).resolve() == (ROOT / "kernels" / "__init__.py").resolve()
+
+
 def test_training_imports_no_torchao_and_lora_imports_it_quietly():
     """torchao (and the torch warnings its import sets off) loads only for FP8; a LoRA
     run imports it through peft, with its import-time log lines silenced."""
