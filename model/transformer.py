@@ -59,7 +59,7 @@ IGNORE_INDEX = -100
 class CausalLMOutput(NamedTuple):
     logits: Tensor | None
     loss: Tensor | None  # with labels; a mixture of experts adds its router losses
-    router: RouterStats | None = None  # with labels, a mixture of experts' routing
+    router: RouterStats | None = None  # a mixture of experts' routing (see forward)
     hidden: Tensor | None = None  # with head=False: the final norm's output
     z: Tensor | None = None  # with labels: mean squared log-normalizer of the scored rows
     head: Any = None  # with a head_op: what it computed
@@ -80,13 +80,17 @@ class HeadOp(Protocol):
 class RouterStats(NamedTuple):
     """A mixture of experts' routing in one forward, over its MoE layers: the
     load-balancing loss (transformers' `load_balancing_loss_func`; None for a sigmoid router,
-    whose families have none), the router z-loss, and how many token-expert assignments each
+    whose families have none), the router z-loss, how many token-expert assignments each
     expert of each MoE layer took (`layer_load`, (MoE layers, E)), as routed — with a
-    sigmoid router's selection bias."""
+    sigmoid router's selection bias — and what training adds to its loss (`loss`): the
+    balance loss times `router_aux_loss_coef` when `router_aux_loss` (transformers adds it
+    alike, with `output_router_logits`; TRL's trainers with their `router_aux_loss_coef`)
+    and the z-loss times `router_z_loss_coef`. The balance loss is computed either way."""
 
     aux_loss: Tensor | None
     z_loss: Tensor
     layer_load: Tensor
+    loss: Tensor | float = 0.0
 
     @property
     def load(self) -> Tensor:
@@ -113,27 +117,45 @@ Routing = tuple[Tensor, Tensor]  # one MoE layer's router logits (T, E) and chos
 FP32_BUFFERS = ("e_score_correction_bias",)
 
 
-def router_stats(routing: list[Routing], top_k: int, balance_loss: bool = True) -> RouterStats:
+def router_stats(routing: list[Routing], config: ModelConfig,
+                 token_mask: Tensor | None = None) -> RouterStats:
     """Switch Transformer's balance loss E · Σ_e f_e · P_e (f_e: share of the top-k
     assignments to expert e, counted k per token; P_e: mean router probability), over the
-    tokens of every MoE layer together, as transformers computes it (when `balance_loss`);
-    ST-MoE's z-loss mean(logsumexp(logits)²); each layer's load from the experts it chose."""
+    tokens of every MoE layer together, as transformers computes it (a softmax router's);
+    ST-MoE's z-loss mean(logsumexp(logits)²); each layer's load from the experts it chose.
+    `token_mask` (the routed tokens' flat order): only its tokens count, as transformers'
+    attention_mask leaves a padded batch's pads out."""
+    top_k = config.n_experts_per_token
     logits = torch.cat([layer_logits for layer_logits, _ in routing]).float()
-    n = logits.shape[-1]
+    n, device = logits.shape[-1], logits.device
+    # weights, not a selection: a masked mean keeps every shape static (torch.compile, and
+    # the memory plan's fake tensors)
+    weight = (torch.ones(routing[0][0].shape[0], device=device) if token_mask is None
+              else token_mask.flatten().to(device=device, dtype=torch.float32))
+    weights = weight.repeat(len(routing))
+    counted = weights.sum().clamp(min=1)
     aux = None
-    if balance_loss:
+    if not config.sigmoid_router:
         probs = torch.softmax(logits, dim=-1)
-        chosen = probs.topk(top_k, dim=-1).indices.flatten()
-        counts = torch.zeros(n, device=logits.device).index_add_(
-            0, chosen, torch.ones_like(chosen, dtype=torch.float32))
-        aux = n * (counts / logits.shape[0] * probs.mean(dim=0)).sum()
-    z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        chosen = probs.topk(top_k, dim=-1).indices
+        counts = torch.zeros(n, device=device).index_add_(
+            0, chosen.flatten(), weights.repeat_interleave(top_k))
+        aux = n * (counts / counted * ((probs * weights[:, None]).sum(0) / counted)).sum()
+    z = (torch.logsumexp(logits, dim=-1).pow(2) * weights).sum() / counted
     # index_add_, not bincount, whose output's length depends on the data (a graph break
     # under torch.compile, and no shape at all for the memory plan's fake tensors)
-    layer_load = torch.stack([torch.zeros(n, device=logits.device).index_add_(
-        0, experts.flatten(), torch.ones(experts.numel(), device=logits.device))
+    layer_load = torch.stack([torch.zeros(n, device=device).index_add_(
+        0, experts.flatten(), weight.repeat_interleave(experts.shape[-1]))
         for _, experts in routing])
-    return RouterStats(aux, z, layer_load)
+    loss = config.router_z_loss_coef * z
+    if aux is not None and config.router_aux_loss:
+        loss = loss + config.router_aux_loss_coef * aux
+    return RouterStats(aux, z, layer_load, loss)
+
+
+def with_router_losses(loss: Tensor, router: RouterStats | None) -> Tensor:
+    """A training loss plus a mixture of experts' router losses (`RouterStats.loss`)."""
+    return loss if router is None else loss + router.loss
 
 
 class RMSNorm(nn.Module):
@@ -720,7 +742,8 @@ class Transformer(nn.Module):
                 logits_to_keep: Tensor | None = None,
                 return_logits: bool = True, documents: Tensor | None = None,
                 head: bool = True, z_loss: float = 0.0,
-                head_op: HeadOp | None = None) -> CausalLMOutput:
+                head_op: HeadOp | None = None,
+                token_mask: Tensor | None = None) -> CausalLMOutput:
         """Logits (B, T, vocab) for `input_ids` (B, T), and the loss when `labels` are given.
 
         `labels` align with `input_ids` (HF convention): position t's logits are scored
@@ -744,6 +767,11 @@ class Transformer(nn.Module):
         (unless given), so a packed row computes what its documents would alone (for the
         loss too when each document's first label is -100: else the previous document's
         last token predicts it).
+
+        A mixture of experts returns its routing (`router`: its losses and loads) with
+        labels, and whenever autograd records (a stage's own loss on the head's output adds
+        `router.loss`, with `with_router_losses`); `token_mask` (B, T), True at a padded
+        batch's real tokens, leaves the pads out of it, as transformers' attention_mask does.
         """
         if labels is not None and not head:
             raise ValueError("head=False returns the final hidden states and no loss; pass "
@@ -769,8 +797,9 @@ class Transformer(nn.Module):
         local_rotations = rotations if local is None else local(positions, x.dtype)
         per_layer = self._per_layer_inputs(input_ids, x) if self.config.per_layer_dim else None
         routing: list[Routing] = []  # the MoE layers' routing, for the loss (with labels)
+        routed = labels is not None or torch.is_grad_enabled()
         experts = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)] \
-            if labels is not None and self.config.n_experts else []
+            if routed and self.config.n_experts else []
         # without a cache, the layers others share keys and values with hand them over here
         shared: dict[int, tuple[Tensor, Tensor]] = {}
         config = self.config
@@ -803,9 +832,7 @@ class Transformer(nn.Module):
                 moe.sink = None
             for attention in sources:
                 attention.kv_sink = None
-        router = (router_stats(routing, self.config.n_experts_per_token,
-                               balance_loss=not self.config.sigmoid_router)
-                  if routing else None)
+        router = router_stats(routing, self.config, token_mask) if routing else None
         if logits_to_keep is not None:
             x = x[:, logits_to_keep]
         x = self.model.norm(x)
@@ -820,13 +847,13 @@ class Transformer(nn.Module):
         if head_op is not None:
             result = (head_op.chunked(x, self.head_weight(), cap) if self.chunked_head
                       else head_op.from_logits(self.compute_logits(x)))
-            loss = None if labels is None else self._with_router_losses(result, router)
+            loss = None if labels is None else with_router_losses(result, router)
             return CausalLMOutput(None, loss, router, head=result)
         if labels is not None and not return_logits and self.chunked_head:
             loss, z = linear_cross_entropy(x[:, :-1].flatten(0, 1), self.head_weight(),
                                            labels[:, 1:].flatten(), IGNORE_INDEX,
                                            softcap=cap, z_loss=z_loss)
-            return CausalLMOutput(None, self._with_router_losses(loss, router), router, z=z)
+            return CausalLMOutput(None, with_router_losses(loss, router), router, z=z)
         logits = self.compute_logits(x)
         if labels is None:
             return CausalLMOutput(logits, None, router)
@@ -837,7 +864,7 @@ class Transformer(nn.Module):
             valid = targets != IGNORE_INDEX
             z = (torch.logsumexp(scored, -1).square() * valid).sum() / valid.sum().clamp(min=1)
             loss = loss + z_loss * z
-        return CausalLMOutput(logits, self._with_router_losses(loss, router), router, z=z)
+        return CausalLMOutput(logits, with_router_losses(loss, router), router, z=z)
 
     def _per_layer_inputs(self, input_ids: Tensor, embedded: Tensor) -> Tensor:
         """Gemma 4's per-layer inputs (B, T, n_layers, per_layer_dim): the tokens' rows of
@@ -875,13 +902,3 @@ class Transformer(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def _with_router_losses(self, loss: Tensor, router: RouterStats | None) -> Tensor:
-        """The training loss: cross-entropy plus, for a mixture of experts, its weighted
-        balance loss (when `router_aux_loss`: transformers adds `router_aux_loss_coef ·
-        aux_loss` alike, with `output_router_logits`) and z loss. The balance loss is
-        computed and logged either way."""
-        if router is None:
-            return loss
-        if router.aux_loss is not None and self.config.router_aux_loss:
-            loss = loss + self.config.router_aux_loss_coef * router.aux_loss
-        return loss + self.config.router_z_loss_coef * router.z_loss

@@ -28,7 +28,7 @@ from lathe.model.checkpoint import OpenCheckpoint, load_checkpoint, save_checkpo
 from lathe.model.config import ModelConfig
 from lathe.model.head_ops import LabelLogprobs
 from lathe.model.lora import LoraSection, apply_lora, load_adapter, merge_lora, save_adapter
-from lathe.model.transformer import IGNORE_INDEX, Transformer
+from lathe.model.transformer import IGNORE_INDEX, RouterStats, Transformer
 from lathe.posttrain.config import PosttrainConfig, TaskEvalConfig
 from lathe.posttrain.rewards import verifier
 from lathe.posttrain.tool_episodes import EpisodePrompt, EpisodeRunner
@@ -46,8 +46,8 @@ T = TypeVar("T")
 def load_policy(runtime: Runtime, config: PosttrainConfig,
                 opened: OpenCheckpoint | None = None) -> tuple[Transformer, ChatEncoder]:
     """The starting weights in fp32 (the runtime applies mixed precision), with the balance
-    loss of its experts as `router_aux_loss` says and adapters injected when LoRA is enabled,
-    and the stage's chat encoder: the checkpoint's tokenizer
+    loss of its experts weighted as the stage says (`balance_experts`) and adapters injected
+    when LoRA is enabled, and the stage's chat encoder: the checkpoint's tokenizer
     with the chat template it trains on (`chat_template`, or the checkpoint's own).
     `opened`: `config.model` already open, when the stage builds more models from it."""
     checkpoint, lora = config.model, config.lora
@@ -57,14 +57,37 @@ def load_policy(runtime: Runtime, config: PosttrainConfig,
                           "single-process or DDP launch (recipes/accelerate/gpu.yaml)")
     encoder = chat_encoder(checkpoint, config.chat_template, config.chat_template_kwargs)
     model = (opened or OpenCheckpoint(checkpoint)).model(dtype=torch.float32)
-    if config.router_aux_loss is not None:
-        if model.config.n_experts is None:
-            raise ConfigError(f"router_aux_loss={config.router_aux_loss}: {checkpoint} has no "
-                              "experts to balance; drop it")
-        model.config.router_aux_loss = config.router_aux_loss
+    balance_experts(model.config, config)
     if lora.enabled:
         apply_lora(model, lora)
     return model.train(), encoder
+
+
+def balance_experts(model_config: ModelConfig, config: PosttrainConfig) -> None:
+    """Set whether and how much a mixture of experts' balance loss weighs in the stage's
+    loss, as TRL's trainers do: `router_aux_loss_coef`, or unset the checkpoint's own where
+    the stage adds it by default (SFT, DPO, GRPO), 0 turning it off. TRL writes the choice
+    into the config it saves (`output_router_logits`), and so does the export."""
+    coef = config.router_aux_loss_coef
+    if coef and (model_config.n_experts is None or model_config.sigmoid_router):
+        what = ("no experts" if model_config.n_experts is None else
+                "a sigmoid router, whose families have no balance loss (their experts balance "
+                "by router_bias_update_speed)")
+        raise ConfigError(f"router_aux_loss_coef={coef}: {config.model} has {what}; drop it")
+    if model_config.n_experts is None:
+        return
+    if coef is None:
+        coef = model_config.router_aux_loss_coef if config.balances_by_default() else 0.0
+    model_config.router_aux_loss = coef != 0 and not model_config.sigmoid_router
+    model_config.router_aux_loss_coef = coef
+
+
+def real_tokens(batch: dict[str, Any]) -> Tensor:
+    """(B, T) True at a right-padded batch's real tokens: each row's first `row_lengths`
+    (a packed batch's) or `lengths`."""
+    ids = batch["ids"]
+    lengths = torch.as_tensor(batch.get("row_lengths", batch["lengths"]), device=ids.device)
+    return torch.arange(ids.shape[1], device=ids.device) < lengths[:, None]
 
 
 def pad_id(tokenizer: Tokenizer) -> int:
@@ -230,6 +253,17 @@ def pad(rows: Sequence[Sequence[int]], value: int) -> Tensor:
     """Right-pad token rows into one (B, T) tensor."""
     width = max(len(r) for r in rows)
     return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows])
+
+
+def labelled_logprobs(model: nn.Module, batch: dict[str, Any], labels: Tensor | None = None,
+                      temperature: float = 1.0) -> tuple[Tensor, RouterStats | None]:
+    """log p(label_t | tokens < t) per position of a collated batch (0 where unlabelled;
+    `labels`, default the batch's), from logits / `temperature`, and a mixture of experts'
+    routing over the batch's real tokens, whose router losses a stage's own loss adds
+    (`with_router_losses`) when it trains."""
+    op = LabelLogprobs(batch["labels"] if labels is None else labels, temperature)
+    out = model(batch["ids"], head_op=op, token_mask=real_tokens(batch))
+    return out.head, out.router
 
 
 def token_logprobs(model: nn.Module, input_ids: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:

@@ -5,8 +5,9 @@ README run's base checkpoint and the embedded arithmetic task."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 from lathe.core.errors import ConfigError
 from lathe.data.chat_template import TEMPLATE_ARGUMENTS
@@ -88,19 +89,18 @@ class PosttrainConfig(TrainConfig):
     lora: LoraSection = field(default_factory=LoraSection)
     task_eval: TaskEvalConfig = field(default_factory=TaskEvalConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
-    # a mixture of experts: whether the loss adds the router's balance loss; None: as the
-    # checkpoint's config.json says (`output_router_logits`, which hub checkpoints mostly
-    # leave false — TRL trains without it unless model_init_kwargs turns it on)
-    router_aux_loss: bool | None = None
-    # whether the stage's loss is the model's own (with its router losses), which
-    # `router_aux_loss` switches; DPO's, GRPO's and the reward model's are computed apart
-    model_loss: ClassVar[bool] = False
+    # a mixture of experts: the weight of its router's balance loss in the stage's loss
+    # (TRL's router_aux_loss_coef); null: the checkpoint's own router_aux_loss_coef where
+    # TRL's trainer adds it (SFT, DPO and its variants, GRPO), none for distillation (TRL's
+    # GKD adds none) or a reward model (which takes none); 0: off
+    router_aux_loss_coef: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.router_aux_loss and not self.model_loss:
-            raise ConfigError(f"router_aux_loss=true: {type(self).__name__}'s loss is its own, "
-                              "with no balance term; drop it (SFT and distillation add it)")
+        coef = self.router_aux_loss_coef
+        if coef is not None and not (0 <= coef < math.inf):
+            raise ConfigError(f"router_aux_loss_coef={coef} must be a number >= 0 (0: off; "
+                              "null: the checkpoint's own)")
         for key in self.chat_template_kwargs:
             if key in TEMPLATE_ARGUMENTS:
                 raise ConfigError(f"chat_template_kwargs.{key}: lathe sets {key!r} itself; "
@@ -115,6 +115,11 @@ class PosttrainConfig(TrainConfig):
     def training_sources(self) -> list[str]:
         """The sources the stage trains on (task:NAME, files, hf:NAME)."""
         raise NotImplementedError
+
+    def balances_by_default(self) -> bool:
+        """Whether router_aux_loss_coef=null adds the checkpoint's own balance loss (TRL's
+        SFT, DPO and GRPO trainers do)."""
+        return True
 
 
 @dataclass
@@ -136,7 +141,6 @@ class ChatStageConfig(PosttrainConfig):
     """A stage that trains on chats: SFT and distillation."""
 
     data: ChatDataConfig = field(default_factory=ChatDataConfig)
-    model_loss: ClassVar[bool] = True
 
     def training_sources(self) -> list[str]:
         train = self.data.train
@@ -191,6 +195,11 @@ class DistillConfig(ChatStageConfig):
     # mix of distillation and RL)
     rewards: list[RewardSpec] = field(default_factory=list)
     reward_weight: float = 0.0
+
+    def balances_by_default(self) -> bool:
+        """Teacher-generated data trains as SFT does; the divergences, as TRL's GKD, add no
+        balance loss unless router_aux_loss_coef asks."""
+        return self.mode == "teacher_data"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -298,6 +307,13 @@ class RMConfig(PosttrainConfig):
         coefficient = self.center_rewards_coefficient
         if coefficient is not None and coefficient < 0:
             raise ConfigError(f"center_rewards_coefficient={coefficient} must be >= 0 (or null)")
+        if self.router_aux_loss_coef:
+            raise ConfigError(f"router_aux_loss_coef={self.router_aux_loss_coef}: a reward "
+                              "model's loss has no balance term (nor has TRL's "
+                              "RewardTrainer's); drop it")
+
+    def balances_by_default(self) -> bool:
+        return False
 
     def training_sources(self) -> list[str]:
         return [self.data.train]

@@ -41,6 +41,7 @@ from lathe.posttrain.common import (
     load_policy,
     percent,
     rank_batches,
+    real_tokens,
     stage_history,
     stage_main,
     train_on_batches,
@@ -97,7 +98,8 @@ def distill_logits(config: DistillConfig, teacher_checkpoint: OpenCheckpoint,
     def loss_fn(m: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
         ids, labels, documents = batch["ids"], batch["labels"], batch.get("documents")
         op = DistillationLoss(labels, teacher_rows(runtime, teacher, ids, documents), config)
-        loss = m(ids, labels=labels, documents=documents, head_op=op).loss
+        loss = m(ids, labels=labels, documents=documents, head_op=op,
+                 token_mask=real_tokens(batch)).loss
         return loss, {"loss": loss, **op.parts}
 
     # the held-out figure: KL(teacher ‖ student) at T=1 whatever the training loss

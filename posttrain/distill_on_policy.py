@@ -38,6 +38,7 @@ from lathe.posttrain.common import (
     load_policy,
     pad_id,
     rank_batches,
+    real_tokens,
     sequence_work,
     stage_history,
 )
@@ -153,7 +154,7 @@ def distill_on_policy(config: DistillConfig, teacher_checkpoint: OpenCheckpoint,
         ids, labels = batch["ids"], batch["labels"]
         op = DistillationLoss(labels, teacher_rows(runtime, teacher, ids), config,
                               batch["advantages"] if config.rewards else None)
-        loss = m(ids, labels=labels, head_op=op).loss
+        loss = m(ids, labels=labels, head_op=op, token_mask=real_tokens(batch)).loss
         return loss, {"loss": loss, "kd": op.parts["kd"], **(
             {"pg": op.parts["pg"]} if "pg" in op.parts else {})}
 

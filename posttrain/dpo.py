@@ -33,9 +33,8 @@ from lathe.data.chat_encoding import ChatEncoder
 from lathe.data.formats import PreferenceRow, load_preference_dataset, load_unpaired_dataset
 from lathe.model.checkpoint import load_checkpoint, read_model_config
 from lathe.model.config import ModelConfig
-from lathe.model.head_ops import LabelLogprobs
 from lathe.model.lora import adapters_disabled
-from lathe.model.transformer import IGNORE_INDEX
+from lathe.model.transformer import IGNORE_INDEX, with_router_losses
 from lathe.posttrain.common import (
     PromptFit,
     ShuffledBatches,
@@ -43,12 +42,14 @@ from lathe.posttrain.common import (
     evaluate_task,
     evaluation_cache_bytes,
     finish_stage,
+    labelled_logprobs,
     load_policy,
     pad,
     pad_id,
     percent,
     prompt_and_reply,
     rank_batches,
+    real_tokens,
     sequence_work,
     stage_history,
     stage_main,
@@ -128,15 +129,14 @@ def rpo_loss(model: nn.Module, batch: dict[str, Tensor], mean: bool, beta: float
     lowers the chosen replies' likelihood too (only the margin must grow), which on
     exact-answer tasks costs accuracy."""
     ids, labels = batch["ids"], batch["labels"]
+    replies = labels[:, 1:] != IGNORE_INDEX
     if kind == "orpo":  # one head pass scores every token: the replies and whole chosen rows
-        lengths = torch.as_tensor(batch["lengths"], device=ids.device)
-        whole = torch.where(torch.arange(ids.shape[1], device=ids.device) < lengths[:, None],
-                            ids, IGNORE_INDEX)
-        per_token = model(ids, head_op=LabelLogprobs(whole)).head
-        replies = labels[:, 1:] != IGNORE_INDEX
-        total, count = (per_token * replies).sum(-1), replies.sum(-1)
+        whole = torch.where(real_tokens(batch), ids, IGNORE_INDEX)
+        per_token, router = labelled_logprobs(model, batch, whole)
+        per_token_replies = per_token * replies
     else:
-        total, count = token_logprobs(model, ids, labels)
+        per_token_replies, router = labelled_logprobs(model, batch)
+    total, count = per_token_replies.sum(-1), replies.sum(-1)
     logps = total / count.clamp(min=1) if mean else total
     if kind == "simpo":
         loss, metrics = simpo_loss(logps, beta, simpo_gamma)
@@ -152,6 +152,9 @@ def rpo_loss(model: nn.Module, batch: dict[str, Tensor], mean: bool, beta: float
         nll = -chosen_total.sum() / chosen_count.sum().clamp(min=1)
         loss = loss + rpo_alpha * nll
         metrics |= {"loss": loss, "nll_loss": nll.detach()}
+    if router is not None:  # a mixture of experts' router losses, as TRL's DPOTrainer adds
+        loss = with_router_losses(loss, router)
+        metrics |= {"loss": loss, **router.metrics()}
     return loss, metrics
 
 

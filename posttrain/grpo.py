@@ -38,8 +38,8 @@ from lathe.core.errors import ConfigError
 from lathe.data.formats import load_prompt_dataset
 from lathe.model.checkpoint import OpenCheckpoint, read_model_config
 from lathe.model.config import ModelConfig
-from lathe.model.head_ops import LabelLogprobs
 from lathe.model.lora import adapters_disabled
+from lathe.model.transformer import RouterStats, with_router_losses
 from lathe.posttrain.common import (
     PromptFit,
     ShuffledBatches,
@@ -47,6 +47,7 @@ from lathe.posttrain.common import (
     evaluate_task,
     evaluation_cache_bytes,
     finish_stage,
+    labelled_logprobs,
     load_policy,
     pad_id,
     percent,
@@ -165,12 +166,12 @@ def sampling_weights(old: Tensor, sampled: Tensor, mask: Tensor, mode: str,
     return ratio.masked_fill(outside, 0.0)
 
 
-def per_token_logps(model: nn.Module, ids: Tensor, labels: Tensor,
-                    temperature: float = 1.0) -> Tensor:
-    """log p(label_t | tokens < t) per position of the (N, T) batch (0 where unlabelled),
-    from logits / `temperature`: the distribution the rollouts were sampled from."""
-    op = LabelLogprobs(labels, temperature if temperature > 0 else 1.0)
-    return model(ids, head_op=op).head
+def per_token_logps(model: nn.Module, batch: dict[str, Any], temperature: float = 1.0
+                    ) -> tuple[Tensor, RouterStats | None]:
+    """log p(label_t | tokens < t) per position of a collated batch of rollouts (0 where
+    unlabelled), from logits / `temperature` (the distribution the rollouts were sampled
+    from), and a mixture of experts' routing (`labelled_logprobs`)."""
+    return labelled_logprobs(model, batch, temperature=temperature if temperature > 0 else 1.0)
 
 
 Round = tuple[list[Rollout], dict[str, float]]  # a generation round's rollouts, tool metrics
@@ -409,12 +410,17 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
         return sequence_work(model_config, batch["lengths"], units)
 
     def loss_fn(m: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-        logps = per_token_logps(m, batch["ids"], batch["labels"], config.temperature)
-        return clipped_surrogate(logps, batch["old"], batch["advantages"], batch["mask"],
-                                 config.epsilon, config.epsilon_high, batch.get("ref"),
-                                 config.beta, len(batch["lengths"]) * constant if constant
-                                 else None, config.importance_sampling_level == "sequence",
-                                 config.kl_importance_correction, batch.get("weight"))
+        logps, router = per_token_logps(m, batch, config.temperature)
+        loss, metrics = clipped_surrogate(
+            logps, batch["old"], batch["advantages"], batch["mask"], config.epsilon,
+            config.epsilon_high, batch.get("ref"), config.beta,
+            len(batch["lengths"]) * constant if constant else None,
+            config.importance_sampling_level == "sequence", config.kl_importance_correction,
+            batch.get("weight"))
+        if router is not None:  # a mixture of experts' router losses, as TRL's GRPO adds
+            loss = with_router_losses(loss, router)
+            metrics |= {"loss": loss, **router.metrics()}
+        return loss, metrics
 
     history = stage_history(restored, "reward", "accuracy", "heldout_accuracy")
     if restored is None:
@@ -490,17 +496,17 @@ def attach_old_and_reference(model: nn.Module, reference: nn.Module | None,
     model.eval()
     gap, tokens = 0.0, 0
     for batch in micro:
-        ids, labels, mask = batch["ids"], batch["labels"], batch["mask"]
-        batch["old"] = per_token_logps(model, ids, labels, temperature)
+        mask = batch["mask"]
+        batch["old"] = per_token_logps(model, batch, temperature)[0]
         gap += float(((batch["old"] - batch["sampled"]).abs() * mask).sum())
         if correction[0] != "none":
             batch["weight"] = sampling_weights(batch["old"], batch["sampled"], mask, *correction)
         tokens += int(mask.sum())
         if reference is not None:
-            batch["ref"] = per_token_logps(reference, ids, labels, temperature)
+            batch["ref"] = per_token_logps(reference, batch, temperature)[0]
         elif lora_reference:
             with adapters_disabled(model):
-                batch["ref"] = per_token_logps(model, ids, labels, temperature)
+                batch["ref"] = per_token_logps(model, batch, temperature)[0]
     model.train()
     return gap / max(tokens, 1)
 

@@ -28,8 +28,15 @@ from lathe.core.errors import ConfigError
 from lathe.data.chat_encoding import ChatEncoder
 from lathe.data.formats import UnpairedRow
 from lathe.model.config import ModelConfig
-from lathe.model.transformer import IGNORE_INDEX
-from lathe.posttrain.common import PromptFit, pad, prompt_and_reply, sequence_work, token_logprobs
+from lathe.model.transformer import IGNORE_INDEX, with_router_losses
+from lathe.posttrain.common import (
+    PromptFit,
+    labelled_logprobs,
+    pad,
+    prompt_and_reply,
+    sequence_work,
+    token_logprobs,
+)
 from lathe.pretrain.runtime.trainer import Work
 
 
@@ -128,10 +135,15 @@ def kto_objective(model: nn.Module, batch: dict[str, Tensor], beta: float,
     with torch.no_grad():
         mismatched = token_logprobs(model, batch["mismatched_ids"],
                                     batch["mismatched_labels"])[0]
-    policy = token_logprobs(model, batch["ids"], batch["labels"])[0]
+    per_token, router = labelled_logprobs(model, batch)
     reference = batch["reference"]
-    return kto_loss(policy, reference[:, 0], mismatched, reference[:, 1], batch["desirable"],
-                    beta, desirable_weight, undesirable_weight, mean_over_ranks)
+    loss, metrics = kto_loss(per_token.sum(-1), reference[:, 0], mismatched, reference[:, 1],
+                             batch["desirable"], beta, desirable_weight, undesirable_weight,
+                             mean_over_ranks)
+    if router is not None:  # a mixture of experts' router losses, as TRL's KTOTrainer adds
+        loss = with_router_losses(loss, router)
+        metrics |= {"loss": loss, **router.metrics()}
+    return loss, metrics
 
 
 def kto_work(model_config: ModelConfig, batch: dict[str, Any]) -> Work:

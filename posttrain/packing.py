@@ -51,8 +51,9 @@ def collate_packed(rows: list[list[Any]], pad_token: int,
                    device: torch.device) -> dict[str, Any]:
     """Packed rows of (ids, labels, ...) examples -> the model's batch: `ids`, `labels`
     (each example's first label ignored: nothing before it in the row may predict it),
-    `documents` (per token, its example's index in the row; padding is one more document)
-    and `lengths` (every example's, for the work a step does)."""
+    `documents` (per token, its example's index in the row; padding is one more document),
+    `lengths` (every example's, for the work a step does) and `row_lengths` (each row's
+    tokens before its padding)."""
     ids, labels, documents, lengths = [], [], [], []
     for row in rows:
         row_ids, row_labels, row_documents = [], [], []
@@ -66,5 +67,6 @@ def collate_packed(rows: list[list[Any]], pad_token: int,
         documents.append(row_documents)
     padding_document = max(len(row) for row in rows)
     return {"ids": pad(ids, pad_token).to(device), "labels": pad(labels, IGNORE_INDEX).to(device),
-            "documents": pad(documents, padding_document).to(device), "lengths": lengths}
+            "documents": pad(documents, padding_document).to(device), "lengths": lengths,
+            "row_lengths": [len(row_ids) for row_ids in ids]}
 

@@ -33,6 +33,7 @@ from lathe.posttrain.common import (
     load_policy,
     percent,
     rank_batches,
+    real_tokens,
     stage_history,
     stage_main,
     stop_reached,
@@ -45,9 +46,10 @@ from lathe.pretrain.runtime.trainer import Runtime
 
 
 def sft_loss(model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
-    """Mean cross-entropy over the micro-batch's assistant tokens (padded or packed)."""
+    """Mean cross-entropy over the micro-batch's assistant tokens (padded or packed), plus a
+    mixture of experts' router losses over its real tokens."""
     loss = model(batch["ids"], labels=batch["labels"], return_logits=False,  # fused on CUDA
-                 documents=batch.get("documents")).loss
+                 documents=batch.get("documents"), token_mask=real_tokens(batch)).loss
     return loss, {"loss": loss}
 
 

@@ -23,9 +23,10 @@ MOE = ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"]
 
 @pytest.mark.parametrize("name", MOE)
 def test_loss_and_balance_loss_are_transformers(tmp_path, name):
-    """As its config.json leaves `output_router_logits` (off), the loss is transformers' plain
-    one — the balance loss computed and logged, not added, as TRL trains a hub MoE; switched
-    on, it is transformers' with the weighted balance loss, and the switch is exported."""
+    """As its config.json leaves `output_router_logits` (off), the model's loss is
+    transformers' plain one — the balance loss computed and logged, not added; switched on,
+    it is transformers' with the weighted balance loss, and the switch is exported (a stage
+    sets it as TRL's trainers do: tests/posttrain)."""
     hf = saved(name, tmp_path / "hf")
     ours = load_checkpoint(tmp_path / "hf")
     ids = torch.randint(0, 256, (2, 40))
@@ -44,6 +45,28 @@ def test_loss_and_balance_loss_are_transformers(tmp_path, name):
     save_checkpoint(ours, tmp_path / "lathe")
     assert json.loads((tmp_path / "lathe" / "config.json").read_text())["output_router_logits"]
     assert load_checkpoint(tmp_path / "lathe").config.router_aux_loss
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_a_padded_batchs_balance_loss_leaves_its_pads_out_as_transformers_does(tmp_path, name):
+    """transformers' balance loss counts the tokens its attention_mask keeps, and lathe's
+    those of its token_mask: a right-padded batch's loss and loads are transformers' with
+    the pads masked, which the same batch counted whole does not give."""
+    hf = saved(name, tmp_path / "hf")
+    ours = load_checkpoint(tmp_path / "hf")
+    ours.config.router_aux_loss = True
+    ids = torch.randint(0, 256, (3, 40))
+    real = torch.arange(40) < torch.tensor([40, 23, 9])[:, None]
+    labels = ids.masked_fill(~real, -100)
+    with torch.no_grad():
+        theirs = hf(ids, attention_mask=real.long(), labels=labels, output_router_logits=True)
+        got = ours(ids, labels=labels, token_mask=real)
+        whole = ours(ids, labels=labels)
+    assert float(got.router.aux_loss) == pytest.approx(float(theirs.aux_loss), abs=1e-6)
+    assert float(got.loss) == pytest.approx(float(theirs.loss), abs=1e-5)
+    assert abs(float(whole.router.aux_loss) - float(theirs.aux_loss)) > 1e-4
+    assert float(got.router.layer_load.sum()) == real.sum() * ours.config.n_experts_per_token \
+        * len(got.router.layer_load)
 
 
 def test_a_sigmoid_routers_loss_is_transformers_and_its_load_is_what_it_chose(tmp_path):

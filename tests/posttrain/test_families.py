@@ -6,6 +6,7 @@ that class."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -32,8 +33,8 @@ FAMILY_CONFIGS = {
     # q/k/v and gate/up stored fused: the adapter is written on qkv_proj and gate_up_proj
     "Phi3": {"sliding_window": 16},
     # a mixture of experts: adapters on attention and on the stacked experts (peft's
-    # target_parameters, as on transformers' class), the loss carrying the balance loss when
-    # asked (`router_aux_loss`, transformers' output_router_logits, which the export keeps)
+    # target_parameters, as on transformers' class), SFT's loss carrying the balance loss at
+    # the checkpoint's coefficient as TRL's does (output_router_logits, which the export keeps)
     "Qwen3Moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
                  "moe_intermediate_size": 32, "norm_topk_prob": True},
     # DeepSeek-V3's router (no balance loss), a dense first layer and a shared expert, which
@@ -102,13 +103,12 @@ def test_sft_and_dpo_with_lora_on_a_foreign_checkpoint(family_base, tmp_path):
     family, family_base = family_base
     ids = torch.randint(0, 300, (1, 40))
     sft = tmp_path / "sft"
-    balanced = {"router_aux_loss": "true"} if family in EXPERTS else {}
     assert main(["sft", *quick(sft, family_base, max_steps=2, **{"lora.enabled": "true",
                                                                "optim.lr": 3e-3,
-                                                               "data.limit": 64,
-                                                               **balanced})]) == 0
+                                                               "data.limit": 64})]) == 0
     logits_agree(sft / "final", ids, family)
-    if family in ("Qwen3Moe", "Qwen3_5Moe", "Qwen3Next"):  # softmax routers: the switch
+    softmax_routed = family in ("Qwen3Moe", "Qwen3_5Moe", "Qwen3Next")
+    if softmax_routed:  # the switch TRL's SFT sets too
         assert transformers.AutoConfig.from_pretrained(sft / "final").output_router_logits
     base = transformers.AutoModelForCausalLM.from_pretrained(family_base, dtype=torch.float32)
     adapted = PeftModel.from_pretrained(base, sft / "final-adapter").eval()
@@ -129,6 +129,10 @@ def test_sft_and_dpo_with_lora_on_a_foreign_checkpoint(family_base, tmp_path):
         assert main(["grpo", *quick(grpo, family_base, max_steps=2, prompts_per_step=2,
                                     num_generations=2, limit=16, **{"lora.enabled": "true"})]) == 0
         logits_agree(grpo / "final", ids, family)
+        # GRPO's loss carries the balance loss of a softmax router's experts, as TRL's does
+        logged = [json.loads(line) for line in (grpo / "metrics.jsonl").read_text().splitlines()]
+        balance = [record["router/aux_loss"] for record in logged if "router/aux_loss" in record]
+        assert len(balance) == 2 if softmax_routed else not balance
         return
     engine.add_adapter("sft", sft / "final-adapter")
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

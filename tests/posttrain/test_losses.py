@@ -46,7 +46,7 @@ def test_rpo_adds_the_chosen_replies_per_token_nll_to_dpo():
     labels = ids.clone()
     labels[:, :3] = -100
     labels[0, 6] = -100  # chosen replies of 3 and 4 labelled tokens
-    batch = {"ids": ids, "labels": labels, "reference": torch.zeros(4)}
+    batch = {"ids": ids, "labels": labels, "lengths": [7] * 4, "reference": torch.zeros(4)}
     plain, _ = rpo_loss(model, batch, False, 0.1, "sigmoid", 0.0)
     mixed, metrics = rpo_loss(model, batch, False, 0.1, "sigmoid", 0.5)
     logits = model(ids).logits[:2, :-1]

@@ -83,11 +83,12 @@ def test_grpo_log_probs_are_the_engines_at_the_sampling_temperature(base):
     out = engine.generate([prompt], SamplingParams(
         max_tokens=12, temperature=temperature, seed=7, ignore_eos=True, logprobs=0,
         logprobs_at_temperature=True))[0].outputs[0]
-    ids = torch.tensor([prompt + out.token_ids])
-    labels = torch.tensor([[IGNORE_INDEX] * len(prompt) + out.token_ids])
+    batch = {"ids": torch.tensor([prompt + out.token_ids]),
+             "labels": torch.tensor([[IGNORE_INDEX] * len(prompt) + out.token_ids]),
+             "lengths": [len(prompt) + len(out.token_ids)]}
     with torch.no_grad():
-        trainer = per_token_logps(model, ids, labels, temperature)[0, len(prompt) - 1:]
-        plain = per_token_logps(model, ids, labels)[0, len(prompt) - 1:]
+        trainer = per_token_logps(model, batch, temperature)[0][0, len(prompt) - 1:]
+        plain = per_token_logps(model, batch)[0][0, len(prompt) - 1:]
     sampled = torch.tensor([lp.logprob for lp in out.logprobs])
     assert (trainer - sampled).abs().max().item() < 1e-4
     assert (plain - sampled).abs().max().item() > 1e-2

@@ -70,10 +70,12 @@ def test_sft_stops_once_heldout_accuracy_reaches_stop_at(base, tmp_path, capsys)
     assert "task_eval.stop_at=1.5: an accuracy in (0, 1]" in capsys.readouterr().err
     assert main(["sft", *quick(tmp_path / "bad", base, **{"task_eval.cooldown_steps": 5})]) == 2
     assert "task_eval.cooldown_steps=5 begins when task_eval.stop_at" in capsys.readouterr().err
-    assert main(["sft", *quick(tmp_path / "bad", base, router_aux_loss="true")]) == 2
-    assert "router_aux_loss=True: " in capsys.readouterr().err
-    assert main(["dpo", *quick(tmp_path / "bad", base, router_aux_loss="true")]) == 2
-    assert "router_aux_loss=true: DPOConfig's loss is its own" in capsys.readouterr().err
+    assert main(["sft", *quick(tmp_path / "bad", base, router_aux_loss_coef=0.01)]) == 2
+    assert "router_aux_loss_coef=0.01: " in capsys.readouterr().err  # a dense model
+    assert main(["dpo", *quick(tmp_path / "bad", base, router_aux_loss_coef=-1)]) == 2
+    assert "router_aux_loss_coef=-1.0 must be a number >= 0" in capsys.readouterr().err
+    assert main(["rm", *quick(tmp_path / "bad", base, router_aux_loss_coef=0.01)]) == 2
+    assert "a reward model's loss has no balance term" in capsys.readouterr().err
 
 
 def test_sft_cools_down_after_stop_at_and_resumes_inside_the_cooldown(base, tmp_path):

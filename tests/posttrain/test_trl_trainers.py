@@ -4,7 +4,7 @@ term and IPO (DPOTrainer), SimPO with and without CPO's NLL term (CPOTrainer), O
 transformers wrote (lathe's tokenizer and chat template) and read the same conversational
 rows; the batch is the whole dataset, so the trainers' different shuffles draw the same
 steps. Every step's loss and gradient norm and the final weights must agree within float
-noise."""
+noise. A Qwen3-MoE trains DPO with its balance loss, as TRL 1.16's trainers add it."""
 
 from __future__ import annotations
 
@@ -49,26 +49,39 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def qwen2(base, tmp_path_factory) -> Path:
-    """A Qwen2 checkpoint whose pad id is the tokenizer's own pad token: transformers builds
-    the embedding with `padding_idx=pad_token_id`, which never updates that row through
-    the lookup, so a pad id that the text uses (the BOS, say) would train differently."""
-    folder = tmp_path_factory.mktemp("trl") / "qwen2"
+def checkpoint(base: Path, folder: Path, family: str, **settings) -> Path:
+    """A `family` checkpoint (transformers' class, random weights) with `base`'s tokenizer,
+    whose pad id is the tokenizer's own pad token: transformers builds the embedding with
+    `padding_idx=pad_token_id`, which never updates that row through the lookup, so a pad id
+    that the text uses (the BOS, say) would train differently."""
     tokenizer = load_tokenizer(base)
-    config = transformers.Qwen2Config(
+    config = getattr(transformers, f"{family}Config")(
         vocab_size=tokenizer.get_vocab_size(with_added_tokens=True), hidden_size=64,
         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
         bos_token_id=tokenizer.token_to_id("<|begin_of_text|>"),
         eos_token_id=tokenizer.token_to_id("<|end_of_turn|>"),
-        pad_token_id=tokenizer.token_to_id("<|pad|>"))
+        pad_token_id=tokenizer.token_to_id("<|pad|>"), **settings)
     torch.manual_seed(0)
-    transformers.Qwen2ForCausalLM(config).save_pretrained(folder)
+    getattr(transformers, f"{family}ForCausalLM")(config).save_pretrained(folder)
     for name in TOKENIZER_FILES:
         if (base / name).is_file():
             shutil.copy(base / name, folder / name)
     return folder
+
+
+@pytest.fixture(scope="module")
+def qwen2(base, tmp_path_factory) -> Path:
+    return checkpoint(base, tmp_path_factory.mktemp("trl") / "qwen2", "Qwen2")
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(base, tmp_path_factory) -> Path:
+    """Four experts, two a token, and a balance-loss coefficient (0.05, over the class's
+    0.001) at which the term weighs in the loss well beyond float noise."""
+    return checkpoint(base, tmp_path_factory.mktemp("trl") / "qwen3_moe", "Qwen3Moe",
+                      head_dim=16, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, router_aux_loss_coef=0.05)
 
 
 def rows(case: str) -> list[dict]:
@@ -84,10 +97,12 @@ def rows(case: str) -> list[dict]:
             for p in pairs for side in ("chosen", "rejected")]
 
 
-def trl_run(case: str, model: Path, out: Path) -> tuple[list[float], list[float], dict]:
-    """TRL's trainer for `case` on the rows, every step's loss as its `compute_loss` returns
-    it, every step's gradient norm as it logs it, and the trained weights."""
+def trl_run(case: str, model: Path, out: Path, **extra) -> tuple[list[float], list[float], dict]:
+    """TRL's trainer for `case` on the rows (`extra` settings added), every step's loss as
+    its `compute_loss` returns it, every step's gradient norm as it logs it, and the trained
+    weights."""
     _, path, settings = CASES[case]
+    settings = {**settings, **extra}
     module, name = path.rsplit(".", 1)
     trainer_class = getattr(importlib.import_module(module), name)
     config_class = getattr(importlib.import_module(module), name.replace("Trainer", "Config"))
@@ -115,9 +130,10 @@ def trl_run(case: str, model: Path, out: Path) -> tuple[list[float], list[float]
     return losses, norms, trainer.model.state_dict()
 
 
-def lathe_run(case: str, model: Path, out: Path) -> tuple[list[float], list[float], dict]:
+def lathe_run(case: str, model: Path, out: Path, **extra) -> tuple[list[float], list[float],
+                                                                    dict]:
     """`lathe dpo` on the same rows with TRL's optimizer settings: AdamW (0.9, 0.999) at a
-    constant 1e-3, no weight decay, gradients clipped at 1."""
+    constant 1e-3, no weight decay, gradients clipped at 1 (`extra` overrides added)."""
     data, records = out.parent / f"{out.name}.jsonl", rows(case)
     data.write_text("".join(json.dumps(row) + "\n" for row in records))
     settings, _, _ = CASES[case]
@@ -125,7 +141,7 @@ def lathe_run(case: str, model: Path, out: Path) -> tuple[list[float], list[floa
                  "micro_batch_size": len(records), "task_eval.examples": 0,
                  "schedule.kind": "constant", "schedule.warmup_steps": 0, "optim.lr": 1e-3,
                  "optim.weight_decay": 0.0, "optim.betas": "[0.9,0.999]",
-                 "optim.grad_clip": 1.0, "eval.every": 1000}
+                 "optim.grad_clip": 1.0, "eval.every": 1000, **extra}
     assert main(["dpo", *quick(out, model, max_steps=STEPS, **overrides)]) == 0
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [record for record in logged if "grad_norm" in record]
@@ -146,3 +162,26 @@ def test_a_preference_loss_trains_step_for_step_as_trls_trainer(case, qwen2, tmp
     assert ours[2].keys() == theirs[2].keys()
     for name, weight in theirs[2].items():
         torch.testing.assert_close(ours[2][name], weight, atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("coef", [None, 0.0])
+def test_dpo_on_a_mixture_of_experts_adds_its_balance_loss_as_trls_trainer(coef, qwen3_moe,
+                                                                          tmp_path):
+    """TRL 1.16's DPOTrainer adds router_aux_loss_coef (the checkpoint's unless set) times
+    the balance loss of the routing over the chosen and rejected rows, pads left out; 0 turns
+    it off. `lathe dpo` trains step for step the same either way, and the term is no
+    rounding: the two settings' losses differ."""
+    settings = {} if coef is None else {"router_aux_loss_coef": coef}
+    theirs = trl_run("dpo", qwen3_moe, tmp_path / "trl", **settings)
+    ours = lathe_run("dpo", qwen3_moe, tmp_path / "lathe", **settings)
+    assert ours[0] == pytest.approx(theirs[0], rel=1e-5, abs=1e-6)
+    assert ours[1] == pytest.approx(theirs[1], rel=1e-4)
+    for name, weight in theirs[2].items():
+        torch.testing.assert_close(ours[2][name], weight, atol=2e-5, rtol=1e-4, msg=name)
+    logged = [json.loads(line) for line in
+              (tmp_path / "lathe" / "metrics.jsonl").read_text().splitlines()]
+    balance = [r["router/aux_loss"] for r in logged if "router/aux_loss" in r]
+    assert len(balance) == STEPS and all(b > 0.9 for b in balance)  # ~1 when balanced
+    if coef is None:
+        assert abs(ours[0][0] - lathe_run("dpo", qwen3_moe, tmp_path / "off",
+                                          router_aux_loss_coef=0)[0][0]) > 0.02

@@ -196,9 +196,9 @@ def test_a_step_fake_tensors_cannot_run_says_so_in_one_line(monkeypatch):
     import lathe.model.transformer as transformer
     stats = transformer.router_stats
 
-    def counted_by_bincount(routing, top_k, balance_loss=True):
+    def counted_by_bincount(routing, config, token_mask=None):
         torch.bincount(routing[0][1].flatten())
-        return stats(routing, top_k, balance_loss)
+        return stats(routing, config, token_mask)
     monkeypatch.setattr(transformer, "router_stats", counted_by_bincount)
     moe = ModelConfig.from_preset("tiny", family="qwen3_moe", vocab_size=1024)
     with pytest.raises(PlanError, match=r"qwen3_moe model cannot be traced .*bincount"):
