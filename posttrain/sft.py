@@ -47,10 +47,10 @@ from lathe.pretrain.runtime.trainer import Runtime
 
 def sft_loss(model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
     """Mean cross-entropy over the micro-batch's assistant tokens (padded or packed), plus a
-    mixture of experts' router losses over its real tokens."""
-    loss = model(batch["ids"], labels=batch["labels"], return_logits=False,  # fused on CUDA
-                 documents=batch.get("documents"), token_mask=real_tokens(batch)).loss
-    return loss, {"loss": loss}
+    mixture of experts' router losses over its real tokens (logged with its loads)."""
+    out = model(batch["ids"], labels=batch["labels"], return_logits=False,  # fused on CUDA
+                documents=batch.get("documents"), token_mask=real_tokens(batch))
+    return out.loss, {"loss": out.loss, **(out.router.metrics() if out.router else {})}
 
 
 @torch.no_grad()

@@ -1,10 +1,11 @@
-"""`lathe dpo` step for step against TRL 1.16's trainers: DPO with and without RPO's NLL
-term and IPO (DPOTrainer), SimPO with and without CPO's NLL term (CPOTrainer), ORPO
-(ORPOTrainer) and KTO (KTOTrainer). Both sides start from the same Qwen2 checkpoint that
-transformers wrote (lathe's tokenizer and chat template) and read the same conversational
-rows; the batch is the whole dataset, so the trainers' different shuffles draw the same
-steps. Every step's loss and gradient norm and the final weights must agree within float
-noise. A Qwen3-MoE trains DPO with its balance loss, as TRL 1.16's trainers add it."""
+"""`lathe sft` and `lathe dpo` step for step against TRL 1.16's trainers: SFT on prompt and
+completion (SFTTrainer), DPO with and without RPO's NLL term and IPO (DPOTrainer), SimPO with
+and without CPO's NLL term (CPOTrainer), ORPO (ORPOTrainer) and KTO (KTOTrainer). Both sides
+start from the same Qwen2 checkpoint that transformers wrote (lathe's tokenizer and chat
+template) and read the same conversational rows; the batch is the whole dataset, so the
+trainers' different shuffles draw the same steps. Every step's loss and gradient norm and the
+final weights must agree within float noise. A Qwen3-MoE trains SFT and DPO with its balance
+loss, as TRL 1.16's trainers add it."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ pytest.importorskip("trl")
 STEPS = 4
 # lathe's loss settings and TRL's trainer, config class and settings for each case
 CASES = {
+    # SFTTrainer's loss on a prompt-completion dataset is the completion's (its default
+    # completion_only_loss), what lathe trains of the same chat: the assistant's reply
+    "sft": ({}, "trl.SFTTrainer", {}),
     "dpo": ({"loss": "sigmoid", "beta": 0.1}, "trl.DPOTrainer", {"beta": 0.1}),
     # RPO, as the README's DPO stage runs it: TRL 1.16 spells it as a second, "sft" loss
     "dpo+nll": ({"loss": "sigmoid", "beta": 0.1, "rpo_alpha": 1.0}, "trl.DPOTrainer",
@@ -86,11 +90,14 @@ def qwen3_moe(base, tmp_path_factory) -> Path:
 
 def rows(case: str) -> list[dict]:
     """Four arithmetic pairs (the answer chosen, a refusal rejected) in TRL's conversational
-    format, or for KTO their eight completions, each labelled."""
+    format, or for KTO their eight completions, each labelled, or for SFT the four prompts
+    and answers."""
     pairs = [{"prompt": [{"role": "user", "content": r.prompt}],
               "chosen": [{"role": "assistant", "content": r.answer}],
               "rejected": [{"role": "assistant", "content": "I do not know."}]}
              for r in task_examples("arithmetic", "train", 4)]
+    if case == "sft":
+        return [{"prompt": p["prompt"], "completion": p["chosen"]} for p in pairs]
     if not case.startswith("kto"):
         return pairs
     return [{"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
@@ -132,9 +139,12 @@ def trl_run(case: str, model: Path, out: Path, **extra) -> tuple[list[float], li
 
 def lathe_run(case: str, model: Path, out: Path, **extra) -> tuple[list[float], list[float],
                                                                     dict]:
-    """`lathe dpo` on the same rows with TRL's optimizer settings: AdamW (0.9, 0.999) at a
-    constant 1e-3, no weight decay, gradients clipped at 1 (`extra` overrides added)."""
-    data, records = out.parent / f"{out.name}.jsonl", rows(case)
+    """`lathe dpo` (`lathe sft` for SFT, on the rows as chats) on the same rows with TRL's
+    optimizer settings: AdamW (0.9, 0.999) at a constant 1e-3, no weight decay, gradients
+    clipped at 1 (`extra` overrides added)."""
+    data, records, stage = out.parent / f"{out.name}.jsonl", rows(case), "dpo"
+    if case == "sft":
+        records, stage = [{"messages": r["prompt"] + r["completion"]} for r in records], "sft"
     data.write_text("".join(json.dumps(row) + "\n" for row in records))
     settings, _, _ = CASES[case]
     overrides = {**settings, "data.train": data, "data.eval": data,
@@ -142,7 +152,7 @@ def lathe_run(case: str, model: Path, out: Path, **extra) -> tuple[list[float], 
                  "schedule.kind": "constant", "schedule.warmup_steps": 0, "optim.lr": 1e-3,
                  "optim.weight_decay": 0.0, "optim.betas": "[0.9,0.999]",
                  "optim.grad_clip": 1.0, "eval.every": 1000, **extra}
-    assert main(["dpo", *quick(out, model, max_steps=STEPS, **overrides)]) == 0
+    assert main([stage, *quick(out, model, max_steps=STEPS, **overrides)]) == 0
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [record for record in logged if "grad_norm" in record]
     trained = transformers.AutoModelForCausalLM.from_pretrained(out / "final",
@@ -165,23 +175,25 @@ def test_a_preference_loss_trains_step_for_step_as_trls_trainer(case, qwen2, tmp
 
 
 @pytest.mark.parametrize("coef", [None, 0.0])
-def test_dpo_on_a_mixture_of_experts_adds_its_balance_loss_as_trls_trainer(coef, qwen3_moe,
-                                                                          tmp_path):
-    """TRL 1.16's DPOTrainer adds router_aux_loss_coef (the checkpoint's unless set) times
-    the balance loss of the routing over the chosen and rejected rows, pads left out; 0 turns
-    it off. `lathe dpo` trains step for step the same either way, and the term is no
+@pytest.mark.parametrize("case", ["sft", "dpo"])
+def test_a_mixture_of_experts_trains_with_its_balance_loss_as_trls_trainer(case, coef,
+                                                                          qwen3_moe, tmp_path):
+    """TRL 1.16's SFTTrainer and DPOTrainer add router_aux_loss_coef (the checkpoint's unless
+    set) times the balance loss of the batch's routing, pads left out; 0 turns it off.
+    `lathe sft` and `lathe dpo` train step for step the same either way, and the term is no
     rounding: the two settings' losses differ."""
     settings = {} if coef is None else {"router_aux_loss_coef": coef}
-    theirs = trl_run("dpo", qwen3_moe, tmp_path / "trl", **settings)
-    ours = lathe_run("dpo", qwen3_moe, tmp_path / "lathe", **settings)
+    theirs = trl_run(case, qwen3_moe, tmp_path / "trl", **settings)
+    ours = lathe_run(case, qwen3_moe, tmp_path / "lathe", **settings)
     assert ours[0] == pytest.approx(theirs[0], rel=1e-5, abs=1e-6)
     assert ours[1] == pytest.approx(theirs[1], rel=1e-4)
-    for name, weight in theirs[2].items():
-        torch.testing.assert_close(ours[2][name], weight, atol=2e-5, rtol=1e-4, msg=name)
+    for name, weight in theirs[2].items():  # Adam turns the float noise of a near-zero
+        # gradient (routing adds some) into a step of up to the rate: a tenth of one is noise
+        torch.testing.assert_close(ours[2][name], weight, atol=1e-4, rtol=1e-4, msg=name)
     logged = [json.loads(line) for line in
               (tmp_path / "lathe" / "metrics.jsonl").read_text().splitlines()]
     balance = [r["router/aux_loss"] for r in logged if "router/aux_loss" in r]
     assert len(balance) == STEPS and all(b > 0.9 for b in balance)  # ~1 when balanced
     if coef is None:
-        assert abs(ours[0][0] - lathe_run("dpo", qwen3_moe, tmp_path / "off",
+        assert abs(ours[0][0] - lathe_run(case, qwen3_moe, tmp_path / "off",
                                           router_aux_loss_coef=0)[0][0]) > 0.02
