@@ -191,6 +191,18 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | None = None,
     return _build(config, _read_state(path, config, device, dtype), path, dtype, device)
 
 
+def skeleton(config: ModelConfig) -> Transformer:
+    """A `Transformer` of `config` whose weights are on the meta device (no memory, nothing
+    read or initialized) and whose RoPE frequencies (buffers outside the state dict) are
+    computed: what a rank builds when another sends it the weights — FSDP2's
+    cpu_ram_efficient_loading, in which the main process alone holds a full copy."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.tie_weights()
+    model.reset_rotary("cpu")
+    return model.eval()
+
+
 class OpenCheckpoint:
     """A checkpoint folder opened once for a run that builds several models from it (GRPO's
     policy, frozen reference and rollout copy; distillation's teacher for training and for
@@ -211,24 +223,33 @@ class OpenCheckpoint:
         `num_labels` on a language model's checkpoint: a sequence classifier of its decoder
         with a new score head ~ N(0, init_std), as transformers starts one (a reward model
         from an SFT model)."""
+        config = self._config(num_labels)
         device = torch.device(device if device is not None else "cpu")
         check_memory(self.config, self.path, device, dtype)
         if self._state is None:
             self._state = _read_state(self.path, self.config, torch.device("cpu"))
         state = {name: tensor.to(device, dtype or tensor.dtype, copy=True)
                  for name, tensor in self._state.items()}
-        config = self.config
-        if num_labels is not None and num_labels != config.num_labels:
-            if config.num_labels:
-                raise CheckpointError(f"{self.path} is a sequence classifier of "
-                                      f"{config.num_labels} labels, not {num_labels}; start "
-                                      "from a language model or a classifier of that many")
-            config = dataclasses.replace(config, num_labels=num_labels)
+        if config.num_labels != self.config.num_labels:
             embedding = state["model.embed_tokens.weight"]
             state = {k: v for k, v in state.items() if not k.startswith("lm_head.")}
             state["score.weight"] = torch.randn(
                 num_labels, config.dim, device=device).mul_(config.init_std).to(embedding.dtype)
         return _build(config, state, self.path, None, device)
+
+    def skeleton(self, num_labels: int | None = None) -> Transformer:
+        """The `skeleton` of the model `model(num_labels=...)` builds, its weights unread."""
+        return skeleton(self._config(num_labels))
+
+    def _config(self, num_labels: int | None) -> ModelConfig:
+        config = self.config
+        if num_labels is None or num_labels == config.num_labels:
+            return config
+        if config.num_labels:
+            raise CheckpointError(f"{self.path} is a sequence classifier of "
+                                  f"{config.num_labels} labels, not {num_labels}; start "
+                                  "from a language model or a classifier of that many")
+        return dataclasses.replace(config, num_labels=num_labels)
 
     def release(self) -> None:
         self._state = None

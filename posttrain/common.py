@@ -56,11 +56,21 @@ def load_policy(runtime: Runtime, config: PosttrainConfig,
                           "its 4-bit base cannot be sharded or gathered here; run QLoRA on a "
                           "single-process or DDP launch (recipes/accelerate/gpu.yaml)")
     encoder = chat_encoder(checkpoint, config.chat_template, config.chat_template_kwargs)
-    model = (opened or OpenCheckpoint(checkpoint)).model(dtype=torch.float32)
+    model = stage_model(runtime, opened or OpenCheckpoint(checkpoint))
     balance_experts(model.config, config)
     if lora.enabled:
         apply_lora(model, lora)
     return model.train(), encoder
+
+
+def stage_model(runtime: Runtime, opened: OpenCheckpoint,
+                num_labels: int | None = None) -> Transformer:
+    """A model a stage trains or holds frozen (its policy, reference or teacher) in fp32, or
+    its skeleton on a rank that receives the weights from the main process
+    (`Runtime.receives_weights`)."""
+    if runtime.receives_weights:
+        return opened.skeleton(num_labels)
+    return opened.model(dtype=torch.float32, num_labels=num_labels)
 
 
 def balance_experts(model_config: ModelConfig, config: PosttrainConfig) -> None:

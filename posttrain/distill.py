@@ -44,6 +44,7 @@ from lathe.posttrain.common import (
     real_tokens,
     stage_history,
     stage_main,
+    stage_model,
     train_on_batches,
 )
 from lathe.posttrain.config import DistillConfig, PosttrainConfig, SFTConfig
@@ -83,7 +84,7 @@ def distill_logits(config: DistillConfig, teacher_checkpoint: OpenCheckpoint,
                    resume: str) -> dict[str, Any]:
     runtime = Runtime(config, stage="distill")
     model, encoder = load_policy(runtime, config)
-    teacher = teacher_checkpoint.model(dtype=torch.float32)
+    teacher = stage_model(runtime, teacher_checkpoint)
     check_vocabularies(model, teacher)
     model_config = model.config
     run = start_chat_run(runtime, config, model, encoder, resume,

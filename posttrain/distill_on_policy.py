@@ -41,6 +41,7 @@ from lathe.posttrain.common import (
     real_tokens,
     sequence_work,
     stage_history,
+    stage_model,
 )
 from lathe.posttrain.config import DistillConfig
 from lathe.posttrain.divergence import DistillationLoss, check_vocabularies, teacher_rows
@@ -112,7 +113,7 @@ def distill_on_policy(config: DistillConfig, teacher_checkpoint: OpenCheckpoint,
     runtime = Runtime(config, stage="distill")
     opened = OpenCheckpoint(config.model)  # the student, and its rollout engine's copy
     model, encoder = load_policy(runtime, config, opened)
-    teacher = teacher_checkpoint.model(dtype=torch.float32)
+    teacher = stage_model(runtime, teacher_checkpoint)
     check_vocabularies(model, teacher)
     model_config = model.config
     episodes = EpisodeRunner(encoder, config.tools)

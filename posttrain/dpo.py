@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from lathe.core.errors import ConfigError
 from lathe.data.chat_encoding import ChatEncoder
 from lathe.data.formats import PreferenceRow, load_preference_dataset, load_unpaired_dataset
-from lathe.model.checkpoint import load_checkpoint, read_model_config
+from lathe.model.checkpoint import OpenCheckpoint, read_model_config
 from lathe.model.config import ModelConfig
 from lathe.model.lora import adapters_disabled
 from lathe.model.transformer import IGNORE_INDEX, with_router_losses
@@ -53,6 +53,7 @@ from lathe.posttrain.common import (
     sequence_work,
     stage_history,
     stage_main,
+    stage_model,
     stop_reached,
     token_logprobs,
     train_on_batches,
@@ -234,7 +235,7 @@ def reference_model(runtime: Runtime, config: DPOConfig) -> contextlib.AbstractC
     a `reference` checkpoint is loaded and prepared as the policy was."""
     if config.reference is not None:
         return contextlib.nullcontext(runtime.prepare_frozen(
-            load_checkpoint(config.reference, dtype=torch.float32)))
+            stage_model(runtime, OpenCheckpoint(config.reference))))
     if config.lora.enabled:
         return _adapters_off(runtime.model)
     return contextlib.nullcontext(runtime.model)

@@ -54,6 +54,7 @@ from lathe.posttrain.common import (
     sequence_work,
     stage_history,
     stage_main,
+    stage_model,
     stop_reached,
 )
 from lathe.posttrain.config import GRPOConfig
@@ -383,7 +384,7 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
                                                    max(len(p.ids) for p in prompts)))
     reference = None
     if config.beta > 0 and not config.lora.enabled:
-        reference = runtime.prepare_frozen(opened.model(dtype=torch.float32))
+        reference = runtime.prepare_frozen(stage_model(runtime, opened))
     restored = runtime.start(config, resume)
     if restored is not None:
         sampler.load_state_dict(restored["prompts"])

@@ -42,6 +42,7 @@ from lathe.posttrain.common import (
     sequence_work,
     stage_history,
     stage_main,
+    stage_model,
     train_on_batches,
 )
 from lathe.posttrain.config import RMConfig
@@ -84,7 +85,7 @@ def step_shape(config: RMConfig, parallelism: Parallelism,
 def reward_model(config: RMConfig, resume: str = "never") -> dict[str, Any]:
     runtime = Runtime(config, stage="rm")
     encoder = chat_encoder(config.model, config.chat_template, config.chat_template_kwargs)
-    model = OpenCheckpoint(config.model).model(dtype=torch.float32, num_labels=1).train()
+    model = stage_model(runtime, OpenCheckpoint(config.model), num_labels=1).train()
     if config.lora.enabled:  # adapters on the decoder; the new score head trains whole (TRL's
         apply_lora(model, config.lora)  # modules_to_save=["score"])
         model.score.requires_grad_(True)

@@ -218,6 +218,15 @@ class Runtime:
         return report
 
     @property
+    def receives_weights(self) -> bool:
+        """Whether this rank builds its models as skeletons (`lathe.model.checkpoint.skeleton`):
+        on an FSDP2 launch with cpu_ram_efficient_loading, only the main process reads or
+        initializes the weights — one full copy in the host's memory, not one a rank — and
+        `prepare` and `prepare_frozen` send each rank its shards of them."""
+        return (not self.is_main and self.accelerator.distributed_type is DistributedType.FSDP
+                and self.accelerator.state.fsdp_plugin.cpu_ram_efficient_loading)
+
+    @property
     def sharded(self) -> bool:
         """Whether the prepared model's weights live in FSDP2 or DeepSpeed's keeping, so a
         full copy of them must be gathered (`accelerator.get_state_dict`, collective)."""
@@ -242,7 +251,9 @@ class Runtime:
         model.requires_grad_(False).eval()
         kind = self.accelerator.distributed_type
         if kind is DistributedType.FSDP:
-            return fsdp2_prepare_model(self.accelerator, model.to(self.device)).eval()
+            if not self.accelerator.state.fsdp_plugin.cpu_ram_efficient_loading:
+                model = model.to(self.device)  # else sharded from the main process' CPU copy
+            return fsdp2_prepare_model(self.accelerator, model).eval()
         if kind is DistributedType.DEEPSPEED:
             import deepspeed  # slow to import, and only DeepSpeed launches need it
 

@@ -1,8 +1,10 @@
-"""Run by `test_sharding` under `accelerate launch` (2 CPU processes): prepare a policy
-and a frozen reference the way the post-training stages do, and write, per rank, what
-fraction of a weight each holds locally, how far the (sharded) reference's logits are from
-the unsharded model's (from its forward, and made from its hidden states after it), and
-whether the policy's loss went through the chunked head (no logits made) to its value."""
+"""Run by `test_sharding` under `accelerate launch` (2 CPU processes): load a policy and a
+frozen reference from a checkpoint and prepare them the way the post-training stages do, and
+write, per rank, whether it built them without reading the weights (a skeleton the main
+process sends the weights to), what fraction of a weight each holds locally, how far the
+(sharded) reference's logits are from the unsharded model's (from its forward, and made from
+its hidden states after it), and whether the policy's loss went through the chunked head (no
+logits made) to its value."""
 
 from __future__ import annotations
 
@@ -14,9 +16,10 @@ import torch
 from torch import nn
 
 from lathe.core.cli import exit_process
+from lathe.model.checkpoint import OpenCheckpoint, load_checkpoint
+from lathe.posttrain.common import stage_model
 from lathe.pretrain.runtime.config import LoggingConfig, TrainConfig
 from lathe.pretrain.runtime.trainer import Runtime
-from tests.builders import tiny_model
 
 WEIGHT = "model.layers.0.mlp.gate_proj.weight"
 
@@ -31,15 +34,18 @@ def local_fraction(module: nn.Module) -> float:
     return 1.0
 
 
-def main(out: Path) -> None:
+def main(checkpoint: Path, out: Path) -> None:
     config = TrainConfig(out_dir=str(out), max_steps=1,
                          logging=LoggingConfig(report_to="none", progress=False))
     runtime = Runtime(config, stage="probe")
-    policy, reference = tiny_model(n_layers=2).train(), tiny_model(n_layers=2)
+    opened = OpenCheckpoint(checkpoint)
+    policy, reference = stage_model(runtime, opened).train(), stage_model(runtime, opened)
+    skeleton = all(p.is_meta for p in (*policy.parameters(), *reference.parameters()))
+    whole = load_checkpoint(checkpoint)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        expected = reference(ids).logits
-        loss = policy(ids, labels=ids).loss
+        expected = whole(ids).logits
+        loss = whole(ids, labels=ids).loss
     runtime.prepare(policy, total_steps=1)
     frozen = runtime.prepare_frozen(reference)
     ids = ids.to(runtime.device)
@@ -48,7 +54,8 @@ def main(out: Path) -> None:
         chunked = runtime.model(ids, labels=ids, return_logits=False)
         hidden = frozen(ids, head=False).hidden  # a teacher's rows, made after its forward
         rows = runtime.accelerator.unwrap_model(frozen).compute_logits(hidden[:, 5:]).cpu()
-    report = {"setup": runtime.setup, "policy": local_fraction(runtime.model),
+    report = {"setup": runtime.setup, "skeleton": skeleton,
+              "policy": local_fraction(runtime.model),
               "reference": local_fraction(frozen),
               "reference_trainable": sum(p.requires_grad for p in frozen.parameters()),
               "reference_logits_error": (got - expected).abs().max().item(),
@@ -60,5 +67,5 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
     exit_process(0)

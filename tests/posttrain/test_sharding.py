@@ -1,5 +1,6 @@
 """Post-training on 2 CPU processes, shown rather than assumed: under FSDP2 and ZeRO-3 each
-rank holds half of a policy weight and half of the reference's; an SFT step with
+rank holds half of a policy weight and half of the reference's, and under FSDP2 (with
+cpu_ram_efficient_loading) only the main process reads them; an SFT step with
 accumulation on 2 ranks is the one-process step on the same 8 rows (of chats, or packed);
 GRPO with a sharded reference and its rollout engine synced from the shards reproduces the
 one-process run, and so does on-policy distillation from a sharded teacher, and a reward
@@ -25,7 +26,7 @@ from lathe.posttrain.distill import distill
 from lathe.posttrain.grpo import grpo
 from lathe.posttrain.sft import sft
 from tests import processes
-from tests.builders import reset_accelerate
+from tests.builders import reset_accelerate, tiny_model
 from tests.posttrain.conftest import quick
 
 pytestmark = pytest.mark.slow
@@ -46,11 +47,15 @@ def step_metrics(out: Path, key: str) -> dict[int, float]:
 
 @pytest.mark.parametrize("recipe", SHARDED)
 def test_each_rank_holds_half_of_the_policy_and_of_the_reference(recipe, tmp_path):
-    processes.run(launch(recipe, "-m", "tests.posttrain.shard_probe", str(tmp_path)),
-                  timeout=300, cwd=ROOT)
+    """FSDP2's second rank builds both models as skeletons and receives its shards from the
+    first (one full copy in host memory, not one a rank); ZeRO-3 reads them on every rank."""
+    checkpoint = save_checkpoint(tiny_model(n_layers=2), tmp_path / "checkpoint")
+    processes.run(launch(recipe, "-m", "tests.posttrain.shard_probe", str(checkpoint),
+                         str(tmp_path)), timeout=300, cwd=ROOT)
     for rank in (0, 1):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert report["setup"]["num_processes"] == 2
+        assert report["skeleton"] == (recipe == "cpu-fsdp2" and rank == 1), report
         assert report["policy"] == 0.5 and report["reference"] == 0.5, report
         assert report["reference_trainable"] == 0
         assert report["reference_logits_error"] < 1e-5, report
