@@ -3,12 +3,14 @@ frozen reference from a checkpoint and prepare them the way the post-training st
 write, per rank, whether it built them without reading the weights (a skeleton the main
 process sends the weights to), what fraction of a weight each holds locally, how far the
 (sharded) reference's logits are from the unsharded model's (from its forward, and made from
-its hidden states after it), and whether the policy's loss went through the chunked head (no
-logits made) to its value."""
+its hidden states after it), whether the policy's loss went through the chunked head (no
+logits made) to its value, and the rank's peak resident memory once both are prepared (before
+the probe loads a whole copy to compare with)."""
 
 from __future__ import annotations
 
 import json
+import resource
 import sys
 from pathlib import Path
 
@@ -41,13 +43,14 @@ def main(checkpoint: Path, out: Path) -> None:
     opened = OpenCheckpoint(checkpoint)
     policy, reference = stage_model(runtime, opened).train(), stage_model(runtime, opened)
     skeleton = all(p.is_meta for p in (*policy.parameters(), *reference.parameters()))
+    runtime.prepare(policy, total_steps=1)
+    frozen = runtime.prepare_frozen(reference)
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     whole = load_checkpoint(checkpoint)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = whole(ids).logits
         loss = whole(ids, labels=ids).loss
-    runtime.prepare(policy, total_steps=1)
-    frozen = runtime.prepare_frozen(reference)
     ids = ids.to(runtime.device)
     with torch.no_grad(), runtime.autocast():
         got = frozen(ids).logits.float().cpu()
@@ -61,7 +64,7 @@ def main(checkpoint: Path, out: Path) -> None:
               "reference_logits_error": (got - expected).abs().max().item(),
               "rows_logits_error": (rows - expected[:, 5:]).abs().max().item(),
               "chunked_loss_error": abs(chunked.loss.item() - loss.item()),
-              "logits_made": chunked.logits is not None}
+              "logits_made": chunked.logits is not None, "peak_rss_gib": peak_rss / 2**30}
     (out / f"rank{runtime.rank}.json").write_text(json.dumps(report))
     runtime.accelerator.end_training()
 
