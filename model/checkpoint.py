@@ -223,7 +223,7 @@ class OpenCheckpoint:
         `num_labels` on a language model's checkpoint: a sequence classifier of its decoder
         with a new score head ~ N(0, init_std), as transformers starts one (a reward model
         from an SFT model)."""
-        config = self._config(num_labels)
+        config = self.config_for(num_labels)
         device = torch.device(device if device is not None else "cpu")
         check_memory(self.config, self.path, device, dtype)
         if self._state is None:
@@ -239,9 +239,10 @@ class OpenCheckpoint:
 
     def skeleton(self, num_labels: int | None = None) -> Transformer:
         """The `skeleton` of the model `model(num_labels=...)` builds, its weights unread."""
-        return skeleton(self._config(num_labels))
+        return skeleton(self.config_for(num_labels))
 
-    def _config(self, num_labels: int | None) -> ModelConfig:
+    def config_for(self, num_labels: int | None) -> ModelConfig:
+        """The config of the model `model(num_labels=...)` builds."""
         config = self.config
         if num_labels is None or num_labels == config.num_labels:
             return config

@@ -18,7 +18,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two AdamW groups: matrices (decayed) and vectors such as norm weights (not)."""
     decay, no_decay = [], []
     for param in _trainable(model):
-        (decay if param.ndim >= 2 else no_decay).append(param)
+        # a weight ZeRO-3 partitioned as it was built holds a flat slice; ds_shape is its own
+        (decay if len(getattr(param, "ds_shape", param.shape)) >= 2 else no_decay).append(param)
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
 

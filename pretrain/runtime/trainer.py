@@ -227,6 +227,45 @@ class Runtime:
                 and self.accelerator.state.fsdp_plugin.cpu_ram_efficient_loading)
 
     @property
+    def partitions_at_build(self) -> bool:
+        """Whether models are built partitioned (`partitioned_model`): a ZeRO-3 launch with
+        zero3_init_flag, as transformers builds under deepspeed.zero.Init."""
+        plugin = self.accelerator.state.deepspeed_plugin
+        return (self.accelerator.distributed_type is DistributedType.DEEPSPEED
+                and self.setup.get("zero_stage") == 3 and plugin.zero3_init_flag)
+
+    def partitioned_model(self, config: ModelConfig,
+                          whole: Callable[[], Transformer]) -> Transformer:
+        """A `Transformer` of `config` built under deepspeed.zero.Init — each rank allocates
+        only its partition of every weight — holding the weights of `whole()`, which only
+        the main process calls: one full copy in the host's memory, not one a rank. Each
+        weight is gathered in turn for the main process to write it, as transformers loads
+        a checkpoint under ZeRO-3 (collective)."""
+        import deepspeed  # slow to import, and only DeepSpeed launches need it
+
+        self._configure_deepspeed(config.dim)
+        # without the global batch, which zero.Init would check against a world of one
+        ds_config = {key: value for key, value in
+                     self.accelerator.state.deepspeed_plugin.deepspeed_config.items()
+                     if key != "train_batch_size"}
+        state = whole().state_dict() if self.is_main else {}
+        # the build's own initialization draws nothing from the run's random streams
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), deepspeed.zero.Init(
+                config_dict_or_path=ds_config, dtype=torch.float32):
+            model = Transformer(config)
+        model.tie_weights()
+        for name, param in model.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                if self.is_main:
+                    param.data.copy_(state[name])
+        for name, buffer in model.named_buffers():  # kept whole on every rank
+            if name in state:
+                buffer.copy_(state[name].to(buffer.device))
+                torch.distributed.broadcast(buffer, src=0)
+        return model.eval()
+
+    @property
     def sharded(self) -> bool:
         """Whether the prepared model's weights live in FSDP2 or DeepSpeed's keeping, so a
         full copy of them must be gathered (`accelerator.get_state_dict`, collective)."""

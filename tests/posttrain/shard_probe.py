@@ -1,11 +1,11 @@
 """Run by `test_sharding` under `accelerate launch` (2 CPU processes): load a policy and a
 frozen reference from a checkpoint and prepare them the way the post-training stages do, and
-write, per rank, whether it built them without reading the weights (a skeleton the main
-process sends the weights to), what fraction of a weight each holds locally, how far the
-(sharded) reference's logits are from the unsharded model's (from its forward, and made from
-its hidden states after it), whether the policy's loss went through the chunked head (no
-logits made) to its value, and the rank's peak resident memory once both are prepared (before
-the probe loads a whole copy to compare with)."""
+write, per rank, whether it built them holding whole weights (not a skeleton the main process
+sends the weights to, nor partitioned as built), what fraction of a weight each holds
+locally, how far the (sharded) reference's logits are from the unsharded model's (from its
+forward, and made from its hidden states after it), whether the policy's loss went through
+the chunked head (no logits made) to its value, and the rank's peak resident memory once
+both are prepared (before the probe loads a whole copy to compare with)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ def main(checkpoint: Path, out: Path) -> None:
     runtime = Runtime(config, stage="probe")
     opened = OpenCheckpoint(checkpoint)
     policy, reference = stage_model(runtime, opened).train(), stage_model(runtime, opened)
-    skeleton = all(p.is_meta for p in (*policy.parameters(), *reference.parameters()))
+    whole_weights = any(not p.is_meta and 0 < p.numel() == getattr(p, "ds_numel", p.numel())
+                        for p in (*policy.parameters(), *reference.parameters()))
     runtime.prepare(policy, total_steps=1)
     frozen = runtime.prepare_frozen(reference)
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
@@ -57,7 +58,7 @@ def main(checkpoint: Path, out: Path) -> None:
         chunked = runtime.model(ids, labels=ids, return_logits=False)
         hidden = frozen(ids, head=False).hidden  # a teacher's rows, made after its forward
         rows = runtime.accelerator.unwrap_model(frozen).compute_logits(hidden[:, 5:]).cpu()
-    report = {"setup": runtime.setup, "skeleton": skeleton,
+    report = {"setup": runtime.setup, "whole_weights": whole_weights,
               "policy": local_fraction(runtime.model),
               "reference": local_fraction(frozen),
               "reference_trainable": sum(p.requires_grad for p in frozen.parameters()),

@@ -47,15 +47,16 @@ def step_metrics(out: Path, key: str) -> dict[int, float]:
 
 @pytest.mark.parametrize("recipe", SHARDED)
 def test_each_rank_holds_half_of_the_policy_and_of_the_reference(recipe, tmp_path):
-    """FSDP2's second rank builds both models as skeletons and receives its shards from the
-    first (one full copy in host memory, not one a rank); ZeRO-3 reads them on every rank."""
+    """Neither launch holds a whole copy of a model on every rank: FSDP2's second rank builds
+    both as skeletons and receives its shards from the first; ZeRO-3 (zero3_init_flag)
+    builds them partitioned, the first rank writing each weight from the one copy it reads."""
     checkpoint = save_checkpoint(tiny_model(n_layers=2), tmp_path / "checkpoint")
     processes.run(launch(recipe, "-m", "tests.posttrain.shard_probe", str(checkpoint),
                          str(tmp_path)), timeout=300, cwd=ROOT)
     for rank in (0, 1):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert report["setup"]["num_processes"] == 2
-        assert report["skeleton"] == (recipe == "cpu-fsdp2" and rank == 1), report
+        assert report["whole_weights"] == (recipe == "cpu-fsdp2" and rank == 0), report
         assert report["policy"] == 0.5 and report["reference"] == 0.5, report
         assert report["reference_trainable"] == 0
         assert report["reference_logits_error"] < 1e-5, report
@@ -101,6 +102,26 @@ def test_sft_on_two_ranks_with_accumulation_is_the_one_process_step(recipe, pack
         # fp32 reduction order differs across ranks: ~1e-6 relative
         assert max(abs(one[s] - two[s]) / max(1.0, abs(one[s])) for s in one) < 1e-5, (
             key, one, two)
+
+
+@pytest.mark.parametrize("recipe", SHARDED)
+def test_lora_sft_on_two_sharded_ranks_is_the_one_process_step(recipe, base, tmp_path):
+    """peft's adapters on a policy FSDP2's second rank built as a skeleton, or that ZeRO-3
+    built partitioned: 2 ranks × 4 rows train as one process's 8 (loss and gradient norm
+    each step), the adapters starting equal on every rank."""
+    lora = {**SFT, "lora.enabled": "true", "optim.lr": 5e-3}
+    one = tmp_path / "one"
+    reset_accelerate()
+    sft(load_config(SFTConfig, None, quick(one, base, **lora)))
+    two = tmp_path / recipe
+    processes.run(launch(recipe, "-m", "lathe.posttrain.sft",
+                         *quick(two, base, **{**lora, "micro_batch_size": 4})),
+                  timeout=300, cwd=ROOT)
+    for key in ("loss", "grad_norm"):
+        first, second = step_metrics(one, key), step_metrics(two, key)
+        assert sorted(second) == [1, 2, 3]
+        assert max(abs(first[s] - second[s]) / max(1.0, abs(first[s])) for s in first) < 1e-5, (
+            key, first, second)
 
 
 GRPO = {"max_steps": 3, "prompts_per_step": 4, "num_generations": 4,
