@@ -237,10 +237,6 @@ class OpenCheckpoint:
                 num_labels, config.dim, device=device).mul_(config.init_std).to(embedding.dtype)
         return _build(config, state, self.path, None, device)
 
-    def skeleton(self, num_labels: int | None = None) -> Transformer:
-        """The `skeleton` of the model `model(num_labels=...)` builds, its weights unread."""
-        return skeleton(self.config_for(num_labels))
-
     def config_for(self, num_labels: int | None) -> ModelConfig:
         """The config of the model `model(num_labels=...)` builds."""
         config = self.config

@@ -65,16 +65,11 @@ def load_policy(runtime: Runtime, config: PosttrainConfig,
 
 def stage_model(runtime: Runtime, opened: OpenCheckpoint,
                 num_labels: int | None = None) -> Transformer:
-    """A model a stage trains or holds frozen (its policy, reference or teacher) in fp32: its
-    skeleton on a rank that receives the weights from the main process
-    (`Runtime.receives_weights`), partitioned as it is built under ZeRO-3's
-    zero3_init_flag (`Runtime.partitioned_model`), else whole."""
-    if runtime.receives_weights:
-        return opened.skeleton(num_labels)
-    if runtime.partitions_at_build:
-        return runtime.partitioned_model(opened.config_for(num_labels), lambda: opened.model(
-            dtype=torch.float32, num_labels=num_labels))
-    return opened.model(dtype=torch.float32, num_labels=num_labels)
+    """A model a stage trains or holds frozen (its policy, reference or teacher) in fp32, as
+    this rank of the launch holds it until it is wrapped (`Runtime.build_model`: on sharded
+    launches only the main process reads the weights)."""
+    return runtime.build_model(opened.config_for(num_labels), lambda: opened.model(
+        dtype=torch.float32, num_labels=num_labels))
 
 
 def balance_experts(model_config: ModelConfig, config: PosttrainConfig) -> None:

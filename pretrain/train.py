@@ -23,7 +23,6 @@ from lathe.core.errors import ConfigError
 from lathe.core.failpoints import failpoint
 from lathe.data.loader import PackedLoader, window_documents
 from lathe.data.tokenizer import load_tokenizer, token_byte_lengths
-from lathe.model.checkpoint import skeleton
 from lathe.model.config import ModelConfig
 from lathe.model.transformer import Transformer
 from lathe.pretrain.config import PretrainConfig
@@ -92,7 +91,7 @@ def pretrain(config: PretrainConfig, resume: str = "never") -> dict[str, Any]:
     total_steps = config.total_steps(tokens_per_step, model_config.num_params())
 
     torch.manual_seed(config.seed)
-    model = skeleton(model_config) if runtime.receives_weights else Transformer(model_config)
+    model = runtime.build_model(model_config, lambda: Transformer(model_config))
     runtime.prepare(model, total_steps, step_shape(config))
     restored = runtime.start(config, resume)
     last_eval: dict[str, float] = {}

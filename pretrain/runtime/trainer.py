@@ -34,7 +34,7 @@ from lathe.core.config import to_dict
 from lathe.core.errors import ConfigError
 from lathe.core.failpoints import check_env, failpoint
 from lathe.core.reporting import default_wandb_offline, progress_bar
-from lathe.model.checkpoint import save_checkpoint
+from lathe.model.checkpoint import save_checkpoint, skeleton
 from lathe.model.config import ModelConfig
 from lathe.model.lora import LoraSection, apply_lora, merge_lora, save_adapter
 from lathe.model.transformer import Transformer
@@ -217,30 +217,29 @@ class Runtime:
             report["allocator_retains"] = True  # the peak counts freed blocks glibc kept
         return report
 
-    @property
-    def receives_weights(self) -> bool:
-        """Whether this rank builds its models as skeletons (`lathe.model.checkpoint.skeleton`):
-        on an FSDP2 launch with cpu_ram_efficient_loading, only the main process reads or
-        initializes the weights — one full copy in the host's memory, not one a rank — and
-        `prepare` and `prepare_frozen` send each rank its shards of them."""
-        return (not self.is_main and self.accelerator.distributed_type is DistributedType.FSDP
-                and self.accelerator.state.fsdp_plugin.cpu_ram_efficient_loading)
+    def build_model(self, config: ModelConfig, whole: Callable[[], Transformer]) -> Transformer:
+        """The model of `config` this rank holds until `prepare` or `prepare_frozen` wraps
+        it, with the weights of `whole()` (a checkpoint's, or a new initialization), which
+        only the main process calls where the launch allows — so the host holds one full
+        copy, not one a rank: on FSDP2 with cpu_ram_efficient_loading the other ranks build
+        a skeleton (`lathe.model.checkpoint.skeleton`) and the wrapping sends each its
+        shards; on ZeRO-3 with zero3_init_flag every rank builds it partitioned and the main
+        process writes each weight in turn (collective). Elsewhere every rank calls it."""
+        kind = self.accelerator.distributed_type
+        if kind is DistributedType.FSDP and \
+                self.accelerator.state.fsdp_plugin.cpu_ram_efficient_loading:
+            return whole() if self.is_main else skeleton(config)
+        if kind is DistributedType.DEEPSPEED and self.setup.get("zero_stage") == 3 and \
+                self.accelerator.state.deepspeed_plugin.zero3_init_flag:
+            return self._partitioned(config, whole)
+        return whole()
 
-    @property
-    def partitions_at_build(self) -> bool:
-        """Whether models are built partitioned (`partitioned_model`): a ZeRO-3 launch with
-        zero3_init_flag, as transformers builds under deepspeed.zero.Init."""
-        plugin = self.accelerator.state.deepspeed_plugin
-        return (self.accelerator.distributed_type is DistributedType.DEEPSPEED
-                and self.setup.get("zero_stage") == 3 and plugin.zero3_init_flag)
-
-    def partitioned_model(self, config: ModelConfig,
-                          whole: Callable[[], Transformer]) -> Transformer:
+    def _partitioned(self, config: ModelConfig,
+                     whole: Callable[[], Transformer]) -> Transformer:
         """A `Transformer` of `config` built under deepspeed.zero.Init — each rank allocates
         only its partition of every weight — holding the weights of `whole()`, which only
-        the main process calls: one full copy in the host's memory, not one a rank. Each
-        weight is gathered in turn for the main process to write it, as transformers loads
-        a checkpoint under ZeRO-3 (collective)."""
+        the main process calls; each weight is gathered in turn for it to write, as
+        transformers loads a checkpoint under ZeRO-3."""
         import deepspeed  # slow to import, and only DeepSpeed launches need it
 
         self._configure_deepspeed(config.dim)
@@ -259,9 +258,11 @@ class Runtime:
             with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
                 if self.is_main:
                     param.data.copy_(state[name])
+        persistent = set(model.state_dict())
         for name, buffer in model.named_buffers():  # kept whole on every rank
-            if name in state:
-                buffer.copy_(state[name].to(buffer.device))
+            if name in persistent:
+                if self.is_main:
+                    buffer.copy_(state[name].to(buffer.device))
                 torch.distributed.broadcast(buffer, src=0)
         return model.eval()
 
