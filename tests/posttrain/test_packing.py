@@ -1,6 +1,7 @@
 """Packed SFT: best-fit decreasing fills rows without splitting an example; a packed
-micro-batch gives the loss and gradients of its examples unpadded one by one (fp64); a
-packed SFT run learns, resumes exactly and reports its sources."""
+micro-batch gives the loss and gradients of its examples unpadded one by one (fp64), and a
+mixture of experts' balance loss over their tokens alone; a packed SFT run learns, resumes
+exactly and reports its sources."""
 
 from __future__ import annotations
 
@@ -74,6 +75,28 @@ def test_packed_micro_batch_equals_the_examples_unpadded_one_by_one():
     assert float(loss) == pytest.approx(expected, abs=1e-6)
     for name, param in model.named_parameters():
         torch.testing.assert_close(packed[name], param.grad, atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_a_packed_batchs_balance_loss_counts_its_examples_tokens_alone():
+    """The routing of packed rows, padded to the longest, is counted over their examples'
+    tokens: the balance loss equals that of the same examples back to back in one row with
+    no padding (TRL's padding-free packing), which the pads would change."""
+    rows = [Example(*row) for row in examples(8)]
+    model = tiny_model(n_layers=2, family="qwen3_moe", n_experts=4, n_experts_per_token=2,
+                       moe_ffn_hidden_dim=32).double()
+    packed_rows = [[rows[i] for i in row]
+                   for row in best_fit_decreasing([len(e.ids) for e in rows], 64)]
+    batch = collate_packed(packed_rows, 0, torch.device("cpu"))
+    assert (batch["ids"] == 0).any()  # some row is padded
+    flat = collate_packed([[e for row in packed_rows for e in row]], 0, torch.device("cpu"))
+    assert not (flat["ids"] == 0).any()
+    with torch.no_grad():
+        _, packed = sft_loss(model, batch)
+        _, unpadded = sft_loss(model, flat)
+        padded = model(batch["ids"], labels=batch["labels"], documents=batch["documents"])
+    assert float(packed["router/aux_loss"]) == pytest.approx(
+        float(unpadded["router/aux_loss"]), abs=1e-9)
+    assert abs(float(padded.router.aux_loss) - float(unpadded["router/aux_loss"])) > 1e-6
 
 
 def varied_chats(path: Path, count: int = 96) -> Path:
