@@ -460,8 +460,9 @@ def _experts_read(hf: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any
             "moe_layers": None if all(layers) else layers,
             "norm_topk_prob": bool(hf.get("norm_topk_prob", True)),
             "router_aux_loss_coef": hf["router_aux_loss_coef"],
-            # transformers adds the balance loss only when this is on (its classes' default:
-            # off), as TRL's SFT, DPO and GRPO then train: without it unless asked
+            # transformers' forward adds the balance loss only when this is on (its classes'
+            # default: off); a post-training stage sets it as TRL's trainers do
+            # (lathe.posttrain.common.balance_experts)
             "router_aux_loss": bool(hf.get("output_router_logits", False))}
 
 
