@@ -99,9 +99,10 @@ def distill_logits(config: DistillConfig, teacher_checkpoint: OpenCheckpoint,
     def loss_fn(m: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
         ids, labels, documents = batch["ids"], batch["labels"], batch.get("documents")
         op = DistillationLoss(labels, teacher_rows(runtime, teacher, ids, documents), config)
-        loss = m(ids, labels=labels, documents=documents, head_op=op,
-                 token_mask=real_tokens(batch)).loss
-        return loss, {"loss": loss, **op.parts}
+        out = m(ids, labels=labels, documents=documents, head_op=op,
+                token_mask=real_tokens(batch))
+        return out.loss, {"loss": out.loss, **op.parts,
+                          **(out.router.metrics() if out.router else {})}
 
     # the held-out figure: KL(teacher ‖ student) at T=1 whatever the training loss
     kl_only = dataclasses.replace(config, loss="forward_kl", temperature=1.0, ce_weight=0.0)

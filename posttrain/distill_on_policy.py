@@ -155,9 +155,10 @@ def distill_on_policy(config: DistillConfig, teacher_checkpoint: OpenCheckpoint,
         ids, labels = batch["ids"], batch["labels"]
         op = DistillationLoss(labels, teacher_rows(runtime, teacher, ids), config,
                               batch["advantages"] if config.rewards else None)
-        loss = m(ids, labels=labels, head_op=op, token_mask=real_tokens(batch)).loss
-        return loss, {"loss": loss, "kd": op.parts["kd"], **(
-            {"pg": op.parts["pg"]} if "pg" in op.parts else {})}
+        out = m(ids, labels=labels, head_op=op, token_mask=real_tokens(batch))
+        return out.loss, {"loss": out.loss, "kd": op.parts["kd"], **(
+            {"pg": op.parts["pg"]} if "pg" in op.parts else {}),
+            **(out.router.metrics() if out.router else {})}
 
     scored = dataclasses.replace(config, loss="reverse_kl", temperature=1.0, ce_weight=0.0)
 

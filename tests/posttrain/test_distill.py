@@ -1,5 +1,6 @@
 """Distillation: KD losses against their formulas and TRL's, the shared-tokenizer check,
-short runs in all three modes, and on-policy distillation resumed after a kill."""
+short runs in all three modes, a mixture-of-experts student's balance loss only when asked,
+and on-policy distillation resumed after a kill."""
 
 from __future__ import annotations
 
@@ -65,6 +66,29 @@ def test_students_kl_to_its_teacher_falls(base, teacher, tmp_path):
     logged = [(r["step"], r["eval/kl_to_teacher"]) for r in map(
         json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "eval/kl_to_teacher" in r]
     assert logged == list(zip([0, 20], summary["kl_to_teacher"], strict=True))  # report's start
+
+
+def test_a_mixture_of_experts_student_adds_its_balance_loss_only_when_asked(base, teacher,
+                                                                           tmp_path):
+    """As TRL's GKD, the divergence adds no balance loss by default, though the routing is
+    logged; router_aux_loss_coef adds that weight times it: on the first step, before any
+    update, the two losses differ by exactly that."""
+    config = load_checkpoint(base).config
+    moe = ModelConfig(**{**config.__dict__, "family": "qwen3_moe", "qk_norm": True,
+                         "n_experts": 4, "n_experts_per_token": 2, "moe_ffn_hidden_dim": 32})
+    torch.manual_seed(2)
+    student = save_checkpoint(Transformer(moe), tmp_path / "student", tokenizer=base)
+    first: dict[str, dict] = {}
+    for name, extra in (("plain", {}), ("balanced", {"router_aux_loss_coef": 0.5})):
+        out = tmp_path / name
+        assert main(["distill", *quick(out, student, teacher=teacher, max_steps=1, **{
+            "eval.every": 100, "ce_weight": 0.0, **extra})]) == 0
+        first[name] = next(r for r in map(json.loads, (out / "metrics.jsonl").read_text()
+                                          .splitlines()) if "router/aux_loss" in r)
+    plain, balanced = first["plain"], first["balanced"]
+    assert plain["router/aux_loss"] == pytest.approx(balanced["router/aux_loss"], rel=1e-6)
+    assert balanced["loss"] - plain["loss"] == pytest.approx(
+        0.5 * plain["router/aux_loss"], rel=1e-4)
 
 
 def test_teacher_data_mode_writes_answers_and_fine_tunes(base, teacher, tmp_path):
