@@ -158,6 +158,12 @@ def with_router_losses(loss: Tensor, router: RouterStats | None) -> Tensor:
     return loss if router is None else loss + router.loss
 
 
+def routing_metrics(router: RouterStats | None) -> dict[str, Tensor]:
+    """What a training step logs of a mixture of experts' routing (`RouterStats.metrics`);
+    nothing for a dense model."""
+    return {} if router is None else router.metrics()
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in fp32, cast back before the weight (as HF Llama);
     the computation is `lathe.kernels.rms_norm`. With `unit_offset` (Gemma) it scales by

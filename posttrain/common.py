@@ -28,7 +28,13 @@ from lathe.model.checkpoint import OpenCheckpoint, load_checkpoint, save_checkpo
 from lathe.model.config import ModelConfig
 from lathe.model.head_ops import LabelLogprobs
 from lathe.model.lora import LoraSection, apply_lora, load_adapter, merge_lora, save_adapter
-from lathe.model.transformer import IGNORE_INDEX, RouterStats, Transformer
+from lathe.model.transformer import (
+    IGNORE_INDEX,
+    RouterStats,
+    Transformer,
+    routing_metrics,
+    with_router_losses,
+)
 from lathe.posttrain.config import PosttrainConfig, TaskEvalConfig
 from lathe.posttrain.rewards import verifier
 from lathe.posttrain.tool_episodes import EpisodePrompt, EpisodeRunner
@@ -269,10 +275,20 @@ def labelled_logprobs(model: nn.Module, batch: dict[str, Any], labels: Tensor | 
     """log p(label_t | tokens < t) per position of a collated batch (0 where unlabelled;
     `labels`, default the batch's), from logits / `temperature`, and a mixture of experts'
     routing over the batch's real tokens, whose router losses a stage's own loss adds
-    (`with_router_losses`) when it trains."""
+    (`with_routing`) when it trains."""
     op = LabelLogprobs(batch["labels"] if labels is None else labels, temperature)
     out = model(batch["ids"], head_op=op, token_mask=real_tokens(batch))
     return out.head, out.router
+
+
+def with_routing(loss: Tensor, metrics: dict[str, Tensor], router: RouterStats | None
+                 ) -> tuple[Tensor, dict[str, Tensor]]:
+    """A stage's own loss (DPO's, KTO's, GRPO's) plus a mixture of experts' router losses,
+    as TRL's trainers add them, and its metrics with the routing's (`routing_metrics`)."""
+    if router is None:
+        return loss, metrics
+    loss = with_router_losses(loss, router)
+    return loss, {**metrics, "loss": loss, **routing_metrics(router)}
 
 
 def token_logprobs(model: nn.Module, input_ids: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:

@@ -31,7 +31,7 @@ from lathe.data.mixture import load_rows
 from lathe.data.tokenizer import load_tokenizer, vocabulary_difference
 from lathe.model.checkpoint import OpenCheckpoint, read_model_config
 from lathe.model.config import ModelConfig
-from lathe.model.transformer import IGNORE_INDEX
+from lathe.model.transformer import IGNORE_INDEX, routing_metrics
 from lathe.posttrain import distill_on_policy
 from lathe.posttrain.chats import chat_shape, chat_work, collate, start_chat_run
 from lathe.posttrain.common import (
@@ -102,7 +102,7 @@ def distill_logits(config: DistillConfig, teacher_checkpoint: OpenCheckpoint,
         out = m(ids, labels=labels, documents=documents, head_op=op,
                 token_mask=real_tokens(batch))
         return out.loss, {"loss": out.loss, **op.parts,
-                          **(out.router.metrics() if out.router else {})}
+                          **routing_metrics(out.router)}
 
     # the held-out figure: KL(teacher ‖ student) at T=1 whatever the training loss
     kl_only = dataclasses.replace(config, loss="forward_kl", temperature=1.0, ce_weight=0.0)

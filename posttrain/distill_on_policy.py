@@ -28,6 +28,7 @@ from lathe.data.formats import load_prompt_dataset
 from lathe.data.mixture import load_rows
 from lathe.model.checkpoint import OpenCheckpoint, read_model_config
 from lathe.model.config import ModelConfig
+from lathe.model.transformer import routing_metrics
 from lathe.posttrain.common import (
     PromptFit,
     ShuffledBatches,
@@ -158,7 +159,7 @@ def distill_on_policy(config: DistillConfig, teacher_checkpoint: OpenCheckpoint,
         out = m(ids, labels=labels, head_op=op, token_mask=real_tokens(batch))
         return out.loss, {"loss": out.loss, "kd": op.parts["kd"], **(
             {"pg": op.parts["pg"]} if "pg" in op.parts else {}),
-            **(out.router.metrics() if out.router else {})}
+            **routing_metrics(out.router)}
 
     scored = dataclasses.replace(config, loss="reverse_kl", temperature=1.0, ce_weight=0.0)
 

@@ -34,7 +34,7 @@ from lathe.data.formats import PreferenceRow, load_preference_dataset, load_unpa
 from lathe.model.checkpoint import OpenCheckpoint, read_model_config
 from lathe.model.config import ModelConfig
 from lathe.model.lora import adapters_disabled
-from lathe.model.transformer import IGNORE_INDEX, with_router_losses
+from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.common import (
     PromptFit,
     ShuffledBatches,
@@ -57,6 +57,7 @@ from lathe.posttrain.common import (
     stop_reached,
     token_logprobs,
     train_on_batches,
+    with_routing,
 )
 from lathe.posttrain.config import DPOConfig, PreferenceDataConfig, RMConfig
 from lathe.posttrain.kto import (
@@ -153,10 +154,7 @@ def rpo_loss(model: nn.Module, batch: dict[str, Tensor], mean: bool, beta: float
         nll = -chosen_total.sum() / chosen_count.sum().clamp(min=1)
         loss = loss + rpo_alpha * nll
         metrics |= {"loss": loss, "nll_loss": nll.detach()}
-    if router is not None:  # a mixture of experts' router losses, as TRL's DPOTrainer adds
-        loss = with_router_losses(loss, router)
-        metrics |= {"loss": loss, **router.metrics()}
-    return loss, metrics
+    return with_routing(loss, metrics, router)
 
 
 REFERENCE_FREE = ("simpo", "orpo")  # losses of the policy's log-probs alone

@@ -39,7 +39,7 @@ from lathe.data.formats import load_prompt_dataset
 from lathe.model.checkpoint import OpenCheckpoint, read_model_config
 from lathe.model.config import ModelConfig
 from lathe.model.lora import adapters_disabled
-from lathe.model.transformer import RouterStats, with_router_losses
+from lathe.model.transformer import RouterStats
 from lathe.posttrain.common import (
     PromptFit,
     ShuffledBatches,
@@ -56,6 +56,7 @@ from lathe.posttrain.common import (
     stage_main,
     stage_model,
     stop_reached,
+    with_routing,
 )
 from lathe.posttrain.config import GRPOConfig
 from lathe.posttrain.rollouts import (
@@ -418,10 +419,7 @@ def grpo(config: GRPOConfig, resume: str = "never") -> dict[str, Any]:
             len(batch["lengths"]) * constant if constant else None,
             config.importance_sampling_level == "sequence", config.kl_importance_correction,
             batch.get("weight"))
-        if router is not None:  # a mixture of experts' router losses, as TRL's GRPO adds
-            loss = with_router_losses(loss, router)
-            metrics |= {"loss": loss, **router.metrics()}
-        return loss, metrics
+        return with_routing(loss, metrics, router)
 
     history = stage_history(restored, "reward", "accuracy", "heldout_accuracy")
     if restored is None:

@@ -28,7 +28,7 @@ from lathe.core.errors import ConfigError
 from lathe.data.chat_encoding import ChatEncoder
 from lathe.data.formats import UnpairedRow
 from lathe.model.config import ModelConfig
-from lathe.model.transformer import IGNORE_INDEX, with_router_losses
+from lathe.model.transformer import IGNORE_INDEX
 from lathe.posttrain.common import (
     PromptFit,
     labelled_logprobs,
@@ -36,6 +36,7 @@ from lathe.posttrain.common import (
     prompt_and_reply,
     sequence_work,
     token_logprobs,
+    with_routing,
 )
 from lathe.pretrain.runtime.trainer import Work
 
@@ -140,10 +141,7 @@ def kto_objective(model: nn.Module, batch: dict[str, Tensor], beta: float,
     loss, metrics = kto_loss(per_token.sum(-1), reference[:, 0], mismatched, reference[:, 1],
                              batch["desirable"], beta, desirable_weight, undesirable_weight,
                              mean_over_ranks)
-    if router is not None:  # a mixture of experts' router losses, as TRL's KTOTrainer adds
-        loss = with_router_losses(loss, router)
-        metrics |= {"loss": loss, **router.metrics()}
-    return loss, metrics
+    return with_routing(loss, metrics, router)
 
 
 def kto_work(model_config: ModelConfig, batch: dict[str, Any]) -> Work:

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from lathe.model.checkpoint import read_model_config
 from lathe.model.config import ModelConfig
-from lathe.model.transformer import IGNORE_INDEX
+from lathe.model.transformer import IGNORE_INDEX, routing_metrics
 from lathe.posttrain.chats import (
     Example,
     chat_shape,
@@ -50,7 +50,7 @@ def sft_loss(model: nn.Module, batch: dict[str, Any]) -> tuple[Tensor, dict[str,
     mixture of experts' router losses over its real tokens (logged with its loads)."""
     out = model(batch["ids"], labels=batch["labels"], return_logits=False,  # fused on CUDA
                 documents=batch.get("documents"), token_mask=real_tokens(batch))
-    return out.loss, {"loss": out.loss, **(out.router.metrics() if out.router else {})}
+    return out.loss, {"loss": out.loss, **routing_metrics(out.router)}
 
 
 @torch.no_grad()

@@ -24,7 +24,7 @@ from lathe.core.failpoints import failpoint
 from lathe.data.loader import PackedLoader, window_documents
 from lathe.data.tokenizer import load_tokenizer, token_byte_lengths
 from lathe.model.config import ModelConfig
-from lathe.model.transformer import Transformer
+from lathe.model.transformer import Transformer, routing_metrics
 from lathe.pretrain.config import PretrainConfig
 from lathe.pretrain.evaluate import sample_continuations, validation_metrics
 from lathe.pretrain.expert_balance import ExpertBiasBalancer
@@ -48,7 +48,7 @@ def lm_loss(model: nn.Module, batch: Tensor, z_loss: float, separator: int | Non
     """
     documents = None if separator is None else window_documents(batch, separator)
     out = model(batch, labels=batch, return_logits=False, z_loss=z_loss, documents=documents)
-    metrics = {"loss": out.loss, **(out.router.metrics() if out.router is not None else {})}
+    metrics = {"loss": out.loss, **routing_metrics(out.router)}
     if balancer is not None:
         balancer.observe(out.router)
     if z_loss:  # the logged loss stays the cross-entropy (with router losses)

@@ -1,8 +1,9 @@
 """Every post-training stage, a few steps under bf16 autocast, with the Triton kernels forced
 on (Triton's interpreter) and off: the dtype paths a GPU run takes — policy, reference, teacher,
-rollout engine, task evaluation's KV cache — so a bf16/fp32 mix fails here, not on the
-first GPU run. (The numbers mean nothing: Triton's interpreter computes bf16 wrongly, so only
-the dtypes and that every stage runs are checked.)"""
+rollout engine, task evaluation's KV cache, a mixture of experts' balance loss — so a
+bf16/fp32 mix fails here, not on the first GPU run. (The numbers mean nothing: Triton's
+interpreter computes bf16 wrongly, so only the dtypes and that every stage runs are
+checked.)"""
 
 from __future__ import annotations
 
@@ -78,6 +79,34 @@ def test_dpo_in_bf16_starts_at_log_2(small_base, tmp_path):
                                                   "data.max_len": 32, "data.limit": 8})) == 0
     assert first_loss(out) == pytest.approx(math.log(2), abs=1e-6)
     assert exported_dtypes(out / "final") == {"BF16"}
+
+
+@pytest.fixture(scope="module")
+def small_moe(base, tmp_path_factory) -> Path:
+    """`small_base`'s shape as a Qwen3-MoE of four experts, two a token."""
+    config = load_checkpoint(base).config
+    moe = ModelConfig.from_preset("tiny", vocab_size=config.vocab_size, n_layers=1, dim=32,
+                                  n_heads=2, n_kv_heads=1, ffn_hidden_dim=64, max_seq_len=64,
+                                  family="qwen3_moe", qk_norm=True, n_experts=4,
+                                  n_experts_per_token=2, moe_ffn_hidden_dim=32)
+    torch.manual_seed(0)
+    return save_checkpoint(Transformer(moe), tmp_path_factory.mktemp("bf16") / "moe",
+                           tokenizer=base)
+
+
+@pytest.mark.parametrize("stage", ["dpo", "grpo"])
+def test_a_mixture_of_experts_adds_its_balance_loss_in_bf16(small_moe, tmp_path, stage):
+    """DPO's and GRPO's own losses add the experts' balance loss under autocast: finite,
+    and logged each step."""
+    out = tmp_path / stage
+    extra = ({"prompts_per_step": 2, "num_generations": 2, "max_completion_tokens": 3}
+             if stage == "grpo" else {"data.train": "task:arithmetic", "data.max_len": 32,
+                                      "data.limit": 8})
+    assert main(bf16(stage, out, small_moe, **extra)) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    balance = [r["router/aux_loss"] for r in records if "router/aux_loss" in r]
+    assert len(balance) == 2 and all(math.isfinite(b) and b > 0.9 for b in balance)
+    assert math.isfinite(first_loss(out))
 
 
 def count_weight_reads(monkeypatch) -> list[Path]:
